@@ -125,6 +125,8 @@ def _to_ctypes(a, t, kname: str):
             raise ValueError(f"{kname}.{a.name}: mode {i} has extent {size[i]}, expected {s}")
         if st != registry.DYN and size[i] > 1 and stride[i] != st:
             raise ValueError(f"{kname}.{a.name}: mode {i} has stride {stride[i]}, expected {st}")
+        if st == registry.DYN and a.dtype == "bf16" and size[i] > 1 and stride[i] % 8:
+            raise ValueError(f"{kname}.{a.name}: stride {stride[i]} of mode {i} not a multiple of 8 (16 bytes)")
         if a.divisibility and s == registry.DYN and size[i] % a.divisibility[i]:
             raise ValueError(f"{kname}.{a.name}: extent {size[i]} of mode {i} not a multiple of {a.divisibility[i]}")
     shapes = [size[i] for i in a.dyn_shape_modes()]
