@@ -121,8 +121,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     m = a.shape[0]
     if _use_torch_gemm():
         wt = w if transpose_w else w.transpose(1, 2)
-        out = torch._grouped_mm(a, wt, offs=sched.seg_end, out_dtype=out_dtype)
-        return out
+        return torch._grouped_mm(a, wt, offs=sched.seg_end).to(out_dtype)
     n = w.shape[2] if transpose_w else w.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if transpose_w:  # B[n, k, e] = W[e, k, n]: N-major
