@@ -6,18 +6,18 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   schedule        torch ops on the GPU (bincount, stable sort, prefix sums); no host sync
   gather of x     torch index_select into the padded expert order
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
-  activation      torch elementwise (reference.activation_forward)
+  activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk
   combine         mok_combine  (fixed-order sum over j)
   dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
-  dSwiGLU, dw     torch elementwise / row reductions
+  dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
   weight grads    torch._grouped_mm over the padded expert segments (varlen K)
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
-CuTe kernels (a debugging aid; the rest is unchanged).
+CuTe kernels, MOK_ACT=torch to run the activations with torch ops (debugging aids).
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ def _use_torch_gemm() -> bool:
     return os.environ.get("MOK_GEMM", "") == "torch"
 
 
+def _use_torch_act() -> bool:
+    return os.environ.get("MOK_ACT", "") == "torch"
+
+
 def _lib():
     from .kernels import loader
 
@@ -147,6 +151,40 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dt
     return out
 
 
+def act_forward(gate_up: torch.Tensor, sched: Schedule, activation: str, swiglu_limit) -> torch.Tensor:
+    """h = act(gate_up) [M_cap, I] bf16; rows past the last segment are left unwritten."""
+    if _use_torch_act():
+        from . import reference
+
+        return reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(gate_up.dtype)
+    h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(f"mok_act_fwd_{activation}", gate_up, h, sched.tile_expert, limit, stream=_stream())
+    return h
+
+
+def act_backward(gate_up, dh_raw, sched: Schedule, activation: str, swiglu_limit):
+    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the saved gate_up and dh = dy @ W2[e]."""
+    if _use_torch_act():
+        from . import reference
+
+        h = reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(gate_up.dtype)
+        w = sched.row_weight.unsqueeze(1)
+        dw = (dh_raw * h.float()).sum(dim=1)
+        dgu = reference.activation_backward(gate_up.float(), w * dh_raw, activation, swiglu_limit).to(gate_up.dtype)
+        return dgu, (w * h.float()).to(gate_up.dtype), dw
+    m, inter = dh_raw.shape
+    dgu = torch.empty_like(gate_up)
+    wh = gate_up.new_empty(m, inter)
+    dw = torch.empty(m, dtype=torch.float32, device=gate_up.device)
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(
+        f"mok_act_bwd_{activation}", gate_up, dh_raw, sched.row_weight, dgu, wh, dw, sched.tile_expert, limit,
+        stream=_stream(),
+    )  # fmt: skip
+    return dgu, wh, dw
+
+
 def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """[E, N] per-expert column sums of rows [M_cap, N] (fixed order, via grouped_mm)."""
     ones = rows.new_ones(8, rows.shape[0])
@@ -188,8 +226,6 @@ def experts_forward(
     activation="swiglu", swiglu_limit=None,
 ):
     """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved)."""
-    from . import reference
-
     why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
@@ -199,7 +235,7 @@ def experts_forward(
     gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
-    h = reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(x.dtype)
+    h = act_forward(gate_up, sched, activation, swiglu_limit)
     out_rows = grouped_gemm(h, down_proj, sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
@@ -223,18 +259,15 @@ def experts_backward(
     num_tokens, top_k = topk_ids.shape
     dy_rows = gather_rows(grad_y.to(x.dtype).contiguous(), sched)  # zero on padding rows
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-    h = reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(x.dtype)
-    dw_rows = (dh_raw * h.float()).sum(dim=1)
+    dgu, wh, dw_rows = act_backward(gate_up, dh_raw, sched, activation, swiglu_limit)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
     w_rows = sched.row_weight.unsqueeze(1)
-    dgu = reference.activation_backward(gate_up.float(), w_rows * dh_raw, activation, swiglu_limit).to(x.dtype)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
     dx = combine(dx_rows, sched.pos, ones, x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
-    wh = (w_rows * h.float()).to(x.dtype)
     x_rows = gather_rows(x.contiguous(), sched)
     wdt = gate_up_proj.dtype
     d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)

@@ -81,6 +81,9 @@ def _launcher_source(name: str, header: str) -> str:
     if not m:
         raise RuntimeError(f"wrapper of {name} not found in its exported header")
     params = [p.strip() for p in m.group(1).split(",")][1:]  # drop the module pointer
+    spec = registry.SPECS_BY_NAME[name]
+    if len(params) != len(spec.args) + 1:  # + stream
+        raise RuntimeError(f"{name}: exported wrapper takes {params}, the spec lists {len(spec.args)} args + stream")
     casts = []
     for i, p in enumerate(params):
         ptype, pname = p.rsplit(" ", 1)

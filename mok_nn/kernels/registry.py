@@ -84,11 +84,46 @@ def _combine_spec(name: str) -> KernelSpec:
     )
 
 
+def _act_specs(kind: str) -> tuple:
+    te = TensorArg("tile_expert", "i32", (DYN,), (1,), align=4)
+    fwd = KernelSpec(
+        name=f"mok_act_fwd_{kind}",
+        module="swiglu",
+        factory="ActForward",
+        factory_kwargs=(("kind", kind),),
+        args=(
+            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
+            TensorArg("h", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            te,
+            ScalarArg("limit", "f32"),
+        ),
+    )
+    bwd = KernelSpec(
+        name=f"mok_act_bwd_{kind}",
+        module="swiglu",
+        factory="ActBackward",
+        factory_kwargs=(("kind", kind),),
+        args=(
+            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
+            TensorArg("dh", "f32", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("w", "f32", (DYN,), (1,), align=4),
+            TensorArg("dgate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
+            TensorArg("wh", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("dw", "f32", (DYN,), (1,), align=4),
+            te,
+            ScalarArg("limit", "f32"),
+        ),
+    )
+    return fwd, bwd
+
+
 SPECS = (
     _gemm_spec("mok_gemm_bk", "k", 256),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", 256),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", 256, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
     _combine_spec("mok_combine"),
+    *_act_specs("swiglu"),
+    *_act_specs("swiglu_oai"),
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
