@@ -70,7 +70,8 @@ def build_schedule(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     cap = schedule_capacity(num_tokens, top_k, num_experts)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # scatter_add_ of ints, not bincount: bincount reads min/max back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
     seg_end = torch.cumsum(padded, 0)
     seg_start = seg_end - padded

@@ -112,8 +112,10 @@ class VarlenMGroupedGemm:
 
         # Tiles over the padded rows x output columns; M is a multiple of TILE_M.
         gc = cute.zipped_divide(mC, tiler=(bm, bn))
-        num_tiles_mnl = gc[(0, (None, None, None))].shape
-        sched_params = utils.PersistentTileSchedulerParams(num_tiles_mnl, (1, 1, 1))
+        tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
+        # N-fastest raster: the CTAs of one wave share A row tiles (read from HBM
+        # once, then from L2) and the few experts those rows belong to.
+        sched_params = utils.PersistentTileSchedulerParams((tiles_n, tiles_m, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
 
         @cute.struct
@@ -204,7 +206,7 @@ class VarlenMGroupedGemm:
                 work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
-                    m_tile, n_tile, _ = work.tile_idx
+                    n_tile, m_tile, _ = work.tile_idx
                     expert = tile_expert[m_tile]
                     if expert >= 0:
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
@@ -258,7 +260,7 @@ class VarlenMGroupedGemm:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
-                m_tile, n_tile, _ = work.tile_idx
+                n_tile, m_tile, _ = work.tile_idx
                 expert = tile_expert[m_tile]
                 if expert >= 0:
                     acc.fill(0.0)

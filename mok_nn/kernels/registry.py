@@ -92,8 +92,8 @@ def _act_specs(kind: str) -> tuple:
         factory="ActForward",
         factory_kwargs=(("kind", kind),),
         args=(
-            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
-            TensorArg("h", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 16)),
+            TensorArg("h", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
             te,
             ScalarArg("limit", "f32"),
         ),
@@ -104,8 +104,8 @@ def _act_specs(kind: str) -> tuple:
         factory="ActBackward",
         factory_kwargs=(("kind", kind),),
         args=(
-            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
-            TensorArg("dh", "f32", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 16)),
+            TensorArg("dh", "f32", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
             TensorArg("w", "f32", (DYN,), (1,), align=4),
             TensorArg("dgate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
             TensorArg("wh", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),

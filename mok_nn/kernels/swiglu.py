@@ -1,4 +1,4 @@
-"""Activation of the expert rows, forward and backward, one CTA per routed row.
+"""Activation of the expert rows, forward and backward.
 
 Forward:  h[r, i] = act(gate_up[r, i], gate_up[r, I + i])             (bf16 out, fp32 math)
 Backward: with h recomputed and rounded to bf16 as in the forward,
@@ -9,10 +9,10 @@ act: "swiglu"      silu(g) * u
 both with g = min(g, L), u = clamp(u, -L, L) first (L = +inf when no limit);
 the derivative is zero where a clamp was active.
 
-Rows whose tile belongs to no expert (tile_expert < 0, the unused tail of the
-schedule) are skipped. The row sum of the backward is reduced in a fixed
-order (per-thread partials, warp butterfly, then warps in index order), so it
-is bitwise reproducible.
+One warp per row. Rows whose tile belongs to no expert (tile_expert < 0, the
+unused tail of the schedule) are skipped. The row sum of the backward is
+reduced in a fixed order (per-lane partials in column order, then a warp
+butterfly), so it is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .registry import TILE_M
 
 VEC = 8
 THREADS = 128
+ROWS_PER_CTA = THREADS // 32  # one warp per row
 OAI_ALPHA = 1.702
 
 
@@ -65,12 +66,15 @@ class ActForward:
         stream: cuda.CUstream,
     ):
         rows = cute.size(h, mode=[0])
-        self.kernel(gate_up, h, tile_expert, limit).launch(grid=[rows, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        grid = (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA
+        self.kernel(gate_up, h, tile_expert, limit).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, gate_up: cute.Tensor, h: cute.Tensor, tile_expert: cute.Tensor, limit: cutlass.Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        r, _, _ = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        r = bidx * ROWS_PER_CTA + tidx // 32
         if tile_expert[r // TILE_M] >= 0:
             inter = cute.size(h, mode=[1])
             gu_v = cute.zipped_divide(gate_up[(r, None)], (VEC,))
@@ -80,7 +84,7 @@ class ActForward:
             fu = cute.make_rmem_tensor((VEC,), gate_up.element_type)
             acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             res = cute.make_rmem_tensor((VEC,), h.element_type)
-            for c in range(tidx, n_vec, THREADS):
+            for c in range(lane, n_vec, 32):
                 cute.autovec_copy(gu_v[(None, c)], fg)
                 cute.autovec_copy(gu_v[(None, c + n_vec)], fu)
                 for i in cutlass.range_constexpr(VEC):
@@ -108,8 +112,9 @@ class ActBackward:
         stream: cuda.CUstream,
     ):
         rows = cute.size(dh, mode=[0])
+        grid = (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA
         self.kernel(gate_up, dh, w, dgate_up, wh, dw, tile_expert, limit).launch(
-            grid=[rows, 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -125,9 +130,9 @@ class ActBackward:
         limit: cutlass.Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        r, _, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
-        partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout(THREADS // 32), 16)
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        r = bidx * ROWS_PER_CTA + tidx // 32
         if tile_expert[r // TILE_M] >= 0:
             inter = cute.size(dh, mode=[1])
             n_vec = inter // VEC
@@ -147,7 +152,7 @@ class ActBackward:
             hq = cute.make_rmem_tensor((VEC,), gate_up.element_type)
             wr = w[r]
             part = cutlass.Float32(0.0)
-            for c in range(tidx, n_vec, THREADS):
+            for c in range(lane, n_vec, 32):
                 cute.autovec_copy(gu_v[(None, c)], fg)
                 cute.autovec_copy(gu_v[(None, c + n_vec)], fu)
                 cute.autovec_copy(dh_v[(None, c)], fdh)
@@ -169,14 +174,6 @@ class ActBackward:
                 ou.store(au.load().to(dgate_up.element_type))
                 cute.autovec_copy(og, dgu_v[(None, c)])
                 cute.autovec_copy(ou, dgu_v[(None, c + n_vec)])
-            part = cute.arch.warp_reduction_sum(part)
-            warp = tidx // 32
-            if tidx % 32 == 0:
-                partial[warp] = part
-        cute.arch.sync_threads()
-        if tile_expert[r // TILE_M] >= 0:
-            if tidx == 0:
-                total = cutlass.Float32(0.0)
-                for i in cutlass.range_constexpr(THREADS // 32):
-                    total = total + partial[i]
-                dw[r] = total
+            part = cute.arch.warp_reduction_sum(part)  # fixed butterfly order
+            if lane == 0:
+                dw[r] = part
