@@ -273,3 +273,18 @@ def test_errors_name_the_tensor(tmp_path):
     with pytest.raises(ck.CheckpointFormatError, match="bad.weight"):
         ck.load_mxfp8_tensors({"bad.weight": bad_k, "bad.weight_scale_inv": torch.ones(1, 1)},
                               {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+
+
+def test_example_script(tmp_path, capsys):
+    import runpy
+    import pathlib
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "quantize_checkpoint.py"
+    mod = runpy.run_path(str(script))
+    src = tmp_path / "in.safetensors"
+    mod["make_demo_checkpoint"](str(src), layers=1, experts=2, hidden=64, inter=32)
+    out = tmp_path / "out.safetensors"
+    mod["main"]([str(src), str(out)])
+    assert "input format: unquantized" in capsys.readouterr().out
+    loaded = ck.load_mxfp8_tensors(out)
+    gu, dn = ck.expert_weights(loaded, "model.layers.0.mlp.")
+    assert isinstance(gu, MXFP8Tensor) and gu.shape == (2, 64, 64) and dn.shape == (2, 64, 32)
