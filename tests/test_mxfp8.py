@@ -241,3 +241,17 @@ def test_other_block_sizes():
     assert q.scale.shape == (2, 4)
     ref = torch.cat([dequantize(quantize(x[:, i:i + 16], block_size=16), torch.float32) for i in range(0, 64, 16)], 1)
     assert torch.equal(dequantize(q, torch.float32), ref)
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_every_bf16_value(mode):
+    # all 65536 bf16 bit patterns (non-finite ones replaced by 1.0), once sorted (neighbours share a
+    # block: every value lands near the top of its block's range) and once shuffled (wide blocks)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).clone()
+    x[~torch.isfinite(x)] = 1.0
+    srt = x[torch.argsort(x.float().abs(), stable=True)].reshape(-1, 64)
+    g = torch.Generator().manual_seed(5)
+    shuf = x[torch.randperm(x.numel(), generator=g)].reshape(-1, 64)
+    assert_matches_ref(srt, -1, mode)
+    assert_matches_ref(shuf, -1, mode)
