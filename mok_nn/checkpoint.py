@@ -426,3 +426,48 @@ def expert_weights(tensors: Mapping, prefix: str = ""):
         gate_up.append(_unsqueeze0(_stack([roles["gate_proj"], roles["up_proj"]], 0)))
         down.append(_unsqueeze0(roles["down_proj"]))
     return _stack(gate_up, 0), _stack(down, 0)
+
+
+def _slice0(t, start: int, stop: int):
+    if isinstance(t, MXFP8Tensor):
+        return MXFP8Tensor(t.data[start:stop], t.scale[start:stop], t.axis, t.block_size)
+    return t[start:stop]
+
+
+def _values(t, dtype):
+    return t.dequantize(dtype) if isinstance(t, MXFP8Tensor) else t.to(dtype)
+
+
+@torch.no_grad()
+def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=None) -> None:
+    """Fill ``layer.experts`` (a MoKMoELayer) from a checkpoint of any supported format.
+
+    ``tensors_or_path``: a path / directory, a raw ``{name: Tensor}`` dict, or the result of
+    ``load_mxfp8_tensors``. The expert weights of the block under ``prefix`` (see
+    ``expert_weights``) are dequantised into the layer's parameters; with ``ep_group`` of size P,
+    rank r takes experts [r*E/P, (r+1)*E/P). Biases ``<prefix>experts.gate_up_proj_bias`` /
+    ``down_proj_bias`` are copied when the layer has them. The dequantised values are exact in
+    bf16 / fp32, and MXFP8 requantisation of them ("rceil") gives back the same values, so a
+    ``precision="mxfp8"`` layer computes its forward on exactly the checkpoint's weights.
+    """
+    if isinstance(tensors_or_path, Mapping) and any(isinstance(t, MXFP8Tensor) for t in tensors_or_path.values()):
+        tensors = tensors_or_path
+    else:
+        tensors = load_mxfp8_tensors(tensors_or_path, config)
+    gu, dn = expert_weights(tensors, prefix)
+    experts = layer.experts
+    e_total, e_local = layer.num_experts, layer.num_local_experts
+    want_gu = (e_total, 2 * layer.intermediate_size, layer.hidden_size)
+    want_dn = (e_total, layer.hidden_size, layer.intermediate_size)
+    for name, t, want in (("gate_up_proj", gu, want_gu), ("down_proj", dn, want_dn)):
+        if tuple(t.shape) != want:
+            raise CheckpointFormatError(
+                f"expert weight {prefix}experts.{name} has shape {tuple(t.shape)}, the layer needs {want}")
+    start, stop = layer.ep_rank * e_local, (layer.ep_rank + 1) * e_local
+    experts.gate_up_proj.copy_(_values(_slice0(gu, start, stop), experts.gate_up_proj.dtype))
+    experts.down_proj.copy_(_values(_slice0(dn, start, stop), experts.down_proj.dtype))
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        param = getattr(experts, name)
+        key = f"{prefix}experts.{name}"
+        if param is not None and key in tensors:
+            param.copy_(_values(_slice0(tensors[key], start, stop), param.dtype))

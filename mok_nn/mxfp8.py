@@ -38,7 +38,18 @@ checkpoints) and ``axis=-2`` is column-wise (along N, scale ``[..., N/32, K]``,
 what the transposed operand of a backward GEMM needs). A size along ``axis``
 that is not a multiple of ``block_size`` raises ValueError (no padding).
 
-How the ``precision="mxfp8"`` layer uses this is documented in docs/mxfp8.md.
+``precision="mxfp8"`` (MoKMoELayer, reference path; details and rationale in
+docs/mxfp8.md): every operand of the six expert GEMMs is fake-quantised
+("rceil", blocks of 32) along that GEMM's reduction dimension, then the BF16
+path's fp32 math runs on the dequantised values. Forward: ``x`` and
+``gate_up_proj`` along H, ``h = act(gate_up)`` and ``down_proj`` along I.
+Backward (``dy`` unscaled by the top-k weight ``w``): ``dh = dy @ down_proj`` with
+``dy`` along H and ``down_proj`` along H (column-wise); ``d down_proj = dy^T @ (w h)``
+and ``d gate_up_proj = dgu^T @ x`` with both operands along the expert's token
+rows (blocks of 32 rows in ascending token order, last block zero-padded);
+``dx = dgu @ gate_up_proj`` with ``dgu`` along 2I and ``gate_up_proj`` along 2I
+(column-wise). Router, activation, biases, the top-k weight gradient and the
+combine are not quantised.
 """
 
 from __future__ import annotations
@@ -180,3 +191,34 @@ def fake_quantize(
 ) -> torch.Tensor:
     """``dequantize(quantize(x, ...))`` in ``x.dtype``: the values an MXFP8 GEMM operand takes."""
     return dequantize(quantize(x, axis, block_size, scale_mode), x.dtype)
+
+
+def fake_quantize_padded(
+    x: torch.Tensor, axis: int = -1, block_size: int = 32, scale_mode: str = "rceil"
+) -> torch.Tensor:
+    """``fake_quantize`` of ``x`` zero-padded along ``axis`` to a multiple of ``block_size``.
+
+    The padding is dropped again. Zeros do not change a block's amax, so this is the MX
+    quantisation of a ragged group (an expert's token rows) whose last block is partial.
+    """
+    axis = _normalize_axis(axis, x.dim())
+    pad = -x.shape[axis] % block_size
+    if pad == 0:
+        return fake_quantize(x, axis, block_size, scale_mode)
+    shape = list(x.shape)
+    shape[axis] = pad
+    padded = torch.cat([x, x.new_zeros(shape)], dim=axis)
+    return fake_quantize(padded, axis, block_size, scale_mode).narrow(axis, 0, x.shape[axis])
+
+
+PRECISIONS = ("bf16", "mxfp8")
+
+
+def operand_quantizer(precision: str):
+    """``q(t, axis)`` applied to every expert-GEMM operand: identity for "bf16", MXFP8 fake
+    quantisation (rceil, blocks of 32 along ``axis``, ragged groups zero-padded) for "mxfp8"."""
+    if precision == "bf16":
+        return lambda t, axis: t
+    if precision == "mxfp8":
+        return lambda t, axis: fake_quantize_padded(t, axis)
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
