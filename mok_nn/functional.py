@@ -84,6 +84,10 @@ def get_workspace(
     """The workspace for these shapes, created once and reused."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if precision not in ("bf16", "mxfp8"):
+        raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
+    if backend == "cuda" and precision != "bf16":
+        raise ValueError(f"precision={precision!r} has no CUDA kernels yet; use backend='reference'")
     config = config if config is not None else MoKConfig()
     device = torch.device(device if device is not None else "cpu")
     key = (hidden_size, intermediate_size, num_experts, top_k, id(ep_group), str(device), dtype, backend,
