@@ -399,11 +399,12 @@ def expert_weights(tensors: Mapping, prefix: str = ""):
 
     ``prefix`` is the MoE block's name with a trailing dot (e.g. ``"model.layers.3.mlp."``).
     Naming schemes: fused ``experts.gate_up_proj`` / ``experts.down_proj`` (mok_nn, transformers
-    5.x), ``w13_weight`` / ``w2_weight`` (ModelOpt / vLLM), and per-expert
+    5.x), ``[experts.]w13_weight`` / ``[experts.]w2_weight`` (ModelOpt / vLLM), and per-expert
     ``experts.<e>.{gate,up,down}_proj.weight`` or ``experts.<e>.{w1,w3,w2}.weight`` (Mixtral).
     Gate rows come first in gate_up_proj.
     """
-    for gu, dn in (("experts.gate_up_proj", "experts.down_proj"), ("w13_weight", "w2_weight")):
+    for gu, dn in (("experts.gate_up_proj", "experts.down_proj"), ("w13_weight", "w2_weight"),
+                   ("experts.w13_weight", "experts.w2_weight")):
         if prefix + gu in tensors:
             if prefix + dn not in tensors:
                 raise CheckpointFormatError(f"tensor {prefix + dn!r} is missing (found {prefix + gu!r})")

@@ -148,8 +148,7 @@ def test_modelopt_fused_and_uint8_data(tmp_path):
     d = _write(tmp_path / "mo", tensors, hf_quant, "hf_quant_config.json")
     assert ck.detect_format(d) == ck.FORMAT_MODELOPT
     loaded = ck.load_mxfp8_tensors(d)
-    _check_experts(loaded, _np_dequant_mx(q13.data, q13.scale), _np_dequant_mx(q2.data, q2.scale),
-                   prefix=PREFIX + "experts.")
+    _check_experts(loaded, _np_dequant_mx(q13.data, q13.scale), _np_dequant_mx(q2.data, q2.scale))
     # quantization_config form, per-expert Mixtral names (w1/w3/w2)
     t2, ref_gu, ref_dn = _per_expert_mx(gu, dn, names=("w1", "w3", "w2"))
     cfg = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "MXFP8"}}
