@@ -117,7 +117,7 @@ def read_safetensors(path_or_dir) -> tuple[dict, dict, dict | None]:
     return tensors, metadata, config
 
 
-def _quant_config(config) -> dict | None:
+def quantization_config(config) -> dict | None:
     """The quantisation part of a model config, quantization_config or hf_quant_config.json."""
     if not config:
         return None
@@ -188,7 +188,7 @@ def detect_format(tensors_or_path, config=None, metadata=None) -> str:
         tensors = tensors_or_path
     if metadata and metadata.get("format") == FORMAT_MOK:
         return FORMAT_MOK
-    qc = _quant_config(config)
+    qc = quantization_config(config)
     if qc:
         return _format_from_config(qc)
     return _format_from_tensors(tensors)
@@ -252,7 +252,8 @@ def _load_mx(tensors: Mapping, fmt: str, metadata: Mapping, qc) -> dict:
     return out
 
 
-def _infer_block(name: str, data_shape, scale_shape, configured) -> tuple[int, int]:
+def block_fp8_block_size(name: str, data_shape, scale_shape, configured=None) -> tuple[int, int]:
+    """(rows, cols) of the block-FP8 tiles of `name`: the configured ones, or inferred from the shapes."""
     n, k = data_shape[-2], data_shape[-1]
     candidates = [tuple(configured)] if configured else [(128, 128), (1, 32), (1, 128)]
     for bn, bk in candidates:
@@ -284,7 +285,7 @@ def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
             raise CheckpointFormatError(f"scale tensor {sname!r} has dtype {s.dtype}, expected a float or E8M0")
         if fmt == FORMAT_FP8_UE8M0 and not _is_pow2(s):
             raise CheckpointFormatError(f"scale tensor {sname!r} is not a power of two everywhere (ue8m0 expected)")
-        block = _infer_block(name, tensors[name].shape, s.shape, configured)
+        block = block_fp8_block_size(name, tensors[name].shape, s.shape, configured)
         w = dequantize_block_fp8(tensors[name], s, block)
         try:
             q = quantize(w, axis=-1, scale_mode=scale_mode)
@@ -314,7 +315,7 @@ def load_mxfp8_tensors(path_or_dir, config=None, scale_mode: str = "rceil") -> d
         tensors, metadata, file_config = read_safetensors(path_or_dir)
         config = config if config is not None else file_config
     fmt = detect_format(tensors, config, metadata)
-    qc = _quant_config(config)
+    qc = quantization_config(config)
     if fmt in _MX_FORMATS:
         return _load_mx(tensors, fmt, metadata, qc)
     if fmt in _BLOCK_FORMATS:
