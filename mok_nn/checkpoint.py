@@ -6,7 +6,8 @@ API::
     tensors = load_mxfp8_tensors(path_or_dir, config=None)    # {name: MXFP8Tensor | Tensor}
     save_mxfp8(path, {name: MXFP8Tensor | Tensor}, metadata=None)
     quantize_expert_weights(tensors)                           # float expert weights -> MXFP8Tensor
-    gate_up, down = expert_weights(tensors, prefix="model.layers.0.mlp.")
+    gate_up, down = expert_weights(tensors, prefix="model.layers.0.mlp.")  # [E,2I,H], [E,H,I]
+    load_experts_into_layer(layer, path_or_tensors, prefix="model.layers.0.mlp.")  # MoKMoELayer
 
 ``path_or_dir`` is one ``.safetensors`` file or a directory: all its
 ``*.safetensors`` shards are read, and its ``config.json`` /
