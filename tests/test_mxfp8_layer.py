@@ -212,3 +212,16 @@ def test_load_experts_shape_mismatch():
            PREFIX + "experts.down_proj": quantize(torch.randn(E, H, I))}
     with pytest.raises(checkpoint.CheckpointFormatError, match="gate_up_proj"):
         checkpoint.load_experts_into_layer(layer, bad, PREFIX)
+
+
+def test_load_experts_takes_this_ranks_shard():
+    from types import SimpleNamespace
+    local = _layer(0)  # E=4 experts held as the 2nd of 2 ranks of an 8-expert model
+    fake = SimpleNamespace(experts=local.experts, num_experts=2 * E, num_local_experts=E, ep_rank=1,
+                           hidden_size=H, intermediate_size=I)
+    w13 = torch.randn(2 * E, 2 * I, H).bfloat16()
+    w2 = torch.randn(2 * E, H, I).bfloat16()
+    tensors = checkpoint.quantize_expert_weights({"experts.gate_up_proj": w13, "experts.down_proj": w2})
+    checkpoint.load_experts_into_layer(fake, tensors)
+    assert torch.equal(local.experts.gate_up_proj, fake_quantize(w13)[E:])
+    assert torch.equal(local.experts.down_proj, fake_quantize(w2)[E:])
