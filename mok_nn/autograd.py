@@ -1,0 +1,43 @@
+"""MoKFunction: the routed experts as one torch.autograd.Function.
+
+The backward is written out (see the formulas in reference.py), not taken by
+autograd through the forward, so the fused kernels implement the very same
+formulas and the reference path is their oracle. The router and the shared
+expert stay outside, in ordinary autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional
+from .functional import ExpertParams, Workspace
+
+
+class MoKFunction(torch.autograd.Function):
+    """y = sum_j w_tj * expert_{ids_tj}(x_t), with gradients for x, w and the expert parameters.
+
+    apply(x [T, H], topk_weights [T, k], gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I],
+          gate_up_bias [E_l, 2I] | None, down_bias [E_l, H] | None, topk_ids [T, k] int64,
+          workspace: functional.Workspace) -> y [T, H] in x.dtype
+    """
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
+                workspace: Workspace):
+        params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
+        schedule = functional.build_schedule(topk_ids, workspace)
+        y, ctx.saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
+        ctx.workspace = workspace
+        ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias = ctx.saved_tensors
+        params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
+        dx, d_topk, grads = functional.backward(
+            grad_y.contiguous(), ctx.saved, x, topk_ids, topk_weights, params, ctx.workspace
+        )
+        return dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None
