@@ -3,7 +3,7 @@
 Same signatures and formulas as reference.experts_forward / experts_backward
 (see reference.py for the math). What runs where:
 
-  schedule        torch ops on the GPU (bincount, stable sort, prefix sums); no host sync
+  schedule        mok_schedule (one CTA: counts, prefix sums, stable placement); no host sync
   gather of x     torch index_select into the padded expert order
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
   activation      mok_act_fwd_<act> (one pass over gate_up)
@@ -30,6 +30,7 @@ import torch
 from .kernels.registry import TILE_M
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
+SCHEDULE_MAX_EXPERTS = 512  # shared-memory table of the schedule kernel
 
 
 @dataclass
@@ -38,20 +39,28 @@ class Schedule:
 
     pos [T, k] int64:         row of slot (t, j)
     row_token [M_cap] int64:  token of each row; T (a zero row) for padding
-    tile_expert [M_cap/TILE_M] int32: expert of each row tile, -1 past the end
+    tile_expert [M_cap/TILE_M] int32: expert of each row tile, -1 past the last segment
     seg_end [E] int32:        end row of each expert's segment (offsets for grouped_mm)
-    row_expert [M_cap] int64: expert of each row (E for rows past the end)
     """
 
     pos: torch.Tensor
     row_token: torch.Tensor
     tile_expert: torch.Tensor
     seg_end: torch.Tensor
-    row_expert: torch.Tensor
 
     @property
     def capacity(self) -> int:
         return self.row_token.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.seg_end.shape[0]
+
+    def row_expert(self) -> torch.Tensor:
+        """[M_cap] int64 expert of each row; E for rows past the last segment."""
+        te = self.tile_expert.long()
+        te = torch.where(te < 0, self.num_experts, te)
+        return te.repeat_interleave(TILE_M)
 
 
 def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int = TILE_M) -> int:
@@ -62,7 +71,23 @@ def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int =
 
 
 def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
-    """Count -> pad -> prefix sum, on the device; placement by stable sort, no atomics."""
+    """Count -> pad -> prefix sum on the device, no host sync (mok_schedule kernel on CUDA)."""
+    num_tokens, top_k = topk_ids.shape
+    dev = topk_ids.device
+    cap = schedule_capacity(num_tokens, top_k, num_experts)
+    if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and os.environ.get("MOK_SCHEDULE") != "torch":
+        pos = torch.empty(num_tokens * top_k, dtype=torch.int64, device=dev)
+        row_token = torch.empty(cap, dtype=torch.int64, device=dev)
+        tile_expert = torch.empty(cap // TILE_M, dtype=torch.int32, device=dev)
+        seg_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        ids = topk_ids.reshape(-1).contiguous()
+        _lib().launch("mok_schedule", ids, pos, row_token, tile_expert, seg_end, top_k, stream=_stream())
+        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end)
+    return make_schedule_torch(topk_ids, num_experts)
+
+
+def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
+    """The same schedule from torch ops (CPU, or more experts than the kernel holds)."""
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
@@ -85,8 +110,7 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
     tile_start = torch.arange(0, cap, TILE_M, device=dev)
     te = torch.searchsorted(seg_end, tile_start, right=True)
     tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
-    row_expert = torch.searchsorted(seg_end, torch.arange(cap, device=dev), right=True)
-    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32), row_expert)
+    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32))
 
 
 def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -249,7 +273,7 @@ def experts_forward(
 
 def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
     b = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
-    return b.index_select(0, sched.row_expert.clamp(max=bias.shape[0]))
+    return b.index_select(0, sched.row_expert())
 
 
 def experts_backward(

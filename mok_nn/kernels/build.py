@@ -50,10 +50,10 @@ def _fake_args(spec: registry.KernelSpec):
             continue
         div = a.divisibility or (1,) * len(a.shape)
         shape = tuple(cute.sym_int(divisibility=div[i]) if s == registry.DYN else s for i, s in enumerate(a.shape))
-        # Run-time strides of a 16-byte aligned operand stay multiples of 8 elements.
+        # Run-time strides are multiples of 16 bytes unless the spec says otherwise.
         # 64-bit: the exported C header always declares int64_t stride slots, and a
         # 32-bit SymInt would make the kernel read them at other offsets.
-        sdiv = 8 if a.dtype == "bf16" else 1
+        sdiv = a.stride_divisibility
         stride = tuple(cute.sym_int64(divisibility=sdiv) if s == registry.DYN else s for s in a.stride)
         out.append(make_fake_tensor(dtypes[a.dtype], shape, stride, assumed_align=a.align))
     out.append(cutlass.runtime.make_fake_stream())

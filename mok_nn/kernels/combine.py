@@ -46,7 +46,7 @@ class Combine:
         res = cute.make_rmem_tensor((VEC,), out.element_type)
         for c in range(tidx, n_vec, THREADS):
             acc.fill(0.0)
-            for j in range(top_k):
+            for j in cutlass.range(top_k, unroll=4):  # several row loads in flight
                 p = pos[(t, j)]
                 wj = w[(t, j)]
                 src_v = cute.zipped_divide(rows[(p, None)], (VEC,))

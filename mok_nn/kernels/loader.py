@@ -125,25 +125,41 @@ def _to_ctypes(a, t, kname: str):
             raise ValueError(f"{kname}.{a.name}: mode {i} has extent {size[i]}, expected {s}")
         if st != registry.DYN and size[i] > 1 and stride[i] != st:
             raise ValueError(f"{kname}.{a.name}: mode {i} has stride {stride[i]}, expected {st}")
-        if st == registry.DYN and a.dtype == "bf16" and size[i] > 1 and stride[i] % 8:
-            raise ValueError(f"{kname}.{a.name}: stride {stride[i]} of mode {i} not a multiple of 8 (16 bytes)")
+        if st == registry.DYN and size[i] > 1 and stride[i] % a.stride_divisibility:
+            raise ValueError(f"{kname}.{a.name}: stride {stride[i]} of mode {i} not a multiple of {a.stride_divisibility}")
         if a.divisibility and s == registry.DYN and size[i] % a.divisibility[i]:
             raise ValueError(f"{kname}.{a.name}: extent {size[i]} of mode {i} not a multiple of {a.divisibility[i]}")
     shapes = [size[i] for i in a.dyn_shape_modes()]
     strides = [stride[i] for i in a.dyn_stride_modes()]
-    fields = [("data", ctypes.c_void_p)]
-    if shapes:
-        fields.append(("shapes", ctypes.c_int32 * len(shapes)))
-    if strides:
-        fields.append(("strides", ctypes.c_int64 * len(strides)))
-    S = type("Arg", (ctypes.Structure,), {"_fields_": fields})
-    s = S()
-    s.data = t.data_ptr()
-    if shapes:
-        s.shapes = (ctypes.c_int32 * len(shapes))(*shapes)
-    if strides:
-        s.strides = (ctypes.c_int64 * len(strides))(*strides)
-    return s
+    return _struct_type(len(shapes), len(strides))(t.data_ptr(), tuple(shapes), tuple(strides))
+
+
+_STRUCTS: dict = {}
+
+
+def _struct_type(n_shapes: int, n_strides: int):
+    """ctypes mirror of the exported `{void *data; int32_t dynamic_shapes[n]; int64_t dynamic_strides[m];}`."""
+    key = (n_shapes, n_strides)
+    if key not in _STRUCTS:
+        fields = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * max(n_shapes, 0))]
+        if n_strides:
+            fields.append(("strides", ctypes.c_int64 * n_strides))
+        if not n_shapes:
+            fields.pop(1)
+
+        class Arg(ctypes.Structure):
+            _fields_ = fields
+
+            def __init__(self, data, shapes, strides):
+                super().__init__()
+                self.data = data
+                if n_shapes:
+                    self.shapes[:] = shapes
+                if n_strides:
+                    self.strides[:] = strides
+
+        _STRUCTS[key] = Arg
+    return _STRUCTS[key]
 
 
 _lock = threading.Lock()

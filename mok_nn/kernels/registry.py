@@ -18,6 +18,7 @@ LIB_NAME = "libmok_kernels.so"
 MANIFEST = "manifest.json"
 BUILD_COMMAND = "python -m mok_nn.kernels.build --arch {arch} --out {out}"
 TILE_M = 128  # rows per GEMM tile; the schedule pads each expert's segment to it
+ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,11 @@ class TensorArg:
     stride: tuple  # ints or DYN
     divisibility: tuple = ()  # per mode, for DYN extents (default 1)
     align: int = 16
+    stride_div: int = 0  # DYN strides are multiples of this (0: 16 bytes' worth of elements)
+
+    @property
+    def stride_divisibility(self) -> int:
+        return self.stride_div or 16 // ITEMSIZE[self.dtype]
 
     def dyn_shape_modes(self):
         return [i for i, s in enumerate(self.shape) if s == DYN]
@@ -77,8 +83,8 @@ def _combine_spec(name: str) -> KernelSpec:
         factory_kwargs=(),
         args=(
             TensorArg("rows", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
-            TensorArg("pos", "i64", (DYN, DYN), (DYN, 1), align=8),
-            TensorArg("w", "f32", (DYN, DYN), (DYN, 1), align=4),
+            TensorArg("pos", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+            TensorArg("w", "f32", (DYN, DYN), (DYN, 1), align=4, stride_div=1),
             TensorArg("out", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
         ),
     )
@@ -117,11 +123,29 @@ def _act_specs(kind: str) -> tuple:
     return fwd, bwd
 
 
+def _schedule_spec(name: str) -> KernelSpec:
+    return KernelSpec(
+        name=name,
+        module="schedule",
+        factory="Schedule",
+        factory_kwargs=(),
+        args=(
+            TensorArg("ids", "i64", (DYN,), (1,), align=8),
+            TensorArg("pos", "i64", (DYN,), (1,), align=8),
+            TensorArg("row_token", "i64", (DYN,), (1,), align=8),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            ScalarArg("top_k", "i32"),
+        ),
+    )
+
+
 SPECS = (
     _gemm_spec("mok_gemm_bk", "k", 256),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", 256),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", 256, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
     _combine_spec("mok_combine"),
+    _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
 )

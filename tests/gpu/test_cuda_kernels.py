@@ -163,3 +163,17 @@ def test_experts_vs_reference(lib, case):
         err = rel_l2(got, want)
         print(f"{case} {n}: rel L2 {err:.2e}")
         assert err < BF16_TOL, (n, err)
+
+
+@pytest.mark.parametrize("T,k,E,mode", [(1, 1, 4, "random"), (333, 2, 8, "skew"), (300, 1, 3, "one_expert"),
+                                        (8192, 8, 128, "random"), (4096, 8, 256, "skew"), (1000, 6, 512, "random")])
+def test_schedule_kernel_equals_torch_schedule(lib, T, k, E, mode):
+    from mok_nn import cuda_backend as cb
+
+    ids, _ = _routing(T, k, E, mode, seed=T * k + E)
+    want = cb.make_schedule_torch(ids, E)
+    for _ in range(2):
+        got = cb.make_schedule(ids, E)
+        torch.cuda.synchronize()
+        for name in ("pos", "row_token", "tile_expert", "seg_end"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
