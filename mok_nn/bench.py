@@ -120,7 +120,13 @@ def _timer(device):
 
 
 def measure(fn, p, device, iters, warmup):
-    x, w, gu, dn = _leaves(p)
+    """Median fwd ms, bwd ms (= fwd+bwd minus fwd), peak GB above inputs+params, activation GB kept for bwd.
+
+    Gradients are reset to None before every iteration, as optimizer.zero_grad()
+    does in training, so no implementation pays for accumulating into old grads.
+    """
+    leaves = _leaves(p)
+    x, w, gu, dn = leaves
     ids, dy = p["ids"], p["dy"]
 
     def fwd():
@@ -128,20 +134,31 @@ def measure(fn, p, device, iters, warmup):
             fn(x, ids, w, gu, dn)
 
     def fwd_bwd():
+        for t in leaves:
+            t.grad = None
         y = fn(x, ids, w, gu, dn)
         y.backward(dy)
 
     for _ in range(warmup):
         fwd_bwd()
+    for t in leaves:
+        t.grad = None
     timer = _timer(device)
+    act = None
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        y = fn(x, ids, w, gu, dn)  # what the forward keeps alive for backward (+ y itself)
+        act = (torch.cuda.memory_allocated() - base) / 2**30
+        del y
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     f = [timer(fwd) for _ in range(iters)]
     fb = [timer(fwd_bwd) for _ in range(iters)]
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else None
-    return statistics.median(f), statistics.median(fb) - statistics.median(f), peak
+    for t in leaves:
+        t.grad = None
+    return statistics.median(f), statistics.median(fb) - statistics.median(f), peak, act
 
 
 def check_agreement(a, b, p):
@@ -197,7 +214,9 @@ def run(shapes, tokens, device, iters, warmup, check=True):
                 raise RuntimeError(f"{shape}: implementations disagree: {bad}")
         flops = 6 * tokens * top_k * hidden * inter
         for impl, fn in impls.items():
-            fwd_ms, bwd_ms, peak = measure(fn, p, device, iters, warmup)
+            fwd_ms, bwd_ms, peak, act = measure(fn, p, device, iters, warmup)
+            if act is not None:
+                print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB", flush=True)
             rec = dict(
                 shape=shape, ep=1, tokens_per_rank=tokens, impl=impl, precision="bf16",
                 fwd_ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4),

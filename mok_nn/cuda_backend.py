@@ -246,6 +246,7 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     sched: Schedule
+    x_rows: torch.Tensor  # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
 
 
@@ -268,7 +269,7 @@ def experts_forward(
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
     y = combine(out_rows, sched.pos, topk_weights, x.dtype)
-    return y, CudaSaved(sched, gate_up)
+    return y, CudaSaved(sched, x_rows, gate_up)
 
 
 def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -297,7 +298,7 @@ def experts_backward(
     dx = combine(dx_rows, sched.pos, ones, x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
-    x_rows = gather_rows(x.contiguous(), sched)
+    x_rows = saved.x_rows
     wdt = gate_up_proj.dtype
     d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)
     d_gate_up = torch._grouped_mm(dgu.t(), x_rows, offs=sched.seg_end).to(wdt)
