@@ -32,6 +32,8 @@ import cuda.bindings.driver as cuda
 
 from .registry import TILE_M
 
+GROUP_M = 8  # row tiles per raster band
+
 
 class VarlenMGroupedGemm:
     """One compiled variant: tile (128, tile_n, 64), B K-major or N-major."""
@@ -113,9 +115,9 @@ class VarlenMGroupedGemm:
         # Tiles over the padded rows x output columns; M is a multiple of TILE_M.
         gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
-        # N-fastest raster: the CTAs of one wave share A row tiles (read from HBM
-        # once, then from L2) and the few experts those rows belong to.
-        sched_params = utils.PersistentTileSchedulerParams((tiles_n, tiles_m, 1), (1, 1, 1))
+        # The scheduler hands out linear tile indices; _tile_coord maps them to
+        # (m, n) in bands of GROUP_M row tiles (see there).
+        sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
 
         @cute.struct
@@ -129,7 +131,7 @@ class VarlenMGroupedGemm:
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tile_expert,
-            tiled_mma, a_smem, b_smem, c_smem, sched_params,
+            tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -137,6 +139,19 @@ class VarlenMGroupedGemm:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _tile_coord(self, linear, tiles_m, tiles_n):
+        """Linear tile index -> (m_tile, n_tile), row tiles fastest inside bands of GROUP_M.
+
+        A wave of persistent CTAs then covers about GROUP_M row tiles x (SMs / GROUP_M)
+        column tiles: the A rows and the weight tiles of the few experts involved are
+        read from HBM about once per wave and reused from L2.
+        """
+        band = linear // (GROUP_M * tiles_n)
+        first_m = band * GROUP_M
+        rows_in_band = cutlass.min(tiles_m - first_m, GROUP_M)
+        within = linear - band * (GROUP_M * tiles_n)
+        return first_m + within % rows_in_band, within // rows_in_band
 
     @cute.kernel
     def kernel(
@@ -153,6 +168,8 @@ class VarlenMGroupedGemm:
         b_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
         sched_params: utils.PersistentTileSchedulerParams,
+        tiles_m: cutlass.Int32,
+        tiles_n: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -206,7 +223,7 @@ class VarlenMGroupedGemm:
                 work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
-                    n_tile, m_tile, _ = work.tile_idx
+                    m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n)
                     expert = tile_expert[m_tile]
                     if expert >= 0:
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
@@ -260,7 +277,7 @@ class VarlenMGroupedGemm:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
-                n_tile, m_tile, _ = work.tile_idx
+                m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n)
                 expert = tile_expert[m_tile]
                 if expert >= 0:
                     acc.fill(0.0)
