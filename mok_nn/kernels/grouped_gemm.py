@@ -32,8 +32,6 @@ import cuda.bindings.driver as cuda
 
 from .registry import TILE_M
 
-GROUP_M = 8  # row tiles per raster band
-
 
 class VarlenMGroupedGemm:
     """One compiled variant: tile (128, tile_n, 64), B K-major or N-major."""
@@ -68,6 +66,7 @@ class VarlenMGroupedGemm:
         mB: cute.Tensor,  # (N, K, E) K- or N-major
         mC: cute.Tensor,  # (M, N, 1) N-major
         tile_expert: cute.Tensor,  # (M // TILE_M,) int32
+        group_m: cutlass.Int32,  # row tiles per raster band (1: column tiles fastest)
         stream: cuda.CUstream,
     ):
         self.ab_dtype = mA.element_type
@@ -116,7 +115,7 @@ class VarlenMGroupedGemm:
         gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
         # The scheduler hands out linear tile indices; _tile_coord maps them to
-        # (m, n) in bands of GROUP_M row tiles (see there).
+        # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
 
@@ -131,7 +130,7 @@ class VarlenMGroupedGemm:
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tile_expert,
-            tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
+            tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n), group_m,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -140,17 +139,19 @@ class VarlenMGroupedGemm:
             stream=stream,
         )
 
-    def _tile_coord(self, linear, tiles_m, tiles_n):
-        """Linear tile index -> (m_tile, n_tile), row tiles fastest inside bands of GROUP_M.
+    def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
+        """Linear tile index -> (m_tile, n_tile), row tiles fastest inside bands of group_m.
 
-        A wave of persistent CTAs then covers about GROUP_M row tiles x (SMs / GROUP_M)
-        column tiles: the A rows and the weight tiles of the few experts involved are
-        read from HBM about once per wave and reused from L2.
+        group_m = 1: column tiles fastest, so a wave of persistent CTAs shares a few
+        A row tiles and the weights of the few experts they belong to (best when
+        N is a handful of tiles). group_m = 8: a wave covers ~8 row tiles x
+        (SMs / 8) column tiles, bounding the weight bytes a wave pulls from HBM
+        when N spans many tiles (few large experts).
         """
-        band = linear // (GROUP_M * tiles_n)
-        first_m = band * GROUP_M
-        rows_in_band = cutlass.min(tiles_m - first_m, GROUP_M)
-        within = linear - band * (GROUP_M * tiles_n)
+        band = linear // (group_m * tiles_n)
+        first_m = band * group_m
+        rows_in_band = cutlass.min(tiles_m - first_m, group_m)
+        within = linear - band * (group_m * tiles_n)
         return first_m + within % rows_in_band, within // rows_in_band
 
     @cute.kernel
@@ -170,6 +171,7 @@ class VarlenMGroupedGemm:
         sched_params: utils.PersistentTileSchedulerParams,
         tiles_m: cutlass.Int32,
         tiles_n: cutlass.Int32,
+        group_m: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -223,7 +225,7 @@ class VarlenMGroupedGemm:
                 work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
-                    m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n)
+                    m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                     expert = tile_expert[m_tile]
                     if expert >= 0:
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
@@ -277,7 +279,7 @@ class VarlenMGroupedGemm:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
-                m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n)
+                m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
                 if expert >= 0:
                     acc.fill(0.0)

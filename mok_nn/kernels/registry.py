@@ -70,6 +70,7 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
             TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            ScalarArg("group_m", "i32"),
         ),
     )
 

@@ -58,7 +58,8 @@ GEMM_CASES = [  # tokens, k, E, N, K, routing
 
 @pytest.mark.parametrize("transpose_w,out_dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)])
 @pytest.mark.parametrize("case", GEMM_CASES)
-def test_grouped_gemm(lib, case, transpose_w, out_dtype):
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_grouped_gemm(lib, case, transpose_w, out_dtype, group_m):
     from mok_nn import cuda_backend as cb
 
     T, k, E, N, K, mode = case
@@ -74,7 +75,8 @@ def test_grouped_gemm(lib, case, transpose_w, out_dtype):
         out = torch.full((a.shape[0], N), float("nan"), device="cuda", dtype=out_dtype)
         name = ("mok_gemm_bn_f32" if out_dtype == torch.float32 else "mok_gemm_bn") if transpose_w else "mok_gemm_bk"
         b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-        lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, stream=torch.cuda.current_stream().cuda_stream)
+        lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, group_m,
+                   stream=torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         outs.append(out)
     assert torch.equal(outs[0][pos], outs[1][pos]), "not bitwise reproducible"
