@@ -1,0 +1,194 @@
+"""MoKMoELayer (reference backend) against the float64 oracle: outputs, router
+logits and every gradient, for every routing and activation option; gradcheck;
+bitwise run-to-run determinism."""
+
+import pytest
+import torch
+
+import oracle
+from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward_backward, make_layer,
+                     oracle_forward_backward, oracle_kwargs, random_x)
+
+T = 13  # odd on purpose
+
+# Tolerances, relative to each tensor's largest magnitude. float64: the layer
+# must compute in float64 (gradcheck needs it), so only reordering of sums
+# differs. float32: a few ulps of fp32 (2^-23 ~ 1.2e-7) grown over H-long
+# dot products and the softmax / normalisation chain.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+# Routing must be the same in every precision: the smallest gap between a
+# selected and a rejected score (or group score) must dwarf rounding.
+MIN_MARGIN = 1e-5
+
+
+def _check_against_oracle(opts, dtype, x_shape, seed):
+    layer = make_layer(opts, dtype=dtype, seed=seed)
+    x = random_x(x_shape, dtype, seed + 1)
+    dy = random_x(x_shape, dtype, seed + 2)
+    y, grads = layer_forward_backward(layer, x, dy)
+    res, ref_grads = oracle_forward_backward(layer, opts, x, dy)
+    assert res.margin > MIN_MARGIN, "test input has a near-tie in routing; pick another seed"
+
+    tol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, res.y, tol, "y")
+    logits = layer.router_logits
+    assert logits.shape == (res.logits.shape[0], E)
+    assert logits.dtype in (torch.float32, torch.float64)
+    assert_close(logits, res.logits, max(tol, 1e-6 if logits.dtype == torch.float32 else 0), "router_logits")
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():
+        assert g is not None, f"no gradient for {name}"
+        assert g.dtype == dtype, f"gradient of {name} has dtype {g.dtype}"
+        assert_close(g, ref_grads[name], tol, f"grad {name}")
+    # Aux losses are off by default.
+    assert layer.aux_loss is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_matches_oracle(routing, act, dtype):
+    opts = {**ROUTINGS[routing], **ACTIVATIONS[act]}
+    _check_against_oracle(opts, dtype, (T, H), seed=10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_matches_oracle_3d_input_all_options(dtype):
+    """x [B, S, H] -> y [B, S, H], everything switched on at once."""
+    opts = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai_limit"], "shared_intermediate_size": 20,
+            "shared_expert_gate": True}
+    _check_against_oracle(opts, dtype, (3, 5, H), seed=20)
+
+
+def test_bf16_close_to_oracle():
+    """bf16 storage: loose check that nothing is grossly wrong (bf16 has 8 bits
+    of mantissa, 2^-8 ~ 4e-3, and the expert intermediate is rounded too)."""
+    opts = {**ROUTINGS["softmax_norm"], **ACTIVATIONS["shared_gate"]}
+    layer = make_layer(opts, dtype=torch.bfloat16, seed=30)
+    x = random_x((T, H), torch.bfloat16, 31)
+    dy = random_x((T, H), torch.bfloat16, 32)
+    y, grads = layer_forward_backward(layer, x, dy)
+    res, ref_grads = oracle_forward_backward(layer, opts, x, dy)
+    assert res.margin > 1e-3  # bf16 inputs but fp32 logits: routing must not flip
+    assert y.dtype == torch.bfloat16
+    assert layer.router_logits.dtype == torch.float32
+    assert_close(y, res.y, 3e-2, "y")
+    for name, g in grads.items():
+        assert g is not None and g.dtype == torch.bfloat16, name
+        assert_close(g, ref_grads[name], 5e-2, f"grad {name}")
+
+
+# --- the test inputs exercise what they claim to (so the tests above can fail)
+
+
+def _oracle_only(opts, seed=10, **okw):
+    layer = make_layer(opts, dtype=torch.float64, seed=seed)
+    x = random_x((T, H), torch.float64, seed + 1)
+    p = {k: v.to(torch.float64) for k, v in layer.state_dict().items()}
+    return oracle.oracle_forward(x, p, **oracle_kwargs(opts), **okw)
+
+
+def test_inputs_exercise_options():
+    # The selection bias changes which experts are picked.
+    opts = ROUTINGS["sigmoid_bias"]
+    assert _oracle_only(opts).topk_ids != _oracle_only(opts, use_expert_bias=False).topk_ids
+    # Group-limited routing picks differently from plain top-k.
+    opts = ROUTINGS["softmax_group"]
+    plain = {k: v for k, v in opts.items() if k not in ("n_group", "topk_group")}
+    assert _oracle_only(opts).topk_ids != _oracle_only(plain).topk_ids
+    # Both clamp limits are reached (up is clamped on both sides).
+    for act, on in [("swiglu_clamp", "swiglu"), ("oai", None), ("oai_limit", None)]:
+        opts = {**ROUTINGS["softmax"], **ACTIVATIONS[act]}
+        clamped = _oracle_only(opts).y
+        limit = 1e9
+        loose = _oracle_only({**opts, "swiglu_limit": limit}).y
+        assert not torch.allclose(clamped, loose, rtol=1e-6, atol=1e-6), act
+
+
+# --- gradcheck in float64 on small shapes
+
+
+GRADCHECK_CASES = {
+    "softmax_group_clamp": {**ROUTINGS["softmax_group"], **ACTIVATIONS["swiglu_clamp"]},
+    "sigmoid_group_bias_oai_shared_gate": {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai_limit"],
+                                           "shared_intermediate_size": 5, "shared_expert_gate": True},
+    "softmax_nonorm_swiglu": {**ROUTINGS["softmax"], **ACTIVATIONS["swiglu"]},
+}
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK_CASES))
+def test_gradcheck_layer(case):
+    from torch.func import functional_call
+
+    opts = GRADCHECK_CASES[case]
+    layer = make_layer(opts, dtype=torch.float64, seed=40, hidden=6, inter=5, experts=8, top_k=2)
+    x = random_x((5, 6), torch.float64, 41).requires_grad_(True)
+    names = [n for n, _ in layer.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for _, p in layer.named_parameters()]
+    buffers = dict(layer.named_buffers())
+
+    # The perturbations of gradcheck (1e-6) must not change the routing.
+    p64 = {k: v.detach() for k, v in layer.state_dict().items()}
+    margin = oracle.oracle_forward(x.detach(), p64, **oracle_kwargs(opts, top_k=2)).margin
+    assert margin > 1e-4
+
+    def f(x, *ps):
+        return functional_call(layer, {**dict(zip(names, ps)), **buffers}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# --- determinism: bitwise identical outputs and gradients run after run
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_bitwise_deterministic(dtype):
+    opts = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai"], "shared_intermediate_size": 20,
+            "shared_expert_gate": True}
+    runs = []
+    for _ in range(2):
+        layer = make_layer(opts, dtype=dtype, seed=50)
+        x = random_x((257, H), dtype, 51)
+        dy = random_x((257, H), dtype, 52)
+        y, grads = layer_forward_backward(layer, x, dy)
+        y2, grads2 = layer_forward_backward(layer, x, dy)  # same module instance again
+        runs += [(y, grads, layer.router_logits.clone()), (y2, grads2, layer.router_logits.clone())]
+    y0, g0, l0 = runs[0]
+    for y, g, logits in runs[1:]:
+        assert torch.equal(y, y0)
+        assert torch.equal(logits, l0)
+        assert set(g) == set(g0)
+        for name in g0:
+            assert torch.equal(g[name], g0[name]), name
+
+
+# --- routing: ties go to the lower expert index
+
+
+def test_route_ties_to_lower_index():
+    from mok_nn.router import route
+
+    T_, E_, k = 5, 8, 3
+    logits = torch.zeros(T_, E_)
+    ids, w = route(logits, k, "softmax", False, None, None, 1.0, None)
+    assert ids.dtype == torch.int64 and ids.shape == (T_, k)
+    assert w.dtype == torch.float32 and w.shape == (T_, k)
+    for t in range(T_):
+        assert sorted(ids[t].tolist()) == [0, 1, 2]
+    # Equal scores on experts 5 and 2 and 7: after the clear winner 6, pick 2 then 5.
+    logits = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 3.0, 1.0]])
+    ids, _ = route(logits, k, "sigmoid", True, None, None, 1.0, None)
+    assert sorted(ids[0].tolist()) == [2, 5, 6]
+    # Group-limited with tied groups: groups (0,1) (2,3) (4,5) (6,7) all equal -> groups 0 and 1.
+    logits = torch.tensor([[1.0, 0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0]])
+    ids, _ = route(logits, 2, "sigmoid", True, 4, 2, 1.0, None)
+    assert sorted(ids[0].tolist()) == [0, 3]
+    # The selection bias decides, and makes a tie: scores + bias are 0.38, 0.75,
+    # 0.0067, 0.75 -> expert 1 (lower of the tied 1 and 3), not expert 0.
+    logits = torch.tensor([[2.0, 0.0, -5.0, 0.0]])
+    bias = torch.tensor([-0.5, 0.25, 0.0, 0.25])
+    ids, w = route(logits, 1, "sigmoid", False, None, None, 1.0, bias)
+    assert ids[0].tolist() == [1]
+    # The weight comes from the unbiased score.
+    assert w[0, 0].item() == pytest.approx(0.5, rel=1e-6)
