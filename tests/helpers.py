@@ -68,9 +68,11 @@ def random_state(layer, seed):
 def make_layer(opts, dtype=torch.float64, seed=0, hidden=H, inter=I, experts=E, top_k=K, **extra):
     from mok_nn import MoKMoELayer
 
-    layer = MoKMoELayer(hidden_size=hidden, intermediate_size=inter, num_experts=experts,
-                        top_k=top_k, backend="reference", device="cpu", dtype=dtype,
-                        **opts, **extra)
+    kw = dict(hidden_size=hidden, intermediate_size=inter, num_experts=experts, top_k=top_k,
+              backend="reference", device="cpu", dtype=dtype)
+    kw.update(opts)
+    kw.update(extra)
+    layer = MoKMoELayer(**kw)
     layer.load_state_dict(random_state(layer, seed))
     return layer
 

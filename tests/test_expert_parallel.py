@@ -3,6 +3,7 @@ each hold experts [r*E/P, (r+1)*E/P) and their own tokens; outputs and
 gradients equal the single-process layer on the concatenated batch."""
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ TOL = 1e-5
 
 def _worker(rank, world, tmpdir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # a hang fails fast
     try:
         from mok_nn import MoKMoELayer
 
@@ -74,7 +76,10 @@ def ep_run(request, tmp_path_factory):
     logits = layer.router_logits.detach()
     torch.save({"state": layer.state_dict(), "x": list(x.split(counts)), "dy": list(dy.split(counts)), "I": 16},
                os.path.join(tmpdir, "inputs.pt"))
-    mp.spawn(_worker, args=(world, tmpdir), nprocs=world, join=True)
+    # fork: the children inherit the imported torch (spawn costs seconds per
+    # rank); spawn where this process already holds a process group.
+    method = "spawn" if dist.is_initialized() else "fork"
+    mp.start_processes(_worker, args=(world, tmpdir), nprocs=world, join=True, start_method=method)
     ranks = [torch.load(os.path.join(tmpdir, f"rank{r}.pt")) for r in range(world)]
     return counts, {"y": y, "grads": grads, "logits": logits}, ranks
 

@@ -70,7 +70,7 @@ def test_bf16_close_to_oracle():
     dy = random_x((T, H), torch.bfloat16, 32)
     y, grads = layer_forward_backward(layer, x, dy)
     res, ref_grads = oracle_forward_backward(layer, opts, x, dy)
-    assert res.margin > 1e-3  # bf16 inputs but fp32 logits: routing must not flip
+    assert res.margin > MIN_MARGIN  # logits are fp32 of the same bf16 values: no flip
     assert y.dtype == torch.bfloat16
     assert layer.router_logits.dtype == torch.float32
     assert_close(y, res.y, 3e-2, "y")
