@@ -192,3 +192,45 @@ def test_route_ties_to_lower_index():
     assert ids[0].tolist() == [1]
     # The weight comes from the unbiased score.
     assert w[0, 0].item() == pytest.approx(0.5, rel=1e-6)
+
+
+# --- aux losses: Switch load balancing (+ router z-loss), off by default
+
+
+def _aux_arg_names():
+    """The constructor's names of the two loss coefficients (not fixed by
+    ARCHITECTURE.md): the parameter containing "aux" and the one containing "z_loss"."""
+    import inspect
+
+    from mok_nn import MoKMoELayer
+
+    params = inspect.signature(MoKMoELayer.__init__).parameters
+    aux = [n for n in params if "aux" in n]
+    z = [n for n in params if "z_loss" in n]
+    assert len(aux) == 1 and len(z) == 1, f"cannot identify the loss coefficients among {list(params)}"
+    return aux[0], z[0]
+
+
+@pytest.mark.parametrize("aux_coef,z_coef", [(0.01, 0.0), (0.0, 1e-3), (0.02, 1e-3)])
+def test_aux_loss(aux_coef, z_coef):
+    aux_name, z_name = _aux_arg_names()
+    opts = {**ROUTINGS["softmax_group"], **ACTIVATIONS["swiglu"]}
+    layer = make_layer(opts, dtype=torch.float64, seed=70, **{aux_name: aux_coef, z_name: z_coef})
+    x = random_x((T, H), torch.float64, 71).requires_grad_(True)
+    dy = random_x((T, H), torch.float64, 72)
+    y = layer(x)
+    aux = layer.aux_loss
+    assert aux is not None and aux.shape == () and aux.requires_grad
+    ((y * dy).sum() + aux).backward()
+
+    p = {k: v.detach().clone().requires_grad_(k == "router.weight") for k, v in layer.state_dict().items()}
+    x64 = x.detach().clone().requires_grad_(True)
+    res = oracle.oracle_forward(x64, p, **oracle_kwargs(opts))
+    expected = oracle.switch_aux_loss(res.logits, res.topk_ids, E, aux_coef) + oracle.z_loss(res.logits, z_coef)
+    assert_close(aux.detach(), expected.detach(), 1e-10, "aux_loss")
+    ((res.y * dy).sum() + expected).backward()
+    assert_close(layer.router.weight.grad, p["router.weight"].grad, 1e-10, "grad router.weight")
+    assert_close(x.grad, x64.grad, 1e-10, "grad x")
+    # Balanced routing gives 1 * coef: a check of the normalisation independent of the oracle.
+    if z_coef == 0.0:
+        assert 0.5 * aux_coef < aux.item() < 3 * aux_coef
