@@ -3,6 +3,7 @@ the layer and the oracle with gradients, comparing with stated tolerances."""
 
 import math
 
+import pytest
 import torch
 
 import oracle
@@ -26,7 +27,7 @@ ROUTINGS = {
 ACTIVATIONS = {
     "swiglu": dict(activation="swiglu"),
     "swiglu_clamp": dict(activation="swiglu", swiglu_limit=1.5),
-    "oai": dict(activation="swiglu_oai", expert_proj_bias=True),          # default limit 7.0
+    "oai": dict(activation="swiglu_oai", swiglu_limit=7.0, expert_proj_bias=True),  # GPT-OSS limit
     "oai_limit": dict(activation="swiglu_oai", swiglu_limit=2.0, expert_proj_bias=True),
     "shared": dict(activation="swiglu", shared_intermediate_size=20),
     "shared_gate": dict(activation="swiglu", shared_intermediate_size=20, shared_expert_gate=True,
@@ -130,3 +131,14 @@ def assert_close(actual, expected, tol, what=""):
     e = expected.detach().to(torch.float64)
     scale = e.abs().max().item() if e.numel() else 0.0
     torch.testing.assert_close(a, e, rtol=tol, atol=tol * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """One intra-op thread: the tensors here are tiny, and on a shared 2-core
+    machine thread wake-ups cost milliseconds per op. Import this fixture into
+    a test module to apply it there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -4,7 +4,7 @@ input (T = 0) is not bad input and returns an empty output."""
 import pytest
 import torch
 
-from helpers import ACTIVATIONS, H, ROUTINGS, make_layer, random_x
+from helpers import ACTIVATIONS, H, ROUTINGS, make_layer, random_x, single_thread  # noqa: F401
 
 OPTS = {**ROUTINGS["softmax_norm"], **ACTIVATIONS["swiglu"]}
 

@@ -10,18 +10,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward_backward, make_layer, random_x
+from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward_backward, make_layer, random_x,
+                     single_thread)  # noqa: F401
 
 # Everything that touches expert sharding at once: group-limited biased
 # routing, expert projection biases, clamped GPT-OSS activation, gated shared expert.
 OPTS = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai_limit"], "shared_intermediate_size": 12,
         "shared_expert_gate": True}
 
-# Tokens per rank: uneven on purpose; one case has a rank without tokens.
+# Without a shared expert: every output bit of the routed experts is
+# expected to be independent of P (see test_bitwise_invariant_to_ep_size).
+OPTS_ROUTED = {k: v for k, v in OPTS.items() if not k.startswith("shared")}
+
+# (tokens per rank, options): uneven on purpose; one case has a rank without tokens.
 CASES = {
-    "ep2": [9, 14],
-    "ep4": [9, 4, 13, 6],
-    "ep2_empty_rank": [11, 0],
+    "ep2": ([9, 14], OPTS),
+    "ep4": ([9, 4, 13, 6], OPTS),
+    "ep2_empty_rank": ([11, 0], OPTS),
+    "ep4_routed_only": ([9, 4, 13, 6], OPTS_ROUTED),
 }
 
 # fp32 layers. EP changes only the order in which tokens meet in an expert's
@@ -42,7 +48,7 @@ def _worker(rank, world, tmpdir):
         full, x, dy = data["state"], data["x"][rank], data["dy"][rank]
         layer = MoKMoELayer(hidden_size=H, intermediate_size=data["I"], num_experts=E, top_k=K,
                             backend="reference", device="cpu", dtype=torch.float32,
-                            ep_group=dist.group.WORLD, **OPTS)
+                            ep_group=dist.group.WORLD, **data["opts"])
         n = E // world
         shard = {k: (v[rank * n:(rank + 1) * n] if k.startswith("experts.") else v) for k, v in full.items()}
         layer.load_state_dict(shard)
@@ -65,23 +71,24 @@ def _worker(rank, world, tmpdir):
 @pytest.fixture(scope="module", params=list(CASES))
 def ep_run(request, tmp_path_factory):
     """Run one EP case; returns (tokens per rank, single-process results, per-rank results)."""
-    counts = CASES[request.param]
+    counts, opts = CASES[request.param]
     world = len(counts)
     tmpdir = str(tmp_path_factory.mktemp(request.param))
-    layer = make_layer(OPTS, dtype=torch.float32, seed=60, inter=16)
+    layer = make_layer(opts, dtype=torch.float32, seed=60, inter=16)
     T = sum(counts)
     x = random_x((T, H), torch.float32, 61)
     dy = random_x((T, H), torch.float32, 62)
     y, grads = layer_forward_backward(layer, x, dy)
     logits = layer.router_logits.detach()
-    torch.save({"state": layer.state_dict(), "x": list(x.split(counts)), "dy": list(dy.split(counts)), "I": 16},
+    torch.save({"state": layer.state_dict(), "x": list(x.split(counts)), "dy": list(dy.split(counts)), "I": 16,
+                "opts": opts},
                os.path.join(tmpdir, "inputs.pt"))
     # fork: the children inherit the imported torch (spawn costs seconds per
     # rank); spawn where this process already holds a process group.
     method = "spawn" if dist.is_initialized() else "fork"
     mp.start_processes(_worker, args=(world, tmpdir), nprocs=world, join=True, start_method=method)
     ranks = [torch.load(os.path.join(tmpdir, f"rank{r}.pt")) for r in range(world)]
-    return counts, {"y": y, "grads": grads, "logits": logits}, ranks
+    return counts, {"y": y, "grads": grads, "logits": logits, "opts": opts}, ranks
 
 
 def _slices(counts):
@@ -137,3 +144,22 @@ def test_experts_not_divisible_by_ep_size(ep_run):
         kind, msg = err
         assert kind == "ValueError", err
         assert "divisible" in msg.lower() or "num_experts" in msg, err
+
+
+def test_bitwise_invariant_to_ep_size(ep_run):
+    """Stretch goal of the determinism contract, on one thread everywhere (the
+    module fixture and the workers): router logits and local expert gradients
+    are bitwise those of P = 1, and so are y and dx when there is no shared
+    expert (a dense GEMM over this rank's T rows rounds differently from one
+    over all rows, so with a shared expert y is only equal to fp32 rounding)."""
+    counts, single, ranks = ep_run
+    n = E // len(counts)
+    exact = ["logits"] + ([] if "shared_intermediate_size" in single["opts"] else ["y", "x"])
+    for r, (sl, out) in enumerate(zip(_slices(counts), ranks)):
+        for name, g in out["grads"].items():
+            if name.startswith("experts."):
+                assert torch.equal(g, single["grads"][name][r * n:(r + 1) * n]), f"rank {r} grad {name}"
+        got = {"logits": out["logits"], "y": out["y"], "x": out["grads"]["x"]}
+        want = {"logits": single["logits"][sl], "y": single["y"][sl], "x": single["grads"]["x"][sl]}
+        for name in exact:
+            assert torch.equal(got[name], want[name]), f"rank {r} {name}"
