@@ -171,11 +171,12 @@ def oracle_forward(x, p, *, top_k, score_func="softmax", norm_topk_prob=True,
                         torch.stack(w_all), margin)
 
 
-def switch_aux_loss(logits, topk_ids, num_experts, coef):
+def switch_aux_loss(logits, topk_ids, num_experts, coef, score_func="softmax"):
     """Switch load-balancing loss coef * E * sum_e f_e * P_e.
 
     f_e: fraction of routed (t, j) assignments that go to e (not differentiable);
-    P_e: mean over tokens of the softmax router probability of e.
+    P_e: mean over tokens of the router probability of e: the softmax, or the
+    sigmoid scores normalised per token to sum to 1.
     """
     T = logits.shape[0]
     k = len(topk_ids[0])
@@ -183,7 +184,11 @@ def switch_aux_loss(logits, topk_ids, num_experts, coef):
     for ids in topk_ids:
         for e in ids:
             counts[e] += 1
-    probs = torch.softmax(logits, dim=-1)
+    if score_func == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        s = torch.sigmoid(logits)
+        probs = s / s.sum(dim=-1, keepdim=True)
     loss = logits.new_zeros(())
     for e in range(num_experts):
         f_e = counts[e] / (T * k)

@@ -232,10 +232,13 @@ def _aux_arg_names():
     return aux[0], z[0]
 
 
-@pytest.mark.parametrize("aux_coef,z_coef", [(0.01, 0.0), (0.0, 1e-3), (0.02, 1e-3)])
-def test_aux_loss(aux_coef, z_coef):
+@pytest.mark.parametrize("routing,aux_coef,z_coef", [
+    ("softmax_group", 0.01, 0.0), ("softmax_group", 0.0, 1e-3), ("softmax_group", 0.02, 1e-3),
+    ("sigmoid_group_bias", 0.02, 1e-3),
+])
+def test_aux_loss(routing, aux_coef, z_coef):
     aux_name, z_name = _aux_arg_names()
-    opts = {**ROUTINGS["softmax_group"], **ACTIVATIONS["swiglu"]}
+    opts = {**ROUTINGS[routing], **ACTIVATIONS["swiglu"]}
     layer = make_layer(opts, dtype=torch.float64, seed=70, **{aux_name: aux_coef, z_name: z_coef})
     x = random_x((T, H), torch.float64, 71).requires_grad_(True)
     dy = random_x((T, H), torch.float64, 72)
@@ -247,7 +250,8 @@ def test_aux_loss(aux_coef, z_coef):
     p = {k: v.detach().clone().requires_grad_(k == "router.weight") for k, v in layer.state_dict().items()}
     x64 = x.detach().clone().requires_grad_(True)
     res = oracle.oracle_forward(x64, p, **oracle_kwargs(opts))
-    expected = oracle.switch_aux_loss(res.logits, res.topk_ids, E, aux_coef) + oracle.z_loss(res.logits, z_coef)
+    expected = (oracle.switch_aux_loss(res.logits, res.topk_ids, E, aux_coef, opts["score_func"])
+                + oracle.z_loss(res.logits, z_coef))
     assert_close(aux.detach(), expected.detach(), 1e-10, "aux_loss")
     ((res.y * dy).sum() + expected).backward()
     assert_close(layer.router.weight.grad, p["router.weight"].grad, 1e-10, "grad router.weight")
