@@ -68,12 +68,15 @@ def test_non_contiguous_input():
 def test_empty_input(shape):
     """T = 0 tokens: empty output of the same shape; backward works and gives
     empty / zero gradients."""
-    layer = _layer(shared_intermediate_size=8, shared_expert_gate=True, expert_proj_bias=True)
+    layer = _layer(shared_intermediate_size=8, shared_expert_gate=True, expert_proj_bias=True,
+                   aux_loss_coef=0.01, z_loss_coef=1e-3)
     x = torch.zeros(shape, dtype=torch.float32, requires_grad=True)
     y = layer(x)
     assert y.shape == shape and y.dtype == torch.float32
     assert layer.router_logits.shape[0] == 0
-    y.sum().backward()
+    # A rank without tokens must not poison the loss with NaN.
+    assert torch.isfinite(layer.aux_loss)
+    (y.sum() + layer.aux_loss).backward()
     assert x.grad is not None and x.grad.shape == shape
     for name, p in layer.named_parameters():
         assert p.grad is None or (p.grad == 0).all(), name

@@ -152,6 +152,33 @@ def test_gradcheck_layer(case):
     assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation,limit", [("swiglu", None), ("swiglu", 0.8), ("swiglu_oai", 0.8)])
+def test_gradcheck_mokfunction(activation, limit):
+    """MoKFunction's explicit backward, all six differentiable inputs, with
+    repeated experts and an expert no token picks."""
+    from mok_nn import functional
+    from mok_nn.autograd import MoKFunction
+
+    Tn, Hn, In, En, k = 5, 4, 3, 4, 2
+    ws = functional.get_workspace(hidden_size=Hn, intermediate_size=In, num_experts=En, top_k=k,
+                                  dtype=torch.float64, backend="reference", activation=activation,
+                                  swiglu_limit=limit)
+    g = torch.Generator().manual_seed(90)
+    r = lambda *s, std=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * std).requires_grad_(True)  # noqa
+    x, w = r(Tn, Hn), r(Tn, k)
+    gu, dp, gub, db = r(En, 2 * In, Hn, std=0.8), r(En, Hn, In), r(En, 2 * In), r(En, Hn)
+    ids = torch.tensor([[2, 0], [0, 2], [1, 2], [2, 1], [0, 1]])  # expert 3 unused
+    if limit is not None:  # the clamp is active on this input
+        flat = ids.reshape(-1)
+        pre = torch.einsum("toh,th->to", gu.detach()[flat], x.detach().repeat_interleave(k, 0)) + gub.detach()[flat]
+        assert (pre.abs() > limit).any()
+
+    def f(x, w, gu, dp, gub, db):
+        return MoKFunction.apply(x, w, gu, dp, gub, db, ids, ws)
+
+    assert torch.autograd.gradcheck(f, (x, w, gu, dp, gub, db), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 # --- determinism: bitwise identical outputs and gradients run after run
 
 
@@ -259,3 +286,33 @@ def test_aux_loss(routing, aux_coef, z_coef):
     # Balanced routing gives 1 * coef: a check of the normalisation independent of the oracle.
     if z_coef == 0.0:
         assert 0.5 * aux_coef < aux.item() < 3 * aux_coef
+
+
+# --- the same function whichever way it is called
+
+
+def test_same_result_auto_backend_config_knobs_no_grad():
+    """On CPU backend="auto" is the reference path; MoKConfig knobs change
+    speed, never the function; inference (no_grad, x without grad) gives the
+    training-mode output. All bit for bit."""
+    from mok_nn import MoKConfig
+
+    opts = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["shared_gate"]}
+    x = random_x((T, H), torch.float32, 101)
+    dy = random_x((T, H), torch.float32, 102)
+    y0, g0 = layer_forward_backward(make_layer(opts, dtype=torch.float32, seed=100), x, dy)
+    variants = {
+        "auto": make_layer(opts, dtype=torch.float32, seed=100, backend="auto"),
+        "knobs": make_layer(opts, dtype=torch.float32, seed=100, config=MoKConfig(
+            fwd_num_comm_sms=0, bwd_num_comm_sms=0, minibatch_size=1, macrobatch_size=3,
+            schedule_capacity_multiplier=7.5)),
+    }
+    for what, layer in variants.items():
+        y, g = layer_forward_backward(layer, x, dy)
+        assert torch.equal(y, y0), what
+        for name in g0:
+            assert torch.equal(g[name], g0[name]), f"{what}: {name}"
+    layer = variants["auto"]
+    with torch.no_grad():
+        assert torch.equal(layer(x), y0)
+    assert torch.equal(layer(x).detach(), y0)  # x without grad, parameters with
