@@ -62,6 +62,32 @@ def test_matches_oracle_3d_input_all_options(dtype):
     _check_against_oracle(opts, dtype, (3, 5, H), seed=20)
 
 
+EDGE_CASES = {
+    "k_equals_E": dict(experts=4, top_k=4, opts=ROUTINGS["softmax_norm"]),
+    "k1_norm": dict(experts=4, top_k=1, opts=ROUTINGS["sigmoid_norm_scaled"]),
+    "one_expert_per_group": dict(experts=8, top_k=2, opts={**ROUTINGS["sigmoid_group_bias"], "n_group": 8,
+                                                           "topk_group": 3}),
+    "single_group": dict(experts=8, top_k=3, opts={**ROUTINGS["softmax_group"], "n_group": 1, "topk_group": 1}),
+}
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_edge_shapes_match_oracle(case, tokens):
+    c = EDGE_CASES[case]
+    opts = {**c["opts"], **ACTIVATIONS["shared_gate"]}
+    layer = make_layer(opts, dtype=torch.float64, seed=110, experts=c["experts"], top_k=c["top_k"], hidden=12,
+                       inter=10)
+    x = random_x((tokens, 12), torch.float64, 111)
+    dy = random_x((tokens, 12), torch.float64, 112)
+    y, grads = layer_forward_backward(layer, x, dy)
+    res, ref_grads = oracle_forward_backward(layer, opts, x, dy, top_k=c["top_k"])
+    assert res.margin > MIN_MARGIN
+    assert_close(y, res.y, TOL[torch.float64], "y")
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], TOL[torch.float64], f"grad {name}")
+
+
 def test_bf16_close_to_oracle():
     """bf16 storage: loose check that nothing is grossly wrong (bf16 has 8 bits
     of mantissa, 2^-8 ~ 4e-3, and the expert intermediate is rounded too)."""
