@@ -342,3 +342,41 @@ def test_same_result_auto_backend_config_knobs_no_grad():
     with torch.no_grad():
         assert torch.equal(layer(x), y0)
     assert torch.equal(layer(x).detach(), y0)  # x without grad, parameters with
+
+
+# --- the state-dict contract of ARCHITECTURE.md
+
+
+def test_state_dict_names_and_shapes():
+    from mok_nn import MoKMoELayer
+
+    Hn, In, En, Sn = 12, 10, 8, 6
+    plain = MoKMoELayer(hidden_size=Hn, intermediate_size=In, num_experts=En, top_k=2, backend="reference",
+                        dtype=torch.float32)
+    assert {k: tuple(v.shape) for k, v in plain.state_dict().items()} == {
+        "router.weight": (En, Hn), "experts.gate_up_proj": (En, 2 * In, Hn), "experts.down_proj": (En, Hn, In)}
+    full = MoKMoELayer(hidden_size=Hn, intermediate_size=In, num_experts=En, top_k=2, use_expert_bias=True,
+                       shared_intermediate_size=Sn, shared_expert_gate=True, expert_proj_bias=True,
+                       backend="reference", dtype=torch.float32)
+    assert {k: tuple(v.shape) for k, v in full.state_dict().items()} == {
+        "router.weight": (En, Hn), "router.e_score_correction_bias": (En,),
+        "experts.gate_up_proj": (En, 2 * In, Hn), "experts.down_proj": (En, Hn, In),
+        "experts.gate_up_proj_bias": (En, 2 * In), "experts.down_proj_bias": (En, Hn),
+        "shared_expert.gate_proj.weight": (Sn, Hn), "shared_expert.up_proj.weight": (Sn, Hn),
+        "shared_expert.down_proj.weight": (Hn, Sn), "shared_expert_gate.weight": (1, Hn)}
+    # The correction bias is a buffer (selection only), not a trained parameter.
+    assert "router.e_score_correction_bias" not in dict(full.named_parameters())
+
+
+def test_init_is_seeded_and_not_degenerate():
+    from mok_nn import MoKMoELayer
+
+    def build():
+        torch.manual_seed(123)
+        return MoKMoELayer(hidden_size=12, intermediate_size=10, num_experts=8, top_k=2, shared_intermediate_size=6,
+                           backend="reference", dtype=torch.float32)
+
+    a, b = build().state_dict(), build().state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+        assert torch.isfinite(a[name]).all() and a[name].abs().max() > 0, name
