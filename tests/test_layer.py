@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import oracle
-from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward_backward, make_layer,
+from helpers import (ACTIVATIONS, E, H, ROUTINGS, assert_close, layer_forward_backward, make_layer,
                      oracle_forward_backward, oracle_kwargs, random_x, single_thread)  # noqa: F401
 
 T = 13  # odd on purpose
@@ -136,7 +136,7 @@ def test_inputs_exercise_options():
     opts = ROUTINGS["softmax_group"]
     plain = {k: v for k, v in opts.items() if k not in ("n_group", "topk_group")}
     assert _oracle_only(opts).topk_ids != _oracle_only(plain).topk_ids
-    # Both clamp limits are reached (up is clamped on both sides).
+    # The clamp limits are reached: clamping changes the output.
     for act in ("swiglu_clamp", "oai", "oai_limit"):
         opts = {**ROUTINGS["softmax"], **ACTIVATIONS[act]}
         clamped = _oracle_only(opts).y
