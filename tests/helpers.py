@@ -16,6 +16,7 @@ H, I, E, K = 32, 24, 16, 4
 ROUTINGS = {
     "softmax": dict(score_func="softmax", norm_topk_prob=False),
     "softmax_norm": dict(score_func="softmax", norm_topk_prob=True),
+    "softmax_router_bias": dict(score_func="softmax", norm_topk_prob=True, router_bias=True),  # GPT-OSS
     "softmax_group": dict(score_func="softmax", norm_topk_prob=True, n_group=4, topk_group=2),
     "sigmoid_norm_scaled": dict(score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
     "sigmoid_bias": dict(score_func="sigmoid", norm_topk_prob=False, use_expert_bias=True),

@@ -6,7 +6,8 @@ mok_nn. It is differentiable with ordinary autograd, so gradients of the layer
 are checked against autograd through this code.
 
 Parameters come as a dict keyed by the layer's state-dict names:
-  router.weight [E, H], router.e_score_correction_bias [E] (optional),
+  router.weight [E, H], router.bias [E] (optional, on the logits),
+  router.e_score_correction_bias [E] (optional, selection only),
   experts.gate_up_proj [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up),
   experts.down_proj [E, H, I], experts.gate_up_proj_bias [E, 2I] (optional),
   experts.down_proj_bias [E, H] (optional),
@@ -151,6 +152,8 @@ def oracle_forward(x, p, *, top_k, score_func="softmax", norm_topk_prob=True,
     for t in range(xs.shape[0]):
         x_t = xs[t]
         logits_t = p["router.weight"] @ x_t
+        if "router.bias" in p:  # GPT-OSS router bias (on the logits, unlike the selection bias)
+            logits_t = logits_t + p["router.bias"]
         ids, w, m = route_token(logits_t, top_k, score_func, norm_topk_prob, n_group,
                                 topk_group, routed_scaling_factor, bias, group_score)
         margin = min(margin, m)
