@@ -14,9 +14,10 @@ from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward
                      single_thread)  # noqa: F401
 
 # Everything that touches expert sharding at once: group-limited biased
-# routing, expert projection biases, clamped GPT-OSS activation, gated shared expert.
+# routing with a router bias, expert projection biases, clamped GPT-OSS
+# activation, gated shared expert.
 OPTS = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai_limit"], "shared_intermediate_size": 12,
-        "shared_expert_gate": True}
+        "shared_expert_gate": True, "router_bias": True}
 
 # Without a shared expert: every output bit of the routed experts is
 # expected to be independent of P (see test_bitwise_invariant_to_ep_size).
