@@ -380,3 +380,14 @@ def test_init_is_seeded_and_not_degenerate():
     for name in a:
         assert torch.equal(a[name], b[name]), name
         assert torch.isfinite(a[name]).all() and a[name].abs().max() > 0, name
+
+
+def test_auto_backend_logs_fallback_once(caplog):
+    """backend="auto" falls back to the reference path on CPU and says why, once."""
+    layer = make_layer(ROUTINGS["softmax"], dtype=torch.float32, seed=120, backend="auto")
+    x = random_x((T, H), torch.float32, 121)
+    with caplog.at_level("DEBUG", logger="mok_nn"):
+        layer(x)
+        layer(x)
+    records = [r for r in caplog.records if r.name.startswith("mok_nn") and "reference" in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
