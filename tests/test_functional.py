@@ -108,3 +108,19 @@ def test_functional_bad_backend():
 
     with pytest.raises(ValueError, match="backend"):
         functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, backend="tpu")
+
+
+def test_layer_runs_experts_through_mokfunction():
+    """The routed experts are one MoKFunction node with its explicit backward,
+    not an autograd graph of the reference's operations."""
+    layer = make_layer(OPTS, dtype=torch.float32, seed=84)
+    y = layer(random_x((T, H), torch.float32, 85).requires_grad_(True))
+    names, stack, seen = [], [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    assert names.count("MoKFunctionBackward") == 1, names
