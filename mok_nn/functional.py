@@ -124,6 +124,6 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     if workspace.backend == "cuda":
         return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
     return reference.experts_backward(
-        grad_y, saved, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
+        grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
         workspace.precision,
     )

@@ -316,10 +316,14 @@ def experts_forward(
 
 
 def experts_backward(
-    grad_y, saved: ExpertsSaved, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
+    grad_y, saved: ExpertsSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
     down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16",
 ):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts)."""
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts).
+
+    x is not read here (saved.rows holds this rank's rows, which may come from
+    peers); it is part of the signature every backend shares.
+    """
     num_tokens, top_k = topk_ids.shape
     plan = saved.plan
     token_of_slot = plan.order // top_k

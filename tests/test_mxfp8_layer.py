@@ -83,7 +83,7 @@ def _inputs(seed, dtype=torch.float32):
 
 def _reference(x, ids, w, p, dy, activation, limit, precision):
     y, saved = reference.experts_forward(x, ids, w, *p, activation, limit, precision=precision)
-    dx, dw, g = reference.experts_backward(dy, saved, ids, w, *p, activation, limit, precision=precision)
+    dx, dw, g = reference.experts_backward(dy, saved, x, ids, w, *p, activation, limit, precision=precision)
     return y, dx, dw, g.gate_up_proj, g.down_proj, g.gate_up_bias, g.down_bias
 
 
