@@ -13,8 +13,7 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
-  weight grads    torch._grouped_mm over the expert segments (varlen K); rows packed
-                  densely first where experts are small and padding would dominate
+  weight grads    torch._grouped_mm over the padded expert segments (varlen K)
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
@@ -32,8 +31,7 @@ from .kernels.registry import TILE_M
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
 SCHEDULE_MAX_EXPERTS = 512
-GEMM_TILE_N = 256
-COMPACT_WGRAD_BELOW_ROWS_PER_EXPERT = 384  # pack rows densely for the weight gradients below this mean  # shared-memory table of the schedule kernel
+GEMM_TILE_N = 256  # shared-memory table of the schedule kernel
 
 
 @dataclass
@@ -224,29 +222,6 @@ def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swig
     return dgu, wh, dw
 
 
-def weight_grads(dy_rows, wh, dgu, x_rows, topk_ids, sched: Schedule):
-    """d down_proj[e] = dy_e^T (w h)_e and d gate_up_proj[e] = dgu_e^T x_e (varlen-K grouped GEMMs).
-
-    Over the padded segments the padding rows (zeros) cost work in proportion
-    to the padding; with few rows per expert (deepseek-v3: 256 on average,
-    +25%) the real rows are first packed densely, which costs less.
-    """
-    num_slots = topk_ids.numel()
-    if num_slots >= COMPACT_WGRAD_BELOW_ROWS_PER_EXPERT * sched.num_experts:
-        offs = sched.seg_end
-        return torch._grouped_mm(dy_rows.t(), wh, offs=offs), torch._grouped_mm(dgu.t(), x_rows, offs=offs)
-    flat = topk_ids.reshape(-1)
-    counts = torch.zeros(sched.num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    real = torch.sort(sched.pos.reshape(-1)).values  # the used rows, in expert order
-    dy_c, wh_c = dy_rows.index_select(0, real), wh.index_select(0, real)
-    d_down = torch._grouped_mm(dy_c.t(), wh_c, offs=offs)
-    del dy_c, wh_c
-    dgu_c, x_c = dgu.index_select(0, real), x_rows.index_select(0, real)
-    return d_down, torch._grouped_mm(dgu_c.t(), x_c, offs=offs)
-
-
 def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """[E, N] per-expert column sums of rows [M_cap, N] (fixed order, via grouped_mm)."""
     ones = rows.new_ones(8, rows.shape[0])
@@ -332,9 +307,10 @@ def experts_backward(
     dx = combine(dx_rows, sched.pos, ones, x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
+    x_rows = saved.x_rows
     wdt = gate_up_proj.dtype
-    d_down, d_gate_up = weight_grads(dy_rows, wh, dgu, saved.x_rows, topk_ids, sched)
-    d_down, d_gate_up = d_down.to(wdt), d_gate_up.to(wdt)
+    d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)
+    d_gate_up = torch._grouped_mm(dgu.t(), x_rows, offs=sched.seg_end).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
