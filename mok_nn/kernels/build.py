@@ -117,42 +117,40 @@ def _find_static_libs() -> tuple[str, str]:
     if not cands:
         raise RuntimeError(f"libcuda_dialect_runtime_static.a not found under {base}")
     dialect = str(cands[0])
+    # Order: explicit file, $CUDA_HOME, the pip wheel nvidia-cuda-runtime (cu13), /usr/local/cuda.
     cudart_cands = [os.environ.get("MOK_CUDART_STATIC", "")]
-    for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        if root:
-            cudart_cands += glob.glob(f"{root}/lib*/libcudart_static.a") + glob.glob(
-                f"{root}/targets/*/lib/libcudart_static.a"
-            )
-    try:  # pip wheel nvidia-cuda-runtime (cu13 layout)
+    if os.environ.get("CUDA_HOME"):
+        root = os.environ["CUDA_HOME"]
+        cudart_cands += glob.glob(f"{root}/lib*/libcudart_static.a") + glob.glob(f"{root}/targets/*/lib/libcudart_static.a")
+    try:
         import nvidia.cu13 as _cu13  # type: ignore
 
-        cudart_cands += glob.glob(f"{_cu13.__path__[0]}/lib/libcudart_static.a")
+        for path in _cu13.__path__:
+            cudart_cands += glob.glob(f"{path}/lib/libcudart_static.a")
     except ImportError:
         pass
-    try:
-        import nvidia.cuda_runtime as _rt  # type: ignore
-
-        cudart_cands += glob.glob(f"{_rt.__path__[0]}/lib/libcudart_static.a")
-    except ImportError:
-        pass
+    cudart_cands += glob.glob("/usr/local/cuda/lib*/libcudart_static.a")
+    cudart_cands += glob.glob("/usr/local/cuda/targets/*/lib/libcudart_static.a")
     cudart = next((c for c in cudart_cands if c and os.path.isfile(c)), None)
     if cudart is None:
-        raise RuntimeError("libcudart_static.a not found: set MOK_CUDART_STATIC or CUDA_HOME")
+        raise RuntimeError(
+            "libcudart_static.a not found: pip install nvidia-cuda-runtime==13.0.*, or set CUDA_HOME or MOK_CUDART_STATIC"
+        )
     return dialect, cudart
 
 
 def _cuda_include(cudart: str) -> str:
-    # cuda_runtime.h lives beside the static library's lib directory.
+    """Toolkit headers beside the static runtime or in /usr/local/cuda, else csrc/cuda_shim.
+
+    A pip-installed runtime wheel carries cuda_runtime.h without the compiler's
+    crt/ headers it includes; the shim declares the few names the glue needs.
+    """
     root = pathlib.Path(cudart).resolve().parent.parent
     for cand in (root / "include", root.parent / "include", pathlib.Path("/usr/local/cuda/include")):
-        if (cand / "cuda_runtime.h").is_file():
-            return str(cand)
-    import nvidia_cutlass_dsl
-
-    for cand in pathlib.Path(nvidia_cutlass_dsl.__path__[0]).glob("*/include"):
-        if (cand / "cuda_runtime.h").is_file():
-            return str(cand)
-    raise RuntimeError("cuda_runtime.h not found")
+        if (cand / "cuda_runtime.h").is_file() and (cand / "crt" / "host_config.h").is_file():
+            if not os.environ.get("MOK_CUDA_SHIM"):
+                return str(cand)
+    return str(_CSRC / "cuda_shim")
 
 
 def build(arch: str, out: str, jobs: int | None = None, verbose: bool = True) -> pathlib.Path:

@@ -159,7 +159,7 @@ def source_hash() -> str:
     here = pathlib.Path(__file__).resolve().parent
     csrc = here.parent.parent / "csrc"
     h = hashlib.sha256()
-    files = sorted(here.glob("*.py")) + (sorted(csrc.glob("*")) if csrc.is_dir() else [])
+    files = sorted(here.glob("*.py")) + (sorted(p for p in csrc.rglob("*") if p.is_file()) if csrc.is_dir() else [])
     for f in files:
         if f.name in ("loader.py", "__init__.py"):
             continue  # loading logic does not change what is built
