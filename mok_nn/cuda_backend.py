@@ -27,11 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.registry import TILE_M
+from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
-SCHEDULE_MAX_EXPERTS = 512
-GEMM_TILE_N = 256  # shared-memory table of the schedule kernel
 
 
 @dataclass

@@ -18,6 +18,8 @@ LIB_NAME = "libmok_kernels.so"
 MANIFEST = "manifest.json"
 BUILD_COMMAND = "python -m mok_nn.kernels.build --arch {arch} --out {out}"
 TILE_M = 128  # rows per GEMM tile; the schedule pads each expert's segment to it
+GEMM_TILE_N = 256  # output columns per GEMM tile
+SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernel's shared-memory table holds
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 
 
@@ -142,9 +144,9 @@ def _schedule_spec(name: str) -> KernelSpec:
 
 
 SPECS = (
-    _gemm_spec("mok_gemm_bk", "k", 256),  # forward: x_perm @ W[e]^T
-    _gemm_spec("mok_gemm_bn", "n", 256),  # backward dgrad: dY @ W[e]
-    _gemm_spec("mok_gemm_bn_f32", "n", 256, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
+    _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
+    _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
+    _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),

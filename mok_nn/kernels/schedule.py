@@ -23,10 +23,10 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
+from .registry import SCHEDULE_MAX_EXPERTS as MAX_EXPERTS
 from .registry import TILE_M
 
 WARPS = 32
-MAX_EXPERTS = 512
 
 
 def _group_rank(e, lane):
