@@ -1,0 +1,256 @@
+"""mok_nn.integrations.huggingface on tiny random transformers models (CPU).
+
+Each supported architecture: the patched model against the original one, both
+float32 (tolerance: 1e-5 relative on logits, 1e-4 on gradients: the two only
+differ in summation order), plus state-dict round trips and bad input."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from _tiny_moe_models import ARCHS, VOCAB, build, import_integrations  # noqa: E402
+
+import_integrations()
+from mok_nn.integrations import huggingface as hf  # noqa: E402
+
+HAS_AUX = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}   # DeepSeek-V3 has none
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _inputs(seed=1, batch=2, seq=9):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (batch, seq), generator=g)
+    return ids
+
+
+def _patched(model, **kw):
+    return hf.patch_model(copy.deepcopy(model), backend="reference", **kw)
+
+
+def _num_blocks(model, cls):
+    return sum(isinstance(m, cls) for m in model.modules())
+
+
+def _hf_grads(model):
+    """{original parameter name: grad}, translating patched blocks back to HF names/layouts."""
+    out, inside = {}, set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, hf.MoKHFBlock):
+            for k, g in mod.hf_tensors(lambda t: t.grad if t.requires_grad else None).items():
+                if g is not None:
+                    out[f"{name}.{k}"] = g
+            inside |= {f"{name}.{n}" for n, _ in mod.named_parameters()}
+    for name, p in model.named_parameters():
+        if name not in inside and p.grad is not None:
+            out[name] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_forward_backward_and_aux_loss_match(arch):
+    orig = build(arch)
+    model = _patched(orig)
+    n_orig = sum(type(m).__name__ in hf.SUPPORTED_BLOCKS for m in orig.modules())
+    assert n_orig > 0 and _num_blocks(model, hf.MoKHFBlock) == n_orig
+    assert not any(type(m).__name__ in hf.SUPPORTED_BLOCKS for m in model.modules())
+
+    ids = _inputs()
+    out_o = orig(ids, labels=ids, output_router_logits=True)
+    out_p = model(ids, labels=ids, output_router_logits=True)
+    torch.testing.assert_close(out_p.logits, out_o.logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out_p.loss, out_o.loss, rtol=RTOL, atol=ATOL)
+
+    # router logits captured for every MoE layer, and the aux loss built from them
+    assert len(out_p.router_logits) == len(out_o.router_logits) == n_orig
+    for rp, ro in zip(out_p.router_logits, out_o.router_logits):
+        torch.testing.assert_close(rp.float(), ro.float(), rtol=RTOL, atol=ATOL)
+    if arch in HAS_AUX:
+        assert out_o.aux_loss is not None and out_o.aux_loss > 0
+        torch.testing.assert_close(out_p.aux_loss, out_o.aux_loss, rtol=RTOL, atol=ATOL)
+
+    # the loss includes router_aux_loss_coef * aux_loss: router gradients check the aux path too
+    out_o.loss.backward()
+    out_p.loss.backward()
+    g_o = {n: p.grad for n, p in orig.named_parameters() if p.grad is not None}
+    g_p = _hf_grads(model)
+    assert set(g_p) == set(g_o)
+    for name in g_o:
+        torch.testing.assert_close(g_p[name], g_o[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_aux_loss_gradient_reaches_router(arch):
+    """The captured router logits stay in the autograd graph: aux-loss alone trains the router."""
+    orig = build(arch)
+    model = _patched(orig)
+    ids = _inputs()
+    aux_o = orig(ids, output_router_logits=True).aux_loss
+    aux_p = model(ids, output_router_logits=True).aux_loss
+    aux_o.backward()
+    aux_p.backward()
+    g_o = {n: p.grad for n, p in orig.named_parameters() if p.grad is not None}
+    g_p = _hf_grads(model)
+    router = [n for n in g_o if ".router." in n or ".gate.weight" in n]
+    assert router
+    for n in router:
+        assert g_o[n].abs().max() > 0
+        torch.testing.assert_close(g_p[n], g_o[n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_state_dict_and_save_pretrained_round_trip(arch, tmp_path):
+    orig = build(arch)
+    model = _patched(orig)
+    sd_o, sd_p = orig.state_dict(), model.state_dict()
+    assert list(sd_p) == list(sd_o) or set(sd_p) == set(sd_o)
+    for k in sd_o:
+        assert sd_p[k].shape == sd_o[k].shape, k
+        assert torch.equal(sd_p[k], sd_o[k]), k
+
+    # train a step so the saved weights differ from the original ones
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = _inputs()
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    want = model(_inputs(seed=5)).logits
+
+    model.save_pretrained(tmp_path)
+    reloaded = type(orig).from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    torch.testing.assert_close(reloaded(_inputs(seed=5)).logits, want, rtol=RTOL, atol=ATOL)
+    repatched = hf.patch_model(reloaded, backend="reference")
+    assert torch.equal(repatched(_inputs(seed=5)).logits, want)
+
+    # load_state_dict takes an original (unpatched) state dict
+    fresh = _patched(build(arch, seed=3))
+    fresh.load_state_dict(reloaded.state_dict())
+    assert torch.equal(fresh(_inputs(seed=5)).logits, want)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_training_steps_run_and_are_deterministic(arch):
+    def run():
+        model = _patched(build(arch)).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            ids = _inputs(seed=10 + step)
+            loss = model(ids, labels=ids, output_router_logits=True).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return torch.stack(losses), model.state_dict()
+
+    l1, sd1 = run()
+    l2, sd2 = run()
+    assert torch.isfinite(l1).all()
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert not torch.equal(sd1[next(k for k in sd1 if "experts.down_proj" in k)],
+                           build(arch).state_dict()[next(k for k in sd1 if "experts.down_proj" in k)])
+
+
+def test_gpt_oss_block_returns_router_scores():
+    orig = build("gpt_oss")
+    model = _patched(orig)
+    x = torch.randn(2, 5, orig.config.hidden_size)
+    y_o, s_o = orig.model.layers[0].mlp(x)
+    y_p, s_p = model.model.layers[0].mlp(x)
+    torch.testing.assert_close(y_p, y_o, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(s_p, s_o, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_bf16_model(arch):
+    """bf16 models keep their dtypes, and the patched model is as accurate as the
+    original one: max |logits - float32 logits| at most twice the original's
+    error plus 1e-3 of the logit scale."""
+    orig = build(arch, dtype=torch.bfloat16)
+    model = _patched(orig)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in orig.state_dict().items()}
+    ids = _inputs()
+    ref = build(arch)(ids).logits
+    lo, lp = orig(ids).logits.float(), model(ids).logits.float()
+    err_o, err_p = (lo - ref).abs().max(), (lp - ref).abs().max()
+    assert err_p <= 2 * err_o + 1e-3 * ref.abs().max(), (err_p, err_o)
+
+
+def test_hooks_installed_before_patching_still_capture_once():
+    orig = build("mixtral")
+    model = copy.deepcopy(orig)
+    ids = _inputs()
+    model(ids, output_router_logits=True)        # installs transformers' capture hooks
+    hf.patch_model(model, backend="reference")
+    out = model(ids, output_router_logits=True, output_hidden_states=True)
+    ref = orig(ids, output_router_logits=True, output_hidden_states=True)
+    assert len(out.router_logits) == len(ref.router_logits)
+    assert len(out.hidden_states) == len(ref.hidden_states)
+
+
+def test_targets_patch_only_named_blocks():
+    orig = build("qwen3_moe")
+    model = _patched(orig, targets=["model.layers.1.mlp"])
+    assert not isinstance(model.model.layers[0].mlp, hf.MoKHFBlock)
+    assert isinstance(model.model.layers[1].mlp, hf.MoKHFBlock)
+    ids = _inputs()
+    torch.testing.assert_close(model(ids).logits, orig(ids).logits, rtol=RTOL, atol=ATOL)
+    by_class = _patched(orig, targets=["Qwen3MoeSparseMoeBlock"])
+    assert _num_blocks(by_class, hf.MoKHFBlock) == 2
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_model_without_moe_blocks_raises():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
+                                   num_hidden_layers=1, num_attention_heads=4)
+    with pytest.raises(hf.PatchError, match="no MoE blocks"):
+        hf.patch_model(transformers.LlamaForCausalLM(cfg))
+    with pytest.raises(hf.PatchError, match="no MoE blocks"):
+        hf.patch_model(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_unsupported_configuration_is_logged_and_raises_when_nothing_patchable(caplog):
+    model = build("mixtral", router_jitter_noise=0.1)
+    with caplog.at_level(logging.WARNING, logger=hf.__name__):
+        with pytest.raises(hf.PatchError, match="router_jitter_noise"):
+            hf.patch_model(model)
+    assert "left model.layers.0.mlp (MixtralSparseMoeBlock) unpatched" in caplog.text
+    assert _num_blocks(model, hf.MoKHFBlock) == 0
+
+    with pytest.raises(hf.PatchError, match="hidden_act='gelu'"):
+        hf.patch_model(build("olmoe", hidden_act="gelu"))
+
+
+def test_explicit_targets_that_cannot_be_patched_raise():
+    model = build("mixtral")
+    with pytest.raises(hf.PatchError, match="model.layers.7.mlp: no such module"):
+        hf.patch_model(model, targets=["model.layers.7.mlp"])
+    with pytest.raises(hf.PatchError, match="not a supported MoE block"):
+        hf.patch_model(model, targets=["model.layers.0.self_attn"])
+    with pytest.raises(hf.PatchError, match="targets is empty"):
+        hf.patch_model(model, targets=[])
+    assert _num_blocks(model, hf.MoKHFBlock) == 0     # nothing half-patched
+
+
+def test_patching_twice_is_a_no_op():
+    model = _patched(build("olmoe"))
+    blocks = [m for m in model.modules() if isinstance(m, hf.MoKHFBlock)]
+    assert hf.patch_model(model) is model
+    assert blocks == [m for m in model.modules() if isinstance(m, hf.MoKHFBlock)]
+
+
+def test_mxfp8_not_implemented_yet():
+    with pytest.raises(NotImplementedError, match="mxfp8"):
+        hf.patch_model(build("mixtral"), precision="mxfp8")
+
+
+def test_interleave_helpers_against_explicit_indexing():
+    t = torch.randn(3, 5, 8)
+    d = hf.deinterleave(t, 2)
+    assert torch.equal(d[..., :4], t[..., [0, 2, 4, 6]]) and torch.equal(d[..., 4:], t[..., [1, 3, 5, 7]])
+    assert torch.equal(hf.interleave(d, 2), t)
