@@ -1,0 +1,64 @@
+"""MoKConfig: the tuning knobs of the fused kernel path.
+
+The knobs change speed and memory, never the function computed. The reference
+path accepts and validates them too, so a config can be written once and used
+on every backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Tuning knobs of the fused MoE kernels.
+
+    fwd_num_comm_sms / bwd_num_comm_sms: SMs of the persistent forward /
+        backward kernels given to token dispatch and combine (expert
+        parallelism); the rest run the grouped GEMMs. 0 is allowed only
+        without expert parallelism.
+    minibatch_size: tokens per readiness unit; sets the granularity at which
+        communication and compute overlap.
+    macrobatch_size: tokens processed per kernel pass; bounds workspace memory.
+        None means all tokens in one pass.
+    schedule_capacity_multiplier: capacity of each rank's expert buffers as a
+        multiple of the balanced load (tokens * top_k / ep_size, padded); a
+        routing that overflows it is reported as an error, never truncated.
+    """
+
+    fwd_num_comm_sms: int = 16
+    bwd_num_comm_sms: int = 16
+    minibatch_size: int = 1024
+    macrobatch_size: int | None = None
+    schedule_capacity_multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MoKConfig.{name} must be an int, got {type(value).__name__}")
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            value = getattr(self, name)
+            if not 0 <= value <= 128:
+                raise ValueError(f"MoKConfig.{name} must be in [0, 128], got {value}")
+        if self.minibatch_size <= 0:
+            raise ValueError(f"MoKConfig.minibatch_size must be positive, got {self.minibatch_size}")
+        if self.macrobatch_size is not None:
+            if isinstance(self.macrobatch_size, bool) or not isinstance(self.macrobatch_size, int):
+                raise TypeError("MoKConfig.macrobatch_size must be an int or None")
+            if self.macrobatch_size <= 0:
+                raise ValueError(f"MoKConfig.macrobatch_size must be positive, got {self.macrobatch_size}")
+            if self.macrobatch_size < self.minibatch_size:
+                raise ValueError(
+                    f"MoKConfig.macrobatch_size ({self.macrobatch_size}) must be >= "
+                    f"minibatch_size ({self.minibatch_size})"
+                )
+        mult = self.schedule_capacity_multiplier
+        if isinstance(mult, bool) or not isinstance(mult, (int, float)):
+            raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number")
+        if not mult >= 1.0:  # also rejects NaN
+            raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be >= 1.0, got {mult}")
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,274 @@
+"""Pure-PyTorch deterministic implementation of the routed experts.
+
+This is the oracle of every kernel test and the CPU path. It computes, with
+explicit formulas (no autograd), exactly what the fused kernels compute:
+
+forward, for each routed slot s = t*k + j with expert e = topk_ids[t, j]:
+    gu_s   = W13[e] @ x_t (+ b13[e])            fp32 accumulate, stored in x.dtype
+    h_s    = act(gu_s)                          fp32 math, stored in x.dtype
+    slot_s = W2[e] @ h_s (+ b2[e])              fp32 accumulate, stored in x.dtype
+    y_t    = sum_{j=0..k-1} w_tj * slot_{t*k+j}  fp32, fixed order, cast to x.dtype
+
+backward, given dy:
+    dh'_s  = W2[e]^T @ dy_t                      (dy not yet scaled by w)
+    dw_tj  = <dh'_s, h_s> (+ <dy_t, b2[e]>)      the top-k weight gradient
+    dgu_s  = act'(gu_s) * (w_tj * dh'_s)         stored in x.dtype
+    dx_t   = sum_j W13[e]^T @ dgu_s              fixed order over j
+    dW2[e] = sum_s dy_t (w_tj h_s)^T,  db2[e] = sum_s w_tj dy_t
+    dW13[e]= sum_s dgu_s x_t^T,        db13[e]= sum_s dgu_s
+
+Rows are grouped by expert with a stable sort of the flat expert ids, so the
+row order inside an expert (and therefore every reduction order) is a pure
+function of the routing. Every slot is written exactly once; no index_add_.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+OAI_ALPHA = 1.702
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype: fp32 for 16-bit storage, the storage dtype otherwise."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --------------------------------------------------------------------------
+# activation and its derivative
+
+
+def _clamp_masks(gate, up, limit):
+    if limit is None:
+        return gate, up, None, None
+    gate_ok = gate <= limit
+    up_ok = (up >= -limit) & (up <= limit)
+    return gate.clamp(max=limit), up.clamp(-limit, limit), gate_ok, up_ok
+
+
+def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit: float | None) -> torch.Tensor:
+    """act([gate | up]) -> [..., I], computed in gate_up's dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up, _, _ = _clamp_masks(gate, up, swiglu_limit)
+    if activation == "swiglu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "swiglu_oai":
+        return (up + 1) * gate * torch.sigmoid(OAI_ALPHA * gate)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def activation_backward(
+    gate_up: torch.Tensor, grad_h: torch.Tensor, activation: str, swiglu_limit: float | None
+) -> torch.Tensor:
+    """d act / d [gate | up] applied to grad_h; same dtype as gate_up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up, gate_ok, up_ok = _clamp_masks(gate, up, swiglu_limit)
+    if activation == "swiglu":
+        sig = torch.sigmoid(gate)
+        act_gate = gate * sig
+        d_act_gate = sig * (1 + gate * (1 - sig))
+        d_gate = grad_h * up * d_act_gate
+        d_up = grad_h * act_gate
+    elif activation == "swiglu_oai":
+        sig = torch.sigmoid(OAI_ALPHA * gate)
+        glu = gate * sig
+        d_glu = sig * (1 + OAI_ALPHA * gate * (1 - sig))
+        d_gate = grad_h * (up + 1) * d_glu
+        d_up = grad_h * glu
+    else:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate_ok is not None:
+        d_gate = d_gate * gate_ok
+        d_up = d_up * up_ok
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
+# --------------------------------------------------------------------------
+# grouping of routed rows by expert
+
+
+@dataclass
+class ExpertGrouping:
+    """Rows grouped by expert: rows[order] is sorted by expert, stably.
+
+    order:  [N] int64 permutation; position p holds the input row order[p].
+    counts: rows per expert, a host list (the reference path may synchronise).
+    """
+
+    order: torch.Tensor
+    counts: list[int]
+
+    @property
+    def offsets(self) -> list[int]:
+        out, acc = [0], 0
+        for c in self.counts:
+            acc += c
+            out.append(acc)
+        return out
+
+
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertGrouping:
+    flat = expert_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts).tolist() if flat.numel() else [0] * num_experts
+    return ExpertGrouping(order=order, counts=counts)
+
+
+# --------------------------------------------------------------------------
+# the expert MLP on rows already grouped by expert
+
+
+def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit):
+    """rows [N, H] grouped by expert (counts[e] rows each) -> (out [N, H], gate_up [N, 2I]).
+
+    Both results are in rows.dtype; gate_up is what backward needs.
+    """
+    cdt = compute_dtype(rows.dtype)
+    num_rows, inter2 = rows.shape[0], gate_up_proj.shape[1]
+    out = rows.new_empty(num_rows, down_proj.shape[1])
+    gate_up = rows.new_empty(num_rows, inter2)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        seg = slice(start, start + count)
+        start += count
+        gu = rows[seg].to(cdt) @ gate_up_proj[e].to(cdt).T
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e].to(cdt)
+        gu = gu.to(rows.dtype)
+        gate_up[seg] = gu
+        h = activation_forward(gu.to(cdt), activation, swiglu_limit).to(rows.dtype)
+        o = h.to(cdt) @ down_proj[e].to(cdt).T
+        if down_bias is not None:
+            o = o + down_bias[e].to(cdt)
+        out[seg] = o.to(rows.dtype)
+    return out, gate_up
+
+
+@dataclass
+class GroupedMLPGrads:
+    grad_rows: torch.Tensor  # [N, H] d loss / d input row
+    grad_weights: torch.Tensor  # [N], d loss / d top-k weight of each row (row_weights.dtype)
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+def grouped_mlp_backward(
+    rows, grad_out, row_weights, gate_up, counts, gate_up_proj, down_proj, gate_up_bias, down_bias,
+    activation, swiglu_limit,
+) -> GroupedMLPGrads:
+    """Backward of w * MLP(rows) on rows grouped by expert.
+
+    grad_out [N, H]: d loss / d y of each row's token (not yet scaled by w).
+    row_weights [N]: the top-k weight of each row.
+    """
+    cdt = compute_dtype(rows.dtype)
+    wdt = gate_up_proj.dtype
+    num_rows = rows.shape[0]
+    grad_rows = rows.new_empty(rows.shape)
+    grad_w = torch.empty(num_rows, dtype=row_weights.dtype, device=rows.device)
+    d_gate_up_proj = torch.zeros_like(gate_up_proj)
+    d_down_proj = torch.zeros_like(down_proj)
+    d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
+    d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        seg = slice(start, start + count)
+        start += count
+        x_e = rows[seg].to(cdt)
+        dy_e = grad_out[seg].to(cdt)
+        w_e = row_weights[seg].to(cdt).unsqueeze(1)
+        gu = gate_up[seg].to(cdt)
+        h = activation_forward(gu, activation, swiglu_limit).to(rows.dtype).to(cdt)
+        dh_raw = dy_e @ down_proj[e].to(cdt)
+        dw = (dh_raw * h).sum(dim=1)
+        if down_bias is not None:
+            dw = dw + dy_e @ down_bias[e].to(cdt)
+            d_down_bias[e] = (w_e * dy_e).sum(dim=0).to(wdt)
+        grad_w[seg] = dw.to(grad_w.dtype)
+        d_down_proj[e] = (dy_e.T @ (w_e * h)).to(wdt)
+        dgu = activation_backward(gu, w_e * dh_raw, activation, swiglu_limit).to(rows.dtype).to(cdt)
+        d_gate_up_proj[e] = (dgu.T @ x_e).to(wdt)
+        if gate_up_bias is not None:
+            d_gate_up_bias[e] = dgu.sum(dim=0).to(wdt)
+        grad_rows[seg] = (dgu @ gate_up_proj[e].to(cdt)).to(rows.dtype)
+    return GroupedMLPGrads(grad_rows, grad_w, d_gate_up_proj, d_down_proj, d_gate_up_bias, d_down_bias)
+
+
+# --------------------------------------------------------------------------
+# combine: fixed-order weighted sum over the k slots of each token
+
+
+def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """y_t = sum_j w_tj * slots[t, j] in fp32 (or wider), j = 0..k-1 in order."""
+    cdt = compute_dtype(slots.dtype)
+    acc = torch.zeros(slots.shape[0], slots.shape[2], dtype=cdt, device=slots.device)
+    for j in range(slots.shape[1]):
+        acc = acc + topk_weights[:, j : j + 1].to(cdt) * slots[:, j].to(cdt)
+    return acc.to(out_dtype)
+
+
+def sum_slots(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx_t = sum_j slots[t, j], j = 0..k-1 in order, in fp32 (or wider)."""
+    cdt = compute_dtype(slots.dtype)
+    acc = torch.zeros(slots.shape[0], slots.shape[2], dtype=cdt, device=slots.device)
+    for j in range(slots.shape[1]):
+        acc = acc + slots[:, j].to(cdt)
+    return acc.to(out_dtype)
+
+
+# --------------------------------------------------------------------------
+# single-process experts (EP = 1)
+
+
+@dataclass
+class ExpertsSaved:
+    """What experts_backward needs from experts_forward."""
+
+    grouping: ExpertGrouping
+    gate_up: torch.Tensor  # [T*k, 2I], grouped order
+
+
+def experts_forward(
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
+    activation="swiglu", swiglu_limit=None,
+):
+    """Routed experts on one process. Returns (y [T, H] in x.dtype, ExpertsSaved)."""
+    num_tokens, top_k = topk_ids.shape
+    grouping = group_by_expert(topk_ids, gate_up_proj.shape[0])
+    rows = x[grouping.order // top_k]
+    out, gate_up = grouped_mlp_forward(
+        rows, grouping.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+    )
+    slots = torch.empty_like(out)
+    slots[grouping.order] = out  # order is a permutation: every slot written once
+    y = combine_slots(slots.view(num_tokens, top_k, slots.shape[-1]), topk_weights, x.dtype)
+    return y, ExpertsSaved(grouping, gate_up)
+
+
+def experts_backward(
+    grad_y, saved: ExpertsSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
+    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None,
+):
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads)."""
+    num_tokens, top_k = topk_ids.shape
+    order = saved.grouping.order
+    token_of_row = order // top_k
+    grads = grouped_mlp_backward(
+        x[token_of_row], grad_y.to(x.dtype)[token_of_row], topk_weights.reshape(-1)[order], saved.gate_up,
+        saved.grouping.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+    )
+    dx_slots = torch.empty_like(grads.grad_rows)
+    dx_slots[order] = grads.grad_rows
+    d_topk = torch.empty(num_tokens * top_k, dtype=topk_weights.dtype, device=x.device)
+    d_topk[order] = grads.grad_weights
+    dx = sum_slots(dx_slots.view(num_tokens, top_k, dx_slots.shape[-1]), x.dtype)
+    return dx, d_topk.view(num_tokens, top_k), grads

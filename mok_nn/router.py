@@ -1,0 +1,108 @@
+"""Routing math: scores, deterministic top-k selection, top-k weights, aux losses.
+
+Everything here is ordinary differentiable PyTorch in fp32: the router trains
+through autograd of these functions, and the expert kernels only see the
+selected expert ids and the top-k weights.
+
+Selection is a pure function of its inputs: a stable descending sort puts
+equal scores in ascending expert order, so ties go to the lower expert index
+on every device and every run (torch.topk makes no such promise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def compute_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Router scores in fp32 from fp32 logits [T, E]."""
+    if score_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+
+
+def stable_topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries along the last dim; ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def select_experts(
+    scores_for_choice: torch.Tensor,
+    top_k: int,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+) -> torch.Tensor:
+    """Expert ids [T, top_k] (int64) chosen from selection scores [T, E].
+
+    Group-limited routing (DeepSeek-V3): experts form n_group equal groups; a
+    group's score is the sum of its two best selection scores (its best score
+    when a group holds one expert); only the topk_group best groups stay
+    eligible, the others are masked to -inf before the final top-k.
+    """
+    num_tokens, num_experts = scores_for_choice.shape
+    if n_group is not None and n_group > 1:
+        group_size = num_experts // n_group
+        grouped = scores_for_choice.view(num_tokens, n_group, group_size)
+        best = torch.sort(grouped, dim=-1, descending=True, stable=True).values
+        group_scores = best[..., : min(2, group_size)].sum(dim=-1)
+        keep_groups = stable_topk_indices(group_scores, topk_group)
+        group_mask = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=scores_for_choice.device)
+        group_mask.scatter_(1, keep_groups, True)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, group_size).reshape(num_tokens, num_experts)
+        scores_for_choice = scores_for_choice.masked_fill(~expert_mask, float("-inf"))
+    return stable_topk_indices(scores_for_choice, top_k)
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    score_func: str = "softmax",
+    norm_topk_prob: bool = True,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route tokens from fp32 logits [T, E].
+
+    Returns (topk_ids int64 [T, k], topk_weights fp32 [T, k], scores fp32 [T, E]).
+    The weights are differentiable w.r.t. the logits; the ids are not. The
+    correction bias only affects which experts are selected, never the weights.
+    """
+    scores = compute_scores(logits, score_func)
+    with torch.no_grad():
+        choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+        topk_ids = select_experts(choice, top_k, n_group, topk_group)
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_ids, topk_weights, scores
+
+
+def load_balancing_loss(scores: torch.Tensor, topk_ids: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Switch-style load-balancing loss  E * sum_e f_e * P_e  (1.0 at perfect balance).
+
+    f_e: fraction of the T*k routed (token, slot) assignments that go to
+    expert e (not differentiable). P_e: mean over tokens of the router
+    probability of e; sigmoid scores are first normalised per token to sum to 1.
+    """
+    num_experts = scores.shape[-1]
+    if scores.shape[0] == 0:
+        return scores.sum() * 0.0
+    probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    counts = torch.bincount(topk_ids.reshape(-1), minlength=num_experts).to(scores.dtype)
+    fraction = counts / topk_ids.numel()
+    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return torch.logsumexp(logits, dim=-1).square().mean()
