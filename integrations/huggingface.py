@@ -186,7 +186,8 @@ def _layer_kwargs(block: nn.Module, fam: _Family) -> dict:
                   routed_scaling_factor=float(router.routed_scaling_factor), use_expert_bias=True)
     if fam.gpt_oss:
         # softmax over the top-k logits == softmax over all, then top-k, renormalised
-        kw.update(expert_proj_bias=True, activation="swiglu_oai", swiglu_limit=float(experts.limit))
+        kw.update(expert_proj_bias=True, activation="swiglu_oai", swiglu_limit=float(experts.limit),
+                  router_bias=True)
     if fam.shared_attr:
         kw["shared_intermediate_size"] = getattr(block, fam.shared_attr).down_proj.in_features
         kw["shared_expert_gate"] = fam.shared_gate_attr is not None
@@ -243,7 +244,7 @@ class MoKHFBlock(nn.Module):
 
     # -- forward -----------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor):
-        y = self.moe(hidden_states)
+        y = self.moe(hidden_states.contiguous())
         logits = self.router_logits_probe(self.moe.router_logits)
         if self.family.returns_scores:
             # GPT-OSS also returns the top-k routing weights [T, k] (unused by its decoder layer)
@@ -319,8 +320,6 @@ def _patch_block(block: nn.Module, fam: _Family, *, precision, config, ep_group,
     if config is not None:
         kwargs["config"] = config
     layer = MoKMoELayer(**kwargs)
-    if fam.gpt_oss:
-        _add_router_bias(layer)
 
     rank, size = _ep_rank_size(ep_group)
     for k in _keys(fam):
@@ -348,15 +347,6 @@ def _patch_block(block: nn.Module, fam: _Family, *, precision, config, ep_group,
             mod._buffers[attr] = value.detach()
     layer.train(block.training)
     return MoKHFBlock(layer, fam, type(block).__name__, rank, size)
-
-
-def _add_router_bias(layer: nn.Module) -> None:
-    """GPT-OSS routers have a bias (logits = x W^T + b)."""
-    router = layer.router
-    if isinstance(getattr(router, "bias", None), torch.Tensor):
-        return
-    w = router.weight
-    router.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device))
 
 
 # --------------------------------------------------------------------------
