@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from . import router as routing
-from .autograd import ExpertOptions, MoKFunction
+from . import functional
+from .autograd import MoKFunction
 from .config import MoKConfig
 from .distributed import group_size_and_rank
 from .reference import ACTIVATIONS, compute_dtype
@@ -251,15 +252,17 @@ class MoKMoELayer(nn.Module):
         self.router_logits = logits
         self.aux_loss = self._aux_loss(logits, scores, topk_ids)
 
-        options = ExpertOptions(
-            num_experts=self.num_experts, activation=self.activation, swiglu_limit=self.swiglu_limit,
-            ep_group=self.ep_group, backend=self._choose_backend(x),
+        workspace = functional.get_workspace(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_experts=self.num_experts,
+            top_k=self.top_k, ep_group=self.ep_group, device=x.device, dtype=x.dtype,
+            backend=self._choose_backend(x), activation=self.activation, swiglu_limit=self.swiglu_limit,
+            config=self.config,
         )
         if self.precision == "mxfp8":
             raise NotImplementedError("precision='mxfp8' is not implemented yet")
         e = self.experts
         y = MoKFunction.apply(
-            x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids, options
+            x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids, workspace
         )
         if self.shared_expert is not None:
             shared = self.shared_expert(x2d)

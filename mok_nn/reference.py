@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import distributed
+
 ACTIVATIONS = ("swiglu", "swiglu_oai")
 OAI_ALPHA = 1.702
 
@@ -226,49 +228,103 @@ def sum_slots(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
-# single-process experts (EP = 1)
+# dispatch to the experts' ranks and the routed experts
+
+
+@dataclass
+class DispatchPlan:
+    """Where each routed slot goes and where it lands on the expert rank.
+
+    With a group of size P, rank r holds experts [r*E/P, (r+1)*E/P); tokens
+    stay on their rank. Each slot (t, j) travels to its expert's rank, which
+    computes the unweighted expert output and sends it back into the source
+    slot [t*k + j]; the source sums the k slots in fixed order with its top-k
+    weights. Received rows are concatenated by source rank (each block sorted
+    by expert) and regrouped by local expert with a stable sort, so every
+    reduction order is fixed and the outputs do not depend on P.
+
+    order: [T*k] slot ids sorted by global expert (stable): the send order.
+    send_splits / recv_splits: rows per peer rank.
+    local: grouping of the received rows by local expert.
+    """
+
+    order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    local: ExpertGrouping
+    group: object
+
+    def dispatch(self, rows_in_send_order: torch.Tensor) -> torch.Tensor:
+        """Send rows to their expert ranks; result grouped by local expert."""
+        received = distributed.all_to_all(rows_in_send_order, self.send_splits, self.recv_splits, self.group)
+        return received[self.local.order]
+
+    def undispatch(self, rows_grouped: torch.Tensor) -> torch.Tensor:
+        """Inverse of dispatch: rows back to their source ranks, in send order."""
+        received_order = torch.empty_like(rows_grouped)
+        received_order[self.local.order] = rows_grouped
+        return distributed.all_to_all(received_order, self.recv_splits, self.send_splits, self.group)
+
+
+def build_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, group) -> DispatchPlan:
+    world, _ = distributed.group_size_and_rank(group)
+    experts_per_rank = num_experts // world
+    flat = topk_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    sorted_ids = flat[order]
+    dest = sorted_ids // experts_per_rank
+    send_counts = torch.bincount(dest, minlength=world).to(torch.int64)
+    recv_counts = distributed.exchange_counts(send_counts, group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    local_ids = distributed.all_to_all(sorted_ids - dest * experts_per_rank, send_splits, recv_splits, group)
+    return DispatchPlan(order, send_splits, recv_splits, group_by_expert(local_ids, experts_per_rank), group)
 
 
 @dataclass
 class ExpertsSaved:
-    """What experts_backward needs from experts_forward."""
-
-    grouping: ExpertGrouping
-    gate_up: torch.Tensor  # [T*k, 2I], grouped order
+    plan: DispatchPlan
+    rows: torch.Tensor  # received token rows, grouped by local expert
+    gate_up: torch.Tensor  # [N_local, 2I]
 
 
 def experts_forward(
     x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-    activation="swiglu", swiglu_limit=None,
+    activation="swiglu", swiglu_limit=None, plan: DispatchPlan | None = None,
 ):
-    """Routed experts on one process. Returns (y [T, H] in x.dtype, ExpertsSaved)."""
+    """Routed experts, sharded over plan.group (default: all experts local). Returns (y, ExpertsSaved)."""
     num_tokens, top_k = topk_ids.shape
-    grouping = group_by_expert(topk_ids, gate_up_proj.shape[0])
-    rows = x[grouping.order // top_k]
+    if plan is None:
+        plan = build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
+    rows = plan.dispatch(x[plan.order // top_k])
     out, gate_up = grouped_mlp_forward(
-        rows, grouping.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+        rows, plan.local.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
     )
-    slots = torch.empty_like(out)
-    slots[grouping.order] = out  # order is a permutation: every slot written once
+    returned = plan.undispatch(out)
+    slots = torch.empty_like(returned)
+    slots[plan.order] = returned
     y = combine_slots(slots.view(num_tokens, top_k, slots.shape[-1]), topk_weights, x.dtype)
-    return y, ExpertsSaved(grouping, gate_up)
+    return y, ExpertsSaved(plan, rows, gate_up)
 
 
 def experts_backward(
-    grad_y, saved: ExpertsSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
-    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None,
+    grad_y, saved: ExpertsSaved, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
+    down_bias=None, activation="swiglu", swiglu_limit=None,
 ):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads)."""
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts)."""
     num_tokens, top_k = topk_ids.shape
-    order = saved.grouping.order
-    token_of_row = order // top_k
+    plan = saved.plan
+    token_of_slot = plan.order // top_k
+    dy_rows = plan.dispatch(grad_y.to(saved.rows.dtype)[token_of_slot])
+    w_rows = plan.dispatch(topk_weights.reshape(-1)[plan.order].contiguous())
     grads = grouped_mlp_backward(
-        x[token_of_row], grad_y.to(x.dtype)[token_of_row], topk_weights.reshape(-1)[order], saved.gate_up,
-        saved.grouping.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+        saved.rows, dy_rows, w_rows, saved.gate_up, plan.local.counts, gate_up_proj, down_proj,
+        gate_up_bias, down_bias, activation, swiglu_limit,
     )
-    dx_slots = torch.empty_like(grads.grad_rows)
-    dx_slots[order] = grads.grad_rows
-    d_topk = torch.empty(num_tokens * top_k, dtype=topk_weights.dtype, device=x.device)
-    d_topk[order] = grads.grad_weights
-    dx = sum_slots(dx_slots.view(num_tokens, top_k, dx_slots.shape[-1]), x.dtype)
+    dx_back = plan.undispatch(grads.grad_rows)
+    dw_back = plan.undispatch(grads.grad_weights)
+    dx_slots = torch.empty_like(dx_back)
+    dx_slots[plan.order] = dx_back
+    d_topk = torch.empty_like(dw_back)
+    d_topk[plan.order] = dw_back
+    dx = sum_slots(dx_slots.view(num_tokens, top_k, dx_slots.shape[-1]), saved.rows.dtype)
     return dx, d_topk.view(num_tokens, top_k), grads

@@ -1,0 +1,122 @@
+"""The functional layer: workspace -> schedule -> forward -> backward.
+
+These four calls mirror the structure of the fused kernels, so a backend
+slots in behind them: the reference backend (pure PyTorch, any device, any
+torch.distributed group) and, where built, the CUDA kernels. MoKFunction and
+MoKMoELayer are thin wrappers over them.
+
+    ws = get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, device=..., dtype=...)
+    schedule = build_schedule(topk_ids, ws)
+    y, saved = forward(x, topk_ids, topk_weights, params, schedule, ws)
+    dx, d_topk_weights, grads = backward(dy, saved, x, topk_ids, topk_weights, params, ws)
+
+params: ExpertParams (gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I], optional biases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import distributed, reference
+from .config import MoKConfig
+
+BACKENDS = ("reference", "cuda")
+
+
+@dataclass(frozen=True)
+class ExpertParams:
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    def as_args(self):
+        return self.gate_up_proj, self.down_proj, self.gate_up_bias, self.down_bias
+
+
+@dataclass(eq=False)
+class Workspace:
+    """Per-(group, shape, backend) state reused across calls.
+
+    The reference backend allocates per call and keeps no buffers; a kernel
+    backend keeps its persistent buffers in `buffers`.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    ep_group: object
+    device: torch.device
+    dtype: torch.dtype
+    backend: str
+    activation: str = "swiglu"
+    swiglu_limit: float | None = None
+    config: MoKConfig = field(default_factory=MoKConfig)
+    buffers: dict = field(default_factory=dict)
+
+    @property
+    def ep_size(self) -> int:
+        return distributed.group_size_and_rank(self.ep_group)[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+_WORKSPACES: dict = {}
+
+
+def _cuda_backend():
+    from . import cuda_backend  # imported lazily: needs the built kernels
+
+    return cuda_backend
+
+
+def get_workspace(
+    *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, ep_group=None, device=None,
+    dtype: torch.dtype = torch.bfloat16, backend: str = "reference", activation: str = "swiglu",
+    swiglu_limit: float | None = None, config: MoKConfig | None = None,
+) -> Workspace:
+    """The workspace for these shapes, created once and reused."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    config = config if config is not None else MoKConfig()
+    device = torch.device(device if device is not None else "cpu")
+    key = (hidden_size, intermediate_size, num_experts, top_k, id(ep_group), str(device), dtype, backend,
+           activation, swiglu_limit, config)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = Workspace(hidden_size, intermediate_size, num_experts, top_k, ep_group, device, dtype, backend,
+                       activation, swiglu_limit, config)
+        if backend == "cuda":
+            _cuda_backend().init_workspace(ws)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def build_schedule(topk_ids: torch.Tensor, workspace: Workspace):
+    """Which rows each rank computes, grouped by expert, from the routing."""
+    if workspace.backend == "cuda":
+        return _cuda_backend().build_schedule(topk_ids, workspace)
+    return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group)
+
+
+def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace: Workspace):
+    """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward)."""
+    if workspace.backend == "cuda":
+        return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
+    return reference.experts_forward(
+        x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule
+    )
+
+
+def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace):
+    """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts)."""
+    if workspace.backend == "cuda":
+        return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
+    return reference.experts_backward(
+        grad_y, saved, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit
+    )

@@ -1,0 +1,102 @@
+"""torch.library custom ops over the routed-expert computation (one process).
+
+Each op has a fake (meta) implementation, so torch.compile can trace through
+code that calls them without running them, and the forward op has its
+backward registered, so autograd works through `routed_experts`.
+
+    y = mok_nn.ops.routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj,
+                                  gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None)
+
+The ops run the reference implementation; the backward op rebuilds the
+expert grouping from topk_ids (a pure function of the routing) instead of
+saving it, so only tensors cross the op boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+
+@torch.library.custom_op("mok_nn::routed_experts_fwd", mutates_args=())
+def routed_experts_fwd(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+    gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, swiglu_limit: Optional[float],
+) -> tuple[Tensor, Tensor]:
+    """Returns (y [T, H], gate_up [T*k, 2I] in expert-grouped order, kept for backward)."""
+    y, saved = reference.experts_forward(
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+    )
+    return y, saved.gate_up
+
+
+@routed_experts_fwd.register_fake
+def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit):
+    y = x.new_empty(x.shape)
+    gate_up = x.new_empty(topk_ids.numel(), gate_up_proj.shape[1])
+    return y, gate_up
+
+
+@torch.library.custom_op("mok_nn::routed_experts_bwd", mutates_args=())
+def routed_experts_bwd(
+    grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, gate_up_proj: Tensor,
+    down_proj: Tensor, gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str,
+    swiglu_limit: Optional[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx, d_topk_weights, d_gate_up_proj, d_down_proj, d_gate_up_bias, d_down_bias).
+
+    A bias gradient is an empty tensor where the bias is None (ops cannot return None).
+    """
+    plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
+    saved = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up)
+    dx, d_topk, g = reference.experts_backward(
+        grad_y, saved, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        activation, swiglu_limit,
+    )
+    return dx, d_topk, g.gate_up_proj, g.down_proj, _or_empty(g.gate_up_bias, x), _or_empty(g.down_bias, x)
+
+
+def _or_empty(t, like):
+    return like.new_empty(0) if t is None else t
+
+
+@routed_experts_bwd.register_fake
+def _(grad_y, x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
+      activation, swiglu_limit):
+    def like(t):
+        return x.new_empty(0) if t is None else torch.empty_like(t)
+
+    return (torch.empty_like(x), torch.empty_like(topk_weights), like(gate_up_proj), like(down_proj),
+            like(gate_up_bias), like(down_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, output[1], gate_up_proj, down_proj, gate_up_bias, down_bias)
+    ctx.activation, ctx.swiglu_limit = activation, swiglu_limit
+
+
+def _backward(ctx, grad_y, _grad_gate_up):
+    x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias = ctx.saved_tensors
+    dx, d_topk, d13, d2, db13, db2 = routed_experts_bwd(
+        grad_y.contiguous(), x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        ctx.activation, ctx.swiglu_limit,
+    )
+    db13 = db13 if gate_up_bias is not None else None
+    db2 = db2 if down_bias is not None else None
+    return dx, None, d_topk, d13, d2, db13, db2, None, None
+
+
+routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
+                   activation="swiglu", swiglu_limit=None):
+    """y [T, H] = sum_j w_tj * expert_{ids_tj}(x_t), through the custom ops (differentiable)."""
+    return routed_experts_fwd(
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+    )[0]
