@@ -16,29 +16,15 @@ which CUDA builds of torch bring).  Exit status 0 when every case agrees.
 """
 
 import argparse
-import importlib.util
 import math
 import os
-import pathlib
 import sys
 
 import torch
 import torch.nn.functional as F
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
 def import_megatron_integration():
-    try:
-        from mok_nn.integrations import megatron as mg
-    except ModuleNotFoundError:           # source checkout without `pip install -e .`
-        sys.path.insert(0, str(ROOT))
-        spec = importlib.util.spec_from_file_location(
-            "mok_nn.integrations", ROOT / "integrations" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "integrations")])
-        sys.modules["mok_nn.integrations"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["mok_nn.integrations"])
-        from mok_nn.integrations import megatron as mg
+    from mok_nn.integrations import megatron as mg
     return mg
 
 

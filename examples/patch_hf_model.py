@@ -10,25 +10,12 @@ transformers format.  Runs on CPU in seconds:
 """
 
 import copy
-import importlib.util
-import pathlib
-import sys
 import tempfile
 
 import torch
 import transformers
 
-try:
-    from mok_nn.integrations.huggingface import MoKHFBlock, patch_model
-except ModuleNotFoundError:  # source checkout without `pip install -e .`
-    root = pathlib.Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    spec = importlib.util.spec_from_file_location(
-        "mok_nn.integrations", root / "integrations" / "__init__.py",
-        submodule_search_locations=[str(root / "integrations")])
-    sys.modules["mok_nn.integrations"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["mok_nn.integrations"])
-    from mok_nn.integrations.huggingface import MoKHFBlock, patch_model
+from mok_nn.integrations.huggingface import MoKHFBlock, patch_model
 
 
 def main():

@@ -337,7 +337,8 @@ if HAVE_MEGATRON:
             _local_expert_tensors(self.experts)       # fail now on an unknown experts module
 
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-            from mok_nn.autograd import ExpertOptions, MoKFunction
+            from mok_nn import functional
+            from mok_nn.autograd import MoKFunction
 
             if intermediate_tensors is not None:
                 raise NotImplementedError("partial CUDA-graph capture of the MoE layer is not supported with mok_nn")
@@ -346,16 +347,17 @@ if HAVE_MEGATRON:
             shape = hidden_states.shape
             shared = self.shared_experts_compute(hidden_states) if self.use_shared_expert else None
             probs, routing_map = self.route(hidden_states, padding_mask)
-            topk_ids, topk_weights = topk_from_routing_map(probs, routing_map, self.config.moe_router_topk)
+            top_k = self.config.moe_router_topk
+            topk_ids, topk_weights = topk_from_routing_map(probs, routing_map, top_k)
             gate_up, down, gate_up_bias, down_bias = stack_expert_weights(self.experts)
             x = hidden_states.reshape(-1, shape[-1]).contiguous()
-            options = ExpertOptions(
-                num_experts=self.config.num_moe_experts, activation=self.mok_activation,
-                swiglu_limit=self.mok_swiglu_limit,
-                ep_group=self.ep_group if self.ep_group.size() > 1 else None,
-                backend=_backend_for(self.mok_backend, x))
-            y = MoKFunction.apply(x, topk_weights, gate_up.to(x.dtype), down.to(x.dtype),
-                                  gate_up_bias, down_bias, topk_ids, options).view(shape)
+            workspace = functional.get_workspace(
+                hidden_size=shape[-1], intermediate_size=down.shape[-1], num_experts=self.config.num_moe_experts,
+                top_k=top_k, ep_group=self.ep_group if self.ep_group.size() > 1 else None, device=x.device,
+                dtype=x.dtype, backend=_backend_for(self.mok_backend, x), activation=self.mok_activation,
+                swiglu_limit=self.mok_swiglu_limit)
+            y = MoKFunction.apply(x, topk_weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias, down_bias,
+                                  topk_ids, workspace).view(shape)
             if shared is not None:
                 y = y + shared
             return y, None

@@ -1,11 +1,6 @@
 """Tiny random transformers MoE models built from configs (no downloads), shared by
 the integration tests and examples/patch_hf_model.py."""
 
-import importlib
-import importlib.util
-import pathlib
-import sys
-
 import torch
 
 VOCAB = 64
@@ -59,21 +54,3 @@ def build(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
             elif "router" in name or name.endswith("mlp.gate.weight"):
                 t.normal_(0, 0.5)   # spread router logits so top-k has no near-ties
     return model.to(dtype).eval()
-
-
-def import_integrations():
-    """mok_nn.integrations, also from a source checkout where `integrations/`
-    is not installed under mok_nn."""
-    try:
-        return importlib.import_module("mok_nn.integrations")
-    except ModuleNotFoundError:
-        pass
-    import mok_nn  # noqa: F401
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "integrations"
-    spec = importlib.util.spec_from_file_location(
-        "mok_nn.integrations", path / "__init__.py", submodule_search_locations=[str(path)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mok_nn.integrations"] = module
-    spec.loader.exec_module(module)
-    return module

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from _tiny_moe_models import ARCHS, VOCAB, build, import_integrations  # noqa: E402
+from _tiny_moe_models import ARCHS, VOCAB, build  # noqa: E402
 
-import_integrations()
 from mok_nn.integrations import huggingface as hf  # noqa: E402
 
 HAS_AUX = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}   # DeepSeek-V3 has none

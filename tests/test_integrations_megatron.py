@@ -10,11 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _tiny_moe_models import import_integrations
-
-import_integrations()
-from mok_nn import MoKMoELayer  # noqa: E402
-from mok_nn.integrations import megatron as mg  # noqa: E402
+from mok_nn import MoKMoELayer
+from mok_nn.integrations import megatron as mg
 
 H, I, E, IS = 16, 8, 8, 12
 
@@ -250,3 +247,35 @@ def test_stack_expert_weights_for_both_megatron_layouts():
 def test_spec_needs_megatron():
     with pytest.raises(ImportError, match="megatron-core"):
         mg.get_mok_moe_module_spec(num_experts=8)
+
+
+def test_megatron_layer_against_real_megatron_on_cpu(monkeypatch):
+    """With megatron-core importable (CI has none: 0.19 needs Python >= 3.12; an
+    unpacked wheel on PYTHONPATH works on 3.11), run examples/megatron_check.py's
+    cases on CPU: Megatron's router asks for the current CUDA device, pointed
+    here at the CPU, and the all-gather dispatcher needs no CUDA streams."""
+    pytest.importorskip("megatron.core.transformer.moe.moe_layer")
+    import importlib.util
+    import os
+    import pathlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "megatron_check.py"
+    spec = importlib.util.spec_from_file_location("megatron_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        for name, overrides in check.cases().items():
+            for dtype in (torch.float32, torch.bfloat16):
+                assert check.run_case(mg, name, overrides, dtype, False, "reference", "cpu",
+                                      dispatcher="allgather"), (name, dtype)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
