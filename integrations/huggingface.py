@@ -1,21 +1,24 @@
 """Patch the MoE blocks of a transformers model with mok_nn.
 
 `patch_model(model)` replaces, in place, every supported MoE block by a
-`MoKHFBlock`: a thin module that owns a `MoKMoELayer` (the weights carried
-over) and keeps what the surrounding model code relies on:
+`MoKHFBlock`: a thin module that owns a `MoKMoELayer` (`.mok`, the weights
+carried over) and keeps what the surrounding model code relies on:
 
-- the block's return value (GPT-OSS returns `(hidden, router_scores)`),
+- the block's return value (GPT-OSS returns `(hidden, router_scores)`; in
+  transformers 4.x Mixtral/Qwen/OLMoE blocks return `(hidden, router_logits)`),
 - router-logit capture for `output_router_logits` (and so the aux loss):
-  transformers collects router logits with forward hooks; the block passes
-  the layer's logits through a small probe module that carries such a hook,
+  transformers 5.x records router logits with forward hooks on the router;
+  the patched block passes the layer's logits through a small probe module
+  carrying such a hook.  transformers 4.x matches modules by class, so there
+  the patched block (or GPT-OSS's probe) is an instance of the original class,
 - state-dict keys and tensor layouts: `state_dict()` of a patched model has
   exactly the keys, shapes and values of the original one, and
   `load_state_dict` takes an original state dict, so `save_pretrained` /
   `from_pretrained` + `patch_model` round trips work.
 
-Supported (transformers 5.x, fused 3-D experts): Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, DeepSeek-V3, GPT-OSS. Other blocks are left as they are, with a log line
-saying why.
+Supported: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, in
+transformers 5.x (fused 3-D experts) and 4.5x (ModuleList experts). Other
+blocks are left as they are, with a log line saying why.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class PatchError(ValueError):
 # Weight layouts.  mok_nn: gate_up_proj [E, 2I, H] with rows [gate | up],
 # down_proj [E, H, I].  GPT-OSS stores gate_up_proj [E, H, 2I] with gate and
 # up interleaved along 2I (gate at even, up at odd columns), its bias [E, 2I]
-# interleaved likewise, and down_proj [E, I, H].
+# interleaved likewise, and down_proj [E, I, H].  transformers 4.x keeps one
+# gated MLP per expert (gate / up / down nn.Linear weights).
 # --------------------------------------------------------------------------
 
 def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -53,10 +57,6 @@ def interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Inverse of `deinterleave`: [gate | up] halves -> alternating gate, up."""
     gate, up = t.chunk(2, dim=dim)
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _gpt_oss_gate_up_to_mok(t):   # [E, H, 2I] interleaved -> [E, 2I, H] halves
@@ -81,12 +81,39 @@ def _transpose_12(t):             # down_proj [E, I, H] <-> [E, H, I]
 
 @dataclass(frozen=True)
 class _Key:
-    """One tensor of a block: its name in the layer, in the HF block, and the layout maps."""
+    """One tensor of the layer and the HF tensor(s) it comes from.
+    to_mok: [HF tensors] -> layer tensor; to_hf: layer tensor -> [HF tensors]."""
     mok: str
-    hf: str
-    to_mok: Callable[[torch.Tensor], torch.Tensor] = _identity
-    to_hf: Callable[[torch.Tensor], torch.Tensor] = _identity
-    expert_dim: bool = False      # leading dim indexes experts (sharded under EP)
+    hf: tuple[str, ...]
+    to_mok: Callable[[list], torch.Tensor]
+    to_hf: Callable[[torch.Tensor], list]
+    same_layout: bool = False     # one HF tensor in the layer's layout: the layer can share it
+    expert_dim: bool = False      # one full [E, ...] HF tensor, sliced to the local experts under EP
+
+
+def _one(mok, hf, to_mok=None, to_hf=None, expert_dim=False) -> _Key:
+    if to_mok is None:
+        return _Key(mok, (hf,), lambda ts: ts[0], lambda t: [t], True, expert_dim)
+    return _Key(mok, (hf,), lambda ts: to_mok(ts[0]), lambda t: [to_hf(t)], False, expert_dim)
+
+
+def _stacked(mok, names: list[str]) -> _Key:
+    """Per-expert 2-D tensors (transformers 4.x) <-> one [E, ...] tensor."""
+    return _Key(mok, tuple(names), lambda ts: torch.stack(ts), lambda t: list(t.unbind(0)))
+
+
+def _stacked_gate_up(mok, gates: list[str], ups: list[str]) -> _Key:
+    """Per-expert gate [I, H] and up [I, H] weights <-> gate_up_proj [E, 2I, H]."""
+    n = len(gates)
+
+    def to_mok(ts):
+        return torch.stack([torch.cat([ts[i], ts[n + i]], dim=0) for i in range(n)])
+
+    def to_hf(t):
+        gate, up = t.chunk(2, dim=1)
+        return list(gate.unbind(0)) + list(up.unbind(0))
+
+    return _Key(mok, tuple(gates) + tuple(ups), to_mok, to_hf)
 
 
 # --------------------------------------------------------------------------
@@ -99,7 +126,6 @@ class _Family:
     router_attr: str                 # router submodule of the HF block
     shared_attr: str | None = None   # shared expert MLP (gate_proj/up_proj/down_proj)
     shared_gate_attr: str | None = None
-    returns_scores: bool = False     # block returns (hidden, router_scores)
     gpt_oss: bool = False
 
 
@@ -109,80 +135,118 @@ _FAMILIES = {
     "Qwen3MoeSparseMoeBlock": _Family("qwen3_moe", "gate"),
     "OlmoeSparseMoeBlock": _Family("olmoe", "gate"),
     "DeepseekV3MoE": _Family("deepseek_v3", "gate", "shared_experts"),
-    "GptOssMLP": _Family("gpt_oss", "router", returns_scores=True, gpt_oss=True),
+    "GptOssMLP": _Family("gpt_oss", "router", gpt_oss=True),
 }
 SUPPORTED_BLOCKS = tuple(_FAMILIES)
 
 
-def _expert_keys(fam: _Family) -> list[_Key]:
+def _is_list_layout(block: nn.Module) -> bool:
+    """transformers 4.x: experts as an nn.ModuleList of gated MLPs."""
+    return isinstance(getattr(block, "experts", None), nn.ModuleList)
+
+
+def _mlp_names(mlp: nn.Module) -> tuple[str, str, str]:
+    """(gate, up, down) projection names of a gated MLP (Mixtral 4.x: w1, w3, w2)."""
+    return ("w1", "w3", "w2") if hasattr(mlp, "w1") else ("gate_proj", "up_proj", "down_proj")
+
+
+def _expert_keys(block: nn.Module, fam: _Family, local: range) -> list[_Key]:
     if fam.gpt_oss:
         return [
-            _Key("experts.gate_up_proj", "experts.gate_up_proj", _gpt_oss_gate_up_to_mok,
+            _one("experts.gate_up_proj", "experts.gate_up_proj", _gpt_oss_gate_up_to_mok,
                  _gpt_oss_gate_up_to_hf, True),
-            _Key("experts.gate_up_proj_bias", "experts.gate_up_proj_bias", _gpt_oss_bias_to_mok,
+            _one("experts.gate_up_proj_bias", "experts.gate_up_proj_bias", _gpt_oss_bias_to_mok,
                  _gpt_oss_bias_to_hf, True),
-            _Key("experts.down_proj", "experts.down_proj", _transpose_12, _transpose_12, True),
-            _Key("experts.down_proj_bias", "experts.down_proj_bias", expert_dim=True),
+            _one("experts.down_proj", "experts.down_proj", _transpose_12, _transpose_12, True),
+            _one("experts.down_proj_bias", "experts.down_proj_bias", expert_dim=True),
         ]
-    return [_Key("experts.gate_up_proj", "experts.gate_up_proj", expert_dim=True),
-            _Key("experts.down_proj", "experts.down_proj", expert_dim=True)]
+    if _is_list_layout(block):
+        # names carry global expert indices: they select this rank's experts
+        g, u, d = _mlp_names(block.experts[0])
+        return [_stacked_gate_up("experts.gate_up_proj", [f"experts.{e}.{g}.weight" for e in local],
+                                 [f"experts.{e}.{u}.weight" for e in local]),
+                _stacked("experts.down_proj", [f"experts.{e}.{d}.weight" for e in local])]
+    return [_one("experts.gate_up_proj", "experts.gate_up_proj", expert_dim=True),
+            _one("experts.down_proj", "experts.down_proj", expert_dim=True)]
 
 
-def _keys(fam: _Family) -> list[_Key]:
+def _keys(block: nn.Module, fam: _Family, local: range) -> list[_Key]:
     r = fam.router_attr
-    keys = [_Key("router.weight", f"{r}.weight"), *_expert_keys(fam)]
+    keys = [_one("router.weight", f"{r}.weight"), *_expert_keys(block, fam, local)]
     if fam.name == "deepseek_v3":
-        keys.append(_Key("router.e_score_correction_bias", f"{r}.e_score_correction_bias"))
+        keys.append(_one("router.e_score_correction_bias", f"{r}.e_score_correction_bias"))
     if fam.gpt_oss:
-        keys.append(_Key("router.bias", f"{r}.bias"))
+        keys.append(_one("router.bias", f"{r}.bias"))
     if fam.shared_attr:
-        keys += [_Key(f"shared_expert.{p}.weight", f"{fam.shared_attr}.{p}.weight")
+        keys += [_one(f"shared_expert.{p}.weight", f"{fam.shared_attr}.{p}.weight")
                  for p in ("gate_proj", "up_proj", "down_proj")]
     if fam.shared_gate_attr:
-        keys.append(_Key("shared_expert_gate.weight", f"{fam.shared_gate_attr}.weight"))
+        keys.append(_one("shared_expert_gate.weight", f"{fam.shared_gate_attr}.weight"))
     return keys
+
+
+def _is_silu(act) -> bool:
+    return type(act).__name__ in ("SiLUActivation", "SiLU") or getattr(act, "__name__", "") == "silu"
+
+
+def _num_experts(block: nn.Module) -> int:
+    experts = block.experts
+    return len(experts) if isinstance(experts, nn.ModuleList) else experts.gate_up_proj.shape[0]
 
 
 def _unsupported_reason(block: nn.Module, fam: _Family) -> str | None:
     """Why this block's configuration cannot be expressed by MoKMoELayer, or None."""
     experts = getattr(block, "experts", None)
     router = getattr(block, fam.router_attr, None)
+    if router is None or experts is None:
+        return "unexpected block structure (no experts or no router)"
     if isinstance(experts, nn.ModuleList):
-        return "experts stored as a ModuleList (transformers 4.x layout); only the fused 3-D layout of transformers 5.x is supported"
-    if experts is None or router is None or not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-        return "unexpected block structure (no fused experts.gate_up_proj or no router)"
-    cfg = getattr(experts, "config", None)
-    act = getattr(cfg, "hidden_act", "silu")
-    if not fam.gpt_oss and act not in ("silu", "swish"):
-        return f"hidden_act={act!r} (only silu-gated experts are supported)"
+        if fam.gpt_oss or not len(experts) or not all(hasattr(experts[0], n) for n in _mlp_names(experts[0])):
+            return "unexpected per-expert MLP structure"
+        if not _is_silu(getattr(experts[0], "act_fn", None)):
+            return "experts are not silu-gated MLPs (hidden_act != silu)"
+    elif not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return "unexpected block structure (no experts.gate_up_proj)"
+    elif not fam.gpt_oss:
+        act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            return f"hidden_act={act!r} (only silu-gated experts are supported)"
     if getattr(block, "jitter_noise", 0.0):
         return f"router_jitter_noise={block.jitter_noise} (input jitter is not supported)"
     if fam.gpt_oss and abs(float(getattr(experts, "alpha", 1.702)) - 1.702) > 1e-6:
         return f"swiglu_alpha={experts.alpha} (the GPT-OSS activation is fixed at alpha=1.702)"
     if fam.name == "deepseek_v3":
-        e, g = router.num_experts, router.num_group
+        e, g = _num_experts(block), _router_groups(router)[0]
         if g and (e % g or e // g < 2):
             return f"n_group={g} does not split {e} experts into groups of >= 2"
     if fam.shared_attr:
         mlp = getattr(block, fam.shared_attr, None)
-        if mlp is None or getattr(getattr(mlp, "act_fn", None), "__class__", None).__name__ not in (
-                "SiLUActivation", "SiLU"):
+        if mlp is None or not _is_silu(getattr(mlp, "act_fn", None)):
             return "shared expert is not a silu-gated MLP"
     return None
 
 
+def _router_groups(router) -> tuple[int | None, int | None]:
+    n_group = getattr(router, "num_group", getattr(router, "n_group", None))
+    return n_group, getattr(router, "topk_group", None)
+
+
 def _layer_kwargs(block: nn.Module, fam: _Family) -> dict:
-    """MoKMoELayer constructor arguments describing this HF block."""
+    """MoKMoELayer constructor arguments describing this HF block (5.x or 4.x)."""
     experts, router = block.experts, getattr(block, fam.router_attr)
-    num_experts, h = experts.gate_up_proj.shape[0], router.weight.shape[1]
-    inter = experts.down_proj.shape[1] if fam.gpt_oss else experts.down_proj.shape[2]
-    kw = dict(hidden_size=h, intermediate_size=inter, num_experts=num_experts, top_k=router.top_k,
-              score_func="softmax", norm_topk_prob=True)
+    if isinstance(experts, nn.ModuleList):
+        inter = getattr(experts[0], _mlp_names(experts[0])[2]).in_features
+    else:
+        inter = experts.down_proj.shape[1] if fam.gpt_oss else experts.down_proj.shape[2]
+    top_k = getattr(router, "top_k", None) or block.top_k
+    kw = dict(hidden_size=router.weight.shape[1], intermediate_size=inter, num_experts=_num_experts(block),
+              top_k=top_k, score_func="softmax", norm_topk_prob=True)
     if fam.name in ("qwen2_moe", "qwen3_moe", "olmoe"):
-        kw["norm_topk_prob"] = bool(router.norm_topk_prob)
+        kw["norm_topk_prob"] = bool(getattr(router, "norm_topk_prob", getattr(block, "norm_topk_prob", None)))
     if fam.name == "deepseek_v3":
+        n_group, topk_group = _router_groups(router)
         kw.update(score_func="sigmoid", norm_topk_prob=bool(router.norm_topk_prob),
-                  n_group=router.num_group, topk_group=router.topk_group,
+                  n_group=n_group, topk_group=topk_group,
                   routed_scaling_factor=float(router.routed_scaling_factor), use_expert_bias=True)
     if fam.gpt_oss:
         # softmax over the top-k logits == softmax over all, then top-k, renormalised
@@ -199,15 +263,31 @@ def _layer_kwargs(block: nn.Module, fam: _Family) -> dict:
 # --------------------------------------------------------------------------
 
 class RouterLogitsProbe(nn.Module):
-    """Identity on the router logits.  transformers records router logits with a
-    forward hook on the router module; the patched block has no such module,
-    so this probe carries the hook instead."""
+    """Identity on its inputs.  transformers records router logits with a hook on
+    (5.x) or a wrapper around (4.x) the router module; the patched block has no
+    such module, so this probe is called with the logits instead."""
 
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
+    def __init__(self):
+        nn.Module.__init__(self)      # not the router class's __init__ (see _probe_class)
+
+    def forward(self, *outputs):
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+_CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def _subclass(base: type, original: type) -> type:
+    """`base` made an instance of `original` too, so transformers 4.x's
+    class-based output recording (isinstance) also matches the patched module."""
+    key = (base, original)
+    if key not in _CLASS_CACHE:
+        _CLASS_CACHE[key] = type(f"MoK{original.__name__}", (base, original), {"__module__": __name__})
+    return _CLASS_CACHE[key]
 
 
 def _install_router_logits_hook(probe: nn.Module) -> bool:
+    """transformers 5.x: hook the probe like a router module. False where unavailable (4.x)."""
     try:
         from transformers.utils import output_capturing as oc
     except ImportError:
@@ -220,68 +300,91 @@ def _install_router_logits_hook(probe: nn.Module) -> bool:
     return True
 
 
+def _transformers_major() -> int:
+    try:
+        import transformers
+        return int(transformers.__version__.split(".")[0])
+    except (ImportError, ValueError):
+        return 5
+
+
 # --------------------------------------------------------------------------
 # The patched block
 # --------------------------------------------------------------------------
 
 class MoKHFBlock(nn.Module):
-    """A transformers MoE block computed by a `MoKMoELayer` (`self.moe`).
+    """A transformers MoE block computed by a `MoKMoELayer` (`self.mok`).
 
     State dict: keys, shapes and layout of the original block (hooks translate
     to and from the layer's own names)."""
 
-    def __init__(self, moe: nn.Module, family: _Family, original_class: str,
-                 ep_rank: int = 0, ep_size: int = 1):
-        super().__init__()
-        self.moe = moe
-        self.router_logits_probe = RouterLogitsProbe()
+    def __init__(self, mok: nn.Module, family: _Family, keys: list[_Key], original_class: str,
+                 returns: str, probe: nn.Module, ep_rank: int = 0, ep_size: int = 1):
+        nn.Module.__init__(self)      # not the original block's __init__ (4.x subclasses)
+        self.mok = mok
+        self.router_logits_probe = probe
         self.family = family
         self.original_class = original_class
+        self.returns = returns        # "hidden" | "hidden_logits" | "hidden_topk_scores" | "hidden_dense_scores"
         self.ep_rank, self.ep_size = ep_rank, ep_size
-        self._keys = [k for k in _keys(family) if _has_tensor(moe, k.mok)]
+        self._keys = keys
         self._register_state_dict_hook(MoKHFBlock._to_hf_hook)
         self._register_load_state_dict_pre_hook(self._from_hf_hook, with_module=False)
 
     # -- forward -----------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor):
-        y = self.moe(hidden_states.contiguous())
-        logits = self.router_logits_probe(self.moe.router_logits)
-        if self.family.returns_scores:
-            # GPT-OSS also returns the top-k routing weights [T, k] (unused by its decoder layer)
+        y = self.mok(hidden_states.contiguous())
+        logits = self.mok.router_logits
+        if self.returns == "hidden_dense_scores":          # GPT-OSS, transformers 4.x
+            scores = self._dense_scores(logits)
+            self.router_logits_probe(scores, None)
+            return y, scores
+        self.router_logits_probe(logits)
+        if self.returns == "hidden_logits":                # Mixtral/Qwen/OLMoE, transformers 4.x
+            return y, logits
+        if self.returns == "hidden_topk_scores":           # GPT-OSS, transformers 5.x: [T, k] weights
             with torch.no_grad():
-                top = torch.topk(logits.float(), self.moe.top_k, dim=-1).values
-                scores = torch.softmax(top, dim=-1)
+                scores = torch.softmax(torch.topk(logits.float(), self.mok.top_k, dim=-1).values, dim=-1)
             return y, scores.to(y.dtype)
         return y
+
+    def _dense_scores(self, logits):
+        """[T, E] with the softmax of the top-k logits at the chosen experts, 0 elsewhere."""
+        top = torch.topk(logits, self.mok.top_k, dim=-1)
+        return torch.zeros_like(logits).scatter(1, top.indices, torch.softmax(top.values, dim=-1))
 
     # -- state dict translation ----------------------------------------------
     def hf_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: t) -> dict:
         """{HF name: fn(tensor) in HF layout} for this block's layer tensors (e.g. fn=lambda p: p.grad)."""
         out = {}
         for k in self._keys:
-            t = fn(_get_tensor(self.moe, k.mok))
-            out[k.hf] = None if t is None else k.to_hf(t)
+            t = fn(_get_tensor(self.mok, k.mok))
+            out.update(zip(k.hf, [None] * len(k.hf) if t is None else k.to_hf(t)))
         return out
 
     @staticmethod
     def _to_hf_hook(module, state_dict, prefix, local_metadata):
         for k in module._keys:
-            src = prefix + "moe." + k.mok
+            src = prefix + "mok." + k.mok
             if src in state_dict:
-                state_dict[prefix + k.hf] = k.to_hf(state_dict.pop(src))
+                for name, t in zip(k.hf, k.to_hf(state_dict.pop(src))):
+                    state_dict[prefix + name] = t
         return state_dict
 
     def _from_hf_hook(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for k in self._keys:
-            src = prefix + k.hf
-            if src not in state_dict:
-                continue
-            t = k.to_mok(state_dict.pop(src))
+            names = [prefix + n for n in k.hf]
+            if not all(n in state_dict for n in names):
+                continue          # left for load_state_dict to report as missing
+            t = k.to_mok([state_dict.pop(n) for n in names])
             if k.expert_dim and self.ep_size > 1:
-                local = _get_tensor(self.moe, k.mok).shape[0]
+                local = _get_tensor(self.mok, k.mok).shape[0]
                 if t.shape[0] == local * self.ep_size:     # a full checkpoint: keep this rank's shard
                     t = t[self.ep_rank * local:(self.ep_rank + 1) * local]
-            state_dict[prefix + "moe." + k.mok] = t
+            state_dict[prefix + "mok." + k.mok] = t
+        if self.ep_size > 1:      # other ranks' experts of a full 4.x checkpoint are not ours
+            for n in [n for n in state_dict if n.startswith(prefix + "experts.")]:
+                state_dict.pop(n)
 
     def extra_repr(self) -> str:
         return f"patched {self.original_class}"
@@ -310,34 +413,36 @@ def _ep_rank_size(ep_group) -> tuple[int, int]:
     return dist.get_rank(ep_group), dist.get_world_size(ep_group)
 
 
-def _patch_block(block: nn.Module, fam: _Family, *, precision, config, ep_group, backend):
+def _patch_block(block: nn.Module, fam: _Family, tf_major: int, *, precision, config, ep_group, backend):
     from mok_nn import MoKMoELayer
 
-    experts = block.experts
+    router = getattr(block, fam.router_attr)
+    some = next(iter(block.experts.parameters()))
     kwargs = dict(_layer_kwargs(block, fam), precision=precision, backend=backend,
-                  ep_group=ep_group, dtype=experts.gate_up_proj.dtype,
-                  device=experts.gate_up_proj.device)
+                  ep_group=ep_group, dtype=some.dtype, device=some.device)
     if config is not None:
         kwargs["config"] = config
     layer = MoKMoELayer(**kwargs)
 
     rank, size = _ep_rank_size(ep_group)
-    for k in _keys(fam):
+    local = range(rank * layer.num_local_experts, (rank + 1) * layer.num_local_experts)
+    keys = _keys(block, fam, local)
+    for k in keys:
         if not _has_tensor(layer, k.mok):
             raise PatchError(f"MoKMoELayer has no tensor {k.mok!r}, needed for {type(block).__name__}")
-        target, src = _get_tensor(layer, k.mok), _get_tensor(block, k.hf)
+        target = _get_tensor(layer, k.mok)
+        srcs = [_get_tensor(block, n) for n in k.hf]
         shard = k.expert_dim and size > 1
-        if k.to_mok is _identity and not shard:
-            value = src  # same layout: share the original tensor (no copy; requires_grad kept)
+        if k.same_layout and not shard:
+            value = srcs[0]  # share the original tensor (no copy; requires_grad kept)
         else:
-            value = k.to_mok(src.detach())
+            value = k.to_mok([s.detach() for s in srcs])
             if shard:
-                local = target.shape[0]
-                value = value[rank * local:(rank + 1) * local].clone()
+                value = value[local.start:local.stop].clone()
             if isinstance(target, nn.Parameter):
-                value = nn.Parameter(value, requires_grad=src.requires_grad)
+                value = nn.Parameter(value, requires_grad=srcs[0].requires_grad)
         if tuple(value.shape) != tuple(target.shape):
-            raise PatchError(f"{type(block).__name__}.{k.hf}: shape {tuple(value.shape)} does not map "
+            raise PatchError(f"{type(block).__name__}.{k.hf[0]}: shape {tuple(value.shape)} does not map "
                              f"onto MoKMoELayer {k.mok} {tuple(target.shape)}")
         mod_name, _, attr = k.mok.rpartition(".")
         mod = layer.get_submodule(mod_name) if mod_name else layer
@@ -346,7 +451,20 @@ def _patch_block(block: nn.Module, fam: _Family, *, precision, config, ep_group,
         else:
             mod._buffers[attr] = value.detach()
     layer.train(block.training)
-    return MoKHFBlock(layer, fam, type(block).__name__, rank, size)
+
+    # return value and router-logit capture of this transformers version
+    v4 = tf_major < 5
+    if fam.gpt_oss:
+        returns = "hidden_dense_scores" if v4 else "hidden_topk_scores"
+    elif v4 and fam.name != "deepseek_v3":
+        returns = "hidden_logits"
+    else:
+        returns = "hidden"
+    probe = _subclass(RouterLogitsProbe, type(router))() if v4 and fam.gpt_oss else RouterLogitsProbe()
+    cls = _subclass(MoKHFBlock, type(block)) if v4 else MoKHFBlock
+    new = cls(layer, fam, keys, type(block).__name__, returns, probe, rank, size)
+    new.train(block.training)
+    return new
 
 
 # --------------------------------------------------------------------------
@@ -423,17 +541,18 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
                 f"  {n} ({c}): {r}" for n, c, r in skipped))
         raise PatchError(f"{type(model).__name__} has no MoE blocks "
                          f"(supported blocks: {', '.join(SUPPORTED_BLOCKS)})")
+    if any(not n for n, _, _ in plan):
+        raise PatchError("the model itself is an MoE block; patch the model that contains it")
 
+    tf_major = _transformers_major()
     capture_ok = True
     for name, module, fam in plan:
-        new = _patch_block(module, fam, precision=precision, config=config,
+        new = _patch_block(module, fam, tf_major, precision=precision, config=config,
                            ep_group=ep_group, backend=backend)
-        capture_ok &= _install_router_logits_hook(new.router_logits_probe)
-        if name:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-        else:
-            raise PatchError("the model itself is an MoE block; patch the model that contains it")
+        if tf_major >= 5:
+            capture_ok &= _install_router_logits_hook(new.router_logits_probe)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
         logger.info("mok_nn: patched %s (%s)", name, type(module).__name__)
     if not capture_ok:
         logger.warning("mok_nn: this transformers version has no output-capturing hook; "
