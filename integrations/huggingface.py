@@ -203,8 +203,9 @@ def _unsupported_reason(block: nn.Module, fam: _Family) -> str | None:
     if isinstance(experts, nn.ModuleList):
         if fam.gpt_oss or not len(experts) or not all(hasattr(experts[0], n) for n in _mlp_names(experts[0])):
             return "unexpected per-expert MLP structure"
-        if not _is_silu(getattr(experts[0], "act_fn", None)):
-            return "experts are not silu-gated MLPs (hidden_act != silu)"
+        act = getattr(experts[0], "act_fn", None)
+        if not _is_silu(act):
+            return f"hidden_act: experts use {type(act).__name__}, only silu-gated experts are supported"
     elif not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
         return "unexpected block structure (no experts.gate_up_proj)"
     elif not fam.gpt_oss:
