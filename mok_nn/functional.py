@@ -55,6 +55,7 @@ class Workspace:
     activation: str = "swiglu"
     swiglu_limit: float | None = None
     config: MoKConfig = field(default_factory=MoKConfig)
+    precision: str = "bf16"
     buffers: dict = field(default_factory=dict)
 
     @property
@@ -78,19 +79,23 @@ def _cuda_backend():
 def get_workspace(
     *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, ep_group=None, device=None,
     dtype: torch.dtype = torch.bfloat16, backend: str = "reference", activation: str = "swiglu",
-    swiglu_limit: float | None = None, config: MoKConfig | None = None,
+    swiglu_limit: float | None = None, config: MoKConfig | None = None, precision: str = "bf16",
 ) -> Workspace:
     """The workspace for these shapes, created once and reused."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if precision not in ("bf16", "mxfp8"):
+        raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
+    if backend == "cuda" and precision != "bf16":
+        raise ValueError(f"precision={precision!r} has no CUDA kernels yet; use backend='reference'")
     config = config if config is not None else MoKConfig()
     device = torch.device(device if device is not None else "cpu")
     key = (hidden_size, intermediate_size, num_experts, top_k, id(ep_group), str(device), dtype, backend,
-           activation, swiglu_limit, config)
+           activation, swiglu_limit, config, precision)
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = Workspace(hidden_size, intermediate_size, num_experts, top_k, ep_group, device, dtype, backend,
-                       activation, swiglu_limit, config)
+                       activation, swiglu_limit, config, precision)
         if backend == "cuda":
             _cuda_backend().init_workspace(ws)
         _WORKSPACES[key] = ws
@@ -109,7 +114,8 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     if workspace.backend == "cuda":
         return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
     return reference.experts_forward(
-        x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule
+        x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
+        workspace.precision,
     )
 
 
@@ -118,5 +124,6 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     if workspace.backend == "cuda":
         return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
     return reference.experts_backward(
-        grad_y, saved, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit
+        grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
+        workspace.precision,
     )

@@ -145,6 +145,12 @@ class MoKMoELayer(nn.Module):
                  "shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
         _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
         _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+        if precision == "mxfp8":
+            _require(hidden_size % 32 == 0 and intermediate_size % 32 == 0,
+                     f"precision='mxfp8' needs hidden_size ({hidden_size}) and intermediate_size "
+                     f"({intermediate_size}) to be multiples of the MX block size 32")
+            _require(dtype in (torch.bfloat16, torch.float16, torch.float32),
+                     f"precision='mxfp8' needs dtype bfloat16, float16 or float32, got {dtype}")
         _require(isinstance(dtype, torch.dtype) and dtype.is_floating_point,
                  f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         _require(config is None or isinstance(config, MoKConfig), "config must be a MoKConfig", TypeError)
@@ -233,6 +239,8 @@ class MoKMoELayer(nn.Module):
     def _cuda_unsupported_reason(self, x: torch.Tensor) -> str | None:
         if not x.is_cuda:
             return f"input is on {x.device.type}, the fused kernels need a CUDA device"
+        if self.precision == "mxfp8":
+            return "precision='mxfp8' runs on the reference path (MXFP8 kernels not built yet)"
         if self.ep_size > 1:
             return "expert parallelism runs on the reference path (fused EP kernels not built yet)"
         try:
@@ -256,10 +264,8 @@ class MoKMoELayer(nn.Module):
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_experts=self.num_experts,
             top_k=self.top_k, ep_group=self.ep_group, device=x.device, dtype=x.dtype,
             backend=self._choose_backend(x), activation=self.activation, swiglu_limit=self.swiglu_limit,
-            config=self.config,
+            config=self.config, precision=self.precision,
         )
-        if self.precision == "mxfp8":
-            raise NotImplementedError("precision='mxfp8' is not implemented yet")
         e = self.experts
         y = MoKFunction.apply(
             x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids, workspace

@@ -54,7 +54,7 @@ def routed_experts_bwd(
     plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
     saved = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up)
     dx, d_topk, g = reference.experts_backward(
-        grad_y, saved, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation, swiglu_limit,
     )
     return dx, d_topk, g.gate_up_proj, g.down_proj, _or_empty(g.gate_up_bias, x), _or_empty(g.down_bias, x)

@@ -20,6 +20,10 @@ backward, given dy:
 Rows are grouped by expert with a stable sort of the flat expert ids, so the
 row order inside an expert (and therefore every reduction order) is a pure
 function of the routing. Every slot is written exactly once; no index_add_.
+
+precision="mxfp8": every operand of the six expert GEMMs above is rounded by
+MXFP8 fake quantisation (mxfp8.operand_quantizer) along that GEMM's reduction
+dimension before the same fp32 math; see docs/mxfp8.md for the exact list.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed
+from .mxfp8 import operand_quantizer
 
 ACTIVATIONS = ("swiglu", "swiglu_oai")
 OAI_ALPHA = 1.702
@@ -123,12 +128,14 @@ def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertGroupin
 # the expert MLP on rows already grouped by expert
 
 
-def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit):
+def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+                        precision="bf16"):
     """rows [N, H] grouped by expert (counts[e] rows each) -> (out [N, H], gate_up [N, 2I]).
 
     Both results are in rows.dtype; gate_up is what backward needs.
     """
     cdt = compute_dtype(rows.dtype)
+    q = operand_quantizer(precision)
     num_rows, inter2 = rows.shape[0], gate_up_proj.shape[1]
     out = rows.new_empty(num_rows, down_proj.shape[1])
     gate_up = rows.new_empty(num_rows, inter2)
@@ -138,13 +145,13 @@ def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, dow
             continue
         seg = slice(start, start + count)
         start += count
-        gu = rows[seg].to(cdt) @ gate_up_proj[e].to(cdt).T
+        gu = q(rows[seg].to(cdt), -1) @ q(gate_up_proj[e].to(cdt), -1).T
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].to(cdt)
         gu = gu.to(rows.dtype)
         gate_up[seg] = gu
         h = activation_forward(gu.to(cdt), activation, swiglu_limit).to(rows.dtype)
-        o = h.to(cdt) @ down_proj[e].to(cdt).T
+        o = q(h.to(cdt), -1) @ q(down_proj[e].to(cdt), -1).T
         if down_bias is not None:
             o = o + down_bias[e].to(cdt)
         out[seg] = o.to(rows.dtype)
@@ -163,7 +170,7 @@ class GroupedMLPGrads:
 
 def grouped_mlp_backward(
     rows, grad_out, row_weights, gate_up, counts, gate_up_proj, down_proj, gate_up_bias, down_bias,
-    activation, swiglu_limit,
+    activation, swiglu_limit, precision="bf16",
 ) -> GroupedMLPGrads:
     """Backward of w * MLP(rows) on rows grouped by expert.
 
@@ -171,6 +178,7 @@ def grouped_mlp_backward(
     row_weights [N]: the top-k weight of each row.
     """
     cdt = compute_dtype(rows.dtype)
+    q = operand_quantizer(precision)  # axis 0 of a [rows, ...] operand: this expert's rows, padded to 32
     wdt = gate_up_proj.dtype
     num_rows = rows.shape[0]
     grad_rows = rows.new_empty(rows.shape)
@@ -190,18 +198,18 @@ def grouped_mlp_backward(
         w_e = row_weights[seg].to(cdt).unsqueeze(1)
         gu = gate_up[seg].to(cdt)
         h = activation_forward(gu, activation, swiglu_limit).to(rows.dtype).to(cdt)
-        dh_raw = dy_e @ down_proj[e].to(cdt)
+        dh_raw = q(dy_e, -1) @ q(down_proj[e].to(cdt), 0)
         dw = (dh_raw * h).sum(dim=1)
         if down_bias is not None:
             dw = dw + dy_e @ down_bias[e].to(cdt)
             d_down_bias[e] = (w_e * dy_e).sum(dim=0).to(wdt)
         grad_w[seg] = dw.to(grad_w.dtype)
-        d_down_proj[e] = (dy_e.T @ (w_e * h)).to(wdt)
+        d_down_proj[e] = (q(dy_e, 0).T @ q(w_e * h, 0)).to(wdt)
         dgu = activation_backward(gu, w_e * dh_raw, activation, swiglu_limit).to(rows.dtype).to(cdt)
-        d_gate_up_proj[e] = (dgu.T @ x_e).to(wdt)
+        d_gate_up_proj[e] = (q(dgu, 0).T @ q(x_e, 0)).to(wdt)
         if gate_up_bias is not None:
             d_gate_up_bias[e] = dgu.sum(dim=0).to(wdt)
-        grad_rows[seg] = (dgu @ gate_up_proj[e].to(cdt)).to(rows.dtype)
+        grad_rows[seg] = (q(dgu, -1) @ q(gate_up_proj[e].to(cdt), 0)).to(rows.dtype)
     return GroupedMLPGrads(grad_rows, grad_w, d_gate_up_proj, d_down_proj, d_gate_up_bias, d_down_bias)
 
 
@@ -289,7 +297,7 @@ class ExpertsSaved:
 
 def experts_forward(
     x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-    activation="swiglu", swiglu_limit=None, plan: DispatchPlan | None = None,
+    activation="swiglu", swiglu_limit=None, plan: DispatchPlan | None = None, precision="bf16",
 ):
     """Routed experts, sharded over plan.group (default: all experts local). Returns (y, ExpertsSaved)."""
     num_tokens, top_k = topk_ids.shape
@@ -297,7 +305,8 @@ def experts_forward(
         plan = build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
     rows = plan.dispatch(x[plan.order // top_k])
     out, gate_up = grouped_mlp_forward(
-        rows, plan.local.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+        rows, plan.local.counts, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+        precision,
     )
     returned = plan.undispatch(out)
     slots = torch.empty_like(returned)
@@ -307,10 +316,14 @@ def experts_forward(
 
 
 def experts_backward(
-    grad_y, saved: ExpertsSaved, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
-    down_bias=None, activation="swiglu", swiglu_limit=None,
+    grad_y, saved: ExpertsSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
+    down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16",
 ):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts)."""
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts).
+
+    x is not read here (saved.rows holds this rank's rows, which may come from
+    peers); it is part of the signature every backend shares.
+    """
     num_tokens, top_k = topk_ids.shape
     plan = saved.plan
     token_of_slot = plan.order // top_k
@@ -318,7 +331,7 @@ def experts_backward(
     w_rows = plan.dispatch(topk_weights.reshape(-1)[plan.order].contiguous())
     grads = grouped_mlp_backward(
         saved.rows, dy_rows, w_rows, saved.gate_up, plan.local.counts, gate_up_proj, down_proj,
-        gate_up_bias, down_bias, activation, swiglu_limit,
+        gate_up_bias, down_bias, activation, swiglu_limit, precision,
     )
     dx_back = plan.undispatch(grads.grad_rows)
     dw_back = plan.undispatch(grads.grad_weights)

@@ -1,0 +1,281 @@
+"""Routed experts on one CUDA GPU (EP = 1) with the CuTe DSL kernels.
+
+Same signatures and formulas as reference.experts_forward / experts_backward
+(see reference.py for the math). What runs where:
+
+  schedule        torch ops on the GPU (bincount, stable sort, prefix sums); no host sync
+  gather of x     torch index_select into the padded expert order
+  gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
+  activation      mok_act_fwd_<act> (one pass over gate_up)
+  down GEMM       mok_gemm_bk
+  combine         mok_combine  (fixed-order sum over j)
+  dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
+  dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
+  dgrad gate/up   mok_gemm_bn
+  reverse combine mok_combine (w = 1)
+  weight grads    torch._grouped_mm over the padded expert segments (varlen K)
+
+Every step has a fixed reduction order, so results are bitwise reproducible.
+Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
+CuTe kernels, MOK_ACT=torch to run the activations with torch ops (debugging aids).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.registry import TILE_M
+
+SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
+
+
+@dataclass
+class Schedule:
+    """Routed rows laid out by expert, each expert's segment padded to TILE_M rows.
+
+    pos [T, k] int64:         row of slot (t, j)
+    row_token [M_cap] int64:  token of each row; T (a zero row) for padding
+    row_weight [M_cap] fp32:  top-k weight of each row; 0 for padding
+    tile_expert [M_cap/TILE_M] int32: expert of each row tile, -1 past the end
+    seg_end [E] int32:        end row of each expert's segment (offsets for grouped_mm)
+    row_expert [M_cap] int64: expert of each row (E for rows past the end)
+    """
+
+    pos: torch.Tensor
+    row_token: torch.Tensor
+    row_weight: torch.Tensor
+    tile_expert: torch.Tensor
+    seg_end: torch.Tensor
+    row_expert: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.row_token.shape[0]
+
+
+def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int = TILE_M) -> int:
+    """Rows needed in the worst case: every slot plus tile-1 padding per used expert."""
+    n = num_tokens * top_k
+    m = n + min(num_experts, n) * (tile - 1)
+    return max(tile, (m + tile - 1) // tile * tile)
+
+
+def build_schedule(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Schedule:
+    """Count -> pad -> prefix sum, on the device; placement by stable sort, no atomics."""
+    num_tokens, top_k = topk_ids.shape
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    cap = schedule_capacity(num_tokens, top_k, num_experts)
+    # scatter_add_ of ints, not bincount: bincount reads min/max back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
+    seg_end = torch.cumsum(padded, 0)
+    seg_start = seg_end - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(flat, stable=True).indices  # slots grouped by expert, stable
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - cnt_start[sorted_e]
+    row = seg_start[sorted_e] + rank
+    pos = torch.empty(n, dtype=torch.int64, device=dev)
+    pos[order] = row  # a permutation: every slot written once
+    row_token = torch.full((cap,), num_tokens, dtype=torch.int64, device=dev)
+    row_token[row] = order // top_k
+    row_weight = torch.zeros(cap, dtype=torch.float32, device=dev)
+    row_weight[row] = topk_weights.reshape(-1)[order].float()
+    tile_start = torch.arange(0, cap, TILE_M, device=dev)
+    te = torch.searchsorted(seg_end, tile_start, right=True)
+    tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
+    row_expert = torch.searchsorted(seg_end, torch.arange(cap, device=dev), right=True)
+    return Schedule(pos.view(num_tokens, top_k), row_token, row_weight, tile_expert, seg_end.to(torch.int32), row_expert)
+
+
+# --------------------------------------------------------------------------
+# building blocks
+
+
+def _use_torch_gemm() -> bool:
+    return os.environ.get("MOK_GEMM", "") == "torch"
+
+
+def _use_torch_act() -> bool:
+    return os.environ.get("MOK_ACT", "") == "torch"
+
+
+def _lib():
+    from .kernels import loader
+
+    return loader.load("sm_90a")
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """x rows in schedule order [M_cap, H]; padding rows are zero."""
+    x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return x_pad.index_select(0, sched.row_token)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
+    """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N])."""
+    m = a.shape[0]
+    if _use_torch_gemm():
+        wt = w if transpose_w else w.transpose(1, 2)
+        return torch._grouped_mm(a, wt, offs=sched.seg_end).to(out_dtype)
+    n = w.shape[2] if transpose_w else w.shape[1]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if transpose_w:  # B[n, k, e] = W[e, k, n]: N-major
+        b = w.permute(2, 1, 0)
+        name = "mok_gemm_bn_f32" if out_dtype == torch.float32 else "mok_gemm_bn"
+    else:  # B[n, k, e] = W[e, n, k]: K-major
+        b = w.permute(1, 2, 0)
+        name = "mok_gemm_bk"
+    _lib().launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, stream=_stream())
+    return out
+
+
+def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dtype) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * rows[pos[t, j]], j ascending, fp32."""
+    num_tokens, hidden = pos.shape[0], rows.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=rows.device)
+    if num_tokens == 0:
+        return out
+    w = weights.float().contiguous()
+    if out_dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or hidden % 8:
+        raise ValueError("combine kernel takes bf16 rows and output with hidden % 8 == 0")
+    _lib().launch("mok_combine", rows, pos.contiguous(), w, out, stream=_stream())
+    return out
+
+
+def act_forward(gate_up: torch.Tensor, sched: Schedule, activation: str, swiglu_limit) -> torch.Tensor:
+    """h = act(gate_up) [M_cap, I] bf16; rows past the last segment are left unwritten."""
+    if _use_torch_act():
+        from . import reference
+
+        return reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(gate_up.dtype)
+    h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(f"mok_act_fwd_{activation}", gate_up, h, sched.tile_expert, limit, stream=_stream())
+    return h
+
+
+def act_backward(gate_up, dh_raw, sched: Schedule, activation: str, swiglu_limit):
+    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the saved gate_up and dh = dy @ W2[e]."""
+    if _use_torch_act():
+        from . import reference
+
+        h = reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(gate_up.dtype)
+        w = sched.row_weight.unsqueeze(1)
+        dw = (dh_raw * h.float()).sum(dim=1)
+        dgu = reference.activation_backward(gate_up.float(), w * dh_raw, activation, swiglu_limit).to(gate_up.dtype)
+        return dgu, (w * h.float()).to(gate_up.dtype), dw
+    m, inter = dh_raw.shape
+    dgu = torch.empty_like(gate_up)
+    wh = gate_up.new_empty(m, inter)
+    dw = torch.empty(m, dtype=torch.float32, device=gate_up.device)
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(
+        f"mok_act_bwd_{activation}", gate_up, dh_raw, sched.row_weight, dgu, wh, dw, sched.tile_expert, limit,
+        stream=_stream(),
+    )  # fmt: skip
+    return dgu, wh, dw
+
+
+def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """[E, N] per-expert column sums of rows [M_cap, N] (fixed order, via grouped_mm)."""
+    ones = rows.new_ones(8, rows.shape[0])
+    return torch._grouped_mm(ones, rows, offs=sched.seg_end)[:, 0, :]
+
+
+# --------------------------------------------------------------------------
+# the experts
+
+
+def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | None:
+    """None where the CUDA path runs these inputs, else the reason it does not."""
+    if not x.is_cuda:
+        return "inputs are not on a CUDA device"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) != (9, 0):
+        return f"kernels are built for sm_90a, device is sm_{major}{minor}"
+    for name, t in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if t.dtype != torch.bfloat16:
+            return f"{name} is {t.dtype}, the kernels take bfloat16"
+    if activation not in SUPPORTED_ACTIVATIONS:
+        return f"activation {activation!r} not supported"
+    hidden, inter = down_proj.shape[1], down_proj.shape[2]
+    if hidden % 8 or inter % 8:
+        return "hidden and intermediate sizes must be multiples of 8"
+    if topk_ids.dtype != torch.int64:
+        return "topk_ids must be int64"
+    return None
+
+
+@dataclass
+class CudaSaved:
+    sched: Schedule
+    gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
+
+
+def experts_forward(
+    x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
+    activation="swiglu", swiglu_limit=None,
+):
+    """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved)."""
+    why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
+    if why is not None:
+        raise RuntimeError(f"mok_nn CUDA backend: {why}")
+    num_experts = gate_up_proj.shape[0]
+    sched = build_schedule(topk_ids, topk_weights, num_experts)
+    x_rows = gather_rows(x.contiguous(), sched)
+    gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+    if gate_up_bias is not None:
+        gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
+    h = act_forward(gate_up, sched, activation, swiglu_limit)
+    out_rows = grouped_gemm(h, down_proj, sched, transpose_w=False)
+    if down_bias is not None:
+        out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
+    y = combine(out_rows, sched.pos, topk_weights, x.dtype)
+    return y, CudaSaved(sched, gate_up)
+
+
+def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    b = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
+    return b.index_select(0, sched.row_expert.clamp(max=bias.shape[0]))
+
+
+def experts_backward(
+    grad_y, saved: CudaSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
+    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None,
+):
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads)."""
+    from . import reference
+
+    sched, gate_up = saved.sched, saved.gate_up
+    num_tokens, top_k = topk_ids.shape
+    dy_rows = gather_rows(grad_y.to(x.dtype).contiguous(), sched)  # zero on padding rows
+    dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
+    dgu, wh, dw_rows = act_backward(gate_up, dh_raw, sched, activation, swiglu_limit)
+    if down_bias is not None:
+        dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
+    w_rows = sched.row_weight.unsqueeze(1)
+    dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
+    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    dx = combine(dx_rows, sched.pos, ones, x.dtype)
+    d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
+
+    x_rows = gather_rows(x.contiguous(), sched)
+    wdt = gate_up_proj.dtype
+    d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)
+    d_gate_up = torch._grouped_mm(dgu.t(), x_rows, offs=sched.seg_end).to(wdt)
+    d_down_bias = None
+    if down_bias is not None:
+        d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
+    d_gate_up_bias = None if gate_up_bias is None else segment_sum(dgu, sched).to(gate_up_bias.dtype)
+    grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
+    return dx, d_topk, grads

@@ -1,0 +1,143 @@
+"""The list of kernel variants the library holds, and how their arguments look.
+
+This module imports no DSL: the loader reads the same specs on machines that
+have only PyTorch, to turn torch tensors into the argument structs of the
+exported C wrappers. A tensor argument is described mode by mode: each extent
+and each stride is either a fixed int or DYN (a run-time value). The exported
+struct holds the run-time extents, then the run-time strides, in mode order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+
+DYN = "dyn"
+LIB_NAME = "libmok_kernels.so"
+MANIFEST = "manifest.json"
+BUILD_COMMAND = "python -m mok_nn.kernels.build --arch {arch} --out {out}"
+TILE_M = 128  # rows per GEMM tile; the schedule pads each expert's segment to it
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorArg:
+    name: str
+    dtype: str  # "bf16", "f32", "i32", "i64"
+    shape: tuple  # ints or DYN
+    stride: tuple  # ints or DYN
+    divisibility: tuple = ()  # per mode, for DYN extents (default 1)
+    align: int = 16
+
+    def dyn_shape_modes(self):
+        return [i for i, s in enumerate(self.shape) if s == DYN]
+
+    def dyn_stride_modes(self):
+        return [i for i, s in enumerate(self.stride) if s == DYN]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarArg:
+    name: str
+    dtype: str  # "i32" or "f32"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str  # symbol prefix in the library
+    module: str  # python module under mok_nn.kernels holding the kernel
+    factory: str  # callable in that module returning the @cute.jit callable
+    factory_kwargs: tuple  # ((key, value), ...)
+    args: tuple  # TensorArg / ScalarArg, then the stream (implicit, last)
+
+
+def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> KernelSpec:
+    # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
+    b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
+    return KernelSpec(
+        name=name,
+        module="grouped_gemm",
+        factory="VarlenMGroupedGemm",
+        factory_kwargs=(("tile_n", tile_n),),
+        args=(
+            TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
+            TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
+            TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+        ),
+    )
+
+
+def _combine_spec(name: str) -> KernelSpec:
+    # out[t, h] = sum_j w[t, j] * rows[pos[t, j], h], j ascending, fp32.
+    return KernelSpec(
+        name=name,
+        module="combine",
+        factory="Combine",
+        factory_kwargs=(),
+        args=(
+            TensorArg("rows", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("pos", "i64", (DYN, DYN), (DYN, 1), align=8),
+            TensorArg("w", "f32", (DYN, DYN), (DYN, 1), align=4),
+            TensorArg("out", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+        ),
+    )
+
+
+def _act_specs(kind: str) -> tuple:
+    te = TensorArg("tile_expert", "i32", (DYN,), (1,), align=4)
+    fwd = KernelSpec(
+        name=f"mok_act_fwd_{kind}",
+        module="swiglu",
+        factory="ActForward",
+        factory_kwargs=(("kind", kind),),
+        args=(
+            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 16)),
+            TensorArg("h", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
+            te,
+            ScalarArg("limit", "f32"),
+        ),
+    )
+    bwd = KernelSpec(
+        name=f"mok_act_bwd_{kind}",
+        module="swiglu",
+        factory="ActBackward",
+        factory_kwargs=(("kind", kind),),
+        args=(
+            TensorArg("gate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 16)),
+            TensorArg("dh", "f32", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
+            TensorArg("w", "f32", (DYN,), (1,), align=4),
+            TensorArg("dgate_up", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 16)),
+            TensorArg("wh", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("dw", "f32", (DYN,), (1,), align=4),
+            te,
+            ScalarArg("limit", "f32"),
+        ),
+    )
+    return fwd, bwd
+
+
+SPECS = (
+    _gemm_spec("mok_gemm_bk", "k", 256),  # forward: x_perm @ W[e]^T
+    _gemm_spec("mok_gemm_bn", "n", 256),  # backward dgrad: dY @ W[e]
+    _gemm_spec("mok_gemm_bn_f32", "n", 256, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
+    _combine_spec("mok_combine"),
+    *_act_specs("swiglu"),
+    *_act_specs("swiglu_oai"),
+)
+
+SPECS_BY_NAME = {s.name: s for s in SPECS}
+
+
+def source_hash() -> str:
+    """Hash of everything a built library depends on in this repository."""
+    here = pathlib.Path(__file__).resolve().parent
+    csrc = here.parent.parent / "csrc"
+    h = hashlib.sha256()
+    files = sorted(here.glob("*.py")) + (sorted(csrc.glob("*")) if csrc.is_dir() else [])
+    for f in files:
+        if f.name in ("loader.py", "__init__.py"):
+            continue  # loading logic does not change what is built
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]

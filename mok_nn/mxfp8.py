@@ -1,0 +1,224 @@
+"""MX (OCP Microscaling) FP8 quantisation: E4M3 elements, one E8M0 scale per block.
+
+A tensor is cut into blocks of ``block_size`` (32) consecutive values along one
+axis (the GEMM's reduction dimension K). Each block gets one power-of-two scale
+``2**e`` stored as an E8M0 byte ``e + 127`` (``e`` in [-127, 127]; byte 0xFF is
+NaN), and each value is stored as ``float8_e4m3fn(x / 2**e)``, rounded to
+nearest, ties to even. The dequantised value is ``float(data) * 2**e``.
+
+Scale rule (``amax`` = largest magnitude in the block, taken exactly in fp32):
+
+- ``"rceil"`` (default, as NVIDIA's RCEIL mode): ``e = ceil(log2(amax / 448))``
+  computed exactly, i.e. the smallest integer with ``amax <= 448 * 2**e``. No
+  element can exceed 448 after scaling, so nothing saturates. In bits: write
+  ``amax = m * 2**p`` with ``m`` in [1, 2); then ``e = p - 8 + (m > 1.75)``.
+  (An fp32 ``amax * (1/448)`` rounded up to a power of two differs when
+  ``amax = 1.75 * 2**p`` exactly, because fl(1/448) > 1/448; kernels must use
+  the exact rule above.)
+- ``"floor"`` (OCP MX v1.0 reference): ``e = floor(log2(amax)) - 8`` (8 being
+  the largest exponent of E4M3); scaled values up to 2**9 are clamped to +-448
+  (saturating cast).
+
+Edge cases, identical in both modes:
+
+- ``e`` is clamped to [-127, 127]. An all-zero block, or one whose amax is so
+  small that the rule gives ``e < -127`` (fp32 subnormals included), gets
+  ``e = -127`` (byte 0x00); its values are scaled by 2**127 and rounded to
+  E4M3 (subnormals of E4M3 included) as usual. For finite inputs of fp32 /
+  bf16 / fp16 the rule never exceeds 127.
+- A block containing NaN or +-Inf (E4M3 "fn" has no Inf) gets scale byte 0xFF
+  (NaN) and all its data bytes are 0x7F (NaN); it dequantises to NaN.
+- Negative zero stays negative zero.
+
+Layout: ``MXFP8Tensor.data`` has the shape of the input; ``scale`` has that
+shape with ``shape[axis]`` divided by ``block_size``. For a weight ``[N, K]``
+or expert weights ``[E, N, K]``, ``axis=-1`` is row-wise quantisation (along K,
+scale ``[..., N, K/32]``, the layout of compressed-tensors / ModelOpt
+checkpoints) and ``axis=-2`` is column-wise (along N, scale ``[..., N/32, K]``,
+what the transposed operand of a backward GEMM needs). A size along ``axis``
+that is not a multiple of ``block_size`` raises ValueError (no padding).
+
+``precision="mxfp8"`` (MoKMoELayer, reference path; details and rationale in
+docs/mxfp8.md): every operand of the six expert GEMMs is fake-quantised
+("rceil", blocks of 32) along that GEMM's reduction dimension, then the BF16
+path's fp32 math runs on the dequantised values. Forward: ``x`` and
+``gate_up_proj`` along H, ``h = act(gate_up)`` and ``down_proj`` along I.
+Backward (``dy`` unscaled by the top-k weight ``w``): ``dh = dy @ down_proj`` with
+``dy`` along H and ``down_proj`` along H (column-wise); ``d down_proj = dy^T @ (w h)``
+and ``d gate_up_proj = dgu^T @ x`` with both operands along the expert's token
+rows (blocks of 32 rows in ascending token order, last block zero-padded);
+``dx = dgu @ gate_up_proj`` with ``dgu`` along 2I and ``gate_up_proj`` along 2I
+(column-wise). Router, activation, biases, the top-k weight gradient and the
+combine are not quantised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3_MAX = 448.0
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E4M3_NAN = 0x7F
+SCALE_MODES = ("rceil", "floor")
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MXFP8Tensor:
+    """MXFP8 data (float8_e4m3fn, shape of the original) and E8M0 scale bytes (uint8)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    axis: int
+    block_size: int = 32
+
+    def __post_init__(self):
+        if self.data.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"MXFP8Tensor.data must be float8_e4m3fn, got {self.data.dtype}")
+        if self.scale.dtype != torch.uint8:
+            raise TypeError(f"MXFP8Tensor.scale must be uint8 (E8M0 bits), got {self.scale.dtype}")
+        if not 0 <= self.axis < self.data.dim():
+            raise ValueError(f"MXFP8Tensor.axis must be in [0, {self.data.dim()}), got {self.axis}")
+        expected = _scale_shape(self.data.shape, self.axis, self.block_size)
+        if tuple(self.scale.shape) != expected:
+            raise ValueError(
+                f"MXFP8Tensor.scale has shape {tuple(self.scale.shape)}, expected {expected} "
+                f"for data {tuple(self.data.shape)}, axis={self.axis}, block_size={self.block_size}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scale.numel()
+
+    def to(self, device) -> "MXFP8Tensor":
+        return MXFP8Tensor(self.data.to(device), self.scale.to(device), self.axis, self.block_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+
+def _scale_shape(shape, axis: int, block_size: int) -> tuple:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if shape[axis] % block_size != 0:
+        raise ValueError(
+            f"size {shape[axis]} of dimension {axis} (shape {tuple(shape)}) is not a multiple "
+            f"of the MX block size {block_size}; pad the tensor first"
+        )
+    out = list(shape)
+    out[axis] = shape[axis] // block_size
+    return tuple(out)
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} out of range for a {ndim}-D tensor")
+    return axis % ndim
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 2**e for integer e in [-127, 127] (2**-127 is an fp32 subnormal)."""
+    return torch.exp2(e.to(torch.float64)).to(torch.float32)
+
+
+def quantize(
+    x: torch.Tensor, axis: int = -1, block_size: int = 32, scale_mode: str = "rceil"
+) -> MXFP8Tensor:
+    """Quantise ``x`` (fp32 / bf16 / fp16) to MXFP8 in blocks along ``axis``. See the module doc."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"quantize supports float32, bfloat16 and float16 inputs, got {x.dtype}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    if x.dim() == 0:
+        raise ValueError("quantize needs a tensor with at least one dimension")
+    axis = _normalize_axis(axis, x.dim())
+    _scale_shape(x.shape, axis, block_size)
+
+    moved = x.movedim(axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block_size, block_size).float()
+    amax = blocks.abs().amax(dim=-1)  # NaN propagates
+    nonfinite = ~torch.isfinite(amax)
+
+    # amax = mant * 2**exp with mant in [0.5, 1): floor(log2(amax)) = exp - 1.
+    mant, exp = torch.frexp(amax)
+    e = exp - 9
+    if scale_mode == "rceil":
+        e = e + (mant > 0.875).to(e.dtype)  # amax > 1.75 * 2**floor(log2 amax): one more
+    e = torch.where(amax == 0, torch.full_like(e, -E8M0_BIAS), e)
+    e = torch.where(nonfinite, torch.zeros_like(e), e).clamp(-E8M0_BIAS, E8M0_BIAS)
+
+    scaled = blocks * _pow2(-e).unsqueeze(-1)
+    if scale_mode == "floor":
+        scaled = scaled.clamp(-E4M3_MAX, E4M3_MAX)
+    data = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    data = torch.where(nonfinite.unsqueeze(-1), torch.full_like(data, E4M3_NAN), data)
+    scale = torch.where(nonfinite, torch.full_like(e, E8M0_NAN), e + E8M0_BIAS).to(torch.uint8)
+
+    data = data.reshape(moved.shape).movedim(-1, axis).contiguous().view(torch.float8_e4m3fn)
+    scale = scale.movedim(-1, axis).contiguous()
+    return MXFP8Tensor(data, scale, axis, block_size)
+
+
+def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``float(data) * 2**(scale - 127)`` in ``dtype`` (NaN where the scale byte is 0xFF)."""
+    if not isinstance(t, MXFP8Tensor):
+        raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
+    data = t.data.movedim(t.axis, -1)
+    blocks = data.reshape(*data.shape[:-1], data.shape[-1] // t.block_size, t.block_size)
+    s = t.scale.movedim(t.axis, -1).to(torch.int32)
+    factor = _pow2((s - E8M0_BIAS).clamp(max=E8M0_BIAS))
+    factor = torch.where(s == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
+    # fp32 product is exact: 4 significant bits times a power of two.
+    out = blocks.float() * factor.unsqueeze(-1)
+    return out.reshape(data.shape).movedim(-1, t.axis).to(dtype).contiguous()
+
+
+def fake_quantize(
+    x: torch.Tensor, axis: int = -1, block_size: int = 32, scale_mode: str = "rceil"
+) -> torch.Tensor:
+    """``dequantize(quantize(x, ...))`` in ``x.dtype``: the values an MXFP8 GEMM operand takes."""
+    return dequantize(quantize(x, axis, block_size, scale_mode), x.dtype)
+
+
+def fake_quantize_padded(
+    x: torch.Tensor, axis: int = -1, block_size: int = 32, scale_mode: str = "rceil"
+) -> torch.Tensor:
+    """``fake_quantize`` of ``x`` zero-padded along ``axis`` to a multiple of ``block_size``.
+
+    The padding is dropped again. Zeros do not change a block's amax, so this is the MX
+    quantisation of a ragged group (an expert's token rows) whose last block is partial.
+    """
+    axis = _normalize_axis(axis, x.dim())
+    pad = -x.shape[axis] % block_size
+    if pad == 0:
+        return fake_quantize(x, axis, block_size, scale_mode)
+    shape = list(x.shape)
+    shape[axis] = pad
+    padded = torch.cat([x, x.new_zeros(shape)], dim=axis)
+    return fake_quantize(padded, axis, block_size, scale_mode).narrow(axis, 0, x.shape[axis])
+
+
+PRECISIONS = ("bf16", "mxfp8")
+
+
+def operand_quantizer(precision: str):
+    """``q(t, axis)`` applied to every expert-GEMM operand: identity for "bf16", MXFP8 fake
+    quantisation (rceil, blocks of 32 along ``axis``, ragged groups zero-padded) for "mxfp8"."""
+    if precision == "bf16":
+        return lambda t, axis: t
+    if precision == "mxfp8":
+        return lambda t, axis: fake_quantize_padded(t, axis)
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -1,0 +1,160 @@
+"""Bad input gets a clear exception whose message names the problem; empty
+input (T = 0) is not bad input and returns an empty output."""
+
+import pytest
+import torch
+
+from helpers import ACTIVATIONS, H, ROUTINGS, make_layer, random_x, single_thread  # noqa: F401
+
+OPTS = {**ROUTINGS["softmax_norm"], **ACTIVATIONS["swiglu"]}
+
+
+def _layer(dtype=torch.float32, **kw):
+    return make_layer({**OPTS, **kw}, dtype=dtype, seed=0)
+
+
+# --- forward input
+
+
+def test_wrong_hidden_size():
+    layer = _layer()
+    with pytest.raises(ValueError, match=r"(?i)hidden"):
+        layer(random_x((4, H + 1), torch.float32, 0))
+
+
+def test_wrong_dtype():
+    layer = _layer(torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match=r"(?i)dtype"):
+        layer(random_x((4, H), torch.float32, 0))
+    with pytest.raises((TypeError, ValueError), match=r"(?i)dtype"):
+        layer(torch.ones(4, H, dtype=torch.int64))
+
+
+def test_wrong_device():
+    layer = _layer()
+    with pytest.raises((RuntimeError, ValueError), match=r"(?i)device"):
+        layer(torch.empty(4, H, device="meta"))
+
+
+def test_not_a_tensor_or_0d():
+    layer = _layer()
+    with pytest.raises((TypeError, ValueError)):
+        layer(torch.tensor(1.0))
+
+
+def test_non_contiguous_input():
+    """Either a clear error naming contiguity, or the same result as the
+    contiguous copy, bit for bit (outputs and the input gradient)."""
+    layer = _layer()
+    base = random_x((H, 7), torch.float32, 1)
+    x = base.t()  # [7, H], strides (1, 7)
+    assert not x.is_contiguous()
+    try:
+        y = layer(x.requires_grad_(False))
+    except (ValueError, RuntimeError) as err:
+        assert "contiguous" in str(err).lower(), f"unclear error for non-contiguous input: {err}"
+        return
+    xc = x.contiguous()
+    assert torch.equal(y, layer(xc))
+    # Gradients too.
+    x1 = base.clone().requires_grad_(True)
+    layer(x1.t()).square().sum().backward()
+    x2 = xc.clone().requires_grad_(True)
+    layer(x2).square().sum().backward()
+    assert torch.equal(x1.grad.t(), x2.grad)
+
+
+@pytest.mark.parametrize("shape", [(0, H), (2, 0, H)])
+def test_empty_input(shape):
+    """T = 0 tokens: empty output of the same shape; backward works and gives
+    empty / zero gradients."""
+    layer = _layer(shared_intermediate_size=8, shared_expert_gate=True, expert_proj_bias=True,
+                   aux_loss_coef=0.01, z_loss_coef=1e-3)
+    x = torch.zeros(shape, dtype=torch.float32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == shape and y.dtype == torch.float32
+    assert layer.router_logits.shape[0] == 0
+    # A rank without tokens must not poison the loss with NaN.
+    assert torch.isfinite(layer.aux_loss)
+    (y.sum() + layer.aux_loss).backward()
+    assert x.grad is not None and x.grad.shape == shape
+    for name, p in layer.named_parameters():
+        assert p.grad is None or (p.grad == 0).all(), name
+
+
+# --- constructor arguments
+
+
+def test_top_k_greater_than_num_experts():
+    with pytest.raises(ValueError, match=r"(?i)top_k"):
+        make_layer(OPTS, experts=4, top_k=5)
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(top_k=0), "top_k"),
+    (dict(hidden=0), "hidden_size"),
+    (dict(inter=0), "intermediate_size"),
+    (dict(experts=0), "num_experts"),
+])
+def test_nonpositive_sizes(kw, word):
+    with pytest.raises(ValueError, match=rf"(?i){word}"):
+        make_layer(OPTS, **kw)
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(score_func="relu"), "score_func"),
+    (dict(activation="gelu"), "activation"),
+    (dict(n_group=3, topk_group=1), "n_group"),        # 16 experts not divisible by 3 groups
+    (dict(n_group=4, topk_group=5), "topk_group"),     # more groups kept than exist
+    (dict(n_group=4), "topk_group"),                   # n_group without topk_group
+    (dict(swiglu_limit=-1.0), "swiglu_limit"),
+    (dict(precision="fp4"), "precision"),
+    (dict(backend="tpu"), "backend"),
+])
+def test_bad_options(kw, word):
+    with pytest.raises(ValueError, match=rf"(?i){word}"):
+        make_layer({**OPTS, **kw})
+
+
+def test_groups_hold_fewer_experts_than_top_k():
+    # 16 experts in 4 groups, 1 group kept: 4 candidates for top_k = 5.
+    with pytest.raises(ValueError, match=r"(?i)top_?k"):
+        make_layer({**OPTS, "n_group": 4, "topk_group": 1}, top_k=5)
+
+
+def test_cuda_backend_without_cuda():
+    """backend="cuda" where CUDA is absent raises (at construction or on the
+    first call), never falls back silently."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    from mok_nn import MoKMoELayer
+
+    with pytest.raises((RuntimeError, ValueError), match=r"(?i)cuda"):
+        layer = MoKMoELayer(hidden_size=H, intermediate_size=8, num_experts=4, top_k=2, backend="cuda",
+                            dtype=torch.bfloat16)
+        layer(random_x((3, H), torch.bfloat16, 0))
+
+
+# --- MoKConfig
+
+
+@pytest.mark.parametrize("field,value", [
+    ("fwd_num_comm_sms", -1),
+    ("bwd_num_comm_sms", -1),
+    ("minibatch_size", 0),
+    ("macrobatch_size", 0),
+    ("schedule_capacity_multiplier", 0.0),
+    ("schedule_capacity_multiplier", float("nan")),
+    ("minibatch_size", 2.5),
+])
+def test_bad_config(field, value):
+    from mok_nn import MoKConfig
+
+    with pytest.raises((ValueError, TypeError), match=field):
+        MoKConfig(**{field: value})
+
+
+def test_default_config_is_valid():
+    from mok_nn import MoKConfig
+
+    MoKConfig()

@@ -1,0 +1,289 @@
+"""Checkpoint I/O: round trips for every supported format, built here from scratch."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mok_nn import checkpoint as ck
+from mok_nn.mxfp8 import MXFP8Tensor, quantize
+
+E, I, H = 3, 64, 96
+PREFIX = "model.layers.0.mlp."
+
+
+def _rand(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.exp2(torch.randn(shape[:-1] + (1,), generator=g))
+
+
+def _np_dequant_mx(data: torch.Tensor, scale: torch.Tensor, axis: int = -1) -> np.ndarray:
+    """Independent dequantisation: numpy ldexp of the float64 element values."""
+    d = data.view(torch.float8_e4m3fn).double().numpy()
+    s = np.repeat(scale.numpy().astype(np.int64) - 127, 32, axis=axis)
+    return np.ldexp(d, s)
+
+
+def _write(dirpath, tensors, config=None, config_name="config.json", metadata=None):
+    dirpath.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dirpath / "model.safetensors"), metadata=metadata)
+    if config is not None:
+        (dirpath / config_name).write_text(json.dumps(config))
+    return dirpath
+
+
+def _experts_fp32():
+    return _rand(E, 2 * I, H, seed=1), _rand(E, H, I, seed=2)
+
+
+def _extra():
+    return {PREFIX + "gate.weight": _rand(E, H, seed=3).bfloat16(), "model.norm.weight": torch.ones(H)}
+
+
+def _check_experts(loaded, gate_up_ref, down_ref, prefix=PREFIX):
+    """expert_weights() assembled [E,2I,H]/[E,H,I] MXFP8 with the expected values (numpy dequant)."""
+    gu, dn = ck.expert_weights(loaded, prefix)
+    assert isinstance(gu, MXFP8Tensor) and isinstance(dn, MXFP8Tensor)
+    assert gu.shape == (E, 2 * I, H) and dn.shape == (E, H, I) and gu.axis == 2 and dn.axis == 2
+    np.testing.assert_array_equal(_np_dequant_mx(gu.data, gu.scale), gate_up_ref)
+    np.testing.assert_array_equal(_np_dequant_mx(dn.data, dn.scale), down_ref)
+    for k, v in _extra().items():
+        if k in loaded:
+            assert torch.equal(loaded[k], v)
+
+
+# ----------------------------------------------------------------------------- our format
+
+
+def test_mok_format_round_trip(tmp_path):
+    gu, dn = _experts_fp32()
+    qgu, qdn = quantize(gu.bfloat16()), quantize(dn, scale_mode="floor")
+    col = quantize(dn, axis=-2)  # column-wise must round-trip with its axis
+    tensors = {PREFIX + "experts.gate_up_proj": qgu, PREFIX + "experts.down_proj": qdn,
+               PREFIX + "experts.down_proj_colwise": col, **_extra()}
+    path = tmp_path / "m.safetensors"
+    ck.save_mxfp8(path, tensors, metadata={"source": "test", "step": 7})
+    raw, meta, _ = ck.read_safetensors(path)
+    assert meta["format"] == "mok_nn.mxfp8" and meta["source"] == "test" and meta["step"] == "7"
+    assert raw[PREFIX + "experts.gate_up_proj_scale"].dtype == torch.uint8
+    assert raw[PREFIX + "experts.gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert ck.detect_format(path) == ck.FORMAT_MOK
+    loaded = ck.load_mxfp8_tensors(path)
+    assert set(loaded) == set(tensors)
+    for name, t in tensors.items():
+        got = loaded[name]
+        if isinstance(t, MXFP8Tensor):
+            assert got.axis == t.axis and got.block_size == t.block_size
+            assert torch.equal(got.data.view(torch.uint8), t.data.view(torch.uint8))
+            assert torch.equal(got.scale, t.scale)
+        else:
+            assert torch.equal(got, t) and got.dtype == t.dtype
+    _check_experts(loaded, _np_dequant_mx(qgu.data, qgu.scale), _np_dequant_mx(qdn.data, qdn.scale))
+    np.testing.assert_array_equal(loaded[PREFIX + "experts.down_proj_colwise"].dequantize(torch.float64).numpy(),
+                                  _np_dequant_mx(col.data, col.scale, axis=1))
+
+
+def test_save_rejects_bad_input(tmp_path):
+    q = quantize(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="used twice"):
+        ck.save_mxfp8(tmp_path / "a.safetensors", {"w": q, "w_scale": torch.zeros(2)})
+    with pytest.raises(ValueError, match="reserved"):
+        ck.save_mxfp8(tmp_path / "a.safetensors", {"w": q}, metadata={"format": "x"})
+    with pytest.raises(TypeError, match="'w'"):
+        ck.save_mxfp8(tmp_path / "a.safetensors", {"w": np.zeros(3)})
+
+
+# ----------------------------------------------------------------------------- MX formats of others
+
+
+def _per_expert_mx(gu, dn, scale_dtype=torch.uint8, data_as_uint8=False, names=("gate_proj", "up_proj", "down_proj")):
+    """Per-expert Linear modules: weight + weight_scale, quantised (floor, as an OCP producer would)."""
+    tensors, refs_gu, refs_dn = {}, [], []
+    for e in range(E):
+        mats = {names[0]: gu[e, :I], names[1]: gu[e, I:], names[2]: dn[e]}
+        for role, w in mats.items():
+            q = quantize(w, scale_mode="floor")
+            base = f"{PREFIX}experts.{e}.{role}.weight"
+            tensors[base] = q.data.view(torch.uint8) if data_as_uint8 else q.data
+            tensors[base + "_scale"] = q.scale.view(scale_dtype)
+        refs_gu.append(np.concatenate([_np_dequant_mx(*_q(tensors, f"{PREFIX}experts.{e}.{r}.weight"))
+                                       for r in names[:2]], 0))
+        refs_dn.append(_np_dequant_mx(*_q(tensors, f"{PREFIX}experts.{e}.{names[2]}.weight")))
+    return tensors, np.stack(refs_gu), np.stack(refs_dn)
+
+
+def _q(tensors, name):
+    return tensors[name], tensors[name + "_scale"].view(torch.uint8)
+
+
+CT_CONFIG = {"model_type": "qwen3_moe", "quantization_config": {
+    "quant_method": "compressed-tensors", "format": "mxfp8-quantized",
+    "config_groups": {"group_0": {"format": "mxfp8-quantized", "targets": ["Linear"],
+                                  "weights": {"num_bits": 8, "type": "float", "strategy": "group",
+                                              "group_size": 32}}}}}
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float8_e8m0fnu])
+def test_compressed_tensors(tmp_path, scale_dtype):
+    gu, dn = _experts_fp32()
+    tensors, ref_gu, ref_dn = _per_expert_mx(gu, dn, scale_dtype)
+    d = _write(tmp_path / "ct", {**tensors, **_extra()}, CT_CONFIG)
+    assert ck.detect_format(d) == ck.FORMAT_COMPRESSED_TENSORS
+    loaded = ck.load_mxfp8_tensors(d)
+    assert not any(k.endswith("_scale") for k in loaded)
+    _check_experts(loaded, ref_gu, ref_dn)
+    # without config the same layout is still recognised
+    assert ck.detect_format(tensors) == ck.FORMAT_MXFP8
+
+
+def test_modelopt_fused_and_uint8_data(tmp_path):
+    gu, dn = _experts_fp32()
+    q13, q2 = quantize(gu), quantize(dn)
+    tensors = {PREFIX + "experts.w13_weight": q13.data.view(torch.uint8), PREFIX + "experts.w13_weight_scale": q13.scale,
+               PREFIX + "experts.w2_weight": q2.data, PREFIX + "experts.w2_weight_scale": q2.scale, **_extra()}
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.0"},
+                "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None}}
+    d = _write(tmp_path / "mo", tensors, hf_quant, "hf_quant_config.json")
+    assert ck.detect_format(d) == ck.FORMAT_MODELOPT
+    loaded = ck.load_mxfp8_tensors(d)
+    _check_experts(loaded, _np_dequant_mx(q13.data, q13.scale), _np_dequant_mx(q2.data, q2.scale))
+    # quantization_config form, per-expert Mixtral names (w1/w3/w2)
+    t2, ref_gu, ref_dn = _per_expert_mx(gu, dn, names=("w1", "w3", "w2"))
+    cfg = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "MXFP8"}}
+    d2 = _write(tmp_path / "mo2", t2, cfg)
+    assert ck.detect_format(d2) == ck.FORMAT_MODELOPT
+    _check_experts(ck.load_mxfp8_tensors(d2), ref_gu, ref_dn)
+
+
+# ----------------------------------------------------------------------------- block FP8
+
+
+def _block_fp8(w: torch.Tensor, block, pow2: bool, seed: int):
+    """Block-FP8 encoding of w: returns (fp8 data, scale_inv float32, exact fp64 value of the encoding)."""
+    bn, bk = block
+    n, k = w.shape[-2:]
+    sn, sk = -(-n // bn), -(-k // bk)
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(*w.shape[:-2], sn, sk, generator=g) * 0.01 + 0.002
+    if pow2:
+        s = torch.exp2(torch.round(torch.log2(s)))
+    s_full = np.kron(s.double().numpy(), np.ones((bn, bk)))[..., :n, :k]
+    data = torch.from_numpy(np.clip(w.double().numpy() / s_full, -448, 448)).float().to(torch.float8_e4m3fn)
+    return data, s.float(), data.double().numpy() * s_full
+
+
+def test_transformers_fp8_ue8m0_lossless(tmp_path):
+    gu, dn = _experts_fp32()
+    gu_d, gu_s, gu_val = _block_fp8(gu, (128, 128), True, 4)
+    dn_d, dn_s, dn_val = _block_fp8(dn, (128, 128), True, 5)
+    tensors = {PREFIX + "experts.gate_up_proj": gu_d, PREFIX + "experts.gate_up_proj_scale_inv": gu_s,
+               PREFIX + "experts.down_proj": dn_d, PREFIX + "experts.down_proj_scale_inv": dn_s, **_extra()}
+    cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}}
+    d = _write(tmp_path / "tf", tensors, cfg)
+    assert ck.detect_format(d) == ck.FORMAT_FP8_UE8M0
+    assert ck.detect_format(tensors) == ck.FORMAT_FP8_UE8M0
+    loaded = ck.load_mxfp8_tensors(d)
+    _check_experts(loaded, gu_val, dn_val)  # lossless: values identical
+    # [1, 32] blocks with E8M0 bytes as scale_inv: exactly MXFP8
+    q = quantize(gu)
+    t2 = {PREFIX + "experts.gate_up_proj": q.data, PREFIX + "experts.gate_up_proj_scale_inv": q.scale,
+          PREFIX + "experts.down_proj": dn_d, PREFIX + "experts.down_proj_scale_inv": dn_s}
+    cfg2 = {"quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0"}}  # block size inferred
+    _check_experts(ck.load_mxfp8_tensors(t2, cfg2), _np_dequant_mx(q.data, q.scale), dn_val)
+
+
+def test_deepseek_block_fp8_requantised(tmp_path):
+    # N, K not multiples of 128 (partial blocks); K a multiple of 32
+    w = _rand(200, 160, seed=6)
+    data, s, val = _block_fp8(w, (128, 128), False, 7)
+    tensors = {"model.layers.3.self_attn.o_proj.weight": data, "model.layers.3.self_attn.o_proj.weight_scale_inv": s}
+    gu, dn = _experts_fp32()
+    vals = {}
+    for e in range(E):
+        for role, m in (("gate_proj", gu[e, :I]), ("up_proj", gu[e, I:]), ("down_proj", dn[e])):
+            name = f"{PREFIX}experts.{e}.{role}.weight"
+            tensors[name], tensors[name + "_scale_inv"], vals[name] = _block_fp8(m, (128, 128), False, 8 + e)
+    cfg = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}}
+    d = _write(tmp_path / "ds", {**tensors, **_extra()}, cfg)
+    assert ck.detect_format(d) == ck.FORMAT_FP8_BLOCK
+    assert ck.detect_format(tensors) == ck.FORMAT_FP8_BLOCK
+    loaded = ck.load_mxfp8_tensors(d)
+    q = loaded["model.layers.3.self_attn.o_proj.weight"]
+    assert isinstance(q, MXFP8Tensor) and q.shape == (200, 160) and q.scale.shape == (200, 5)
+    # requantisation of the exact block-FP8 value (fp32-representable) with the MX rule
+    ref = quantize(torch.from_numpy(val).float())
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q.scale, ref.scale)
+    err = np.abs(_np_dequant_mx(q.data, q.scale) - val)
+    e = np.repeat(q.scale.numpy().astype(np.float64) - 127, 32, axis=-1)
+    assert np.all(err <= np.maximum(np.abs(val) * 2.0**-4, np.exp2(e - 10))) and err.max() > 0
+    gu_ref = np.stack([np.concatenate([vals[f"{PREFIX}experts.{e}.gate_proj.weight"],
+                                       vals[f"{PREFIX}experts.{e}.up_proj.weight"]]) for e in range(E)])
+    got_gu, _ = ck.expert_weights(loaded, PREFIX)
+    rel = np.abs(_np_dequant_mx(got_gu.data, got_gu.scale) - gu_ref).max() / np.abs(gu_ref).max()
+    assert 0 < rel < 2.0**-4
+
+
+def test_unquantized_and_quantize_expert_weights(tmp_path):
+    gu, dn = _experts_fp32()
+    tensors = {PREFIX + "experts.gate_up_proj": gu.bfloat16(), PREFIX + "experts.down_proj": dn.bfloat16(), **_extra()}
+    assert ck.detect_format(tensors) == ck.FORMAT_UNQUANTIZED
+    q = ck.quantize_expert_weights(tensors)
+    assert isinstance(q[PREFIX + "experts.gate_up_proj"], MXFP8Tensor)
+    assert torch.equal(q[PREFIX + "gate.weight"], tensors[PREFIX + "gate.weight"])  # router left alone
+    path = tmp_path / "q.safetensors"
+    ck.save_mxfp8(path, q)
+    gu_q, dn_q = q[PREFIX + "experts.gate_up_proj"], q[PREFIX + "experts.down_proj"]
+    _check_experts(ck.load_mxfp8_tensors(path), _np_dequant_mx(gu_q.data, gu_q.scale), _np_dequant_mx(dn_q.data, dn_q.scale))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_tensor(tmp_path):
+    q = quantize(torch.randn(64, 64))
+    w = "m.experts.0.gate_proj.weight"
+    with pytest.raises(ck.CheckpointFormatError, match=w):
+        ck.load_mxfp8_tensors({w: q.data})  # FP8 without scale
+    with pytest.raises(ck.CheckpointFormatError, match=w + "_scale"):
+        ck.load_mxfp8_tensors({w: q.data, w + "_scale": q.scale[:, :1]})  # wrong scale shape
+    with pytest.raises(ck.CheckpointFormatError, match="orphan.weight_scale"):
+        ck.load_mxfp8_tensors({w: q.data, w + "_scale": q.scale, "orphan.weight_scale": q.scale})
+    with pytest.raises(ck.CheckpointFormatError, match=w + "_scale"):
+        ck.load_mxfp8_tensors({w: q.data, w + "_scale": q.scale.float()}, CT_CONFIG)  # float scale in MX format
+    s = torch.full((1, 1), 0.3)
+    cfg = {"quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+    with pytest.raises(ck.CheckpointFormatError, match=w + "_scale_inv"):
+        ck.load_mxfp8_tensors({w: q.data, w + "_scale_inv": s}, cfg)  # not a power of two
+    with pytest.raises(ck.CheckpointFormatError, match=w + "_scale_inv"):
+        ck.load_mxfp8_tensors({w: q.data, w + "_scale_inv": torch.ones(3, 3)}, cfg)  # inconsistent block shape
+    with pytest.raises(ck.CheckpointFormatError, match="awq"):
+        ck.detect_format({}, {"quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(ck.CheckpointFormatError, match="float-quantized"):
+        ck.detect_format({}, {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized"}})
+    with pytest.raises(ck.CheckpointFormatError, match="NVFP4"):
+        ck.detect_format({}, {"quantization": {"quant_algo": "NVFP4"}})
+    with pytest.raises(ck.CheckpointFormatError, match="experts.1.up_proj"):
+        ck.expert_weights({"experts.0.gate_proj.weight": torch.ones(2, 32), "experts.0.up_proj.weight": torch.ones(2, 32),
+                           "experts.0.down_proj.weight": torch.ones(32, 2), "experts.1.gate_proj.weight": torch.ones(2, 32)})
+    bad_k = torch.zeros(64, 48, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ck.CheckpointFormatError, match="bad.weight"):
+        ck.load_mxfp8_tensors({"bad.weight": bad_k, "bad.weight_scale_inv": torch.ones(1, 1)},
+                              {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+
+
+def test_example_script(tmp_path, capsys):
+    import runpy
+    import pathlib
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "quantize_checkpoint.py"
+    mod = runpy.run_path(str(script))
+    src = tmp_path / "in.safetensors"
+    mod["make_demo_checkpoint"](str(src), layers=1, experts=2, hidden=64, inter=32)
+    out = tmp_path / "out.safetensors"
+    mod["main"]([str(src), str(out)])
+    assert "input format: unquantized" in capsys.readouterr().out
+    loaded = ck.load_mxfp8_tensors(out)
+    gu, dn = ck.expert_weights(loaded, "model.layers.0.mlp.")
+    assert isinstance(gu, MXFP8Tensor) and gu.shape == (2, 64, 64) and dn.shape == (2, 64, 32)

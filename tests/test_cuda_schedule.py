@@ -1,0 +1,45 @@
+"""The GPU schedule is plain torch ops: check its invariants on the CPU."""
+
+import pytest
+import torch
+
+from mok_nn.cuda_backend import TILE_M, build_schedule, schedule_capacity
+
+
+def _routing(num_tokens, top_k, num_experts, gen, skew=False):
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if skew:  # leave some experts empty, crowd others
+        logits[:, : num_experts // 2] -= 20
+    ids = torch.topk(logits, top_k, dim=1).indices
+    w = torch.rand(num_tokens, top_k, generator=gen)
+    return ids, w
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,skew", [(1, 1, 4, False), (37, 2, 8, True), (300, 4, 16, False)])
+def test_schedule_invariants(num_tokens, top_k, num_experts, skew):
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids, w = _routing(num_tokens, top_k, num_experts, gen, skew)
+    s = build_schedule(ids, w, num_experts)
+    cap = schedule_capacity(num_tokens, top_k, num_experts)
+    assert s.capacity == cap and cap % TILE_M == 0
+    pos = s.pos.reshape(-1)
+    assert pos.unique().numel() == pos.numel()  # each slot has its own row
+    # each slot's row holds its token, weight, and lies in its expert's tiles
+    tokens = torch.arange(num_tokens).repeat_interleave(top_k)
+    assert torch.equal(s.row_token[pos], tokens)
+    assert torch.equal(s.row_weight[pos], w.reshape(-1))
+    assert torch.equal(s.tile_expert[pos // TILE_M].long(), ids.reshape(-1))
+    assert torch.equal(s.row_expert[pos], ids.reshape(-1))
+    # padding rows point at the zero row and carry no weight
+    pad = torch.ones(cap, dtype=torch.bool)
+    pad[pos] = False
+    assert torch.all(s.row_token[pad] == num_tokens) and torch.all(s.row_weight[pad] == 0)
+    # rows of an expert keep token order (stable), segments are tile aligned
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
+    ends = torch.cumsum((counts + TILE_M - 1) // TILE_M * TILE_M, 0)
+    assert torch.equal(s.seg_end.long(), ends)
+    for e in range(num_experts):
+        rows = pos[ids.reshape(-1) == e]
+        assert torch.all(rows[1:] > rows[:-1])
+    used_tiles = int(ends[-1]) // TILE_M
+    assert torch.all(s.tile_expert[used_tiles:] == -1)

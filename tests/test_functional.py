@@ -1,0 +1,126 @@
+"""The functional layer (get_workspace -> build_schedule -> forward -> backward)
+gives the layer's results bit for bit, and its d x / d topk_weights match
+float64 autograd through the oracle's expert MLP."""
+
+import pytest
+import torch
+
+import oracle
+from helpers import (ACTIVATIONS, E, H, I, K, ROUTINGS, assert_close, layer_forward_backward, make_layer, random_x,
+                     single_thread)  # noqa: F401
+
+T = 13
+# No shared expert: the layer's output is then the routed experts alone.
+OPTS = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai_limit"]}
+# As in test_layer.py (measured there).
+TOL = {torch.float64: 1e-12, torch.float32: 5e-6}
+
+
+def _workspace(dtype, **kw):
+    from mok_nn import functional
+
+    return functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device="cpu",
+                                    dtype=dtype, backend="reference", activation=OPTS["activation"],
+                                    swiglu_limit=OPTS["swiglu_limit"], **kw)
+
+
+def _routing(layer):
+    """The layer's own routing of its last forward (same function, same logits)."""
+    from mok_nn.router import route
+
+    ids, w = route(layer.router_logits.detach(), K, OPTS["score_func"], OPTS["norm_topk_prob"], OPTS["n_group"],
+                   OPTS["topk_group"], OPTS["routed_scaling_factor"], layer.router.e_score_correction_bias)[:2]
+    return ids, w.detach()
+
+
+def _oracle_experts(layer, x, ids, w, dy):
+    """y = sum_j w_tj * expert(x_t) in float64 with autograd: (y, d x, d w)."""
+    p = {k: v.detach().to(torch.float64) for k, v in layer.state_dict().items()}
+    x64 = x.detach().to(torch.float64).requires_grad_(True)
+    w64 = w.detach().to(torch.float64).requires_grad_(True)
+    rows = []
+    for t in range(x.shape[0]):
+        y_t = torch.zeros(H, dtype=torch.float64)
+        for j, e in enumerate(ids[t].tolist()):
+            y_t = y_t + w64[t, j] * oracle.expert_mlp(p, e, x64[t], OPTS["activation"], OPTS["swiglu_limit"])
+        rows.append(y_t)
+    y = torch.stack(rows)
+    dx, dw = torch.autograd.grad((y * dy.to(torch.float64)).sum(), (x64, w64))
+    return y.detach(), dx, dw
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["f64", "f32", "bf16"])
+def test_functional_equals_layer(dtype):
+    from mok_nn import functional
+
+    layer = make_layer(OPTS, dtype=dtype, seed=80)
+    x = random_x((T, H), dtype, 81)
+    dy = random_x((T, H), dtype, 82)
+    y_layer, grads_layer = layer_forward_backward(layer, x, dy)
+    ids, w = _routing(layer)
+
+    ws = _workspace(dtype)
+    assert _workspace(dtype) is ws  # created once, reused
+    schedule = functional.build_schedule(ids, ws)
+    e = layer.experts
+    params = functional.ExpertParams(e.gate_up_proj.detach(), e.down_proj.detach(), e.gate_up_proj_bias.detach(),
+                                     e.down_proj_bias.detach())
+    y, saved = functional.forward(x, ids, w, params, schedule, ws)
+    assert y.dtype == dtype
+    assert torch.equal(y, y_layer)
+    dx, dw, grads = functional.backward(dy, saved, x, ids, w, params, ws)
+    # Expert gradients do not depend on the router path: bitwise the layer's.
+    assert torch.equal(grads.gate_up_proj, grads_layer["experts.gate_up_proj"])
+    assert torch.equal(grads.down_proj, grads_layer["experts.down_proj"])
+    assert torch.equal(grads.gate_up_bias, grads_layer["experts.gate_up_proj_bias"])
+    assert torch.equal(grads.down_bias, grads_layer["experts.down_proj_bias"])
+    assert dx.shape == x.shape and dw.shape == w.shape
+
+    # d x (experts only; the layer's d x adds the router path) and d w against the oracle.
+    if dtype in TOL:
+        y64, dx64, dw64 = _oracle_experts(layer, x, ids, w, dy)
+        assert_close(y, y64, TOL[dtype], "y")
+        assert_close(dx, dx64, TOL[dtype], "d x")
+        assert_close(dw, dw64, TOL[dtype], "d topk_weights")
+
+
+def test_functional_empty():
+    from mok_nn import functional
+
+    dtype = torch.float32
+    layer = make_layer(OPTS, dtype=dtype, seed=83)
+    ws = _workspace(dtype)
+    x = torch.zeros(0, H, dtype=dtype)
+    ids = torch.zeros(0, K, dtype=torch.int64)
+    w = torch.zeros(0, K, dtype=torch.float32)
+    e = layer.experts
+    params = functional.ExpertParams(e.gate_up_proj.detach(), e.down_proj.detach(), e.gate_up_proj_bias.detach(),
+                                     e.down_proj_bias.detach())
+    y, saved = functional.forward(x, ids, w, params, functional.build_schedule(ids, ws), ws)
+    assert y.shape == (0, H)
+    dx, dw, grads = functional.backward(torch.zeros(0, H, dtype=dtype), saved, x, ids, w, params, ws)
+    assert dx.shape == (0, H) and dw.shape == (0, K)
+    assert (grads.gate_up_proj == 0).all() and (grads.down_proj == 0).all()
+
+
+def test_functional_bad_backend():
+    from mok_nn import functional
+
+    with pytest.raises(ValueError, match="backend"):
+        functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, backend="tpu")
+
+
+def test_layer_runs_experts_through_mokfunction():
+    """The routed experts are one MoKFunction node with its explicit backward,
+    not an autograd graph of the reference's operations."""
+    layer = make_layer(OPTS, dtype=torch.float32, seed=84)
+    y = layer(random_x((T, H), torch.float32, 85).requires_grad_(True))
+    names, stack, seen = [], [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    assert names.count("MoKFunctionBackward") == 1, names
