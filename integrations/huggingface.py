@@ -32,7 +32,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["patch_model", "MoKHFBlock", "SUPPORTED_BLOCKS", "PatchError"]
+__all__ = ["patch_model", "MoKHFBlock", "SUPPORTED_BLOCKS", "PatchError",
+           "save_mxfp8_checkpoint", "load_mxfp8_checkpoint"]
 
 
 class PatchError(ValueError):
@@ -224,6 +225,16 @@ def _unsupported_reason(block: nn.Module, fam: _Family) -> str | None:
         mlp = getattr(block, fam.shared_attr, None)
         if mlp is None or not _is_silu(getattr(mlp, "act_fn", None)):
             return "shared expert is not a silu-gated MLP"
+    return None
+
+
+def _precision_reason(block: nn.Module, fam: _Family, precision: str) -> str | None:
+    if precision != "mxfp8":
+        return None
+    kw = _layer_kwargs(block, fam)
+    if kw["hidden_size"] % 32 or kw["intermediate_size"] % 32:
+        return (f"precision='mxfp8' needs hidden_size ({kw['hidden_size']}) and intermediate_size "
+                f"({kw['intermediate_size']}) to be multiples of the MX block size 32")
     return None
 
 
@@ -482,17 +493,18 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
     """Replace, in place, the supported MoE blocks of a transformers model by
     MoKMoELayer-backed blocks and return the model.
 
-    precision, config, ep_group, backend: passed to every MoKMoELayer.
+    precision, config, ep_group, backend: passed to every MoKMoELayer.  With
+      precision="mxfp8" the layer runs the expert GEMMs on MXFP8 operands (weights
+      and activations quantised in each forward); the model keeps its
+      full-precision master weights, which training updates.
     targets: module names (as in `model.named_modules()`) or block class names to
       patch; each must name at least one supported, patchable block, else
       PatchError.  None: every supported block; unsupported MoE blocks are left
       as they are and logged.
     Raises PatchError when nothing can be patched.
     """
-    if precision == "mxfp8":
-        raise NotImplementedError(
-            "precision='mxfp8' for patched transformers models is not implemented yet "
-            "(it needs mok_nn.mxfp8 / mok_nn.checkpoint)")
+    if precision not in ("bf16", "mxfp8"):
+        raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
     wanted = None if targets is None else list(targets)
     if wanted is not None and not wanted:
         raise PatchError("targets is empty")
@@ -515,7 +527,7 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
             continue
         if not hit:
             continue
-        reason = _unsupported_reason(module, fam)
+        reason = _unsupported_reason(module, fam) or _precision_reason(module, fam, precision)
         if reason:
             skipped.append((name, type(module).__name__, reason))
         else:
@@ -562,3 +574,83 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
         logger.warning("mok_nn: with ep_group, state_dict() holds this rank's experts only; "
                        "gather them before save_pretrained")
     return model
+
+
+# --------------------------------------------------------------------------
+# MXFP8 checkpoints
+# --------------------------------------------------------------------------
+
+def _patched_blocks(model: nn.Module) -> list[tuple[str, MoKHFBlock]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoKHFBlock)]
+
+
+def _hf_axis(data: torch.Tensor, scale: torch.Tensor) -> int:
+    """The block axis of an MXFP8 tensor: the one dimension where the scale is shorter."""
+    (axis,) = [d for d in range(data.dim()) if data.shape[d] != scale.shape[d]]
+    return axis
+
+
+@torch.no_grad()
+def save_mxfp8_checkpoint(model: nn.Module, path, metadata: dict | None = None) -> None:
+    """Write the state dict of a patched model to one safetensors file in the
+    mok_nn.mxfp8 format: the routed-expert weights MXFP8 (blocks of 32 along the
+    GEMM reduction dim, "rceil"; in the transformers names and layouts), every
+    other tensor as it is.  `load_mxfp8_checkpoint` reads it back."""
+    from mok_nn import checkpoint, mxfp8
+
+    blocks = _patched_blocks(model)
+    if not blocks:
+        raise PatchError("save_mxfp8_checkpoint needs a model patched with patch_model")
+    tensors = dict(model.state_dict())
+    for name, block in blocks:
+        for k in block._keys:
+            if not k.mok.endswith(("gate_up_proj", "down_proj")):
+                continue          # biases, router and shared expert stay as they are
+            q = mxfp8.quantize(_get_tensor(block.mok, k.mok).detach(), axis=-1)
+            for hf_name, data, scale in zip(k.hf, k.to_hf(q.data.view(torch.uint8)), k.to_hf(q.scale)):
+                data = data.contiguous().view(torch.float8_e4m3fn)
+                tensors[f"{name}.{hf_name}"] = mxfp8.MXFP8Tensor(data, scale.contiguous(), _hf_axis(data, scale))
+    checkpoint.save_mxfp8(path, tensors, metadata)
+
+
+@torch.no_grad()
+def load_mxfp8_checkpoint(model: nn.Module, path_or_tensors, config=None, strict: bool = True):
+    """Load a checkpoint with MXFP8 (or block-FP8) weights into a patched model.
+
+    Formats: those of `mok_nn.checkpoint.load_mxfp8_tensors` (mok_nn.mxfp8,
+    compressed-tensors and ModelOpt MXFP8, block FP8).  Names are the model's
+    state-dict names; the experts of a patched block may also be stored as
+    `experts.w13_weight` / `w2_weight` or per expert (`experts.<e>.w1.weight`,
+    ...).  Quantised tensors are dequantised exactly into the model's dtype
+    (MXFP8 values are representable in bf16 and fp32), so a precision="mxfp8"
+    model computes on exactly the checkpoint's values.  Returns
+    load_state_dict's (missing_keys, unexpected_keys)."""
+    from mok_nn import checkpoint, mxfp8
+
+    blocks = _patched_blocks(model)
+    if not blocks:
+        raise PatchError("load_mxfp8_checkpoint needs a model patched with patch_model")
+    tensors = checkpoint.load_mxfp8_tensors(path_or_tensors, config)
+    own = model.state_dict()
+    for name, block in blocks:                # expert weights under another naming scheme
+        prefix = name + "."
+        if all(prefix + n in tensors for k in block._keys for n in k.hf if "experts." in n):
+            continue
+        checkpoint.load_experts_into_layer(block.mok, tensors, prefix=prefix)
+        for k in block._keys:
+            if k.mok in ("experts.gate_up_proj", "experts.down_proj"):
+                own.update({prefix + n: None for n in (*k.hf, "mok." + k.mok)})
+        for n in [n for n in tensors if n.startswith(prefix) and checkpoint.is_expert_weight(n)]:
+            tensors.pop(n)
+    state = {}
+    for n, t in tensors.items():
+        like = own.get(n)
+        dtype = like.dtype if isinstance(like, torch.Tensor) else None
+        state[n] = t.dequantize(dtype or torch.float32) if isinstance(t, mxfp8.MXFP8Tensor) else t
+    result = model.load_state_dict(state, strict=False)
+    loaded_elsewhere = {n for n, v in own.items() if v is None}
+    missing = [n for n in result.missing_keys if n not in loaded_elsewhere]
+    if strict and (missing or result.unexpected_keys):
+        raise checkpoint.CheckpointFormatError(
+            f"checkpoint does not match the model: missing {missing[:8]}, unexpected {result.unexpected_keys[:8]}")
+    return missing, list(result.unexpected_keys)

@@ -245,10 +245,6 @@ def test_patching_twice_is_a_no_op():
     assert blocks == [m for m in model.modules() if isinstance(m, hf.MoKHFBlock)]
 
 
-def test_mxfp8_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="mxfp8"):
-        hf.patch_model(build("mixtral"), precision="mxfp8")
-
 
 def test_interleave_helpers_against_explicit_indexing():
     t = torch.randn(3, 5, 8)
@@ -312,3 +308,110 @@ def test_expert_parallel_patch_over_gloo(arch="gpt_oss"):
     import torch.multiprocessing as mp
 
     mp.spawn(_ep_worker, args=(2, 29400 + os.getpid() % 500, arch), nprocs=2, join=True)
+
+
+# ---------------------------------------------------------------- MXFP8
+
+MX_SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                head_dim=16)
+
+
+def _mx_model(arch, seed=0):
+    kw = {k: v for k, v in MX_SIZES.items() if k != "head_dim" or arch in ("qwen3_moe", "gpt_oss")}
+    if arch in ("mixtral", "olmoe", "gpt_oss"):
+        kw["intermediate_size"] = 32      # their experts' size
+    return build(arch, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_mxfp8_precision_reaches_every_layer(arch):
+    """precision='mxfp8' is handed to every MoKMoELayer (whose MXFP8 arithmetic has its own
+    tests): outputs move by the size of an MXFP8 quantisation error, master weights stay."""
+    orig = _mx_model(arch)
+    full = _patched(orig)
+    mx = _patched(orig, precision="mxfp8")
+    blocks = [m for m in mx.modules() if isinstance(m, hf.MoKHFBlock)]
+    assert blocks and all(m.mok.precision == "mxfp8" for m in blocks)
+    ids = _inputs()
+    l_full, l_mx = full(ids).logits, mx(ids).logits
+    rel = (l_mx - l_full).abs().max() / l_full.abs().max()
+    assert 1e-4 < rel < 0.1, rel
+    sd = mx.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in orig.state_dict().items())
+
+
+def test_mxfp8_precision_needs_multiples_of_32():
+    with pytest.raises(hf.PatchError, match="multiples of the MX block size 32"):
+        hf.patch_model(build("mixtral"), precision="mxfp8")
+    with pytest.raises(ValueError, match="precision must be"):
+        hf.patch_model(build("mixtral"), precision="fp4")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_mxfp8_checkpoint_round_trip(arch, tmp_path):
+    """save_mxfp8_checkpoint -> load_mxfp8_checkpoint into a fresh patched model: the
+    expert weights arrive as their MXFP8 values, so an mxfp8 model gives bitwise the
+    outputs of the source mxfp8 model (requantising MXFP8 values is exact)."""
+    from safetensors import safe_open
+
+    src = _patched(_mx_model(arch), precision="mxfp8")
+    path = tmp_path / "model.safetensors"
+    hf.save_mxfp8_checkpoint(src, path)
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+        expert = next(n for n in names if n.endswith("experts.gate_up_proj") or n.endswith(".w1.weight")
+                      or n.endswith("gate_proj.weight") and ".experts." in n)
+        assert f.get_tensor(expert).dtype == torch.float8_e4m3fn and expert + "_scale" in names
+    assert {n for n in names if not n.endswith("_scale")} == set(src.state_dict())
+
+    dst = _patched(_mx_model(arch, seed=5), precision="mxfp8")
+    missing, unexpected = hf.load_mxfp8_checkpoint(dst, path)
+    assert not missing and not unexpected
+    ids = _inputs()
+    assert torch.equal(dst(ids).logits, src(ids).logits)
+    # the loaded expert weights are the MXFP8 values of the source's (quantised along K)
+    from mok_nn import mxfp8
+
+    for a, b in zip([m for m in src.modules() if isinstance(m, hf.MoKHFBlock)],
+                    [m for m in dst.modules() if isinstance(m, hf.MoKHFBlock)]):
+        for w in ("gate_up_proj", "down_proj"):
+            want = mxfp8.fake_quantize(getattr(a.mok.experts, w).detach())
+            assert torch.equal(getattr(b.mok.experts, w), want)
+            assert not torch.equal(getattr(b.mok.experts, w), getattr(a.mok.experts, w))
+    # a bf16-precision model takes the same values
+    plain = _patched(_mx_model(arch, seed=5))
+    hf.load_mxfp8_checkpoint(plain, path)
+    assert all(torch.equal(v, dst.state_dict()[k]) for k, v in plain.state_dict().items())
+
+
+def test_mxfp8_checkpoint_with_fused_w13_names(tmp_path):
+    """Expert weights stored as ModelOpt/vLLM-style w13_weight / w2_weight load too."""
+    from mok_nn import checkpoint, mxfp8
+
+    src = _patched(_mx_model("qwen3_moe"), precision="mxfp8")
+    tensors = dict(src.state_dict())
+    for name, block in [(n, m) for n, m in src.named_modules() if isinstance(m, hf.MoKHFBlock)]:
+        for n in block.hf_tensors():
+            if n.startswith("experts."):          # 5.x fused or 4.x per-expert names
+                tensors.pop(f"{name}.{n}")
+        tensors[f"{name}.experts.w13_weight"] = mxfp8.quantize(block.mok.experts.gate_up_proj.detach())
+        tensors[f"{name}.experts.w2_weight"] = mxfp8.quantize(block.mok.experts.down_proj.detach())
+    path = tmp_path / "w13.safetensors"
+    checkpoint.save_mxfp8(path, tensors)
+    dst = _patched(_mx_model("qwen3_moe", seed=5), precision="mxfp8")
+    assert hf.load_mxfp8_checkpoint(dst, path) == ([], [])
+    ids = _inputs()
+    assert torch.equal(dst(ids).logits, src(ids).logits)
+
+
+def test_mxfp8_checkpoint_mismatch_raises(tmp_path):
+    from mok_nn import checkpoint
+
+    src = _patched(_mx_model("mixtral"), precision="mxfp8")
+    path = tmp_path / "m.safetensors"
+    hf.save_mxfp8_checkpoint(src, path)
+    other = _patched(_mx_model("olmoe"), precision="mxfp8")
+    with pytest.raises(checkpoint.CheckpointFormatError):
+        hf.load_mxfp8_checkpoint(other, path)
+    with pytest.raises(hf.PatchError, match="patched with patch_model"):
+        hf.load_mxfp8_checkpoint(_mx_model("mixtral"), path)
