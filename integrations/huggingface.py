@@ -345,7 +345,9 @@ class MoKHFBlock(nn.Module):
 
     # -- forward -----------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor):
-        y = self.mok(hidden_states.contiguous())
+        # the layer computes in its parameter dtype (e.g. fp32 master weights under autocast)
+        dtype = self.mok.experts.gate_up_proj.dtype
+        y = self.mok(hidden_states.to(dtype).contiguous()).to(hidden_states.dtype)
         logits = self.mok.router_logits
         if self.returns == "hidden_dense_scores":          # GPT-OSS, transformers 4.x
             scores = self._dense_scores(logits)

@@ -415,3 +415,17 @@ def test_mxfp8_checkpoint_mismatch_raises(tmp_path):
         hf.load_mxfp8_checkpoint(other, path)
     with pytest.raises(hf.PatchError, match="patched with patch_model"):
         hf.load_mxfp8_checkpoint(_mx_model("mixtral"), path)
+
+
+def test_autocast_bf16_over_fp32_weights_runs():
+    """Under CPU autocast the block input is bf16 while the weights are fp32: the
+    block computes in fp32 and hands bf16 back, as the original model does."""
+    orig = build("qwen2_moe")
+    model = _patched(orig).train()
+    ids = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lo = orig(ids, labels=ids)
+        lp = model(ids, labels=ids)
+    lp.loss.backward()
+    assert torch.isfinite(lp.logits).all()
+    assert (lp.logits.float() - lo.logits.float()).abs().max() <= 0.05 * lo.logits.float().abs().max()
