@@ -417,15 +417,14 @@ def test_mxfp8_checkpoint_mismatch_raises(tmp_path):
         hf.load_mxfp8_checkpoint(_mx_model("mixtral"), path)
 
 
-def test_autocast_bf16_over_fp32_weights_runs():
-    """Under CPU autocast the block input is bf16 while the weights are fp32: the
-    block computes in fp32 and hands bf16 back, as the original model does."""
+def test_autocast_bf16_input_over_fp32_weights():
+    """Under autocast a block may get bf16 hidden states while its weights are fp32:
+    the patched block computes in fp32 and returns the input's dtype."""
     orig = build("qwen2_moe")
-    model = _patched(orig).train()
-    ids = _inputs()
+    model = _patched(orig)
+    x = torch.randn(2, 5, orig.config.hidden_size).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        lo = orig(ids, labels=ids)
-        lp = model(ids, labels=ids)
-    lp.loss.backward()
-    assert torch.isfinite(lp.logits).all()
-    assert (lp.logits.float() - lo.logits.float()).abs().max() <= 0.05 * lo.logits.float().abs().max()
+        yo = orig.model.layers[0].mlp(x)
+        yp = model.model.layers[0].mlp(x)
+    assert yp.dtype == x.dtype == yo.dtype
+    assert (yp.float() - yo.float()).abs().max() <= 0.05 * yo.float().abs().max()
