@@ -208,6 +208,8 @@ def _local_expert_tensors(experts) -> dict[tuple[str, str], list]:
                 m = re.fullmatch(r"(weight|bias)(\d+)", name)
                 if m:
                     out.setdefault((fc, m.group(1)), {})[int(m.group(2))] = p
+                elif name in ("weight", "bias") and p.dim() == (3 if name == "weight" else 2):
+                    out.setdefault((fc, name), {})[-1] = p     # moe_single_grouped_weight/bias: [E, ...]
     if ("fc1", "weight") not in out:
         raise TypeError(f"unrecognised Megatron experts module {type(experts).__name__}: expected "
                         "SequentialMLP (local_experts) or TEGroupedMLP (linear_fc1.weight{i})")
@@ -216,9 +218,16 @@ def _local_expert_tensors(experts) -> dict[tuple[str, str], list]:
 
 def stack_expert_weights(experts):
     """(gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I], gate_up_bias | None,
-    down_bias | None) stacked from a Megatron experts module (differentiable)."""
+    down_bias | None) of a Megatron experts module: stacked per-expert weights
+    (a differentiable copy), or TE's single grouped weight as it is (no copy)."""
     t = _local_expert_tensors(experts)
-    stack = lambda key: torch.stack(t[key]) if key in t else None  # noqa: E731
+
+    def stack(key):
+        if key not in t:
+            return None
+        return t[key][0] if len(t[key]) == 1 and t[key][0].dim() == (3 if key[1] == "weight" else 2) \
+            else torch.stack(t[key])
+
     return stack(("fc1", "weight")), stack(("fc2", "weight")), stack(("fc1", "bias")), stack(("fc2", "bias"))
 
 
@@ -233,6 +242,9 @@ def megatron_to_mok_state_dict(sd: dict, prefix: str = "") -> dict:
             per_expert.setdefault((f"fc{m.group(1)}", m.group(2)), {})[int(m.group(3))] = v
         elif (m := _SEQ_W.match(k)):
             per_expert.setdefault((f"fc{m.group(2)}", m.group(3)), {})[int(m.group(1))] = v
+        elif (m := re.fullmatch(r"experts\.linear_fc([12])\.(weight|bias)", k)) and v.dim() == (
+                3 if m.group(2) == "weight" else 2):                 # TE single grouped weight / bias
+            per_expert.setdefault((f"fc{m.group(1)}", m.group(2)), {})[-1] = v
         elif k in ("router.weight", "router.bias"):
             out[k] = v
         elif k == "router.expert_bias":
@@ -247,6 +259,11 @@ def megatron_to_mok_state_dict(sd: dict, prefix: str = "") -> dict:
     names = {("fc1", "weight"): "experts.gate_up_proj", ("fc2", "weight"): "experts.down_proj",
              ("fc1", "bias"): "experts.gate_up_proj_bias", ("fc2", "bias"): "experts.down_proj_bias"}
     for key, tensors in per_expert.items():
+        if -1 in tensors:
+            if len(tensors) > 1:
+                raise ValueError(f"{key}: both a single grouped tensor and per-expert tensors")
+            out[names[key]] = tensors[-1]
+            continue
         idx = sorted(tensors)
         if idx != list(range(len(idx))):
             raise ValueError(f"expert indices of {key} are not 0..{len(idx) - 1}: {idx}")
@@ -258,14 +275,19 @@ def megatron_to_mok_state_dict(sd: dict, prefix: str = "") -> dict:
 
 def mok_to_megatron_state_dict(sd: dict, prefix: str = "", layout: str = "grouped") -> dict:
     """Inverse of megatron_to_mok_state_dict. layout: "grouped" (TEGroupedMLP,
-    `experts.linear_fc1.weight{i}`) or "sequential" (SequentialMLP)."""
-    if layout not in ("grouped", "sequential"):
-        raise ValueError(f"layout must be 'grouped' or 'sequential', got {layout!r}")
+    `experts.linear_fc1.weight{i}`), "grouped_single" (TEGroupedMLP with
+    moe_single_grouped_weight/bias: `experts.linear_fc1.weight` [E, 2I, H]) or
+    "sequential" (SequentialMLP)."""
+    if layout not in ("grouped", "grouped_single", "sequential"):
+        raise ValueError(f"layout must be 'grouped', 'grouped_single' or 'sequential', got {layout!r}")
     out = {}
     per = {"experts.gate_up_proj": ("1", "weight"), "experts.down_proj": ("2", "weight"),
            "experts.gate_up_proj_bias": ("1", "bias"), "experts.down_proj_bias": ("2", "bias")}
     for k, v in sd.items():
-        if k in per:
+        if k in per and layout == "grouped_single":
+            fc, kind = per[k]
+            out[prefix + f"experts.linear_fc{fc}.{kind}"] = v
+        elif k in per:
             fc, kind = per[k]
             for i, t in enumerate(v.unbind(0)):
                 name = (f"experts.linear_fc{fc}.{kind}{i}" if layout == "grouped"

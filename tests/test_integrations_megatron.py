@@ -56,8 +56,13 @@ def _megatron_state_dict(cfg, layout, seed=0):
         sd["router.bias"] = r(E)
     if cfg.moe_router_enable_expert_bias:
         sd["router.expert_bias"] = r(E, std=0.1)
-    for i in range(E):
-        for fc, shape in (("1", (2 * I, H)), ("2", (H, I))):
+    for fc, shape in (("1", (2 * I, H)), ("2", (H, I))):
+        if layout == "grouped_single":
+            sd[f"experts.linear_fc{fc}.weight"] = r(E, *shape)
+            if cfg.add_bias_linear:
+                sd[f"experts.linear_fc{fc}.bias"] = r(E, shape[0])
+            continue
+        for i in range(E):
             names = ([f"experts.linear_fc{fc}.weight{i}", f"experts.linear_fc{fc}.bias{i}"] if layout == "grouped"
                      else [f"experts.local_experts.{i}.linear_fc{fc}.weight",
                            f"experts.local_experts.{i}.linear_fc{fc}.bias"])
@@ -97,6 +102,9 @@ def _megatron_reference(cfg, sd, layout, x):
         probs = probs * cfg.moe_router_topk_scaling_factor
 
     def w(i, fc, kind):
+        if layout == "grouped_single":
+            t = sd.get(f"experts.linear_fc{fc}.{kind}")
+            return 0 if t is None else t[i]
         key = (f"experts.linear_fc{fc}.{kind}{i}" if layout == "grouped"
                else f"experts.local_experts.{i}.linear_fc{fc}.{kind}")
         return sd.get(key, 0)
@@ -121,7 +129,7 @@ def _megatron_reference(cfg, sd, layout, x):
     return y
 
 
-@pytest.mark.parametrize("layout", ["grouped", "sequential"])
+@pytest.mark.parametrize("layout", ["grouped", "grouped_single", "sequential"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_converted_layer_computes_megatron_function(name, layout):
     cfg = CONFIGS[name]
@@ -136,7 +144,7 @@ def test_converted_layer_computes_megatron_function(name, layout):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["grouped", "sequential"])
+@pytest.mark.parametrize("layout", ["grouped", "grouped_single", "sequential"])
 def test_state_dict_round_trip(layout):
     cfg = CONFIGS["deepseek_v3_like"]
     sd = {"p." + k: v for k, v in _megatron_state_dict(cfg, layout).items()}
@@ -146,8 +154,10 @@ def test_state_dict_round_trip(layout):
     mok = mg.megatron_to_mok_state_dict(sd, "p.")
     assert mok["experts.gate_up_proj"].shape == (E, 2 * I, H) and mok["experts.down_proj"].shape == (E, H, I)
     i = 5
-    key = f"p.experts.linear_fc1.weight{i}" if layout == "grouped" else f"p.experts.local_experts.{i}.linear_fc1.weight"
-    assert torch.equal(mok["experts.gate_up_proj"][i], sd[key])       # fc1 = [gate; up] rows kept
+    key = {"grouped": f"p.experts.linear_fc1.weight{i}", "sequential": f"p.experts.local_experts.{i}.linear_fc1.weight",
+           "grouped_single": "p.experts.linear_fc1.weight"}[layout]
+    want = sd[key][i] if layout == "grouped_single" else sd[key]
+    assert torch.equal(mok["experts.gate_up_proj"][i], want)          # fc1 = [gate; up] rows kept
 
 
 def test_mok_layer_kwargs_translation():
@@ -239,6 +249,13 @@ def test_stack_expert_weights_for_both_megatron_layouts():
     gu, dn, b1, b2 = mg.stack_expert_weights(grouped)
     assert gu.shape == (12, 2 * I, H) and b1 is None and b2 is None
     assert torch.equal(gu[10], grouped.linear_fc1.weight10)     # numeric, not lexicographic, order
+
+    single = torch.nn.Module()                                   # moe_single_grouped_weight: no copy
+    single.linear_fc1, single.linear_fc2 = _Lin(2 * I, H, False), _Lin(H, I, False)
+    single.linear_fc1.weight = torch.nn.Parameter(torch.randn(4, 2 * I, H))
+    single.linear_fc2.weight = torch.nn.Parameter(torch.randn(4, H, I))
+    gu, dn, _, _ = mg.stack_expert_weights(single)
+    assert gu is single.linear_fc1.weight and dn is single.linear_fc2.weight
     with pytest.raises(TypeError, match="unrecognised Megatron experts module"):
         mg.stack_expert_weights(torch.nn.Linear(2, 2))
 
