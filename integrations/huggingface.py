@@ -280,7 +280,7 @@ class RouterLogitsProbe(nn.Module):
     such module, so this probe is called with the logits instead."""
 
     def __init__(self):
-        nn.Module.__init__(self)      # not the router class's __init__ (see _probe_class)
+        nn.Module.__init__(self)      # not the router class's __init__ (see _subclass)
 
     def forward(self, *outputs):
         return outputs[0] if len(outputs) == 1 else outputs
