@@ -439,3 +439,23 @@ def test_autocast_bf16_input_over_fp32_weights():
         yo, yp = yo[0], yp[0]
     assert yp.dtype == x.dtype == yo.dtype
     assert (yp.float() - yo.float()).abs().max() <= 0.05 * yo.float().abs().max()
+
+
+def test_gradient_checkpointing():
+    """With activation (gradient) checkpointing the forwards are recomputed: the
+    patched model still has the original model's gradients and router-logit capture."""
+    orig, model = build("qwen3_moe").train(), _patched(build("qwen3_moe")).train()
+    for m in (orig, model):
+        enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+        enable()
+    ids = _inputs()
+    out_o = orig(ids, labels=ids, output_router_logits=True)
+    out_p = model(ids, labels=ids, output_router_logits=True)
+    assert len(out_o.router_logits) == len(out_p.router_logits) == 2
+    out_o.loss.backward()
+    out_p.loss.backward()
+    g_o = {n: p.grad for n, p in orig.named_parameters() if p.grad is not None}
+    g_p = _hf_grads(model)
+    assert set(g_o) <= set(g_p) and all(not g_p[n].any() for n in set(g_p) - set(g_o))
+    for n in g_o:
+        torch.testing.assert_close(g_p[n], g_o[n], rtol=1e-4, atol=1e-6, msg=n)
