@@ -340,8 +340,8 @@ class MoKHFBlock(nn.Module):
         self.returns = returns        # "hidden" | "hidden_logits" | "hidden_topk_scores" | "hidden_dense_scores"
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self._keys = keys
-        self._register_state_dict_hook(MoKHFBlock._to_hf_hook)
-        self._register_load_state_dict_pre_hook(self._from_hf_hook, with_module=False)
+        self.register_state_dict_post_hook(MoKHFBlock._to_hf_hook)
+        self.register_load_state_dict_pre_hook(MoKHFBlock._from_hf_hook)
 
     # -- forward -----------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor):
@@ -383,20 +383,20 @@ class MoKHFBlock(nn.Module):
             if src in state_dict:
                 for name, t in zip(k.hf, k.to_hf(state_dict.pop(src))):
                     state_dict[prefix + name] = t
-        return state_dict
 
-    def _from_hf_hook(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        for k in self._keys:
+    @staticmethod
+    def _from_hf_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for k in module._keys:
             names = [prefix + n for n in k.hf]
             if not all(n in state_dict for n in names):
                 continue          # left for load_state_dict to report as missing
             t = k.to_mok([state_dict.pop(n) for n in names])
-            if k.expert_dim and self.ep_size > 1:
-                local = _get_tensor(self.mok, k.mok).shape[0]
-                if t.shape[0] == local * self.ep_size:     # a full checkpoint: keep this rank's shard
-                    t = t[self.ep_rank * local:(self.ep_rank + 1) * local]
+            if k.expert_dim and module.ep_size > 1:
+                local = _get_tensor(module.mok, k.mok).shape[0]
+                if t.shape[0] == local * module.ep_size:     # a full checkpoint: keep this rank's shard
+                    t = t[module.ep_rank * local:(module.ep_rank + 1) * local]
             state_dict[prefix + "mok." + k.mok] = t
-        if self.ep_size > 1:      # other ranks' experts of a full 4.x checkpoint are not ours
+        if module.ep_size > 1:      # other ranks' experts of a full 4.x checkpoint are not ours
             for n in [n for n in state_dict if n.startswith(prefix + "experts.")]:
                 state_dict.pop(n)
 
