@@ -36,7 +36,7 @@ __all__ = [
     "MegatronConfigError", "check_config", "expert_activation", "mok_layer_kwargs",
     "topk_from_routing_map", "stack_expert_weights", "megatron_to_mok_state_dict",
     "mok_to_megatron_state_dict", "HAVE_MEGATRON", "MoKMegatronMoELayer",
-    "get_mok_moe_module_spec", "to_mok_moe_spec",
+    "get_mok_moe_module_spec", "to_mok_moe_spec", "choose_backend",
 ]
 
 
@@ -324,20 +324,32 @@ def _require_megatron():
         raise ImportError("mok_nn.integrations.megatron needs megatron-core (0.19): pip install megatron-core")
 
 
-def _backend_for(backend: str, x: torch.Tensor) -> str:
-    """Which mok_nn backend runs the experts: 'cuda' where the fused kernels can, else 'reference'."""
-    if backend == "reference":
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, activation: str, ep_size: int = 1) -> str:
+    """'cuda' where mok_nn's fused kernels run these inputs, else 'reference';
+    requested='cuda' raises instead of falling back."""
+    if requested not in BACKENDS:
+        raise ValueError(f"mok_backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "reference":
         return "reference"
-    try:
-        from mok_nn import cuda_backend  # noqa: F401  (the fused kernels)
-        have_cuda = True
-    except ImportError as err:
-        have_cuda, why = False, str(err)
-    if backend == "cuda":
-        if not (x.is_cuda and have_cuda):
-            raise RuntimeError(f"backend='cuda' cannot run: {'input not on CUDA' if not x.is_cuda else why}")
+    if not x.is_cuda:
+        reason = f"input is on {x.device.type}, the fused kernels need a CUDA device"
+    elif ep_size > 1:
+        reason = "expert parallelism runs on the reference path"
+    else:
+        try:
+            from mok_nn import cuda_backend
+            reason = cuda_backend.check_supported(x, topk_ids, gate_up, down, activation)
+        except (ImportError, AttributeError) as err:
+            reason = f"the CUDA backend is unavailable ({err})"
+    if reason is None:
         return "cuda"
-    return "cuda" if (x.is_cuda and have_cuda) else "reference"
+    if requested == "cuda":
+        raise RuntimeError(f"mok_backend='cuda' cannot run this layer: {reason}")
+    return "reference"
 
 
 if HAVE_MEGATRON:
@@ -350,8 +362,8 @@ if HAVE_MEGATRON:
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
                      is_mtp_layer=False, name=None, mok_backend: str = "auto"):
             check_config(config)
-            if mok_backend not in ("auto", "reference", "cuda"):
-                raise ValueError(f"mok_backend must be 'auto', 'reference' or 'cuda', got {mok_backend!r}")
+            if mok_backend not in BACKENDS:
+                raise ValueError(f"mok_backend must be one of {BACKENDS}, got {mok_backend!r}")
             super().__init__(config, submodules=submodules, layer_number=layer_number,
                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
             self.mok_backend = mok_backend
@@ -373,10 +385,12 @@ if HAVE_MEGATRON:
             topk_ids, topk_weights = topk_from_routing_map(probs, routing_map, top_k)
             gate_up, down, gate_up_bias, down_bias = stack_expert_weights(self.experts)
             x = hidden_states.reshape(-1, shape[-1]).contiguous()
+            ep_size = self.ep_group.size()
+            backend = choose_backend(self.mok_backend, x, topk_ids, gate_up, down, self.mok_activation, ep_size)
             workspace = functional.get_workspace(
                 hidden_size=shape[-1], intermediate_size=down.shape[-1], num_experts=self.config.num_moe_experts,
-                top_k=top_k, ep_group=self.ep_group if self.ep_group.size() > 1 else None, device=x.device,
-                dtype=x.dtype, backend=_backend_for(self.mok_backend, x), activation=self.mok_activation,
+                top_k=top_k, ep_group=self.ep_group if ep_size > 1 else None, device=x.device,
+                dtype=x.dtype, backend=backend, activation=self.mok_activation,
                 swiglu_limit=self.mok_swiglu_limit)
             y = MoKFunction.apply(x, topk_weights, gate_up.to(x.dtype), down.to(x.dtype), gate_up_bias, down_bias,
                                   topk_ids, workspace).view(shape)

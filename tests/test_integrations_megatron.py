@@ -296,3 +296,14 @@ def test_megatron_layer_against_real_megatron_on_cpu(monkeypatch):
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def test_choose_backend():
+    x, ids = torch.randn(4, H), torch.zeros(4, 2, dtype=torch.int64)
+    gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    assert mg.choose_backend("auto", x, ids, gu, dn, "swiglu") == "reference"      # CPU input
+    assert mg.choose_backend("reference", x, ids, gu, dn, "swiglu") == "reference"
+    with pytest.raises(RuntimeError, match="need a CUDA device"):
+        mg.choose_backend("cuda", x, ids, gu, dn, "swiglu")
+    with pytest.raises(ValueError, match="mok_backend must be"):
+        mg.choose_backend("fast", x, ids, gu, dn, "swiglu")
