@@ -60,28 +60,17 @@ def baseline_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj):
 # mok_nn, as one autograd function over the experts
 
 
-class _MokExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_ids, backend):
-        ctx.backend = backend
-        y, saved = backend.experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj)
-        ctx.saved = saved
-        ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj)
-        return y
+def mok_experts(backend: str):
+    """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs)."""
+    from . import functional
+    from .autograd import MoKFunction
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, topk_ids, topk_weights, gate_up_proj, down_proj = ctx.saved_tensors
-        dx, dw, g = ctx.backend.experts_backward(
-            dy.contiguous(), ctx.saved, x, topk_ids, topk_weights, gate_up_proj, down_proj
-        )
-        ctx.saved = None
-        return dx, dw, g.gate_up_proj, g.down_proj, None, None
-
-
-def mok_experts(backend):
     def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
-        return _MokExperts.apply(x, topk_weights, gate_up_proj, down_proj, topk_ids, backend)
+        ws = functional.get_workspace(
+            hidden_size=x.shape[1], intermediate_size=down_proj.shape[2], num_experts=gate_up_proj.shape[0],
+            top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend,
+        )  # fmt: skip
+        return MoKFunction.apply(x, topk_weights, gate_up_proj, down_proj, None, None, topk_ids, ws)
 
     return run
 
@@ -191,14 +180,8 @@ def _commit():
 
 
 def run(shapes, tokens, device, iters, warmup, check=True):
-    if device == "cuda":
-        from . import cuda_backend as backend
-
-        gpu = torch.cuda.get_device_name()
-    else:
-        from . import reference as backend
-
-        gpu = "cpu"
+    backend = "cuda" if device == "cuda" else "reference"
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     impls = {"mok_nn": mok_experts(backend), "torch_baseline": baseline_experts}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     commit = _commit()
