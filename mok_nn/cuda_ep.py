@@ -169,44 +169,62 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 _SECTION_ALIGN = 256
 
 
+def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tuple[dict, int]:
+    """{section: (byte offset, shape, dtype, nbytes)} and the total size of the symmetric buffer."""
+    P, tc, k, h = ep_size, tokens_cap, top_k, hidden
+    layout = [
+        ("tokens", (P * tc + 1, h), torch.bfloat16),
+        ("dy", (P * tc + 1, h), torch.bfloat16),
+        ("slots", (tc * k, h), torch.bfloat16),
+        ("dxslots", (tc * k, h), torch.bfloat16),
+        ("ids", (P, tc, k), torch.int64),
+        ("weights", (P, tc, k), torch.float32),
+        ("dwslots", (tc * k + 1,), torch.float32),
+        ("pad", (P,), torch.int32),
+    ]
+    sections, off = {}, 0
+    for name, shape, dtype in layout:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        sections[name] = (off, shape, dtype, nbytes)
+        off += -(-nbytes // _SECTION_ALIGN) * _SECTION_ALIGN
+    return sections, off
+
+
 class SymmBuffers:
-    """The sections of one symmetric buffer, locally and as seen in each peer."""
+    """The sections of one symmetric buffer, locally and as seen in each peer.
 
-    def __init__(self, group, tokens_cap: int, hidden: int, top_k: int, device, timeout_s: float = DEFAULT_TIMEOUT_S):
-        import torch.distributed._symmetric_memory as symm_mem
+    raws[p] is rank p's buffer as addressed from this GPU (raws[rank] is the local one).
+    """
 
-        self.group = group
-        self.ep_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+    def __init__(self, raws: list, rank: int, tokens_cap: int, hidden: int, top_k: int, device,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.ep_size, self.rank = len(raws), rank
         self.tokens_cap, self.hidden, self.top_k = tokens_cap, hidden, top_k
         self.timeout_s = timeout_s
-        P, tc, k, h = self.ep_size, tokens_cap, top_k, hidden
-        layout = [
-            ("tokens", (P * tc + 1, h), torch.bfloat16),
-            ("dy", (P * tc + 1, h), torch.bfloat16),
-            ("slots", (tc * k, h), torch.bfloat16),
-            ("dxslots", (tc * k, h), torch.bfloat16),
-            ("ids", (P, tc, k), torch.int64),
-            ("weights", (P, tc, k), torch.float32),
-            ("dwslots", (tc * k + 1,), torch.float32),
-            ("pad", (P,), torch.int32),
-        ]
-        self._sections, off = {}, 0
-        for name, shape, dtype in layout:
-            nbytes = dtype.itemsize
-            for s in shape:
-                nbytes *= s
-            self._sections[name] = (off, shape, dtype, nbytes)
-            off += -(-nbytes // _SECTION_ALIGN) * _SECTION_ALIGN
-        self.nbytes = off
-        self.raw = symm_mem.empty(off, dtype=torch.uint8, device=device)
-        self.raw.zero_()  # zero rows, zero pads, before any peer can signal
-        self.handle = symm_mem.rendezvous(self.raw, group)
-        peers = [self.raw if p == self.rank else self.handle.get_buffer(p, (off,), torch.uint8, 0) for p in range(P)]
-        self._views = [{name: self._carve(b, name) for name in self._sections} for b in peers]
+        self._sections, self.nbytes = buffer_layout(self.ep_size, tokens_cap, hidden, top_k)
+        self.raw = raws[rank]
+        self._views = [{name: self._carve(b, name) for name in self._sections} for b in raws]
         self.err = torch.zeros(1, dtype=torch.int32, device=device)  # sticky: a peer never signalled
         self.epoch = 0
+
+    @classmethod
+    def create(cls, group, tokens_cap: int, hidden: int, top_k: int, device, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """Collective over group: allocate, zero and map the buffer of every rank (symmetric memory)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        _, nbytes = buffer_layout(P, tokens_cap, hidden, top_k)
+        raw = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        raw.zero_()  # zero rows and pads before any peer can signal
+        handle = symm_mem.rendezvous(raw, group)
+        raws = [raw if p == rank else handle.get_buffer(p, (nbytes,), torch.uint8, 0) for p in range(P)]
+        self = cls(raws, rank, tokens_cap, hidden, top_k, device, timeout_s)
+        self.handle = handle
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
+        return self
 
     def _carve(self, raw: torch.Tensor, name: str) -> torch.Tensor:
         off, shape, dtype, nbytes = self._sections[name]
@@ -235,12 +253,9 @@ class SymmBuffers:
     def copy_rows(self, src, src_idx, dst, dst_idx) -> None:
         if src_idx.numel() == 0:
             return
-        if os.environ.get("MOK_EP_COPY", "") == "torch":  # debugging aid: same data movement with torch ops
+        if os.environ.get("MOK_EP_COPY", "") == "torch":  # debugging aid (synchronises with the host)
             ok = (src_idx >= 0) & (dst_idx >= 0)
-            d = torch.where(ok, dst_idx, dst.shape[0])
-            ext = torch.cat([dst, dst.new_empty(1, dst.shape[1])])
-            ext[d] = src[src_idx.clamp(min=0)]
-            dst.copy_(ext[:-1])  # note: reads all of dst; only for debugging
+            dst[dst_idx[ok]] = src[src_idx[ok]]
             return
         cb._lib().launch("mok_ep_copy_rows", src, src_idx, dst, dst_idx, stream=cb._stream())
 
@@ -302,7 +317,7 @@ def _buffers(ws, num_tokens: int) -> SymmBuffers:
     if st["bufs"] is None:
         # Token capacity: the largest first batch of any rank (collective, once per workspace).
         tc = max(max(r) for r in _all_gather_ints([num_tokens], ws.ep_group, ws.device))
-        st["bufs"] = SymmBuffers(ws.ep_group, max(tc, 1), ws.hidden_size, ws.top_k, ws.device)
+        st["bufs"] = SymmBuffers.create(ws.ep_group, max(tc, 1), ws.hidden_size, ws.top_k, ws.device)
         ws.buffers["ep_symm"] = st["bufs"].raw
     bufs = st["bufs"]
     if num_tokens > bufs.tokens_cap:
