@@ -17,7 +17,7 @@ def group_size_and_rank(group) -> tuple[int, int]:
 
 
 def all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    """all_to_all_single along dim 0; 16-bit floats travel as bytes (bit-exact; NCCL has no int16, gloo no bf16)."""
+    """all_to_all_single along dim 0; 16-bit floats travel as raw bytes (bit-exact on every backend)."""
     if group is None:
         return tensor
     send = tensor.contiguous()
