@@ -38,7 +38,6 @@ class Schedule:
 
     pos [T, k] int64:         row of slot (t, j)
     row_token [M_cap] int64:  token of each row; T (a zero row) for padding
-    row_weight [M_cap] fp32:  top-k weight of each row; 0 for padding
     tile_expert [M_cap/TILE_M] int32: expert of each row tile, -1 past the end
     seg_end [E] int32:        end row of each expert's segment (offsets for grouped_mm)
     row_expert [M_cap] int64: expert of each row (E for rows past the end)
@@ -46,7 +45,6 @@ class Schedule:
 
     pos: torch.Tensor
     row_token: torch.Tensor
-    row_weight: torch.Tensor
     tile_expert: torch.Tensor
     seg_end: torch.Tensor
     row_expert: torch.Tensor
@@ -63,7 +61,7 @@ def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int =
     return max(tile, (m + tile - 1) // tile * tile)
 
 
-def build_schedule(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Schedule:
+def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
     """Count -> pad -> prefix sum, on the device; placement by stable sort, no atomics."""
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
@@ -84,13 +82,18 @@ def build_schedule(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
     pos[order] = row  # a permutation: every slot written once
     row_token = torch.full((cap,), num_tokens, dtype=torch.int64, device=dev)
     row_token[row] = order // top_k
-    row_weight = torch.zeros(cap, dtype=torch.float32, device=dev)
-    row_weight[row] = topk_weights.reshape(-1)[order].float()
     tile_start = torch.arange(0, cap, TILE_M, device=dev)
     te = torch.searchsorted(seg_end, tile_start, right=True)
     tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
     row_expert = torch.searchsorted(seg_end, torch.arange(cap, device=dev), right=True)
-    return Schedule(pos.view(num_tokens, top_k), row_token, row_weight, tile_expert, seg_end.to(torch.int32), row_expert)
+    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32), row_expert)
+
+
+def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
+    """[M_cap] fp32: the top-k weight of each row, 0 on padding rows."""
+    w = torch.zeros(sched.capacity, dtype=torch.float32, device=topk_weights.device)
+    w[sched.pos.reshape(-1)] = topk_weights.reshape(-1).float()
+    return w
 
 
 # --------------------------------------------------------------------------
@@ -164,13 +167,13 @@ def act_forward(gate_up: torch.Tensor, sched: Schedule, activation: str, swiglu_
     return h
 
 
-def act_backward(gate_up, dh_raw, sched: Schedule, activation: str, swiglu_limit):
+def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swiglu_limit):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the saved gate_up and dh = dy @ W2[e]."""
     if _use_torch_act():
         from . import reference
 
         h = reference.activation_forward(gate_up.float(), activation, swiglu_limit).to(gate_up.dtype)
-        w = sched.row_weight.unsqueeze(1)
+        w = w_rows.unsqueeze(1)
         dw = (dh_raw * h.float()).sum(dim=1)
         dgu = reference.activation_backward(gate_up.float(), w * dh_raw, activation, swiglu_limit).to(gate_up.dtype)
         return dgu, (w * h.float()).to(gate_up.dtype), dw
@@ -180,7 +183,7 @@ def act_backward(gate_up, dh_raw, sched: Schedule, activation: str, swiglu_limit
     dw = torch.empty(m, dtype=torch.float32, device=gate_up.device)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
-        f"mok_act_bwd_{activation}", gate_up, dh_raw, sched.row_weight, dgu, wh, dw, sched.tile_expert, limit,
+        f"mok_act_bwd_{activation}", gate_up, dh_raw, w_rows, dgu, wh, dw, sched.tile_expert, limit,
         stream=_stream(),
     )  # fmt: skip
     return dgu, wh, dw
@@ -224,14 +227,14 @@ class CudaSaved:
 
 def experts_forward(
     x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-    activation="swiglu", swiglu_limit=None,
+    activation="swiglu", swiglu_limit=None, sched: Schedule | None = None,
 ):
     """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved)."""
     why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
-    num_experts = gate_up_proj.shape[0]
-    sched = build_schedule(topk_ids, topk_weights, num_experts)
+    if sched is None:
+        sched = make_schedule(topk_ids, gate_up_proj.shape[0])
     x_rows = gather_rows(x.contiguous(), sched)
     gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     if gate_up_bias is not None:
@@ -260,10 +263,11 @@ def experts_backward(
     num_tokens, top_k = topk_ids.shape
     dy_rows = gather_rows(grad_y.to(x.dtype).contiguous(), sched)  # zero on padding rows
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-    dgu, wh, dw_rows = act_backward(gate_up, dh_raw, sched, activation, swiglu_limit)
+    w_rows = row_weights(sched, topk_weights)
+    dgu, wh, dw_rows = act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
-    w_rows = sched.row_weight.unsqueeze(1)
+    w_rows = w_rows.unsqueeze(1)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
     dx = combine(dx_rows, sched.pos, ones, x.dtype)
@@ -279,3 +283,62 @@ def experts_backward(
     d_gate_up_bias = None if gate_up_bias is None else segment_sum(dgu, sched).to(gate_up_bias.dtype)
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads
+
+
+# --------------------------------------------------------------------------
+# entry points of the functional layer (mok_nn.functional, backend="cuda")
+
+
+def unsupported_reason(layer, x: torch.Tensor) -> str | None:
+    """None where the fused path runs this layer on x, else why not (backend="auto" logs it)."""
+    if not x.is_cuda:
+        return f"input is on {x.device.type}"
+    e = layer.experts
+    why = check_supported(x, torch.empty(0, dtype=torch.int64), e.gate_up_proj, e.down_proj, layer.activation)
+    if why is not None:
+        return why
+    try:
+        _lib()
+    except Exception as err:  # noqa: BLE001 - any load failure means: not available
+        return f"kernel library unavailable: {err}"
+    return None
+
+
+def init_workspace(ws) -> None:
+    """Check what the kernels need; with expert parallelism, also check the group (cuda_ep)."""
+    if ws.precision != "bf16":
+        raise ValueError(f"the CUDA kernels take bf16, not {ws.precision}")
+    if ws.activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"activation {ws.activation!r} has no CUDA kernel")
+    if ws.ep_size > 1:
+        from . import cuda_ep
+
+        cuda_ep.init_workspace(ws)
+
+
+def build_schedule(topk_ids: torch.Tensor, workspace) -> Schedule | None:
+    # With EP the schedule needs every rank's routing; cuda_ep.forward builds it after the
+    # all-gather it shares with the token exchange.
+    if workspace.ep_size > 1:
+        return None
+    return make_schedule(topk_ids, workspace.num_experts)
+
+
+def forward(x, topk_ids, topk_weights, params, schedule, workspace):
+    if workspace.ep_size > 1:
+        from . import cuda_ep
+
+        return cuda_ep.forward(x, topk_ids, topk_weights, params, schedule, workspace)
+    return experts_forward(
+        x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule
+    )
+
+
+def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace):
+    if workspace.ep_size > 1:
+        from . import cuda_ep
+
+        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
+    return experts_backward(
+        grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit
+    )

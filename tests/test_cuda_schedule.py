@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mok_nn.cuda_backend import TILE_M, build_schedule, schedule_capacity
+from mok_nn.cuda_backend import TILE_M, make_schedule, row_weights, schedule_capacity
 
 
 def _routing(num_tokens, top_k, num_experts, gen, skew=False):
@@ -19,7 +19,7 @@ def _routing(num_tokens, top_k, num_experts, gen, skew=False):
 def test_schedule_invariants(num_tokens, top_k, num_experts, skew):
     gen = torch.Generator().manual_seed(num_tokens)
     ids, w = _routing(num_tokens, top_k, num_experts, gen, skew)
-    s = build_schedule(ids, w, num_experts)
+    s = make_schedule(ids, num_experts)
     cap = schedule_capacity(num_tokens, top_k, num_experts)
     assert s.capacity == cap and cap % TILE_M == 0
     pos = s.pos.reshape(-1)
@@ -27,13 +27,14 @@ def test_schedule_invariants(num_tokens, top_k, num_experts, skew):
     # each slot's row holds its token, weight, and lies in its expert's tiles
     tokens = torch.arange(num_tokens).repeat_interleave(top_k)
     assert torch.equal(s.row_token[pos], tokens)
-    assert torch.equal(s.row_weight[pos], w.reshape(-1))
+    rw = row_weights(s, w)
+    assert torch.equal(rw[pos], w.reshape(-1))
     assert torch.equal(s.tile_expert[pos // TILE_M].long(), ids.reshape(-1))
     assert torch.equal(s.row_expert[pos], ids.reshape(-1))
     # padding rows point at the zero row and carry no weight
     pad = torch.ones(cap, dtype=torch.bool)
     pad[pos] = False
-    assert torch.all(s.row_token[pad] == num_tokens) and torch.all(s.row_weight[pad] == 0)
+    assert torch.all(s.row_token[pad] == num_tokens) and torch.all(rw[pad] == 0)
     # rows of an expert keep token order (stable), segments are tile aligned
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
     ends = torch.cumsum((counts + TILE_M - 1) // TILE_M * TILE_M, 0)

@@ -29,7 +29,7 @@ def timed(name, fn, reps=10):
     return out
 
 
-sched = timed("schedule", lambda: cb.build_schedule(ids, w, E))
+sched = timed("schedule", lambda: cb.make_schedule(ids, E))
 xr = timed("gather x", lambda: cb.gather_rows(x, sched))
 gu = timed("gemm gate_up", lambda: cb.grouped_gemm(xr, W13, sched, transpose_w=False))
 h = timed("act fwd", lambda: cb.act_forward(gu, sched, "swiglu", None))
@@ -37,7 +37,8 @@ o = timed("gemm down", lambda: cb.grouped_gemm(h, W2, sched, transpose_w=False))
 timed("combine", lambda: cb.combine(o, sched.pos, w, x.dtype))
 dyr = timed("gather dy", lambda: cb.gather_rows(dy, sched))
 dh = timed("gemm dgrad down f32", lambda: cb.grouped_gemm(dyr, W2, sched, transpose_w=True, out_dtype=torch.float32))
-dgu, wh, dwr = timed("act bwd", lambda: cb.act_backward(gu, dh, sched, "swiglu", None))
+wr = cb.row_weights(sched, w)
+dgu, wh, dwr = timed("act bwd", lambda: cb.act_backward(gu, dh, wr, sched, "swiglu", None))
 dxr = timed("gemm dgrad gate_up", lambda: cb.grouped_gemm(dgu, W13, sched, transpose_w=True))
 timed("combine dx", lambda: cb.combine(dxr, sched.pos, torch.ones_like(w), x.dtype))
 timed("wgrad down", lambda: torch._grouped_mm(dyr.t(), wh, offs=sched.seg_end))
