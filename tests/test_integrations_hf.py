@@ -459,3 +459,18 @@ def test_gradient_checkpointing():
     assert set(g_o) <= set(g_p) and all(not g_p[n].any() for n in set(g_p) - set(g_o))
     for n in g_o:
         torch.testing.assert_close(g_p[n], g_o[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_patch_hf_model_example_runs(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "patch_hf_model.py"
+    spec = importlib.util.spec_from_file_location("patch_hf_model", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main()
+    out = capsys.readouterr().out
+    assert "patched 2 MoE blocks" in out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 8 and losses[-1] < losses[0]
