@@ -2,12 +2,16 @@
 
     python -m mok_nn.bench [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3] [--tokens 8192]
                            [--device cuda|cpu] [--iters 20] [--out docs/benchmarks/NAME.json]
+    torchrun --nproc_per_node 2 -m mok_nn.bench ...     expert parallelism over the ranks (EP = world size)
 
 Both implementations run in this process, on the same inputs and the same
 routing (from a random router, so expert loads are uneven). Correctness
 against each other is checked before timing. Forward time and forward+backward
 time are medians over CUDA-event-timed iterations; bwd = (fwd+bwd) - fwd.
-FLOPs: forward 6*T*k*H*I, backward twice that. On CPU (`--device cpu`, tiny
+FLOPs: forward 6*T*k*H*I, backward twice that. Under torchrun (EP = P) each
+rank has its own tokens and E/P experts, the baseline exchanges rows with
+all_to_all_single (host copy of the split sizes), and a time is the slowest
+rank's median. On CPU (`--device cpu`, tiny
 shapes) the same harness runs with host timers and mok_nn's reference path,
 so CI covers it.
 """
@@ -56,19 +60,58 @@ def baseline_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj):
     return (slots.float() * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
+def baseline_experts_ep(group):
+    """torchtitan-style EP: argsort -> counts all-to-all (host split sizes) -> rows all-to-all ->
+    regroup by local expert -> grouped_mm / SwiGLU / grouped_mm -> reverse all-to-all -> weighted sum."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dnf
+
+    world = dist.get_world_size(group)
+
+    def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
+        num_tokens, top_k = topk_ids.shape
+        e_l = gate_up_proj.shape[0]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_ids = flat[order]
+        dest = sorted_ids // e_l
+        send_counts = torch.bincount(dest, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send, recv = torch.stack([send_counts, recv_counts]).tolist()  # the host sync every EP baseline has
+        rows = x[order // top_k]
+        got = dnf.all_to_all_single(rows.new_empty(sum(recv), x.shape[1]), rows, recv, send, group=group)
+        local_ids = torch.empty(sum(recv), dtype=sorted_ids.dtype, device=x.device)
+        dist.all_to_all_single(local_ids, (sorted_ids - dest * e_l).contiguous(), recv, send, group=group)
+        order2 = torch.argsort(local_ids, stable=True)
+        offs = torch.cumsum(torch.bincount(local_ids, minlength=e_l), 0).to(torch.int32)
+        gate_up = torch._grouped_mm(got[order2], gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offs)
+        out = out[torch.argsort(order2)]
+        back = dnf.all_to_all_single(out.new_empty(sum(send), x.shape[1]), out, send, recv, group=group)
+        slots = back[torch.argsort(order)].view(num_tokens, top_k, -1)
+        return (slots.float() * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+    return run
+
+
 # --------------------------------------------------------------------------
 # mok_nn, as one autograd function over the experts
 
 
-def mok_experts(backend: str):
+def mok_experts(backend: str, group=None):
     """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs)."""
     from . import functional
     from .autograd import MoKFunction
+    from .distributed import group_size_and_rank
+
+    world = group_size_and_rank(group)[0]
 
     def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
         ws = functional.get_workspace(
-            hidden_size=x.shape[1], intermediate_size=down_proj.shape[2], num_experts=gate_up_proj.shape[0],
-            top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend,
+            hidden_size=x.shape[1], intermediate_size=down_proj.shape[2], num_experts=gate_up_proj.shape[0] * world,
+            top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend, ep_group=group,
         )  # fmt: skip
         return MoKFunction.apply(x, topk_weights, gate_up_proj, down_proj, None, None, topk_ids, ws)
 
@@ -79,7 +122,10 @@ def mok_experts(backend: str):
 # harness
 
 
-def make_problem(shape: str, tokens: int, device: str, seed: int = 0):
+def make_problem(shape: str, tokens: int, device: str, seed: int = 0, ep_size: int = 1, ep_rank: int = 0):
+    """With ep_size > 1: this rank's tokens and its E/ep_size experts; the router is shared."""
+    if ep_size > 1:
+        return _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank)
     hidden, inter, num_experts, top_k = SHAPES[shape]
     g = torch.Generator(device=device).manual_seed(seed)
     dt = torch.bfloat16
@@ -91,6 +137,24 @@ def make_problem(shape: str, tokens: int, device: str, seed: int = 0):
     gate_up_proj = (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dt)
     down_proj = (torch.randn(num_experts, hidden, inter, device=device, generator=g) / inter**0.5).to(dt)
     dy = torch.randn(tokens, hidden, device=device, generator=g).to(dt)
+    return dict(x=x, ids=ids, w=w, gate_up_proj=gate_up_proj, down_proj=down_proj, dy=dy)
+
+
+def _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank):
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    e_l = num_experts // ep_size
+    g = torch.Generator(device=device).manual_seed(seed)  # shared: the router
+    gx = torch.Generator(device=device).manual_seed(seed + 1 + ep_rank)  # this rank's tokens
+    gw = torch.Generator(device=device).manual_seed(seed + 101 + ep_rank)  # this rank's experts
+    dt = torch.bfloat16
+    router = torch.randn(num_experts, hidden, device=device, generator=g) / hidden**0.5
+    x = torch.randn(tokens, hidden, device=device, generator=gx).to(dt)
+    dy = torch.randn(tokens, hidden, device=device, generator=gx).to(dt)
+    scores = torch.softmax(x.float() @ router.T, dim=-1)
+    w, ids = torch.topk(scores, top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    gate_up_proj = (torch.randn(e_l, 2 * inter, hidden, device=device, generator=gw) / hidden**0.5).to(dt)
+    down_proj = (torch.randn(e_l, hidden, inter, device=device, generator=gw) / inter**0.5).to(dt)
     return dict(x=x, ids=ids, w=w, gate_up_proj=gate_up_proj, down_proj=down_proj, dy=dy)
 
 
@@ -119,6 +183,7 @@ def _timer(device):
     return t
 
 
+<<<<<<< HEAD
 def measure(fn, p, device, iters, warmup):
     """Median fwd ms, bwd ms (= fwd+bwd minus fwd), peak GB above inputs+params, activation GB kept for bwd.
 
@@ -127,6 +192,10 @@ def measure(fn, p, device, iters, warmup):
     """
     leaves = _leaves(p)
     x, w, gu, dn = leaves
+=======
+def measure(fn, p, device, iters, warmup, group=None):
+    x, w, gu, dn = _leaves(p)
+>>>>>>> main
     ids, dy = p["ids"], p["dy"]
 
     def fwd():
@@ -156,9 +225,20 @@ def measure(fn, p, device, iters, warmup):
     f = [timer(fwd) for _ in range(iters)]
     fb = [timer(fwd_bwd) for _ in range(iters)]
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else None
+<<<<<<< HEAD
     for t in leaves:
         t.grad = None
     return statistics.median(f), statistics.median(fb) - statistics.median(f), peak, act
+=======
+    f_ms, fb_ms = statistics.median(f), statistics.median(fb)
+    if group is not None:  # an iteration takes as long as its slowest rank
+        import torch.distributed as dist
+
+        t = torch.tensor([f_ms, fb_ms, peak or 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        f_ms, fb_ms, peak = t.tolist()
+    return f_ms, fb_ms - f_ms, peak
+>>>>>>> main
 
 
 def check_agreement(a, b, p):
@@ -196,35 +276,45 @@ def _commit():
         return "unknown"
 
 
-def run(shapes, tokens, device, iters, warmup, check=True):
+def run(shapes, tokens, device, iters, warmup, check=True, group=None):
+    from .distributed import group_size_and_rank
+
+    ep, rank = group_size_and_rank(group)
     backend = "cuda" if device == "cuda" else "reference"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    impls = {"mok_nn": mok_experts(backend), "torch_baseline": baseline_experts}
+    baseline = baseline_experts if ep == 1 else baseline_experts_ep(group)
+    impls = {"mok_nn": mok_experts(backend, group), "torch_baseline": baseline}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     commit = _commit()
     records = []
     for shape in shapes:
         hidden, inter, _, top_k = SHAPES[shape]
-        p = make_problem(shape, tokens, device)
+        p = make_problem(shape, tokens, device, ep_size=ep, ep_rank=rank)
         if check:
             errs = check_agreement(impls["mok_nn"], impls["torch_baseline"], p)
-            print(f"{shape}: mok_nn vs baseline rel L2 " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+            print(f"{shape} (rank {rank}): mok_nn vs baseline rel L2 "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
             bad = {k: v for k, v in errs.items() if not v < 2e-2}
             if bad:
                 raise RuntimeError(f"{shape}: implementations disagree: {bad}")
         flops = 6 * tokens * top_k * hidden * inter
         for impl, fn in impls.items():
+<<<<<<< HEAD
             fwd_ms, bwd_ms, peak, act = measure(fn, p, device, iters, warmup)
             if act is not None:
                 print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB", flush=True)
+=======
+            fwd_ms, bwd_ms, peak = measure(fn, p, device, iters, warmup, group)
+>>>>>>> main
             rec = dict(
-                shape=shape, ep=1, tokens_per_rank=tokens, impl=impl, precision="bf16",
+                shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision="bf16",
                 fwd_ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4),
                 fwd_tflops=round(flops / fwd_ms / 1e9, 2), bwd_tflops=round(2 * flops / bwd_ms / 1e9, 2),
                 peak_mem_gb=None if peak is None else round(peak, 3), gpu=gpu, torch=torch.__version__, commit=commit, date=date,
             )  # fmt: skip
             records.append(rec)
-            print(json.dumps(rec), flush=True)
+            if rank == 0:
+                print(json.dumps(rec), flush=True)
         del p
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -248,7 +338,7 @@ def summary(records):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="mok_nn vs torch baseline, routed experts, EP=1")
+    ap = argparse.ArgumentParser(description="mok_nn vs torch baseline, routed experts (EP = torchrun world size)")
     ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -261,13 +351,25 @@ def main(argv=None):
     for s in shapes:
         if s not in SHAPES:
             ap.error(f"unknown shape {s}; known: {', '.join(SHAPES)}")
-    records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check)
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: EP over all ranks
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        group = dist.group.WORLD
+    records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group)
+    if group is not None and dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return
     out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(records, indent=1) + "\n")
     print(summary(records))
     print(f"wrote {out}")
-
+    if group is not None:
+        dist.destroy_process_group()
 
 if __name__ == "__main__":
     main()

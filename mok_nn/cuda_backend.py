@@ -337,26 +337,40 @@ def unsupported_reason(layer, x: torch.Tensor) -> str | None:
 
 
 def init_workspace(ws) -> None:
-    """Check what the kernels need; they keep no persistent buffers yet."""
+    """Check what the kernels need; with expert parallelism, also check the group (cuda_ep)."""
     if ws.precision != "bf16":
         raise ValueError(f"the CUDA kernels take bf16, not {ws.precision}")
     if ws.activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"activation {ws.activation!r} has no CUDA kernel")
-    if ws.ep_size != 1:
-        raise ValueError("the CUDA kernels run expert parallelism 1 only (so far)")
+    if ws.ep_size > 1:
+        from . import cuda_ep
+
+        cuda_ep.init_workspace(ws)
 
 
-def build_schedule(topk_ids: torch.Tensor, workspace) -> Schedule:
+def build_schedule(topk_ids: torch.Tensor, workspace) -> Schedule | None:
+    # With EP the schedule needs every rank's routing; cuda_ep.forward builds it after the
+    # all-gather it shares with the token exchange.
+    if workspace.ep_size > 1:
+        return None
     return make_schedule(topk_ids, workspace.num_experts)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, workspace):
+    if workspace.ep_size > 1:
+        from . import cuda_ep
+
+        return cuda_ep.forward(x, topk_ids, topk_weights, params, schedule, workspace)
     return experts_forward(
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule
     )
 
 
 def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace):
+    if workspace.ep_size > 1:
+        from . import cuda_ep
+
+        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
     return experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit
     )

@@ -17,14 +17,15 @@ def group_size_and_rank(group) -> tuple[int, int]:
 
 
 def all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    """all_to_all_single along dim 0 (a byte copy: bit-exact for any dtype the backend takes)."""
+    """all_to_all_single along dim 0; 16-bit floats travel as raw bytes (bit-exact on every backend)."""
     if group is None:
         return tensor
     send = tensor.contiguous()
-    wire = send  # 16-bit floats go as they are: gloo rejects int16 ("Invalid scalar type")
-    out = wire.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+    is16 = send.dtype in (torch.bfloat16, torch.float16)
+    wire = send.unsqueeze(-1).view(torch.uint8) if is16 else send  # [..., 2] bytes: rows stay rows
+    out = wire.new_empty((sum(recv_splits),) + tuple(wire.shape[1:]))
     dist.all_to_all_single(out, wire, recv_splits, send_splits, group=group)
-    return out.view(send.dtype) if wire is not send else out
+    return out.view(send.dtype).squeeze(-1) if is16 else out
 
 
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:

@@ -241,12 +241,16 @@ class MoKMoELayer(nn.Module):
             return f"input is on {x.device.type}, the fused kernels need a CUDA device"
         if self.precision == "mxfp8":
             return "precision='mxfp8' runs on the reference path (MXFP8 kernels not built yet)"
-        if self.ep_size > 1:
-            return "expert parallelism runs on the reference path (fused EP kernels not built yet)"
         try:
             from . import cuda_backend
         except ImportError as err:
             return f"the CUDA backend is unavailable ({err})"
+        if self.ep_size > 1:
+            from . import cuda_ep
+
+            why = cuda_ep.unsupported_reason(self)
+            if why is not None:
+                return why
         return cuda_backend.unsupported_reason(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,7 @@ def _act_specs(kind: str) -> tuple:
     return fwd, bwd
 
 
+<<<<<<< HEAD
 def _schedule_spec(name: str) -> KernelSpec:
     return KernelSpec(
         name=name,
@@ -141,6 +142,36 @@ def _schedule_spec(name: str) -> KernelSpec:
             ScalarArg("top_k", "i32"),
         ),
     )
+=======
+def _ep_specs() -> tuple:
+    # Expert-parallel row movement and the peer barrier (kernels/ep_comm.py).
+    copy = KernelSpec(
+        name="mok_ep_copy_rows",
+        module="ep_comm",
+        factory="CopyRows",
+        factory_kwargs=(),
+        args=(
+            TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("src_idx", "i64", (DYN,), (1,), align=8),
+            TensorArg("dst", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("dst_idx", "i64", (DYN,), (1,), align=8),
+        ),
+    )
+    signal = KernelSpec(
+        name="mok_ep_signal",
+        module="ep_comm",
+        factory="PeerSignal",
+        factory_kwargs=(),
+        args=(
+            TensorArg("peer_slot", "i32", (1,), (1,), align=4),
+            TensorArg("my_slot", "i32", (1,), (1,), align=4),
+            TensorArg("err", "i32", (1,), (1,), align=4),
+            ScalarArg("epoch", "i32"),
+            ScalarArg("timeout_us", "i32"),
+        ),
+    )
+    return copy, signal
+>>>>>>> main
 
 
 SPECS = (
@@ -151,6 +182,7 @@ SPECS = (
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
+    *_ep_specs(),
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}

@@ -1,0 +1,495 @@
+"""Expert parallelism on one NVLink domain: symmetric memory + CuTe DSL kernels (EP = P > 1).
+
+With P ranks, rank r holds experts [r*E_l, (r+1)*E_l). Every rank keeps one
+symmetric-memory buffer (torch.distributed._symmetric_memory), mapped into each
+peer, holding these sections (Tc = token capacity per rank, the same on all):
+
+  tokens  [P*Tc + 1, H] bf16   rows [s*Tc, s*Tc + T_s): token rows of source s
+                               (own rows copied in, needed peer rows pulled in);
+                               the last row stays zero (padding rows read it)
+  dy      [P*Tc + 1, H] bf16   the same for d y in the backward
+  slots   [Tc*k, H]     bf16   combine slots: expert ranks push row (t, j) to t*k + j
+  dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
+  ids     [P, Tc, k]    int64  all-gathered top-k ids (-1 past a rank's tokens)
+  weights [P, Tc, k]    fp32   all-gathered top-k weights
+  dwslots [Tc*k + 1]    fp32   d top-k weight of each slot, pushed back (+1 scratch element)
+  pad     [P]           int32  signal pad: slot s is written by rank s
+
+Forward (no host synchronisation; every peer write is a unicast store):
+  1. copy x into own tokens rows; store own ids / weights into every rank's ids / weights
+  2. barrier (mok_ep_signal with each peer)
+  3. schedule of the local experts from all ranks' ids (torch ops on the GPU):
+     rows ordered by (local expert, source rank, token, j), each expert padded to
+     the GEMM tile, capacity from MoKConfig.schedule_capacity_multiplier
+  4. dispatch = pull (mok_ep_copy_rows): each token row a peer needs here crosses
+     NVLink once; the GEMM then gathers its rows from the local tokens section
+  5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
+  6. combine push (mok_ep_copy_rows): output row of slot (t, j) into its source
+     rank's slots[t*k + j]
+  7. barrier; 8. fixed-order combine of the k slots on the source (mok_combine)
+Backward mirrors it: x and d y rows pulled again, dgrad + dSwiGLU + weight
+gradients locally, d x rows and d w pushed to the source slots, barrier, fixed
+order sums. Each slot is written exactly once and every sum has a fixed order,
+so results are bitwise reproducible, and the row order inside an expert is the
+one of the reference EP path (source rank, then slot order).
+
+Errors: an overflow of the schedule capacity (detected on every rank from the
+all-gathered routing) or a peer that never signals (the barrier gives up after
+a timeout and sets a flag) turns the step's outputs into NaN and is raised as
+EPError by the next EP call on this workspace once the step has finished
+(`check_errors(ws)` waits for it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import cuda_backend as cb
+from .kernels.registry import TILE_M
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
+
+
+class EPError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------
+# pure logic (CPU-testable)
+
+
+def schedule_capacity(tokens_cap: int, top_k: int, experts_per_rank: int, ep_size: int, multiplier: float) -> int:
+    """Rows of each rank's expert buffers: multiplier x the balanced load (Tc*k) plus per-expert padding,
+    never more than the worst case (every slot of every rank here), rounded to the GEMM tile."""
+    balanced = tokens_cap * top_k
+    worst = ep_size * balanced
+    rows = min(int(-(-multiplier * balanced // 1)), worst) + experts_per_rank * (TILE_M - 1)
+    return max(TILE_M, -(-rows // TILE_M) * TILE_M)
+
+
+def check_group_shapes(mine: list[int], everyone: list[list[int]], names: list[str]) -> None:
+    """Raise ValueError naming every field on which the ranks disagree."""
+    bad = [f"{n}: {[row[i] for row in everyone]}" for i, n in enumerate(names)
+           if any(row[i] != everyone[0][i] for row in everyone)]
+    if bad:
+        raise ValueError("mok_nn expert parallelism: the ranks of ep_group disagree on "
+                         + "; ".join(bad) + " (values listed by rank)")
+
+
+@dataclass
+class EPSchedule:
+    """The rows this rank computes, from all ranks' routing.
+
+    sched: cuda_backend.Schedule of the local experts; row_token indexes the tokens
+        section ([P*Tc + 1, H], padding -> the zero row P*Tc), pos [T, k] = t*k + j
+        (the slot rows the combine reads).
+    row_src / row_slot [cap] int64: source rank and slot t*k + j of each row, -1 on padding.
+    row_gslot [cap] int64: s*Tc*k + t*k + j (index into the all-gathered weights), P*Tc*k on padding.
+    pull_src [P, Tc] int64: tokens row to pull from source s, -1 where not needed (or s == rank).
+    push_src [P, cap] int64: row to push to source s, -1 otherwise.
+    overflow [] bool: some rank's rows exceed the capacity.
+    """
+
+    sched: cb.Schedule
+    row_src: torch.Tensor
+    row_slot: torch.Tensor
+    row_gslot: torch.Tensor
+    pull_src: torch.Tensor
+    push_src: torch.Tensor
+    overflow: torch.Tensor
+
+
+def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
+                     capacity: int) -> EPSchedule:
+    """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics."""
+    ep_size, tc, top_k = ids_all.shape
+    dev = ids_all.device
+    n = ep_size * tc * top_k
+    flat = ids_all.reshape(-1)
+    local = flat - rank * experts_per_rank
+    is_local = (flat >= 0) & (local >= 0) & (local < experts_per_rank)
+    key = torch.where(is_local, local, experts_per_rank)  # bin E_l collects everything else
+    one = torch.ones_like(key)
+    counts = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, one)
+    counts[experts_per_rank] = 0
+    padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
+    seg_end = torch.cumsum(padded, 0)
+    seg_start = seg_end - padded
+    cnt_start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(key, stable=True).indices  # local slots by expert, then global slot order
+    sorted_key = key[order]
+    row = seg_start[sorted_key] + torch.arange(n, device=dev) - cnt_start[sorted_key]
+    keep = (sorted_key < experts_per_rank) & (row < capacity)
+    row = torch.where(keep, row, capacity)  # trash row, sliced off below
+
+    # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
+    num_experts = experts_per_rank * ep_size
+    gkey = torch.where(flat >= 0, flat, num_experts)
+    gcounts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, gkey, torch.ones_like(gkey))
+    gpadded = ((gcounts[:num_experts] + (TILE_M - 1)) // TILE_M * TILE_M).view(ep_size, experts_per_rank)
+    overflow = (gpadded.sum(dim=1) > capacity).any()
+
+    src = order // (tc * top_k)
+    slot = order % (tc * top_k)
+    row_token = torch.full((capacity + 1,), ep_size * tc, dtype=torch.int64, device=dev)
+    row_token[row] = src * tc + slot // top_k
+    row_src = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    row_src[row] = src
+    row_slot = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    row_slot[row] = slot
+    row_gslot = torch.full((capacity + 1,), n, dtype=torch.int64, device=dev)
+    row_gslot[row] = order
+    row_token, row_src, row_slot, row_gslot = (t[:capacity] for t in (row_token, row_src, row_slot, row_gslot))
+
+    seg_end_l = seg_end[:experts_per_rank].clamp(max=capacity)  # only past the capacity (overflow, flagged)
+    tile_start = torch.arange(0, capacity, TILE_M, device=dev)
+    te = torch.searchsorted(seg_end_l, tile_start, right=True)
+    tile_expert = torch.where(te < experts_per_rank, te, -1).to(torch.int32)
+    row_expert = torch.searchsorted(seg_end_l, torch.arange(capacity, device=dev), right=True)
+    pos = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), row_expert)
+
+    need = is_local.view(ep_size, tc, top_k).any(dim=2)
+    need[rank] = False  # own rows are already local
+    tok = torch.arange(ep_size * tc, device=dev).view(ep_size, tc)
+    pull_src = torch.where(need, tok, -1)
+    rows = torch.arange(capacity, device=dev)
+    push_src = torch.where(row_src.unsqueeze(0) == torch.arange(ep_size, device=dev).unsqueeze(1), rows, -1)
+    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
+
+
+# --------------------------------------------------------------------------
+# symmetric-memory buffers
+
+
+_SECTION_ALIGN = 256
+
+
+def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tuple[dict, int]:
+    """{section: (byte offset, shape, dtype, nbytes)} and the total size of the symmetric buffer."""
+    P, tc, k, h = ep_size, tokens_cap, top_k, hidden
+    layout = [
+        ("tokens", (P * tc + 1, h), torch.bfloat16),
+        ("dy", (P * tc + 1, h), torch.bfloat16),
+        ("slots", (tc * k, h), torch.bfloat16),
+        ("dxslots", (tc * k, h), torch.bfloat16),
+        ("ids", (P, tc, k), torch.int64),
+        ("weights", (P, tc, k), torch.float32),
+        ("dwslots", (tc * k + 1,), torch.float32),
+        ("pad", (P,), torch.int32),
+    ]
+    sections, off = {}, 0
+    for name, shape, dtype in layout:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        sections[name] = (off, shape, dtype, nbytes)
+        off += -(-nbytes // _SECTION_ALIGN) * _SECTION_ALIGN
+    return sections, off
+
+
+class SymmBuffers:
+    """The sections of one symmetric buffer, locally and as seen in each peer.
+
+    raws[p] is rank p's buffer as addressed from this GPU (raws[rank] is the local one).
+    """
+
+    def __init__(self, raws: list, rank: int, tokens_cap: int, hidden: int, top_k: int, device,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.ep_size, self.rank = len(raws), rank
+        self.tokens_cap, self.hidden, self.top_k = tokens_cap, hidden, top_k
+        self.timeout_s = timeout_s
+        self._sections, self.nbytes = buffer_layout(self.ep_size, tokens_cap, hidden, top_k)
+        self.raw = raws[rank]
+        self._views = [{name: self._carve(b, name) for name in self._sections} for b in raws]
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)  # sticky: a peer never signalled
+        self.epoch = 0
+
+    @classmethod
+    def create(cls, group, tokens_cap: int, hidden: int, top_k: int, device, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """Collective over group: allocate, zero and map the buffer of every rank (symmetric memory)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        _, nbytes = buffer_layout(P, tokens_cap, hidden, top_k)
+        raw = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        raw.zero_()  # zero rows and pads before any peer can signal
+        handle = symm_mem.rendezvous(raw, group)
+        raws = [raw if p == rank else handle.get_buffer(p, (nbytes,), torch.uint8, 0) for p in range(P)]
+        self = cls(raws, rank, tokens_cap, hidden, top_k, device, timeout_s)
+        self.handle = handle
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        return self
+
+    def _carve(self, raw: torch.Tensor, name: str) -> torch.Tensor:
+        off, shape, dtype, nbytes = self._sections[name]
+        return raw[off:off + nbytes].view(dtype).view(shape)
+
+    def local(self, name: str) -> torch.Tensor:
+        return self._views[self.rank][name]
+
+    def peer(self, p: int, name: str) -> torch.Tensor:
+        return self._views[p][name]
+
+    def barrier(self) -> None:
+        """Every rank reaches this point of its stream; unicast release/acquire with each peer."""
+        self.epoch += 1
+        if self.epoch >= 2**31 - 1:
+            raise EPError("symmetric-memory barrier epoch overflow; create a new workspace")
+        timeout_us = int(min(self.timeout_s * 1e6, 2**31 - 1))
+        pad = self.local("pad")
+        for p in range(self.ep_size):
+            if p == self.rank:
+                continue
+            peer_slot = self.peer(p, "pad")[self.rank:self.rank + 1]
+            cb._lib().launch("mok_ep_signal", peer_slot, pad[p:p + 1], self.err, self.epoch, timeout_us,
+                             stream=cb._stream())
+
+    def copy_rows(self, src, src_idx, dst, dst_idx) -> None:
+        if src_idx.numel() == 0:
+            return
+        if os.environ.get("MOK_EP_COPY", "") == "torch":  # debugging aid (synchronises with the host)
+            ok = (src_idx >= 0) & (dst_idx >= 0)
+            dst[dst_idx[ok]] = src[src_idx[ok]]
+            return
+        cb._lib().launch("mok_ep_copy_rows", src, src_idx, dst, dst_idx, stream=cb._stream())
+
+
+# --------------------------------------------------------------------------
+# workspace, errors
+
+
+def unsupported_reason(layer) -> str | None:
+    """None where the symmetric-memory EP path can run this layer's group, else why not."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as err:
+        return f"torch symmetric memory is unavailable ({err})"
+    if not dist.is_initialized() or dist.get_backend(layer.ep_group) != "nccl":
+        return "expert parallelism on CUDA needs an NCCL ep_group"
+    if layer.ep_size > torch.cuda.device_count():
+        return (f"ep_group spans {layer.ep_size} ranks but this host sees {torch.cuda.device_count()} GPUs; "
+                "the EP kernels work inside one NVLink domain")
+    if layer.hidden_size % 8:
+        return "expert parallelism on CUDA needs hidden_size % 8 == 0"
+    return None
+
+
+_SHAPE_FIELDS = ["hidden_size", "intermediate_size", "num_experts", "top_k", "dtype", "activation", "swiglu_limit",
+                 "ep_size", "config"]
+
+
+def _shape_row(ws) -> list[int]:
+    import zlib
+
+    def h(v):
+        return zlib.crc32(repr(v).encode()) & 0x7FFFFFFF
+
+    return [ws.hidden_size, ws.intermediate_size, ws.num_experts, ws.top_k, h(ws.dtype), h(ws.activation),
+            h(ws.swiglu_limit), ws.ep_size, h(ws.config)]
+
+
+def _all_gather_ints(values: list[int], group, device) -> list[list[int]]:
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [o.tolist() for o in out]
+
+
+def init_workspace(ws) -> None:
+    """Collective: every rank of ws.ep_group checks that all agree on the shapes (creation time only)."""
+    if ws.num_experts % ws.ep_size:
+        raise ValueError(f"num_experts ({ws.num_experts}) must be divisible by the EP size ({ws.ep_size})")
+    if ws.hidden_size % 8:
+        raise ValueError("expert parallelism on CUDA needs hidden_size % 8 == 0")
+    check_group_shapes(_shape_row(ws), _all_gather_ints(_shape_row(ws), ws.ep_group, ws.device), _SHAPE_FIELDS)
+    ws.buffers.pop("ep_symm", None)
+    ws.ep_state = {"bufs": None, "pending": []}
+
+
+def _buffers(ws, num_tokens: int) -> SymmBuffers:
+    st = ws.ep_state
+    if st["bufs"] is None:
+        # Token capacity: the largest first batch of any rank (collective, once per workspace).
+        tc = max(max(r) for r in _all_gather_ints([num_tokens], ws.ep_group, ws.device))
+        st["bufs"] = SymmBuffers.create(ws.ep_group, max(tc, 1), ws.hidden_size, ws.top_k, ws.device)
+        ws.buffers["ep_symm"] = st["bufs"].raw
+    bufs = st["bufs"]
+    if num_tokens > bufs.tokens_cap:
+        raise ValueError(
+            f"mok_nn expert parallelism: {num_tokens} tokens exceed this workspace's token capacity "
+            f"{bufs.tokens_cap} (fixed by the first batch; every rank must stay within it)")
+    return bufs
+
+
+def _record_errors(ws, flags: torch.Tensor, what: str) -> None:
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    ws.ep_state["pending"].append((host, ev, what))
+
+
+def check_errors(ws, block: bool = True) -> None:
+    """Raise EPError for any finished EP step of this workspace that flagged an error.
+
+    block=True waits for all of them (tests, end of a step); block=False only looks at finished ones.
+    """
+    st = getattr(ws, "ep_state", None)
+    if not st:
+        return
+    keep = []
+    for host, ev, what in st["pending"]:
+        if block:
+            ev.synchronize()
+        elif not ev.query():
+            keep.append((host, ev, what))
+            continue
+        overflow, timeout = int(host[0]), int(host[1])
+        if overflow or timeout:
+            st["pending"] = []
+            if overflow:
+                raise EPError(
+                    f"mok_nn expert parallelism ({what}): the routing overflowed the expert buffers of a rank "
+                    f"(schedule capacity {st.get('capacity')} rows); raise MoKConfig.schedule_capacity_multiplier "
+                    f"(now {ws.config.schedule_capacity_multiplier}). The step's outputs are NaN.")
+            raise EPError(
+                f"mok_nn expert parallelism ({what}): a peer rank did not reach the barrier within "
+                f"{st['bufs'].timeout_s:g} s (did every rank call the layer?). The outputs are NaN; the "
+                f"workspace is unusable.")
+    st["pending"] = keep
+
+
+# --------------------------------------------------------------------------
+# forward / backward
+
+
+@dataclass
+class EPSaved:
+    eps: EPSchedule
+    gate_up: torch.Tensor  # [cap, 2I] bf16
+    w_rows: torch.Tensor  # [cap] fp32, top-k weight of each row (0 on padding)
+    num_tokens: int
+
+
+def _poison(flags: torch.Tensor) -> torch.Tensor:
+    """0.0, or NaN where a flag is set (added to combine weights, so the outputs show the error)."""
+    return torch.where(flags.sum() > 0, float("nan"), 0.0).to(torch.float32)
+
+
+def forward(x, topk_ids, topk_weights, params, schedule, ws):
+    check_errors(ws, block=False)
+    gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
+    why = cb.check_supported(x, topk_ids, gate_up_proj, down_proj, ws.activation)
+    if why is not None:
+        raise RuntimeError(f"mok_nn CUDA backend: {why}")
+    num_tokens, top_k = topk_ids.shape
+    bufs = _buffers(ws, num_tokens)
+    P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
+    e_l = ws.num_experts // P
+    cap = schedule_capacity(tc, top_k, e_l, P, ws.config.schedule_capacity_multiplier)
+    ws.ep_state["capacity"] = cap
+
+    # 1. own rows local; ids and weights to every rank (unicast stores into peer memory)
+    tokens = bufs.local("tokens")
+    tokens[r * tc:r * tc + num_tokens].copy_(x)
+    ids_pad = torch.full((tc, top_k), -1, dtype=torch.int64, device=x.device)
+    ids_pad[:num_tokens] = topk_ids
+    w = topk_weights.detach().float()
+    for p in range(P):
+        bufs.peer(p, "ids")[r].copy_(ids_pad)
+        bufs.peer(p, "weights")[r, :num_tokens].copy_(w)
+    # 2.
+    bufs.barrier()
+    # 3. schedule from everyone's routing
+    eps = make_ep_schedule(bufs.local("ids"), num_tokens, r, e_l, cap)
+    sched = eps.sched
+    w_all = torch.cat([bufs.local("weights").reshape(-1), w.new_zeros(1)])
+    w_rows = w_all.index_select(0, eps.row_gslot)
+    # 4. dispatch: pull the needed token rows of each peer
+    dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+    for p in range(P):
+        if p != r:
+            bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
+    # 5. experts
+    x_rows = tokens.index_select(0, sched.row_token)
+    gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+    if gate_up_bias is not None:
+        gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
+    h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
+    out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
+    if down_bias is not None:
+        out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
+    # 6. combine push into each source's slots
+    for p in range(P):
+        bufs.copy_rows(out_rows, eps.push_src[p], bufs.peer(p, "slots"), eps.row_slot)
+    # 7.
+    bufs.barrier()
+    # 8. fixed-order combine on the source
+    flags = torch.stack([eps.overflow.to(torch.int32), bufs.err[0]])
+    w_eff = topk_weights.float() + _poison(flags)
+    y = cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype)
+    _record_errors(ws, flags, "forward")
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens)
+
+
+def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
+    from . import reference
+
+    check_errors(ws, block=False)
+    gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
+    num_tokens, top_k = topk_ids.shape
+    bufs = _buffers(ws, num_tokens)
+    P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
+    eps, sched, gate_up = saved.eps, saved.eps.sched, saved.gate_up
+
+    # 1. own x and dy rows local (x again: another layer may have reused the tokens section)
+    tokens, dy = bufs.local("tokens"), bufs.local("dy")
+    tokens[r * tc:r * tc + num_tokens].copy_(x)
+    dy[r * tc:r * tc + num_tokens].copy_(grad_y)
+    # 2.
+    bufs.barrier()
+    # 3. reverse combine: pull the needed x and dy rows of each peer
+    dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+    for p in range(P):
+        if p != r:
+            bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
+            bufs.copy_rows(bufs.peer(p, "dy"), eps.pull_src[p], dy, dst_tok[p])
+    # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
+    x_rows = tokens.index_select(0, sched.row_token)
+    dy_rows = dy.index_select(0, sched.row_token)
+    dh_raw = cb.grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
+    dgu, wh, dw_rows = cb.act_backward(gate_up, dh_raw, saved.w_rows, sched, ws.activation, ws.swiglu_limit)
+    if down_bias is not None:
+        dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
+    dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
+    wdt = gate_up_proj.dtype
+    d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)
+    d_gate_up = torch._grouped_mm(dgu.t(), x_rows, offs=sched.seg_end).to(wdt)
+    d_down_bias = None
+    if down_bias is not None:
+        wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
+        d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
+    d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
+    # 5. reverse dispatch: push d x rows and d w into the source slots
+    trash = tc * top_k  # the last element of dwslots: scratch for rows of other sources
+    for p in range(P):
+        bufs.copy_rows(dx_rows, eps.push_src[p], bufs.peer(p, "dxslots"), eps.row_slot)
+        dst = torch.where(eps.push_src[p] >= 0, eps.row_slot, trash)
+        bufs.peer(p, "dwslots").scatter_(0, dst, dw_rows)
+    # 6.
+    bufs.barrier()
+    # 7. fixed-order sums on the source
+    flags = torch.stack([eps.overflow.to(torch.int32), bufs.err[0]])
+    poison = _poison(flags)
+    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device) + poison
+    dx = cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype)
+    d_topk = (bufs.local("dwslots")[:num_tokens * top_k].view(num_tokens, top_k) + poison).to(topk_weights.dtype)
+    _record_errors(ws, flags, "backward")
+    grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
+    return dx, d_topk, grads

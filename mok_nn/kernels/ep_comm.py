@@ -1,0 +1,89 @@
+"""Expert-parallel data movement and signalling over symmetric memory (NVLink, unicast).
+
+CopyRows:   dst[dst_idx[i], :] = src[src_idx[i], :] for every i with both indices >= 0.
+            One CTA per i; each thread moves 8 consecutive bf16 (16-byte loads and
+            stores). src or dst may be a peer's symmetric buffer mapped into this
+            GPU, so the same kernel is the dispatch pull (src = peer tokens) and the
+            combine push (dst = the source rank's slot buffer). Each element is
+            written at most once (the caller's indices are unique), so results do
+            not depend on timing.
+
+PeerSignal: a two-party barrier with one peer, through unicast stores only (no
+            NVLink multicast). Thread 0 fences the earlier writes of this stream
+            (fence.acq_rel.sys), stores `epoch` into the peer's pad slot with
+            release semantics, then spins with acquire loads on its own pad slot
+            (local memory) until the peer's epoch has arrived. After `timeout_us`
+            microseconds (%globaltimer) it gives up and sets err[0] = 1: a peer
+            that never signals makes the kernel exit in bounded time with a flag,
+            never a hang or a trap.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+VEC = 8
+THREADS = 128
+
+
+class CopyRows:
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (R_src, H) bf16
+        src_idx: cute.Tensor,  # (N,) int64, row of src or -1
+        dst: cute.Tensor,  # (R_dst, H) bf16
+        dst_idx: cute.Tensor,  # (N,) int64, row of dst or -1
+        stream: cuda.CUstream,
+    ):
+        n = cute.size(src_idx, mode=[0])
+        self.kernel(src, src_idx, dst, dst_idx).launch(grid=[n, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, src_idx: cute.Tensor, dst: cute.Tensor, dst_idx: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        i, _, _ = cute.arch.block_idx()
+        s = src_idx[i]
+        d = dst_idx[i]
+        if s >= 0:
+            if d >= 0:
+                n_vec = cute.size(dst, mode=[1]) // VEC
+                src_v = cute.zipped_divide(src[(s, None)], (VEC,))
+                dst_v = cute.zipped_divide(dst[(d, None)], (VEC,))
+                frag = cute.make_rmem_tensor((VEC,), src.element_type)
+                for c in range(tidx, n_vec, THREADS):
+                    cute.autovec_copy(src_v[(None, c)], frag)
+                    cute.autovec_copy(frag, dst_v[(None, c)])
+
+
+class PeerSignal:
+    @cute.jit
+    def __call__(
+        self,
+        peer_slot: cute.Tensor,  # (1,) int32: this rank's slot in the peer's pad (peer memory)
+        my_slot: cute.Tensor,  # (1,) int32: the peer's slot in this rank's pad
+        err: cute.Tensor,  # (1,) int32: set to 1 on timeout
+        epoch: cutlass.Int32,
+        timeout_us: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(peer_slot, my_slot, err, epoch, timeout_us).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, peer_slot: cute.Tensor, my_slot: cute.Tensor, err: cute.Tensor, epoch: cutlass.Int32,
+               timeout_us: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
+            cute.arch.store(peer_slot.iterator, epoch, sem="release", scope="sys")
+            seen = cute.arch.load(my_slot.iterator, cutlass.Int32, sem="acquire", scope="sys")
+            start = cute.arch.globaltimer()
+            limit = cutlass.Int64(timeout_us) * 1000
+            waited = cutlass.Int64(0)
+            while (seen < epoch) & (waited < limit):
+                seen = cute.arch.load(my_slot.iterator, cutlass.Int32, sem="acquire", scope="sys")
+                waited = cute.arch.globaltimer() - start
+            if seen < epoch:
+                err[0] = cutlass.Int32(1)
