@@ -183,19 +183,15 @@ def _timer(device):
     return t
 
 
-<<<<<<< HEAD
-def measure(fn, p, device, iters, warmup):
+def measure(fn, p, device, iters, warmup, group=None):
     """Median fwd ms, bwd ms (= fwd+bwd minus fwd), peak GB above inputs+params, activation GB kept for bwd.
 
     Gradients are reset to None before every iteration, as optimizer.zero_grad()
     does in training, so no implementation pays for accumulating into old grads.
+    With a process group, times and peak are the slowest rank's.
     """
     leaves = _leaves(p)
     x, w, gu, dn = leaves
-=======
-def measure(fn, p, device, iters, warmup, group=None):
-    x, w, gu, dn = _leaves(p)
->>>>>>> main
     ids, dy = p["ids"], p["dy"]
 
     def fwd():
@@ -225,11 +221,8 @@ def measure(fn, p, device, iters, warmup, group=None):
     f = [timer(fwd) for _ in range(iters)]
     fb = [timer(fwd_bwd) for _ in range(iters)]
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else None
-<<<<<<< HEAD
     for t in leaves:
         t.grad = None
-    return statistics.median(f), statistics.median(fb) - statistics.median(f), peak, act
-=======
     f_ms, fb_ms = statistics.median(f), statistics.median(fb)
     if group is not None:  # an iteration takes as long as its slowest rank
         import torch.distributed as dist
@@ -237,8 +230,7 @@ def measure(fn, p, device, iters, warmup, group=None):
         t = torch.tensor([f_ms, fb_ms, peak or 0.0], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         f_ms, fb_ms, peak = t.tolist()
-    return f_ms, fb_ms - f_ms, peak
->>>>>>> main
+    return f_ms, fb_ms - f_ms, peak, act
 
 
 def check_agreement(a, b, p):
@@ -299,13 +291,9 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None):
                 raise RuntimeError(f"{shape}: implementations disagree: {bad}")
         flops = 6 * tokens * top_k * hidden * inter
         for impl, fn in impls.items():
-<<<<<<< HEAD
-            fwd_ms, bwd_ms, peak, act = measure(fn, p, device, iters, warmup)
-            if act is not None:
-                print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB", flush=True)
-=======
-            fwd_ms, bwd_ms, peak = measure(fn, p, device, iters, warmup, group)
->>>>>>> main
+            fwd_ms, bwd_ms, peak, act = measure(fn, p, device, iters, warmup, group)
+            if act is not None and rank == 0:
+                print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB (rank 0)", flush=True)
             rec = dict(
                 shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision="bf16",
                 fwd_ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4),

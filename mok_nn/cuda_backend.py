@@ -46,6 +46,7 @@ class Schedule:
     row_token: torch.Tensor
     tile_expert: torch.Tensor
     seg_end: torch.Tensor
+    row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
 
     @property
     def capacity(self) -> int:
@@ -55,8 +56,10 @@ class Schedule:
     def num_experts(self) -> int:
         return self.seg_end.shape[0]
 
-    def row_expert(self) -> torch.Tensor:
+    def expert_of_rows(self) -> torch.Tensor:
         """[M_cap] int64 expert of each row; E for rows past the last segment."""
+        if self.row_expert is not None:
+            return self.row_expert
         te = self.tile_expert.long()
         te = torch.where(te < 0, self.num_experts, te)
         return te.repeat_interleave(TILE_M)
@@ -281,7 +284,7 @@ def experts_forward(
 
 def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
     b = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
-    return b.index_select(0, sched.row_expert())
+    return b.index_select(0, sched.expert_of_rows())
 
 
 def experts_backward(

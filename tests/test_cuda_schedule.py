@@ -30,7 +30,7 @@ def test_schedule_invariants(num_tokens, top_k, num_experts, skew):
     rw = row_weights(s, w)
     assert torch.equal(rw[pos], w.reshape(-1))
     assert torch.equal(s.tile_expert[pos // TILE_M].long(), ids.reshape(-1))
-    assert torch.equal(s.row_expert()[pos], ids.reshape(-1))
+    assert torch.equal(s.expert_of_rows()[pos], ids.reshape(-1))
     # padding rows point at the zero row and carry no weight
     pad = torch.ones(cap, dtype=torch.bool)
     pad[pos] = False

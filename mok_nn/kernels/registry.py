@@ -126,7 +126,6 @@ def _act_specs(kind: str) -> tuple:
     return fwd, bwd
 
 
-<<<<<<< HEAD
 def _schedule_spec(name: str) -> KernelSpec:
     return KernelSpec(
         name=name,
@@ -142,7 +141,8 @@ def _schedule_spec(name: str) -> KernelSpec:
             ScalarArg("top_k", "i32"),
         ),
     )
-=======
+
+
 def _ep_specs() -> tuple:
     # Expert-parallel row movement and the peer barrier (kernels/ep_comm.py).
     copy = KernelSpec(
@@ -171,7 +171,6 @@ def _ep_specs() -> tuple:
         ),
     )
     return copy, signal
->>>>>>> main
 
 
 SPECS = (
