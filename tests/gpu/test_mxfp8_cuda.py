@@ -43,7 +43,8 @@ def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
 
     def run(device):
         torch.manual_seed(0)
-        layer = MoKMoELayer(H, I, E, K, precision="mxfp8", dtype=torch.float32, device=device, backend="reference")
+        # initialised on the CPU generator for both devices, then moved: the same parameters
+        layer = MoKMoELayer(H, I, E, K, precision="mxfp8", dtype=torch.float32, backend="reference").to(device)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(T, H, generator=g).to(device).requires_grad_(True)
         dy = torch.randn(T, H, generator=g).to(device)
@@ -55,4 +56,6 @@ def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
     cpu, gpu, gpu2 = run("cpu"), run("cuda"), run("cuda")
     for a, b, c in zip(gpu, gpu2, cpu):
         assert torch.equal(a, b)
-        assert _rel(a, c) < 1e-4
+        # fp32 GEMMs round differently on the two devices; a value that lands on an FP8
+        # rounding boundary can flip one E4M3 ulp, so allow a little more than fp32 rounding
+        assert _rel(a, c) < 1e-3
