@@ -108,13 +108,14 @@ class ExpertGrouping:
     order: torch.Tensor
     counts: list[int]
 
-    @property
-    def offsets(self) -> list[int]:
-        out, acc = [0], 0
-        for c in self.counts:
-            acc += c
-            out.append(acc)
-        return out
+
+def expert_segments(counts: list[int]):
+    """(expert, slice of its rows) for every expert with rows, in expert order."""
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            yield e, slice(start, start + count)
+        start += count
 
 
 def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertGrouping:
@@ -139,12 +140,7 @@ def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, dow
     num_rows, inter2 = rows.shape[0], gate_up_proj.shape[1]
     out = rows.new_empty(num_rows, down_proj.shape[1])
     gate_up = rows.new_empty(num_rows, inter2)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        seg = slice(start, start + count)
-        start += count
+    for e, seg in expert_segments(counts):
         gu = q(rows[seg].to(cdt), -1) @ q(gate_up_proj[e].to(cdt), -1).T
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[e].to(cdt)
@@ -187,12 +183,7 @@ def grouped_mlp_backward(
     d_down_proj = torch.zeros_like(down_proj)
     d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
     d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        seg = slice(start, start + count)
-        start += count
+    for e, seg in expert_segments(counts):
         x_e = rows[seg].to(cdt)
         dy_e = grad_out[seg].to(cdt)
         w_e = row_weights[seg].to(cdt).unsqueeze(1)
