@@ -7,9 +7,11 @@ backward registered, so autograd works through `routed_experts`.
     y = mok_nn.ops.routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj,
                                   gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None)
 
-The ops run the reference implementation; the backward op rebuilds the
-expert grouping from topk_ids (a pure function of the routing) instead of
-saving it, so only tensors cross the op boundary.
+`backend` picks who runs them: "cuda" (the CuTe DSL kernels, bf16 on sm_90a),
+"reference" (pure PyTorch), or "auto" (the kernels where they can run). The
+backward op rebuilds the schedule from topk_ids (a pure function of the
+routing) and re-gathers the rows of x instead of saving them, so only tensors
+cross the op boundary.
 """
 
 from __future__ import annotations
@@ -21,23 +23,61 @@ from torch import Tensor
 
 from . import reference
 
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def _cuda():
+    from . import cuda_backend  # lazily: needs the kernel library only when used
+
+    return cuda_backend
+
+
+def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation) -> str:
+    """'reference' or 'cuda'; backend='cuda' raises where the kernels cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return backend
+    why = _cuda().check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
+    if why is None:
+        try:
+            _cuda()._lib()
+        except Exception as err:  # noqa: BLE001 - any load failure means: kernels unavailable
+            why = f"kernel library unavailable: {err}"
+    if why is None:
+        return "cuda"
+    if backend == "cuda":
+        raise RuntimeError(f"mok_nn.ops backend='cuda' cannot run: {why}")
+    return "reference"
+
+
+def _saved_rows(backend, num_tokens, top_k, num_experts) -> int:
+    """Rows of the gate_up tensor kept for backward: the kernels pad each expert to a tile."""
+    if backend == "cuda":
+        return _cuda().schedule_capacity(num_tokens, top_k, num_experts)
+    return num_tokens * top_k
+
 
 @torch.library.custom_op("mok_nn::routed_experts_fwd", mutates_args=())
 def routed_experts_fwd(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, swiglu_limit: Optional[float],
+    backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """Returns (y [T, H], gate_up [T*k, 2I] in expert-grouped order, kept for backward)."""
-    y, saved = reference.experts_forward(
+    """Returns (y [T, H], gate_up in the backend's row order, kept for backward)."""
+    impl = _cuda() if backend == "cuda" else reference
+    y, saved = impl.experts_forward(
         x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
     )
     return y, saved.gate_up
 
 
 @routed_experts_fwd.register_fake
-def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit):
+def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+      backend):
     y = x.new_empty(x.shape)
-    gate_up = x.new_empty(topk_ids.numel(), gate_up_proj.shape[1])
+    rows = _saved_rows(backend, topk_ids.shape[0], topk_ids.shape[1], gate_up_proj.shape[0])
+    gate_up = x.new_empty(rows, gate_up_proj.shape[1])
     return y, gate_up
 
 
@@ -45,15 +85,20 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bia
 def routed_experts_bwd(
     grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, gate_up_proj: Tensor,
     down_proj: Tensor, gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str,
-    swiglu_limit: Optional[float],
+    swiglu_limit: Optional[float], backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, d_topk_weights, d_gate_up_proj, d_down_proj, d_gate_up_bias, d_down_bias).
 
     A bias gradient is an empty tensor where the bias is None (ops cannot return None).
     """
-    plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
-    saved = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up)
-    dx, d_topk, g = reference.experts_backward(
+    if backend == "cuda":
+        cb = _cuda()
+        sched = cb.make_schedule(topk_ids, gate_up_proj.shape[0])
+        saved, impl = cb.CudaSaved(sched, cb.gather_rows(x.contiguous(), sched), gate_up), cb
+    else:
+        plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
+        saved, impl = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up), reference
+    dx, d_topk, g = impl.experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         activation, swiglu_limit,
     )
@@ -66,7 +111,7 @@ def _or_empty(t, like):
 
 @routed_experts_bwd.register_fake
 def _(grad_y, x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
-      activation, swiglu_limit):
+      activation, swiglu_limit, backend):
     def like(t):
         return x.new_empty(0) if t is None else torch.empty_like(t)
 
@@ -75,28 +120,31 @@ def _(grad_y, x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit = inputs
+    (x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+     backend) = inputs
     ctx.save_for_backward(x, topk_ids, topk_weights, output[1], gate_up_proj, down_proj, gate_up_bias, down_bias)
-    ctx.activation, ctx.swiglu_limit = activation, swiglu_limit
+    ctx.activation, ctx.swiglu_limit, ctx.backend = activation, swiglu_limit, backend
 
 
 def _backward(ctx, grad_y, _grad_gate_up):
     x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias = ctx.saved_tensors
     dx, d_topk, d13, d2, db13, db2 = routed_experts_bwd(
         grad_y.contiguous(), x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        ctx.activation, ctx.swiglu_limit,
+        ctx.activation, ctx.swiglu_limit, ctx.backend,
     )
     db13 = db13 if gate_up_bias is not None else None
     db2 = db2 if down_bias is not None else None
-    return dx, None, d_topk, d13, d2, db13, db2, None, None
+    return dx, None, d_topk, d13, d2, db13, db2, None, None, None
 
 
 routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-                   activation="swiglu", swiglu_limit=None):
+                   activation="swiglu", swiglu_limit=None, backend="auto"):
     """y [T, H] = sum_j w_tj * expert_{ids_tj}(x_t), through the custom ops (differentiable)."""
+    backend = resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation)
     return routed_experts_fwd(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+        backend,
     )[0]

@@ -41,7 +41,7 @@ def test_matches_reference_bitwise_bf16():
 
 def test_opcheck():
     x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
-    torch.library.opcheck(ops.routed_experts_fwd, (x, ids, wt, w13, w2, b13, b2, "swiglu", None))
+    torch.library.opcheck(ops.routed_experts_fwd, (x, ids, wt, w13, w2, b13, b2, "swiglu", None, "reference"))
 
 
 def test_torch_compile_fullgraph():
@@ -57,3 +57,12 @@ def test_torch_compile_fullgraph():
     assert torch.equal(y, y_eager)
     for got, t in zip(grads, (x, wt, w13)):
         assert torch.equal(got, t.grad)
+
+
+def test_backend_choice():
+    x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
+    assert ops.resolve_backend("auto", x, ids, w13, w2, "swiglu") == "reference"  # CPU input
+    with pytest.raises(RuntimeError, match="backend='cuda' cannot run"):
+        ops.routed_experts(x, ids, wt, w13, w2, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.routed_experts(x, ids, wt, w13, w2, backend="triton")
