@@ -8,10 +8,25 @@ expert stay outside, in ordinary autograd.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import functional
 from .functional import ExpertParams, Workspace
+
+
+def _split_saved(saved):
+    """(tensors, rebuild): the tensor fields of a backend's saved-for-backward dataclass, and a
+    function that puts them back. The tensors go through ctx.save_for_backward, so saved-tensor
+    hooks (activation checkpointing, CPU offload) apply to the large expert activations."""
+    if not dataclasses.is_dataclass(saved):
+        return [], lambda tensors: saved
+    fields = [f.name for f in dataclasses.fields(saved)]
+    names = [n for n in fields if isinstance(getattr(saved, n), torch.Tensor)]
+    others = {n: getattr(saved, n) for n in fields if n not in names}
+    cls = type(saved)
+    return [getattr(saved, n) for n in names], lambda tensors: cls(**others, **dict(zip(names, tensors)))
 
 
 class MoKFunction(torch.autograd.Function):
@@ -27,17 +42,19 @@ class MoKFunction(torch.autograd.Function):
                 workspace: Workspace):
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
         schedule = functional.build_schedule(topk_ids, workspace)
-        y, ctx.saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
+        y, saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
+        saved_tensors, ctx.rebuild_saved = _split_saved(saved)
         ctx.workspace = workspace
-        ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias)
+        ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                              *saved_tensors)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias = ctx.saved_tensors
+        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *saved = ctx.saved_tensors
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
         dx, d_topk, grads = functional.backward(
-            grad_y.contiguous(), ctx.saved, x, topk_ids, topk_weights, params, ctx.workspace
+            grad_y.contiguous(), ctx.rebuild_saved(saved), x, topk_ids, topk_weights, params, ctx.workspace
         )
         return dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None

@@ -124,3 +124,33 @@ def test_layer_runs_experts_through_mokfunction():
         names.append(type(node).__name__)
         stack.extend(n for n, _ in node.next_functions)
     assert names.count("MoKFunctionBackward") == 1, names
+
+
+def test_expert_activations_saved_through_autograd_hooks():
+    """The expert rows and gate_up kept for backward are saved with ctx.save_for_backward,
+    so saved-tensor hooks (activation checkpointing, torch.autograd.graph.save_on_cpu) see
+    them; held as plain ctx attributes they would stay in memory under checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = make_layer(OPTS, dtype=torch.float32, seed=86)
+    x = random_x((T, H), torch.float32, 87)
+    dy = random_x((T, H), torch.float32, 88)
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.clone().requires_grad_(True))
+    assert (T * K, 2 * I) in packed and (T * K, H) in packed, packed
+
+    # Checkpointed: the same bits as without.
+    y0, g0 = layer_forward_backward(layer, x, dy)
+    xc = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = checkpoint(layer, xc, use_reentrant=False)
+    (y * dy).sum().backward()
+    assert torch.equal(y.detach(), y0) and torch.equal(xc.grad, g0["x"])
+    for name, p in layer.named_parameters():
+        assert torch.equal(p.grad, g0[name]), name
