@@ -263,7 +263,9 @@ def _commit():
     if c:
         return c
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        here = pathlib.Path(__file__).resolve().parent  # mok_nn's checkout, not the working directory's
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
     except Exception:
         return "unknown"
 

@@ -34,3 +34,17 @@ def test_baseline_matches_fp64_oracle():
             ref[t] += p["w"][t, j].double() * (W2[e] @ (torch.nn.functional.silu(g) * u))
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
+
+
+def test_commit_is_the_package_checkout_not_the_cwd(tmp_path, monkeypatch):
+    """The recorded commit is mok_nn's, wherever the benchmark is started from."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(bench.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("mok_nn is not in a git checkout")
+    monkeypatch.delenv("MOK_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    assert bench._commit() == head.stdout.strip()
