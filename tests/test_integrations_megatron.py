@@ -307,3 +307,19 @@ def test_choose_backend():
         mg.choose_backend("cuda", x, ids, gu, dn, "swiglu")
     with pytest.raises(ValueError, match="mok_backend must be"):
         mg.choose_backend("fast", x, ids, gu, dn, "swiglu")
+
+
+def test_choose_backend_falls_back_without_kernel_library(monkeypatch):
+    """Supported inputs but no loadable kernel library: "auto" falls back to the
+    reference path (as the layer and mok_nn.ops do), "cuda" raises naming the library."""
+    from mok_nn import cuda_backend
+
+    def no_library():
+        raise OSError("no kernel library here")
+
+    monkeypatch.setattr(cuda_backend, "check_supported", lambda *args: None)
+    monkeypatch.setattr(cuda_backend, "_lib", no_library)
+    x = SimpleNamespace(is_cuda=True)  # stands for a CUDA tensor: only is_cuda is read here
+    assert mg.choose_backend("auto", x, None, None, None, "swiglu") == "reference"
+    with pytest.raises(RuntimeError, match="mok_backend='cuda'.*kernel library"):
+        mg.choose_backend("cuda", x, None, None, None, "swiglu")
