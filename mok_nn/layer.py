@@ -85,6 +85,10 @@ def _require(condition: bool, message: str, exc=ValueError) -> None:
         raise exc(message)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class MoKMoELayer(nn.Module):
     """Mixture-of-Experts block: router -> top-k routed SwiGLU experts (+ shared expert).
 
@@ -128,12 +132,14 @@ class MoKMoELayer(nn.Module):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
-            _require(isinstance(value, int) and value > 0, f"{name} must be a positive int, got {value!r}")
+            _require(_is_int(value) and value > 0, f"{name} must be a positive int, got {value!r}")
         _require(top_k <= num_experts, f"top_k ({top_k}) must be <= num_experts ({num_experts})")
         _require(score_func in routing.SCORE_FUNCS, f"score_func must be one of {routing.SCORE_FUNCS}, got {score_func!r}")
         _require(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         _require((n_group is None) == (topk_group is None), "n_group and topk_group must be given together")
         if n_group is not None:
+            _require(_is_int(n_group) and _is_int(topk_group),
+                     f"n_group ({n_group!r}) and topk_group ({topk_group!r}) must be ints")
             _require(n_group > 0 and num_experts % n_group == 0,
                      f"num_experts ({num_experts}) must be divisible by n_group ({n_group})")
             _require(0 < topk_group <= n_group, f"topk_group ({topk_group}) must be in [1, n_group={n_group}]")
@@ -145,14 +151,14 @@ class MoKMoELayer(nn.Module):
                  "shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
         _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
         _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
+        _require(isinstance(dtype, torch.dtype) and dtype.is_floating_point,
+                 f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if precision == "mxfp8":
             _require(hidden_size % 32 == 0 and intermediate_size % 32 == 0,
                      f"precision='mxfp8' needs hidden_size ({hidden_size}) and intermediate_size "
                      f"({intermediate_size}) to be multiples of the MX block size 32")
             _require(dtype in (torch.bfloat16, torch.float16, torch.float32),
                      f"precision='mxfp8' needs dtype bfloat16, float16 or float32, got {dtype}")
-        _require(isinstance(dtype, torch.dtype) and dtype.is_floating_point,
-                 f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         _require(config is None or isinstance(config, MoKConfig), "config must be a MoKConfig", TypeError)
         ep_size, ep_rank = group_size_and_rank(ep_group)
         _require(num_experts % ep_size == 0,
@@ -202,6 +208,14 @@ class MoKMoELayer(nn.Module):
         for bias in (self.experts.gate_up_proj_bias, self.experts.down_proj_bias):
             if bias is not None:
                 bias.zero_()
+
+    def __getstate__(self):
+        # router_logits / aux_loss of the last forward are non-leaf tensors holding its graph:
+        # a copy (copy.deepcopy, pickling) starts without them, as a fresh layer does.
+        state = self.__dict__.copy()
+        state["router_logits"] = None
+        state["aux_loss"] = None
+        return state
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

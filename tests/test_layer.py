@@ -391,3 +391,51 @@ def test_auto_backend_logs_fallback_once(caplog):
         layer(x)
     records = [r for r in caplog.records if r.name.startswith("mok_nn") and "reference" in r.getMessage()]
     assert len(records) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_deepcopy_and_pickle_after_a_training_forward():
+    """router_logits / aux_loss of the last forward carry an autograd graph; copying the
+    module (EMA models, copy.deepcopy of a model) must still work, and the copy does not
+    carry the original's last-forward tensors."""
+    import copy
+    import io
+
+    layer = make_layer({**ROUTINGS["softmax_norm"], **ACTIVATIONS["swiglu"]}, dtype=torch.float32, seed=130,
+                       aux_loss_coef=0.01)
+    x = random_x((T, H), torch.float32, 131).requires_grad_(True)
+    layer(x)
+    assert layer.router_logits.grad_fn is not None and layer.aux_loss.grad_fn is not None
+    twin = copy.deepcopy(layer)
+    assert twin.router_logits is None and twin.aux_loss is None
+    assert layer.router_logits is not None and layer.aux_loss is not None
+    x2 = random_x((T, H), torch.float32, 132)
+    assert torch.equal(twin(x2), layer(x2))
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.router_logits is None
+    assert torch.equal(loaded(x2), layer(x2))
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(n_group=4.0, topk_group=2), "n_group"),
+    (dict(n_group=4, topk_group=1.5), "topk_group"),
+    (dict(top_k=True), "top_k"),
+])
+def test_non_int_sizes_rejected_at_construction(kw, word):
+    from mok_nn import MoKMoELayer
+
+    args = dict(hidden_size=H, intermediate_size=8, num_experts=E, top_k=2, backend="reference",
+                dtype=torch.float32)
+    args.update(kw)
+    with pytest.raises((TypeError, ValueError), match=word):
+        MoKMoELayer(**args)
+
+
+def test_mxfp8_with_a_non_dtype_names_the_dtype_problem():
+    from mok_nn import MoKMoELayer
+
+    with pytest.raises(ValueError, match="torch.dtype"):
+        MoKMoELayer(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2, precision="mxfp8",
+                    dtype="bfloat16")
