@@ -154,3 +154,23 @@ def test_expert_activations_saved_through_autograd_hooks():
     assert torch.equal(y.detach(), y0) and torch.equal(xc.grad, g0["x"])
     for name, p in layer.named_parameters():
         assert torch.equal(p.grad, g0[name]), name
+
+
+def test_workspace_key_group_stays_alive():
+    """The cache is keyed on id(ep_group): safe only because the workspace keeps its group
+    alive, so the id cannot be handed to another group while the entry exists."""
+    import gc
+    import weakref
+
+    from mok_nn import functional
+
+    class Group:  # any object: the reference backend reads the group only when it exchanges rows
+        pass
+
+    group = Group()
+    ref = weakref.ref(group)
+    ws = _workspace(torch.float32, ep_group=group)
+    assert ws.ep_group is group
+    del group, ws
+    gc.collect()
+    assert ref() is not None
