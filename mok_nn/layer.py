@@ -163,6 +163,10 @@ class MoKMoELayer(nn.Module):
         ep_size, ep_rank = group_size_and_rank(ep_group)
         _require(num_experts % ep_size == 0,
                  f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep_size})")
+        cfg = config if config is not None else MoKConfig()
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            _require(ep_size == 1 or getattr(cfg, name) > 0,
+                     f"MoKConfig.{name}=0 is allowed only without expert parallelism (ep_group has {ep_size} ranks)")
 
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -178,7 +182,7 @@ class MoKMoELayer(nn.Module):
         self.ep_group = ep_group
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.num_local_experts = num_experts // ep_size
-        self.config = config if config is not None else MoKConfig()
+        self.config = cfg
         self.precision = precision
         self.backend = backend
         self.aux_loss_coef = float(aux_loss_coef)

@@ -158,3 +158,18 @@ def test_default_config_is_valid():
     from mok_nn import MoKConfig
 
     MoKConfig()
+
+
+@pytest.mark.parametrize("field", ["fwd_num_comm_sms", "bwd_num_comm_sms"])
+def test_zero_comm_sms_only_without_expert_parallelism(field, monkeypatch):
+    """MoKConfig: 0 communication SMs is allowed only without expert parallelism."""
+    import mok_nn.layer
+    from mok_nn import MoKConfig, MoKMoELayer
+
+    kw = dict(hidden_size=H, intermediate_size=8, num_experts=4, top_k=2, backend="reference", dtype=torch.float32)
+    MoKMoELayer(**kw, config=MoKConfig(**{field: 0}))  # EP = 1: fine
+    # a stand-in group of size 2 (only its size and this rank are read at construction)
+    monkeypatch.setattr(mok_nn.layer, "group_size_and_rank", lambda g: (1, 0) if g is None else (2, 0))
+    MoKMoELayer(**kw, ep_group=object())
+    with pytest.raises(ValueError, match=field):
+        MoKMoELayer(**kw, ep_group=object(), config=MoKConfig(**{field: 0}))
