@@ -48,6 +48,18 @@ def _hf_grads(model):
     return out
 
 
+def _assert_same_grads(orig, loss_o, model, loss_p):
+    """Backward of both losses; the patched model's gradients (original names) equal the original's."""
+    loss_o.backward()
+    loss_p.backward()
+    g_o = {n: p.grad for n, p in orig.named_parameters() if p.grad is not None}
+    g_p = _hf_grads(model)
+    # transformers 4.x leaves experts no token reached without a gradient: zero here
+    assert set(g_o) <= set(g_p) and all(not g_p[n].any() for n in set(g_p) - set(g_o))
+    for name in g_o:
+        torch.testing.assert_close(g_p[name], g_o[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_forward_backward_and_aux_loss_match(arch):
     orig = build(arch)
@@ -72,14 +84,7 @@ def test_forward_backward_and_aux_loss_match(arch):
         torch.testing.assert_close(out_p.aux_loss, out_o.aux_loss, rtol=RTOL, atol=ATOL)
 
     # the loss includes router_aux_loss_coef * aux_loss: router gradients check the aux path too
-    out_o.loss.backward()
-    out_p.loss.backward()
-    g_o = {n: p.grad for n, p in orig.named_parameters() if p.grad is not None}
-    g_p = _hf_grads(model)
-    # transformers 4.x leaves experts no token reached without a gradient: zero here
-    assert set(g_o) <= set(g_p) and all(not g_p[n].any() for n in set(g_p) - set(g_o))
-    for name in g_o:
-        torch.testing.assert_close(g_p[name], g_o[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_grads(orig, out_o.loss, model, out_p.loss)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
@@ -452,13 +457,7 @@ def test_gradient_checkpointing():
     out_o = orig(ids, labels=ids, output_router_logits=True)
     out_p = model(ids, labels=ids, output_router_logits=True)
     assert len(out_o.router_logits) == len(out_p.router_logits) == 2
-    out_o.loss.backward()
-    out_p.loss.backward()
-    g_o = {n: p.grad for n, p in orig.named_parameters() if p.grad is not None}
-    g_p = _hf_grads(model)
-    assert set(g_o) <= set(g_p) and all(not g_p[n].any() for n in set(g_p) - set(g_o))
-    for n in g_o:
-        torch.testing.assert_close(g_p[n], g_o[n], rtol=1e-4, atol=1e-6, msg=n)
+    _assert_same_grads(orig, out_o.loss, model, out_p.loss)
 
 
 def test_patch_hf_model_example_runs(capsys):
