@@ -8,12 +8,21 @@ expert stay outside, in ordinary autograd.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from . import functional
 from .functional import ExpertParams, Workspace
+
+
+def autocast_off(device_type: str):
+    """A context without autocast on device_type: mok_nn computes in its parameter dtype (fp32
+    accumulation) whatever the caller's autocast, as its explicit backward does."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _split_saved(saved):
@@ -41,8 +50,9 @@ class MoKFunction(torch.autograd.Function):
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
                 workspace: Workspace):
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
-        schedule = functional.build_schedule(topk_ids, workspace)
-        y, saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
+        with autocast_off(x.device.type):
+            schedule = functional.build_schedule(topk_ids, workspace)
+            y, saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
         saved_tensors, ctx.rebuild_saved = _split_saved(saved)
         ctx.workspace = workspace
         ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
@@ -54,7 +64,8 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *saved = ctx.saved_tensors
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
-        dx, d_topk, grads = functional.backward(
-            grad_y.contiguous(), ctx.rebuild_saved(saved), x, topk_ids, topk_weights, params, ctx.workspace
-        )
+        with autocast_off(grad_y.device.type):  # a backward called inside an autocast region
+            dx, d_topk, grads = functional.backward(
+                grad_y.contiguous(), ctx.rebuild_saved(saved), x, topk_ids, topk_weights, params, ctx.workspace
+            )
         return dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None

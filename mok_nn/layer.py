@@ -16,7 +16,7 @@ from torch import nn
 
 from . import router as routing
 from . import functional
-from .autograd import MoKFunction
+from .autograd import MoKFunction, autocast_off
 from .config import MoKConfig
 from .distributed import group_size_and_rank
 from .reference import ACTIVATIONS, compute_dtype
@@ -274,13 +274,14 @@ class MoKMoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x2d = x.reshape(-1, self.hidden_size)
-        logits = self.router(x2d)
-        topk_ids, topk_weights, scores = routing.route(
-            logits, self.top_k, self.score_func, self.norm_topk_prob, self.n_group, self.topk_group,
-            self.routed_scaling_factor, self.router.e_score_correction_bias,
-        )
+        with autocast_off(x.device.type):  # fp32 logits and routing (ARCHITECTURE.md) under autocast too
+            logits = self.router(x2d)
+            topk_ids, topk_weights, scores = routing.route(
+                logits, self.top_k, self.score_func, self.norm_topk_prob, self.n_group, self.topk_group,
+                self.routed_scaling_factor, self.router.e_score_correction_bias,
+            )
+            self.aux_loss = self._aux_loss(logits, scores, topk_ids)
         self.router_logits = logits
-        self.aux_loss = self._aux_loss(logits, scores, topk_ids)
 
         workspace = functional.get_workspace(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_experts=self.num_experts,

@@ -439,3 +439,26 @@ def test_mxfp8_with_a_non_dtype_names_the_dtype_problem():
     with pytest.raises(ValueError, match="torch.dtype"):
         MoKMoELayer(hidden_size=64, intermediate_size=32, num_experts=4, top_k=2, precision="mxfp8",
                     dtype="bfloat16")
+
+
+def test_autocast_does_not_change_router_or_experts():
+    """Under autocast an fp32 layer still routes on fp32 logits and runs the routed experts in
+    its parameter dtype (the explicit backward is fp32: a bf16-autocast forward would not be
+    the function it differentiates). Bit for bit the result without autocast."""
+    opts = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["oai"]}
+    layer = make_layer(opts, dtype=torch.float32, seed=140)
+    x = random_x((T, H), torch.float32, 141)
+    dy = random_x((T, H), torch.float32, 142)
+    y0, g0 = layer_forward_backward(layer, x, dy)
+    logits0 = layer.router_logits.detach()
+    xa = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(xa)
+    (y * dy).sum().backward()  # outside the region, as the autocast docs recommend
+    g = {"x": xa.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    assert layer.router_logits.dtype == torch.float32
+    assert torch.equal(layer.router_logits, logits0)
+    assert torch.equal(y, y0)
+    for name in g0:
+        assert torch.equal(g[name], g0[name]), name
