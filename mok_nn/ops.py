@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .autograd import autocast_off
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -66,9 +67,10 @@ def routed_experts_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Returns (y [T, H], gate_up in the backend's row order, kept for backward)."""
     impl = _cuda() if backend == "cuda" else reference
-    y, saved = impl.experts_forward(
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
-    )
+    with autocast_off(x.device.type):  # the inputs' dtype, as the backward op computes
+        y, saved = impl.experts_forward(
+            x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+        )
     return y, saved.gate_up
 
 
@@ -98,10 +100,11 @@ def routed_experts_bwd(
     else:
         plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
         saved, impl = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up), reference
-    dx, d_topk, g = impl.experts_backward(
-        grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        activation, swiglu_limit,
-    )
+    with autocast_off(x.device.type):
+        dx, d_topk, g = impl.experts_backward(
+            grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+            activation, swiglu_limit,
+        )
     return dx, d_topk, g.gate_up_proj, g.down_proj, _or_empty(g.gate_up_bias, x), _or_empty(g.down_bias, x)
 
 

@@ -66,3 +66,20 @@ def test_backend_choice():
         ops.routed_experts(x, ids, wt, w13, w2, backend="cuda")
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.routed_experts(x, ids, wt, w13, w2, backend="triton")
+
+
+def test_autocast_does_not_change_the_ops():
+    """Under autocast the ops still compute in the inputs' dtype (as MoKFunction does)."""
+    x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
+    leaves = (x, wt, w13, w2, b13, b2)
+    y0 = ops.routed_experts(x, ids, wt, w13, w2, b13, b2)
+    y0.square().sum().backward()
+    g0 = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.routed_experts(x, ids, wt, w13, w2, b13, b2)
+    y.square().sum().backward()
+    assert torch.equal(y, y0)
+    for t, g in zip(leaves, g0):
+        assert torch.equal(t.grad, g)
