@@ -10,10 +10,15 @@ transformers format.  Runs on CPU in seconds:
 """
 
 import copy
+import sys
 import tempfile
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError:
+    sys.exit("patch_hf_model.py needs transformers: pip install transformers")
 
 from mok_nn.integrations.huggingface import MoKHFBlock, patch_model
 

@@ -96,7 +96,8 @@ def main(argv=None):
         src_bytes = _nbytes(src) + sum(_nbytes(source[name + s]) for s in ("_scale", "_scale_inv") if name + s in source)
         print(f"{name:60s} {str(tuple(q.shape)):>18s} {src_bytes:10d} {q.nbytes:10d} {errs}")
     before, after = _file_size(args.input), _file_size(args.output)
-    print(f"file size: {before} -> {after} bytes ({after / before:.3f}x); output: {args.output}")
+    kept = " (demo: deleted on exit)" if tmp is not None else ""
+    print(f"file size: {before} -> {after} bytes ({after / before:.3f}x); output: {args.output}{kept}")
     print(f"worst max |error| / max |weight| of a quantised tensor: {worst:.3e}")
     if tmp is not None:
         tmp.cleanup()
