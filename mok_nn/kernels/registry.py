@@ -77,6 +77,24 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
     )
 
 
+def _wgrad_spec(name: str, tile_n: int) -> KernelSpec:
+    # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
+    return KernelSpec(
+        name=name,
+        module="wgrad_gemm",
+        factory="VarlenKGroupedGemm",
+        factory_kwargs=(("tile_n", tile_n),),
+        args=(
+            TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
+            TensorArg("b", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
+            TensorArg("c", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(8, 8, 1)),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("group_m", "i32"),
+        ),
+    )
+
+
 def _combine_spec(name: str) -> KernelSpec:
     # out[t, h] = sum_j w[t, j] * rows[pos[t, j], h], j ascending, fp32.
     return KernelSpec(
@@ -177,6 +195,7 @@ SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
+    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N),  # weight gradients: rows^T @ rows per expert
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),
