@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M
+from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M, tile_n_of
+
+WGRAD_KERNEL = "mok_gemm_wgrad"  # variant of the weight-gradient GEMM (MOK_WGRAD_KERNEL overrides)
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
 
@@ -198,9 +200,11 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
     out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
-    group_m = 8 if (nb + GEMM_TILE_N - 1) // GEMM_TILE_N > 32 else 1
+    name = os.environ.get("MOK_WGRAD_KERNEL", WGRAD_KERNEL)
+    tile_n = tile_n_of(name)
+    group_m = int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or (8 if (nb + tile_n - 1) // tile_n > 32 else 1)
     _lib().launch(
-        "mok_gemm_wgrad", a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
+        name, a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
         sched.seg_end, counts, group_m, stream=_stream(),
     )  # fmt: skip
     return out

@@ -77,13 +77,13 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
     )
 
 
-def _wgrad_spec(name: str, tile_n: int) -> KernelSpec:
+def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int, prefetch_k: bool = False) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
         factory="VarlenKGroupedGemm",
-        factory_kwargs=(("tile_n", tile_n),),
+        factory_kwargs=(("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages), ("prefetch_k", prefetch_k)),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
             TensorArg("b", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
@@ -195,7 +195,11 @@ SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
-    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N),  # weight gradients: rows^T @ rows per expert
+    # weight gradients: rows^T @ rows per expert; tile / epilogue variants (measured on H200)
+    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),
+    _wgrad_spec("mok_gemm_wgrad_n256e64", GEMM_TILE_N, 64, 2),
+    _wgrad_spec("mok_gemm_wgrad_n128e64", 128, 64, 2),
+    _wgrad_spec("mok_gemm_wgrad_n256e64p", GEMM_TILE_N, 64, 2, prefetch_k=True),
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),
@@ -204,6 +208,11 @@ SPECS = (
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
+WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm")
+
+
+def tile_n_of(name: str) -> int:
+    return dict(SPECS_BY_NAME[name].factory_kwargs)["tile_n"]
 
 
 def source_hash() -> str:

@@ -31,10 +31,17 @@ from .registry import TILE_M
 
 
 class VarlenKGroupedGemm:
-    """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major."""
+    """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major.
 
-    def __init__(self, tile_n: int = 256, num_sms: int = 132):
-        assert tile_n in (128, 256)
+    The epilogue stores (128, epi_n) sub-tiles through epi_stages shared-memory buffers.
+    prefetch_k: the consumers read the next tile's K range before the current
+    tile's mainloop, so its global-load latency is off the tile-to-tile path.
+    """
+
+    def __init__(
+        self, tile_n: int = 256, epi_n: int = 32, epi_stages: int = 4, prefetch_k: bool = False, num_sms: int = 132
+    ):
+        assert tile_n in (128, 256) and tile_n % epi_n == 0
         self.tile_mnk = (128, tile_n, 64)
         assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
         self.num_sms = num_sms
@@ -46,8 +53,9 @@ class VarlenKGroupedGemm:
         self.num_consumer_threads = self.num_consumer_wg * self.threads_per_wg
         self.producer_regs = 40
         self.consumer_regs = 232
-        self.epi_tile = (128, 32)
-        self.epi_stages = 4
+        self.epi_tile = (128, epi_n)
+        self.epi_stages = epi_stages
+        self.prefetch_k = prefetch_k
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
@@ -139,7 +147,7 @@ class VarlenKGroupedGemm:
     def _k_range(self, seg_end, seg_rows, expert):
         """(first K tile, number of K tiles) of an expert."""
         bk = self.tile_mnk[2]
-        prev = seg_end[cutlass.max(expert - 1, 0)]
+        prev = seg_end[cutlass.max(expert - 1, 0)]  # in bounds for every expert >= 0
         start = cutlass.select_(expert > 0, prev, cutlass.Int32(0))
         return start // bk, (seg_rows[expert] + (bk - 1)) // bk
 
@@ -261,12 +269,28 @@ class VarlenKGroupedGemm:
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
             )
             work = sched.initial_work_tile_info()
+            # peek runs one tile ahead of sched (same static order) for prefetch_k.
+            peek = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+            )
+            peek.advance_to_next_work()
+            _, _, expert0 = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            _, next_k_tiles = self._k_range(seg_end, seg_rows, expert0)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                _, k_tiles = self._k_range(seg_end, seg_rows, expert)
+                k_tiles = next_k_tiles
+                if cutlass.const_expr(self.prefetch_k):
+                    # Loads issued now, used after this tile: clamp to a valid expert, select 0 past the end.
+                    nxt = peek.get_current_work()
+                    _, _, e_next = self._tile_coord(nxt.tile_idx[0], tiles_m, tiles_n, group_m)
+                    e_next = cutlass.min(e_next, seg_rows.shape[0] - 1)
+                    _, k_next = self._k_range(seg_end, seg_rows, e_next)
+                    next_k_tiles = cutlass.select_(nxt.is_valid_tile, k_next, cutlass.Int32(0))
+                else:
+                    _, k_tiles = self._k_range(seg_end, seg_rows, expert)
                 acc.fill(0.0)
                 if k_tiles > 0:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -309,6 +333,7 @@ class VarlenKGroupedGemm:
                         store_pipe.producer_acquire()
                     epi_barrier.arrive_and_wait()
                 epi_count = epi_count + epi_tiles
+                peek.advance_to_next_work()
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from mok_nn.kernels import registry
+
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
 
@@ -109,8 +111,9 @@ WGRAD_CASES = [  # tokens, k, E, Na, Nb, routing
 ]
 
 
+@pytest.mark.parametrize("kernel", registry.WGRAD_KERNELS)
 @pytest.mark.parametrize("case", WGRAD_CASES)
-def test_weight_grad_gemm(lib, case):
+def test_weight_grad_gemm(lib, case, kernel, monkeypatch):
     """mok_gemm_wgrad: per expert, A rows^T @ B rows over that expert's rows only."""
     from mok_nn import cuda_backend as cb
 
@@ -124,8 +127,9 @@ def test_weight_grad_gemm(lib, case):
     outs = []
     for _ in range(2):
         out = torch.full((E, Na, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
-        cb._lib().launch("mok_gemm_wgrad", a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
-                         sched.seg_end, counts, 8 if (Nb + 255) // 256 > 32 else 1,
+        tn = registry.tile_n_of(kernel)
+        cb._lib().launch(kernel, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
+                         sched.seg_end, counts, 8 if (Nb + tn - 1) // tn > 32 else 1,
                          stream=torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         outs.append(out)
@@ -144,6 +148,7 @@ def test_weight_grad_gemm(lib, case):
         err = rel_l2(got[e], want)
         assert err < BF16_TOL, (e, err)
     # the public helper returns the same bits
+    monkeypatch.setenv("MOK_WGRAD_KERNEL", kernel)
     assert torch.equal(cb.weight_grad(a, b, sched, counts), got)
 
 
