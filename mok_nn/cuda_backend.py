@@ -18,7 +18,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
 CuTe kernels (weight gradients included), MOK_WGRAD=torch for the weight
-gradients only, MOK_ACT=torch to run the activations with torch ops (debugging aids).
+gradients only (MOK_WGRAD_KERNEL=<registry name> picks a weight-gradient variant),
+MOK_ACT=torch to run the activations with torch ops (debugging aids).
 """
 
 from __future__ import annotations

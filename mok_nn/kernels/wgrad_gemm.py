@@ -34,13 +34,12 @@ class VarlenKGroupedGemm:
     """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major.
 
     The epilogue stores (128, epi_n) sub-tiles through epi_stages shared-memory buffers.
-    prefetch_k: the consumers read the next tile's K range before the current
-    tile's mainloop, so its global-load latency is off the tile-to-tile path.
+    Measured on H200 (docs/benchmarks/2026-11-30_h200_ep1_v10_wgrad_variants.txt):
+    (256, 32, 4) beats (256, 64, 2) and tile_n = 128, and reading the next tile's
+    K range ahead of time gave nothing; the registry keeps the winner only.
     """
 
-    def __init__(
-        self, tile_n: int = 256, epi_n: int = 32, epi_stages: int = 4, prefetch_k: bool = False, num_sms: int = 132
-    ):
+    def __init__(self, tile_n: int = 256, epi_n: int = 32, epi_stages: int = 4, num_sms: int = 132):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
         self.tile_mnk = (128, tile_n, 64)
         assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
@@ -55,7 +54,6 @@ class VarlenKGroupedGemm:
         self.consumer_regs = 232
         self.epi_tile = (128, epi_n)
         self.epi_stages = epi_stages
-        self.prefetch_k = prefetch_k
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
@@ -269,28 +267,12 @@ class VarlenKGroupedGemm:
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
             )
             work = sched.initial_work_tile_info()
-            # peek runs one tile ahead of sched (same static order) for prefetch_k.
-            peek = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-            )
-            peek.advance_to_next_work()
-            _, _, expert0 = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-            _, next_k_tiles = self._k_range(seg_end, seg_rows, expert0)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                k_tiles = next_k_tiles
-                if cutlass.const_expr(self.prefetch_k):
-                    # Loads issued now, used after this tile: clamp to a valid expert, select 0 past the end.
-                    nxt = peek.get_current_work()
-                    _, _, e_next = self._tile_coord(nxt.tile_idx[0], tiles_m, tiles_n, group_m)
-                    e_next = cutlass.min(e_next, seg_rows.shape[0] - 1)
-                    _, k_next = self._k_range(seg_end, seg_rows, e_next)
-                    next_k_tiles = cutlass.select_(nxt.is_valid_tile, k_next, cutlass.Int32(0))
-                else:
-                    _, k_tiles = self._k_range(seg_end, seg_rows, expert)
+                _, k_tiles = self._k_range(seg_end, seg_rows, expert)
                 acc.fill(0.0)
                 if k_tiles > 0:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -333,7 +315,6 @@ class VarlenKGroupedGemm:
                         store_pipe.producer_acquire()
                     epi_barrier.arrive_and_wait()
                 epi_count = epi_count + epi_tiles
-                peek.advance_to_next_work()
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
