@@ -342,7 +342,7 @@ def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate
     else:
         try:
             from mok_nn import cuda_backend
-            reason = cuda_backend.check_supported(x, topk_ids, gate_up, down, activation)
+            reason = cuda_backend.unavailable_reason(x, topk_ids, gate_up, down, activation)
         except (ImportError, AttributeError) as err:
             reason = f"the CUDA backend is unavailable ({err})"
     if reason is None:

@@ -360,12 +360,12 @@ def experts_backward(
 # entry points of the functional layer (mok_nn.functional, backend="cuda")
 
 
-def unsupported_reason(layer, x: torch.Tensor) -> str | None:
-    """None where the fused path runs this layer on x, else why not (backend="auto" logs it)."""
-    if not x.is_cuda:
-        return f"input is on {x.device.type}"
-    e = layer.experts
-    why = check_supported(x, torch.empty(0, dtype=torch.int64), e.gate_up_proj, e.down_proj, layer.activation)
+def unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation) -> str | None:
+    """None where the kernels can run these operands here (library loaded), else why not.
+
+    The one place that decides; the layer, mok_nn.ops and the integrations ask it.
+    """
+    why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         return why
     try:
@@ -373,6 +373,14 @@ def unsupported_reason(layer, x: torch.Tensor) -> str | None:
     except Exception as err:  # noqa: BLE001 - any load failure means: not available
         return f"kernel library unavailable: {err}"
     return None
+
+
+def unsupported_reason(layer, x: torch.Tensor) -> str | None:
+    """None where the fused path runs this layer on x, else why not (backend="auto" logs it)."""
+    if not x.is_cuda:
+        return f"input is on {x.device.type}"
+    e = layer.experts
+    return unavailable_reason(x, torch.empty(0, dtype=torch.int64), e.gate_up_proj, e.down_proj, layer.activation)
 
 
 def init_workspace(ws) -> None:
