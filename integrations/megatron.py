@@ -329,9 +329,8 @@ BACKENDS = ("auto", "reference", "cuda")
 
 def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str, ep_size: int = 1) -> str:
-    """'cuda' where mok_nn's fused kernels run these inputs (mok_nn.ops.resolve_backend: device,
-    dtype, shapes and a loadable kernel library), else 'reference'; requested='cuda' raises
-    instead of falling back."""
+    """'cuda' where mok_nn's fused kernels run these inputs, else 'reference';
+    requested='cuda' raises instead of falling back."""
     if requested not in BACKENDS:
         raise ValueError(f"mok_backend must be one of {BACKENDS}, got {requested!r}")
     if requested == "reference":
@@ -341,12 +340,13 @@ def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate
     elif ep_size > 1:
         reason = "expert parallelism runs on the reference path"
     else:
-        from mok_nn import ops
-
         try:
-            return ops.resolve_backend(requested, x, topk_ids, gate_up, down, activation)
-        except RuntimeError as err:  # requested == "cuda": say it in this integration's terms
-            raise RuntimeError(f"mok_backend='cuda' cannot run this layer: {err}") from None
+            from mok_nn import cuda_backend
+            reason = cuda_backend.unavailable_reason(x, topk_ids, gate_up, down, activation)
+        except (ImportError, AttributeError) as err:
+            reason = f"the CUDA backend is unavailable ({err})"
+    if reason is None:
+        return "cuda"
     if requested == "cuda":
         raise RuntimeError(f"mok_backend='cuda' cannot run this layer: {reason}")
     return "reference"

@@ -13,11 +13,13 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
-  weight grads    torch._grouped_mm over the padded expert segments (varlen K)
+  weight grads    mok_gemm_wgrad (varlen-K grouped GEMM over each expert's rows)
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
-CuTe kernels, MOK_ACT=torch to run the activations with torch ops (debugging aids).
+CuTe kernels (weight gradients included), MOK_WGRAD=torch for the weight
+gradients only (MOK_WGRAD_KERNEL=<registry name> picks a weight-gradient variant),
+MOK_ACT=torch to run the activations with torch ops (debugging aids).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M
+from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M, tile_n_of
+
+WGRAD_KERNEL = "mok_gemm_wgrad"  # variant of the weight-gradient GEMM (MOK_WGRAD_KERNEL overrides)
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
 
@@ -130,6 +134,10 @@ def _use_torch_gemm() -> bool:
     return os.environ.get("MOK_GEMM", "") == "torch"
 
 
+def _use_torch_wgrad() -> bool:
+    return _use_torch_gemm() or os.environ.get("MOK_WGRAD", "") == "torch"
+
+
 def _use_torch_act() -> bool:
     return os.environ.get("MOK_ACT", "") == "torch"
 
@@ -174,6 +182,33 @@ def launch_gemm(name: str, a, b, out, tile_expert) -> None:
     # Measured on H200: column tiles fastest unless N spans many tiles (mixtral's gate/up).
     group_m = 8 if tiles_n > 32 else 1
     _lib().launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), tile_expert, group_m, stream=_stream())
+
+
+def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32: routed rows per expert (integer adds: order-free, exact)."""
+    flat = topk_ids.reshape(-1)
+    ones = torch.ones_like(flat, dtype=torch.int32)
+    return torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(0, flat, ones)
+
+
+def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, counts: torch.Tensor) -> torch.Tensor:
+    """[E, Na, Nb] bf16: per expert e, a_rows[seg e]^T @ b_rows[seg e] (fp32 accumulation, rows ascending).
+
+    a_rows [M_cap, Na], b_rows [M_cap, Nb] in schedule order with zero padding rows;
+    counts [E] int32 real rows per expert (the kernel stops at the K tile holding the last one).
+    """
+    if _use_torch_wgrad():
+        return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
+    na, nb = a_rows.shape[1], b_rows.shape[1]
+    out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
+    name = os.environ.get("MOK_WGRAD_KERNEL", WGRAD_KERNEL)
+    tile_n = tile_n_of(name)
+    group_m = int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or (8 if (nb + tile_n - 1) // tile_n > 32 else 1)
+    _lib().launch(
+        name, a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
+        sched.seg_end, counts, group_m, stream=_stream(),
+    )  # fmt: skip
+    return out
 
 
 def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dtype) -> torch.Tensor:
@@ -310,8 +345,9 @@ def experts_backward(
 
     x_rows = saved.x_rows
     wdt = gate_up_proj.dtype
-    d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)
-    d_gate_up = torch._grouped_mm(dgu.t(), x_rows, offs=sched.seg_end).to(wdt)
+    counts = expert_row_counts(topk_ids, sched.num_experts)
+    d_down = weight_grad(dy_rows, wh, sched, counts).to(wdt)
+    d_gate_up = weight_grad(dgu, x_rows, sched, counts).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
@@ -324,12 +360,12 @@ def experts_backward(
 # entry points of the functional layer (mok_nn.functional, backend="cuda")
 
 
-def unsupported_reason(layer, x: torch.Tensor) -> str | None:
-    """None where the fused path runs this layer on x, else why not (backend="auto" logs it)."""
-    if not x.is_cuda:
-        return f"input is on {x.device.type}"
-    e = layer.experts
-    why = check_supported(x, torch.empty(0, dtype=torch.int64), e.gate_up_proj, e.down_proj, layer.activation)
+def unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation) -> str | None:
+    """None where the kernels can run these operands here (library loaded), else why not.
+
+    The one place that decides; the layer, mok_nn.ops and the integrations ask it.
+    """
+    why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         return why
     try:
@@ -337,6 +373,14 @@ def unsupported_reason(layer, x: torch.Tensor) -> str | None:
     except Exception as err:  # noqa: BLE001 - any load failure means: not available
         return f"kernel library unavailable: {err}"
     return None
+
+
+def unsupported_reason(layer, x: torch.Tensor) -> str | None:
+    """None where the fused path runs this layer on x, else why not (backend="auto" logs it)."""
+    if not x.is_cuda:
+        return f"input is on {x.device.type}"
+    e = layer.experts
+    return unavailable_reason(x, torch.empty(0, dtype=torch.int64), e.gate_up_proj, e.down_proj, layer.activation)
 
 
 def init_workspace(ws) -> None:

@@ -39,12 +39,7 @@ def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation) -
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return backend
-    why = _cuda().check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
-    if why is None:
-        try:
-            _cuda()._lib()
-        except Exception as err:  # noqa: BLE001 - any load failure means: kernels unavailable
-            why = f"kernel library unavailable: {err}"
+    why = _cuda().unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is None:
         return "cuda"
     if backend == "cuda":

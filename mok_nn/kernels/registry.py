@@ -77,6 +77,24 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
     )
 
 
+def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int) -> KernelSpec:
+    # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
+    return KernelSpec(
+        name=name,
+        module="wgrad_gemm",
+        factory="VarlenKGroupedGemm",
+        factory_kwargs=(("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages)),
+        args=(
+            TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
+            TensorArg("b", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
+            TensorArg("c", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(8, 8, 1)),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("group_m", "i32"),
+        ),
+    )
+
+
 def _combine_spec(name: str) -> KernelSpec:
     # out[t, h] = sum_j w[t, j] * rows[pos[t, j], h], j ascending, fp32.
     return KernelSpec(
@@ -177,6 +195,9 @@ SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
+    # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
+    # tests/gpu/bench_wgrad.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
+    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),
@@ -185,6 +206,11 @@ SPECS = (
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
+WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm")
+
+
+def tile_n_of(name: str) -> int:
+    return dict(SPECS_BY_NAME[name].factory_kwargs)["tile_n"]
 
 
 def source_hash() -> str:

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from mok_nn.kernels import registry
+
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
 
@@ -98,6 +100,56 @@ def test_grouped_gemm(lib, case, transpose_w, out_dtype, group_m):
     seg_rows[:used] = True
     seg_rows[pos] = False
     assert torch.all(outs[0][seg_rows] == 0)
+
+
+WGRAD_CASES = [  # tokens, k, E, Na, Nb, routing
+    (256, 2, 8, 512, 256, "random"),
+    (1, 1, 4, 256, 128, "random"),
+    (333, 2, 8, 200, 1000, "skew"),  # Na, Nb not multiples of the tile; experts without rows
+    (300, 1, 3, 136, 72, "one_expert"),  # one expert over several K tiles, two empty ones
+    (700, 4, 16, 384, 8448, "random"),  # Nb spans > 32 column tiles: banded raster
+]
+
+
+@pytest.mark.parametrize("kernel", registry.WGRAD_KERNELS)
+@pytest.mark.parametrize("case", WGRAD_CASES)
+def test_weight_grad_gemm(lib, case, kernel, monkeypatch):
+    """mok_gemm_wgrad: per expert, A rows^T @ B rows over that expert's rows only."""
+    from mok_nn import cuda_backend as cb
+
+    T, k, E, Na, Nb, mode = case
+    ids, _ = _routing(T, k, E, mode, seed=3 * T + Na)
+    sched = cb.make_schedule(ids, E)
+    a = cb.gather_rows(torch.randn(T, Na, device="cuda", dtype=torch.bfloat16), sched)
+    b = cb.gather_rows(torch.randn(T, Nb, device="cuda", dtype=torch.bfloat16), sched)
+    counts = cb.expert_row_counts(ids, E)
+    assert torch.equal(counts.long(), torch.bincount(ids.reshape(-1), minlength=E))
+    outs = []
+    for _ in range(2):
+        out = torch.full((E, Na, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tn = registry.tile_n_of(kernel)
+        cb._lib().launch(kernel, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
+                         sched.seg_end, counts, 8 if (Nb + tn - 1) // tn > 32 else 1,
+                         stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), "not bitwise reproducible"
+    got = outs[0]
+    assert not torch.isnan(got).any(), "outputs left unwritten"
+    # oracle: per expert, its routed rows only (fp64), from the slot order, not the schedule
+    pos = sched.pos.reshape(-1)
+    flat = ids.reshape(-1)
+    for e in range(E):
+        rows = pos[flat == e]
+        want = a[rows].double().t() @ b[rows].double()
+        if rows.numel() == 0:
+            assert torch.all(got[e] == 0), f"expert {e} without rows: nonzero gradient"
+            continue
+        err = rel_l2(got[e], want)
+        assert err < BF16_TOL, (e, err)
+    # the public helper returns the same bits
+    monkeypatch.setenv("MOK_WGRAD_KERNEL", kernel)
+    assert torch.equal(cb.weight_grad(a, b, sched, counts), got)
 
 
 @pytest.mark.parametrize("T,k,H", [(1, 1, 8), (513, 8, 2048), (64, 2, 7168)])

@@ -6,24 +6,10 @@ import torch
 
 from mok_nn import MoKMoELayer
 
+from layer_runs import GRAD_NAMES, rel_err as _rel, run_layer as _run
+
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _run(layer, x, dy):
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    y = layer(x)
-    y.backward(dy)
-    e = layer.experts
-    out = [y.detach(), x.grad, e.gate_up_proj.grad, e.down_proj.grad, layer.router.weight.grad]
-    if e.gate_up_proj_bias is not None:
-        out += [e.gate_up_proj_bias.grad, e.down_proj_bias.grad]
-    return out
 
 
 @pytest.mark.parametrize("opts", [
@@ -46,8 +32,7 @@ def test_cuda_layer_matches_reference_and_repeats(opts, T):
     for a, b in zip(got, again):
         assert torch.equal(a, b), "CUDA path must be bitwise reproducible"
     want = _run(ref, x, dy)
-    names = ("y", "dx", "dW13", "dW2", "dWr", "db13", "db2")
-    for name, a, b in zip(names, got, want):
+    for name, a, b in zip(GRAD_NAMES, got, want):
         assert not torch.isnan(a).any(), name
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
 

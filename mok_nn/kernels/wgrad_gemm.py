@@ -1,0 +1,320 @@
+"""Varlen-K grouped GEMM for the weight gradients (Hopper, sm_90a): persistent, TMA + wgmma.
+
+    C[m, n, e] = sum_{r in rows of e} A[m, r] * B[n, r]
+
+A and B are the schedule-ordered rows read transposed (both M/N-major: the row
+index r is the reduction axis), e.g. d down_proj[e] = dy_rows[seg e]^T @ wh[seg e].
+Expert e reduces rows seg_start(e) .. seg_start(e) + seg_rows[e], rounded up to
+the K tile; seg_start(e) = seg_end[e - 1] is a multiple of TILE_M (the schedule
+pads every segment), so a K tile never straddles two experts, and the rows
+past seg_rows[e] inside the segment are padding (zero), so rounding up adds
+nothing. An expert without rows gets an all-zero output tile.
+
+Structure as in grouped_gemm.py: warp group 0 issues TMA loads into a ring of
+stages, warp groups 1 and 2 run wgmma (64 rows each) and store bf16 through
+shared memory with TMA. The tile space is (m tile, n tile, expert), expert
+slowest, so a wave of CTAs works on one or two experts whose rows stay in L2.
+One CTA reduces the whole K range of a tile in ascending order: bitwise
+reproducible.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import cuda.bindings.driver as cuda
+
+from .registry import TILE_M
+
+
+class VarlenKGroupedGemm:
+    """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major.
+
+    The epilogue stores (128, epi_n) sub-tiles through epi_stages shared-memory buffers.
+    Measured on H200 (docs/benchmarks/2026-11-30_h200_ep1_v10_wgrad_variants.txt):
+    (256, 32, 4) beats (256, 64, 2) and tile_n = 128, and reading the next tile's
+    K range ahead of time gave nothing; the registry keeps the winner only.
+    """
+
+    def __init__(self, tile_n: int = 256, epi_n: int = 32, epi_stages: int = 4, num_sms: int = 132):
+        assert tile_n in (128, 256) and tile_n % epi_n == 0
+        self.tile_mnk = (128, tile_n, 64)
+        assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
+        self.num_sms = num_sms
+        self.acc_dtype = cutlass.Float32
+        self.mma_atom_layout = (2, 1, 1)
+        self.num_consumer_wg = 2
+        self.threads_per_wg = 128
+        self.num_threads = (1 + self.num_consumer_wg) * self.threads_per_wg
+        self.num_consumer_threads = self.num_consumer_wg * self.threads_per_wg
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.epi_tile = (128, epi_n)
+        self.epi_stages = epi_stages
+        self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
+
+    def _stages(self, ab_dtype, c_dtype) -> int:
+        bm, bn, bk = self.tile_mnk
+        ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_stages
+        return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, R, 1) M-major
+        mB: cute.Tensor,  # (N, R, 1) N-major
+        mC: cute.Tensor,  # (M, N, E) N-major
+        seg_end: cute.Tensor,  # (E,) int32, end row of each expert's padded segment
+        seg_rows: cute.Tensor,  # (E,) int32, rows of each expert to reduce (<= its segment)
+        group_m: cutlass.Int32,  # row tiles per raster band inside an expert (1: column tiles fastest)
+        stream: cuda.CUstream,
+    ):
+        self.ab_dtype = mA.element_type
+        self.c_dtype = mC.element_type
+        self.a_layout = utils.LayoutEnum.from_tensor(mA)
+        self.b_layout = utils.LayoutEnum.from_tensor(mB)
+        self.c_layout = utils.LayoutEnum.from_tensor(mC)
+        if cutlass.const_expr(self.ab_dtype != mB.element_type):
+            raise TypeError("A and B must share a dtype")
+
+        bm, bn, bk = self.tile_mnk
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.mma_atom_layout,
+            tiler_mn=(64, bn),
+        )
+        self.ab_stages = self._stages(self.ab_dtype, self.c_dtype)
+        a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
+        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
+        c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stages)
+
+        tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem, (None, None, 0)), (bm, bk)
+        )
+        tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (bn, bk)
+        )
+        tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(c_smem, (None, None, 0)), self.epi_tile
+        )
+
+        gc = cute.zipped_divide(mC, tiler=(bm, bn))
+        tiles_m, tiles_n, num_experts = gc[(0, (None, None, None))].shape
+        sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n * num_experts, 1, 1), (1, 1, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, seg_end, seg_rows,
+            tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n), group_m,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            cluster=(1, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )  # fmt: skip
+
+    def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
+        """Linear tile index -> (m_tile, n_tile, expert): expert slowest, then bands of group_m row tiles."""
+        per_expert = tiles_m * tiles_n
+        expert = linear // per_expert
+        within = linear - expert * per_expert
+        band = within // (group_m * tiles_n)
+        first_m = band * group_m
+        rows_in_band = cutlass.min(tiles_m - first_m, group_m)
+        within = within - band * (group_m * tiles_n)
+        return first_m + within % rows_in_band, within // rows_in_band, expert
+
+    def _k_range(self, seg_end, seg_rows, expert):
+        """(first K tile, number of K tiles) of an expert."""
+        bk = self.tile_mnk[2]
+        prev = seg_end[cutlass.max(expert - 1, 0)]  # in bounds for every expert >= 0
+        start = cutlass.select_(expert > 0, prev, cutlass.Int32(0))
+        return start // bk, (seg_rows[expert] + (bk - 1)) // bk
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        c_smem: cute.ComposedLayout,
+        sched_params: utils.PersistentTileSchedulerParams,
+        tiles_m: cutlass.Int32,
+        tiles_n: cutlass.Int32,
+        group_m: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+
+        # (bM, bK, tilesM, tilesK, 1), (bN, bK, tilesN, tilesK, 1), (bM, bN, tilesM, tilesN, E)
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+
+        if wg_idx == 0:
+            # ---------------- producer: TMA loads ----------------
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+                )
+                work = sched.initial_work_tile_info()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                while work.is_valid_tile:
+                    m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+                    k_first, k_tiles = self._k_range(seg_end, seg_rows, expert)
+                    tAgA_t = tAgA[(None, m_tile, None, 0)]
+                    tBgB_t = tBgB[(None, n_tile, None, 0)]
+                    for k in range(k_tiles):
+                        ab_pipe.producer_acquire(state)
+                        bar = ab_pipe.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA_t[(None, k_first + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB_t[(None, k_first + k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        ab_pipe.producer_commit(state)
+                        state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
+                ab_pipe.producer_tail(state)
+        else:
+            # ---------------- consumers: wgmma + epilogue ----------------
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - self.threads_per_wg
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
+            c_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            )
+            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+            thr_r2s = r2s.get_slice(ctid)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_acc = r2s.retile(acc)
+            rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+            rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
+            rD_size = cute.size(rD)
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
+            )
+
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+            )
+            work = sched.initial_work_tile_info()
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            epi_count = cutlass.Int32(0)
+            while work.is_valid_tile:
+                m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+                _, k_tiles = self._k_range(seg_end, seg_rows, expert)
+                acc.fill(0.0)
+                if k_tiles > 0:
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    for k in range(k_tiles):
+                        ab_pipe.consumer_wait(read_state)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                        cute.nvgpu.warpgroup.commit_group()
+                        # Keep one wgmma batch in flight; release the stage before it.
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        if k > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+
+                gC_t = gC[(None, None, m_tile, n_tile, expert)]
+                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                )
+                epi_tiles = cute.size(gC_epi, mode=[1])
+                epi_shape = gC_epi.shape[1]
+                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                for e in cutlass.range_constexpr(epi_tiles):
+                    for v in cutlass.range_constexpr(rD_size):
+                        rD[v] = tRS_acc[e * rD_size + v]
+                    rD_out.store(rD.load().to(self.c_dtype))
+                    buf = (epi_count + e) % self.epi_stages
+                    cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_barrier.arrive_and_wait()
+                    if warp_idx == 4:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    epi_barrier.arrive_and_wait()
+                epi_count = epi_count + epi_tiles
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            store_pipe.producer_tail()
