@@ -19,6 +19,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import layer_runs
+from layer_runs import GRAD_NAMES
 from mok_nn import MoKConfig, MoKMoELayer, cuda_ep, functional
 
 RESULTS = []
@@ -48,16 +50,8 @@ def check(name, fn):
 
 
 def run_layer(layer, x, dy):
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    y = layer(x)
-    y.backward(dy)
-    e = layer.experts
-    out = {"y": y.detach(), "dx": x.grad, "dW13": e.gate_up_proj.grad, "dW2": e.down_proj.grad,
-           "dWr": layer.router.weight.grad}
-    if e.gate_up_proj_bias is not None:
-        out.update(db13=e.gate_up_proj_bias.grad, db2=e.down_proj_bias.grad)
-    return out
+    """{name: tensor} of layer_runs.run_layer (torchrun puts tests/gpu on sys.path)."""
+    return dict(zip(GRAD_NAMES, layer_runs.run_layer(layer, x, dy)))
 
 
 def shard(sd, rank, per):
