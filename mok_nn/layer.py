@@ -203,10 +203,13 @@ class MoKMoELayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal init scaled by 1/sqrt(fan_in); biases zero; deterministic under torch.manual_seed."""
+        """Normal init scaled by 1/sqrt(fan_in); biases (and the selection-bias buffer) zero;
+        deterministic under torch.manual_seed. Also what materialises a layer built on "meta"."""
         self.router.weight.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
         if self.router.bias is not None:
             self.router.bias.zero_()
+        if self.router.e_score_correction_bias is not None:
+            self.router.e_score_correction_bias.zero_()
         self.experts.gate_up_proj.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
         self.experts.down_proj.normal_(0.0, 1.0 / math.sqrt(self.intermediate_size))
         for bias in (self.experts.gate_up_proj_bias, self.experts.down_proj_bias):

@@ -462,3 +462,22 @@ def test_autocast_does_not_change_router_or_experts():
     assert torch.equal(y, y0)
     for name in g0:
         assert torch.equal(g[name], g0[name]), name
+
+
+def test_deferred_init_from_meta():
+    """Built on the meta device, materialised with to_empty (uninitialised memory) and
+    reset_parameters(): every parameter and the selection-bias buffer get their init, so
+    the layer equals one built directly under the same seed."""
+    from mok_nn import MoKMoELayer
+
+    kw = dict(hidden_size=12, intermediate_size=10, num_experts=8, top_k=2, use_expert_bias=True,
+              expert_proj_bias=True, router_bias=True, backend="reference", dtype=torch.float32)
+    torch.manual_seed(5)
+    direct = MoKMoELayer(**kw)
+    meta = MoKMoELayer(**kw, device="meta").to_empty(device="cpu")
+    for t in meta.state_dict().values():
+        t.fill_(float("nan"))  # what uninitialised memory may hold
+    torch.manual_seed(5)
+    meta.reset_parameters()
+    for name, t in direct.state_dict().items():
+        assert torch.equal(meta.state_dict()[name], t), name
