@@ -41,6 +41,21 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def _apply(self, fn, recurse=True):
+        # Module casts (.to(dtype), .half(), ...) move the selection bias but keep it fp32: in
+        # bf16 the small updates of aux-loss-free balancing would round away.
+        bias = self.e_score_correction_bias
+        if bias is None:
+            return super()._apply(fn, recurse)
+        del self._buffers["e_score_correction_bias"]
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            target = fn(bias[:0])  # what fn does to an fp32 tensor of this device
+            moved = fn(bias) if target.dtype == bias.dtype else bias.to(target.device)  # no rounding
+            self._buffers["e_score_correction_bias"] = moved
+        return self
+
     def forward(self, x2d: torch.Tensor) -> torch.Tensor:
         cdt = compute_dtype(x2d.dtype)
         logits = x2d.to(cdt) @ self.weight.to(cdt).T

@@ -481,3 +481,18 @@ def test_deferred_init_from_meta():
     meta.reset_parameters()
     for name, t in direct.state_dict().items():
         assert torch.equal(meta.state_dict()[name], t), name
+
+
+def test_selection_bias_stays_fp32_under_module_casts():
+    """layer.to(bf16) / .half() cast parameters but keep router.e_score_correction_bias fp32
+    (bit for bit): in bf16 the small updates of aux-loss-free balancing would round away."""
+    layer = make_layer(ROUTINGS["sigmoid_bias"], dtype=torch.float32, seed=150)
+    bias = layer.router.e_score_correction_bias.clone()
+    assert bias.dtype == torch.float32 and not torch.equal(bias, bias.bfloat16().float())
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.float64)):
+        cast(layer)
+        assert layer.router.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(layer.router.e_score_correction_bias, bias)
+    assert layer.router.weight.dtype == torch.float64
+    layer.to("meta")
+    assert layer.router.e_score_correction_bias.device.type == "meta"
