@@ -449,7 +449,7 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
     ``load_mxfp8_tensors``. The expert weights of the block under ``prefix`` (see
     ``expert_weights``) are dequantised into the layer's parameters; with ``ep_group`` of size P,
     rank r takes experts [r*E/P, (r+1)*E/P). Biases ``<prefix>experts.gate_up_proj_bias`` /
-    ``down_proj_bias`` are copied when the layer has them. The dequantised values are exact in
+    ``down_proj_bias`` are copied; the checkpoint must have them exactly when the layer does. The dequantised values are exact in
     bf16 / fp32, and MXFP8 requantisation of them ("rceil") gives back the same values, so a
     ``precision="mxfp8"`` layer computes its forward on exactly the checkpoint's weights.
     """
@@ -466,11 +466,20 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
         if tuple(t.shape) != want:
             raise CheckpointFormatError(
                 f"expert weight {prefix}experts.{name} has shape {tuple(t.shape)}, the layer needs {want}")
+    bias_names = ("gate_up_proj_bias", "down_proj_bias")
+    dropped = [f"{prefix}experts.{n}" for n in bias_names
+               if getattr(experts, n) is None and f"{prefix}experts.{n}" in tensors]
+    absent = [f"{prefix}experts.{n}" for n in bias_names
+              if getattr(experts, n) is not None and f"{prefix}experts.{n}" not in tensors]
+    if dropped:
+        raise CheckpointFormatError(f"the checkpoint has expert biases {dropped} but the layer has none "
+                                    "(build it with expert_proj_bias=True)")
+    if absent:
+        raise CheckpointFormatError(f"the layer has expert biases but the checkpoint lacks {absent}")
     start, stop = layer.ep_rank * e_local, (layer.ep_rank + 1) * e_local
     experts.gate_up_proj.copy_(_values(_slice0(gu, start, stop), experts.gate_up_proj.dtype))
     experts.down_proj.copy_(_values(_slice0(dn, start, stop), experts.down_proj.dtype))
-    for name in ("gate_up_proj_bias", "down_proj_bias"):
+    for name in bias_names:
         param = getattr(experts, name)
-        key = f"{prefix}experts.{name}"
-        if param is not None and key in tensors:
-            param.copy_(_values(_slice0(tensors[key], start, stop), param.dtype))
+        if param is not None:
+            param.copy_(_values(_slice0(tensors[f"{prefix}experts.{name}"], start, stop), param.dtype))

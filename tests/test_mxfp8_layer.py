@@ -225,3 +225,22 @@ def test_load_experts_takes_this_ranks_shard():
     checkpoint.load_experts_into_layer(fake, tensors)
     assert torch.equal(local.experts.gate_up_proj, fake_quantize(w13)[E:])
     assert torch.equal(local.experts.down_proj, fake_quantize(w2)[E:])
+
+
+def test_load_experts_biases_must_match_the_layer():
+    """Expert biases present in the checkpoint but not in the layer (they would be dropped),
+    or in the layer but not in the checkpoint (they would keep stale values): an error naming them."""
+    g = torch.Generator().manual_seed(7)
+    weights = checkpoint.quantize_expert_weights({
+        PREFIX + "experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g).bfloat16(),
+        PREFIX + "experts.down_proj": torch.randn(E, H, I, generator=g).bfloat16()})
+    biases = {PREFIX + "experts.gate_up_proj_bias": torch.randn(E, 2 * I, generator=g).bfloat16(),
+              PREFIX + "experts.down_proj_bias": torch.randn(E, H, generator=g).bfloat16()}
+    with pytest.raises(checkpoint.CheckpointFormatError, match="gate_up_proj_bias"):
+        checkpoint.load_experts_into_layer(_layer(0), {**weights, **biases}, PREFIX)
+    with_bias = MoKMoELayer(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, expert_proj_bias=True,
+                            backend="reference")
+    with pytest.raises(checkpoint.CheckpointFormatError, match="down_proj_bias"):
+        checkpoint.load_experts_into_layer(with_bias, weights, PREFIX)
+    checkpoint.load_experts_into_layer(with_bias, {**weights, **biases}, PREFIX)
+    assert torch.equal(with_bias.experts.down_proj_bias, biases[PREFIX + "experts.down_proj_bias"])
