@@ -20,9 +20,11 @@ from .functional import ExpertParams, Workspace
 def autocast_off(device_type: str):
     """A context without autocast on device_type: mok_nn computes in its parameter dtype (fp32
     accumulation) whatever the caller's autocast, as its explicit backward does."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (e.g. meta): nothing to turn off
+        enabled = False
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 def _split_saved(saved):
