@@ -140,8 +140,15 @@ routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
                    activation="swiglu", swiglu_limit=None, backend="auto"):
-    """y [T, H] = sum_j w_tj * expert_{ids_tj}(x_t), through the custom ops (differentiable)."""
-    backend = resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation)
+    """y [T, H] = sum_j w_tj * expert_{ids_tj}(x_t), through the custom ops (differentiable).
+
+    Under torch.compile(fullgraph=True) pass backend="cuda" or "reference": resolving "auto"
+    loads the kernel library, which Dynamo cannot trace (it graph-breaks there otherwise).
+    An explicit backend is not re-checked while compiling; the op raises at run time if the
+    kernels cannot run.
+    """
+    if not (torch.compiler.is_compiling() and backend in ("cuda", "reference")):
+        backend = resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation)
     return routed_experts_fwd(
         x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
         backend,
