@@ -329,14 +329,20 @@ def summary(records):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="mok_nn vs torch baseline, routed experts (EP = torchrun world size)")
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated; default: the three benchmark shapes on CUDA, 'tiny' on CPU")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank; default 8192 on CUDA, 64 on CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None, help="JSON file (default docs/benchmarks/<date>_<device>.json)")
     args = ap.parse_args(argv)
+    on_cuda = args.device == "cuda"
+    if args.shapes is None:  # the full shapes take hours on a CPU: there, only the harness is exercised
+        args.shapes = "qwen3-30b-a3b,mixtral-8x7b,deepseek-v3" if on_cuda else "tiny"
+    if args.tokens is None:
+        args.tokens = 8192 if on_cuda else 64
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:
         if s not in SHAPES:

@@ -91,7 +91,7 @@ def get_workspace(
     config = config if config is not None else MoKConfig()
     device = torch.device(device if device is not None else "cpu")
     # id(ep_group) cannot be reused by another group while the entry exists: the workspace holds
-    # the group. Entries live for the process (a workspace may hold GPU buffers of its group).
+    # the group. Entries live until release_workspaces() (a workspace may hold GPU buffers).
     key = (hidden_size, intermediate_size, num_experts, top_k, id(ep_group), str(device), dtype, backend,
            activation, swiglu_limit, config, precision)
     ws = _WORKSPACES.get(key)
@@ -102,6 +102,18 @@ def get_workspace(
             _cuda_backend().init_workspace(ws)
         _WORKSPACES[key] = ws
     return ws
+
+
+def release_workspaces(ep_group=None) -> int:
+    """Forget cached workspaces (those of ep_group only, when given); returns how many.
+
+    Call it before destroying a process group, or to free a workspace's buffers; the
+    next forward creates a fresh one.
+    """
+    keys = [k for k, ws in _WORKSPACES.items() if ep_group is None or ws.ep_group is ep_group]
+    for k in keys:
+        del _WORKSPACES[k]
+    return len(keys)
 
 
 def build_schedule(topk_ids: torch.Tensor, workspace: Workspace):

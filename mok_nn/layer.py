@@ -24,6 +24,9 @@ from .reference import ACTIVATIONS, compute_dtype
 logger = logging.getLogger("mok_nn")
 
 BACKENDS = ("auto", "reference", "cuda")
+
+# Fallback reasons already logged in this process: a 48-layer model says each reason once.
+_LOGGED_FALLBACKS: set[str] = set()
 PRECISIONS = ("bf16", "mxfp8")
 
 
@@ -213,7 +216,6 @@ class MoKMoELayer(nn.Module):
         )
         self.router_logits: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
-        self._fallback_logged: set[str] = set()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -266,8 +268,8 @@ class MoKMoELayer(nn.Module):
             return "cuda"
         if self.backend == "cuda":
             raise RuntimeError(f"backend='cuda' cannot run this layer: {reason}")
-        if reason not in self._fallback_logged:
-            self._fallback_logged.add(reason)
+        if reason not in _LOGGED_FALLBACKS:
+            _LOGGED_FALLBACKS.add(reason)
             level = logging.INFO if not x.is_cuda else logging.WARNING
             logger.log(level, "mok_nn: using the reference path: %s", reason)
         return "reference"

@@ -48,3 +48,13 @@ def test_commit_is_the_package_checkout_not_the_cwd(tmp_path, monkeypatch):
     monkeypatch.delenv("MOK_COMMIT", raising=False)
     monkeypatch.chdir(tmp_path)  # not a git repository
     assert bench._commit() == head.stdout.strip()
+
+
+def test_bench_cpu_defaults_to_the_tiny_shape(tmp_path):
+    """Without --shapes/--tokens a CPU run exercises the harness on the tiny shape, not the
+    full benchmark shapes (hours on a CPU)."""
+    out = tmp_path / "d.json"
+    bench.main(["--device", "cpu", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    recs = json.loads(out.read_text())
+    assert {r["shape"] for r in recs} == {"tiny"}
+    assert {r["tokens_per_rank"] for r in recs} == {64}

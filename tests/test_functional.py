@@ -174,3 +174,23 @@ def test_workspace_key_group_stays_alive():
     del group, ws
     gc.collect()
     assert ref() is not None
+
+
+def test_release_workspaces():
+    """Released workspaces are forgotten (a fresh one next time); others of other groups stay."""
+    from mok_nn import functional
+
+    ws = _workspace(torch.float32)
+    assert _workspace(torch.float32) is ws
+    group_marker = object()  # stands for another ep_group: only identity matters here
+    other = functional.Workspace(H, I, E, K, group_marker, torch.device("cpu"), torch.float32, "reference")
+    functional._WORKSPACES[("other",)] = other
+    try:
+        assert functional.release_workspaces(ep_group=None) >= 2
+        assert _workspace(torch.float32) is not ws
+        functional._WORKSPACES[("other",)] = other
+        assert functional.release_workspaces(ep_group=group_marker) == 1
+        assert ("other",) not in functional._WORKSPACES
+        assert any(w.ep_group is None for w in functional._WORKSPACES.values())
+    finally:
+        functional._WORKSPACES.pop(("other",), None)

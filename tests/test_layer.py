@@ -382,13 +382,19 @@ def test_init_is_seeded_and_not_degenerate():
         assert torch.isfinite(a[name]).all() and a[name].abs().max() > 0, name
 
 
-def test_auto_backend_logs_fallback_once(caplog):
-    """backend="auto" falls back to the reference path on CPU and says why, once."""
+def test_auto_backend_logs_fallback_once(caplog, monkeypatch):
+    """backend="auto" falls back to the reference path on CPU and says why, once per process
+    (not once per layer: a deep model would repeat it for every layer)."""
+    from mok_nn import layer as layer_module
+
+    monkeypatch.setattr(layer_module, "_LOGGED_FALLBACKS", set())
     layer = make_layer(ROUTINGS["softmax"], dtype=torch.float32, seed=120, backend="auto")
+    other = make_layer(ROUTINGS["softmax"], dtype=torch.float32, seed=122, backend="auto")
     x = random_x((T, H), torch.float32, 121)
     with caplog.at_level("DEBUG", logger="mok_nn"):
         layer(x)
         layer(x)
+        other(x)
     records = [r for r in caplog.records if r.name.startswith("mok_nn") and "reference" in r.getMessage()]
     assert len(records) == 1, [r.getMessage() for r in caplog.records]
 
