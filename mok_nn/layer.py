@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import router as routing
-from . import functional
+from . import functional, ops
 from .autograd import MoKFunction, autocast_off
 from .config import MoKConfig
 from .distributed import group_size_and_rank
@@ -268,7 +268,7 @@ class MoKMoELayer(nn.Module):
             return "cuda"
         if self.backend == "cuda":
             raise RuntimeError(f"backend='cuda' cannot run this layer: {reason}")
-        if reason not in _LOGGED_FALLBACKS:
+        if reason not in _LOGGED_FALLBACKS and not torch.compiler.is_compiling():  # Dynamo cannot trace logging
             _LOGGED_FALLBACKS.add(reason)
             level = logging.INFO if not x.is_cuda else logging.WARNING
             logger.log(level, "mok_nn: using the reference path: %s", reason)
@@ -303,16 +303,26 @@ class MoKMoELayer(nn.Module):
             self.aux_loss = self._aux_loss(logits, scores, topk_ids)
         self.router_logits = logits
 
-        workspace = functional.get_workspace(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_experts=self.num_experts,
-            top_k=self.top_k, ep_group=self.ep_group, device=x.device, dtype=x.dtype,
-            backend=self._choose_backend(x), activation=self.activation, swiglu_limit=self.swiglu_limit,
-            config=self.config, precision=self.precision,
-        )
+        backend = self._choose_backend(x)
         e = self.experts
-        y = MoKFunction.apply(
-            x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids, workspace
-        )
+        if torch.compiler.is_compiling() and self.ep_size == 1 and self.precision == "bf16":
+            # Under torch.compile the experts go through the custom ops, which Dynamo traces as
+            # opaque nodes (same formulas and bits as MoKFunction, tested).
+            y = ops.routed_experts(
+                x2d, topk_ids, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias,
+                self.activation, self.swiglu_limit, backend,
+            )
+        else:
+            workspace = functional.get_workspace(
+                hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                num_experts=self.num_experts, top_k=self.top_k, ep_group=self.ep_group, device=x.device,
+                dtype=x.dtype, backend=backend, activation=self.activation, swiglu_limit=self.swiglu_limit,
+                config=self.config, precision=self.precision,
+            )
+            y = MoKFunction.apply(
+                x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids,
+                workspace,
+            )
         if self.shared_expert is not None:
             shared = self.shared_expert(x2d)
             if self.shared_expert_gate is not None:

@@ -83,3 +83,33 @@ def test_autocast_does_not_change_the_ops():
     assert torch.equal(y, y0)
     for t, g in zip(leaves, g0):
         assert torch.equal(t.grad, g)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(aux_loss_coef=0.01, z_loss_coef=0.001),
+    dict(score_func="sigmoid", n_group=4, topk_group=2, use_expert_bias=True, shared_intermediate_size=16,
+         shared_expert_gate=True, expert_proj_bias=True, activation="swiglu_oai", swiglu_limit=3.0),
+])
+def test_layer_compiles_fullgraph_with_the_same_bits(opts):
+    """torch.compile(layer, fullgraph=True) traces the whole layer (experts as custom ops) and
+    gives the eager bits: output, aux loss and every gradient."""
+    from mok_nn import MoKMoELayer
+
+    torch.manual_seed(0)
+    layer = MoKMoELayer(32, 16, 8, 2, dtype=torch.float32, **opts)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = fn(xx)
+        loss = y.square().sum() + (layer.aux_loss if layer.aux_loss is not None else 0.0)
+        loss.backward()
+        aux = None if layer.aux_loss is None else layer.aux_loss.detach()
+        return [y.detach(), xx.grad, aux] + [p.grad.clone() for p in layer.parameters()]
+
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    eager = run(layer)
+    assert len(compiled) == len(eager)
+    for got, want in zip(compiled, eager):
+        assert (got is None and want is None) or torch.equal(got, want)
