@@ -20,9 +20,7 @@ import torch.distributed as dist
 from mok_nn import MoKMoELayer, functional, router
 from mok_nn.autograd import MoKFunction
 
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+from layer_runs import rel_err as _rel  # tests/gpu is sys.path[0] when run as a script
 
 
 def main():

@@ -12,21 +12,12 @@ import torch
 
 from mok_nn.kernels import registry
 
+from layer_runs import rel_err as rel_l2
+
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
 
 BF16_TOL = 1e-2  # relative L2 error allowed for bf16 operands / outputs
-
-
-def rel_l2(a, b):
-    """||a - b|| / ||b|| in fp64, in chunks along dim 0 (weight gradients can be large)."""
-    assert a.shape == b.shape, (a.shape, b.shape)
-    num = den = 0.0
-    for u, v in zip(a.reshape(a.shape[0], -1).split(16), b.reshape(b.shape[0], -1).split(16)):
-        u, v = u.double(), v.double()
-        num += (u - v).pow(2).sum().item()
-        den += v.pow(2).sum().item()
-    return (num / max(den, 1e-300)) ** 0.5
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import torch
 from mok_nn import MoKMoELayer
 from mok_nn.mxfp8 import dequantize, quantize
 
+from layer_runs import rel_err as _rel
+
 
 def _cases():
     g = torch.Generator().manual_seed(0)
@@ -31,10 +33,6 @@ def test_quantize_cuda_equals_cpu(mode, axis):
         assert torch.equal(c.data.view(torch.uint8), d.data.view(torch.uint8).cpu())
         torch.testing.assert_close(dequantize(d, torch.float32).cpu(), dequantize(c, torch.float32),
                                    rtol=0, atol=0, equal_nan=True)
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
