@@ -1,5 +1,5 @@
 """Diagnostic (not a test): run mok_gemm_bk on small dense problems and save inputs/outputs."""
-import os, sys, torch
+import os, torch
 from mok_nn.kernels import loader
 lib = loader.load("sm_90a")
 res = {}

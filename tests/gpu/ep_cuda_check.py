@@ -109,7 +109,7 @@ def case_vs_reference(name, H, I, E, K, T_by_rank, opts):
 
 
 def case_overflow():
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     H, I, E, K, T = 256, 128, 16, 2, 600
     cfg = MoKConfig(schedule_capacity_multiplier=1.0)
     torch.manual_seed(1)

@@ -1,7 +1,5 @@
 """Shared by the GPU tests: the error measure, and one forward+backward of a layer."""
 
-import torch
-
 GRAD_NAMES = ("y", "dx", "dW13", "dW2", "dWr", "db13", "db2")
 
 
