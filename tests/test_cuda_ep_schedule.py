@@ -128,6 +128,7 @@ def _worker(rank, world, port, q):
         q.put((rank, "no error"))
     except ValueError as err:
         q.put((rank, str(err)))
+    dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
     dist.destroy_process_group()
 
 
