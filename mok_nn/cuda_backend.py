@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M, tile_n_of
+from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M, WGRAD_KERNELS, tile_n_of
 
 WGRAD_KERNEL = "mok_gemm_wgrad"  # variant of the weight-gradient GEMM (MOK_WGRAD_KERNEL overrides)
 
@@ -202,6 +202,8 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     na, nb = a_rows.shape[1], b_rows.shape[1]
     out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
     name = os.environ.get("MOK_WGRAD_KERNEL", WGRAD_KERNEL)
+    if name not in WGRAD_KERNELS:
+        raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
     tile_n = tile_n_of(name)
     group_m = int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or (8 if (nb + tile_n - 1) // tile_n > 32 else 1)
     _lib().launch(

@@ -77,13 +77,15 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
     )
 
 
-def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int) -> KernelSpec:
+def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
+    # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
+    kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
         factory="VarlenKGroupedGemm",
-        factory_kwargs=(("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages)),
+        factory_kwargs=kwargs + ((("lazy_epilogue", True),) if lazy else ()),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
             TensorArg("b", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
@@ -198,6 +200,11 @@ SPECS = (
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
     # tests/gpu/bench_wgrad.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
     _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),
+    # Lazy epilogue (stores overlap the next tile's MMA), to be measured against the default:
+    _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),  # whole 128x256 tile buffered, 3 A/B stages
+    _wgrad_spec("mok_gemm_wgrad_defer64", GEMM_TILE_N, 64, 4, lazy=True),  # same 64 KB in 4 wider sub-tiles
+    _wgrad_spec("mok_gemm_wgrad_lazy4", GEMM_TILE_N, 32, 4, lazy=True),  # half a tile buffered, 4 A/B stages
+    _wgrad_spec("mok_gemm_wgrad_n128defer", 128, 32, 4, lazy=True),  # whole 128x128 tile buffered, 6 A/B stages
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),

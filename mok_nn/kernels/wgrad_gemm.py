@@ -36,11 +36,26 @@ class VarlenKGroupedGemm:
     The epilogue stores (128, epi_n) sub-tiles through epi_stages shared-memory buffers.
     Measured on H200 (docs/benchmarks/2026-11-30_h200_ep1_v10_wgrad_variants.txt):
     (256, 32, 4) beats (256, 64, 2) and tile_n = 128, and reading the next tile's
-    K range ahead of time gave nothing; the registry keeps the winner only.
+    K range ahead of time gave nothing.
+
+    lazy_epilogue: with K this short (4-5 K tiles per output tile at deepseek-v3)
+    the default epilogue, which waits for its own stores to free buffers before
+    the tile ends, makes a tile cost MMA + store. The lazy one leaves the stores
+    in flight when the next tile's MMA starts and waits for a buffer only right
+    before rewriting it; with epi_stages * epi_n == tile_n (the whole tile
+    buffered) that is one full mainloop later. The buffers come out of the A/B
+    ring (256-wide tiles: 4 stages -> 3). Same MMA, same K order, same rounding:
+    bitwise equal to the default epilogue.
     """
 
-    def __init__(self, tile_n: int = 256, epi_n: int = 32, epi_stages: int = 4, num_sms: int = 132):
+    def __init__(
+        self, tile_n: int = 256, epi_n: int = 32, epi_stages: int = 4, lazy_epilogue: bool = False, num_sms: int = 132
+    ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
+        # lazy: each buffer is waited for just before it is rewritten (see _epilogue_lazy);
+        # sub-tile e of every tile uses buffer e % epi_stages.
+        assert not lazy_epilogue or (epi_stages >= 2 and (tile_n // epi_n) % epi_stages == 0)
+        self.lazy_epilogue = lazy_epilogue
         self.tile_mnk = (128, tile_n, 64)
         assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
         self.num_sms = num_sms
@@ -301,20 +316,44 @@ class VarlenKGroupedGemm:
                 epi_tiles = cute.size(gC_epi, mode=[1])
                 epi_shape = gC_epi.shape[1]
                 epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                for e in cutlass.range_constexpr(epi_tiles):
-                    for v in cutlass.range_constexpr(rD_size):
-                        rD[v] = tRS_acc[e * rD_size + v]
-                    rD_out.store(rD.load().to(self.c_dtype))
-                    buf = (epi_count + e) % self.epi_stages
-                    cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_barrier.arrive_and_wait()
+                if cutlass.const_expr(self.lazy_epilogue):
+                    # Stores of this tile are left in flight while the next tile's MMA runs;
+                    # a buffer is waited for only right before it is rewritten. One bulk group
+                    # per sub-tile, so "buffer b is free" = all but the newest groups have read smem.
+                    nbuf = self.epi_stages
                     if warp_idx == 4:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                        store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
+                        cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)  # buffer 0's last store
                     epi_barrier.arrive_and_wait()
-                epi_count = epi_count + epi_tiles
+                    for e in cutlass.range_constexpr(epi_tiles):
+                        for v in cutlass.range_constexpr(rD_size):
+                            rD[v] = tRS_acc[e * rD_size + v]
+                        rD_out.store(rD.load().to(self.c_dtype))
+                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e % nbuf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        if cutlass.const_expr(e + 1 < epi_tiles):
+                            if warp_idx == 4:
+                                # buffer (e+1) % nbuf: its last store is older than the nbuf - 2
+                                # groups issued since (store e is not issued yet)
+                                cute.arch.cp_async_bulk_wait_group(nbuf - 2, read=True)
+                        epi_barrier.arrive_and_wait()
+                        if warp_idx == 4:
+                            cute.copy(tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                            cute.arch.cp_async_bulk_commit_group()
+                else:
+                    for e in cutlass.range_constexpr(epi_tiles):
+                        for v in cutlass.range_constexpr(rD_size):
+                            rD[v] = tRS_acc[e * rD_size + v]
+                        rD_out.store(rD.load().to(self.c_dtype))
+                        buf = (epi_count + e) % self.epi_stages
+                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_barrier.arrive_and_wait()
+                        if warp_idx == 4:
+                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                            store_pipe.producer_commit()
+                            store_pipe.producer_acquire()
+                        epi_barrier.arrive_and_wait()
+                    epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()

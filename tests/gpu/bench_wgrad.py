@@ -1,15 +1,21 @@
 """Diagnostic (not a test): the weight-gradient GEMM variants vs torch._grouped_mm, per benchmark shape.
 
-    python tests/gpu/bench_wgrad.py [--kernels a,b] [--best FILE]
+    python tests/gpu/bench_wgrad.py [--kernels a,b] [--shapes s,t] [--group-m 0,8] [--best FILE]
 
-Times d down_proj (dy_rows^T @ wh) and d gate_up_proj (dgu^T @ x_rows) on the
-bench's routing at 8192 tokens; TFLOP/s count routed rows only. Also times a
-plain fill of the largest output (write-bandwidth reference). With --best, the
-variant with the lowest total time over all shapes is written to FILE.
+Times d down_proj (dy_rows^T @ wh) and d gate_up_proj (dgu^T @ x_rows) on a
+random router's routing at 8192 tokens (median of --reps launches); TFLOP/s
+count routed rows only. Each variant's output (written into a NaN-poisoned
+buffer) is checked bitwise against the default variant (cuda_backend.WGRAD_KERNEL)
+and by relative L2 error against torch._grouped_mm. Also times a plain fill of
+the largest output (write-bandwidth reference). Writes bench_wgrad.json and
+bench_wgrad.txt to $OUT (default /tmp). Exit status 1 if a check fails.
 """
 
 import argparse
+import json
 import os
+import pathlib
+import sys
 
 import torch
 
@@ -17,17 +23,33 @@ from mok_nn import bench
 from mok_nn import cuda_backend as cb
 from mok_nn.kernels import registry
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from layer_runs import rel_err  # noqa: E402
 
-def timed(fn, reps=5):
+TOL = 1e-2  # relative L2 vs torch: two bf16 roundings of fp32 sums taken in different orders
+
+
+def median_ms(fn, reps):
     fn()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
+    times = []
     for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
         fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def launch_into(kernel, a, b, sched, counts, out):
+    """The variant's output written into `out` (poisoned by the caller), group_m as weight_grad picks it."""
+    tn = registry.tile_n_of(kernel)
+    group_m = 8 if (b.shape[1] + tn - 1) // tn > 32 else 1
+    cb._lib().launch(kernel, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
+                     sched.seg_end, counts, group_m, stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
+    return out
 
 
 def main():
@@ -35,9 +57,19 @@ def main():
     ap.add_argument("--best", default=None)
     ap.add_argument("--shapes", default="deepseek-v3,mixtral-8x7b,qwen3-30b-a3b")
     ap.add_argument("--kernels", default=",".join(registry.WGRAD_KERNELS), help="variants to time")
+    ap.add_argument("--group-m", default="0", help="MOK_WGRAD_GROUP_M values to time (0: weight_grad's choice)")
+    ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
-    totals = {}
+    kernels.sort(key=lambda k: k != cb.WGRAD_KERNEL)  # the default first: the others are compared with it
+    out_dir = pathlib.Path(os.environ.get("OUT", "/tmp"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines, records, totals, failures = [], [], {}, []
+
+    def say(line):
+        print(line, flush=True)
+        lines.append(line)
+
     for shape in args.shapes.split(","):
         hidden, inter, num_experts, top_k = bench.SHAPES[shape]
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -48,42 +80,70 @@ def main():
         counts = cb.expert_row_counts(ids, num_experts)
         rows = ids.numel()
         bf = torch.bfloat16
-        dy_rows = cb.gather_rows(torch.randn(8192, hidden, device="cuda", dtype=bf), sched)
-        x_rows = cb.gather_rows(torch.randn(8192, hidden, device="cuda", dtype=bf), sched)
-        wh = cb.gather_rows(torch.randn(8192, inter, device="cuda", dtype=bf), sched)
-        dgu = cb.gather_rows(torch.randn(8192, 2 * inter, device="cuda", dtype=bf), sched)
+        dy_rows = cb.gather_rows(torch.randn(8192, hidden, device="cuda", dtype=bf, generator=g), sched)
+        x_rows = cb.gather_rows(torch.randn(8192, hidden, device="cuda", dtype=bf, generator=g), sched)
+        wh = cb.gather_rows(torch.randn(8192, inter, device="cuda", dtype=bf, generator=g), sched)
+        dgu = cb.gather_rows(torch.randn(8192, 2 * inter, device="cuda", dtype=bf, generator=g), sched)
         del x, router
-        for name, a, b in (("down", dy_rows, wh), ("gate_up", dgu, x_rows)):
+        for gemm, a, b in (("down", dy_rows, wh), ("gate_up", dgu, x_rows)):
             flops = 2 * rows * a.shape[1] * b.shape[1]
             out_gb = num_experts * a.shape[1] * b.shape[1] * 2 / 1e9
-            t = timed(lambda: torch._grouped_mm(a.t(), b, offs=sched.seg_end))
-            print(f"{shape:<14} {name:<8} torch._grouped_mm          {t:8.3f} ms {flops / t / 1e9:6.1f} TF/s", flush=True)
-            totals.setdefault("torch", 0.0)
-            totals["torch"] += t
+            want = torch._grouped_mm(a.t(), b, offs=sched.seg_end)
+            t = median_ms(lambda: torch._grouped_mm(a.t(), b, offs=sched.seg_end), args.reps)
+            say(f"{shape:<14} {gemm:<8} {'torch._grouped_mm':<26}    {t:8.3f} ms {flops / t / 1e9:6.1f} TF/s")
+            records.append(dict(shape=shape, gemm=gemm, impl="torch._grouped_mm", group_m=None, ms=t,
+                                tflops=flops / t / 1e9, out_tbps=out_gb / t))  # fmt: skip
+            totals["torch"] = totals.get("torch", 0.0) + t
+            base = None
             for kernel in kernels:
+                got = torch.full_like(want, float("nan"))
+                launch_into(kernel, a, b, sched, counts, got)
+                torch.cuda.synchronize()
+                if kernel == cb.WGRAD_KERNEL:
+                    base, bitwise = got, True
+                else:
+                    bitwise = None if base is None else bool(torch.equal(got, base))
+                err = rel_err(got, want)
+                ok = bitwise is not False and err < TOL and not torch.isnan(got).any()
+                if not ok:
+                    failures.append(f"{shape} {gemm} {kernel}: bitwise={bitwise} rel_err={err:.2e}")
+                if got is not base:
+                    del got
                 os.environ["MOK_WGRAD_KERNEL"] = kernel
-                for gm in ("0", "8"):
+                for gm in args.group_m.split(","):
                     os.environ["MOK_WGRAD_GROUP_M"] = gm
-                    t = timed(lambda: cb.weight_grad(a, b, sched, counts))
-                    print(f"{shape:<14} {name:<8} {kernel:<24} g{gm} {t:8.3f} ms {flops / t / 1e9:6.1f} TF/s "
-                          f"{out_gb / t:6.2f} TB/s out", flush=True)
-                    if gm == "0":
+                    t = median_ms(lambda: cb.weight_grad(a, b, sched, counts), args.reps)
+                    say(f"{shape:<14} {gemm:<8} {kernel:<26} g{gm} {t:8.3f} ms {flops / t / 1e9:6.1f} TF/s "
+                        f"{out_gb / t:6.2f} TB/s out  bitwise={bitwise} err={err:.1e}{'' if ok else '  FAIL'}")
+                    records.append(dict(shape=shape, gemm=gemm, impl=kernel, group_m=int(gm), ms=t,
+                                        tflops=flops / t / 1e9, out_tbps=out_gb / t,
+                                        bitwise_vs_default=bitwise, rel_err_vs_torch=err))  # fmt: skip
+                    if gm == args.group_m.split(",")[0]:
                         totals[kernel] = totals.get(kernel, 0.0) + t
-            os.environ.pop("MOK_WGRAD_KERNEL")
-            os.environ.pop("MOK_WGRAD_GROUP_M")
+                os.environ.pop("MOK_WGRAD_KERNEL")
+                os.environ.pop("MOK_WGRAD_GROUP_M")
+            del base, want
+            torch.cuda.empty_cache()
         out = torch.empty(num_experts, 2 * inter, hidden, device="cuda", dtype=bf)
-        t = timed(lambda: out.fill_(1.0))
-        print(f"{shape:<14} fill of {out.numel() * 2 / 1e9:.1f} GB: {t:.3f} ms, {out.numel() * 2 / 1e9 / t:.2f} TB/s", flush=True)
+        t = median_ms(lambda: out.fill_(1.0), args.reps)
+        say(f"{shape:<14} fill of {out.numel() * 2 / 1e9:.1f} GB: {t:.3f} ms, {out.numel() * 2 / 1e9 / t:.2f} TB/s")
+        records.append(dict(shape=shape, gemm="fill", impl="fill_", ms=t, out_tbps=out.numel() * 2 / 1e9 / t))
         del out, dy_rows, x_rows, wh, dgu
         torch.cuda.empty_cache()
     for k, v in sorted(totals.items(), key=lambda kv: kv[1]):
-        print(f"total {k:<24} {v:8.3f} ms")
+        say(f"total {k:<26} {v:8.3f} ms")
     best = min((k for k in totals if k != "torch"), key=totals.get)
-    print(f"best variant: {best}")
+    say(f"best variant: {best}")
+    for f in failures:
+        say(f"FAIL {f}")
+    say("all checks passed" if not failures else f"{len(failures)} check(s) failed")
+    (out_dir / "bench_wgrad.json").write_text(json.dumps(records, indent=1))
+    (out_dir / "bench_wgrad.txt").write_text("\n".join(lines) + "\n")
     if args.best:
         with open(args.best, "w") as f:
             f.write(best)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -143,6 +143,51 @@ def test_weight_grad_gemm(lib, case, kernel, monkeypatch):
     assert torch.equal(cb.weight_grad(a, b, sched, counts), got)
 
 
+VARIANT_CASES = [  # rows per expert (top-1 routing, tokens shuffled), Na, Nb
+    ((0, 1, 64, 65, 0, 128, 129, 3), 200, 392),  # K tile edges, empty experts, partial M and N tiles
+    ((1, 64, 65, 0, 7, 130, 2, 64) * 2, 1024, 1536),  # ~4 output tiles per CTA, short K: buffers reused across tiles
+]
+
+
+@pytest.mark.parametrize("kernel", [k for k in registry.WGRAD_KERNELS if k != "mok_gemm_wgrad"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=["edges", "many_tiles"])
+def test_weight_grad_variant_equals_default(lib, case, kernel):
+    """Every wgrad variant keeps the K order and the one bf16 rounding: bitwise equal to mok_gemm_wgrad."""
+    from mok_nn import cuda_backend as cb
+
+    rows_per_expert, Na, Nb = case
+    E = len(rows_per_expert)
+    g = torch.Generator(device="cuda").manual_seed(E * Na + Nb)
+    ids = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(rows_per_expert, device="cuda"))
+    ids = ids[torch.randperm(ids.numel(), device="cuda", generator=g)].unsqueeze(1)
+    T = ids.shape[0]
+    sched = cb.make_schedule(ids, E)
+    counts = cb.expert_row_counts(ids, E)
+    a = cb.gather_rows(torch.randn(T, Na, device="cuda", dtype=torch.bfloat16, generator=g), sched)
+    b = cb.gather_rows(torch.randn(T, Nb, device="cuda", dtype=torch.bfloat16, generator=g), sched)
+    outs = {}
+    for name in ("mok_gemm_wgrad", kernel, kernel):
+        out = torch.full((E, Na, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tn = registry.tile_n_of(name)
+        cb._lib().launch(name, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
+                         sched.seg_end, counts, 8 if (Nb + tn - 1) // tn > 32 else 1,
+                         stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), f"{name}: outputs left unwritten"
+        if name in outs:
+            assert torch.equal(out, outs[name]), f"{name} not bitwise reproducible"
+        outs[name] = out
+    assert torch.equal(outs[kernel], outs["mok_gemm_wgrad"]), "differs from mok_gemm_wgrad"
+    pos = sched.pos.reshape(-1)
+    for e in range(E):
+        rows = pos[ids.reshape(-1) == e]
+        if rows.numel() == 0:
+            assert torch.all(outs[kernel][e] == 0), e
+            continue
+        want = a[rows].double().t() @ b[rows].double()
+        assert rel_l2(outs[kernel][e], want) < BF16_TOL, e
+
+
 @pytest.mark.parametrize("T,k,H", [(1, 1, 8), (513, 8, 2048), (64, 2, 7168)])
 def test_combine(lib, T, k, H):
     from mok_nn import cuda_backend as cb
