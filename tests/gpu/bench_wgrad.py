@@ -125,9 +125,10 @@ def main():
             del base, want
             torch.cuda.empty_cache()
         out = torch.empty(num_experts, 2 * inter, hidden, device="cuda", dtype=bf)
-        t = median_ms(lambda: out.fill_(1.0), args.reps)
-        say(f"{shape:<14} fill of {out.numel() * 2 / 1e9:.1f} GB: {t:.3f} ms, {out.numel() * 2 / 1e9 / t:.2f} TB/s")
-        records.append(dict(shape=shape, gemm="fill", impl="fill_", ms=t, out_tbps=out.numel() * 2 / 1e9 / t))
+        t = median_ms(lambda o=out: o.fill_(1.0), args.reps)
+        gb = out.numel() * 2 / 1e9
+        say(f"{shape:<14} fill of {gb:.1f} GB: {t:.3f} ms, {gb / t:.2f} TB/s")
+        records.append(dict(shape=shape, gemm="fill", impl="fill_", ms=t, out_tbps=gb / t))
         del out, dy_rows, x_rows, wh, dgu
         torch.cuda.empty_cache()
     for k, v in sorted(totals.items(), key=lambda kv: kv[1]):
