@@ -1,0 +1,45 @@
+"""Weight-gradient kernel variants: registry entries, selection by MOK_WGRAD_KERNEL, shared-memory budget (CPU)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from mok_nn import cuda_backend as cb
+from mok_nn.kernels import registry
+
+HAVE_DSL = importlib.util.find_spec("cutlass") is not None
+
+
+def test_default_variant_is_registered_and_unchanged():
+    assert cb.WGRAD_KERNEL == "mok_gemm_wgrad" and cb.WGRAD_KERNEL in registry.WGRAD_KERNELS
+    # the measured default keeps its constants (and so its PTX): no lazy-epilogue flag
+    assert dict(registry.SPECS_BY_NAME["mok_gemm_wgrad"].factory_kwargs) == {"tile_n": 256, "epi_n": 32, "epi_stages": 4}
+    assert len(registry.WGRAD_KERNELS) == len(set(registry.WGRAD_KERNELS))
+
+
+def test_unknown_variant_is_a_clear_error(monkeypatch):
+    ids = torch.tensor([[0], [1], [1]])
+    sched = cb.make_schedule_torch(ids, 2)
+    rows = torch.zeros(sched.capacity, 8, dtype=torch.bfloat16)
+    monkeypatch.delenv("MOK_WGRAD", raising=False)
+    monkeypatch.delenv("MOK_GEMM", raising=False)
+    monkeypatch.setenv("MOK_WGRAD_KERNEL", "mok_gemm_bk")  # a kernel, but not a weight-gradient one
+    with pytest.raises(ValueError, match="MOK_WGRAD_KERNEL"):
+        cb.weight_grad(rows, rows, sched, cb.expert_row_counts(ids, 2))
+
+
+@pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not installed")
+@pytest.mark.parametrize("name", registry.WGRAD_KERNELS)
+def test_shared_memory_budget(name):
+    """A/B stages left next to the epilogue buffers: at least 3, and everything fits in 227 KB."""
+    from mok_nn.kernels.wgrad_gemm import VarlenKGroupedGemm
+    import cutlass
+
+    gemm = VarlenKGroupedGemm(**dict(registry.SPECS_BY_NAME[name].factory_kwargs))
+    stages = gemm._stages(cutlass.BFloat16, cutlass.BFloat16)
+    bm, bn, bk = gemm.tile_mnk
+    used = 1024 + stages * (bm + bn) * bk * 2 + gemm.epi_tile[0] * gemm.epi_tile[1] * 2 * gemm.epi_stages
+    assert stages >= 3 and used <= gemm.smem_bytes
+    if gemm.lazy_epilogue and gemm.epi_tile[1] * gemm.epi_stages == bn:
+        assert stages == (3 if bn == 256 else 6)  # whole tile buffered
