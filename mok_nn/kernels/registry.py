@@ -77,15 +77,20 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
     )
 
 
-def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False) -> KernelSpec:
+def _wgrad_spec(
+    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, trim_k: bool = False
+) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
+    # trim_k: the last K tile of an expert skips the 16-row MMA blocks past its last real row.
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
+    kwargs += (("lazy_epilogue", True),) if lazy else ()
+    kwargs += (("trim_k", True),) if trim_k else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
         factory="VarlenKGroupedGemm",
-        factory_kwargs=kwargs + ((("lazy_epilogue", True),) if lazy else ()),
+        factory_kwargs=kwargs,
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
             TensorArg("b", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
@@ -205,6 +210,7 @@ SPECS = (
     _wgrad_spec("mok_gemm_wgrad_defer64", GEMM_TILE_N, 64, 4, lazy=True),  # same 64 KB in 4 wider sub-tiles
     _wgrad_spec("mok_gemm_wgrad_lazy4", GEMM_TILE_N, 32, 4, lazy=True),  # half a tile buffered, 4 A/B stages
     _wgrad_spec("mok_gemm_wgrad_n128defer", 128, 32, 4, lazy=True),  # whole 128x128 tile buffered, 6 A/B stages
+    _wgrad_spec("mok_gemm_wgrad_defer_trimk", GEMM_TILE_N, 32, 8, lazy=True, trim_k=True),  # + no MMA on padding rows
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule"),
     *_act_specs("swiglu"),
