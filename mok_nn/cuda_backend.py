@@ -4,7 +4,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
 (see reference.py for the math). What runs where:
 
   schedule        mok_schedule_mc (per-chunk counts, one scan CTA, placement over many CTAs;
-                  MOK_SCHEDULE=single: the one-CTA mok_schedule, =torch: torch ops); no host sync
+                  MOK_SCHEDULE=mc_pdl: overlapped launches, =single: the one-CTA mok_schedule,
+                  =torch: torch ops); no host sync
   gather of x     torch index_select into the padded expert order
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
   activation      mok_act_fwd_<act> (one pass over gate_up)
@@ -35,6 +36,9 @@ from .kernels.registry import (
 )  # fmt: skip
 
 WGRAD_KERNEL = "mok_gemm_wgrad"  # variant of the weight-gradient GEMM (MOK_WGRAD_KERNEL overrides)
+# MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
+SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
+                    "single": "mok_schedule"}
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
 
@@ -93,14 +97,17 @@ def schedule_chunk(num_slots: int) -> tuple[int, int]:
 def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
     """Count -> pad -> prefix sum on the device, no host sync.
 
-    On CUDA: mok_schedule_mc (multi-CTA), or with MOK_SCHEDULE=single the one-CTA
-    mok_schedule; both equal make_schedule_torch exactly. MOK_SCHEDULE=torch, CPU
-    tensors or more than SCHEDULE_MAX_EXPERTS experts: make_schedule_torch.
+    On CUDA: mok_schedule_mc (multi-CTA); MOK_SCHEDULE=mc_pdl: the same with
+    overlapping launches, =single: the one-CTA mok_schedule. All equal
+    make_schedule_torch exactly. MOK_SCHEDULE=torch, CPU tensors or more than
+    SCHEDULE_MAX_EXPERTS experts: make_schedule_torch.
     """
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     cap = schedule_capacity(num_tokens, top_k, num_experts)
     mode = os.environ.get("MOK_SCHEDULE", "")
+    if mode != "torch" and mode not in SCHEDULE_KERNELS:
+        raise ValueError(f"MOK_SCHEDULE={mode!r}: expected one of {sorted(SCHEDULE_KERNELS) + ['torch']}")
     if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and mode != "torch":
         n = num_tokens * top_k
         pos = torch.empty(n, dtype=torch.int64, device=dev)
@@ -110,12 +117,13 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
         seg_rows = torch.empty(num_experts, dtype=torch.int32, device=dev)
         ids = topk_ids.reshape(-1).contiguous()
         outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows)
-        if mode == "single":
-            _lib().launch("mok_schedule", *outs, top_k, stream=_stream())
+        name = SCHEDULE_KERNELS[mode]
+        if name == "mok_schedule":
+            _lib().launch(name, *outs, top_k, stream=_stream())
         else:
             chunk, chunks = schedule_chunk(n)
             scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
-            _lib().launch("mok_schedule_mc", *outs, scratch, top_k, chunk, stream=_stream())
+            _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
         return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows)
     return make_schedule_torch(topk_ids, num_experts)
 

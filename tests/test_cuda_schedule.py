@@ -54,3 +54,12 @@ def test_schedule_chunk_covers_slots(num_slots):
     chunk, chunks = schedule_chunk(num_slots)
     assert chunk % (SCHEDULE_MC_WARPS * 32) == 0 and 1 <= chunks <= SCHEDULE_MC_MAX_CHUNKS
     assert chunks * chunk >= num_slots and (chunks - 1) * chunk < max(num_slots, 1)
+
+
+def test_schedule_setting_checked(monkeypatch):
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    monkeypatch.setenv("MOK_SCHEDULE", "single")  # a kernel name: on the CPU the torch schedule runs
+    assert torch.equal(make_schedule(ids, 4).seg_rows, torch.tensor([6, 0, 0, 0], dtype=torch.int32))
+    monkeypatch.setenv("MOK_SCHEDULE", "bogus")
+    with pytest.raises(ValueError, match="MOK_SCHEDULE"):
+        make_schedule(ids, 4)

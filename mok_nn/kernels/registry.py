@@ -146,14 +146,14 @@ def _act_specs(kind: str) -> tuple:
     return fwd, bwd
 
 
-def _schedule_spec(name: str, factory: str) -> KernelSpec:
+def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> KernelSpec:
     # "Schedule": one CTA; "ScheduleMultiCta": three launches, scratch [C*E] and chunk (slots per CTA).
     multi = factory == "ScheduleMultiCta"
     return KernelSpec(
         name=name,
         module="schedule",
         factory=factory,
-        factory_kwargs=(),
+        factory_kwargs=factory_kwargs,
         args=(
             TensorArg("ids", "i64", (DYN,), (1,), align=8),
             TensorArg("pos", "i64", (DYN,), (1,), align=8),
@@ -208,6 +208,7 @@ SPECS = (
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule", "Schedule"),  # one CTA (MOK_SCHEDULE=single)
     _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),  # the default
+    _schedule_spec("mok_schedule_mc_pdl", "ScheduleMultiCta", (("pdl", True),)),  # launches overlap (MOK_SCHEDULE=mc_pdl)
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
     *_ep_specs(),

@@ -213,7 +213,15 @@ class ScheduleMultiCta:
                in order: row = base(warp, e) + rank among equal experts in the
                group. Rows keep slot order within an expert (a stable counting
                sort), exactly as the one-CTA kernel and make_schedule_torch.
+
+    pdl=True (variant mok_schedule_mc_pdl): B and C are launched as programmatic
+    dependents, so each starts while its predecessor runs; B waits for A
+    (griddepcontrol.wait) before reading anything, C counts its chunk first and
+    waits for B before reading scratch or writing outputs. Same results.
     """
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     @cute.jit
     def __call__(
@@ -234,10 +242,10 @@ class ScheduleMultiCta:
             grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream
         )
         self.scan_kernel(scratch, tile_expert, seg_end, seg_rows).launch(
-            grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream
+            grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
         self.place_kernel(ids, pos, row_token, scratch, seg_end, top_k, chunk).launch(
-            grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream
+            grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.jit
@@ -271,6 +279,8 @@ class ScheduleMultiCta:
         num_experts = cute.size(seg_end, mode=[0])
         num_tokens = cute.size(ids, mode=[0]) // top_k
         cap = cute.size(row_token, mode=[0])
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the scan CTA may start (it waits for us)
 
         # Every row starts as padding (token T); launch C overwrites the routed rows.
         for r in range(c * MC_WARPS * 32 + tidx, cap, nc * MC_WARPS * 32):
@@ -293,6 +303,9 @@ class ScheduleMultiCta:
         num_experts = cute.size(seg_end, mode=[0])
         num_chunks = cute.size(scratch, mode=[0]) // num_experts
         n_tiles = cute.size(tile_expert, mode=[0])
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # all of A's counts and row_token fill are done and visible
+            cute.arch.griddepcontrol_launch_dependents()  # C may start counting (it waits for us)
 
         smem = cutlass.utils.SmemAllocator()
         part = smem.allocate_tensor(cutlass.Int32, cute.make_layout(SCAN_THREADS), 16)  # group sums / offsets
@@ -389,7 +402,9 @@ class ScheduleMultiCta:
 
         smem = cutlass.utils.SmemAllocator()
         cnt = smem.allocate_tensor(cutlass.Int32, cute.make_layout((MC_WARPS, MAX_EXPERTS), stride=(MAX_EXPERTS, 1)), 16)
-        self._warp_counts(ids, cnt, chunk, num_experts)
+        self._warp_counts(ids, cnt, chunk, num_experts)  # reads ids only: may overlap the scan
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the scan (hence A) is done: scratch bases, row_token fill
 
         # per expert: exclusive prefix over warps (warp order) on top of the chunk's base row
         for e in range(tidx, num_experts, MC_WARPS * 32):

@@ -22,7 +22,7 @@ import torch
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
 
-IMPLS = {"mc": "", "single": "single", "torch": "torch"}  # name -> MOK_SCHEDULE
+IMPLS = {"mc": "mc", "mc_pdl": "mc_pdl", "single": "single", "torch": "torch"}  # name -> MOK_SCHEDULE
 SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 FIELDS = ("pos", "row_token", "tile_expert", "seg_end", "seg_rows")
 

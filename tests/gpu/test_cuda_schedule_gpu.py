@@ -1,4 +1,4 @@
-"""Schedule kernels (mok_schedule_mc, mok_schedule) == make_schedule_torch, exactly (needs an sm_90 GPU).
+"""Schedule kernels (mok_schedule_mc, mok_schedule_mc_pdl, mok_schedule) == make_schedule_torch, exactly (needs an sm_90 GPU).
 
 Outputs and the scratch are poisoned before each launch; each kernel runs twice
 and must give the same bits. The oracle is the torch schedule (a stable sort),
@@ -54,7 +54,7 @@ def _run_kernel(lib, name, ids, num_experts, poison):
         "seg_rows": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
     }
     args = (ids.reshape(-1), *out.values())
-    if name == "mok_schedule_mc":
+    if name != "mok_schedule":  # the multi-CTA variants
         chunk, chunks = cb.schedule_chunk(n)
         scratch = torch.full((chunks * num_experts,), poison, dtype=torch.int32, device=dev)
         lib.launch(name, *args, scratch, top_k, chunk, stream=torch.cuda.current_stream().cuda_stream)
@@ -77,7 +77,7 @@ CASES = [  # T, k, E, routing
 ]
 
 
-@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule"])
+@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl", "mok_schedule"])
 @pytest.mark.parametrize("T,k,E,mode", CASES)
 def test_schedule_kernel_exact(lib, name, T, k, E, mode):
     from mok_nn import cuda_backend as cb
@@ -93,7 +93,7 @@ def test_schedule_kernel_exact(lib, name, T, k, E, mode):
         assert torch.equal(first[f], second[f]), f
 
 
-@pytest.mark.parametrize("setting,kind", [("", "mc"), ("single", "single"), ("torch", "torch")])
+@pytest.mark.parametrize("setting,kind", [("", "mc"), ("mc_pdl", "mc_pdl"), ("single", "single"), ("torch", "torch")])
 def test_make_schedule_selects_kernel(lib, monkeypatch, setting, kind):
     # MOK_SCHEDULE picks the implementation; all give the same schedule, seg_rows included
     from mok_nn import cuda_backend as cb
