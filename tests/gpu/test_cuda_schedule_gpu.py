@@ -93,6 +93,23 @@ def test_schedule_kernel_exact(lib, name, T, k, E, mode):
         assert torch.equal(first[f], second[f]), f
 
 
+@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl"])
+def test_schedule_kernel_random_shapes(lib, name):
+    # many odd shapes: any T, k, E <= 512, uniform random ids (repeats within a token allowed)
+    from mok_nn import cuda_backend as cb
+
+    g = torch.Generator().manual_seed(2026)
+    for _ in range(40):
+        T = int(torch.randint(1, 20000, (1,), generator=g))
+        k = int(torch.randint(1, 9, (1,), generator=g))
+        E = int(torch.randint(1, 513, (1,), generator=g))
+        ids = torch.randint(0, E, (T, k), generator=g).cuda()
+        want = cb.make_schedule_torch(ids, E)
+        got = _run_kernel(lib, name, ids, E, poison=-3)
+        for f in FIELDS:
+            assert torch.equal(got[f], getattr(want, f)), (f, T, k, E)
+
+
 @pytest.mark.parametrize("setting,kind", [("", "mc"), ("mc_pdl", "mc_pdl"), ("single", "single"), ("torch", "torch")])
 def test_make_schedule_selects_kernel(lib, monkeypatch, setting, kind):
     # MOK_SCHEDULE picks the implementation; all give the same schedule, seg_rows included
