@@ -3,7 +3,9 @@
 Same signatures and formulas as reference.experts_forward / experts_backward
 (see reference.py for the math). What runs where:
 
-  schedule        mok_schedule (one CTA: counts, prefix sums, stable placement); no host sync
+  schedule        mok_schedule_mc (per-chunk counts, one scan CTA, placement over many CTAs;
+                  MOK_SCHEDULE=mc_pdl: overlapped launches, =single: the one-CTA mok_schedule,
+                  =torch: torch ops); no host sync
   gather of x     torch index_select into the padded expert order
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
   activation      mok_act_fwd_<act> (one pass over gate_up)
@@ -29,9 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.registry import GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, TILE_M, WGRAD_KERNELS, tile_n_of
+from .kernels.registry import (
+    GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
+)  # fmt: skip
 
 WGRAD_KERNEL = "mok_gemm_wgrad"  # variant of the weight-gradient GEMM (MOK_WGRAD_KERNEL overrides)
+# MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
+SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
+                    "single": "mok_schedule"}
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
 
@@ -44,12 +51,14 @@ class Schedule:
     row_token [M_cap] int64:  token of each row; T (a zero row) for padding
     tile_expert [M_cap/TILE_M] int32: expert of each row tile, -1 past the last segment
     seg_end [E] int32:        end row of each expert's segment (offsets for grouped_mm)
+    seg_rows [E] int32:       routed (real) rows of each expert, at the start of its segment
     """
 
     pos: torch.Tensor
     row_token: torch.Tensor
     tile_expert: torch.Tensor
     seg_end: torch.Tensor
+    seg_rows: torch.Tensor
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
 
     @property
@@ -76,19 +85,46 @@ def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int =
     return max(tile, (m + tile - 1) // tile * tile)
 
 
+def schedule_chunk(num_slots: int) -> tuple[int, int]:
+    """(slots per chunk, chunks) of the multi-CTA schedule: at most SCHEDULE_MC_MAX_CHUNKS chunks,
+    each a multiple of 32 slots per warp; at least one chunk."""
+    granule = SCHEDULE_MC_WARPS * 32
+    per = -(-num_slots // SCHEDULE_MC_MAX_CHUNKS)
+    chunk = max(granule, -(-per // granule) * granule)
+    return chunk, max(1, -(-num_slots // chunk))
+
+
 def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
-    """Count -> pad -> prefix sum on the device, no host sync (mok_schedule kernel on CUDA)."""
+    """Count -> pad -> prefix sum on the device, no host sync.
+
+    On CUDA: mok_schedule_mc (multi-CTA); MOK_SCHEDULE=mc_pdl: the same with
+    overlapping launches, =single: the one-CTA mok_schedule. All equal
+    make_schedule_torch exactly. MOK_SCHEDULE=torch, CPU tensors or more than
+    SCHEDULE_MAX_EXPERTS experts: make_schedule_torch.
+    """
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     cap = schedule_capacity(num_tokens, top_k, num_experts)
-    if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and os.environ.get("MOK_SCHEDULE") != "torch":
-        pos = torch.empty(num_tokens * top_k, dtype=torch.int64, device=dev)
+    mode = os.environ.get("MOK_SCHEDULE", "")
+    if mode != "torch" and mode not in SCHEDULE_KERNELS:
+        raise ValueError(f"MOK_SCHEDULE={mode!r}: expected one of {sorted(SCHEDULE_KERNELS) + ['torch']}")
+    if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and mode != "torch":
+        n = num_tokens * top_k
+        pos = torch.empty(n, dtype=torch.int64, device=dev)
         row_token = torch.empty(cap, dtype=torch.int64, device=dev)
         tile_expert = torch.empty(cap // TILE_M, dtype=torch.int32, device=dev)
         seg_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        seg_rows = torch.empty(num_experts, dtype=torch.int32, device=dev)
         ids = topk_ids.reshape(-1).contiguous()
-        _lib().launch("mok_schedule", ids, pos, row_token, tile_expert, seg_end, top_k, stream=_stream())
-        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end)
+        outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows)
+        name = SCHEDULE_KERNELS[mode]
+        if name == "mok_schedule":
+            _lib().launch(name, *outs, top_k, stream=_stream())
+        else:
+            chunk, chunks = schedule_chunk(n)
+            scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
+            _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
+        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows)
     return make_schedule_torch(topk_ids, num_experts)
 
 
@@ -116,7 +152,8 @@ def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
     tile_start = torch.arange(0, cap, TILE_M, device=dev)
     te = torch.searchsorted(seg_end, tile_start, right=True)
     tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
-    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32))
+    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32),
+                    counts.to(torch.int32))
 
 
 def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -347,9 +384,8 @@ def experts_backward(
 
     x_rows = saved.x_rows
     wdt = gate_up_proj.dtype
-    counts = expert_row_counts(topk_ids, sched.num_experts)
-    d_down = weight_grad(dy_rows, wh, sched, counts).to(wdt)
-    d_gate_up = weight_grad(dgu, x_rows, sched, counts).to(wdt)
+    d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
+    d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)

@@ -151,7 +151,10 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     tile_expert = torch.where(te < experts_per_rank, te, -1).to(torch.int32)
     row_expert = torch.searchsorted(seg_end_l, torch.arange(capacity, device=dev), right=True)
     pos = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
-    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), row_expert)
+    # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
+    seg_rows = torch.minimum(counts[:experts_per_rank], (capacity - seg_start[:experts_per_rank]).clamp(min=0))
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows.to(torch.int32),
+                        row_expert)
 
     need = is_local.view(ep_size, tc, top_k).any(dim=2)
     need[rank] = False  # own rows are already local

@@ -67,6 +67,7 @@ def test_ep_schedule_matches_python(ep_size, tokens, tc, top_k, num_experts, ske
                 want_te[tile] = e
             start += padded
             assert int(s.seg_end[e]) == start
+            assert int(s.seg_rows[e]) == len(rows)
         assert s.row_token.tolist() == want_token
         assert eps.row_src.tolist() == want_src
         assert eps.row_slot.tolist() == want_slot
@@ -98,6 +99,9 @@ def test_ep_schedule_overflow_flag_seen_by_every_rank():
         eps = cuda_ep.make_ep_schedule(ids_all, tc, rank, e_l, cap)
         assert bool(eps.overflow)
         assert int(eps.sched.seg_end.max()) <= cap  # segments clamped: nothing indexes past the buffers
+        ends = eps.sched.seg_end.long()
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # as the weight-gradient kernel reads them
+        assert torch.all(starts + eps.sched.seg_rows <= ends)  # kept rows only: nothing read past a segment
         assert int(eps.sched.row_token.max()) <= ep_size * tc
     cap2 = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
     assert not bool(cuda_ep.make_ep_schedule(ids_all, tc, 0, e_l, cap2).overflow)

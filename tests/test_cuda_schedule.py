@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mok_nn.cuda_backend import TILE_M, make_schedule, row_weights, schedule_capacity
+from mok_nn.cuda_backend import TILE_M, make_schedule, row_weights, schedule_capacity, schedule_chunk
+from mok_nn.kernels.registry import SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS
 
 
 def _routing(num_tokens, top_k, num_experts, gen, skew=False):
@@ -39,8 +40,26 @@ def test_schedule_invariants(num_tokens, top_k, num_experts, skew):
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
     ends = torch.cumsum((counts + TILE_M - 1) // TILE_M * TILE_M, 0)
     assert torch.equal(s.seg_end.long(), ends)
+    assert s.seg_rows.dtype == torch.int32 and torch.equal(s.seg_rows.long(), counts)  # real rows per expert
     for e in range(num_experts):
         rows = pos[ids.reshape(-1) == e]
         assert torch.all(rows[1:] > rows[:-1])
     used_tiles = int(ends[-1]) // TILE_M
     assert torch.all(s.tile_expert[used_tiles:] == -1)
+
+
+@pytest.mark.parametrize("num_slots", [0, 1, 511, 512, 513, 16384, 65536, 65537, 200_000, 2_000_003])
+def test_schedule_chunk_covers_slots(num_slots):
+    # the multi-CTA schedule's chunks: whole warps of 32 slots, at most MAX_CHUNKS, covering every slot once
+    chunk, chunks = schedule_chunk(num_slots)
+    assert chunk % (SCHEDULE_MC_WARPS * 32) == 0 and 1 <= chunks <= SCHEDULE_MC_MAX_CHUNKS
+    assert chunks * chunk >= num_slots and (chunks - 1) * chunk < max(num_slots, 1)
+
+
+def test_schedule_setting_checked(monkeypatch):
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    monkeypatch.setenv("MOK_SCHEDULE", "single")  # a kernel name: on the CPU the torch schedule runs
+    assert torch.equal(make_schedule(ids, 4).seg_rows, torch.tensor([6, 0, 0, 0], dtype=torch.int32))
+    monkeypatch.setenv("MOK_SCHEDULE", "bogus")
+    with pytest.raises(ValueError, match="MOK_SCHEDULE"):
+        make_schedule(ids, 4)

@@ -19,7 +19,9 @@ MANIFEST = "manifest.json"
 BUILD_COMMAND = "python -m mok_nn.kernels.build --arch {arch} --out {out}"
 TILE_M = 128  # rows per GEMM tile; the schedule pads each expert's segment to it
 GEMM_TILE_N = 256  # output columns per GEMM tile
-SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernel's shared-memory table holds
+SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernels' shared-memory tables hold
+SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a multiple of 32 slots per warp
+SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 
 
@@ -151,19 +153,24 @@ def _act_specs(kind: str) -> tuple:
     return fwd, bwd
 
 
-def _schedule_spec(name: str) -> KernelSpec:
+def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> KernelSpec:
+    # "Schedule": one CTA; "ScheduleMultiCta": three launches, scratch [C*E] and chunk (slots per CTA).
+    multi = factory == "ScheduleMultiCta"
     return KernelSpec(
         name=name,
         module="schedule",
-        factory="Schedule",
-        factory_kwargs=(),
+        factory=factory,
+        factory_kwargs=factory_kwargs,
         args=(
             TensorArg("ids", "i64", (DYN,), (1,), align=8),
             TensorArg("pos", "i64", (DYN,), (1,), align=8),
             TensorArg("row_token", "i64", (DYN,), (1,), align=8),
             TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
             TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            *((TensorArg("scratch", "i32", (DYN,), (1,), align=4),) if multi else ()),
             ScalarArg("top_k", "i32"),
+            *((ScalarArg("chunk", "i32"),) if multi else ()),
         ),
     )
 
@@ -212,7 +219,9 @@ SPECS = (
     _wgrad_spec("mok_gemm_wgrad_n128defer", 128, 32, 4, lazy=True),  # whole 128x128 tile buffered, 6 A/B stages
     _wgrad_spec("mok_gemm_wgrad_defer_trimk", GEMM_TILE_N, 32, 8, lazy=True, trim_k=True),  # + no MMA on padding rows
     _combine_spec("mok_combine"),
-    _schedule_spec("mok_schedule"),
+    _schedule_spec("mok_schedule", "Schedule"),  # one CTA (MOK_SCHEDULE=single)
+    _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),  # the default
+    _schedule_spec("mok_schedule_mc_pdl", "ScheduleMultiCta", (("pdl", True),)),  # launches overlap (MOK_SCHEDULE=mc_pdl)
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
     *_ep_specs(),

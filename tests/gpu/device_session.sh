@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One batched GPU session on the device machine: each step bounded by `timeout`,
+# its full log under $OUT, its tail printed. Run from the repo root with the
+# kernel library carried in build/kernels (python -m mok_nn.kernels.build ...).
+#
+#   bash tests/gpu/device_session.sh STEP...     e.g.  tests diag bench ep
+#
+# Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
+# (per-stage times), bench (python -m mok_nn.bench -> $OUT/bench.json),
+# ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark).
+set -u
+export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
+export MOK_COMMIT=${MOK_COMMIT:-unknown}
+OUT=${OUT:-/tmp/mok_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader | head -2
+
+step() {  # step NAME SECONDS CMD...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc $((SECONDS - t0)) s"
+    tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+
+for s in "$@"; do
+    case $s in
+    tests) step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    diag)
+        for f in tests/gpu/bench_gemm_variants.py tests/gpu/bench_wgrad_variants.py tests/gpu/bench_schedule.py; do
+            [ -f "$f" ] && TAIL=40 step "$(basename "$f" .py)" 120 python3 "$f"
+        done ;;
+    stages)
+        for sh in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
+            step "stages_$sh" 60 python3 tests/gpu/profile_stages.py "$sh" 8192
+        done ;;
+    bench) TAIL=20 step bench 240 python3 -m mok_nn.bench --out "$OUT/bench.json" ;;
+    ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
+    epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
+    *) echo "unknown step $s" ;;
+    esac
+done

@@ -1,0 +1,139 @@
+"""Schedule kernels (mok_schedule_mc, mok_schedule_mc_pdl, mok_schedule) == make_schedule_torch, exactly (needs an sm_90 GPU).
+
+Outputs and the scratch are poisoned before each launch; each kernel runs twice
+and must give the same bits. The oracle is the torch schedule (a stable sort),
+plus per-expert counts from bincount for seg_rows.
+"""
+
+import os
+
+import pytest
+import torch
+
+cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
+
+FIELDS = ("pos", "row_token", "tile_expert", "seg_end", "seg_rows")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from mok_nn.kernels import loader
+
+    return loader.load("sm_90a", lib_dir=os.environ.get("MOK_KERNEL_DIR"))
+
+
+def _ids(num_tokens, top_k, num_experts, mode, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if mode == "all_one":  # every slot on one expert (the last)
+        return torch.full((num_tokens, top_k), num_experts - 1, dtype=torch.int64, device="cuda")
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=g)
+    if mode == "hot":  # expert 1 in every token's top-k, the rest random
+        logits[:, 1] += 100
+    elif mode == "sparse":  # only every 7th expert gets tokens, the rest are empty
+        logits[:, torch.arange(num_experts, device="cuda") % 7 != 0] -= 100
+    ids = torch.topk(logits, min(top_k, num_experts), dim=1).indices
+    if ids.shape[1] < top_k:  # k > E: repeat experts (the schedule does not need distinct ids)
+        ids = ids.repeat(1, -(-top_k // ids.shape[1]))[:, :top_k]
+    return ids.contiguous()
+
+
+def _run_kernel(lib, name, ids, num_experts, poison):
+    """One launch of a schedule kernel into poisoned outputs (mirrors cuda_backend.make_schedule)."""
+    from mok_nn import cuda_backend as cb
+
+    num_tokens, top_k = ids.shape
+    n = num_tokens * top_k
+    cap = cb.schedule_capacity(num_tokens, top_k, num_experts)
+    dev = ids.device
+    out = {
+        "pos": torch.full((n,), poison, dtype=torch.int64, device=dev),
+        "row_token": torch.full((cap,), poison, dtype=torch.int64, device=dev),
+        "tile_expert": torch.full((cap // cb.TILE_M,), poison, dtype=torch.int32, device=dev),
+        "seg_end": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
+        "seg_rows": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
+    }
+    args = (ids.reshape(-1), *out.values())
+    if name != "mok_schedule":  # the multi-CTA variants
+        chunk, chunks = cb.schedule_chunk(n)
+        scratch = torch.full((chunks * num_experts,), poison, dtype=torch.int32, device=dev)
+        lib.launch(name, *args, scratch, top_k, chunk, stream=torch.cuda.current_stream().cuda_stream)
+    else:
+        lib.launch(name, *args, top_k, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    out["pos"] = out["pos"].view(num_tokens, top_k)
+    return out
+
+
+CASES = [  # T, k, E, routing
+    (1, 1, 8, "random"), (1, 8, 512, "random"), (1, 2, 128, "all_one"),
+    (333, 1, 8, "random"), (333, 2, 8, "hot"), (333, 8, 128, "sparse"), (333, 8, 256, "random"),
+    (333, 2, 512, "all_one"), (1000, 8, 512, "sparse"),
+    (4096, 8, 128, "hot"), (4096, 8, 256, "sparse"), (4096, 2, 512, "random"),
+    (8192, 8, 128, "random"), (8192, 8, 256, "random"), (8192, 2, 8, "random"),  # the benchmark shapes
+    (8192, 8, 512, "hot"), (8192, 1, 8, "all_one"), (8191, 8, 128, "all_one"),
+    (65536, 8, 128, "random"),  # 524288 slots: 8 groups of 32 per warp in each chunk
+    (50000, 8, 512, "sparse"),
+]
+
+
+@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl", "mok_schedule"])
+@pytest.mark.parametrize("T,k,E,mode", CASES)
+def test_schedule_kernel_exact(lib, name, T, k, E, mode):
+    from mok_nn import cuda_backend as cb
+
+    ids = _ids(T, k, E, mode, seed=T * 131 + k * 7 + E)
+    want = cb.make_schedule_torch(ids, E)
+    assert torch.equal(want.seg_rows.long(), torch.bincount(ids.reshape(-1), minlength=E))
+    first = _run_kernel(lib, name, ids, E, poison=-7)
+    second = _run_kernel(lib, name, ids, E, poison=123456)  # other poison: every element must be written
+    for f in FIELDS:
+        assert first[f].dtype == getattr(want, f).dtype, f
+        assert torch.equal(first[f], getattr(want, f)), (f, mode)
+        assert torch.equal(first[f], second[f]), f
+
+
+@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl"])
+def test_schedule_kernel_random_shapes(lib, name):
+    # many odd shapes: any T, k, E <= 512, uniform random ids (repeats within a token allowed)
+    from mok_nn import cuda_backend as cb
+
+    g = torch.Generator().manual_seed(2026)
+    for _ in range(40):
+        T = int(torch.randint(1, 20000, (1,), generator=g))
+        k = int(torch.randint(1, 9, (1,), generator=g))
+        E = int(torch.randint(1, 513, (1,), generator=g))
+        ids = torch.randint(0, E, (T, k), generator=g).cuda()
+        want = cb.make_schedule_torch(ids, E)
+        got = _run_kernel(lib, name, ids, E, poison=-3)
+        for f in FIELDS:
+            assert torch.equal(got[f], getattr(want, f)), (f, T, k, E)
+
+
+@pytest.mark.parametrize("setting,kind", [("", "mc"), ("mc_pdl", "mc_pdl"), ("single", "single"), ("torch", "torch")])
+def test_make_schedule_selects_kernel(lib, monkeypatch, setting, kind):
+    # MOK_SCHEDULE picks the implementation; all give the same schedule, seg_rows included
+    from mok_nn import cuda_backend as cb
+
+    ids = _ids(777, 8, 128, "random", seed=5)
+    want = cb.make_schedule_torch(ids, 128)
+    monkeypatch.setenv("MOK_SCHEDULE", setting)
+    got = cb.make_schedule(ids, 128)
+    torch.cuda.synchronize()
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), (kind, f)
+
+
+def test_schedule_no_host_sync(lib):
+    # the kernel path reads nothing back: it runs under sync debug mode "error"
+    from mok_nn import cuda_backend as cb
+
+    ids = _ids(4096, 8, 128, "random", seed=9)
+    cb.make_schedule(ids, 128)  # first call may load the library
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sched = cb.make_schedule(ids, 128)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(sched.seg_rows, cb.make_schedule_torch(ids, 128).seg_rows)
