@@ -210,7 +210,7 @@ SPECS = (
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
-    # tests/gpu/bench_wgrad.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
+    # tests/gpu/bench_wgrad_variants.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
     _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),
     # Lazy epilogue (stores overlap the next tile's MMA), to be measured against the default:
     _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),  # whole 128x256 tile buffered, 3 A/B stages

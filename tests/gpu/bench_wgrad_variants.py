@@ -1,14 +1,14 @@
 """Diagnostic (not a test): the weight-gradient GEMM variants vs torch._grouped_mm, per benchmark shape.
 
-    python tests/gpu/bench_wgrad.py [--kernels a,b] [--shapes s,t] [--group-m 0,8] [--best FILE]
+    python tests/gpu/bench_wgrad_variants.py [--kernels a,b] [--shapes s,t] [--group-m 0,8] [--best FILE]
 
 Times d down_proj (dy_rows^T @ wh) and d gate_up_proj (dgu^T @ x_rows) on a
 random router's routing at 8192 tokens (median of --reps launches); TFLOP/s
 count routed rows only. Each variant's output (written into a NaN-poisoned
 buffer) is checked bitwise against the default variant (cuda_backend.WGRAD_KERNEL)
 and by relative L2 error against torch._grouped_mm. Also times a plain fill of
-the largest output (write-bandwidth reference). Writes bench_wgrad.json and
-bench_wgrad.txt to $OUT (default /tmp). Exit status 1 if a check fails.
+the largest output (write-bandwidth reference). Writes bench_wgrad_variants.json and
+bench_wgrad_variants.txt to $OUT (default /tmp). Exit status 1 if a check fails.
 """
 
 import argparse
@@ -138,8 +138,8 @@ def main():
     for f in failures:
         say(f"FAIL {f}")
     say("all checks passed" if not failures else f"{len(failures)} check(s) failed")
-    (out_dir / "bench_wgrad.json").write_text(json.dumps(records, indent=1))
-    (out_dir / "bench_wgrad.txt").write_text("\n".join(lines) + "\n")
+    (out_dir / "bench_wgrad_variants.json").write_text(json.dumps(records, indent=1))
+    (out_dir / "bench_wgrad_variants.txt").write_text("\n".join(lines) + "\n")
     if args.best:
         with open(args.best, "w") as f:
             f.write(best)
