@@ -16,21 +16,24 @@ def test_default_variant_is_registered_and_unchanged():
     # the measured default keeps its constants (and so its PTX): no lazy-epilogue flag
     assert dict(registry.SPECS_BY_NAME["mok_gemm_wgrad"].factory_kwargs) == {"tile_n": 256, "epi_n": 32, "epi_stages": 4}
     assert len(registry.WGRAD_KERNELS) == len(set(registry.WGRAD_KERNELS))
+    # diagnostic kernels (wrong results by design) are built but never selectable
+    assert registry.WGRAD_DIAG_KERNELS and not set(registry.WGRAD_DIAG_KERNELS) & set(registry.WGRAD_KERNELS)
 
 
-def test_unknown_variant_is_a_clear_error(monkeypatch):
+@pytest.mark.parametrize("name", ["mok_gemm_bk", "mok_wgrad_diag_no_mma"])
+def test_unknown_variant_is_a_clear_error(monkeypatch, name):
     ids = torch.tensor([[0], [1], [1]])
     sched = cb.make_schedule_torch(ids, 2)
     rows = torch.zeros(sched.capacity, 8, dtype=torch.bfloat16)
     monkeypatch.delenv("MOK_WGRAD", raising=False)
     monkeypatch.delenv("MOK_GEMM", raising=False)
-    monkeypatch.setenv("MOK_WGRAD_KERNEL", "mok_gemm_bk")  # a kernel, but not a weight-gradient one
+    monkeypatch.setenv("MOK_WGRAD_KERNEL", name)
     with pytest.raises(ValueError, match="MOK_WGRAD_KERNEL"):
         cb.weight_grad(rows, rows, sched, cb.expert_row_counts(ids, 2))
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not installed")
-@pytest.mark.parametrize("name", registry.WGRAD_KERNELS)
+@pytest.mark.parametrize("name", registry.WGRAD_KERNELS + registry.WGRAD_DIAG_KERNELS)
 def test_shared_memory_budget(name):
     """A/B stages left next to the epilogue buffers: at least 3, and everything fits in 227 KB."""
     from mok_nn.kernels.wgrad_gemm import VarlenKGroupedGemm

@@ -80,7 +80,7 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> K
 
 
 def _wgrad_spec(
-    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, trim_k: bool = False
+    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, trim_k: bool = False, diag: str = ""
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -88,6 +88,7 @@ def _wgrad_spec(
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("trim_k", True),) if trim_k else ()
+    kwargs += (("diag", diag),) if diag else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -218,6 +219,10 @@ SPECS = (
     _wgrad_spec("mok_gemm_wgrad_lazy4", GEMM_TILE_N, 32, 4, lazy=True),  # half a tile buffered, 4 A/B stages
     _wgrad_spec("mok_gemm_wgrad_n128defer", 128, 32, 4, lazy=True),  # whole 128x128 tile buffered, 6 A/B stages
     _wgrad_spec("mok_gemm_wgrad_defer_trimk", GEMM_TILE_N, 32, 8, lazy=True, trim_k=True),  # + no MMA on padding rows
+    # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
+    # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
+    _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),
+    _wgrad_spec("mok_wgrad_diag_no_mma", GEMM_TILE_N, 32, 8, lazy=True, diag="no_mma"),
     _combine_spec("mok_combine"),
     _schedule_spec("mok_schedule", "Schedule"),  # one CTA (MOK_SCHEDULE=single)
     _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),  # the default
@@ -228,7 +233,8 @@ SPECS = (
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
-WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm")
+WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
+WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS)
 
 
 def tile_n_of(name: str) -> int:

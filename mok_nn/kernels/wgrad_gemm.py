@@ -55,6 +55,7 @@ class VarlenKGroupedGemm:
         epi_stages: int = 4,
         lazy_epilogue: bool = False,
         trim_k: bool = False,
+        diag: str = "",
         num_sms: int = 132,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
@@ -66,6 +67,10 @@ class VarlenKGroupedGemm:
         # last real row. Those rows are zero padding, so the sum is unchanged bit for bit
         # (adding exact zeros to an fp32 accumulator that started at +0 never changes it).
         self.trim_k = trim_k
+        # Diagnostics only (wrong results, never selectable by MOK_WGRAD_KERNEL): "no_store" skips the
+        # TMA stores (time = loads + MMA + epilogue in smem), "no_mma" skips the wgmma (loads + stores).
+        assert diag in ("", "no_store", "no_mma")
+        self.diag = diag
         self.tile_mnk = (128, tile_n, 64)
         assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
         self.num_sms = num_sms
@@ -310,7 +315,9 @@ class VarlenKGroupedGemm:
                         kb_end = cutlass.select_(k == k_tiles - 1, last_kb, cutlass.Int32(k_blocks))
                         for kb in cutlass.range_constexpr(k_blocks):
                             coord = (None, None, kb, read_state.index)
-                            if cutlass.const_expr(self.trim_k and kb > 0):
+                            if cutlass.const_expr(self.diag == "no_mma"):
+                                pass
+                            elif cutlass.const_expr(self.trim_k and kb > 0):
                                 if kb < kb_end:
                                     cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                             else:
@@ -355,7 +362,10 @@ class VarlenKGroupedGemm:
                                 cute.arch.cp_async_bulk_wait_group(nbuf - 2, read=True)
                         epi_barrier.arrive_and_wait()
                         if warp_idx == 4:
-                            cute.copy(tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                            if cutlass.const_expr(self.diag != "no_store"):
+                                cute.copy(
+                                    tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))]
+                                )
                             cute.arch.cp_async_bulk_commit_group()
                 else:
                     for e in cutlass.range_constexpr(epi_tiles):

@@ -6,8 +6,10 @@ Times d down_proj (dy_rows^T @ wh) and d gate_up_proj (dgu^T @ x_rows) on a
 random router's routing at 8192 tokens (median of --reps launches); TFLOP/s
 count routed rows only. Each variant's output (written into a NaN-poisoned
 buffer) is checked bitwise against the default variant (cuda_backend.WGRAD_KERNEL)
-and by relative L2 error against torch._grouped_mm. Also times a plain fill of
-the largest output (write-bandwidth reference). Writes bench_wgrad_variants.json and
+and by relative L2 error against torch._grouped_mm. Also times the diagnostic
+kernels (registry.WGRAD_DIAG_KERNELS: the _defer kernel without its stores /
+without its MMA; their outputs are meaningless) and a plain fill of the largest
+output (write-bandwidth reference). Writes bench_wgrad_variants.json and
 bench_wgrad_variants.txt to $OUT (default /tmp). Exit status 1 if a check fails.
 """
 
@@ -59,6 +61,7 @@ def main():
     ap.add_argument("--kernels", default=",".join(registry.WGRAD_KERNELS), help="variants to time")
     ap.add_argument("--group-m", default="0", help="MOK_WGRAD_GROUP_M values to time (0: weight_grad's choice)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--diag", type=int, default=1, help="1: also time the diagnostic kernels (no stores / no MMA)")
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
     kernels.sort(key=lambda k: k != cb.WGRAD_KERNEL)  # the default first: the others are compared with it
@@ -122,6 +125,14 @@ def main():
                         totals[kernel] = totals.get(kernel, 0.0) + t
                 os.environ.pop("MOK_WGRAD_KERNEL")
                 os.environ.pop("MOK_WGRAD_GROUP_M")
+            for kernel in registry.WGRAD_DIAG_KERNELS if args.diag else ():  # the two sides of the bound
+                scratch = torch.empty_like(want)
+                t = median_ms(lambda k=kernel, o=scratch: launch_into(k, a, b, sched, counts, o), args.reps)
+                say(f"{shape:<14} {gemm:<8} {kernel:<26}    {t:8.3f} ms {flops / t / 1e9:6.1f} TF/s "
+                    f"{out_gb / t:6.2f} TB/s out  (diagnostic)")
+                records.append(dict(shape=shape, gemm=gemm, impl=kernel, group_m=0, ms=t, tflops=flops / t / 1e9,
+                                    out_tbps=out_gb / t, diagnostic=True))  # fmt: skip
+                del scratch
             del base, want
             torch.cuda.empty_cache()
         out = torch.empty(num_experts, 2 * inter, hidden, device="cuda", dtype=bf)
