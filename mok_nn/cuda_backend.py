@@ -20,6 +20,10 @@ Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
 CuTe kernels (weight gradients included), MOK_WGRAD=torch for the weight
 gradients only (MOK_WGRAD_KERNEL=<registry name> picks a weight-gradient variant),
 MOK_ACT=torch to run the activations with torch ops (debugging aids).
+MOK_GEMM_EPI=full runs the bf16 grouped GEMMs on the full-tile-epilogue variants
+(mok_gemm_bk_ef / mok_gemm_bn_ef; default split: mok_gemm_bk / mok_gemm_bn, same
+results bitwise); MOK_GEMM_TAIL_SKIP=0 makes the GEMMs run the MMA on every
+padding row again (fallback; same results).
 """
 
 from __future__ import annotations
@@ -44,13 +48,26 @@ class Schedule:
     row_token [M_cap] int64:  token of each row; T (a zero row) for padding
     tile_expert [M_cap/TILE_M] int32: expert of each row tile, -1 past the last segment
     seg_end [E] int32:        end row of each expert's segment (offsets for grouped_mm)
+    seg_rows [E] int32:       real (routed) rows of each expert; its segment is
+                              seg_rows rounded up to TILE_M. None: unknown (see gemm_seg_rows)
     """
 
     pos: torch.Tensor
     row_token: torch.Tensor
     tile_expert: torch.Tensor
     seg_end: torch.Tensor
+    seg_rows: torch.Tensor | None = None
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
+
+    def __post_init__(self):
+        # Callers written before seg_rows existed pass row_expert (int64 [M_cap]) fifth.
+        if self.seg_rows is not None and self.seg_rows.dtype == torch.int64 and self.row_expert is None:
+            self.seg_rows, self.row_expert = None, self.seg_rows
+
+    def gemm_seg_rows(self) -> torch.Tensor:
+        """[E] int32 rows per expert for the GEMMs' tail skip: seg_rows, or where unknown
+        the padded segment sizes (then no tile counts as padding: nothing skipped)."""
+        return self.seg_rows if self.seg_rows is not None else padded_seg_rows(self.seg_end)
 
     @property
     def capacity(self) -> int:
@@ -67,6 +84,11 @@ class Schedule:
         te = self.tile_expert.long()
         te = torch.where(te < 0, self.num_experts, te)
         return te.repeat_interleave(TILE_M)
+
+
+def padded_seg_rows(seg_end: torch.Tensor) -> torch.Tensor:
+    """[E] int32 padded segment sizes: as seg_rows they mark no row as padding."""
+    return torch.diff(seg_end, prepend=seg_end.new_zeros(1)).to(torch.int32)
 
 
 def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int = TILE_M) -> int:
@@ -88,7 +110,8 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
         seg_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
         ids = topk_ids.reshape(-1).contiguous()
         _lib().launch("mok_schedule", ids, pos, row_token, tile_expert, seg_end, top_k, stream=_stream())
-        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end)
+        seg_rows = expert_row_counts(topk_ids, num_experts)
+        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows)
     return make_schedule_torch(topk_ids, num_experts)
 
 
@@ -116,7 +139,7 @@ def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
     tile_start = torch.arange(0, cap, TILE_M, device=dev)
     te = torch.searchsorted(seg_end, tile_start, right=True)
     tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
-    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32))
+    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32), counts.to(torch.int32))
 
 
 def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -168,20 +191,34 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if transpose_w:  # B[n, k, e] = W[e, k, n]: N-major
         b = w.permute(2, 1, 0)
-        name = "mok_gemm_bn_f32" if out_dtype == torch.float32 else "mok_gemm_bn"
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
-        name = "mok_gemm_bk"
-    launch_gemm(name, a, b, out, sched.tile_expert)
+    launch_gemm(gemm_kernel(transpose_w, out_dtype), a, b, out, sched)
     return out
 
 
-def launch_gemm(name: str, a, b, out, tile_expert) -> None:
+def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None) -> str:
+    """Registry name of the grouped GEMM variant; epi "split" (default) or "full" (MOK_GEMM_EPI)."""
+    if out_dtype == torch.float32:
+        return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
+    epi = epi or os.environ.get("MOK_GEMM_EPI", "split")
+    if epi not in ("split", "full"):
+        raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split or full")
+    name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
+    return name + "_ef" if epi == "full" else name
+
+
+def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]."""
     tiles_n = (out.shape[1] + GEMM_TILE_N - 1) // GEMM_TILE_N
     # Measured on H200: column tiles fastest unless N spans many tiles (mixtral's gate/up).
     group_m = 8 if tiles_n > 32 else 1
-    _lib().launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), tile_expert, group_m, stream=_stream())
+    skip = os.environ.get("MOK_GEMM_TAIL_SKIP", "1") != "0"
+    seg_rows = sched.gemm_seg_rows() if skip else padded_seg_rows(sched.seg_end)
+    _lib().launch(
+        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, seg_rows, group_m,
+        stream=_stream(),
+    )  # fmt: skip
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -39,8 +39,25 @@ def test_schedule_invariants(num_tokens, top_k, num_experts, skew):
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
     ends = torch.cumsum((counts + TILE_M - 1) // TILE_M * TILE_M, 0)
     assert torch.equal(s.seg_end.long(), ends)
+    assert s.seg_rows.dtype == torch.int32 and torch.equal(s.seg_rows.long(), counts)
     for e in range(num_experts):
         rows = pos[ids.reshape(-1) == e]
         assert torch.all(rows[1:] > rows[:-1])
     used_tiles = int(ends[-1]) // TILE_M
     assert torch.all(s.tile_expert[used_tiles:] == -1)
+
+
+def test_schedule_seg_rows_defaults():
+    """Without seg_rows the GEMMs get the padded segment sizes (nothing skipped); a caller
+    passing row_expert fifth (written before seg_rows existed) still sets row_expert."""
+    from mok_nn.cuda_backend import Schedule, padded_seg_rows
+
+    gen = torch.Generator().manual_seed(3)
+    ids, _ = _routing(50, 2, 8, gen, skew=True)
+    s = make_schedule(ids, 8)
+    old = Schedule(s.pos, s.row_token, s.tile_expert, s.seg_end, s.expert_of_rows())
+    assert old.seg_rows is None and torch.equal(old.row_expert, s.expert_of_rows())
+    pad = padded_seg_rows(s.seg_end)
+    assert torch.equal(old.gemm_seg_rows(), pad) and pad.dtype == torch.int32
+    assert torch.equal(pad.long(), (s.seg_rows.long() + TILE_M - 1) // TILE_M * TILE_M)
+    assert torch.equal(s.gemm_seg_rows(), s.seg_rows)

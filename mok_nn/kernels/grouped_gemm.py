@@ -17,6 +17,19 @@ persistent schedule of (m-tile, n-tile) pairs, so no inter-role queue is needed
 beyond the stage ring. Every output element is written once by one CTA with a
 fixed K order: results are bitwise reproducible.
 
+Tail skip: the schedule pads each expert's segment to TILE_M rows, so the
+last tile of a segment may hold fewer real rows. A consumer warp group whose
+64 rows are all padding issues no wgmma for that tile (it still waits on and
+releases every stage, and stores its zero accumulator): padding rows come out
+0 exactly as before (their A rows are zero), so results are bitwise unchanged.
+
+Full-tile epilogue (full_epi=True, bf16 output): the shared-memory epilogue
+buffer holds the whole output tile, so the consumers write all of it, issue the
+TMA stores, and go on to the next tile's mainloop; the wait for those stores to
+have read shared memory comes at the start of the next tile's epilogue. The
+default (full_epi=False) cycles 4 buffers of 128 x 32 and waits for buffer
+reuse inside the epilogue. The stores are the same either way: bitwise equal.
+
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
 """
@@ -34,10 +47,11 @@ from .registry import TILE_M
 
 
 class VarlenMGroupedGemm:
-    """One compiled variant: tile (128, tile_n, 64), B K-major or N-major."""
+    """One compiled variant: tile (128, tile_n, 64), B K-major or N-major, split or full-tile epilogue."""
 
-    def __init__(self, tile_n: int = 256, num_sms: int = 132):
+    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False):
         assert tile_n in (128, 256)
+        self.full_epi = full_epi
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -50,7 +64,8 @@ class VarlenMGroupedGemm:
         self.producer_regs = 40
         self.consumer_regs = 232
         self.epi_tile = (TILE_M, 32)
-        self.epi_stages = 4
+        # full_epi: one buffer per 32-column sub-tile, the whole output tile in smem.
+        self.epi_stages = tile_n // self.epi_tile[1] if full_epi else 4
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
@@ -66,6 +81,8 @@ class VarlenMGroupedGemm:
         mB: cute.Tensor,  # (N, K, E) K- or N-major
         mC: cute.Tensor,  # (M, N, 1) N-major
         tile_expert: cute.Tensor,  # (M // TILE_M,) int32
+        seg_end: cute.Tensor,  # (E,) int32 end row of each expert's padded segment
+        seg_rows: cute.Tensor,  # (E,) int32 real (routed) rows of each expert
         group_m: cutlass.Int32,  # row tiles per raster band (1: column tiles fastest)
         stream: cuda.CUstream,
     ):
@@ -76,6 +93,8 @@ class VarlenMGroupedGemm:
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
         if cutlass.const_expr(self.ab_dtype != mB.element_type):
             raise TypeError("A and B must share a dtype")
+        if cutlass.const_expr(self.full_epi and self.c_dtype.width != 16):
+            raise TypeError("the full-tile epilogue takes a 16-bit output (an fp32 tile does not fit)")
 
         bm, bn, bk = self.tile_mnk
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -129,7 +148,7 @@ class VarlenMGroupedGemm:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tile_expert,
+            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tile_expert, seg_end, seg_rows,
             tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n), group_m,
         ).launch(
             grid=grid,
@@ -164,6 +183,8 @@ class VarlenMGroupedGemm:
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
         tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -277,29 +298,45 @@ class VarlenMGroupedGemm:
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            # thr_mma gives consumer threads 0-127 (warp group 1) rows 0-63 of the tile,
+            # threads 128-255 (warp group 2) rows 64-127.
+            first_row = (wg_idx - 1) * (TILE_M // self.num_consumer_wg)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
                 if expert >= 0:
+                    # Real rows in this tile (more than TILE_M before the segment's last tile).
+                    rows = seg_rows[expert]
+                    seg_start = seg_end[expert] - (rows + TILE_M - 1) // TILE_M * TILE_M
+                    real_rows = seg_start + rows - m_tile * TILE_M
                     acc.fill(0.0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    for k in range(k_tiles):
-                        ab_pipe.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            coord = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        cute.nvgpu.warpgroup.commit_group()
-                        # Keep one wgmma batch in flight; release the stage before it.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        if k > 0:
+                    if real_rows > first_row:
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
+                        for k in range(k_tiles):
+                            ab_pipe.consumer_wait(read_state)
+                            for kb in cutlass.range_constexpr(k_blocks):
+                                coord = (None, None, kb, read_state.index)
+                                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                            cute.nvgpu.warpgroup.commit_group()
+                            # Keep one wgmma batch in flight; release the stage before it.
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            if k > 0:
+                                ab_pipe.consumer_release(release_state)
+                                release_state.advance()
+                            read_state.advance()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                    else:
+                        # All 64 rows are padding: no MMA, but the stage ring must still
+                        # see this warp group wait on and release every stage.
+                        for k in range(k_tiles):
+                            ab_pipe.consumer_wait(read_state)
                             ab_pipe.consumer_release(release_state)
+                            read_state.advance()
                             release_state.advance()
-                        read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
 
                     gC_t = gC[(None, None, m_tile, n_tile, 0)]
                     gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
@@ -309,20 +346,37 @@ class VarlenMGroupedGemm:
                     epi_tiles = cute.size(gC_epi, mode=[1])
                     epi_shape = gC_epi.shape[1]
                     epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(rD_size):
-                            rD[v] = tRS_acc[e * rD_size + v]
-                        rD_out.store(rD.load().to(self.c_dtype))
-                        buf = (epi_count + e) % self.epi_stages
-                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                    if cutlass.const_expr(self.full_epi):
+                        # The previous tile's stores must have read the buffer before it is rewritten.
+                        if warp_idx == 4:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        epi_barrier.arrive_and_wait()
+                        for e in cutlass.range_constexpr(epi_tiles):
+                            for v in cutlass.range_constexpr(rD_size):
+                                rD[v] = tRS_acc[e * rD_size + v]
+                            rD_out.store(rD.load().to(self.c_dtype))
+                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_barrier.arrive_and_wait()
                         if warp_idx == 4:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        epi_barrier.arrive_and_wait()
-                    epi_count = epi_count + epi_tiles
+                            for e in cutlass.range_constexpr(epi_tiles):
+                                cute.copy(tma_c, bSG_sC[(None, e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                            cute.arch.cp_async_bulk_commit_group()
+                    else:
+                        for e in cutlass.range_constexpr(epi_tiles):
+                            for v in cutlass.range_constexpr(rD_size):
+                                rD[v] = tRS_acc[e * rD_size + v]
+                            rD_out.store(rD.load().to(self.c_dtype))
+                            buf = (epi_count + e) % self.epi_stages
+                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == 4:
+                                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                                store_pipe.producer_commit()
+                                store_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                        epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
