@@ -23,7 +23,9 @@ MOK_ACT=torch to run the activations with torch ops (debugging aids).
 MOK_GEMM_EPI=full runs the bf16 grouped GEMMs on the full-tile-epilogue variants
 (mok_gemm_bk_ef / mok_gemm_bn_ef; default split: mok_gemm_bk / mok_gemm_bn, same
 results bitwise); MOK_GEMM_TAIL_SKIP=0 makes the GEMMs run the MMA on every
-padding row again (fallback; same results).
+padding row again (fallback; same results). MOK_GEMM_ACT=fused runs the forward's
+gate/up GEMM and activation as one kernel (mok_gemm_gate_up_<act>, I % 128 == 0, no
+gate/up bias; expected bitwise equal to the two kernels).
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
     tile_start = torch.arange(0, cap, TILE_M, device=dev)
     te = torch.searchsorted(seg_end, tile_start, right=True)
     tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
-    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32), counts.to(torch.int32))
+    seg_rows = counts.to(torch.int32)
+    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32), seg_rows)
 
 
 def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -195,6 +198,29 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
         b = w.permute(1, 2, 0)
     launch_gemm(gemm_kernel(transpose_w, out_dtype), a, b, out, sched)
     return out
+
+
+def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
+    """Whether gate_up_act runs these (the SwiGLU-epilogue GEMM): I a multiple of its 128-column halves."""
+    return inter % (GEMM_TILE_N // 2) == 0 and activation in SUPPORTED_ACTIVATIONS and not has_bias
+
+
+def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: str, swiglu_limit):
+    """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel.
+
+    Rows past the last segment are left unwritten (as act_forward leaves h).
+    """
+    m, two_i = a.shape[0], w.shape[1]
+    gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
+    h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
+    tiles_n = two_i // GEMM_TILE_N
+    group_m = 8 if tiles_n > 32 else 1  # the same raster choice as launch_gemm for this N
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(
+        f"mok_gemm_gate_up_{activation}", a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
+        h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
+    )  # fmt: skip
+    return gate_up, h
 
 
 def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None) -> str:
@@ -343,10 +369,19 @@ def experts_forward(
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
     x_rows = gather_rows(x.contiguous(), sched)
-    gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
-    if gate_up_bias is not None:
-        gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
-    h = act_forward(gate_up, sched, activation, swiglu_limit)
+    fused = (
+        os.environ.get("MOK_GEMM_ACT", "split") == "fused"
+        and not _use_torch_gemm()
+        and not _use_torch_act()
+        and fused_act_supported(down_proj.shape[2], activation, gate_up_bias is not None)
+    )
+    if fused:
+        gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
+    else:
+        gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        if gate_up_bias is not None:
+            gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
+        h = act_forward(gate_up, sched, activation, swiglu_limit)
     out_rows = grouped_gemm(h, down_proj, sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)

@@ -80,6 +80,27 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
     )
 
 
+def _gemm_act_spec(kind: str) -> KernelSpec:
+    # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
+    return KernelSpec(
+        name=f"mok_gemm_gate_up_{kind}",
+        module="grouped_gemm",
+        factory="VarlenMGroupedGemmAct",
+        factory_kwargs=(("act", kind),),
+        args=(
+            TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
+            TensorArg("b", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(256, 8, 1)),
+            TensorArg("gate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 256, 1)),
+            TensorArg("h", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 128, 1)),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("limit", "f32"),
+            ScalarArg("group_m", "i32"),
+        ),
+    )
+
+
 def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     return KernelSpec(
@@ -202,6 +223,9 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
+    # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
+    _gemm_act_spec("swiglu"),
+    _gemm_act_spec("swiglu_oai"),
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
     # tests/gpu/bench_wgrad.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
     _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),

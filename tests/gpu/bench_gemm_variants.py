@@ -4,7 +4,8 @@
 
 For each shape at 8192 tokens (bench.make_problem: random router, real uneven
 routing, make_schedule) it times the four grouped GEMMs of the forward and
-backward with every variant, and torch._grouped_mm on the same operands:
+backward with every variant, and torch._grouped_mm on the same operands
+("speedup" = torch time / this time):
 
     gate_up      x_rows @ W13[e]^T        mok_gemm_bk, mok_gemm_bk_ef
     down         h @ W2[e]^T              mok_gemm_bk, mok_gemm_bk_ef
@@ -17,6 +18,8 @@ per call, 3 warm-up calls, median of --reps. TFLOP/s count routed rows only.
 Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the default
 (split epilogue, skip on); routed rows within bf16 tolerance of
 torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
+Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
+vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this).
 Exit status 1 if a check fails.
 """
 
@@ -69,6 +72,71 @@ def gemms(p, sched):
     ]
 
 
+def run_shape(shape, tokens, reps, say):
+    """Time and check every GEMM of one shape; returns (records, all checks passed)."""
+    records, ok = [], True
+    p = bench.make_problem(shape, tokens, "cuda")
+    ids = p["ids"]
+    E = p["gate_up_proj"].shape[0]
+    sched = cb.make_schedule(ids, E)
+    no_skip = dataclasses.replace(sched, seg_rows=None)  # gemm_seg_rows(): padded sizes, nothing skipped
+    used = int(sched.seg_end[-1])
+    pos = sched.pos.reshape(-1)
+    routed = ids.numel()
+    say(f"# {shape}: routed rows {routed}, padded rows {used} ({100 * (used - routed) / used:.1f}% padding)")
+    for gname, a, W, transpose_w, out_dtype, variants in gemms(p, sched):
+        n = W.shape[2] if transpose_w else W.shape[1]
+        flops = 2 * routed * n * a.shape[1]
+        wt = W if transpose_w else W.transpose(1, 2)
+        ref = torch._grouped_mm(a, wt, offs=sched.seg_end)
+        t_ref = time_call(lambda: torch._grouped_mm(a, wt, offs=sched.seg_end), reps)
+        say(f"{shape:<14} {gname:<11} {'torch._grouped_mm':<22} {t_ref:8.3f} {flops / t_ref / 1e9:7.1f} {1.0:8.2f}")
+        records.append(dict(shape=shape, gemm=gname, variant="torch._grouped_mm", ms=t_ref, tflops=flops / t_ref / 1e9))
+        b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
+        default = None
+        for name in variants:
+            for skip, s in (("", sched), ("/noskip", no_skip)):
+                out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
+                cb.launch_gemm(name, a, b, out, s)
+                torch.cuda.synchronize()
+                if default is None:
+                    default = out  # the first variant, skip on: the default kernel
+                bitwise = torch.equal(out[:used], default[:used])
+                err = rel_err(out[pos], ref[pos])
+                good = bitwise and err < TOL
+                ok &= good
+                t = time_call(lambda: cb.launch_gemm(name, a, b, out, s), reps)
+                check = f"{'bitwise=default' if bitwise else 'DIFFERS from default'} err {err:.1e}"
+                say(f"{shape:<14} {gname:<11} {name + skip:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_ref / t:8.2f}  "
+                    f"{check}{'' if good else '  FAIL'}")
+                records.append(dict(shape=shape, gemm=gname, variant=name + skip, ms=t, tflops=flops / t / 1e9,
+                                    speedup_vs_torch=t_ref / t, bitwise_equal_default=bitwise,
+                                    rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
+        if gname == "gate_up" and cb.fused_act_supported(p["down_proj"].shape[2], "swiglu", False):
+            ok &= fused_act(shape, a, W, sched, default, flops, reps, say, records)
+    return records, ok
+
+
+def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
+    """gate/up GEMM + SwiGLU: two kernels (mok_gemm_bk, mok_act_fwd_swiglu) vs mok_gemm_gate_up_swiglu."""
+    used = int(sched.seg_end[-1])
+    h = cb.act_forward(gate_up, sched, "swiglu", None)
+    def split():
+        return cb.act_forward(cb.grouped_gemm(a, W13, sched, transpose_w=False), sched, "swiglu", None)
+
+    t_split = time_call(split, reps)
+    gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
+    torch.cuda.synchronize()
+    bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
+    t_fused = time_call(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
+    for label, t in (("gemm_bk+act_fwd", t_split), ("gate_up_swiglu fused", t_fused)):
+        say(f"{shape:<14} {'gate_up+act':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
+            f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'}")
+        records.append(dict(shape=shape, gemm="gate_up+act", variant=label, ms=t, tflops=flops / t / 1e9,
+                            bitwise_equal_default=bitwise))
+    return bitwise
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
@@ -82,51 +150,11 @@ def main():
         print(line, flush=True)
         lines.append(line)
 
-    say(f"{'shape':<14} {'gemm':<11} {'variant':<22} {'ms':>8} {'TF/s':>7} {'vs torch':>8}  check")
+    say(f"{'shape':<14} {'gemm':<11} {'variant':<22} {'ms':>8} {'TF/s':>7} {'speedup':>8}  check")
     for shape in args.shapes.split(","):
-        p = bench.make_problem(shape, args.tokens, "cuda")
-        ids = p["ids"]
-        E = p["gate_up_proj"].shape[0]
-        sched = cb.make_schedule(ids, E)
-        no_skip = dataclasses.replace(sched, seg_rows=None)  # gemm_seg_rows(): padded sizes, nothing skipped
-        used = int(sched.seg_end[-1])
-        pos = sched.pos.reshape(-1)
-        routed = ids.numel()
-        say(f"# {shape}: routed rows {routed}, padded rows {used} ({100 * (used - routed) / used:.1f}% padding)")
-        for gname, a, W, transpose_w, out_dtype, variants in gemms(p, sched):
-            n = W.shape[2] if transpose_w else W.shape[1]
-            k = a.shape[1]
-            flops = 2 * routed * n * k
-            wt = W if transpose_w else W.transpose(1, 2)
-            ref = torch._grouped_mm(a, wt, offs=sched.seg_end)
-            t_ref = time_call(lambda: torch._grouped_mm(a, wt, offs=sched.seg_end), args.reps)
-            say(f"{shape:<14} {gname:<11} {'torch._grouped_mm':<22} {t_ref:8.3f} {flops / t_ref / 1e9:7.1f} {1.0:8.2f}")
-            records.append(dict(shape=shape, gemm=gname, variant="torch._grouped_mm", ms=t_ref,
-                                tflops=flops / t_ref / 1e9))
-            b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-            default = None
-            for name in variants:
-                for skip, s in (("", sched), ("/noskip", no_skip)):
-                    out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
-                    cb.launch_gemm(name, a, b, out, s)
-                    torch.cuda.synchronize()
-                    if default is None:
-                        default = out  # the first variant, skip on: the default kernel
-                    bitwise = torch.equal(out[:used], default[:used])
-                    err = rel_err(out[pos], ref[pos])
-                    good = bitwise and err < TOL
-                    ok &= good
-                    t = time_call(lambda: cb.launch_gemm(name, a, b, out, s), args.reps)
-                    label = name + skip
-                    check = f"{'bitwise=default' if bitwise else 'DIFFERS from default'} err {err:.1e}"
-                    say(f"{shape:<14} {gname:<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_ref / t:8.2f}  "
-                        f"{check}{'' if good else '  FAIL'}")
-                    records.append(dict(shape=shape, gemm=gname, variant=label, ms=t, tflops=flops / t / 1e9,
-                                        speedup_vs_torch=t_ref / t, bitwise_equal_default=bitwise,
-                                        rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
-                    del out
-            del ref, default
-        del p, sched, no_skip
+        recs, good = run_shape(shape, args.tokens, args.reps, say)
+        records += recs
+        ok &= good
         torch.cuda.empty_cache()
     say("all checks passed" if ok else "SOME CHECKS FAILED")
     with open(os.path.join(out_dir, "gemm_variants.json"), "w") as f:

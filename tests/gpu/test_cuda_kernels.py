@@ -64,6 +64,19 @@ def test_gemm_variants_listed():
     assert {v[0] for v in GEMM_VARIANTS} == set(registry.GEMM_KERNELS)
 
 
+def _slot_products(x, ids, W, transpose_w):
+    """fp64 [T*k, N]: row (t, j) = x[t] @ W[ids[t, j]] (transpose_w) or x[t] @ W[ids[t, j]]^T, expert by expert."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    xs = x.double().repeat_interleave(k, 0)
+    out = torch.empty(flat.numel(), W.shape[2] if transpose_w else W.shape[1], dtype=torch.float64, device=x.device)
+    for e in flat.unique().tolist():
+        sel = flat == e
+        We = W[e].double()
+        out[sel] = xs[sel] @ (We if transpose_w else We.T)
+    return out
+
+
 def _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m, seg_rows=None):
     """One launch into a NaN-poisoned output; seg_rows defaults to the schedule's real rows."""
     out = torch.full((a.shape[0], W.shape[2] if transpose_w else W.shape[1]), float("nan"), device="cuda",
@@ -142,8 +155,7 @@ def test_grouped_gemm_tail_rows(lib, name, transpose_w, out_dtype):
     used = int(sched.seg_end[-1])
     assert torch.equal(outs[0][:used], outs[1][:used]), "not bitwise reproducible"
     pos = sched.pos.reshape(-1)
-    We = W.double()[ids.reshape(-1)]
-    ref = torch.einsum("rk,rkn->rn" if transpose_w else "rk,rnk->rn", x.double(), We)
+    ref = _slot_products(x, ids, W, transpose_w)
     assert not torch.isnan(outs[0][:used]).any(), "rows left unwritten"
     assert rel_l2(outs[0][pos], ref) < BF16_TOL
     pad = torch.ones(used, dtype=torch.bool, device="cuda")
@@ -310,3 +322,61 @@ def test_schedule_kernel_equals_torch_schedule(lib, T, k, E, mode):
         torch.cuda.synchronize()
         for name in ("pos", "row_token", "tile_expert", "seg_end", "seg_rows"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
+    (256, 2, 8, 256, 128, "random", "swiglu", None),
+    (333, 2, 8, 320, 384, "skew", "swiglu", 7.0),  # three h tiles, empty experts
+    (300, 1, 3, 128, 256, "one_expert", "swiglu_oai", 7.0),
+    (1, 1, 4, 256, 128, "random", "swiglu_oai", None),
+    (512, 8, 128, 2048, 768, "random", "swiglu", None),  # qwen3-30b-a3b, reduced T
+]
+
+
+@pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
+def test_gate_up_act_fused(lib, case):
+    """mok_gemm_gate_up_<act>: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn import reference
+
+    T, k, E, H, I, mode, act, limit = case
+    ids, _ = _routing(T, k, E, mode, seed=T + I)
+    sched = cb.make_schedule(ids, E)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    a = cb.gather_rows(x, sched)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    used = int(sched.seg_end[-1])
+    gu_ref = cb.grouped_gemm(a, W13, sched, transpose_w=False)
+    h_ref = cb.act_forward(gu_ref, sched, act, limit)
+    outs = []
+    for _ in range(2):
+        gu, h = cb.gate_up_act(a, W13, sched, act, limit)
+        torch.cuda.synchronize()
+        outs.append((gu[:used].clone(), h[:used].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), "not bitwise reproducible"
+    gu, h = outs[0]
+    assert not torch.isnan(gu).any() and not torch.isnan(h).any()
+    # independent check of the real rows in fp64
+    pos = sched.pos.reshape(-1)
+    gu64 = _slot_products(x, ids, W13, False)
+    assert rel_l2(gu[pos], gu64) < BF16_TOL
+    h64 = reference.activation_forward(gu[pos].double(), act, limit)
+    assert rel_l2(h[pos], h64) < BF16_TOL
+    assert torch.equal(gu, gu_ref[:used]), "gate_up differs from mok_gemm_bk"
+    assert torch.equal(h, h_ref[:used]), "h differs from mok_act_fwd"
+
+
+def test_gate_up_act_in_forward(lib, monkeypatch):
+    """MOK_GEMM_ACT=fused: experts_forward gives the same bits as the two-kernel path."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k = 300, 256, 256, 8, 2
+    ids, w = _routing(T, k, E, "random", seed=9)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    y0, s0 = cb.experts_forward(x, ids, w, W13, W2)
+    monkeypatch.setenv("MOK_GEMM_ACT", "fused")
+    y1, s1 = cb.experts_forward(x, ids, w, W13, W2)
+    used = int(s0.sched.seg_end[-1])
+    assert torch.equal(y0, y1) and torch.equal(s0.gate_up[:used], s1.gate_up[:used])
