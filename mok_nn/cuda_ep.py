@@ -12,7 +12,8 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
   ids     [P, Tc, k]    int64  all-gathered top-k ids (-1 past a rank's tokens)
   weights [P, Tc, k]    fp32   all-gathered top-k weights
-  dwslots [Tc*k + 1]    fp32   d top-k weight of each slot, pushed back (+1 scratch element)
+  dwslots [P, Tc*k]     fp32   d top-k weight of each slot: row q written (densely) by expert rank q,
+                               the source reads slot (t, j) from row ids[t, j] // E_l
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
@@ -127,7 +128,9 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     sorted_key = key[order]
     row = seg_start[sorted_key] + torch.arange(n, device=dev) - cnt_start[sorted_key]
     keep = (sorted_key < experts_per_rank) & (row < capacity)
-    row = torch.where(keep, row, capacity)  # trash row, sliced off below
+    # Slots not kept go to trash rows past the capacity, one each (sliced off below): every
+    # element is written once, so the index_put_ below has no repeated index.
+    row = torch.where(keep, row, capacity + torch.arange(n, device=dev))
 
     # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
     num_experts = experts_per_rank * ep_size
@@ -138,13 +141,13 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 
     src = order // (tc * top_k)
     slot = order % (tc * top_k)
-    row_token = torch.full((capacity + 1,), ep_size * tc, dtype=torch.int64, device=dev)
+    row_token = torch.full((capacity + n,), ep_size * tc, dtype=torch.int64, device=dev)
     row_token[row] = src * tc + slot // top_k
-    row_src = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    row_src = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
     row_src[row] = src
-    row_slot = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    row_slot = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
     row_slot[row] = slot
-    row_gslot = torch.full((capacity + 1,), n, dtype=torch.int64, device=dev)
+    row_gslot = torch.full((capacity + n,), n, dtype=torch.int64, device=dev)
     row_gslot[row] = order
     row_token, row_src, row_slot, row_gslot = (t[:capacity] for t in (row_token, row_src, row_slot, row_gslot))
 
@@ -184,7 +187,7 @@ def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tup
         ("dxslots", (tc * k, h), torch.bfloat16),
         ("ids", (P, tc, k), torch.int64),
         ("weights", (P, tc, k), torch.float32),
-        ("dwslots", (tc * k + 1,), torch.float32),
+        ("dwslots", (P, tc * k), torch.float32),
         ("pad", (P,), torch.int32),
     ]
     sections, off = {}, 0
@@ -481,12 +484,17 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
         wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    # 5. reverse dispatch: push d x rows and d w into the source slots
-    trash = tc * top_k  # the last element of dwslots: scratch for rows of other sources
+    # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
+    # (zero where another rank owns the slot) into this rank's row of the source's dwslots.
+    # Rows without a slot (padding, past the segments) scatter to scratch elements, one each:
+    # no index repeats, every element is written once.
+    n_slots = P * tc * top_k
+    idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + torch.arange(dw_rows.numel(), device=x.device))
+    dw_dense = dw_rows.new_zeros(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
+    dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
     for p in range(P):
         bufs.copy_rows(dx_rows, eps.push_src[p], bufs.peer(p, "dxslots"), eps.row_slot)
-        dst = torch.where(eps.push_src[p] >= 0, eps.row_slot, trash)
-        bufs.peer(p, "dwslots").scatter_(0, dst, dw_rows)
+        bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
@@ -494,7 +502,9 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     poison = _poison(flags)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device) + poison
     dx = cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype)
-    d_topk = (bufs.local("dwslots")[:num_tokens * top_k].view(num_tokens, top_k) + poison).to(topk_weights.dtype)
+    owner = (topk_ids // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
+    dw_src = bufs.local("dwslots")[:, :num_tokens * top_k].gather(0, owner)
+    d_topk = (dw_src.view(num_tokens, top_k) + poison).to(topk_weights.dtype)
     _record_errors(ws, flags, "backward")
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads
