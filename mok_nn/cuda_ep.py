@@ -14,6 +14,7 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   weights [P, Tc, k]    fp32   all-gathered top-k weights
   dwslots [P, Tc*k]     fp32   d top-k weight of each slot: row q written (densely) by expert rank q,
                                the source reads slot (t, j) from row ids[t, j] // E_l
+  ntok    [P]           int64  token count of each rank's current call (rank s writes slot s)
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
@@ -35,10 +36,21 @@ so results are bitwise reproducible, and the row order inside an expert is the
 one of the reference EP path (source rank, then slot order).
 
 Errors: an overflow of the schedule capacity (detected on every rank from the
-all-gathered routing) or a peer that never signals (the barrier gives up after
-a timeout and sets a flag) turns the step's outputs into NaN and is raised as
-EPError by the next EP call on this workspace once the step has finished
-(`check_errors(ws)` waits for it).
+all-gathered routing), a peer that never signals (the barrier gives up after
+a timeout and sets a flag) or a rank called with more tokens than the token
+capacity turns the step's outputs into NaN and is raised as EPError by the next
+EP call on this workspace once the step has finished (`check_errors(ws)` waits
+for it).
+
+Token capacity Tc: the largest first batch of any rank (collective at the first
+call), or `reserve_tokens(ws, n)` (collective, any time between steps). A rank
+cannot grow the symmetric buffer alone, and its peers cannot know its token count
+on the host without a host synchronisation every call. So a batch above Tc takes
+part in the step with its first Tc tokens, every rank sees the counts (`ntok`)
+and flags the step (NaN outputs, EPError naming the count), and the next forward
+on every rank after that EPError re-creates the buffer for the larger count, all
+ranks in the same call provided they raised it at the same point (call
+`check_errors(ws)` on every rank, e.g. at the end of each step).
 """
 
 from __future__ import annotations
@@ -188,6 +200,7 @@ def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tup
         ("ids", (P, tc, k), torch.int64),
         ("weights", (P, tc, k), torch.float32),
         ("dwslots", (P, tc * k), torch.float32),
+        ("ntok", (P,), torch.int64),
         ("pad", (P,), torch.int32),
     ]
     sections, off = {}, 0
@@ -320,19 +333,39 @@ def init_workspace(ws) -> None:
     ws.ep_state = {"bufs": None, "pending": []}
 
 
+def _recreate(ws, tokens_cap: int) -> None:
+    """Collective: replace the symmetric buffer by one for tokens_cap tokens per rank."""
+    st = ws.ep_state
+    if st["bufs"] is not None:
+        # Every rank's queued work, and so every peer's access to this rank's old buffer, is
+        # done before the old buffer is freed.
+        torch.cuda.synchronize(ws.device)
+        dist.barrier(group=ws.ep_group)
+        st["bufs"] = None
+        ws.buffers.pop("ep_symm", None)
+    st["bufs"] = SymmBuffers.create(ws.ep_group, tokens_cap, ws.hidden_size, ws.top_k, ws.device)
+    ws.buffers["ep_symm"] = st["bufs"].raw
+
+
+def reserve_tokens(ws, num_tokens: int) -> int:
+    """Collective over ws.ep_group (every rank, same call): token capacity >= the largest num_tokens
+    of any rank; re-creates the buffer if needed (between steps only). Returns the capacity."""
+    st = ws.ep_state
+    tc = max(max(max(r) for r in _all_gather_ints([num_tokens], ws.ep_group, ws.device)), 1)
+    if st["bufs"] is None or tc > st["bufs"].tokens_cap:
+        _recreate(ws, tc)
+    return st["bufs"].tokens_cap
+
+
 def _buffers(ws, num_tokens: int) -> SymmBuffers:
     st = ws.ep_state
     if st["bufs"] is None:
-        # Token capacity: the largest first batch of any rank (collective, once per workspace).
-        tc = max(max(r) for r in _all_gather_ints([num_tokens], ws.ep_group, ws.device))
-        st["bufs"] = SymmBuffers.create(ws.ep_group, max(tc, 1), ws.hidden_size, ws.top_k, ws.device)
-        ws.buffers["ep_symm"] = st["bufs"].raw
-    bufs = st["bufs"]
-    if num_tokens > bufs.tokens_cap:
-        raise ValueError(
-            f"mok_nn expert parallelism: {num_tokens} tokens exceed this workspace's token capacity "
-            f"{bufs.tokens_cap} (fixed by the first batch; every rank must stay within it)")
-    return bufs
+        reserve_tokens(ws, num_tokens)  # first call: the largest first batch of any rank
+    elif st.get("grow_to", 0) > st["bufs"].tokens_cap:
+        # Every rank raised the same EPError (a batch above the capacity, counts seen by all
+        # ranks in the same step), so every rank grows here, in the same call.
+        _recreate(ws, st["grow_to"])
+    return st["bufs"]
 
 
 def _record_errors(ws, flags: torch.Tensor, what: str) -> None:
@@ -358,9 +391,16 @@ def check_errors(ws, block: bool = True) -> None:
         elif not ev.query():
             keep.append((host, ev, what))
             continue
-        overflow, timeout = int(host[0]), int(host[1])
-        if overflow or timeout:
+        overflow, timeout, too_many = int(host[0]), int(host[1]), int(host[2])
+        if overflow or timeout or too_many:
             st["pending"] = []
+            if too_many:
+                st["grow_to"] = max(st.get("grow_to", 0), too_many)
+                raise EPError(
+                    f"mok_nn expert parallelism ({what}): a rank called the layer with {too_many} tokens, above "
+                    f"the workspace's token capacity {st['bufs'].tokens_cap}. The step's outputs are NaN; the next "
+                    f"forward on every rank re-creates the buffer for {too_many} tokens (call check_errors(ws) on "
+                    f"every rank so that all raise this at the same point, or reserve_tokens(ws, n) beforehand).")
             if overflow:
                 raise EPError(
                     f"mok_nn expert parallelism ({what}): the routing overflowed the expert buffers of a rank "
@@ -383,6 +423,27 @@ class EPSaved:
     gate_up: torch.Tensor  # [cap, 2I] bf16
     w_rows: torch.Tensor  # [cap] fp32, top-k weight of each row (0 on padding)
     num_tokens: int
+    bufs: SymmBuffers  # the buffer the schedule indexes (the backward must use the same one)
+
+
+def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with NaN rows appended up to `rows` (tokens above the capacity: the step is flagged)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"))])
+
+
+def _too_many(bufs: SymmBuffers) -> torch.Tensor:
+    """[] int32: the largest token count of this call if some rank's exceeds the capacity, else 0.
+    Read between the first and the second barrier: a peer writes its next call's count only
+    after the second."""
+    most = bufs.local("ntok").max()
+    return torch.where(most > bufs.tokens_cap, most, 0).to(torch.int32)
+
+
+def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor) -> torch.Tensor:
+    """[overflow, barrier timeout, too_many]: any non-zero entry poisons the step."""
+    return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many])
 
 
 def _poison(flags: torch.Tensor) -> torch.Tensor:
@@ -402,20 +463,23 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     e_l = ws.num_experts // P
     cap = schedule_capacity(tc, top_k, e_l, P, ws.config.schedule_capacity_multiplier)
     ws.ep_state["capacity"] = cap
+    n = min(num_tokens, tc)  # above the capacity: the first tc tokens take part, the step is flagged
 
-    # 1. own rows local; ids and weights to every rank (unicast stores into peer memory)
+    # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory)
     tokens = bufs.local("tokens")
-    tokens[r * tc:r * tc + num_tokens].copy_(x)
+    tokens[r * tc:r * tc + n].copy_(x[:n])
     ids_pad = torch.full((tc, top_k), -1, dtype=torch.int64, device=x.device)
-    ids_pad[:num_tokens] = topk_ids
-    w = topk_weights.detach().float()
+    ids_pad[:n] = topk_ids[:n]
+    w = topk_weights[:n].detach().float()
     for p in range(P):
         bufs.peer(p, "ids")[r].copy_(ids_pad)
-        bufs.peer(p, "weights")[r, :num_tokens].copy_(w)
+        bufs.peer(p, "weights")[r, :n].copy_(w)
+        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
+    too_many = _too_many(bufs)
     # 3. schedule from everyone's routing
-    eps = make_ep_schedule(bufs.local("ids"), num_tokens, r, e_l, cap)
+    eps = make_ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
     w_all = torch.cat([bufs.local("weights").reshape(-1), w.new_zeros(1)])
     w_rows = w_all.index_select(0, eps.row_gslot)
@@ -439,11 +503,11 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
-    flags = torch.stack([eps.overflow.to(torch.int32), bufs.err[0]])
-    w_eff = topk_weights.float() + _poison(flags)
-    y = cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype)
+    flags = _step_flags(eps, bufs, too_many)
+    w_eff = topk_weights[:n].float() + _poison(flags)
+    y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens)
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
 
 
 def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
@@ -452,16 +516,23 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     check_errors(ws, block=False)
     gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
     num_tokens, top_k = topk_ids.shape
-    bufs = _buffers(ws, num_tokens)
+    bufs = saved.bufs
+    if ws.ep_state["bufs"] is not bufs:
+        raise EPError("mok_nn expert parallelism: the workspace's buffer was re-created between this forward "
+                      "and its backward (a larger batch, or reserve_tokens); run the step again")
     P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
     eps, sched, gate_up = saved.eps, saved.eps.sched, saved.gate_up
+    n = min(num_tokens, tc)
 
     # 1. own x and dy rows local (x again: another layer may have reused the tokens section)
     tokens, dy = bufs.local("tokens"), bufs.local("dy")
-    tokens[r * tc:r * tc + num_tokens].copy_(x)
-    dy[r * tc:r * tc + num_tokens].copy_(grad_y)
+    tokens[r * tc:r * tc + n].copy_(x[:n])
+    dy[r * tc:r * tc + n].copy_(grad_y[:n])
+    for p in range(P):
+        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
+    too_many = _too_many(bufs)
     # 3. reverse combine: pull the needed x and dy rows of each peer
     dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
     for p in range(P):
@@ -498,13 +569,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
-    flags = torch.stack([eps.overflow.to(torch.int32), bufs.err[0]])
+    flags = _step_flags(eps, bufs, too_many)
     poison = _poison(flags)
-    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device) + poison
-    dx = cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype)
-    owner = (topk_ids // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
-    dw_src = bufs.local("dwslots")[:, :num_tokens * top_k].gather(0, owner)
-    d_topk = (dw_src.view(num_tokens, top_k) + poison).to(topk_weights.dtype)
+    ones = torch.ones(n, top_k, dtype=torch.float32, device=x.device) + poison
+    dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
+    owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
+    dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
+    d_topk = _pad_nan((dw_src.view(n, top_k) + poison).to(topk_weights.dtype), num_tokens)
     _record_errors(ws, flags, "backward")
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads

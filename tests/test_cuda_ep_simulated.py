@@ -123,3 +123,52 @@ def test_simulated_ep_matches_reference(cpu_kernels, ep_size, tokens, bias, acti
             assert rel(grads.gate_up_bias, g_ref.gate_up_bias[sl]) < 2e-2
             assert rel(grads.down_bias, g_ref.down_bias[sl]) < 2e-2
         lo += t
+
+
+def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
+    """A rank with more tokens than the capacity: both ranks finish the step (no hang), every
+    output is NaN, and both see the same count in the flags (from which the workspace grows)."""
+    H, I, E, K, ep_size, tc = 32, 16, 8, 2, 2, 6
+    tokens = [9, 4]  # rank 0 above tc
+    e_l = E // ep_size
+    g = torch.Generator().manual_seed(5)
+    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
+    ids = [torch.topk(torch.randn(t, E, generator=g), K, dim=1).indices for t in tokens]
+    ws_ = [torch.rand(t, K, generator=g) for t in tokens]
+    _, nbytes = cuda_ep.buffer_layout(ep_size, tc, H, K)
+    raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep_size)]
+    barrier = threading.Barrier(ep_size)
+
+    def rank_fn(r):
+        sl = slice(r * e_l, (r + 1) * e_l)
+        ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation="swiglu",
+                             swiglu_limit=None, device=torch.device("cpu"), buffers={},
+                             ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
+        params = ExpertParams(W13[sl], W2[sl], None, None)
+        y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
+        dx, dw, _ = cuda_ep.backward(torch.ones_like(y), saved, xs[r], ids[r], ws_[r], params, ws)
+        return y, dx, dw, ws.ep_state["seen"]
+
+    for r, (y, dx, dw, seen) in enumerate(_run_ranks(rank_fn, ep_size)):
+        assert y.shape == (tokens[r], H) and dx.shape == (tokens[r], H) and dw.shape == (tokens[r], K)
+        assert bool(torch.isnan(y).all()) and bool(torch.isnan(dx).all()) and bool(torch.isnan(dw).all())
+        assert [f.tolist() for f in seen] == [[0, 0, 9], [0, 0, 9]]
+
+
+def test_check_errors_too_many_tokens_sets_growth():
+    class _Done:
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    st = {"pending": [(torch.tensor([0, 0, 9], dtype=torch.int32), _Done(), "forward")],
+          "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
+    ws = SimpleNamespace(ep_state=st, config=MoKConfig())
+    with pytest.raises(cuda_ep.EPError, match="9 tokens, above the workspace's token capacity 6"):
+        cuda_ep.check_errors(ws)
+    assert st["grow_to"] == 9 and st["pending"] == []
+    cuda_ep.check_errors(ws)  # reported once
