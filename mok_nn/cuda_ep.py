@@ -446,9 +446,10 @@ def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor) -> t
     return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many])
 
 
-def _poison(flags: torch.Tensor) -> torch.Tensor:
-    """0.0, or NaN where a flag is set (added to combine weights, so the outputs show the error)."""
-    return torch.where(flags.sum() > 0, float("nan"), 0.0).to(torch.float32)
+def _poison(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """t, or NaN everywhere if a flag is set (so the outputs show the error). A select, not an
+    added 0.0: -0.0 stays -0.0, the bits equal the EP = 1 path's."""
+    return torch.where(flags.sum() > 0, float("nan"), t)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, ws):
@@ -504,7 +505,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     # 8. fixed-order combine on the source
     flags = _step_flags(eps, bufs, too_many)
-    w_eff = topk_weights[:n].float() + _poison(flags)
+    w_eff = _poison(topk_weights[:n].float(), flags)
     y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
     return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
@@ -570,12 +571,11 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     bufs.barrier()
     # 7. fixed-order sums on the source
     flags = _step_flags(eps, bufs, too_many)
-    poison = _poison(flags)
-    ones = torch.ones(n, top_k, dtype=torch.float32, device=x.device) + poison
+    ones = _poison(torch.ones(n, top_k, dtype=torch.float32, device=x.device), flags)
     dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
     owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
     dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
-    d_topk = _pad_nan((dw_src.view(n, top_k) + poison).to(topk_weights.dtype), num_tokens)
+    d_topk = _pad_nan(_poison(dw_src.view(n, top_k), flags).to(topk_weights.dtype), num_tokens)
     _record_errors(ws, flags, "backward")
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads
