@@ -105,8 +105,8 @@ class EPSchedule:
     pull_src [P, Tc] int64: tokens row to pull from source s, -1 where not needed (or s == rank).
     push_src [P, cap] int64: row to push to source s, -1 otherwise.
     overflow [] bool: some rank's rows exceed the capacity.
-    seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment, for the
-        weight-gradient kernel (clipped to the segment when the capacity overflowed).
+    sched.seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment
+        (clipped to the segment when the capacity overflowed).
     """
 
     sched: cb.Schedule
@@ -116,7 +116,6 @@ class EPSchedule:
     pull_src: torch.Tensor
     push_src: torch.Tensor
     overflow: torch.Tensor
-    seg_rows: torch.Tensor
 
 
 def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
@@ -170,9 +169,9 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     row_expert = torch.searchsorted(seg_end_l, torch.arange(capacity, device=dev), right=True)
     pos = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
     # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
-    seg_rows = torch.minimum(counts[:experts_per_rank], (capacity - seg_start[:experts_per_rank]).clamp(min=0))
-    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows.to(torch.int32),
-                        row_expert)
+    seg_start_l = torch.cat([seg_end_l.new_zeros(1), seg_end_l[:-1]])
+    seg_rows = torch.minimum(counts[:experts_per_rank], seg_end_l - seg_start_l).to(torch.int32)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows, row_expert)
 
     need = is_local.view(ep_size, tc, top_k).any(dim=2)
     need[rank] = False  # own rows are already local
@@ -180,9 +179,7 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     pull_src = torch.where(need, tok, -1)
     rows = torch.arange(capacity, device=dev)
     push_src = torch.where(row_src.unsqueeze(0) == torch.arange(ep_size, device=dev).unsqueeze(1), rows, -1)
-    seg_start_l = torch.cat([seg_end_l.new_zeros(1), seg_end_l[:-1]])
-    seg_rows = torch.minimum(counts[:experts_per_rank], seg_end_l - seg_start_l).to(torch.int32)
-    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow, seg_rows)
+    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
 # --------------------------------------------------------------------------
@@ -552,8 +549,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
     dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
     wdt = gate_up_proj.dtype  # mok_gemm_wgrad as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm)
-    d_down = cb.weight_grad(dy_rows, wh, sched, eps.seg_rows).to(wdt)
-    d_gate_up = cb.weight_grad(dgu, x_rows, sched, eps.seg_rows).to(wdt)
+    d_down = cb.weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
+    d_gate_up = cb.weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
