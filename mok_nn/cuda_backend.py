@@ -22,6 +22,12 @@ Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
 CuTe kernels (weight gradients included), MOK_WGRAD=torch for the weight
 gradients only (MOK_WGRAD_KERNEL=<registry name> picks a weight-gradient variant),
 MOK_ACT=torch to run the activations with torch ops (debugging aids).
+MOK_GEMM_EPI=full runs the bf16 grouped GEMMs on the full-tile-epilogue variants
+(mok_gemm_bk_ef / mok_gemm_bn_ef; default split: mok_gemm_bk / mok_gemm_bn, same
+results bitwise); MOK_GEMM_TAIL_SKIP=0 makes the GEMMs run the MMA on every
+padding row again (fallback; same results). MOK_GEMM_ACT=fused runs the forward's
+gate/up GEMM and activation as one kernel (mok_gemm_gate_up_<act>, I % 128 == 0, no
+gate/up bias; expected bitwise equal to the two kernels).
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ class Schedule:
     seg_rows: torch.Tensor
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
 
+    def gemm_seg_rows(self) -> torch.Tensor:
+        """[E] int32 rows per expert for the GEMMs' tail skip: seg_rows, or with
+        MOK_GEMM_TAIL_SKIP=0 the padded segment sizes (no tile counts as padding)."""
+        if os.environ.get("MOK_GEMM_TAIL_SKIP", "1") == "0":
+            return padded_seg_rows(self.seg_end)
+        return self.seg_rows
+
     @property
     def capacity(self) -> int:
         return self.row_token.shape[0]
@@ -76,6 +89,11 @@ class Schedule:
         te = self.tile_expert.long()
         te = torch.where(te < 0, self.num_experts, te)
         return te.repeat_interleave(TILE_M)
+
+
+def padded_seg_rows(seg_end: torch.Tensor) -> torch.Tensor:
+    """[E] int32 padded segment sizes: as seg_rows they mark no row as padding."""
+    return torch.diff(seg_end, prepend=seg_end.new_zeros(1)).to(torch.int32)
 
 
 def schedule_capacity(num_tokens: int, top_k: int, num_experts: int, tile: int = TILE_M) -> int:
@@ -205,20 +223,55 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if transpose_w:  # B[n, k, e] = W[e, k, n]: N-major
         b = w.permute(2, 1, 0)
-        name = "mok_gemm_bn_f32" if out_dtype == torch.float32 else "mok_gemm_bn"
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
-        name = "mok_gemm_bk"
-    launch_gemm(name, a, b, out, sched.tile_expert)
+    launch_gemm(gemm_kernel(transpose_w, out_dtype), a, b, out, sched)
     return out
 
 
-def launch_gemm(name: str, a, b, out, tile_expert) -> None:
+def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
+    """Whether gate_up_act runs these (the SwiGLU-epilogue GEMM): I a multiple of its 128-column halves."""
+    return inter % (GEMM_TILE_N // 2) == 0 and activation in SUPPORTED_ACTIVATIONS and not has_bias
+
+
+def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: str, swiglu_limit):
+    """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel.
+
+    Rows past the last segment are left unwritten (as act_forward leaves h).
+    """
+    m, two_i = a.shape[0], w.shape[1]
+    gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
+    h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
+    tiles_n = two_i // GEMM_TILE_N
+    group_m = 8 if tiles_n > 32 else 1  # the same raster choice as launch_gemm for this N
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(
+        f"mok_gemm_gate_up_{activation}", a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
+        h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
+    )  # fmt: skip
+    return gate_up, h
+
+
+def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None) -> str:
+    """Registry name of the grouped GEMM variant; epi "split" (default) or "full" (MOK_GEMM_EPI)."""
+    if out_dtype == torch.float32:
+        return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
+    epi = epi or os.environ.get("MOK_GEMM_EPI", "split")
+    if epi not in ("split", "full"):
+        raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split or full")
+    name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
+    return name + "_ef" if epi == "full" else name
+
+
+def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]."""
     tiles_n = (out.shape[1] + GEMM_TILE_N - 1) // GEMM_TILE_N
     # Measured on H200: column tiles fastest unless N spans many tiles (mixtral's gate/up).
     group_m = 8 if tiles_n > 32 else 1
-    _lib().launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), tile_expert, group_m, stream=_stream())
+    _lib().launch(
+        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m,
+        stream=_stream(),
+    )  # fmt: skip
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -345,10 +398,19 @@ def experts_forward(
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
     x_rows = gather_rows(x.contiguous(), sched)
-    gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
-    if gate_up_bias is not None:
-        gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
-    h = act_forward(gate_up, sched, activation, swiglu_limit)
+    fused = (
+        os.environ.get("MOK_GEMM_ACT", "split") == "fused"
+        and not _use_torch_gemm()
+        and not _use_torch_act()
+        and fused_act_supported(down_proj.shape[2], activation, gate_up_bias is not None)
+    )
+    if fused:
+        gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
+    else:
+        gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        if gate_up_bias is not None:
+            gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
+        h = act_forward(gate_up, sched, activation, swiglu_limit)
     out_rows = grouped_gemm(h, down_proj, sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)

@@ -12,7 +12,9 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
   ids     [P, Tc, k]    int64  all-gathered top-k ids (-1 past a rank's tokens)
   weights [P, Tc, k]    fp32   all-gathered top-k weights
-  dwslots [Tc*k + 1]    fp32   d top-k weight of each slot, pushed back (+1 scratch element)
+  dwslots [P, Tc*k]     fp32   d top-k weight of each slot: row q written (densely) by expert rank q,
+                               the source reads slot (t, j) from row ids[t, j] // E_l
+  ntok    [P]           int64  token count of each rank's current call (rank s writes slot s)
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
@@ -34,10 +36,21 @@ so results are bitwise reproducible, and the row order inside an expert is the
 one of the reference EP path (source rank, then slot order).
 
 Errors: an overflow of the schedule capacity (detected on every rank from the
-all-gathered routing) or a peer that never signals (the barrier gives up after
-a timeout and sets a flag) turns the step's outputs into NaN and is raised as
-EPError by the next EP call on this workspace once the step has finished
-(`check_errors(ws)` waits for it).
+all-gathered routing), a peer that never signals (the barrier gives up after
+a timeout and sets a flag) or a rank called with more tokens than the token
+capacity turns the step's outputs into NaN and is raised as EPError by the next
+EP call on this workspace once the step has finished (`check_errors(ws)` waits
+for it).
+
+Token capacity Tc: the largest first batch of any rank (collective at the first
+call), or `reserve_tokens(ws, n)` (collective, any time between steps). A rank
+cannot grow the symmetric buffer alone, and its peers cannot know its token count
+on the host without a host synchronisation every call. So a batch above Tc takes
+part in the step with its first Tc tokens, every rank sees the counts (`ntok`)
+and flags the step (NaN outputs, EPError naming the count), and the next forward
+on every rank after that EPError re-creates the buffer for the larger count, all
+ranks in the same call provided they raised it at the same point (call
+`check_errors(ws)` on every rank, e.g. at the end of each step).
 """
 
 from __future__ import annotations
@@ -92,6 +105,8 @@ class EPSchedule:
     pull_src [P, Tc] int64: tokens row to pull from source s, -1 where not needed (or s == rank).
     push_src [P, cap] int64: row to push to source s, -1 otherwise.
     overflow [] bool: some rank's rows exceed the capacity.
+    sched.seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment
+        (clipped to the segment when the capacity overflowed).
     """
 
     sched: cb.Schedule
@@ -124,7 +139,9 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     sorted_key = key[order]
     row = seg_start[sorted_key] + torch.arange(n, device=dev) - cnt_start[sorted_key]
     keep = (sorted_key < experts_per_rank) & (row < capacity)
-    row = torch.where(keep, row, capacity)  # trash row, sliced off below
+    # Slots not kept go to trash rows past the capacity, one each (sliced off below): every
+    # element is written once, so the index_put_ below has no repeated index.
+    row = torch.where(keep, row, capacity + torch.arange(n, device=dev))
 
     # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
     num_experts = experts_per_rank * ep_size
@@ -135,13 +152,13 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 
     src = order // (tc * top_k)
     slot = order % (tc * top_k)
-    row_token = torch.full((capacity + 1,), ep_size * tc, dtype=torch.int64, device=dev)
+    row_token = torch.full((capacity + n,), ep_size * tc, dtype=torch.int64, device=dev)
     row_token[row] = src * tc + slot // top_k
-    row_src = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    row_src = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
     row_src[row] = src
-    row_slot = torch.full((capacity + 1,), -1, dtype=torch.int64, device=dev)
+    row_slot = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
     row_slot[row] = slot
-    row_gslot = torch.full((capacity + 1,), n, dtype=torch.int64, device=dev)
+    row_gslot = torch.full((capacity + n,), n, dtype=torch.int64, device=dev)
     row_gslot[row] = order
     row_token, row_src, row_slot, row_gslot = (t[:capacity] for t in (row_token, row_src, row_slot, row_gslot))
 
@@ -152,9 +169,9 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     row_expert = torch.searchsorted(seg_end_l, torch.arange(capacity, device=dev), right=True)
     pos = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
     # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
-    seg_rows = torch.minimum(counts[:experts_per_rank], (capacity - seg_start[:experts_per_rank]).clamp(min=0))
-    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows.to(torch.int32),
-                        row_expert)
+    seg_start_l = torch.cat([seg_end_l.new_zeros(1), seg_end_l[:-1]])
+    seg_rows = torch.minimum(counts[:experts_per_rank], seg_end_l - seg_start_l).to(torch.int32)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows, row_expert)
 
     need = is_local.view(ep_size, tc, top_k).any(dim=2)
     need[rank] = False  # own rows are already local
@@ -182,7 +199,8 @@ def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tup
         ("dxslots", (tc * k, h), torch.bfloat16),
         ("ids", (P, tc, k), torch.int64),
         ("weights", (P, tc, k), torch.float32),
-        ("dwslots", (tc * k + 1,), torch.float32),
+        ("dwslots", (P, tc * k), torch.float32),
+        ("ntok", (P,), torch.int64),
         ("pad", (P,), torch.int32),
     ]
     sections, off = {}, 0
@@ -315,19 +333,39 @@ def init_workspace(ws) -> None:
     ws.ep_state = {"bufs": None, "pending": []}
 
 
+def _recreate(ws, tokens_cap: int) -> None:
+    """Collective: replace the symmetric buffer by one for tokens_cap tokens per rank."""
+    st = ws.ep_state
+    if st["bufs"] is not None:
+        # Every rank's queued work, and so every peer's access to this rank's old buffer, is
+        # done before the old buffer is freed.
+        torch.cuda.synchronize(ws.device)
+        dist.barrier(group=ws.ep_group)
+        st["bufs"] = None
+        ws.buffers.pop("ep_symm", None)
+    st["bufs"] = SymmBuffers.create(ws.ep_group, tokens_cap, ws.hidden_size, ws.top_k, ws.device)
+    ws.buffers["ep_symm"] = st["bufs"].raw
+
+
+def reserve_tokens(ws, num_tokens: int) -> int:
+    """Collective over ws.ep_group (every rank, same call): token capacity >= the largest num_tokens
+    of any rank; re-creates the buffer if needed (between steps only). Returns the capacity."""
+    st = ws.ep_state
+    tc = max(max(max(r) for r in _all_gather_ints([num_tokens], ws.ep_group, ws.device)), 1)
+    if st["bufs"] is None or tc > st["bufs"].tokens_cap:
+        _recreate(ws, tc)
+    return st["bufs"].tokens_cap
+
+
 def _buffers(ws, num_tokens: int) -> SymmBuffers:
     st = ws.ep_state
     if st["bufs"] is None:
-        # Token capacity: the largest first batch of any rank (collective, once per workspace).
-        tc = max(max(r) for r in _all_gather_ints([num_tokens], ws.ep_group, ws.device))
-        st["bufs"] = SymmBuffers.create(ws.ep_group, max(tc, 1), ws.hidden_size, ws.top_k, ws.device)
-        ws.buffers["ep_symm"] = st["bufs"].raw
-    bufs = st["bufs"]
-    if num_tokens > bufs.tokens_cap:
-        raise ValueError(
-            f"mok_nn expert parallelism: {num_tokens} tokens exceed this workspace's token capacity "
-            f"{bufs.tokens_cap} (fixed by the first batch; every rank must stay within it)")
-    return bufs
+        reserve_tokens(ws, num_tokens)  # first call: the largest first batch of any rank
+    elif st.get("grow_to", 0) > st["bufs"].tokens_cap:
+        # Every rank raised the same EPError (a batch above the capacity, counts seen by all
+        # ranks in the same step), so every rank grows here, in the same call.
+        _recreate(ws, st["grow_to"])
+    return st["bufs"]
 
 
 def _record_errors(ws, flags: torch.Tensor, what: str) -> None:
@@ -353,9 +391,16 @@ def check_errors(ws, block: bool = True) -> None:
         elif not ev.query():
             keep.append((host, ev, what))
             continue
-        overflow, timeout = int(host[0]), int(host[1])
-        if overflow or timeout:
+        overflow, timeout, too_many = int(host[0]), int(host[1]), int(host[2])
+        if overflow or timeout or too_many:
             st["pending"] = []
+            if too_many:
+                st["grow_to"] = max(st.get("grow_to", 0), too_many)
+                raise EPError(
+                    f"mok_nn expert parallelism ({what}): a rank called the layer with {too_many} tokens, above "
+                    f"the workspace's token capacity {st['bufs'].tokens_cap}. The step's outputs are NaN; the next "
+                    f"forward on every rank re-creates the buffer for {too_many} tokens (call check_errors(ws) on "
+                    f"every rank so that all raise this at the same point, or reserve_tokens(ws, n) beforehand).")
             if overflow:
                 raise EPError(
                     f"mok_nn expert parallelism ({what}): the routing overflowed the expert buffers of a rank "
@@ -378,11 +423,33 @@ class EPSaved:
     gate_up: torch.Tensor  # [cap, 2I] bf16
     w_rows: torch.Tensor  # [cap] fp32, top-k weight of each row (0 on padding)
     num_tokens: int
+    bufs: SymmBuffers  # the buffer the schedule indexes (the backward must use the same one)
 
 
-def _poison(flags: torch.Tensor) -> torch.Tensor:
-    """0.0, or NaN where a flag is set (added to combine weights, so the outputs show the error)."""
-    return torch.where(flags.sum() > 0, float("nan"), 0.0).to(torch.float32)
+def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with NaN rows appended up to `rows` (tokens above the capacity: the step is flagged)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"))])
+
+
+def _too_many(bufs: SymmBuffers) -> torch.Tensor:
+    """[] int32: the largest token count of this call if some rank's exceeds the capacity, else 0.
+    Read between the first and the second barrier: a peer writes its next call's count only
+    after the second."""
+    most = bufs.local("ntok").max()
+    return torch.where(most > bufs.tokens_cap, most, 0).to(torch.int32)
+
+
+def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor) -> torch.Tensor:
+    """[overflow, barrier timeout, too_many]: any non-zero entry poisons the step."""
+    return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many])
+
+
+def _poison(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """t, or NaN everywhere if a flag is set (so the outputs show the error). A select, not an
+    added 0.0: -0.0 stays -0.0, the bits equal the EP = 1 path's."""
+    return torch.where(flags.sum() > 0, float("nan"), t)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, ws):
@@ -397,20 +464,23 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     e_l = ws.num_experts // P
     cap = schedule_capacity(tc, top_k, e_l, P, ws.config.schedule_capacity_multiplier)
     ws.ep_state["capacity"] = cap
+    n = min(num_tokens, tc)  # above the capacity: the first tc tokens take part, the step is flagged
 
-    # 1. own rows local; ids and weights to every rank (unicast stores into peer memory)
+    # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory)
     tokens = bufs.local("tokens")
-    tokens[r * tc:r * tc + num_tokens].copy_(x)
+    tokens[r * tc:r * tc + n].copy_(x[:n])
     ids_pad = torch.full((tc, top_k), -1, dtype=torch.int64, device=x.device)
-    ids_pad[:num_tokens] = topk_ids
-    w = topk_weights.detach().float()
+    ids_pad[:n] = topk_ids[:n]
+    w = topk_weights[:n].detach().float()
     for p in range(P):
         bufs.peer(p, "ids")[r].copy_(ids_pad)
-        bufs.peer(p, "weights")[r, :num_tokens].copy_(w)
+        bufs.peer(p, "weights")[r, :n].copy_(w)
+        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
+    too_many = _too_many(bufs)
     # 3. schedule from everyone's routing
-    eps = make_ep_schedule(bufs.local("ids"), num_tokens, r, e_l, cap)
+    eps = make_ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
     w_all = torch.cat([bufs.local("weights").reshape(-1), w.new_zeros(1)])
     w_rows = w_all.index_select(0, eps.row_gslot)
@@ -434,11 +504,11 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
-    flags = torch.stack([eps.overflow.to(torch.int32), bufs.err[0]])
-    w_eff = topk_weights.float() + _poison(flags)
-    y = cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype)
+    flags = _step_flags(eps, bufs, too_many)
+    w_eff = _poison(topk_weights[:n].float(), flags)
+    y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens)
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
 
 
 def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
@@ -447,16 +517,23 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     check_errors(ws, block=False)
     gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
     num_tokens, top_k = topk_ids.shape
-    bufs = _buffers(ws, num_tokens)
+    bufs = saved.bufs
+    if ws.ep_state["bufs"] is not bufs:
+        raise EPError("mok_nn expert parallelism: the workspace's buffer was re-created between this forward "
+                      "and its backward (a larger batch, or reserve_tokens); run the step again")
     P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
     eps, sched, gate_up = saved.eps, saved.eps.sched, saved.gate_up
+    n = min(num_tokens, tc)
 
     # 1. own x and dy rows local (x again: another layer may have reused the tokens section)
     tokens, dy = bufs.local("tokens"), bufs.local("dy")
-    tokens[r * tc:r * tc + num_tokens].copy_(x)
-    dy[r * tc:r * tc + num_tokens].copy_(grad_y)
+    tokens[r * tc:r * tc + n].copy_(x[:n])
+    dy[r * tc:r * tc + n].copy_(grad_y[:n])
+    for p in range(P):
+        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
+    too_many = _too_many(bufs)
     # 3. reverse combine: pull the needed x and dy rows of each peer
     dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
     for p in range(P):
@@ -471,28 +548,34 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
     dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
-    wdt = gate_up_proj.dtype
-    d_down = torch._grouped_mm(dy_rows.t(), wh, offs=sched.seg_end).to(wdt)
-    d_gate_up = torch._grouped_mm(dgu.t(), x_rows, offs=sched.seg_end).to(wdt)
+    wdt = gate_up_proj.dtype  # mok_gemm_wgrad as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm)
+    d_down = cb.weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
+    d_gate_up = cb.weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    # 5. reverse dispatch: push d x rows and d w into the source slots
-    trash = tc * top_k  # the last element of dwslots: scratch for rows of other sources
+    # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
+    # (zero where another rank owns the slot) into this rank's row of the source's dwslots.
+    # Rows without a slot (padding, past the segments) scatter to scratch elements, one each:
+    # no index repeats, every element is written once.
+    n_slots = P * tc * top_k
+    idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + torch.arange(dw_rows.numel(), device=x.device))
+    dw_dense = dw_rows.new_zeros(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
+    dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
     for p in range(P):
         bufs.copy_rows(dx_rows, eps.push_src[p], bufs.peer(p, "dxslots"), eps.row_slot)
-        dst = torch.where(eps.push_src[p] >= 0, eps.row_slot, trash)
-        bufs.peer(p, "dwslots").scatter_(0, dst, dw_rows)
+        bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
-    flags = torch.stack([eps.overflow.to(torch.int32), bufs.err[0]])
-    poison = _poison(flags)
-    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device) + poison
-    dx = cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype)
-    d_topk = (bufs.local("dwslots")[:num_tokens * top_k].view(num_tokens, top_k) + poison).to(topk_weights.dtype)
+    flags = _step_flags(eps, bufs, too_many)
+    ones = _poison(torch.ones(n, top_k, dtype=torch.float32, device=x.device), flags)
+    dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
+    owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
+    dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
+    d_topk = _pad_nan(_poison(dw_src.view(n, top_k), flags).to(topk_weights.dtype), num_tokens)
     _record_errors(ws, flags, "backward")
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads

@@ -77,6 +77,7 @@ def test_ep_schedule_matches_python(ep_size, tokens, tc, top_k, num_experts, ske
             e for e, rows in enumerate(per) for _ in range(-(-len(rows) // TILE_M) * TILE_M)
         ]
         assert s.pos.tolist() == torch.arange(tokens[rank] * top_k).view(tokens[rank], top_k).tolist()
+        assert eps.sched.seg_rows.dtype == torch.int32 and eps.sched.seg_rows.tolist() == [len(rows) for rows in per]
         # pull: exactly the peers' tokens with at least one expert here, never own tokens
         for src in range(ep_size):
             want = [src * tc + t if src != rank and any(int(e) // e_l == rank for e in ids_all[src, t] if e >= 0)
@@ -103,6 +104,9 @@ def test_ep_schedule_overflow_flag_seen_by_every_rank():
         starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # as the weight-gradient kernel reads them
         assert torch.all(starts + eps.sched.seg_rows <= ends)  # kept rows only: nothing read past a segment
         assert int(eps.sched.row_token.max()) <= ep_size * tc
+        seg = eps.sched.seg_end.long()
+        seg_len = seg - torch.cat([seg.new_zeros(1), seg[:-1]])
+        assert bool((eps.sched.seg_rows.long() <= seg_len).all())  # the wgrad kernel never reads past a segment
     cap2 = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
     assert not bool(cuda_ep.make_ep_schedule(ids_all, tc, 0, e_l, cap2).overflow)
 

@@ -123,3 +123,101 @@ def test_simulated_ep_matches_reference(cpu_kernels, ep_size, tokens, bias, acti
             assert rel(grads.gate_up_bias, g_ref.gate_up_bias[sl]) < 2e-2
             assert rel(grads.down_bias, g_ref.down_bias[sl]) < 2e-2
         lo += t
+
+
+def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
+    """A rank with more tokens than the capacity: both ranks finish the step (no hang), every
+    output is NaN, and both see the same count in the flags (from which the workspace grows)."""
+    H, I, E, K, ep_size, tc = 32, 16, 8, 2, 2, 6
+    tokens = [9, 4]  # rank 0 above tc
+    e_l = E // ep_size
+    g = torch.Generator().manual_seed(5)
+    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
+    ids = [torch.topk(torch.randn(t, E, generator=g), K, dim=1).indices for t in tokens]
+    ws_ = [torch.rand(t, K, generator=g) for t in tokens]
+    _, nbytes = cuda_ep.buffer_layout(ep_size, tc, H, K)
+    raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep_size)]
+    barrier = threading.Barrier(ep_size)
+
+    def rank_fn(r):
+        sl = slice(r * e_l, (r + 1) * e_l)
+        ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation="swiglu",
+                             swiglu_limit=None, device=torch.device("cpu"), buffers={},
+                             ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
+        params = ExpertParams(W13[sl], W2[sl], None, None)
+        y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
+        dx, dw, _ = cuda_ep.backward(torch.ones_like(y), saved, xs[r], ids[r], ws_[r], params, ws)
+        return y, dx, dw, ws.ep_state["seen"]
+
+    for r, (y, dx, dw, seen) in enumerate(_run_ranks(rank_fn, ep_size)):
+        assert y.shape == (tokens[r], H) and dx.shape == (tokens[r], H) and dw.shape == (tokens[r], K)
+        assert bool(torch.isnan(y).all()) and bool(torch.isnan(dx).all()) and bool(torch.isnan(dw).all())
+        assert [f.tolist() for f in seen] == [[0, 0, 9], [0, 0, 9]]
+
+
+def test_check_errors_too_many_tokens_sets_growth():
+    class _Done:
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    st = {"pending": [(torch.tensor([0, 0, 9], dtype=torch.int32), _Done(), "forward")],
+          "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
+    ws = SimpleNamespace(ep_state=st, config=MoKConfig())
+    with pytest.raises(cuda_ep.EPError, match="9 tokens, above the workspace's token capacity 6"):
+        cuda_ep.check_errors(ws)
+    assert st["grow_to"] == 9 and st["pending"] == []
+    cuda_ep.check_errors(ws)  # reported once
+
+
+@pytest.mark.parametrize("tokens,bias,activation,limit", [
+    ([37, 20], False, "swiglu", None),
+    ([37, 1], False, "swiglu", 7.0),
+    ([300, 301], True, "swiglu_oai", 7.0),
+])
+def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, tokens, bias, activation, limit):
+    """Given one routing, cuda_ep's plumbing (exchange, row order, biases, d w slots) gives the bits of
+    cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
+    kernels. (On the GPU, tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
+    H, I, E, K, P = 64, 32, 8, 2, 2
+    e_l, tc = E // P, max(tokens)
+    g = torch.Generator().manual_seed(11 + sum(tokens))
+    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).bfloat16() if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.5).bfloat16() if bias else None
+    xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
+    dys = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
+    ids = [torch.topk(torch.randn(t, E, generator=g), K, dim=1).indices for t in tokens]
+    ws_ = [torch.rand(t, K, generator=g) for t in tokens]
+    _, nbytes = cuda_ep.buffer_layout(P, tc, H, K)
+    raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(P)]
+    barrier = threading.Barrier(P)
+
+    def rank_fn(r):
+        sl = slice(r * e_l, (r + 1) * e_l)
+        params = ExpertParams(W13[sl], W2[sl], None if b13 is None else b13[sl], None if b2 is None else b2[sl])
+        ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation=activation,
+                             swiglu_limit=limit, device=torch.device("cpu"), buffers={},
+                             ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
+        y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
+        return (y,) + cuda_ep.backward(dys[r], saved, xs[r], ids[r], ws_[r], params, ws)
+
+    got = _run_ranks(rank_fn, P)
+    x, dy, idc, wc = torch.cat(xs), torch.cat(dys), torch.cat(ids), torch.cat(ws_)
+    y1, s1 = cb.experts_forward(x, idc, wc, W13, W2, b13, b2, activation, limit)
+    dx1, dw1, g1 = cb.experts_backward(dy, s1, x, idc, wc, W13, W2, b13, b2, activation, limit)
+    lo = 0
+    for r, t in enumerate(tokens):
+        y, dx, dw, grads = got[r]
+        sl = slice(r * e_l, (r + 1) * e_l)
+        pairs = {"y": (y, y1[lo:lo + t]), "dx": (dx, dx1[lo:lo + t]), "dw": (dw, dw1[lo:lo + t]),
+                 "dW13": (grads.gate_up_proj, g1.gate_up_proj[sl]), "dW2": (grads.down_proj, g1.down_proj[sl])}
+        if bias:
+            pairs.update(db13=(grads.gate_up_bias, g1.gate_up_bias[sl]), db2=(grads.down_bias, g1.down_bias[sl]))
+        assert {k: torch.equal(a, b) for k, (a, b) in pairs.items()} == {k: True for k in pairs}, r
+        lo += t

@@ -63,3 +63,15 @@ def test_schedule_setting_checked(monkeypatch):
     monkeypatch.setenv("MOK_SCHEDULE", "bogus")
     with pytest.raises(ValueError, match="MOK_SCHEDULE"):
         make_schedule(ids, 4)
+def test_schedule_tail_skip_switch(monkeypatch):
+    """MOK_GEMM_TAIL_SKIP=0 gives the GEMMs the padded segment sizes: no tile counts as padding."""
+    from mok_nn.cuda_backend import padded_seg_rows
+
+    gen = torch.Generator().manual_seed(3)
+    ids, _ = _routing(50, 2, 8, gen, skew=True)
+    s = make_schedule(ids, 8)
+    assert torch.equal(s.gemm_seg_rows(), s.seg_rows)
+    monkeypatch.setenv("MOK_GEMM_TAIL_SKIP", "0")
+    pad = padded_seg_rows(s.seg_end)
+    assert torch.equal(s.gemm_seg_rows(), pad) and pad.dtype == torch.int32
+    assert torch.equal(pad.long(), (s.seg_rows.long() + TILE_M - 1) // TILE_M * TILE_M)

@@ -17,6 +17,27 @@ persistent schedule of (m-tile, n-tile) pairs, so no inter-role queue is needed
 beyond the stage ring. Every output element is written once by one CTA with a
 fixed K order: results are bitwise reproducible.
 
+Tail skip: the schedule pads each expert's segment to TILE_M rows, so the
+last tile of a segment may hold fewer real rows. A consumer warp group whose
+64 rows are all padding issues no wgmma for that tile (it still waits on and
+releases every stage, and stores its zero accumulator): padding rows come out
+0 exactly as before (their A rows are zero), so results are bitwise unchanged.
+
+Full-tile epilogue (full_epi=True, bf16 output): the shared-memory epilogue
+buffer holds the whole output tile, so the consumers write all of it, issue the
+TMA stores, and go on to the next tile's mainloop; the wait for those stores to
+have read shared memory comes at the start of the next tile's epilogue. The
+default (full_epi=False) cycles 4 buffers of 128 x 32 and waits for buffer
+reuse inside the epilogue. The stores are the same either way: bitwise equal.
+
+SwiGLU epilogue (act="swiglu" / "swiglu_oai", class VarlenMGroupedGemmAct; the
+forward's gate/up GEMM, B = gate_up_proj K-major, I % 128 == 0): output tile n
+loads B as two 128-row halves, gate rows n*128.. and up rows I + n*128.., so
+the accumulator holds matching gate (columns 0-127) and up (128-255) values.
+The epilogue stores both into gate_up (columns n*128.. and I + n*128..) and
+h = act(gate, up) from the bf16-rounded values with the formulas of
+swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives.
+
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
 """
@@ -31,13 +52,17 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .registry import TILE_M
+from .swiglu import _act
 
 
 class VarlenMGroupedGemm:
-    """One compiled variant: tile (128, tile_n, 64), B K-major or N-major."""
+    """One compiled variant: tile (128, tile_n, 64), B K-major or N-major, split or full-tile epilogue."""
 
-    def __init__(self, tile_n: int = 256, num_sms: int = 132):
+    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None):
         assert tile_n in (128, 256)
+        assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
+        self.full_epi = full_epi
+        self.act = act
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -50,7 +75,8 @@ class VarlenMGroupedGemm:
         self.producer_regs = 40
         self.consumer_regs = 232
         self.epi_tile = (TILE_M, 32)
-        self.epi_stages = 4
+        # full_epi: one buffer per 32-column sub-tile, the whole output tile in smem.
+        self.epi_stages = tile_n // self.epi_tile[1] if full_epi else 4
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
@@ -66,9 +92,16 @@ class VarlenMGroupedGemm:
         mB: cute.Tensor,  # (N, K, E) K- or N-major
         mC: cute.Tensor,  # (M, N, 1) N-major
         tile_expert: cute.Tensor,  # (M // TILE_M,) int32
+        seg_end: cute.Tensor,  # (E,) int32 end row of each expert's padded segment
+        seg_rows: cute.Tensor,  # (E,) int32 real (routed) rows of each expert
         group_m: cutlass.Int32,  # row tiles per raster band (1: column tiles fastest)
         stream: cuda.CUstream,
     ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
+
+    @cute.jit
+    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream):
+        """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act)."""
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -76,6 +109,10 @@ class VarlenMGroupedGemm:
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
         if cutlass.const_expr(self.ab_dtype != mB.element_type):
             raise TypeError("A and B must share a dtype")
+        if cutlass.const_expr(self.full_epi and self.c_dtype.width != 16):
+            raise TypeError("the full-tile epilogue takes a 16-bit output (an fp32 tile does not fit)")
+        if cutlass.const_expr(self.act is not None and self.b_layout != utils.LayoutEnum.ROW_MAJOR):
+            raise TypeError("the SwiGLU epilogue reads B K-major (its half-tile smem view relies on it)")
 
         bm, bn, bk = self.tile_mnk
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -98,11 +135,19 @@ class VarlenMGroupedGemm:
             cute.slice_(a_smem, (None, None, 0)),
             (bm, bk),
         )
+        # With act, B arrives as two (bn/2, bk) boxes per stage. K-major, the smem layout of
+        # a (bn, bk) stage is two (bn/2, bk) layouts back to back (same swizzle), so half h of
+        # stage s is stage 2s + h of the half-tile layout: one buffer, two views.
+        b_tma_smem = b_smem
+        if cutlass.const_expr(self.act is not None):
+            b_tma_smem = sm90_utils.make_smem_layout_b(
+                self.b_layout, (bm, bn // 2, bk), self.ab_dtype, 2 * self.ab_stages
+            )
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mB,
-            cute.slice_(b_smem, (None, None, 0)),
-            (bn, bk),
+            cute.slice_(b_tma_smem, (None, None, 0)),
+            (bn // 2, bk) if cutlass.const_expr(self.act is not None) else (bn, bk),
         )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -110,9 +155,21 @@ class VarlenMGroupedGemm:
             cute.slice_(c_smem, (None, None, 0)),
             self.epi_tile,
         )
+        tma_h, tma_mH = tma_c, tma_mC
+        if cutlass.const_expr(self.act is not None):
+            tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                mH,
+                cute.slice_(c_smem, (None, None, 0)),
+                self.epi_tile,
+            )
 
         # Tiles over the padded rows x output columns; M is a multiple of TILE_M.
-        gc = cute.zipped_divide(mC, tiler=(bm, bn))
+        # With act: tiles over h's columns (gate and up halves of one tile per I-block).
+        if cutlass.const_expr(self.act is not None):
+            gc = cute.zipped_divide(mH, tiler=(bm, bn // 2))
+        else:
+            gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
         # The scheduler hands out linear tile indices; _tile_coord maps them to
         # (m, n) in bands of group_m row tiles (see there).
@@ -129,8 +186,9 @@ class VarlenMGroupedGemm:
         self.shared_storage = SharedStorage
 
         self.kernel(
-            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tile_expert,
-            tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n), group_m,
+            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
+            tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
+            group_m,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -163,10 +221,16 @@ class VarlenMGroupedGemm:
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        mH: cute.Tensor,
         tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        limit: cutlass.Float32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
+        b_tma_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
         sched_params: utils.PersistentTileSchedulerParams,
         tiles_m: cutlass.Int32,
@@ -181,6 +245,8 @@ class VarlenMGroupedGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+            if cutlass.const_expr(self.act is not None):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_h)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -210,9 +276,17 @@ class VarlenMGroupedGemm:
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-        )
+        if cutlass.const_expr(self.act is not None):
+            # Half-tile views: smem stage 2s + h, gmem tiles of bn/2 rows (gate n, up n + I/(bn/2)).
+            sB_tma = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner)
+            gB_tma = cute.local_tile(mB, (self.tile_mnk[1] // 2, self.tile_mnk[2]), (None, None, None))
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB_tma, 0, 2), cute.group_modes(gB_tma, 0, 2)
+            )
+        else:
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
         k_tiles = cute.size(gA, mode=[3])
 
         if wg_idx == 0:
@@ -230,11 +304,17 @@ class VarlenMGroupedGemm:
                     if expert >= 0:
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
+                        if cutlass.const_expr(self.act is not None):
+                            tBgB_u = tBgB[(None, n_tile + tiles_n, None, expert)]  # the up half
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
                             cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                            if cutlass.const_expr(self.act is not None):
+                                cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
+                                cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)], tma_bar_ptr=bar)
+                            else:
+                                cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(state)
                             state.advance()
                     sched.advance_to_next_work()
@@ -265,6 +345,10 @@ class VarlenMGroupedGemm:
             rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
             rD_size = cute.size(rD)
+            if cutlass.const_expr(self.act is not None):
+                rU = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+                rG_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
+                rU_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
             epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
@@ -277,29 +361,45 @@ class VarlenMGroupedGemm:
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            # thr_mma gives consumer threads 0-127 (warp group 1) rows 0-63 of the tile,
+            # threads 128-255 (warp group 2) rows 64-127.
+            first_row = (wg_idx - 1) * (TILE_M // self.num_consumer_wg)
             epi_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
                 if expert >= 0:
+                    # Real rows in this tile (more than TILE_M before the segment's last tile).
+                    rows = seg_rows[expert]
+                    seg_start = seg_end[expert] - (rows + TILE_M - 1) // TILE_M * TILE_M
+                    real_rows = seg_start + rows - m_tile * TILE_M
                     acc.fill(0.0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    for k in range(k_tiles):
-                        ab_pipe.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            coord = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        cute.nvgpu.warpgroup.commit_group()
-                        # Keep one wgmma batch in flight; release the stage before it.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        if k > 0:
+                    if real_rows > first_row:
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
+                        for k in range(k_tiles):
+                            ab_pipe.consumer_wait(read_state)
+                            for kb in cutlass.range_constexpr(k_blocks):
+                                coord = (None, None, kb, read_state.index)
+                                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                            cute.nvgpu.warpgroup.commit_group()
+                            # Keep one wgmma batch in flight; release the stage before it.
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            if k > 0:
+                                ab_pipe.consumer_release(release_state)
+                                release_state.advance()
+                            read_state.advance()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                    else:
+                        # All 64 rows are padding: no MMA, but the stage ring must still
+                        # see this warp group wait on and release every stage.
+                        for k in range(k_tiles):
+                            ab_pipe.consumer_wait(read_state)
                             ab_pipe.consumer_release(release_state)
+                            read_state.advance()
                             release_state.advance()
-                        read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
 
                     gC_t = gC[(None, None, m_tile, n_tile, 0)]
                     gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
@@ -309,20 +409,111 @@ class VarlenMGroupedGemm:
                     epi_tiles = cute.size(gC_epi, mode=[1])
                     epi_shape = gC_epi.shape[1]
                     epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    for e in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(rD_size):
-                            rD[v] = tRS_acc[e * rD_size + v]
-                        rD_out.store(rD.load().to(self.c_dtype))
-                        buf = (epi_count + e) % self.epi_stages
-                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                    if cutlass.const_expr(self.full_epi):
+                        # The previous tile's stores must have read the buffer before it is rewritten.
+                        if warp_idx == 4:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        epi_barrier.arrive_and_wait()
+                        for e in cutlass.range_constexpr(epi_tiles):
+                            for v in cutlass.range_constexpr(rD_size):
+                                rD[v] = tRS_acc[e * rD_size + v]
+                            rD_out.store(rD.load().to(self.c_dtype))
+                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_barrier.arrive_and_wait()
                         if warp_idx == 4:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        epi_barrier.arrive_and_wait()
-                    epi_count = epi_count + epi_tiles
+                            for e in cutlass.range_constexpr(epi_tiles):
+                                cute.copy(tma_c, bSG_sC[(None, e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                            cute.arch.cp_async_bulk_commit_group()
+                    elif cutlass.const_expr(self.act is not None):
+                        # Sub-tiles 0..half-1 gate, half..epi_tiles-1 up (same thread, same register
+                        # slot, column + bn/2), then half sub-tiles of h. Destinations are 32-column
+                        # blocks of the whole outputs: gate_up block 4n + e / I/32 + 4n + e, h 4n + j.
+                        half = epi_tiles // 2
+                        gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
+                        gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
+                        _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(
+                            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa
+                        )
+                        bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
+                            tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa
+                        )
+                        up_block = cute.size(mH, mode=[1]) // self.epi_tile[1]
+                        for e in cutlass.range_constexpr(epi_tiles + half):
+                            if cutlass.const_expr(e < epi_tiles):
+                                for v in cutlass.range_constexpr(rD_size):
+                                    rD[v] = tRS_acc[e * rD_size + v]
+                            else:
+                                # h from the bf16-rounded gate/up, as mok_act_fwd reads them from gate_up.
+                                j = e - epi_tiles
+                                for v in cutlass.range_constexpr(rD_size):
+                                    rD[v] = tRS_acc[j * rD_size + v]
+                                    rU[v] = tRS_acc[(j + half) * rD_size + v]
+                                rG_out.store(rD.load().to(self.c_dtype))
+                                rU_out.store(rU.load().to(self.c_dtype))
+                                for v in cutlass.range_constexpr(rD_size):
+                                    hv, _, _ = _act(
+                                        self.act, rG_out[v].to(cutlass.Float32), rU_out[v].to(cutlass.Float32), limit
+                                    )
+                                    rD[v] = hv
+                            rD_out.store(rD.load().to(self.c_dtype))
+                            buf = (epi_count + e) % self.epi_stages
+                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == 4:
+                                if cutlass.const_expr(e < half):
+                                    dst = bSG_gCa[(None, (m_tile, n_tile * half + e))]
+                                    cute.copy(tma_c, bSG_sC[(None, buf)], dst)
+                                elif cutlass.const_expr(e < epi_tiles):
+                                    dst = bSG_gCa[(None, (m_tile, up_block + n_tile * half + e - half))]
+                                    cute.copy(tma_c, bSG_sC[(None, buf)], dst)
+                                else:
+                                    dst = bSG_gH[(None, (m_tile, n_tile * half + e - epi_tiles))]
+                                    cute.copy(tma_h, bSG_sH[(None, buf)], dst)
+                                store_pipe.producer_commit()
+                                store_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                        epi_count = epi_count + epi_tiles + half
+                    else:
+                        for e in cutlass.range_constexpr(epi_tiles):
+                            for v in cutlass.range_constexpr(rD_size):
+                                rD[v] = tRS_acc[e * rD_size + v]
+                            rD_out.store(rD.load().to(self.c_dtype))
+                            buf = (epi_count + e) % self.epi_stages
+                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == 4:
+                                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                                store_pipe.producer_commit()
+                                store_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                        epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
+
+
+class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
+    """The gate/up GEMM with the activation in its epilogue: writes gate_up and h = act(gate, up)."""
+
+    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132):
+        assert act in ("swiglu", "swiglu_oai") and tile_n == 256
+        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major: x rows
+        mB: cute.Tensor,  # (2I, K, E) K-major: gate_up_proj, rows [gate; up]
+        mC: cute.Tensor,  # (M, 2I, 1) N-major: gate_up (saved for backward)
+        mH: cute.Tensor,  # (M, I, 1) N-major: h = act(gate, up)
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        limit: cutlass.Float32,  # clamp of gate/up (+inf: none)
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream)

@@ -61,19 +61,43 @@ class KernelSpec:
     args: tuple  # TensorArg / ScalarArg, then the stream (implicit, last)
 
 
-def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16") -> KernelSpec:
+def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
     # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
+    # seg_end / seg_rows: padded segment ends and real rows per expert (tiles' padding halves skip the MMA).
     b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
     return KernelSpec(
         name=name,
         module="grouped_gemm",
         factory="VarlenMGroupedGemm",
-        factory_kwargs=(("tile_n", tile_n),),
+        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
             TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("group_m", "i32"),
+        ),
+    )
+
+
+def _gemm_act_spec(kind: str) -> KernelSpec:
+    # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
+    return KernelSpec(
+        name=f"mok_gemm_gate_up_{kind}",
+        module="grouped_gemm",
+        factory="VarlenMGroupedGemmAct",
+        factory_kwargs=(("act", kind),),
+        args=(
+            TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
+            TensorArg("b", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(256, 8, 1)),
+            TensorArg("gate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 256, 1)),
+            TensorArg("h", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 128, 1)),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("limit", "f32"),
             ScalarArg("group_m", "i32"),
         ),
     )
@@ -210,6 +234,13 @@ SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
+    # the same with the whole output tile in smem (stores overlap the next tile's mainloop);
+    # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
+    _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
+    _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
+    # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
+    _gemm_act_spec("swiglu"),
+    _gemm_act_spec("swiglu_oai"),
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
     # tests/gpu/bench_wgrad_variants.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
     _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),
@@ -235,6 +266,7 @@ SPECS = (
 SPECS_BY_NAME = {s.name: s for s in SPECS}
 WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
 WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS)
+GEMM_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemm")
 
 
 def tile_n_of(name: str) -> int:

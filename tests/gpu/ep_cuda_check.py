@@ -1,14 +1,23 @@
 """Expert parallelism on CUDA (symmetric memory + CuTe DSL kernels) on 2+ GPUs of one host.
 
-Run with:  torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
-Checks, each printed as one line by rank 0, exit status non-zero if any fails:
+Run with:  torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py   (about 1 min; log to $OUT/ep_cuda_check.log)
+Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if any fails:
   - layer(backend="cuda", EP=P) against layer(backend="reference", EP=P over NCCL): y and every
     gradient within bf16 rounding (rel L2 < 2e-2), outputs poisoned first (NaN never passes)
   - bitwise identical across runs
-  - EP=P results against the single-GPU CUDA path on the concatenated batch: bitwise? (reported)
+  - whole layer EP=P vs the single-GPU CUDA path on the concatenated batch: close (bitwise equality
+    and whether the router logits agree are reported; the router GEMM runs over other row counts)
+  - fixed routing (the same top-k ids and weights fed to both): routed experts at EP=P (cuda_ep)
+    bitwise equal to EP=1 (cuda_backend, one rank computing all experts over all ranks' tokens),
+    for swiglu, swiglu with limit, GPT-OSS (swiglu_oai, limit, biases); max abs diff per tensor
+  - the same under torch.use_deterministic_algorithms(True): nothing raises, bits unchanged
   - capacity overflow -> NaN outputs and EPError, and the next step works again
+  - token capacity growth: a batch above the capacity (same count on all ranks, then different
+    counts) -> NaN + EPError on every rank, the next call grows the buffer on every rank, results
+    close to the reference path and, for an earlier batch, bitwise unchanged; reserve_tokens
   - a peer that never signals -> the barrier returns within its timeout with the error flag set
   - workspace shapes that differ across ranks -> ValueError on every rank
+INFO lines are diagnostics (not pass/fail).
 """
 
 import os
@@ -16,14 +25,28 @@ import sys
 import time
 import traceback
 
-import torch
-import torch.distributed as dist
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic mode and cuBLAS (router GEMM)
+os.environ.setdefault("MOK_EP_TIMEOUT_S", "20")  # a barrier bug costs 20 s, not 300 (read at import)
 
-import layer_runs
-from layer_runs import GRAD_NAMES
-from mok_nn import MoKConfig, MoKMoELayer, cuda_ep, functional
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import layer_runs  # noqa: E402
+from layer_runs import GRAD_NAMES  # noqa: E402
+from mok_nn import MoKConfig, MoKMoELayer, cuda_ep, functional  # noqa: E402
+from mok_nn.autograd import MoKFunction  # noqa: E402
 
 RESULTS = []
+LOG = []
+
+
+def log(line, all_ranks=False):
+    """Print on rank 0 (or every rank, prefixed) and keep for the log file."""
+    if all_ranks:
+        line = f"[rank {dist.get_rank()}] {line}"
+    if all_ranks or dist.get_rank() == 0:
+        print(line, flush=True)
+        LOG.append(line)
 
 
 def rel(a, b):
@@ -36,8 +59,7 @@ def report(name, ok, detail=""):
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     ok = bool(flag.item())
     RESULTS.append(ok)
-    if dist.get_rank() == 0:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    log(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}")
 
 
 def check(name, fn):
@@ -45,7 +67,7 @@ def check(name, fn):
         fn()
     except Exception:  # one failing check must not hide the others
         detail = traceback.format_exc().strip().splitlines()
-        print(f"[rank {dist.get_rank()}] {name} raised:\n" + "\n".join(detail[-12:]), flush=True)
+        log(f"{name} raised:\n" + "\n".join(detail[-12:]), all_ranks=True)
         report(name, False, "raised")
 
 
@@ -96,16 +118,178 @@ def case_vs_reference(name, H, I, E, K, T_by_rank, opts):
         pieces.update(db13=one["db13"][rank * per:(rank + 1) * per], db2=one["db2"][rank * per:(rank + 1) * per])
     same = {k: torch.equal(got[k], v) for k, v in pieces.items()}
     errs1 = {k: rel(got[k], v) for k, v in pieces.items()}
-    # informational: reported, not a pass/fail criterion beyond closeness
-    report(f"{name}: EP={world} vs EP=1 (cuda) close", all(e < 2e-2 for e in errs1.values()),
-           "bitwise equal: " + " ".join(f"{k}={v}" for k, v in same.items()))
+    # informational: reported, not a pass/fail criterion beyond closeness (the routing differs when
+    # the router GEMM rounds differently over this rank's rows than over the whole batch)
+    report(f"{name}: whole layer EP={world} vs EP=1 (cuda) close", all(e < 2e-2 for e in errs1.values()))
+    logits_same = torch.equal(layers["cuda"].router_logits, full.router_logits[lo:lo + T])
+    log(f"INFO  {name}: whole layer EP={world} vs EP=1: router logits bitwise equal {logits_same}; outputs "
+        "bitwise equal: " + " ".join(f"{k}={v}" for k, v in same.items()), all_ranks=True)
     ws = layers["cuda"]
     wsp = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
                                    ep_group=dist.group.WORLD, device=x.device, dtype=x.dtype, backend="cuda",
                                    activation=ws.activation, swiglu_limit=ws.swiglu_limit, config=ws.config)
-    if rank == 0:
-        print(f"      workspace {wsp.nbytes / 2**20:.1f} MiB (symmetric buffer, token capacity "
-              f"{wsp.ep_state['bufs'].tokens_cap})", flush=True)
+    log(f"      workspace {wsp.nbytes / 2**20:.1f} MiB (symmetric buffer, token capacity "
+        f"{wsp.ep_state['bufs'].tokens_cap})")
+
+
+# --------------------------------------------------------------------------
+# fixed routing: EP=P (cuda_ep) against EP=1 (cuda_backend) on the same ids and weights
+
+
+def _rank_inputs(r, T, H, E, K):
+    """Rank r's tokens, d y, top-k ids and weights: the same on every rank that builds them."""
+    g = torch.Generator(device="cuda").manual_seed(1000 + r)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    logits[:, : E // 4] += 1.5  # uneven load
+    top = torch.topk(logits, K, dim=1)
+    return x, dy, top.indices, torch.softmax(top.values, dim=1)
+
+
+def _experts(ws, x, w, ids, dy, params):
+    """{name: tensor}: y and the gradients of the routed experts (MoKFunction) on ws."""
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    ps = [None if p is None else p.detach().clone().requires_grad_() for p in params]
+    y = MoKFunction.apply(x, w, *ps, ids, ws)
+    y.backward(dy)
+    out = {"y": y.detach(), "dx": x.grad, "dw": w.grad, "dW13": ps[0].grad, "dW2": ps[1].grad}
+    if ps[2] is not None:
+        out.update(db13=ps[2].grad, db2=ps[3].grad)
+    return out
+
+
+def _diff(got, want):
+    """'name=eq|maxabs' for each tensor, and whether all are bitwise equal."""
+    parts, all_eq = [], True
+    for k in want:
+        eq = torch.equal(got[k], want[k])
+        all_eq &= eq
+        d = (got[k].double() - want[k].double()).abs().max().item() if got[k].numel() else 0.0
+        parts.append(f"{k}={'eq' if eq else f'{d:.1e}'}")
+    return " ".join(parts), all_eq
+
+
+def case_fixed_routing(name, H, I, E, K, T_by_rank, activation="swiglu", limit=None, bias=False, diag=False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = E // world
+    g = torch.Generator(device="cuda").manual_seed(7)  # same weights on every rank
+    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
+    b13 = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    b2 = (torch.randn(E, H, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    full = [W13, W2, b13, b2]
+    local = [None if p is None else p[rank * per:(rank + 1) * per] for p in full]
+    ins = [_rank_inputs(r, T_by_rank[r], H, E, K) for r in range(world)]
+    x, dy, ids, w = ins[rank]
+    xa, dya, idsa, wa = (torch.cat([i[n] for i in ins]) for n in range(4))
+    common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
+                  backend="cuda", activation=activation, swiglu_limit=limit)
+    ws_ep = functional.get_workspace(ep_group=dist.group.WORLD, **common)
+    ws_1 = functional.get_workspace(ep_group=None, **common)
+
+    def both():
+        got = _experts(ws_ep, x, w, ids, dy, local)
+        cuda_ep.check_errors(ws_ep)
+        one = _experts(ws_1, xa, wa, idsa, dya, full)
+        lo = sum(T_by_rank[:rank])
+        want = {k: (v[lo:lo + len(x)] if k in ("y", "dx", "dw") else v[rank * per:(rank + 1) * per])
+                for k, v in one.items()}
+        return got, want
+
+    got, want = both()
+    detail, all_eq = _diff(got, want)
+    close = all(rel(got[k], want[k]) < 2e-2 for k in want) and not any(torch.isnan(v).any() for v in got.values())
+    report(f"{name}: fixed routing, EP={world} close to EP=1", close)
+    report(f"{name}: fixed routing, EP={world} bitwise equal to EP=1", all_eq)
+    log(f"      {name}: {detail}", all_ranks=True)
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        got_d, want_d = both()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    same = all(torch.equal(got_d[k], got[k]) and torch.equal(want_d[k], want[k]) for k in got)
+    report(f"{name}: under torch.use_deterministic_algorithms(True): no error, same bits (EP={world} and EP=1)",
+           same)
+
+    if diag:  # the previous EP path: weight gradients on torch._grouped_mm, EP=1 on mok_gemm_wgrad
+        os.environ["MOK_WGRAD"] = "torch"
+        try:
+            old = _experts(ws_ep, x, w, ids, dy, local)
+        finally:
+            del os.environ["MOK_WGRAD"]
+        cuda_ep.check_errors(ws_ep)
+        log(f"INFO  {name}: EP={world} with MOK_WGRAD=torch (the previous EP weight gradients) vs EP=1: "
+            + _diff(old, want)[0], all_ranks=True)
+
+
+# --------------------------------------------------------------------------
+# token capacity growth
+
+
+def case_growth():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    H, I, E, K = 320, 128, 16, 2  # a shape of its own: a fresh workspace
+    torch.manual_seed(3)
+    full = MoKMoELayer(H, I, E, K, device="cuda", backend="cuda")
+    sd = full.state_dict()
+    per = E // world
+    lays = {}
+    for backend in ("cuda", "reference"):
+        lays[backend] = MoKMoELayer(H, I, E, K, device="cuda", backend=backend, ep_group=dist.group.WORLD)
+        lays[backend].load_state_dict(shard(sd, rank, per))
+    lay = lays["cuda"]
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
+                                  ep_group=dist.group.WORLD, device=torch.device("cuda"), dtype=torch.bfloat16,
+                                  backend="cuda", activation=lay.activation, swiglu_limit=lay.swiglu_limit,
+                                  config=lay.config)
+
+    def data(T, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed + rank)
+        return (torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16),
+                torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16))
+
+    x0, dy0 = data([64, 48][rank], 10)
+    first = run_layer(lay, x0, dy0)
+    cuda_ep.check_errors(ws)
+    cap0 = ws.ep_state["bufs"].tokens_cap
+    report("growth: first batch sets the capacity (largest of the ranks)", cap0 == 64, f"capacity {cap0}")
+
+    for label, sizes in (("same count on all ranks", [100, 100]), ("different counts", [150, 90])):
+        x, dy = data(sizes[rank], 20 + sizes[0])
+        t0 = time.time()
+        with torch.no_grad():  # forward only: the error is raised below at the same point on every rank
+            y_bad = lay(x)
+        raised = ""
+        try:
+            cuda_ep.check_errors(ws)
+        except cuda_ep.EPError as err:
+            raised = str(err)
+        elapsed = time.time() - t0
+        report(f"growth ({label}): batch above the capacity -> NaN and EPError on every rank",
+               bool(torch.isnan(y_bad).all()) and f"{max(sizes)} tokens" in raised and elapsed < 10,
+               f"({elapsed:.2f} s) {raised[:80]}...")
+        got = run_layer(lay, x, dy)  # grows here, on every rank
+        cuda_ep.check_errors(ws)
+        want = run_layer(lays["reference"], x, dy)
+        cap = ws.ep_state["bufs"].tokens_cap
+        errs = {k: rel(got[k], want[k]) for k in want}
+        ok = cap == max(sizes) and all(e < 2e-2 for e in errs.values()) and not any(
+            torch.isnan(v).any() for v in got.values())
+        report(f"growth ({label}): next call grows to {max(sizes)} and matches the reference", ok,
+               f"capacity {cap}; " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        again = run_layer(lay, x0, dy0)
+        cuda_ep.check_errors(ws)
+        report(f"growth ({label}): the first batch gives the same bits at the new capacity",
+               all(torch.equal(again[k], first[k]) for k in first))
+
+    cap = cuda_ep.reserve_tokens(ws, [200, 10][rank])
+    again = run_layer(lay, x0, dy0)
+    cuda_ep.check_errors(ws)
+    report("growth: reserve_tokens (collective) -> capacity 200, same bits",
+           cap == 200 and all(torch.equal(again[k], first[k]) for k in first), f"capacity {cap}")
 
 
 def case_overflow():
@@ -187,12 +371,21 @@ def main():
         "sigmoid/groups/shared", 384, 192, 16, 4, [257, 1], dict(score_func="sigmoid", n_group=4, topk_group=2,
                                                                 use_expert_bias=True, routed_scaling_factor=2.5,
                                                                 shared_intermediate_size=64)))
+    check("fixed swiglu", lambda: case_fixed_routing("swiglu", 512, 256, 32, 4, [1000, 777]))
+    check("fixed limit", lambda: case_fixed_routing("swiglu limit 7", 384, 192, 16, 4, [257, 1], limit=7.0))
+    check("fixed oai", lambda: case_fixed_routing(
+        "gpt-oss (swiglu_oai, limit 7, biases)", 256, 128, 16, 4, [300, 301], activation="swiglu_oai", limit=7.0,
+        bias=True, diag=True))
     check("overflow", case_overflow)
+    check("growth", case_growth)
     check("shapes", case_shapes_differ)
     check("timeout", case_peer_timeout)  # last: leaves its own buffers out of step
     dist.barrier()
-    if rank == 0:
-        print(f"{sum(RESULTS)}/{len(RESULTS)} checks passed", flush=True)
+    log(f"{sum(RESULTS)}/{len(RESULTS)} checks passed")
+    out = os.environ.get("OUT", "/tmp")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"ep_cuda_check_rank{rank}.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
     dist.destroy_process_group()
     sys.exit(0 if all(RESULTS) else 1)
 

@@ -49,10 +49,50 @@ GEMM_CASES = [  # tokens, k, E, N, K, routing
 ]
 
 
-@pytest.mark.parametrize("transpose_w,out_dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (True, torch.float32)])
+# (registry name, B read transposed (dgrad), output dtype)
+GEMM_VARIANTS = [
+    ("mok_gemm_bk", False, torch.bfloat16),
+    ("mok_gemm_bk_ef", False, torch.bfloat16),
+    ("mok_gemm_bn", True, torch.bfloat16),
+    ("mok_gemm_bn_ef", True, torch.bfloat16),
+    ("mok_gemm_bn_f32", True, torch.float32),
+]
+DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn"}
+
+
+def test_gemm_variants_listed():
+    assert {v[0] for v in GEMM_VARIANTS} == set(registry.GEMM_KERNELS)
+
+
+def _slot_products(x, ids, W, transpose_w):
+    """fp64 [T*k, N]: row (t, j) = x[t] @ W[ids[t, j]] (transpose_w) or x[t] @ W[ids[t, j]]^T, expert by expert."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    xs = x.double().repeat_interleave(k, 0)
+    out = torch.empty(flat.numel(), W.shape[2] if transpose_w else W.shape[1], dtype=torch.float64, device=x.device)
+    for e in flat.unique().tolist():
+        sel = flat == e
+        We = W[e].double()
+        out[sel] = xs[sel] @ (We if transpose_w else We.T)
+    return out
+
+
+def _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m, seg_rows=None):
+    """One launch into a NaN-poisoned output; seg_rows defaults to the schedule's real rows."""
+    out = torch.full((a.shape[0], W.shape[2] if transpose_w else W.shape[1]), float("nan"), device="cuda",
+                     dtype=out_dtype)
+    b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
+    rows = sched.seg_rows if seg_rows is None else seg_rows
+    lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, rows, group_m,
+               stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("name,transpose_w,out_dtype", GEMM_VARIANTS, ids=[v[0] for v in GEMM_VARIANTS])
 @pytest.mark.parametrize("case", GEMM_CASES)
 @pytest.mark.parametrize("group_m", [1, 3])
-def test_grouped_gemm(lib, case, transpose_w, out_dtype, group_m):
+def test_grouped_gemm(lib, case, name, transpose_w, out_dtype, group_m):
     from mok_nn import cuda_backend as cb
 
     T, k, E, N, K, mode = case
@@ -63,16 +103,15 @@ def test_grouped_gemm(lib, case, transpose_w, out_dtype, group_m):
     wshape = (E, K, N) if transpose_w else (E, N, K)
     W = torch.randn(wshape, device="cuda", dtype=torch.bfloat16) / K**0.5
     pos = sched.pos.reshape(-1)
-    outs = []
-    for _ in range(2):
-        out = torch.full((a.shape[0], N), float("nan"), device="cuda", dtype=out_dtype)
-        name = ("mok_gemm_bn_f32" if out_dtype == torch.float32 else "mok_gemm_bn") if transpose_w else "mok_gemm_bk"
-        b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-        lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, group_m,
-                   stream=torch.cuda.current_stream().cuda_stream)
-        torch.cuda.synchronize()
-        outs.append(out)
+    outs = [_run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m) for _ in range(2)]
     assert torch.equal(outs[0][pos], outs[1][pos]), "not bitwise reproducible"
+    # no tail skip (every row counted real) gives the same bits
+    no_skip = _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m, cb.padded_seg_rows(sched.seg_end))
+    used = int(sched.seg_end[-1])
+    assert torch.equal(outs[0][:used], no_skip[:used]), "tail skip changed the result"
+    if name in DEFAULT_GEMM:
+        ref_bits = _run_gemm(lib, DEFAULT_GEMM[name], a, W, transpose_w, out_dtype, sched, group_m)
+        assert torch.equal(outs[0][:used], ref_bits[:used]), "full-tile epilogue differs from the default"
     got = outs[0][pos]
     Wd = W.double()
     ref = torch.stack(
@@ -91,6 +130,61 @@ def test_grouped_gemm(lib, case, transpose_w, out_dtype, group_m):
     seg_rows[:used] = True
     seg_rows[pos] = False
     assert torch.all(outs[0][seg_rows] == 0)
+
+
+EDGE_COUNTS = [1, 63, 0, 64, 65, 127, 128, 129, 200]  # rows per expert around the 64-row halves of a tile
+
+
+@pytest.mark.parametrize("name,transpose_w,out_dtype", GEMM_VARIANTS, ids=[v[0] for v in GEMM_VARIANTS])
+def test_grouped_gemm_tail_rows(lib, name, transpose_w, out_dtype):
+    """Experts whose last tile is 1, 63, 64, 65, 127, 128 or 1 (129) rows full: the skipped
+    halves store exact zeros, real rows match fp64, bits equal the no-skip launch and the default."""
+    from mok_nn import cuda_backend as cb
+
+    E, N, K = len(EDGE_COUNTS), 512, 320
+    g = torch.Generator(device="cuda").manual_seed(11)
+    flat = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(EDGE_COUNTS, device="cuda"))
+    ids = flat[torch.randperm(flat.numel(), device="cuda", generator=g)].view(-1, 1)
+    T = ids.shape[0]
+    sched = cb.make_schedule(ids, E)
+    assert sched.seg_rows.tolist() == EDGE_COUNTS
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    a = cb.gather_rows(x, sched)
+    W = (torch.randn((E, K, N) if transpose_w else (E, N, K), device="cuda", generator=g) / K**0.5).to(torch.bfloat16)
+    outs = [_run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, 1) for _ in range(2)]
+    used = int(sched.seg_end[-1])
+    assert torch.equal(outs[0][:used], outs[1][:used]), "not bitwise reproducible"
+    pos = sched.pos.reshape(-1)
+    ref = _slot_products(x, ids, W, transpose_w)
+    assert not torch.isnan(outs[0][:used]).any(), "rows left unwritten"
+    assert rel_l2(outs[0][pos], ref) < BF16_TOL
+    pad = torch.ones(used, dtype=torch.bool, device="cuda")
+    pad[pos] = False
+    assert torch.all(outs[0][:used][pad] == 0), "padding rows not zero"
+    no_skip = _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, 1, cb.padded_seg_rows(sched.seg_end))
+    assert torch.equal(outs[0][:used], no_skip[:used]), "tail skip changed the result"
+    if name in DEFAULT_GEMM:
+        ref_bits = _run_gemm(lib, DEFAULT_GEMM[name], a, W, transpose_w, out_dtype, sched, 1)
+        assert torch.equal(outs[0][:used], ref_bits[:used]), "full-tile epilogue differs from the default"
+
+
+@pytest.mark.parametrize("epi", ["split", "full"])
+def test_grouped_gemm_backend_epi(lib, epi, monkeypatch):
+    """cuda_backend.grouped_gemm under MOK_GEMM_EPI gives the default kernel's bits."""
+    from mok_nn import cuda_backend as cb
+
+    ids, _ = _routing(700, 4, 16, "random", seed=5)
+    sched = cb.make_schedule(ids, 16)
+    a = cb.gather_rows(torch.randn(700, 384, device="cuda", dtype=torch.bfloat16), sched)
+    W = (torch.randn(16, 768, 384, device="cuda") / 20).to(torch.bfloat16)
+    monkeypatch.setenv("MOK_GEMM_EPI", epi)
+    Wt = W.transpose(1, 2).contiguous()
+    got = cb.grouped_gemm(a, W, sched, transpose_w=False)
+    got_t = cb.grouped_gemm(a, Wt, sched, transpose_w=True)
+    want = _run_gemm(lib, "mok_gemm_bk", a, W, False, torch.bfloat16, sched, 1)
+    want_t = _run_gemm(lib, "mok_gemm_bn", a, Wt, True, torch.bfloat16, sched, 1)
+    used = int(sched.seg_end[-1])
+    assert torch.equal(got[:used], want[:used]) and torch.equal(got_t[:used], want_t[:used])
 
 
 WGRAD_CASES = [  # tokens, k, E, Na, Nb, routing
@@ -273,5 +367,63 @@ def test_schedule_kernel_equals_torch_schedule(lib, T, k, E, mode):
     for _ in range(2):
         got = cb.make_schedule(ids, E)
         torch.cuda.synchronize()
-        for name in ("pos", "row_token", "tile_expert", "seg_end"):
+        for name in ("pos", "row_token", "tile_expert", "seg_end", "seg_rows"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
+    (256, 2, 8, 256, 128, "random", "swiglu", None),
+    (333, 2, 8, 320, 384, "skew", "swiglu", 7.0),  # three h tiles, empty experts
+    (300, 1, 3, 128, 256, "one_expert", "swiglu_oai", 7.0),
+    (1, 1, 4, 256, 128, "random", "swiglu_oai", None),
+    (512, 8, 128, 2048, 768, "random", "swiglu", None),  # qwen3-30b-a3b, reduced T
+]
+
+
+@pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
+def test_gate_up_act_fused(lib, case):
+    """mok_gemm_gate_up_<act>: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn import reference
+
+    T, k, E, H, I, mode, act, limit = case
+    ids, _ = _routing(T, k, E, mode, seed=T + I)
+    sched = cb.make_schedule(ids, E)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    a = cb.gather_rows(x, sched)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    used = int(sched.seg_end[-1])
+    gu_ref = cb.grouped_gemm(a, W13, sched, transpose_w=False)
+    h_ref = cb.act_forward(gu_ref, sched, act, limit)
+    outs = []
+    for _ in range(2):
+        gu, h = cb.gate_up_act(a, W13, sched, act, limit)
+        torch.cuda.synchronize()
+        outs.append((gu[:used].clone(), h[:used].clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), "not bitwise reproducible"
+    gu, h = outs[0]
+    assert not torch.isnan(gu).any() and not torch.isnan(h).any()
+    # independent check of the real rows in fp64
+    pos = sched.pos.reshape(-1)
+    gu64 = _slot_products(x, ids, W13, False)
+    assert rel_l2(gu[pos], gu64) < BF16_TOL
+    h64 = reference.activation_forward(gu[pos].double(), act, limit)
+    assert rel_l2(h[pos], h64) < BF16_TOL
+    assert torch.equal(gu, gu_ref[:used]), "gate_up differs from mok_gemm_bk"
+    assert torch.equal(h, h_ref[:used]), "h differs from mok_act_fwd"
+
+
+def test_gate_up_act_in_forward(lib, monkeypatch):
+    """MOK_GEMM_ACT=fused: experts_forward gives the same bits as the two-kernel path."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k = 300, 256, 256, 8, 2
+    ids, w = _routing(T, k, E, "random", seed=9)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    y0, s0 = cb.experts_forward(x, ids, w, W13, W2)
+    monkeypatch.setenv("MOK_GEMM_ACT", "fused")
+    y1, s1 = cb.experts_forward(x, ids, w, W13, W2)
+    used = int(s0.sched.seg_end[-1])
+    assert torch.equal(y0, y1) and torch.equal(s0.gate_up[:used], s1.gate_up[:used])

@@ -1,0 +1,168 @@
+"""Diagnostic (not a test): the varlen-M grouped GEMM variants, call by call, per benchmark shape.
+
+    OUT=/tmp python tests/gpu/bench_gemm_variants.py [--shapes a,b] [--reps 20]
+
+For each shape at 8192 tokens (bench.make_problem: random router, real uneven
+routing, make_schedule) it times the four grouped GEMMs of the forward and
+backward with every variant, and torch._grouped_mm on the same operands
+("speedup" = torch time / this time):
+
+    gate_up      x_rows @ W13[e]^T        mok_gemm_bk, mok_gemm_bk_ef
+    down         h @ W2[e]^T              mok_gemm_bk, mok_gemm_bk_ef
+    dgrad_down   dy_rows @ W2[e] (fp32)   mok_gemm_bn_f32
+    dgrad_gu     dgu @ W13[e]             mok_gemm_bn, mok_gemm_bn_ef
+
+each with the tail skip on (the schedule's seg_rows) and off ("noskip": every
+padded row counted real, the kernels' behaviour before the skip). CUDA events
+per call, 3 warm-up calls, median of --reps. TFLOP/s count routed rows only.
+Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the default
+(split epilogue, skip on); routed rows within bf16 tolerance of
+torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
+Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
+vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this).
+Exit status 1 if a check fails.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+
+import torch
+
+from mok_nn import bench
+from mok_nn import cuda_backend as cb
+
+TOL = 1e-2  # relative L2 against torch._grouped_mm (both round to bf16; fp32 accumulation orders differ)
+
+
+def time_call(fn, reps):
+    for _ in range(3):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def rel_err(got, want):
+    d = (got.double() - want.double()).norm()
+    return (d / want.double().norm().clamp_min(1e-30)).item()
+
+
+def gemms(p, sched):
+    """(name, a rows, weights, transpose_w, out dtype, variants) of the forward and backward."""
+    bf = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    W13, W2 = p["gate_up_proj"], p["down_proj"]
+    T, inter = p["x"].shape[0], W2.shape[2]
+    x_rows = cb.gather_rows(p["x"], sched)
+    h = cb.gather_rows(torch.randn(T, inter, device="cuda", generator=g).to(bf), sched)
+    dy_rows = cb.gather_rows(p["dy"], sched)
+    dgu = cb.gather_rows((torch.randn(T, 2 * inter, device="cuda", generator=g) * 0.1).to(bf), sched)
+    return [
+        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef")),
+        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef")),
+        ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32",)),
+        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef")),
+    ]
+
+
+def run_shape(shape, tokens, reps, say):
+    """Time and check every GEMM of one shape; returns (records, all checks passed)."""
+    records, ok = [], True
+    p = bench.make_problem(shape, tokens, "cuda")
+    ids = p["ids"]
+    E = p["gate_up_proj"].shape[0]
+    sched = cb.make_schedule(ids, E)
+    no_skip = dataclasses.replace(sched, seg_rows=cb.padded_seg_rows(sched.seg_end))  # nothing skipped
+    used = int(sched.seg_end[-1])
+    pos = sched.pos.reshape(-1)
+    routed = ids.numel()
+    say(f"# {shape}: routed rows {routed}, padded rows {used} ({100 * (used - routed) / used:.1f}% padding)")
+    for gname, a, W, transpose_w, out_dtype, variants in gemms(p, sched):
+        n = W.shape[2] if transpose_w else W.shape[1]
+        flops = 2 * routed * n * a.shape[1]
+        wt = W if transpose_w else W.transpose(1, 2)
+        ref = torch._grouped_mm(a, wt, offs=sched.seg_end)
+        t_ref = time_call(lambda: torch._grouped_mm(a, wt, offs=sched.seg_end), reps)
+        say(f"{shape:<14} {gname:<11} {'torch._grouped_mm':<22} {t_ref:8.3f} {flops / t_ref / 1e9:7.1f} {1.0:8.2f}")
+        records.append(dict(shape=shape, gemm=gname, variant="torch._grouped_mm", ms=t_ref, tflops=flops / t_ref / 1e9))
+        b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
+        default = None
+        for name in variants:
+            for skip, s in (("", sched), ("/noskip", no_skip)):
+                out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
+                cb.launch_gemm(name, a, b, out, s)
+                torch.cuda.synchronize()
+                if default is None:
+                    default = out  # the first variant, skip on: the default kernel
+                bitwise = torch.equal(out[:used], default[:used])
+                err = rel_err(out[pos], ref[pos])
+                good = bitwise and err < TOL
+                ok &= good
+                t = time_call(lambda: cb.launch_gemm(name, a, b, out, s), reps)
+                check = f"{'bitwise=default' if bitwise else 'DIFFERS from default'} err {err:.1e}"
+                say(f"{shape:<14} {gname:<11} {name + skip:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_ref / t:8.2f}  "
+                    f"{check}{'' if good else '  FAIL'}")
+                records.append(dict(shape=shape, gemm=gname, variant=name + skip, ms=t, tflops=flops / t / 1e9,
+                                    speedup_vs_torch=t_ref / t, bitwise_equal_default=bitwise,
+                                    rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
+        if gname == "gate_up" and cb.fused_act_supported(p["down_proj"].shape[2], "swiglu", False):
+            ok &= fused_act(shape, a, W, sched, default, flops, reps, say, records)
+    return records, ok
+
+
+def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
+    """gate/up GEMM + SwiGLU: two kernels (mok_gemm_bk, mok_act_fwd_swiglu) vs mok_gemm_gate_up_swiglu."""
+    used = int(sched.seg_end[-1])
+    h = cb.act_forward(gate_up, sched, "swiglu", None)
+    def split():
+        return cb.act_forward(cb.grouped_gemm(a, W13, sched, transpose_w=False), sched, "swiglu", None)
+
+    t_split = time_call(split, reps)
+    gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
+    torch.cuda.synchronize()
+    bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
+    t_fused = time_call(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
+    for label, t in (("gemm_bk+act_fwd", t_split), ("gate_up_swiglu fused", t_fused)):
+        say(f"{shape:<14} {'gate_up+act':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
+            f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'}")
+        records.append(dict(shape=shape, gemm="gate_up+act", variant=label, ms=t, tflops=flops / t / 1e9,
+                            bitwise_equal_default=bitwise))
+    return bitwise
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp")
+    records, lines, ok = [], [], True
+
+    def say(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"{'shape':<14} {'gemm':<11} {'variant':<22} {'ms':>8} {'TF/s':>7} {'speedup':>8}  check")
+    for shape in args.shapes.split(","):
+        recs, good = run_shape(shape, args.tokens, args.reps, say)
+        records += recs
+        ok &= good
+        torch.cuda.empty_cache()
+    say("all checks passed" if ok else "SOME CHECKS FAILED")
+    with open(os.path.join(out_dir, "gemm_variants.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    with open(os.path.join(out_dir, "gemm_variants.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
