@@ -6,7 +6,7 @@
 #   bash tests/gpu/device_session.sh STEP...     e.g.  tests diag bench ep
 #
 # Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
-# (per-stage times), bench (python -m mok_nn.bench -> $OUT/bench.json),
+# (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
 # ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -36,7 +36,7 @@ for s in "$@"; do
         for sh in qwen3-30b-a3b mixtral-8x7b deepseek-v3; do
             step "stages_$sh" 60 python3 tests/gpu/profile_stages.py "$sh" 8192
         done ;;
-    bench) TAIL=20 step bench 240 python3 -m mok_nn.bench --out "$OUT/bench.json" ;;
+    bench) TAIL=20 step "${BENCH_NAME:-bench}" 240 python3 -m mok_nn.bench --out "$OUT/${BENCH_NAME:-bench}.json" ;;
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
     *) echo "unknown step $s" ;;
