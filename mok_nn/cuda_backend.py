@@ -22,12 +22,16 @@ Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
 CuTe kernels (weight gradients included), MOK_WGRAD=torch for the weight
 gradients only (MOK_WGRAD_KERNEL=<registry name> picks a weight-gradient variant),
 MOK_ACT=torch to run the activations with torch ops (debugging aids).
-MOK_GEMM_EPI=full runs the bf16 grouped GEMMs on the full-tile-epilogue variants
-(mok_gemm_bk_ef / mok_gemm_bn_ef; default split: mok_gemm_bk / mok_gemm_bn, same
-results bitwise); MOK_GEMM_TAIL_SKIP=0 makes the GEMMs run the MMA on every
-padding row again (fallback; same results). MOK_GEMM_ACT=fused runs the forward's
-gate/up GEMM and activation as one kernel (mok_gemm_gate_up_<act>, I % 128 == 0, no
-gate/up bias; expected bitwise equal to the two kernels).
+MOK_GEMM_EPI picks the epilogue of the bf16 grouped GEMMs: "full" (the whole
+output tile staged in shared memory, stores drained during the next tile:
+mok_gemm_bk_ef / mok_gemm_bn_ef), "split" (4 sub-tile buffers: mok_gemm_bk /
+mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
+H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
+bitwise. MOK_GEMM_TAIL_SKIP=1 lets a consumer warp group whose 64 rows are all
+padding skip its MMA (same results; measured slower on H200, so off by default).
+MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
+(mok_gemm_gate_up_<act>, I % 128 == 0, no gate/up bias; bitwise equal to the two
+kernels; not faster on H200, so off by default).
 """
 
 from __future__ import annotations
@@ -41,7 +45,12 @@ from .kernels.registry import (
     GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
 )  # fmt: skip
 
-WGRAD_KERNEL = "mok_gemm_wgrad"  # variant of the weight-gradient GEMM (MOK_WGRAD_KERNEL overrides)
+WGRAD_KERNEL = "mok_gemm_wgrad"  # weight-gradient GEMM where experts have many rows
+WGRAD_KERNEL_FEW_ROWS = "mok_gemm_wgrad_defer"  # ... and where they have few (MOK_WGRAD_KERNEL overrides both)
+WGRAD_FEW_ROWS = 1024  # mean routed rows per expert up to which the deferred epilogue wins (H200)
+# Longest reduction for which the full-tile epilogue GEMM variants win on H200
+# (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
+GEMM_FULL_EPI_MAX_K = 8192
 # MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
 SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
                     "single": "mok_schedule"}
@@ -68,11 +77,11 @@ class Schedule:
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
 
     def gemm_seg_rows(self) -> torch.Tensor:
-        """[E] int32 rows per expert for the GEMMs' tail skip: seg_rows, or with
-        MOK_GEMM_TAIL_SKIP=0 the padded segment sizes (no tile counts as padding)."""
-        if os.environ.get("MOK_GEMM_TAIL_SKIP", "1") == "0":
-            return padded_seg_rows(self.seg_end)
-        return self.seg_rows
+        """[E] int32 rows per expert as the GEMMs see them: the padded segment sizes (no
+        tile counts as padding), or with MOK_GEMM_TAIL_SKIP=1 seg_rows (tail skip)."""
+        if os.environ.get("MOK_GEMM_TAIL_SKIP", "0") == "1":
+            return self.seg_rows
+        return padded_seg_rows(self.seg_end)
 
     @property
     def capacity(self) -> int:
@@ -225,7 +234,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
         b = w.permute(2, 1, 0)
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
-    launch_gemm(gemm_kernel(transpose_w, out_dtype), a, b, out, sched)
+    launch_gemm(gemm_kernel(transpose_w, out_dtype, k=a.shape[1]), a, b, out, sched)
     return out
 
 
@@ -252,13 +261,18 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     return gate_up, h
 
 
-def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None) -> str:
-    """Registry name of the grouped GEMM variant; epi "split" (default) or "full" (MOK_GEMM_EPI)."""
+def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0) -> str:
+    """Registry name of the grouped GEMM variant; epi "split", "full" or "auto" (MOK_GEMM_EPI).
+
+    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K.
+    """
     if out_dtype == torch.float32:
         return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
-    epi = epi or os.environ.get("MOK_GEMM_EPI", "split")
-    if epi not in ("split", "full"):
-        raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split or full")
+    epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
+    if epi not in ("split", "full", "auto"):
+        raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")
+    if epi == "auto":
+        epi = "full" if k <= GEMM_FULL_EPI_MAX_K else "split"
     name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
     return name + "_ef" if epi == "full" else name
 
@@ -291,7 +305,8 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
     out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
-    name = os.environ.get("MOK_WGRAD_KERNEL", WGRAD_KERNEL)
+    few_rows = sched.pos.numel() <= WGRAD_FEW_ROWS * sched.num_experts  # known on the host: no sync
+    name = os.environ.get("MOK_WGRAD_KERNEL") or (WGRAD_KERNEL_FEW_ROWS if few_rows else WGRAD_KERNEL)
     if name not in WGRAD_KERNELS:
         raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
     tile_n = tile_n_of(name)

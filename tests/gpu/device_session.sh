@@ -7,7 +7,8 @@
 #
 # Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
 # (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
-# ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark).
+# ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark),
+# pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
 export MOK_COMMIT=${MOK_COMMIT:-unknown}
@@ -39,6 +40,8 @@ for s in "$@"; do
     bench) TAIL=20 step "${BENCH_NAME:-bench}" 240 python3 -m mok_nn.bench --out "$OUT/${BENCH_NAME:-bench}.json" ;;
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
+    pack)  # the device tool returns few files: one archive of all logs
+        tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;
     esac
 done
