@@ -183,54 +183,74 @@ def _timer(device):
     return t
 
 
-def measure(fn, p, device, iters, warmup, group=None):
-    """Median fwd ms, bwd ms (= fwd+bwd minus fwd), peak GB above inputs+params, activation GB kept for bwd.
+def measure(impls, p, device, iters, warmup, group=None):
+    """{impl: (median fwd ms, bwd ms (= fwd+bwd minus fwd), peak GB above inputs+params,
+    activation GB kept for bwd)} for every implementation in impls {name: fn}.
 
-    Gradients are reset to None before every iteration, as optimizer.zero_grad()
-    does in training, so no implementation pays for accumulating into old grads.
-    With a process group, times and peak are the slowest rank's.
+    The implementations share the same leaf tensors, and their timed iterations
+    alternate (A, B, A, B, ...), so clock and temperature drift over the run
+    affects all alike instead of favouring whichever runs first. Gradients are
+    reset to None before every iteration, as optimizer.zero_grad() does in
+    training, so no implementation pays for accumulating into old grads. With a
+    process group, times and peak are the slowest rank's.
     """
     leaves = _leaves(p)
     x, w, gu, dn = leaves
     ids, dy = p["ids"], p["dy"]
 
-    def fwd():
+    def fwd(fn):
         with torch.no_grad():
             fn(x, ids, w, gu, dn)
 
-    def fwd_bwd():
+    def fwd_bwd(fn):
         for t in leaves:
             t.grad = None
         y = fn(x, ids, w, gu, dn)
         y.backward(dy)
 
-    for _ in range(warmup):
-        fwd_bwd()
-    for t in leaves:
-        t.grad = None
     timer = _timer(device)
-    act = None
-    if device == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        y = fn(x, ids, w, gu, dn)  # what the forward keeps alive for backward (+ y itself)
-        act = (torch.cuda.memory_allocated() - base) / 2**30
-        del y
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    f = [timer(fwd) for _ in range(iters)]
-    fb = [timer(fwd_bwd) for _ in range(iters)]
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else None
+    mem = {}
+    for name, fn in impls.items():
+        for _ in range(warmup):
+            fwd_bwd(fn)
+        for t in leaves:
+            t.grad = None
+        act = peak = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            y = fn(x, ids, w, gu, dn)  # what the forward keeps alive for backward (+ y itself)
+            act = (torch.cuda.memory_allocated() - base) / 2**30
+            del y
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fwd_bwd(fn)  # every iteration allocates alike: one shows the peak
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            for t in leaves:
+                t.grad = None
+        mem[name] = (peak, act)
+    f = {name: [] for name in impls}
+    fb = {name: [] for name in impls}
+    for _ in range(iters):
+        for name, fn in impls.items():
+            f[name].append(timer(lambda: fwd(fn)))
+    for _ in range(iters):
+        for name, fn in impls.items():
+            fb[name].append(timer(lambda: fwd_bwd(fn)))
     for t in leaves:
         t.grad = None
-    f_ms, fb_ms = statistics.median(f), statistics.median(fb)
-    if group is not None:  # an iteration takes as long as its slowest rank
-        import torch.distributed as dist
+    out = {}
+    for name in impls:
+        f_ms, fb_ms = statistics.median(f[name]), statistics.median(fb[name])
+        peak, act = mem[name]
+        if group is not None:  # an iteration takes as long as its slowest rank
+            import torch.distributed as dist
 
-        t = torch.tensor([f_ms, fb_ms, peak or 0.0], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        f_ms, fb_ms, peak = t.tolist()
-    return f_ms, fb_ms - f_ms, peak, act
+            t = torch.tensor([f_ms, fb_ms, peak or 0.0], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            f_ms, fb_ms, peak = t.tolist()
+        out[name] = (f_ms, fb_ms - f_ms, peak, act)
+    return out
 
 
 def check_agreement(a, b, p):
@@ -292,8 +312,8 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None):
             if bad:
                 raise RuntimeError(f"{shape}: implementations disagree: {bad}")
         flops = 6 * tokens * top_k * hidden * inter
-        for impl, fn in impls.items():
-            fwd_ms, bwd_ms, peak, act = measure(fn, p, device, iters, warmup, group)
+        measured = measure(impls, p, device, iters, warmup, group)
+        for impl, (fwd_ms, bwd_ms, peak, act) in measured.items():
             if act is not None and rank == 0:
                 print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB (rank 0)", flush=True)
             rec = dict(

@@ -90,6 +90,8 @@ def get_workspace(
         raise ValueError(f"precision={precision!r} has no CUDA kernels yet; use backend='reference'")
     config = config if config is not None else MoKConfig()
     device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" are one workspace
+        device = torch.device("cuda", torch.cuda.current_device())
     # id(ep_group) cannot be reused by another group while the entry exists: the workspace holds
     # the group. Entries live until release_workspaces() (a workspace may hold GPU buffers).
     key = (hidden_size, intermediate_size, num_experts, top_k, id(ep_group), str(device), dtype, backend,
