@@ -38,6 +38,20 @@ The epilogue stores both into gate_up (columns n*128.. and I + n*128..) and
 h = act(gate, up) from the bf16-rounded values with the formulas of
 swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives.
 
+Gathered A (gather=True, class VarlenMGroupedGemmGather): A is not a permuted copy
+of x but x itself [T, K] plus the schedule's row index (row_token [M], T for a
+padding row). The whole producer warp group loads A by cp.async, 16 bytes per
+copy (thread t: 16-byte chunk t % 8 of rows t // 8 + 16 i, i < 8, of each 128 x 64
+k tile), into the same swizzled stage the TMA would fill (CuTe partitions it);
+padding rows and the columns past K of the last k tile are copied from a
+16-byte zero chunk (`zeros` [8]), so they hold the zeros the permuted copy and
+the TMA's out-of-bounds fill give. B still comes by TMA (warp 0). A stage's full
+barrier expects 1 + 128 arrivals: warp 0's arrive with B's transaction bytes and
+one cp.async.mbarrier.arrive.noinc per producer thread (fires when that thread's
+copies have landed). Consumers add a proxy fence (generic-proxy cp.async writes,
+async-proxy wgmma reads). Same K order, same MMAs: bitwise what index_select +
+the TMA kernel give. Registers: producer 56 (row indices), consumers 224.
+
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
 """
@@ -58,11 +72,15 @@ from .swiglu import _act
 class VarlenMGroupedGemm:
     """One compiled variant: tile (128, tile_n, 64), B K-major or N-major, split or full-tile epilogue."""
 
-    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None):
+    def __init__(
+        self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
+        gather: bool = False,
+    ):
         assert tile_n in (128, 256)
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
         self.full_epi = full_epi
         self.act = act
+        self.gather = gather
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -74,6 +92,13 @@ class VarlenMGroupedGemm:
         self.num_consumer_threads = self.num_consumer_wg * self.threads_per_wg
         self.producer_regs = 40
         self.consumer_regs = 232
+        # Arrivals a stage's full barrier waits for: the TMA thread's expect-tx arrive, and
+        # with gather one cp.async arrive per producer thread.
+        self.full_arrivals = 1
+        if gather:
+            self.producer_regs = 56  # 8 row indices + addresses per thread
+            self.consumer_regs = 224  # 128 * 56 + 256 * 224 <= 64K registers
+            self.full_arrivals = 1 + self.threads_per_wg
         self.epi_tile = (TILE_M, 32)
         # full_epi: one buffer per 32-column sub-tile, the whole output tile in smem.
         self.epi_stages = tile_n // self.epi_tile[1] if full_epi else 4
@@ -100,8 +125,15 @@ class VarlenMGroupedGemm:
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
 
     @cute.jit
-    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream):
-        """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act)."""
+    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, mZ=None, row_idx=None):
+        """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
+
+        gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), mZ 16 zero bytes,
+        row_idx [M] the x row of each A row (T: padding, read from mZ).
+        """
+        mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
+        if cutlass.const_expr(not self.gather):
+            mZ, row_idx = mA, tile_expert  # unused placeholders (kernel arguments cannot be None)
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -189,6 +221,7 @@ class VarlenMGroupedGemm:
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
+            mX, mZ, row_idx,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -211,6 +244,76 @@ class VarlenMGroupedGemm:
         rows_in_band = cutlass.min(tiles_m - first_m, group_m)
         within = linear - band * (group_m * tiles_n)
         return first_m + within % rows_in_band, within // rows_in_band
+
+    @cute.jit
+    def _produce_gathered(
+        self, ab_pipe, tma_b, tBgB, tBsB, sA, mX, mZ, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
+        group_m, k_tiles,
+    ):
+        """Producer of the gather variant, run by all 128 threads of warp group 0.
+
+        Per k tile: every thread waits for the stage to be free; warp 0 arms the full
+        barrier with B's bytes and issues B's TMA; every thread issues its 8 cp.async
+        copies of A (x rows through row_idx; padding rows and columns past K from the
+        zero chunk) and a
+        cp.async.mbarrier.arrive.noinc, which fires when those copies have landed.
+        """
+        ptid, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        num_tokens = cute.size(mX, mode=[0])
+        k_chunks = cute.size(mX, mode=[1]) // (128 // self.ab_dtype.width)  # K % 8 == 0 (spec)
+        bm, _, bk = self.tile_mnk
+        vec = 128 // self.ab_dtype.width  # elements per 16-byte cp.async
+        atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.ab_dtype,
+            num_bits_per_copy=128,
+        )
+        # 128 threads as (16 rows, 8 chunks), chunk index fastest: a warp reads 4 whole 128-byte row pieces.
+        chunks = bk // vec
+        tiled_copy = cute.make_tiled_copy_tv(
+            atom,
+            cute.make_ordered_layout((self.threads_per_wg // chunks, chunks), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+        thr_copy = tiled_copy.get_slice(ptid)
+        tXsA = thr_copy.partition_D(sA)  # (CPY, rows per thread, 1, stages), swizzle included
+        tXcA = thr_copy.partition_D(cute.make_identity_tensor((bm, bk)))  # (row, col) of each copy
+        rows_per_thr = cute.size(tXsA, mode=[1])
+        col_chunk = tXcA[(0, 0, 0)][1] // vec
+        tok = cute.make_rmem_tensor((rows_per_thr,), cutlass.Int32)
+        mX_v = cute.logical_divide(mX[(None, None, 0)], (None, vec))  # (T, (vec, K / vec))
+
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        while work.is_valid_tile:
+            m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            expert = tile_expert[m_tile]
+            if expert >= 0:
+                for i in cutlass.range_constexpr(rows_per_thr):
+                    tok[i] = cutlass.Int32(row_idx[m_tile * bm + tXcA[(0, i, 0)][0]])
+                tBgB_t = tBgB[(None, n_tile, None, expert)]
+                for k in range(k_tiles):
+                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                    bar = ab_pipe.producer_get_barrier(state)
+                    if warp_idx == 0:
+                        ab_pipe.sync_object_full.arrive(state.index, ab_pipe.producer_mask)  # expect B's bytes
+                        cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                    chunk = k * chunks + col_chunk
+                    row_limit = num_tokens  # rows below it are read from x; 0 past K: all zeros
+                    if chunk >= k_chunks:
+                        row_limit = 0
+                    for i in cutlass.range_constexpr(rows_per_thr):
+                        dst = tXsA[(None, i, 0, state.index)]
+                        if tok[i] < row_limit:
+                            cute.copy(atom, mX_v[(tok[i], (None, chunk))], dst)
+                        else:
+                            cute.copy(atom, mZ, dst)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                    state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        ab_pipe.producer_tail(state)
 
     @cute.kernel
     def kernel(
@@ -236,6 +339,9 @@ class VarlenMGroupedGemm:
         tiles_m: cutlass.Int32,
         tiles_n: cutlass.Int32,
         group_m: cutlass.Int32,
+        mX: cute.Tensor,
+        mZ: cute.Tensor,
+        row_idx: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -254,11 +360,13 @@ class VarlenMGroupedGemm:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
+        if cutlass.const_expr(self.gather):
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))  # A: cp.async
         # Consumers release a stage once per warp (8 consumer warps).
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.full_arrivals),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -292,7 +400,12 @@ class VarlenMGroupedGemm:
         if wg_idx == 0:
             # ---------------- producer: TMA loads ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
+            if cutlass.const_expr(self.gather):
+                self._produce_gathered(
+                    ab_pipe, tma_b, tBgB, tBsB, sA, mX, mZ, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
+                    group_m, k_tiles,
+                )
+            elif warp_idx == 0:
                 sched = utils.StaticPersistentTileScheduler.create(
                     sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
                 )
@@ -379,6 +492,9 @@ class VarlenMGroupedGemm:
                         cute.nvgpu.warpgroup.fence()
                         for k in range(k_tiles):
                             ab_pipe.consumer_wait(read_state)
+                            if cutlass.const_expr(self.gather):
+                                # A arrived by cp.async (generic proxy); wgmma reads through the async proxy.
+                                cute.arch.fence_proxy("async.shared", space="cta")
                             for kb in cutlass.range_constexpr(k_blocks):
                                 coord = (None, None, kb, read_state.index)
                                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -517,3 +633,28 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
         stream: cuda.CUstream,
     ):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream)
+
+
+class VarlenMGroupedGemmGather(VarlenMGroupedGemm):
+    """The grouped GEMM whose A rows are read from x through the schedule's row index (no permuted copy)."""
+
+    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=full_epi, gather=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (T, K, 1) K-major: the tokens
+        mZ: cute.Tensor,  # (8,) bf16 zeros: what padding rows and columns past K read
+        row_idx: cute.Tensor,  # (M,) int64: x row of each A row, T for padding (Schedule.row_token)
+        mB: cute.Tensor,  # (N, K, E) K- or N-major
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(
+            mX, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream, mZ, row_idx
+        )

@@ -82,6 +82,28 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
     )
 
 
+def _gemm_gather_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
+    # A rows gathered from x [T, K] through row_idx (Schedule.row_token, T = padding: read from zeros).
+    b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
+    return KernelSpec(
+        name=name,
+        module="grouped_gemm",
+        factory="VarlenMGroupedGemmGather",
+        factory_kwargs=(("tile_n", GEMM_TILE_N), ("full_epi", full_epi)),
+        args=(
+            TensorArg("x", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(1, 8, 1)),
+            TensorArg("zeros", "bf16", (8,), (1,)),  # 16 zero bytes
+            TensorArg("row_idx", "i64", (DYN,), (1,), align=8),
+            TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
+            TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("group_m", "i32"),
+        ),
+    )
+
+
 def _gemm_act_spec(kind: str) -> KernelSpec:
     # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
     return KernelSpec(
@@ -238,6 +260,10 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
+    # the same with A rows gathered from x by the schedule (no permuted copy); MOK_GEMM_GATHER=1 picks them
+    _gemm_gather_spec("mok_gemm_bk_gather", "k"),  # gate/up: x rows @ W13[e]^T
+    _gemm_gather_spec("mok_gemm_bk_ef_gather", "k", full_epi=True),
+    _gemm_gather_spec("mok_gemm_bn_f32_gather", "n", "f32"),  # dgrad of down: dy rows @ W2[e]
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),
@@ -267,6 +293,7 @@ SPECS_BY_NAME = {s.name: s for s in SPECS}
 WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
 WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS)
 GEMM_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemm")
+GEMM_GATHER_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemmGather")
 
 
 def tile_n_of(name: str) -> int:
