@@ -32,6 +32,13 @@ padding skip its MMA (same results; measured slower on H200, so off by default).
 MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
 (mok_gemm_gate_up_<act>, I % 128 == 0, no gate/up bias; bitwise equal to the two
 kernels; not faster on H200, so off by default).
+MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
+each expert row's token through the schedule (mok_gemm_bk[_ef]_gather, cp.async),
+so no permuted copy of x is made or saved for backward (the backward gathers x
+rows for the weight gradient then). MOK_GEMM_GATHER_DY=1 does the same for the
+backward's dgrad of down (mok_gemm_bn_f32_gather on d y; the dy rows are still
+gathered for the weight gradient of down_proj). Same bits as the permuted copy;
+off by default until measured.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch
 from .kernels.registry import (
     GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
 )  # fmt: skip
+from .kernels.registry import GEMM_GATHER_KERNELS
 
 WGRAD_KERNEL = "mok_gemm_wgrad"  # weight-gradient GEMM where experts have many rows
 WGRAD_KERNEL_FEW_ROWS = "mok_gemm_wgrad_defer"  # ... and where they have few (MOK_WGRAD_KERNEL overrides both)
@@ -206,6 +214,10 @@ def _use_torch_act() -> bool:
     return os.environ.get("MOK_ACT", "") == "torch"
 
 
+def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
+    return os.environ.get(var, "0") == "1" and not _use_torch_gemm()
+
+
 def _lib():
     from .kernels import loader
 
@@ -235,6 +247,33 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
     launch_gemm(gemm_kernel(transpose_w, out_dtype, k=a.shape[1]), a, b, out, sched)
+    return out
+
+
+_ZEROS: dict = {}  # device -> 16 zero bytes (bf16 [8]), what the gather GEMMs read for padding rows
+
+
+def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
+    """grouped_gemm(gather_rows(x, sched), w, sched, ...) without the permuted copy: the kernel
+    (mok_gemm_*_gather) reads row r of A as x[sched.row_token[r]], zeros where that is T (padding)."""
+    if _use_torch_gemm() or x.shape[0] == 0:
+        return grouped_gemm(gather_rows(x, sched), w, sched, transpose_w, out_dtype)
+    x = x.contiguous()
+    n = w.shape[2] if transpose_w else w.shape[1]
+    out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
+    b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
+    name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1]) + "_gather"
+    if name not in GEMM_GATHER_KERNELS:
+        raise ValueError(f"no gather variant of {name[:-7]} (have {GEMM_GATHER_KERNELS})")
+    zeros = _ZEROS.get(x.device)
+    if zeros is None:
+        zeros = _ZEROS[x.device] = torch.zeros(8, dtype=torch.bfloat16, device=x.device)
+    tiles_n = (n + GEMM_TILE_N - 1) // GEMM_TILE_N
+    group_m = 8 if tiles_n > 32 else 1  # the raster choice of launch_gemm
+    _lib().launch(
+        name, x.unsqueeze(-1), zeros, sched.row_token, b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+        sched.gemm_seg_rows(), group_m, stream=_stream(),
+    )  # fmt: skip
     return out
 
 
@@ -398,7 +437,8 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     sched: Schedule
-    x_rows: torch.Tensor  # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient
+    x_rows: torch.Tensor | None  # [M_cap, H] x in schedule order (zero padding rows), for the weight
+    # gradient; None where the forward gathered inside the GEMM (MOK_GEMM_GATHER=1): backward gathers then
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
 
 
@@ -412,17 +452,22 @@ def experts_forward(
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
-    x_rows = gather_rows(x.contiguous(), sched)
+    gather = _use_gather()
     fused = (
         os.environ.get("MOK_GEMM_ACT", "split") == "fused"
         and not _use_torch_gemm()
         and not _use_torch_act()
         and fused_act_supported(down_proj.shape[2], activation, gate_up_bias is not None)
     )
+    # The SwiGLU-epilogue GEMM has no gather variant: it gets the permuted copy (not saved with gather).
+    x_rows = None if gather and not fused else gather_rows(x.contiguous(), sched)
     if fused:
         gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
     else:
-        gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        if gather:
+            gate_up = grouped_gemm_gather(x, gate_up_proj, sched, transpose_w=False)
+        else:
+            gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
         if gate_up_bias is not None:
             gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
         h = act_forward(gate_up, sched, activation, swiglu_limit)
@@ -430,7 +475,7 @@ def experts_forward(
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
     y = combine(out_rows, sched.pos, topk_weights, x.dtype)
-    return y, CudaSaved(sched, x_rows, gate_up)
+    return y, CudaSaved(sched, None if gather else x_rows, gate_up)
 
 
 def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -447,11 +492,18 @@ def experts_backward(
 
     sched, gate_up = saved.sched, saved.gate_up
     num_tokens, top_k = topk_ids.shape
-    dy_rows = gather_rows(grad_y.to(x.dtype).contiguous(), sched)  # zero on padding rows
-    dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
+    gy = grad_y.to(x.dtype).contiguous()
+    gather_dy = _use_gather("MOK_GEMM_GATHER_DY")
+    # with gather_dy, the dy rows are gathered only where they are needed (less memory alive at once)
+    dy_rows = None if gather_dy else gather_rows(gy, sched)  # zero on padding rows
+    if gather_dy:
+        dh_raw = grouped_gemm_gather(gy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
+    else:
+        dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     w_rows = row_weights(sched, topk_weights)
     dgu, wh, dw_rows = act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
     if down_bias is not None:
+        dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched)
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
     w_rows = w_rows.unsqueeze(1)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
@@ -459,8 +511,9 @@ def experts_backward(
     dx = combine(dx_rows, sched.pos, ones, x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
-    x_rows = saved.x_rows
+    x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched)
     wdt = gate_up_proj.dtype
+    dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched)
     d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
     d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
     d_down_bias = None

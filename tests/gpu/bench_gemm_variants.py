@@ -20,6 +20,9 @@ Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the default
 torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
 Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
 vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this).
+Gather: gate_up (x) and dgrad_down (dy) as index_select (cb.gather_rows) + the TMA
+kernel vs the kernel that gathers A rows itself (mok_gemm_*_gather); "speedup"
+there = index_select+GEMM time / this, checked bitwise equal to the TMA kernel.
 Exit status 1 if a check fails.
 """
 
@@ -114,6 +117,9 @@ def run_shape(shape, tokens, reps, say):
                                     rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
         if gname == "gate_up" and cb.fused_act_supported(p["down_proj"].shape[2], "swiglu", False):
             ok &= fused_act(shape, a, W, sched, default, flops, reps, say, records)
+        if gname in GATHER_SOURCES:
+            ok &= gather(shape, gname, p[GATHER_SOURCES[gname]], W, transpose_w, out_dtype, sched, flops, reps, say,
+                         records)
     return records, ok
 
 
@@ -135,6 +141,50 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
         records.append(dict(shape=shape, gemm="gate_up+act", variant=label, ms=t, tflops=flops / t / 1e9,
                             bitwise_equal_default=bitwise))
     return bitwise
+
+
+GATHER_SOURCES = {"gate_up": "x", "dgrad_down": "dy"}  # GEMMs whose A is gathered token rows
+GATHER_PAIRS = {False: (("mok_gemm_bk", "mok_gemm_bk_gather"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather")),
+                True: (("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather"),)}
+
+
+def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say, records):
+    """index_select + TMA kernel vs the kernel gathering A rows from src itself; same bits required."""
+    used = int(sched.seg_end[-1])
+    n = W.shape[2] if transpose_w else W.shape[1]
+    b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
+    zeros = torch.zeros(8, dtype=torch.bfloat16, device="cuda")
+    ok = True
+    t_sel = time_call(lambda: cb.gather_rows(src, sched), reps)
+    say(f"{shape:<14} {gname:<11} {'index_select only':<22} {t_sel:8.3f}")
+    records.append(dict(shape=shape, gemm=gname, variant="index_select", ms=t_sel))
+    for twin, name in GATHER_PAIRS[transpose_w]:
+        out_t = torch.full((sched.capacity, n), float("nan"), device="cuda", dtype=out_dtype)
+        out_g = torch.full((sched.capacity, n), float("nan"), device="cuda", dtype=out_dtype)
+
+        def two_step():
+            cb.launch_gemm(twin, cb.gather_rows(src, sched), b, out_t, sched)
+
+        def fused():
+            cb._lib().launch(
+                name, src.unsqueeze(-1), zeros, sched.row_token, b, out_g.unsqueeze(-1), sched.tile_expert,
+                sched.seg_end, sched.gemm_seg_rows(), 8 if (n + 255) // 256 > 32 else 1,
+                stream=torch.cuda.current_stream().cuda_stream,
+            )  # fmt: skip
+
+        two_step()
+        fused()
+        torch.cuda.synchronize()
+        bitwise = torch.equal(out_g[:used], out_t[:used])
+        ok &= bitwise
+        t_two = time_call(two_step, reps)
+        t_g = time_call(fused, reps)
+        for label, t in ((f"index_select+{twin}", t_two), (name, t_g)):
+            say(f"{shape:<14} {gname:<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_two / t:8.2f}  "
+                f"{'bitwise=index_select+TMA' if bitwise else 'DIFFERS from index_select+TMA  FAIL'}")
+            records.append(dict(shape=shape, gemm=gname, variant=label, ms=t, tflops=flops / t / 1e9,
+                                speedup_vs_index_select=t_two / t, bitwise_equal_default=bitwise))
+    return ok
 
 
 def main():
