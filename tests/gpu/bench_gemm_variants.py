@@ -1,6 +1,6 @@
 """Diagnostic (not a test): the varlen-M grouped GEMM variants, call by call, per benchmark shape.
 
-    OUT=/tmp python tests/gpu/bench_gemm_variants.py [--shapes a,b] [--reps 20]
+    OUT=/tmp python tests/gpu/bench_gemm_variants.py [--shapes a,b] [--gemms gate_up,dgrad_down] [--reps 20]
 
 For each shape at 8192 tokens (bench.make_problem: random router, real uneven
 routing, make_schedule) it times the four grouped GEMMs of the forward and
@@ -75,7 +75,7 @@ def gemms(p, sched):
     ]
 
 
-def run_shape(shape, tokens, reps, say):
+def run_shape(shape, tokens, reps, say, only=None):
     """Time and check every GEMM of one shape; returns (records, all checks passed)."""
     records, ok = [], True
     p = bench.make_problem(shape, tokens, "cuda")
@@ -88,6 +88,8 @@ def run_shape(shape, tokens, reps, say):
     routed = ids.numel()
     say(f"# {shape}: routed rows {routed}, padded rows {used} ({100 * (used - routed) / used:.1f}% padding)")
     for gname, a, W, transpose_w, out_dtype, variants in gemms(p, sched):
+        if only and gname not in only:
+            continue
         n = W.shape[2] if transpose_w else W.shape[1]
         flops = 2 * routed * n * a.shape[1]
         wt = W if transpose_w else W.transpose(1, 2)
@@ -192,6 +194,7 @@ def main():
     ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gemms", default="", help="only these GEMMs (gate_up,down,dgrad_down,dgrad_gu); default all")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     records, lines, ok = [], [], True
@@ -202,7 +205,7 @@ def main():
 
     say(f"{'shape':<14} {'gemm':<11} {'variant':<22} {'ms':>8} {'TF/s':>7} {'speedup':>8}  check")
     for shape in args.shapes.split(","):
-        recs, good = run_shape(shape, args.tokens, args.reps, say)
+        recs, good = run_shape(shape, args.tokens, args.reps, say, set(filter(None, args.gemms.split(","))))
         records += recs
         ok &= good
         torch.cuda.empty_cache()

@@ -32,11 +32,13 @@ def timed(name, fn, reps=10):
 sched = timed("schedule", lambda: cb.make_schedule(ids, E))
 xr = timed("gather x", lambda: cb.gather_rows(x, sched))
 gu = timed("gemm gate_up", lambda: cb.grouped_gemm(xr, W13, sched, transpose_w=False))
+timed("gemm gate_up gather", lambda: cb.grouped_gemm_gather(x, W13, sched, transpose_w=False))  # MOK_GEMM_GATHER
 h = timed("act fwd", lambda: cb.act_forward(gu, sched, "swiglu", None))
 o = timed("gemm down", lambda: cb.grouped_gemm(h, W2, sched, transpose_w=False))
 timed("combine", lambda: cb.combine(o, sched.pos, w, x.dtype))
 dyr = timed("gather dy", lambda: cb.gather_rows(dy, sched))
 dh = timed("gemm dgrad down f32", lambda: cb.grouped_gemm(dyr, W2, sched, transpose_w=True, out_dtype=torch.float32))
+timed("gemm dgrad down gather", lambda: cb.grouped_gemm_gather(dy, W2, sched, transpose_w=True, out_dtype=torch.float32))
 wr = cb.row_weights(sched, w)
 dgu, wh, dwr = timed("act bwd", lambda: cb.act_backward(gu, dh, wr, sched, "swiglu", None))
 dxr = timed("gemm dgrad gate_up", lambda: cb.grouped_gemm(dgu, W13, sched, transpose_w=True))
