@@ -8,7 +8,8 @@
 # Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
 # (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
 # ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark),
-# profile (kernel table + ncu of one GEMM), pack (all logs into $OUT/logs.tgz; last).
+# profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
+# time on rank 0), pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
 export MOK_COMMIT=${MOK_COMMIT:-unknown}
@@ -47,6 +48,10 @@ for s in "$@"; do
                 -k regex:VarlenMGroupedGemm --section SpeedOfLight --section WarpStateStats \
                 --section MemoryWorkloadAnalysis --section Occupancy \
                 python3 tests/gpu/ncu_gemm.py deepseek-v3 gate_up
+        done ;;
+    epprofile)
+        for sh in qwen3-30b-a3b deepseek-v3; do
+            TAIL=0 step "profile_ep_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep.py "$sh"
         done ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
