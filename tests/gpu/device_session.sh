@@ -42,7 +42,9 @@ for s in "$@"; do
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
     profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM with and without tail skip
-        step profile_layer 90 python3 tests/gpu/profile_layer.py deepseek-v3
+        for sh in qwen3-30b-a3b deepseek-v3; do
+            TAIL=0 step "profile_layer_$sh" 90 python3 tests/gpu/profile_layer.py "$sh"
+        done
         for skip in 0 1; do
             MOK_GEMM_TAIL_SKIP=$skip TAIL=60 step "ncu_gate_up_skip$skip" 150 ncu --launch-skip 2 --launch-count 1 \
                 -k regex:VarlenMGroupedGemm --section SpeedOfLight --section WarpStateStats \
