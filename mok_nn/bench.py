@@ -188,8 +188,8 @@ def measure(impls, p, device, iters, warmup, group=None):
     activation GB kept for bwd)} for every implementation in impls {name: fn}.
 
     The implementations share the same leaf tensors, and their timed iterations
-    alternate (A, B, A, B, ...), so clock and temperature drift over the run
-    affects all alike instead of favouring whichever runs first. Gradients are
+    alternate in ABBA order, so clock and temperature drift over the run affects
+    all alike instead of favouring whichever runs first or second. Gradients are
     reset to None before every iteration, as optimizer.zero_grad() does in
     training, so no implementation pays for accumulating into old grads. With a
     process group, times and peak are the slowest rank's.
@@ -231,12 +231,11 @@ def measure(impls, p, device, iters, warmup, group=None):
         mem[name] = (peak, act)
     f = {name: [] for name in impls}
     fb = {name: [] for name in impls}
-    for _ in range(iters):
-        for name, fn in impls.items():
-            f[name].append(timer(lambda: fwd(fn)))
-    for _ in range(iters):
-        for name, fn in impls.items():
-            fb[name].append(timer(lambda: fwd_bwd(fn)))
+    order = list(impls.items())
+    for step, times in ((fwd, f), (fwd_bwd, fb)):
+        for i in range(iters):  # A B, B A, A B, ...: neither always runs right after the other
+            for name, fn in order if i % 2 == 0 else order[::-1]:
+                times[name].append(timer(lambda: step(fn)))
     for t in leaves:
         t.grad = None
     out = {}

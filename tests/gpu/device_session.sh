@@ -8,7 +8,8 @@
 # Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
 # (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
 # ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark),
-# pack (all logs into $OUT/logs.tgz; last).
+# profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
+# time on rank 0), pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
 export MOK_COMMIT=${MOK_COMMIT:-unknown}
@@ -40,6 +41,20 @@ for s in "$@"; do
     bench) TAIL=20 step "${BENCH_NAME:-bench}" 240 python3 -m mok_nn.bench --out "$OUT/${BENCH_NAME:-bench}.json" ;;
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
+    profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM with and without tail skip
+        for sh in qwen3-30b-a3b deepseek-v3; do
+            TAIL=0 step "profile_layer_$sh" 90 python3 tests/gpu/profile_layer.py "$sh"
+        done
+        for skip in 0 1; do
+            MOK_GEMM_TAIL_SKIP=$skip TAIL=60 step "ncu_gate_up_skip$skip" 150 ncu --launch-skip 2 --launch-count 1 \
+                -k regex:VarlenMGroupedGemm --section SpeedOfLight --section WarpStateStats \
+                --section MemoryWorkloadAnalysis --section Occupancy \
+                python3 tests/gpu/ncu_gemm.py deepseek-v3 gate_up
+        done ;;
+    epprofile)
+        for sh in qwen3-30b-a3b deepseek-v3; do
+            TAIL=0 step "profile_ep_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep.py "$sh"
+        done ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

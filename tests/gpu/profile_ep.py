@@ -1,0 +1,68 @@
+"""Diagnostic (not a test): where the time of the EP path goes, on rank 0.
+
+    torchrun --nproc_per_node 2 tests/gpu/profile_ep.py [shape] [tokens]
+
+Prints, for mok_nn's forward (no grad) and forward+backward at EP = world size: the wall
+time per step, the CUDA kernel time per step, and the kernels by total time, so host
+overhead (GPU waiting for launches) and the slow kernels show separately.
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from mok_nn import bench
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
+tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+group = dist.group.WORLD
+p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
+fn = bench.mok_experts("cuda", group)
+leaves = bench._leaves(p)
+x, w, gu, dn = leaves
+
+
+def fwd():
+    with torch.no_grad():
+        fn(x, p["ids"], w, gu, dn)
+
+
+def fwd_bwd():
+    for t in leaves:
+        t.grad = None
+    y = fn(x, p["ids"], w, gu, dn)
+    y.backward(p["dy"])
+
+
+for name, step in (("forward", fwd), ("forward+backward", fwd_bwd)):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / reps * 1e3
+    if rank == 0:
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        events.sort(key=lambda e: -e.device_time_total)
+        busy = sum(e.device_time_total for e in events) / reps / 1e3
+        print(f"{shape} EP={world} {name}: wall {wall:.3f} ms per step, kernels {busy:.3f} ms", flush=True)
+        for e in events[:25]:
+            print(f"{e.device_time_total / reps / 1e3:9.3f} ms  x{e.count // reps:<3} {e.key[:100]}", flush=True)
+        cpu = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+        cpu.sort(key=lambda e: -e.self_cpu_time_total)
+        print("host ops by self CPU time:", flush=True)
+        for e in cpu[:15]:
+            print(f"{e.self_cpu_time_total / reps / 1e3:9.3f} ms  x{e.count // reps:<4} {e.key[:80]}", flush=True)
+    dist.barrier()
+dist.destroy_process_group()
