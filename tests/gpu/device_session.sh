@@ -9,7 +9,8 @@
 # (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
 # ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
-# time on rank 0), pack (all logs into $OUT/logs.tgz; last).
+# time on rank 0), gather (MOK_GEMM_GATHER tests, timings, layer),
+# pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
 export MOK_COMMIT=${MOK_COMMIT:-unknown}
@@ -51,6 +52,11 @@ for s in "$@"; do
                 --section MemoryWorkloadAnalysis --section Occupancy \
                 python3 tests/gpu/ncu_gemm.py deepseek-v3 gate_up
         done ;;
+    gather)  # A rows gathered inside the GEMM (MOK_GEMM_GATHER): tests, GEMM timings, the layer with it on
+        step gather_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gather_gemm.py
+        TAIL=40 step gather_gemms 240 python3 tests/gpu/bench_gemm_variants.py --gemms gate_up,dgrad_down
+        MOK_GEMM_GATHER=1 TAIL=0 step profile_layer_deepseek-v3_gather 90 python3 tests/gpu/profile_layer.py deepseek-v3
+        MOK_GEMM_GATHER=1 TAIL=20 step bench_gather 240 python3 -m mok_nn.bench --out "$OUT/bench_gather.json" ;;
     epprofile)
         for sh in qwen3-30b-a3b deepseek-v3; do
             TAIL=0 step "profile_ep_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep.py "$sh"
