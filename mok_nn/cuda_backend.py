@@ -259,6 +259,8 @@ def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, trans
     if _use_torch_gemm() or x.shape[0] == 0:
         return grouped_gemm(gather_rows(x, sched), w, sched, transpose_w, out_dtype)
     x = x.contiguous()
+    if x.data_ptr() % 16:  # a view at an odd offset: the kernel's 16-byte copies need an aligned base
+        x = x.clone()
     n = w.shape[2] if transpose_w else w.shape[1]
     out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
     b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
