@@ -255,8 +255,8 @@ class VarlenMGroupedGemm:
         Per k tile: every thread waits for the stage to be free; warp 0 arms the full
         barrier with B's bytes and issues B's TMA; every thread issues its 8 cp.async
         copies of A (x rows through row_idx; padding rows and columns past K from the
-        zero chunk) and a
-        cp.async.mbarrier.arrive.noinc, which fires when those copies have landed.
+        zero chunk) and a cp.async.mbarrier.arrive.noinc, which fires when those
+        copies have landed.
         """
         ptid, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
