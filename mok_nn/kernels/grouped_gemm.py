@@ -51,6 +51,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
+from .readiness import wait_tile_ready
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -63,6 +64,7 @@ class VarlenMGroupedGemm:
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
         self.full_epi = full_epi
         self.act = act
+        self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -100,8 +102,10 @@ class VarlenMGroupedGemm:
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
 
     @cute.jit
-    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream):
-        """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act)."""
+    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream,
+                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None):
+        """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
+        ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady only)."""
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -175,6 +179,10 @@ class VarlenMGroupedGemm:
         # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
+        if cutlass.const_expr(not self.ready):  # placeholders: the hook is compiled out
+            ready, ready_err, epoch, timeout_us = tile_expert, tile_expert, cutlass.Int32(0), cutlass.Int32(0)
+        else:
+            grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
 
         @cute.struct
         class SharedStorage:
@@ -188,7 +196,7 @@ class VarlenMGroupedGemm:
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
-            group_m,
+            group_m, ready, ready_err, epoch, timeout_us,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -236,6 +244,10 @@ class VarlenMGroupedGemm:
         tiles_m: cutlass.Int32,
         tiles_n: cutlass.Int32,
         group_m: cutlass.Int32,
+        ready: cute.Tensor,
+        ready_err: cute.Tensor,
+        epoch: cutlass.Int32,
+        timeout_us: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -302,6 +314,8 @@ class VarlenMGroupedGemm:
                     m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                     expert = tile_expert[m_tile]
                     if expert >= 0:
+                        if cutlass.const_expr(self.ready):
+                            wait_tile_ready(ready, m_tile, epoch, timeout_us, ready_err)
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
                         if cutlass.const_expr(self.act is not None):
@@ -517,3 +531,35 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
         stream: cuda.CUstream,
     ):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream)
+
+
+class VarlenMGroupedGemmReady(VarlenMGroupedGemm):
+    """The grouped GEMM on num_ctas CTAs (the rest of the SMs stay free for the EP dispatch), whose
+    producer waits for ready[m_tile] >= epoch before loading an A row tile (readiness.py).
+
+    Same tiles, same K order as VarlenMGroupedGemm: bitwise equal to it for any num_ctas.
+    """
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.ready = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major
+        mB: cute.Tensor,  # (N, K, E) K-major
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        ready: cute.Tensor,  # (M // TILE_M,) int32 readiness flags
+        ready_err: cute.Tensor,  # (1,) int32: set to 1 if a wait timed out
+        epoch: cutlass.Int32,
+        timeout_us: cutlass.Int32,
+        num_ctas: cutlass.Int32,  # persistent CTAs (<= SMs the dispatch leaves free)
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     ready, ready_err, epoch, timeout_us, num_ctas)

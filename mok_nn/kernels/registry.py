@@ -82,6 +82,22 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
     )
 
 
+def _gemm_ready_spec(name: str, full_epi: bool) -> KernelSpec:
+    # mok_gemm_bk + the EP readiness hook: waits for ready[m_tile] >= epoch, grid of num_ctas CTAs.
+    base = _gemm_spec(name, "k", GEMM_TILE_N, full_epi=full_epi)
+    return dataclasses.replace(
+        base,
+        factory="VarlenMGroupedGemmReady",
+        args=base.args + (
+            TensorArg("ready", "i32", (DYN,), (1,), align=4),
+            TensorArg("ready_err", "i32", (1,), (1,), align=4),
+            ScalarArg("epoch", "i32"),
+            ScalarArg("timeout_us", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+
+
 def _gemm_act_spec(kind: str) -> KernelSpec:
     # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
     return KernelSpec(
@@ -227,7 +243,26 @@ def _ep_specs() -> tuple:
             ScalarArg("timeout_us", "i32"),
         ),
     )
-    return copy, signal
+    # Dispatch beside the gate/up GEMM, publishing per-tile readiness (kernels/ep_dispatch.py).
+    dispatch = KernelSpec(
+        name="mok_ep_dispatch_rows",
+        module="ep_dispatch",
+        factory="DispatchRows",
+        factory_kwargs=(),
+        args=(
+            TensorArg("dst", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
+            TensorArg("src_base", "i64", (DYN,), (1,), align=8),
+            TensorArg("row_peer", "i32", (DYN,), (1,), align=4),
+            TensorArg("row_src", "i64", (DYN,), (1,), align=8),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("ready", "i32", (DYN,), (1,), align=4),
+            TensorArg("err", "i32", (1,), (1,), align=4),
+            ScalarArg("epoch", "i32"),
+            ScalarArg("timeout_us", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+    return copy, signal, dispatch
 
 
 SPECS = (
@@ -238,6 +273,9 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
+    # the forward gate/up GEMM of the overlapped EP forward (cuda_ep): A row tiles wait for the dispatch
+    _gemm_ready_spec("mok_gemm_bk_ready", full_epi=False),
+    _gemm_ready_spec("mok_gemm_bk_ef_ready", full_epi=True),
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),
