@@ -605,7 +605,9 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     if epoch >= 2**31 - 1:
         raise EPError("overlapped forward epoch overflow; create a new workspace")
     timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
-    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if "num_sms" not in st:
+        st["num_sms"] = torch.cuda.get_device_properties(dev).multi_processor_count
+    num_sms = st["num_sms"]
     comm_ctas, gemm_ctas = split_sms(num_sms, ws.config.fwd_num_comm_sms)
     if "comm_stream" not in st:
         st["comm_stream"] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs are placed first
