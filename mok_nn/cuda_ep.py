@@ -35,7 +35,11 @@ MoKConfig.fwd_num_comm_sms CTAs of a second (high-priority) stream, writes the G
 rows tile by tile (remote rows pulled over NVLink once per token, local rows copied,
 padding zeroed) and publishes ready[tile] = epoch; the gate/up GEMM (mok_gemm_bk_ready /
 _bk_ef_ready) runs on the remaining SMs and waits for each row tile's flag before its
-TMA loads. Same rows, same GEMM tiles and K order: bitwise the sequential path's results.
+TMA loads. Steps 5c and 6 likewise (without a down-projection bias; MOK_EP_COMBINE=sequential
+turns it off): the down GEMM (mok_gemm_bk_done / _bk_ef_done) counts finished output tiles
+per row tile and mok_ep_push_rows on the comm CTAs pushes a row tile's rows once all its
+column tiles are stored. Same rows, same GEMM tiles and K order, same slots: bitwise the
+sequential path's results.
 Backward mirrors it: x and d y rows pulled again, dgrad + dSwiGLU + weight
 gradients locally, d x rows and d w pushed to the source slots, barrier, fixed
 order sums. Each slot is written exactly once and every sum has a fixed order,
@@ -225,6 +229,18 @@ def split_sms(num_sms: int, comm_sms: int) -> tuple[int, int]:
     """(dispatch CTAs, GEMM CTAs): comm_sms for the dispatch (at least 1), the rest (at least 1) for the GEMM."""
     comm = max(1, min(comm_sms, num_sms - 1))
     return comm, num_sms - comm
+
+
+def combine_mode(config, down_bias: bool) -> str:
+    """'overlap' (push beside the down GEMM) or 'sequential' (push after it). Overlapped only in the
+    overlapped forward and without a down-projection bias (added after the GEMM); MOK_EP_COMBINE
+    =sequential turns it off."""
+    mode = os.environ.get("MOK_EP_COMBINE", "")
+    if mode and mode not in FWD_MODES:
+        raise ValueError(f"MOK_EP_COMBINE={mode!r}: expected one of {FWD_MODES}")
+    if fwd_mode(config) != "overlap" or down_bias:
+        return "sequential"
+    return mode or "overlap"
 
 
 def fwd_mode(config) -> str:
@@ -575,12 +591,16 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
-    out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
-    if down_bias is not None:
-        out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
-    # 6. combine push into each source's slots
-    for p in range(P):
-        bufs.copy_rows(out_rows, eps.push_src[p], bufs.peer(p, "slots"), eps.row_slot)
+    if combine_mode(ws.config, down_bias is not None) == "overlap":
+        # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
+        _down_push(ws, bufs, eps, h, down_proj)
+    else:
+        out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
+        if down_bias is not None:
+            out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
+        # 6. combine push into each source's slots
+        for p in range(P):
+            bufs.copy_rows(out_rows, eps.push_src[p], bufs.peer(p, "slots"), eps.row_slot)
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
@@ -589,6 +609,16 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
     return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
+
+
+def _comm_setup(ws, dev):
+    """(comm stream, current stream, comm CTAs, GEMM CTAs) of the overlapped steps."""
+    st = ws.ep_state
+    if "comm_stream" not in st:
+        st["comm_stream"] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs are placed first
+        st["num_sms"] = torch.cuda.get_device_properties(dev).multi_processor_count
+    comm_ctas, gemm_ctas = split_sms(st["num_sms"], ws.config.fwd_num_comm_sms)
+    return st["comm_stream"], torch.cuda.current_stream(dev), comm_ctas, gemm_ctas
 
 
 def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torch.Tensor) -> torch.Tensor:
@@ -605,14 +635,7 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     if epoch >= 2**31 - 1:
         raise EPError("overlapped forward epoch overflow; create a new workspace")
     timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
-    if "num_sms" not in st:
-        st["num_sms"] = torch.cuda.get_device_properties(dev).multi_processor_count
-    num_sms = st["num_sms"]
-    comm_ctas, gemm_ctas = split_sms(num_sms, ws.config.fwd_num_comm_sms)
-    if "comm_stream" not in st:
-        st["comm_stream"] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs are placed first
-    comm = st["comm_stream"]
-    main = torch.cuda.current_stream(dev)
+    comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
 
     row_peer, row_src = dispatch_plan(sched.row_token, bufs.ep_size, bufs.tokens_cap, bufs.rank)
     x_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
@@ -632,6 +655,34 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     # after the whole dispatch (x_rows, row_peer, row_src may be freed and reused on main).
     main.wait_stream(comm)
     return gate_up
+
+
+def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_proj: torch.Tensor) -> None:
+    """Steps 5c and 6 overlapped: mok_gemm_bk(_ef)_done on the GEMM SMs counts each finished output
+    tile in done[m_tile]; mok_ep_push_rows on comm CTAs (second stream, launched first) sends a row
+    tile's rows to their source ranks' slots once all its column tiles are done."""
+    st, sched = ws.ep_state, eps.sched
+    dev = h.device
+    cap, hidden = sched.capacity, bufs.hidden
+    n_tiles = cap // TILE_M
+    if st.get("done") is None or st["done"].numel() != n_tiles:
+        st["done"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    done = st["done"]
+    done.zero_()  # counts of this GEMM only (the previous forward's push has finished: main waited)
+    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
+    out_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
+    tiles_n = -(-hidden // cb.GEMM_TILE_N)
+    row_rank = eps.row_src.to(torch.int32)
+    comm.wait_stream(main)
+    cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
+                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, timeout_us, comm_ctas,
+                     stream=comm.cuda_stream)
+    group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
+    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + "_done"
+    cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
+                     sched.seg_end, sched.gemm_seg_rows(), group_m, done, gemm_ctas, stream=main.cuda_stream)
+    main.wait_stream(comm)  # every row pushed before the barrier; out_rows / row_rank outlive the push
 
 
 def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):

@@ -1,6 +1,6 @@
 """Host logic of the overlapped EP forward (cuda_ep.dispatch_plan and friends), on the CPU.
 
-The dispatch kernel's contract (kernels/ep_dispatch.py) is replayed in Python tile by tile,
+The dispatch kernel's contract (kernels/ep_overlap.py) is replayed in Python tile by tile,
 in the order and with the dependencies the kernel allows, and must give exactly the GEMM rows
 of the sequential path (pull into the tokens section, then index_select by row_token).
 """
@@ -118,3 +118,52 @@ def test_fwd_mode(monkeypatch):
     monkeypatch.setenv("MOK_EP_FWD", "fast")
     with pytest.raises(ValueError, match="MOK_EP_FWD"):
         cuda_ep.fwd_mode(MoKConfig())
+
+
+def test_combine_mode(monkeypatch):
+    monkeypatch.delenv("MOK_EP_FWD", raising=False)
+    monkeypatch.delenv("MOK_EP_COMBINE", raising=False)
+    monkeypatch.delenv("MOK_GEMM", raising=False)
+    cfg = MoKConfig(fwd_num_comm_sms=16)
+    assert cuda_ep.combine_mode(cfg, down_bias=False) == "overlap"
+    assert cuda_ep.combine_mode(cfg, down_bias=True) == "sequential"  # the bias is added after the GEMM
+    monkeypatch.setenv("MOK_EP_COMBINE", "sequential")
+    assert cuda_ep.combine_mode(cfg, down_bias=False) == "sequential"
+    monkeypatch.delenv("MOK_EP_COMBINE")
+    monkeypatch.setenv("MOK_EP_FWD", "sequential")  # only inside the overlapped forward
+    assert cuda_ep.combine_mode(cfg, down_bias=False) == "sequential"
+    monkeypatch.setenv("MOK_EP_FWD", "overlap")
+    monkeypatch.setenv("MOK_EP_COMBINE", "later")
+    with pytest.raises(ValueError, match="MOK_EP_COMBINE"):
+        cuda_ep.combine_mode(cfg, down_bias=False)
+
+
+def test_push_plan_gives_the_sequential_slots():
+    """mok_ep_push_rows sends row r to slots[row_src[r]][row_slot[r]]: the slots of the sequential
+    push (copy_rows of push_src[p] rows into peer p's slots at row_slot), every slot written once."""
+    ep_size, tokens, tc, top_k, num_experts, hidden = 2, [300, 301], 301, 8, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, gen)
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, float(ep_size))
+    seq = [torch.zeros(tc * top_k, hidden, dtype=torch.bfloat16) for _ in range(ep_size)]
+    push = [torch.zeros(tc * top_k, hidden, dtype=torch.bfloat16) for _ in range(ep_size)]
+    written = [torch.zeros(tc * top_k, dtype=torch.int64) for _ in range(ep_size)]
+    for rank in range(ep_size):
+        eps = cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap)
+        out = torch.randn(cap, hidden, generator=gen).to(torch.bfloat16)
+        for p in range(ep_size):
+            ok = eps.push_src[p] >= 0
+            seq[p][eps.row_slot[ok]] = out[eps.push_src[p][ok]]
+        row_rank = eps.row_src.to(torch.int32)
+        for tile in range(cap // TILE_M):
+            if int(eps.sched.tile_expert[tile]) < 0:
+                continue
+            for r in range(tile * TILE_M, (tile + 1) * TILE_M):
+                if int(row_rank[r]) >= 0:
+                    push[int(row_rank[r])][int(eps.row_slot[r])] = out[r]
+                    written[int(row_rank[r])][int(eps.row_slot[r])] += 1
+    for p in range(ep_size):
+        assert torch.equal(push[p].view(torch.int16), seq[p].view(torch.int16))
+        n = tokens[p] * top_k
+        assert bool((written[p][:n] == 1).all()) and bool((written[p][n:] == 0).all())

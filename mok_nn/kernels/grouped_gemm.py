@@ -51,7 +51,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
-from .readiness import wait_tile_ready
+from .readiness import signal_tile_done, wait_tile_ready
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -65,6 +65,7 @@ class VarlenMGroupedGemm:
         self.full_epi = full_epi
         self.act = act
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
+        self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -105,7 +106,8 @@ class VarlenMGroupedGemm:
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream,
                 ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
-        ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady only)."""
+        ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady; with
+        VarlenMGroupedGemmDone, `ready` holds the done counters)."""
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -179,10 +181,12 @@ class VarlenMGroupedGemm:
         # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
-        if cutlass.const_expr(not self.ready):  # placeholders: the hook is compiled out
-            ready, ready_err, epoch, timeout_us = tile_expert, tile_expert, cutlass.Int32(0), cutlass.Int32(0)
-        else:
+        if cutlass.const_expr(self.ready or self.done):  # the hooked variants run on num_ctas CTAs
             grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
+        if cutlass.const_expr(not self.ready):  # placeholders: the readiness hook is compiled out
+            ready_err, epoch, timeout_us = tile_expert, cutlass.Int32(0), cutlass.Int32(0)
+            if cutlass.const_expr(not self.done):
+                ready = tile_expert
 
         @cute.struct
         class SharedStorage:
@@ -379,6 +383,7 @@ class VarlenMGroupedGemm:
             # threads 128-255 (warp group 2) rows 64-127.
             first_row = (wg_idx - 1) * (TILE_M // self.num_consumer_wg)
             epi_count = cutlass.Int32(0)
+            prev_m = cutlass.Int32(-1)  # done hook: row tile of the last output tile stored
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
@@ -415,6 +420,10 @@ class VarlenMGroupedGemm:
                             read_state.advance()
                             release_state.advance()
 
+                    if cutlass.const_expr(self.done):
+                        if warp_idx == 4:  # the store warp: the previous tile's stores are long complete
+                            signal_tile_done(ready, prev_m)
+                        prev_m = m_tile
                     gC_t = gC[(None, None, m_tile, n_tile, 0)]
                     gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
                     bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
@@ -506,6 +515,9 @@ class VarlenMGroupedGemm:
                         epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
+            if cutlass.const_expr(self.done):
+                if warp_idx == 4:
+                    signal_tile_done(ready, prev_m)
             store_pipe.producer_tail()
 
 
@@ -563,3 +575,33 @@ class VarlenMGroupedGemmReady(VarlenMGroupedGemm):
     ):
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
                      ready, ready_err, epoch, timeout_us, num_ctas)
+
+
+class VarlenMGroupedGemmDone(VarlenMGroupedGemm):
+    """The grouped GEMM on num_ctas CTAs whose store warp adds 1 to done[m_tile] once the TMA stores
+    of an output tile are complete (signalled lazily, at the next tile's epilogue or at the end), so
+    that a kernel beside it (the EP combine push) can read finished rows. done is zeroed by the caller.
+
+    Same tiles, same K order as VarlenMGroupedGemm: bitwise equal to it for any num_ctas.
+    """
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.done = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major
+        mB: cute.Tensor,  # (N, K, E) K-major
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        done: cute.Tensor,  # (M // TILE_M,) int32: finished column tiles per row tile
+        num_ctas: cutlass.Int32,  # persistent CTAs (<= SMs the push leaves free)
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     done, None, None, None, num_ctas)

@@ -82,20 +82,21 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
     )
 
 
-def _gemm_ready_spec(name: str, full_epi: bool) -> KernelSpec:
-    # mok_gemm_bk + the EP readiness hook: waits for ready[m_tile] >= epoch, grid of num_ctas CTAs.
+def _gemm_hook_spec(name: str, full_epi: bool, hook: str) -> KernelSpec:
+    # mok_gemm_bk + an EP hook, on a grid of num_ctas CTAs. "ready": waits for ready[m_tile] >= epoch
+    # before loading an A row tile; "done": done[m_tile] += 1 per finished output tile.
     base = _gemm_spec(name, "k", GEMM_TILE_N, full_epi=full_epi)
-    return dataclasses.replace(
-        base,
-        factory="VarlenMGroupedGemmReady",
-        args=base.args + (
+    if hook == "ready":
+        extra = (
             TensorArg("ready", "i32", (DYN,), (1,), align=4),
             TensorArg("ready_err", "i32", (1,), (1,), align=4),
             ScalarArg("epoch", "i32"),
             ScalarArg("timeout_us", "i32"),
-            ScalarArg("num_ctas", "i32"),
-        ),
-    )
+        )
+    else:
+        extra = (TensorArg("done", "i32", (DYN,), (1,), align=4),)
+    factory = {"ready": "VarlenMGroupedGemmReady", "done": "VarlenMGroupedGemmDone"}[hook]
+    return dataclasses.replace(base, factory=factory, args=base.args + extra + (ScalarArg("num_ctas", "i32"),))
 
 
 def _gemm_act_spec(kind: str) -> KernelSpec:
@@ -243,10 +244,11 @@ def _ep_specs() -> tuple:
             ScalarArg("timeout_us", "i32"),
         ),
     )
-    # Dispatch beside the gate/up GEMM, publishing per-tile readiness (kernels/ep_dispatch.py).
+    # Dispatch beside the gate/up GEMM (per-tile readiness), combine push beside the down GEMM
+    # (per-tile completion): kernels/ep_overlap.py.
     dispatch = KernelSpec(
         name="mok_ep_dispatch_rows",
-        module="ep_dispatch",
+        module="ep_overlap",
         factory="DispatchRows",
         factory_kwargs=(),
         args=(
@@ -262,7 +264,25 @@ def _ep_specs() -> tuple:
             ScalarArg("num_ctas", "i32"),
         ),
     )
-    return copy, signal, dispatch
+    push = KernelSpec(
+        name="mok_ep_push_rows",
+        module="ep_overlap",
+        factory="PushRows",
+        factory_kwargs=(),
+        args=(
+            TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
+            TensorArg("dst_base", "i64", (DYN,), (1,), align=8),
+            TensorArg("row_rank", "i32", (DYN,), (1,), align=4),
+            TensorArg("row_slot", "i64", (DYN,), (1,), align=8),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("done", "i32", (DYN,), (1,), align=4),
+            TensorArg("err", "i32", (1,), (1,), align=4),
+            ScalarArg("target", "i32"),
+            ScalarArg("timeout_us", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+    return copy, signal, dispatch, push
 
 
 SPECS = (
@@ -273,9 +293,12 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
-    # the forward gate/up GEMM of the overlapped EP forward (cuda_ep): A row tiles wait for the dispatch
-    _gemm_ready_spec("mok_gemm_bk_ready", full_epi=False),
-    _gemm_ready_spec("mok_gemm_bk_ef_ready", full_epi=True),
+    # the overlapped EP forward (cuda_ep): gate/up GEMM whose A row tiles wait for the dispatch, and
+    # down GEMM that counts finished tiles for the combine push
+    _gemm_hook_spec("mok_gemm_bk_ready", full_epi=False, hook="ready"),
+    _gemm_hook_spec("mok_gemm_bk_ef_ready", full_epi=True, hook="ready"),
+    _gemm_hook_spec("mok_gemm_bk_done", full_epi=False, hook="done"),
+    _gemm_hook_spec("mok_gemm_bk_ef_done", full_epi=True, hook="done"),
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),

@@ -7,7 +7,9 @@ Routed experts only (MoKFunction forward under no_grad; router excluded), BF16, 
 routing (softmax top-k of x @ a random router), the same inputs for every implementation:
   ep1         the single-GPU path (ep_group=None, all experts on each GPU, own tokens)
   seq         cuda_ep forward, MOK_EP_FWD=sequential (pull, then gate/up GEMM on all SMs)
-  ov<c>       cuda_ep forward, overlapped, MoKConfig(fwd_num_comm_sms=c)
+  ov<c>       cuda_ep forward, overlapped (dispatch beside gate/up, push beside down), fwd_num_comm_sms=c
+  ov<c>d      the same with the combine push after the down GEMM (MOK_EP_COMBINE=sequential): the
+              dispatch overlap alone
 Implementations alternate inside each timed iteration (clock drift hits all alike); an
 iteration's time is the slowest rank's (all_reduce MAX); medians reported, with TFLOP/s
 per GPU (6*T*k*H*I / time) and the ratio to ep1 (target: >= 0.90). Before timing, y of
@@ -92,25 +94,28 @@ def main():
         local = (W13[rank * per:(rank + 1) * per], W2[rank * per:(rank + 1) * per], None, None)
         common = dict(hidden_size=hidden, intermediate_size=inter, num_experts=num_experts, top_k=top_k,
                       device=x.device, dtype=x.dtype, backend="cuda")
-        impls = {"ep1": (functional.get_workspace(ep_group=None, **common), (W13, W2, None, None), None)}
+        impls = {"ep1": (functional.get_workspace(ep_group=None, **common), (W13, W2, None, None), None, None)}
         ws_seq = functional.get_workspace(ep_group=dist.group.WORLD, **common)
-        impls["seq"] = (ws_seq, local, "sequential")
+        impls["seq"] = (ws_seq, local, "sequential", "sequential")
         for c in comms:
             ws = functional.get_workspace(ep_group=dist.group.WORLD, config=MoKConfig(fwd_num_comm_sms=c), **common)
-            impls[f"ov{c}"] = (ws, local, "overlap")
+            impls[f"ov{c}"] = (ws, local, "overlap", "overlap")
+            if c == 16:
+                impls[f"ov{c}d"] = (ws, local, "overlap", "sequential")
 
         def run(name):
-            ws, params, mode = impls[name]
+            ws, params, mode, combine = impls[name]
             if mode:
-                os.environ["MOK_EP_FWD"] = mode
+                os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"] = mode, combine
             try:
                 with torch.no_grad():
                     return MoKFunction.apply(x, w, *params, ids, ws)
             finally:
                 os.environ.pop("MOK_EP_FWD", None)
+                os.environ.pop("MOK_EP_COMBINE", None)
 
         ys = {n: run(n) for n in impls}
-        for n, (ws, _, mode) in impls.items():
+        for n, (ws, _, mode, _) in impls.items():
             if mode:
                 cuda_ep.check_errors(ws)
         for _ in range(args.warmup):
@@ -128,7 +133,7 @@ def main():
                 end.synchronize()
                 times[n].append(start.elapsed_time(end))
         timelines = {n: kernel_timeline(lambda: run(n)) for n in ("seq", f"ov{comms[0] if 16 not in comms else 16}")}
-        for n, (ws, _, mode) in impls.items():
+        for n, (ws, _, mode, _) in impls.items():
             if mode:
                 cuda_ep.check_errors(ws)
         flops = 6 * args.tokens * top_k * hidden * inter

@@ -11,9 +11,10 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     bitwise equal to EP=1 (cuda_backend, one rank computing all experts over all ranks' tokens),
     for swiglu, swiglu with limit, GPT-OSS (swiglu_oai, limit, biases); max abs diff per tensor
   - the same under torch.use_deterministic_algorithms(True): nothing raises, bits unchanged
-  - overlapped forward (the default, dispatch on comm CTAs beside the gate/up GEMM) against the
-    sequential one (MOK_EP_FWD=sequential), fwd_num_comm_sms 1, 16, 64: y and every gradient bitwise
-    equal, each run twice (bitwise repeat)
+  - overlapped forward (the default: dispatch on comm CTAs beside the gate/up GEMM, combine push
+    beside the down GEMM) against the sequential one (MOK_EP_FWD=sequential), fwd_num_comm_sms 1,
+    16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential): y and every gradient
+    bitwise equal, each run twice (bitwise repeat)
   - capacity overflow -> NaN outputs and EPError, and the next step works again
   - token capacity growth: a batch above the capacity (same count on all ranks, then different
     counts) -> NaN + EPError on every rank, the next call grows the buffer on every rank, results
@@ -243,14 +244,18 @@ def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu",
     common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
                   backend="cuda", activation=activation, swiglu_limit=limit, ep_group=dist.group.WORLD)
     runs = {}
-    for label, comm, mode in (("sequential", 16, "sequential"), ("overlap comm_sms=16", 16, "overlap"),
-                              ("overlap comm_sms=1", 1, "overlap"), ("overlap comm_sms=64", 64, "overlap")):
+    for label, comm, mode, combine in (
+            ("sequential", 16, "sequential", "sequential"),
+            ("overlap comm_sms=16", 16, "overlap", "overlap"),
+            ("overlap comm_sms=16, combine push after the down GEMM", 16, "overlap", "sequential"),
+            ("overlap comm_sms=1", 1, "overlap", "overlap"),
+            ("overlap comm_sms=64", 64, "overlap", "overlap")):
         ws = functional.get_workspace(config=MoKConfig(fwd_num_comm_sms=comm), **common)
-        os.environ["MOK_EP_FWD"] = mode
+        os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"] = mode, combine
         try:
             runs[label] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
         finally:
-            del os.environ["MOK_EP_FWD"]
+            del os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"]
         cuda_ep.check_errors(ws)
     seq = runs["sequential"][0]
     for label, (a, b) in runs.items():

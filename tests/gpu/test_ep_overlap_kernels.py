@@ -1,10 +1,11 @@
-"""The overlapped EP forward's kernels on ONE GPU (needs sm_90): mok_ep_dispatch_rows and the
-readiness-hooked gate/up GEMM (mok_gemm_bk_ready / mok_gemm_bk_ef_ready).
+"""The overlapped EP forward's kernels on ONE GPU (needs sm_90): mok_ep_dispatch_rows beside the
+readiness-hooked gate/up GEMM (mok_gemm_bk_ready / _bk_ef_ready), and mok_ep_push_rows beside the
+done-counting down GEMM (mok_gemm_bk_done / _bk_ef_done).
 
-The "peer" tokens sections are ordinary local tensors (the kernel only sees addresses), so the
-dispatch, the readiness flags, the waits and the concurrent dispatch + GEMM run without a second
-GPU. Outputs are poisoned (NaN) before each run; everything is compared bitwise against the
-sequential construction (index_select + mok_gemm_bk) and repeated.
+The peers' sections are ordinary local tensors (the kernels only see addresses), so the copies,
+the flags, the waits and the concurrent comm kernel + GEMM run without a second GPU. Outputs are
+poisoned (NaN) before each run; everything is compared bitwise against the sequential construction
+(index_select + mok_gemm_bk, copy into slots) and repeated; the timeouts are checked to be bounded.
 """
 
 import os
@@ -178,3 +179,95 @@ def test_dispatch_beside_gemm(lib, comm_ctas):
         assert int(err.item()) == 0
         assert torch.equal(_bits(x_rows[used]), _bits(want[used]))
         assert torch.equal(_bits(out[used]), _bits(ref[used]))
+
+
+@pytest.mark.parametrize("variant", ["mok_gemm_bk", "mok_gemm_bk_ef"])
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+def test_gemm_done_equals_gemm(lib, variant, num_ctas):
+    """The done-counting GEMM gives the plain GEMM's bits on any grid, and counts every column tile of
+    every used row tile exactly once."""
+    import mok_nn.cuda_backend as cb
+
+    H, N, E = 512, 768, 16
+    secs, eps, want, *_ = _setup(2, [400, 300], H, E, 4, 0, seed=10 + num_ctas)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=6)
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(variant, want, w.permute(1, 2, 0), ref, sched)
+    used = _used_rows(sched)
+    for _ in range(2):
+        done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        lib.launch(variant + "_done", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+                   sched.seg_end, sched.gemm_seg_rows(), 1, done, num_ctas,
+                   stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(out[used]), _bits(ref[used]))
+        tiles_n = -(-N // 256)
+        assert torch.equal(done, torch.where(sched.tile_expert >= 0, tiles_n, 0).to(torch.int32))
+
+
+@pytest.mark.parametrize("comm_ctas", [1, 16])
+def test_push_beside_gemm(lib, comm_ctas):
+    """The overlapped pair of the combine on one GPU: push on a side stream first (waiting for finished
+    row tiles), the done-counting down GEMM on the other SMs; the two "ranks'" slot buffers get exactly
+    the sequential push's rows, repeated."""
+    import mok_nn.cuda_backend as cb
+
+    H, I, E, K, P = 2048, 768, 32, 8, 2
+    tokens = [3000, 2800]
+    secs, eps, h_rows, *_ = _setup(P, tokens, I, E, K, 1, seed=20 + comm_ctas)  # A rows of width I play h
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, I, H, E // P, seed=4)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=I)
+    ref = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(name, h_rows, w.permute(1, 2, 0), ref, sched)
+    tc = max(tokens)
+
+    def fresh():  # poisoned where this rank's rows go, zero past a rank's tokens (never written)
+        bufs = [torch.full((tc * K, H), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(P)]
+        for p in range(P):
+            bufs[p][tokens[p] * K:] = 0
+        return bufs
+
+    want = fresh()  # the other rank's slots stay NaN in both
+    for p in range(P):
+        ok = eps.push_src[p] >= 0
+        want[p][eps.row_slot[ok]] = ref[eps.push_src[p][ok]]
+    row_rank = eps.row_src.to(torch.int32)
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    comm, gemm_ctas = cuda_ep.split_sms(torch.cuda.get_device_properties(0).multi_processor_count, comm_ctas)
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        slots = fresh()
+        base = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64, device="cuda")
+        done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        side.wait_stream(main)
+        lib.launch("mok_ep_push_rows", out, base, row_rank, eps.row_slot, sched.tile_expert, done, err,
+                   -(-H // 256), TIMEOUT_US, comm, stream=side.cuda_stream)
+        lib.launch(name + "_done", h_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+                   sched.seg_end, sched.gemm_seg_rows(), 1, done, gemm_ctas, stream=main.cuda_stream)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        for p in range(P):
+            assert torch.equal(_bits(slots[p]), _bits(want[p])), p
+            assert int((~torch.isnan(slots[p][:tokens[p] * K]).any(dim=1)).sum()) > 0  # something arrived
+
+
+def test_push_wait_times_out(lib):
+    """Row tiles never counted done: the push returns within its timeout with err set (no hang)."""
+    H, E, K = 256, 8, 2
+    secs, eps, rows, *_ = _setup(2, [200, 100], H, E, K, 0, seed=9)
+    sched = eps.sched
+    slots = torch.zeros(200 * K, H, dtype=torch.bfloat16, device="cuda")
+    base = torch.tensor([slots.data_ptr()] * 2, dtype=torch.int64, device="cuda")
+    done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    t0 = time.time()
+    lib.launch("mok_ep_push_rows", rows, base, eps.row_src.to(torch.int32), eps.row_slot, sched.tile_expert, done,
+               err, 1, 300_000, 16, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert int(err.item()) == 1 and time.time() - t0 < 10
