@@ -49,6 +49,7 @@ def _setup(P, tokens, H, E, K, rank, seed):
     e_l = E // P
     cap = cuda_ep.schedule_capacity(tc, K, e_l, P, 2.0)
     eps = cuda_ep.make_ep_schedule(ids, tokens[rank], rank, e_l, cap)
+    assert not bool(eps.overflow)
     merged = secs[rank].clone()
     for s in range(P):
         if s != rank:
