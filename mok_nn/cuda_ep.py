@@ -29,6 +29,17 @@ Forward (no host synchronisation; every peer write is a unicast store):
   6. combine push (mok_ep_copy_rows): output row of slot (t, j) into its source
      rank's slots[t*k + j]
   7. barrier; 8. fixed-order combine of the k slots on the source (mok_combine)
+Overlapped forward (the default; MOK_EP_FWD=sequential runs the steps above): steps 4
+and the gate/up GEMM of 5 run at the same time. mok_ep_dispatch_rows, on
+MoKConfig.fwd_num_comm_sms CTAs of a second (high-priority) stream, writes the GEMM's A
+rows tile by tile (remote rows pulled over NVLink once per token, local rows copied,
+padding zeroed) and publishes ready[tile] = epoch; the gate/up GEMM (mok_gemm_bk_ready /
+_bk_ef_ready) runs on the remaining SMs and waits for each row tile's flag before its
+TMA loads. Steps 5c and 6 likewise (without a down-projection bias; MOK_EP_COMBINE=sequential
+turns it off): the down GEMM (mok_gemm_bk_done / _bk_ef_done) counts finished output tiles
+per row tile and mok_ep_push_rows on the comm CTAs pushes a row tile's rows once all its
+column tiles are stored. Same rows, same GEMM tiles and K order, same slots: bitwise the
+sequential path's results.
 Backward mirrors it: x and d y rows pulled again, dgrad + dSwiGLU + weight
 gradients locally, d x rows and d w pushed to the source slots, barrier, fixed
 order sums. Each slot is written exactly once and every sum has a fixed order,
@@ -65,6 +76,7 @@ from . import cuda_backend as cb
 from .kernels.registry import TILE_M
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
+FWD_MODES = ("overlap", "sequential")
 
 
 class EPError(RuntimeError):
@@ -182,6 +194,65 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
+def first_row_of_token(row_token: torch.Tensor) -> torch.Tensor:
+    """[M] int64: for each row, the lowest row index holding the same token (stable sort, no atomics)."""
+    m = row_token.numel()
+    order = torch.sort(row_token, stable=True).indices  # equal tokens keep ascending row order
+    s = row_token[order]
+    rows = torch.arange(m, device=row_token.device)
+    starts = torch.ones(m, dtype=torch.bool, device=row_token.device)
+    starts[1:] = s[1:] != s[:-1]
+    group_first = torch.cummax(torch.where(starts, rows, 0), 0).values  # sorted position of each group's start
+    first = torch.empty_like(order)
+    first[order] = order[group_first]  # order is a permutation: every index written once
+    return first
+
+
+def dispatch_plan(row_token: torch.Tensor, ep_size: int, tokens_cap: int, rank: int):
+    """(row_peer [M] int32, row_src [M] int64) for mok_ep_dispatch_rows, from the schedule's row_token.
+
+    row_peer: source rank of the row (its tokens section, row row_src = row_token), -1 for padding
+    (zero row), -2 for a later row of a remote token already pulled by row row_src (its first row):
+    each remote token row crosses NVLink once; local rows are copied from the local section.
+    """
+    pad = row_token >= ep_size * tokens_cap
+    peer = torch.where(pad, -1, row_token // tokens_cap)
+    rows = torch.arange(row_token.numel(), device=row_token.device)
+    first = first_row_of_token(row_token)
+    dup = (peer >= 0) & (peer != rank) & (first != rows)
+    row_peer = torch.where(dup, -2, peer).to(torch.int32)
+    row_src = torch.where(dup, first, torch.where(pad, 0, row_token))
+    return row_peer, row_src
+
+
+def split_sms(num_sms: int, comm_sms: int) -> tuple[int, int]:
+    """(dispatch CTAs, GEMM CTAs): comm_sms for the dispatch (at least 1), the rest (at least 1) for the GEMM."""
+    comm = max(1, min(comm_sms, num_sms - 1))
+    return comm, num_sms - comm
+
+
+def combine_mode(config, down_bias: bool) -> str:
+    """'overlap' (push beside the down GEMM) or 'sequential' (push after it). Overlapped only in the
+    overlapped forward and without a down-projection bias (added after the GEMM); MOK_EP_COMBINE
+    =sequential turns it off."""
+    mode = os.environ.get("MOK_EP_COMBINE", "")
+    if mode and mode not in FWD_MODES:
+        raise ValueError(f"MOK_EP_COMBINE={mode!r}: expected one of {FWD_MODES}")
+    if fwd_mode(config) != "overlap" or down_bias:
+        return "sequential"
+    return mode or "overlap"
+
+
+def fwd_mode(config) -> str:
+    """'overlap' (dispatch beside the gate/up GEMM) or 'sequential'; MOK_EP_FWD overrides."""
+    mode = os.environ.get("MOK_EP_FWD", "")
+    if mode and mode not in FWD_MODES:
+        raise ValueError(f"MOK_EP_FWD={mode!r}: expected one of {FWD_MODES}")
+    if cb._use_torch_gemm():
+        return "sequential"  # torch._grouped_mm has no readiness hook
+    return mode or ("overlap" if config.fwd_num_comm_sms > 0 else "sequential")
+
+
 # --------------------------------------------------------------------------
 # symmetric-memory buffers
 
@@ -256,6 +327,14 @@ class SymmBuffers:
 
     def peer(self, p: int, name: str) -> torch.Tensor:
         return self._views[p][name]
+
+    def section_addrs(self, name: str) -> torch.Tensor:
+        """[P] int64 on the GPU: the address of every rank's section as mapped here (own one included)."""
+        cache = self.__dict__.setdefault("_addrs", {})
+        if name not in cache:
+            cache[name] = torch.tensor([self.peer(p, name).data_ptr() for p in range(self.ep_size)],
+                                       dtype=torch.int64, device=self.err.device)
+        return cache[name]
 
     def barrier(self) -> None:
         """Every rank reaches this point of its stream; unicast release/acquire with each peer."""
@@ -391,8 +470,8 @@ def check_errors(ws, block: bool = True) -> None:
         elif not ev.query():
             keep.append((host, ev, what))
             continue
-        overflow, timeout, too_many = int(host[0]), int(host[1]), int(host[2])
-        if overflow or timeout or too_many:
+        overflow, timeout, too_many, ov_timeout = (int(v) for v in host[:4])
+        if overflow or timeout or too_many or ov_timeout:
             st["pending"] = []
             if too_many:
                 st["grow_to"] = max(st.get("grow_to", 0), too_many)
@@ -406,6 +485,11 @@ def check_errors(ws, block: bool = True) -> None:
                     f"mok_nn expert parallelism ({what}): the routing overflowed the expert buffers of a rank "
                     f"(schedule capacity {st.get('capacity')} rows); raise MoKConfig.schedule_capacity_multiplier "
                     f"(now {ws.config.schedule_capacity_multiplier}). The step's outputs are NaN.")
+            if ov_timeout:
+                raise EPError(
+                    f"mok_nn expert parallelism ({what}): in the overlapped forward a row tile's readiness "
+                    f"wait timed out ({st['bufs'].timeout_s:g} s; were SMs left free for the dispatch CTAs?). "
+                    f"The outputs are NaN; the workspace is unusable (MOK_EP_FWD=sequential avoids this path).")
             raise EPError(
                 f"mok_nn expert parallelism ({what}): a peer rank did not reach the barrier within "
                 f"{st['bufs'].timeout_s:g} s (did every rank call the layer?). The outputs are NaN; the "
@@ -441,9 +525,17 @@ def _too_many(bufs: SymmBuffers) -> torch.Tensor:
     return torch.where(most > bufs.tokens_cap, most, 0).to(torch.int32)
 
 
-def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor) -> torch.Tensor:
-    """[overflow, barrier timeout, too_many]: any non-zero entry poisons the step."""
-    return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many])
+def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor, ov_err: torch.Tensor) -> torch.Tensor:
+    """[overflow, barrier timeout, too_many, overlap wait timeout]: any non-zero entry poisons the step."""
+    return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many, ov_err[0]])
+
+
+def _ov_err(ws, bufs: SymmBuffers) -> torch.Tensor:
+    """[1] int32, sticky: a readiness wait of the overlapped forward timed out (dispatch or GEMM side)."""
+    st = ws.ep_state
+    if st.get("ov_err") is None:
+        st["ov_err"] = torch.zeros(1, dtype=torch.int32, device=bufs.err.device)
+    return st["ov_err"]
 
 
 def _poison(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
@@ -484,31 +576,113 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     sched = eps.sched
     w_all = torch.cat([bufs.local("weights").reshape(-1), w.new_zeros(1)])
     w_rows = w_all.index_select(0, eps.row_gslot)
-    # 4. dispatch: pull the needed token rows of each peer
-    dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
-    for p in range(P):
-        if p != r:
-            bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
-    # 5. experts
-    x_rows = tokens.index_select(0, sched.row_token)
-    gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+    if fwd_mode(ws.config) == "overlap":
+        # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
+        gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
+    else:
+        # 4. dispatch: pull the needed token rows of each peer
+        dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+        for p in range(P):
+            if p != r:
+                bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
+        # 5. experts
+        x_rows = tokens.index_select(0, sched.row_token)
+        gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
-    out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
-    if down_bias is not None:
-        out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
-    # 6. combine push into each source's slots
-    for p in range(P):
-        bufs.copy_rows(out_rows, eps.push_src[p], bufs.peer(p, "slots"), eps.row_slot)
+    if combine_mode(ws.config, down_bias is not None) == "overlap":
+        # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
+        _down_push(ws, bufs, eps, h, down_proj)
+    else:
+        out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
+        if down_bias is not None:
+            out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
+        # 6. combine push into each source's slots
+        for p in range(P):
+            bufs.copy_rows(out_rows, eps.push_src[p], bufs.peer(p, "slots"), eps.row_slot)
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
-    flags = _step_flags(eps, bufs, too_many)
+    flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
     w_eff = _poison(topk_weights[:n].float(), flags)
     y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
     return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
+
+
+def _comm_setup(ws, dev):
+    """(comm stream, current stream, comm CTAs, GEMM CTAs) of the overlapped steps."""
+    st = ws.ep_state
+    if "comm_stream" not in st:
+        st["comm_stream"] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs are placed first
+        st["num_sms"] = torch.cuda.get_device_properties(dev).multi_processor_count
+    comm_ctas, gemm_ctas = split_sms(st["num_sms"], ws.config.fwd_num_comm_sms)
+    return st["comm_stream"], torch.cuda.current_stream(dev), comm_ctas, gemm_ctas
+
+
+def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """Steps 4 and 5a overlapped: mok_ep_dispatch_rows on a second stream fills the A rows tile by
+    tile and flags each ready; mok_gemm_bk(_ef)_ready consumes them as they come. Returns gate_up."""
+    st, sched = ws.ep_state, eps.sched
+    dev = gate_up_proj.device
+    cap, hidden = sched.capacity, bufs.hidden
+    n_tiles = cap // TILE_M
+    if st.get("ready") is None or st["ready"].numel() != n_tiles:
+        st["ready"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)  # epochs keep growing: no reset
+    st["ov_epoch"] = st.get("ov_epoch", 0) + 1
+    epoch = st["ov_epoch"]
+    if epoch >= 2**31 - 1:
+        raise EPError("overlapped forward epoch overflow; create a new workspace")
+    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
+
+    row_peer, row_src = dispatch_plan(sched.row_token, bufs.ep_size, bufs.tokens_cap, bufs.rank)
+    x_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
+    gate_up = torch.empty(cap, gate_up_proj.shape[1], dtype=torch.bfloat16, device=dev)
+    # The dispatch is launched first, so its CTAs are resident before the GEMM fills the other SMs.
+    comm.wait_stream(main)
+    cb._lib().launch("mok_ep_dispatch_rows", x_rows, bufs.section_addrs("tokens"), row_peer, row_src,
+                     sched.tile_expert, st["ready"], _ov_err(ws, bufs), epoch, timeout_us, comm_ctas,
+                     stream=comm.cuda_stream)
+    tiles_n = -(-gate_up.shape[1] // cb.GEMM_TILE_N)
+    group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
+    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + "_ready"
+    cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
+                     sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, st["ready"], _ov_err(ws, bufs),
+                     epoch, timeout_us, gemm_ctas, stream=main.cuda_stream)
+    # The GEMM ends only after every tile was published; from here on the main stream also orders
+    # after the whole dispatch (x_rows, row_peer, row_src may be freed and reused on main).
+    main.wait_stream(comm)
+    return gate_up
+
+
+def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_proj: torch.Tensor) -> None:
+    """Steps 5c and 6 overlapped: mok_gemm_bk(_ef)_done on the GEMM SMs counts each finished output
+    tile in done[m_tile]; mok_ep_push_rows on comm CTAs (second stream, launched first) sends a row
+    tile's rows to their source ranks' slots once all its column tiles are done."""
+    st, sched = ws.ep_state, eps.sched
+    dev = h.device
+    cap, hidden = sched.capacity, bufs.hidden
+    n_tiles = cap // TILE_M
+    if st.get("done") is None or st["done"].numel() != n_tiles:
+        st["done"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    done = st["done"]
+    done.zero_()  # counts of this GEMM only (the previous forward's push has finished: main waited)
+    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
+    out_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
+    tiles_n = -(-hidden // cb.GEMM_TILE_N)
+    row_rank = eps.row_src.to(torch.int32)
+    comm.wait_stream(main)
+    cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
+                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, timeout_us, comm_ctas,
+                     stream=comm.cuda_stream)
+    group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
+    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + "_done"
+    cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
+                     sched.seg_end, sched.gemm_seg_rows(), group_m, done, gemm_ctas, stream=main.cuda_stream)
+    main.wait_stream(comm)  # every row pushed before the barrier; out_rows / row_rank outlive the push
 
 
 def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
@@ -570,7 +744,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
-    flags = _step_flags(eps, bufs, too_many)
+    flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
     ones = _poison(torch.ones(n, top_k, dtype=torch.float32, device=x.device), flags)
     dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
     owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)

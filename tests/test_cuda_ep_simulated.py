@@ -154,7 +154,7 @@ def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
     for r, (y, dx, dw, seen) in enumerate(_run_ranks(rank_fn, ep_size)):
         assert y.shape == (tokens[r], H) and dx.shape == (tokens[r], H) and dw.shape == (tokens[r], K)
         assert bool(torch.isnan(y).all()) and bool(torch.isnan(dx).all()) and bool(torch.isnan(dw).all())
-        assert [f.tolist() for f in seen] == [[0, 0, 9], [0, 0, 9]]
+        assert [f.tolist() for f in seen] == [[0, 0, 9, 0], [0, 0, 9, 0]]
 
 
 def test_check_errors_too_many_tokens_sets_growth():
@@ -165,7 +165,7 @@ def test_check_errors_too_many_tokens_sets_growth():
         def query(self):
             return True
 
-    st = {"pending": [(torch.tensor([0, 0, 9], dtype=torch.int32), _Done(), "forward")],
+    st = {"pending": [(torch.tensor([0, 0, 9, 0], dtype=torch.int32), _Done(), "forward")],
           "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())
     with pytest.raises(cuda_ep.EPError, match="9 tokens, above the workspace's token capacity 6"):

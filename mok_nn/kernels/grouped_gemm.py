@@ -65,6 +65,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
+from .readiness import signal_tile_done, wait_tile_ready
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -81,6 +82,8 @@ class VarlenMGroupedGemm:
         self.full_epi = full_epi
         self.act = act
         self.gather = gather
+        self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
+        self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -125,11 +128,14 @@ class VarlenMGroupedGemm:
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
 
     @cute.jit
-    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, mZ=None, row_idx=None):
+    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, mZ=None, row_idx=None,
+                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
 
         gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), mZ 16 zero bytes,
         row_idx [M] the x row of each A row (T: padding, read from mZ).
+        ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady; with
+        VarlenMGroupedGemmDone, `ready` holds the done counters).
         """
         mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
         if cutlass.const_expr(not self.gather):
@@ -207,6 +213,12 @@ class VarlenMGroupedGemm:
         # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
+        if cutlass.const_expr(self.ready or self.done):  # the hooked variants run on num_ctas CTAs
+            grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
+        if cutlass.const_expr(not self.ready):  # placeholders: the readiness hook is compiled out
+            ready_err, epoch, timeout_us = tile_expert, cutlass.Int32(0), cutlass.Int32(0)
+            if cutlass.const_expr(not self.done):
+                ready = tile_expert
 
         @cute.struct
         class SharedStorage:
@@ -222,6 +234,7 @@ class VarlenMGroupedGemm:
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
             mX, mZ, row_idx,
+            ready, ready_err, epoch, timeout_us,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -342,6 +355,10 @@ class VarlenMGroupedGemm:
         mX: cute.Tensor,
         mZ: cute.Tensor,
         row_idx: cute.Tensor,
+        ready: cute.Tensor,
+        ready_err: cute.Tensor,
+        epoch: cutlass.Int32,
+        timeout_us: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -415,6 +432,8 @@ class VarlenMGroupedGemm:
                     m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                     expert = tile_expert[m_tile]
                     if expert >= 0:
+                        if cutlass.const_expr(self.ready):
+                            wait_tile_ready(ready, m_tile, epoch, timeout_us, ready_err)
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
                         if cutlass.const_expr(self.act is not None):
@@ -478,6 +497,7 @@ class VarlenMGroupedGemm:
             # threads 128-255 (warp group 2) rows 64-127.
             first_row = (wg_idx - 1) * (TILE_M // self.num_consumer_wg)
             epi_count = cutlass.Int32(0)
+            prev_m = cutlass.Int32(-1)  # done hook: row tile of the last output tile stored
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
@@ -517,6 +537,10 @@ class VarlenMGroupedGemm:
                             read_state.advance()
                             release_state.advance()
 
+                    if cutlass.const_expr(self.done):
+                        if warp_idx == 4:  # the store warp: the previous tile's stores are long complete
+                            signal_tile_done(ready, prev_m)
+                        prev_m = m_tile
                     gC_t = gC[(None, None, m_tile, n_tile, 0)]
                     gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
                     bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
@@ -608,6 +632,9 @@ class VarlenMGroupedGemm:
                         epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
+            if cutlass.const_expr(self.done):
+                if warp_idx == 4:
+                    signal_tile_done(ready, prev_m)
             store_pipe.producer_tail()
 
 
@@ -658,3 +685,65 @@ class VarlenMGroupedGemmGather(VarlenMGroupedGemm):
         self._launch(
             mX, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream, mZ, row_idx
         )
+
+
+class VarlenMGroupedGemmReady(VarlenMGroupedGemm):
+    """The grouped GEMM on num_ctas CTAs (the rest of the SMs stay free for the EP dispatch), whose
+    producer waits for ready[m_tile] >= epoch before loading an A row tile (readiness.py).
+
+    Same tiles, same K order as VarlenMGroupedGemm: bitwise equal to it for any num_ctas.
+    """
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.ready = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major
+        mB: cute.Tensor,  # (N, K, E) K-major
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        ready: cute.Tensor,  # (M // TILE_M,) int32 readiness flags
+        ready_err: cute.Tensor,  # (1,) int32: set to 1 if a wait timed out
+        epoch: cutlass.Int32,
+        timeout_us: cutlass.Int32,
+        num_ctas: cutlass.Int32,  # persistent CTAs (<= SMs the dispatch leaves free)
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     ready=ready, ready_err=ready_err, epoch=epoch, timeout_us=timeout_us, num_ctas=num_ctas)
+
+
+class VarlenMGroupedGemmDone(VarlenMGroupedGemm):
+    """The grouped GEMM on num_ctas CTAs whose store warp adds 1 to done[m_tile] once the TMA stores
+    of an output tile are complete (signalled lazily, at the next tile's epilogue or at the end), so
+    that a kernel beside it (the EP combine push) can read finished rows. done is zeroed by the caller.
+
+    Same tiles, same K order as VarlenMGroupedGemm: bitwise equal to it for any num_ctas.
+    """
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.done = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major
+        mB: cute.Tensor,  # (N, K, E) K-major
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        done: cute.Tensor,  # (M // TILE_M,) int32: finished column tiles per row tile
+        num_ctas: cutlass.Int32,  # persistent CTAs (<= SMs the push leaves free)
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     ready=done, num_ctas=num_ctas)

@@ -104,6 +104,23 @@ def _gemm_gather_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: 
     )
 
 
+def _gemm_hook_spec(name: str, full_epi: bool, hook: str) -> KernelSpec:
+    # mok_gemm_bk + an EP hook, on a grid of num_ctas CTAs. "ready": waits for ready[m_tile] >= epoch
+    # before loading an A row tile; "done": done[m_tile] += 1 per finished output tile.
+    base = _gemm_spec(name, "k", GEMM_TILE_N, full_epi=full_epi)
+    if hook == "ready":
+        extra = (
+            TensorArg("ready", "i32", (DYN,), (1,), align=4),
+            TensorArg("ready_err", "i32", (1,), (1,), align=4),
+            ScalarArg("epoch", "i32"),
+            ScalarArg("timeout_us", "i32"),
+        )
+    else:
+        extra = (TensorArg("done", "i32", (DYN,), (1,), align=4),)
+    factory = {"ready": "VarlenMGroupedGemmReady", "done": "VarlenMGroupedGemmDone"}[hook]
+    return dataclasses.replace(base, factory=factory, args=base.args + extra + (ScalarArg("num_ctas", "i32"),))
+
+
 def _gemm_act_spec(kind: str) -> KernelSpec:
     # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
     return KernelSpec(
@@ -249,7 +266,45 @@ def _ep_specs() -> tuple:
             ScalarArg("timeout_us", "i32"),
         ),
     )
-    return copy, signal
+    # Dispatch beside the gate/up GEMM (per-tile readiness), combine push beside the down GEMM
+    # (per-tile completion): kernels/ep_overlap.py.
+    dispatch = KernelSpec(
+        name="mok_ep_dispatch_rows",
+        module="ep_overlap",
+        factory="DispatchRows",
+        factory_kwargs=(),
+        args=(
+            TensorArg("dst", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
+            TensorArg("src_base", "i64", (DYN,), (1,), align=8),
+            TensorArg("row_peer", "i32", (DYN,), (1,), align=4),
+            TensorArg("row_src", "i64", (DYN,), (1,), align=8),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("ready", "i32", (DYN,), (1,), align=4),
+            TensorArg("err", "i32", (1,), (1,), align=4),
+            ScalarArg("epoch", "i32"),
+            ScalarArg("timeout_us", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+    push = KernelSpec(
+        name="mok_ep_push_rows",
+        module="ep_overlap",
+        factory="PushRows",
+        factory_kwargs=(),
+        args=(
+            TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
+            TensorArg("dst_base", "i64", (DYN,), (1,), align=8),
+            TensorArg("row_rank", "i32", (DYN,), (1,), align=4),
+            TensorArg("row_slot", "i64", (DYN,), (1,), align=8),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("done", "i32", (DYN,), (1,), align=4),
+            TensorArg("err", "i32", (1,), (1,), align=4),
+            ScalarArg("target", "i32"),
+            ScalarArg("timeout_us", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+    return copy, signal, dispatch, push
 
 
 SPECS = (
@@ -264,6 +319,12 @@ SPECS = (
     _gemm_gather_spec("mok_gemm_bk_gather", "k"),  # gate/up: x rows @ W13[e]^T
     _gemm_gather_spec("mok_gemm_bk_ef_gather", "k", full_epi=True),
     _gemm_gather_spec("mok_gemm_bn_f32_gather", "n", "f32"),  # dgrad of down: dy rows @ W2[e]
+    # the overlapped EP forward (cuda_ep): gate/up GEMM whose A row tiles wait for the dispatch, and
+    # down GEMM that counts finished tiles for the combine push
+    _gemm_hook_spec("mok_gemm_bk_ready", full_epi=False, hook="ready"),
+    _gemm_hook_spec("mok_gemm_bk_ef_ready", full_epi=True, hook="ready"),
+    _gemm_hook_spec("mok_gemm_bk_done", full_epi=False, hook="done"),
+    _gemm_hook_spec("mok_gemm_bk_ef_done", full_epi=True, hook="done"),
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),

@@ -7,7 +7,8 @@
 #
 # Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
 # (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
-# ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark),
+# ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark), epov (EP=2 forward:
+# sequential vs overlapped dispatch, comm-SM sweep, kernel timeline),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
 # time on rank 0), gather (MOK_GEMM_GATHER tests, timings, layer),
 # pack (all logs into $OUT/logs.tgz; last).
@@ -41,6 +42,7 @@ for s in "$@"; do
         done ;;
     bench) TAIL=20 step "${BENCH_NAME:-bench}" 240 python3 -m mok_nn.bench --out "$OUT/${BENCH_NAME:-bench}.json" ;;
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
+    epov) TAIL=40 step ep_overlap 180 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
     profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM with and without tail skip
         for sh in qwen3-30b-a3b deepseek-v3; do

@@ -11,6 +11,10 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     bitwise equal to EP=1 (cuda_backend, one rank computing all experts over all ranks' tokens),
     for swiglu, swiglu with limit, GPT-OSS (swiglu_oai, limit, biases); max abs diff per tensor
   - the same under torch.use_deterministic_algorithms(True): nothing raises, bits unchanged
+  - overlapped forward (the default: dispatch on comm CTAs beside the gate/up GEMM, combine push
+    beside the down GEMM) against the sequential one (MOK_EP_FWD=sequential), fwd_num_comm_sms 1,
+    16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential): y and every gradient
+    bitwise equal, each run twice (bitwise repeat)
   - capacity overflow -> NaN outputs and EPError, and the next step works again
   - token capacity growth: a batch above the capacity (same count on all ranks, then different
     counts) -> NaN + EPError on every rank, the next call grows the buffer on every rank, results
@@ -225,6 +229,43 @@ def case_fixed_routing(name, H, I, E, K, T_by_rank, activation="swiglu", limit=N
             + _diff(old, want)[0], all_ranks=True)
 
 
+def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu", limit=None, bias=False):
+    """Fixed routing: the overlapped forward gives the sequential forward's bits (y and all gradients;
+    the backward is the same code), for several comm-SM counts, each run twice."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = E // world
+    g = torch.Generator(device="cuda").manual_seed(11)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
+    b13 = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    b2 = (torch.randn(E, H, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    local = [None if p is None else p[rank * per:(rank + 1) * per] for p in (W13, W2, b13, b2)]
+    x, dy, ids, w = _rank_inputs(rank, T_by_rank[rank], H, E, K)
+    common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
+                  backend="cuda", activation=activation, swiglu_limit=limit, ep_group=dist.group.WORLD)
+    runs = {}
+    for label, comm, mode, combine in (
+            ("sequential", 16, "sequential", "sequential"),
+            ("overlap comm_sms=16", 16, "overlap", "overlap"),
+            ("overlap comm_sms=16, combine push after the down GEMM", 16, "overlap", "sequential"),
+            ("overlap comm_sms=1", 1, "overlap", "overlap"),
+            ("overlap comm_sms=64", 64, "overlap", "overlap")):
+        ws = functional.get_workspace(config=MoKConfig(fwd_num_comm_sms=comm), **common)
+        os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"] = mode, combine
+        try:
+            runs[label] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
+        finally:
+            del os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"]
+        cuda_ep.check_errors(ws)
+    seq = runs["sequential"][0]
+    for label, (a, b) in runs.items():
+        nan = any(torch.isnan(v).any() for v in a.values())
+        detail, eq = _diff(a, seq)
+        again = all(torch.equal(a[k], b[k]) for k in a)
+        report(f"{name}: {label}: bitwise equal to sequential, and on a repeat", eq and again and not nan,
+               "" if eq and again else f"{detail} repeat={again} nan={nan}")
+
+
 # --------------------------------------------------------------------------
 # token capacity growth
 
@@ -376,6 +417,10 @@ def main():
     check("fixed oai", lambda: case_fixed_routing(
         "gpt-oss (swiglu_oai, limit 7, biases)", 256, 128, 16, 4, [300, 301], activation="swiglu_oai", limit=7.0,
         bias=True, diag=True))
+    check("overlap swiglu", lambda: case_overlap_vs_sequential("overlap swiglu", 1792, 256, 32, 8, [3000, 2500]))
+    check("overlap oai", lambda: case_overlap_vs_sequential(
+        "overlap gpt-oss+bias", 256, 128, 16, 4, [300, 301], activation="swiglu_oai", limit=7.0, bias=True))
+    check("overlap tiny", lambda: case_overlap_vs_sequential("overlap 257/1 tokens", 384, 192, 16, 4, [257, 1]))
     check("overflow", case_overflow)
     check("growth", case_growth)
     check("shapes", case_shapes_differ)

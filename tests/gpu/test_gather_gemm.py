@@ -119,7 +119,7 @@ def test_gather_equals_index_select(case, name):
     from mok_nn import cuda_backend as cb
 
     twin, transpose_w, out_dtype = TWINS[name]
-    ids, E, sched, N, K = _case_inputs(case, seed=len(case[0]) * 7 + N)
+    ids, E, sched, N, K = _case_inputs(case, seed=len(case[0]) * 7 + case[2])
     T = ids.shape[0]
     g = torch.Generator(device="cuda").manual_seed(K + N)
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)

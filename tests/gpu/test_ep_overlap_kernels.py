@@ -1,0 +1,274 @@
+"""The overlapped EP forward's kernels on ONE GPU (needs sm_90): mok_ep_dispatch_rows beside the
+readiness-hooked gate/up GEMM (mok_gemm_bk_ready / _bk_ef_ready), and mok_ep_push_rows beside the
+done-counting down GEMM (mok_gemm_bk_done / _bk_ef_done).
+
+The peers' sections are ordinary local tensors (the kernels only see addresses), so the copies,
+the flags, the waits and the concurrent comm kernel + GEMM run without a second GPU. Outputs are
+poisoned (NaN) before each run; everything is compared bitwise against the sequential construction
+(index_select + mok_gemm_bk, copy into slots) and repeated; the timeouts are checked to be bounded.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from mok_nn import cuda_ep
+from mok_nn.kernels.registry import TILE_M
+
+cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
+
+TIMEOUT_US = 20_000_000  # a lost flag costs 20 s, not a hang
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from mok_nn.kernels import loader
+
+    return loader.load("sm_90a", lib_dir=os.environ.get("MOK_KERNEL_DIR"))
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _setup(P, tokens, H, E, K, rank, seed):
+    """Sections of P simulated ranks (own rows filled), schedule of `rank`, and the sequential A rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tc = max(tokens)
+    ids = torch.full((P, tc, K), -1, dtype=torch.int64, device="cuda")
+    secs = []
+    for s in range(P):
+        logits = torch.randn(tokens[s], E, device="cuda", generator=g)
+        ids[s, :tokens[s]] = torch.topk(logits, K, dim=1).indices
+        sec = torch.zeros(P * tc + 1, H, dtype=torch.bfloat16, device="cuda")
+        sec[s * tc:s * tc + tokens[s]] = torch.randn(tokens[s], H, device="cuda", generator=g).to(torch.bfloat16)
+        secs.append(sec)
+    e_l = E // P
+    cap = cuda_ep.schedule_capacity(tc, K, e_l, P, 2.0)
+    eps = cuda_ep.make_ep_schedule(ids, tokens[rank], rank, e_l, cap)
+    assert not bool(eps.overflow)
+    merged = secs[rank].clone()
+    for s in range(P):
+        if s != rank:
+            need = eps.pull_src[s][eps.pull_src[s] >= 0]
+            merged[need] = secs[s][need]
+    want = merged.index_select(0, eps.sched.row_token)
+    row_peer, row_src = cuda_ep.dispatch_plan(eps.sched.row_token, P, tc, rank)
+    base = torch.tensor([s.data_ptr() for s in secs], dtype=torch.int64, device="cuda")
+    return secs, eps, want, row_peer, row_src, base, tc
+
+
+def _used_rows(sched):
+    return torch.repeat_interleave(sched.tile_expert >= 0, TILE_M)
+
+
+@pytest.mark.parametrize("H", [64, 1792, 2048, 7168])
+@pytest.mark.parametrize("num_ctas", [1, 5, 16])
+def test_dispatch_rows(lib, H, num_ctas):
+    secs, eps, want, row_peer, row_src, base, tc = _setup(2, [700, 650], H, 32, 8, 0, seed=H + num_ctas)
+    sched = eps.sched
+    n_tiles = sched.tile_expert.numel()
+    ready = torch.zeros(n_tiles, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    used = _used_rows(sched)
+    assert int((row_peer == -2).sum()) > 0  # duplicates of remote tokens are exercised
+    outs = []
+    for epoch in (1, 2, 3):
+        dst = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lib.launch("mok_ep_dispatch_rows", dst, base, row_peer, row_src, sched.tile_expert, ready, err, epoch,
+                   TIMEOUT_US, num_ctas, stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        assert torch.equal(ready[sched.tile_expert >= 0], torch.full_like(ready[sched.tile_expert >= 0], epoch))
+        assert bool((ready[sched.tile_expert < 0] == 0).all())  # unused tiles are never published
+        assert torch.equal(_bits(dst[used]), _bits(want[used]))
+        outs.append(dst[used])
+    assert all(torch.equal(_bits(o), _bits(outs[0])) for o in outs)
+
+
+def _gemm_inputs(M_rows, H, N, E, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(E, N, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    return w
+
+
+@pytest.mark.parametrize("variant", ["mok_gemm_bk", "mok_gemm_bk_ef"])
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+def test_gemm_ready_equals_gemm(lib, variant, num_ctas):
+    """Flags already published: the hooked GEMM on any grid gives the plain GEMM's bits."""
+    import mok_nn.cuda_backend as cb
+
+    H, N, E = 512, 768, 16
+    secs, eps, want, *_ = _setup(2, [400, 300], H, E, 4, 0, seed=num_ctas)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=5)
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(variant, want, w.permute(1, 2, 0), ref, sched)
+    ready = torch.full((sched.tile_expert.numel(),), 4, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    used = _used_rows(sched)
+    for _ in range(2):
+        out = torch.full_like(ref, float("nan"))
+        lib.launch(variant + "_ready", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+                   sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, 4, TIMEOUT_US, num_ctas,
+                   stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        assert torch.equal(_bits(out[used]), _bits(ref[used]))
+    # against fp32 math too (the reference GEMM could share a bug)
+    e_of_row = torch.repeat_interleave(sched.tile_expert.long(), TILE_M)
+    exact = torch.zeros(sched.capacity, N, dtype=torch.float64, device="cuda")
+    for e in range(w.shape[0]):
+        rows = e_of_row == e
+        exact[rows] = want[rows].double() @ w[e].double().T
+    rel = ((out[used].double() - exact[used]).norm() / exact[used].norm()).item()
+    assert rel < 1e-2, rel
+
+
+def test_gemm_ready_wait_times_out(lib):
+    """A tile never published: the GEMM returns within its timeout with ready_err set (no hang)."""
+    H, N, E = 256, 256, 4
+    secs, eps, want, *_ = _setup(2, [100, 100], H, E, 2, 0, seed=1)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=2)
+    ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(sched.capacity, N, dtype=torch.bfloat16, device="cuda")
+    t0 = time.time()
+    lib.launch("mok_gemm_bk_ready", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+               sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, 1, 300_000, 132,
+               stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    elapsed = time.time() - t0
+    assert int(err.item()) == 1 and elapsed < 10, elapsed
+
+
+@pytest.mark.parametrize("comm_ctas", [1, 16])
+def test_dispatch_beside_gemm(lib, comm_ctas):
+    """The overlapped pair on one GPU: dispatch on a side stream first, the hooked GEMM on the other
+    SMs consuming tiles as they are published; bitwise the sequential result, repeated."""
+    import mok_nn.cuda_backend as cb
+
+    H, N, E, K = 2048, 1536, 32, 8
+    secs, eps, want, row_peer, row_src, base, tc = _setup(2, [4096, 4096], H, E, K, 1, seed=comm_ctas)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=3)
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    name = cb.gemm_kernel(False, torch.bfloat16, k=H)
+    cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
+    used = _used_rows(sched)
+    ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    comm, gemm_ctas = cuda_ep.split_sms(sms, comm_ctas)
+    for epoch in (1, 2, 3):
+        x_rows = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        side.wait_stream(main)
+        lib.launch("mok_ep_dispatch_rows", x_rows, base, row_peer, row_src, sched.tile_expert, ready, err, epoch,
+                   TIMEOUT_US, comm, stream=side.cuda_stream)
+        lib.launch(name + "_ready", x_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+                   sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, epoch, TIMEOUT_US, gemm_ctas,
+                   stream=main.cuda_stream)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        assert torch.equal(_bits(x_rows[used]), _bits(want[used]))
+        assert torch.equal(_bits(out[used]), _bits(ref[used]))
+
+
+@pytest.mark.parametrize("variant", ["mok_gemm_bk", "mok_gemm_bk_ef"])
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+def test_gemm_done_equals_gemm(lib, variant, num_ctas):
+    """The done-counting GEMM gives the plain GEMM's bits on any grid, and counts every column tile of
+    every used row tile exactly once."""
+    import mok_nn.cuda_backend as cb
+
+    H, N, E = 512, 768, 16
+    secs, eps, want, *_ = _setup(2, [400, 300], H, E, 4, 0, seed=10 + num_ctas)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=6)
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(variant, want, w.permute(1, 2, 0), ref, sched)
+    used = _used_rows(sched)
+    for _ in range(2):
+        done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        lib.launch(variant + "_done", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+                   sched.seg_end, sched.gemm_seg_rows(), 1, done, num_ctas,
+                   stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(out[used]), _bits(ref[used]))
+        tiles_n = -(-N // 256)
+        assert torch.equal(done, torch.where(sched.tile_expert >= 0, tiles_n, 0).to(torch.int32))
+
+
+@pytest.mark.parametrize("comm_ctas", [1, 16])
+def test_push_beside_gemm(lib, comm_ctas):
+    """The overlapped pair of the combine on one GPU: push on a side stream first (waiting for finished
+    row tiles), the done-counting down GEMM on the other SMs; the two "ranks'" slot buffers get exactly
+    the sequential push's rows, repeated."""
+    import mok_nn.cuda_backend as cb
+
+    H, I, E, K, P = 2048, 768, 32, 8, 2
+    tokens = [3000, 2800]
+    secs, eps, h_rows, *_ = _setup(P, tokens, I, E, K, 1, seed=20 + comm_ctas)  # A rows of width I play h
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, I, H, E // P, seed=4)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=I)
+    ref = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(name, h_rows, w.permute(1, 2, 0), ref, sched)
+    tc = max(tokens)
+
+    def fresh():  # poisoned where this rank's rows go, zero past a rank's tokens (never written)
+        bufs = [torch.full((tc * K, H), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(P)]
+        for p in range(P):
+            bufs[p][tokens[p] * K:] = 0
+        return bufs
+
+    want = fresh()  # the other rank's slots stay NaN in both
+    for p in range(P):
+        ok = eps.push_src[p] >= 0
+        want[p][eps.row_slot[ok]] = ref[eps.push_src[p][ok]]
+    row_rank = eps.row_src.to(torch.int32)
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    comm, gemm_ctas = cuda_ep.split_sms(torch.cuda.get_device_properties(0).multi_processor_count, comm_ctas)
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        slots = fresh()
+        base = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64, device="cuda")
+        done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        side.wait_stream(main)
+        lib.launch("mok_ep_push_rows", out, base, row_rank, eps.row_slot, sched.tile_expert, done, err,
+                   -(-H // 256), TIMEOUT_US, comm, stream=side.cuda_stream)
+        lib.launch(name + "_done", h_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
+                   sched.seg_end, sched.gemm_seg_rows(), 1, done, gemm_ctas, stream=main.cuda_stream)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        for p in range(P):
+            assert torch.equal(_bits(slots[p]), _bits(want[p])), p
+            assert int((~torch.isnan(slots[p][:tokens[p] * K]).any(dim=1)).sum()) > 0  # something arrived
+
+
+def test_push_wait_times_out(lib):
+    """Row tiles never counted done: the push returns within its timeout with err set (no hang)."""
+    H, E, K = 256, 8, 2
+    secs, eps, rows, *_ = _setup(2, [200, 100], H, E, K, 0, seed=9)
+    sched = eps.sched
+    slots = torch.zeros(200 * K, H, dtype=torch.bfloat16, device="cuda")
+    base = torch.tensor([slots.data_ptr()] * 2, dtype=torch.int64, device="cuda")
+    done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    t0 = time.time()
+    lib.launch("mok_ep_push_rows", rows, base, eps.row_src.to(torch.int32), eps.row_slot, sched.tile_expert, done,
+               err, 1, 300_000, 16, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert int(err.item()) == 1 and time.time() - t0 < 10

@@ -1,0 +1,169 @@
+"""Host logic of the overlapped EP forward (cuda_ep.dispatch_plan and friends), on the CPU.
+
+The dispatch kernel's contract (kernels/ep_overlap.py) is replayed in Python tile by tile,
+in the order and with the dependencies the kernel allows, and must give exactly the GEMM rows
+of the sequential path (pull into the tokens section, then index_select by row_token).
+"""
+
+import pytest
+import torch
+
+from mok_nn import cuda_ep
+from mok_nn.config import MoKConfig
+from mok_nn.kernels.registry import TILE_M
+
+from test_cuda_ep_schedule import _ids_all
+
+
+def _replay_dispatch(row_peer, row_src, tile_expert, sections, hidden):
+    """mok_ep_dispatch_rows in Python; asserts every read is of data the kernel has by then."""
+    m = row_peer.numel()
+    dst = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16)
+    done = torch.zeros(m, dtype=torch.bool)
+    published = set()
+    for tile in range(m // TILE_M):
+        if int(tile_expert[tile]) < 0:
+            continue
+        rows = range(tile * TILE_M, (tile + 1) * TILE_M)
+        for r in rows:  # phase 1: pulls, local copies, zero rows
+            p = int(row_peer[r])
+            if p >= 0:
+                dst[r] = sections[p][int(row_src[r])]
+                done[r] = True
+            elif p == -1:
+                dst[r] = 0
+                done[r] = True
+        for r in rows:  # phase 2: duplicates of rows of this tile or of a published earlier tile
+            if int(row_peer[r]) == -2:
+                f = int(row_src[r])
+                assert f < r and bool(done[f]), (r, f)
+                assert f // TILE_M == tile or f // TILE_M in published, (r, f)
+                dst[r] = dst[f]
+                done[r] = True
+        published.add(tile)
+    return dst
+
+
+@pytest.mark.parametrize("ep_size,tokens,tc,top_k,num_experts,skew", [
+    (2, [37, 20], 40, 2, 8, False),
+    (2, [300, 301], 301, 8, 16, False),  # several tiles per expert, tokens repeated across tiles
+    (4, [50, 3, 0, 64], 64, 4, 16, True),
+])
+def test_dispatch_plan_gives_the_sequential_rows(ep_size, tokens, tc, top_k, num_experts, skew):
+    hidden = 16
+    gen = torch.Generator().manual_seed(7 * sum(tokens) + ep_size)
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, gen, skew)
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, float(ep_size))
+    # every rank's tokens section as that rank holds it: own rows filled, the zero row last
+    x = [torch.randn(tokens[s], hidden, generator=gen).to(torch.bfloat16) for s in range(ep_size)]
+    sections = []
+    for s in range(ep_size):
+        sec = torch.zeros(ep_size * tc + 1, hidden, dtype=torch.bfloat16)
+        sec[s * tc:s * tc + tokens[s]] = x[s]
+        sections.append(sec)
+    for rank in range(ep_size):
+        eps = cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap)
+        sched = eps.sched
+        # the sequential path: pull every needed peer row into the local section, then gather
+        local = sections[rank].clone()
+        for s in range(ep_size):
+            if s != rank:
+                need = eps.pull_src[s][eps.pull_src[s] >= 0]
+                local[need] = sections[s][need]
+        want = local.index_select(0, sched.row_token)
+
+        row_peer, row_src = cuda_ep.dispatch_plan(sched.row_token, ep_size, tc, rank)
+        assert row_peer.dtype == torch.int32 and row_src.dtype == torch.int64
+        got = _replay_dispatch(row_peer, row_src, sched.tile_expert, sections, hidden)
+        used = torch.repeat_interleave(sched.tile_expert >= 0, TILE_M)
+        assert torch.equal(got[used].view(torch.int16), want[used].view(torch.int16))
+
+        # each remote token row crosses the link once; local and padding rows never do
+        pulled = row_src[(row_peer >= 0) & (row_peer != rank)]
+        assert pulled.unique().numel() == pulled.numel()
+        remote_tokens = sched.row_token[(sched.row_token < ep_size * tc) & (sched.row_token // tc != rank)]
+        assert set(pulled.tolist()) == set(remote_tokens.tolist())
+        assert bool((row_peer[sched.row_token == ep_size * tc] == -1).all())
+
+
+def test_first_row_of_token():
+    row_token = torch.tensor([5, 3, 5, 9, 3, 3, 9, 5, 0])
+    want = torch.tensor([0, 1, 0, 3, 1, 1, 3, 0, 8])
+    assert torch.equal(cuda_ep.first_row_of_token(row_token), want)
+    r = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(1))
+    first = cuda_ep.first_row_of_token(r)
+    for i in range(r.numel()):
+        assert int(first[i]) == int((r == r[i]).nonzero()[0])
+
+
+def test_split_sms():
+    assert cuda_ep.split_sms(132, 16) == (16, 116)
+    assert cuda_ep.split_sms(132, 0) == (1, 131)  # the dispatch needs at least one CTA
+    assert cuda_ep.split_sms(132, 128) == (128, 4)
+    assert cuda_ep.split_sms(8, 100) == (7, 1)  # the GEMM keeps at least one
+
+
+def test_fwd_mode(monkeypatch):
+    monkeypatch.delenv("MOK_EP_FWD", raising=False)
+    monkeypatch.delenv("MOK_GEMM", raising=False)
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "overlap"
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=0)) == "sequential"
+    monkeypatch.setenv("MOK_EP_FWD", "sequential")
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "sequential"
+    monkeypatch.setenv("MOK_EP_FWD", "overlap")
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "overlap"
+    monkeypatch.setenv("MOK_GEMM", "torch")  # torch._grouped_mm has no readiness hook
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "sequential"
+    monkeypatch.setenv("MOK_EP_FWD", "fast")
+    with pytest.raises(ValueError, match="MOK_EP_FWD"):
+        cuda_ep.fwd_mode(MoKConfig())
+
+
+def test_combine_mode(monkeypatch):
+    monkeypatch.delenv("MOK_EP_FWD", raising=False)
+    monkeypatch.delenv("MOK_EP_COMBINE", raising=False)
+    monkeypatch.delenv("MOK_GEMM", raising=False)
+    cfg = MoKConfig(fwd_num_comm_sms=16)
+    assert cuda_ep.combine_mode(cfg, down_bias=False) == "overlap"
+    assert cuda_ep.combine_mode(cfg, down_bias=True) == "sequential"  # the bias is added after the GEMM
+    monkeypatch.setenv("MOK_EP_COMBINE", "sequential")
+    assert cuda_ep.combine_mode(cfg, down_bias=False) == "sequential"
+    monkeypatch.delenv("MOK_EP_COMBINE")
+    monkeypatch.setenv("MOK_EP_FWD", "sequential")  # only inside the overlapped forward
+    assert cuda_ep.combine_mode(cfg, down_bias=False) == "sequential"
+    monkeypatch.setenv("MOK_EP_FWD", "overlap")
+    monkeypatch.setenv("MOK_EP_COMBINE", "later")
+    with pytest.raises(ValueError, match="MOK_EP_COMBINE"):
+        cuda_ep.combine_mode(cfg, down_bias=False)
+
+
+def test_push_plan_gives_the_sequential_slots():
+    """mok_ep_push_rows sends row r to slots[row_src[r]][row_slot[r]]: the slots of the sequential
+    push (copy_rows of push_src[p] rows into peer p's slots at row_slot), every slot written once."""
+    ep_size, tokens, tc, top_k, num_experts, hidden = 2, [300, 301], 301, 8, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, gen)
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, float(ep_size))
+    seq = [torch.zeros(tc * top_k, hidden, dtype=torch.bfloat16) for _ in range(ep_size)]
+    push = [torch.zeros(tc * top_k, hidden, dtype=torch.bfloat16) for _ in range(ep_size)]
+    written = [torch.zeros(tc * top_k, dtype=torch.int64) for _ in range(ep_size)]
+    for rank in range(ep_size):
+        eps = cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap)
+        out = torch.randn(cap, hidden, generator=gen).to(torch.bfloat16)
+        for p in range(ep_size):
+            ok = eps.push_src[p] >= 0
+            seq[p][eps.row_slot[ok]] = out[eps.push_src[p][ok]]
+        row_rank = eps.row_src.to(torch.int32)
+        for tile in range(cap // TILE_M):
+            if int(eps.sched.tile_expert[tile]) < 0:
+                continue
+            for r in range(tile * TILE_M, (tile + 1) * TILE_M):
+                if int(row_rank[r]) >= 0:
+                    push[int(row_rank[r])][int(eps.row_slot[r])] = out[r]
+                    written[int(row_rank[r])][int(eps.row_slot[r])] += 1
+    for p in range(ep_size):
+        assert torch.equal(push[p].view(torch.int16), seq[p].view(torch.int16))
+        n = tokens[p] * top_k
+        assert bool((written[p][:n] == 1).all()) and bool((written[p][n:] == 0).all())
