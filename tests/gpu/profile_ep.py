@@ -47,6 +47,8 @@ for name, step in (("forward", fwd), ("forward+backward", fwd_bwd)):
     dist.barrier()
     reps = 5
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dist.barrier()  # both ranks inside the profiler before the first step: no start-up skew
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(reps):
             step()
