@@ -107,12 +107,12 @@ def test_split_sms():
 def test_fwd_mode(monkeypatch):
     monkeypatch.delenv("MOK_EP_FWD", raising=False)
     monkeypatch.delenv("MOK_GEMM", raising=False)
-    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "overlap"
-    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=0)) == "sequential"
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "sequential"  # overlap is opt-in
     monkeypatch.setenv("MOK_EP_FWD", "sequential")
     assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "sequential"
     monkeypatch.setenv("MOK_EP_FWD", "overlap")
     assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "overlap"
+    assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=0)) == "sequential"
     monkeypatch.setenv("MOK_GEMM", "torch")  # torch._grouped_mm has no readiness hook
     assert cuda_ep.fwd_mode(MoKConfig(fwd_num_comm_sms=16)) == "sequential"
     monkeypatch.setenv("MOK_EP_FWD", "fast")
@@ -125,6 +125,7 @@ def test_combine_mode(monkeypatch):
     monkeypatch.delenv("MOK_EP_COMBINE", raising=False)
     monkeypatch.delenv("MOK_GEMM", raising=False)
     cfg = MoKConfig(fwd_num_comm_sms=16)
+    monkeypatch.setenv("MOK_EP_FWD", "overlap")
     assert cuda_ep.combine_mode(cfg, down_bias=False) == "overlap"
     assert cuda_ep.combine_mode(cfg, down_bias=True) == "sequential"  # the bias is added after the GEMM
     monkeypatch.setenv("MOK_EP_COMBINE", "sequential")

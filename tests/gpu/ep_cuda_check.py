@@ -11,8 +11,8 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     bitwise equal to EP=1 (cuda_backend, one rank computing all experts over all ranks' tokens),
     for swiglu, swiglu with limit, GPT-OSS (swiglu_oai, limit, biases); max abs diff per tensor
   - the same under torch.use_deterministic_algorithms(True): nothing raises, bits unchanged
-  - overlapped forward (the default: dispatch on comm CTAs beside the gate/up GEMM, combine push
-    beside the down GEMM) against the sequential one (MOK_EP_FWD=sequential), fwd_num_comm_sms 1,
+  - overlapped forward (opt-in, MOK_EP_FWD=overlap: dispatch on comm CTAs beside the gate/up GEMM,
+    combine push beside the down GEMM) against the sequential default, fwd_num_comm_sms 1,
     16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential): y and every gradient
     bitwise equal, each run twice (bitwise repeat)
   - capacity overflow -> NaN outputs and EPError, and the next step works again
