@@ -142,15 +142,11 @@ def _gemm_act_spec(kind: str) -> KernelSpec:
     )
 
 
-def _wgrad_spec(
-    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, trim_k: bool = False, diag: str = ""
-) -> KernelSpec:
+def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "") -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
-    # trim_k: the last K tile of an expert skips the 16-row MMA blocks past its last real row.
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     kwargs += (("lazy_epilogue", True),) if lazy else ()
-    kwargs += (("trim_k", True),) if trim_k else ()
     kwargs += (("diag", diag),) if diag else ()
     return KernelSpec(
         name=name,
@@ -329,14 +325,13 @@ SPECS = (
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
-    # tests/gpu/bench_wgrad_variants.py); (256, 64, 2) and (128, 64, 2) lost on H200 and were dropped.
-    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),
-    # Lazy epilogue (stores overlap the next tile's MMA), to be measured against the default:
-    _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),  # whole 128x256 tile buffered, 3 A/B stages
-    _wgrad_spec("mok_gemm_wgrad_defer64", GEMM_TILE_N, 64, 4, lazy=True),  # same 64 KB in 4 wider sub-tiles
-    _wgrad_spec("mok_gemm_wgrad_lazy4", GEMM_TILE_N, 32, 4, lazy=True),  # half a tile buffered, 4 A/B stages
-    _wgrad_spec("mok_gemm_wgrad_n128defer", 128, 32, 4, lazy=True),  # whole 128x128 tile buffered, 6 A/B stages
-    _wgrad_spec("mok_gemm_wgrad_defer_trimk", GEMM_TILE_N, 32, 8, lazy=True, trim_k=True),  # + no MMA on padding rows
+    # tests/gpu/bench_wgrad_variants.py). Lost on H200 and dropped: (256, 64, 2), (128, 64, 2);
+    # lazy epilogues with 4 x 128x64 buffers, half a tile buffered (4 A/B stages), 128x128 tiles,
+    # and skipping the MMA blocks of padding rows (docs/benchmarks/..._v12_wgrad_variants.txt).
+    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),  # experts with many rows (mixtral)
+    # Lazy epilogue: the whole 128x256 tile buffered (3 A/B stages), its stores overlap the next
+    # tile's MMA; experts with few rows (deepseek-v3 d gate_up 7.9 vs 9.0 ms)
+    _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),

@@ -54,7 +54,6 @@ class VarlenKGroupedGemm:
         epi_n: int = 32,
         epi_stages: int = 4,
         lazy_epilogue: bool = False,
-        trim_k: bool = False,
         diag: str = "",
         num_sms: int = 132,
     ):
@@ -63,10 +62,6 @@ class VarlenKGroupedGemm:
         # sub-tile e of every tile uses buffer e % epi_stages.
         assert not lazy_epilogue or (epi_stages >= 2 and (tile_n // epi_n) % epi_stages == 0)
         self.lazy_epilogue = lazy_epilogue
-        # trim_k: in an expert's last K tile, skip the wgmma k-blocks (16 rows each) past its
-        # last real row. Those rows are zero padding, so the sum is unchanged bit for bit
-        # (adding exact zeros to an fp32 accumulator that started at +0 never changes it).
-        self.trim_k = trim_k
         # Diagnostics only (wrong results, never selectable by MOK_WGRAD_KERNEL): "no_store" skips the
         # TMA stores (time = loads + MMA + epilogue in smem), "no_mma" skips the wgmma (loads + stores).
         assert diag in ("", "no_store", "no_mma")
@@ -303,24 +298,15 @@ class VarlenKGroupedGemm:
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 _, k_tiles = self._k_range(seg_end, seg_rows, expert)
-                # k-blocks of the last K tile holding real rows (1 .. k_blocks)
-                kb_rows = self.tile_mnk[2] // k_blocks
-                last_kb = (seg_rows[expert] - (k_tiles - 1) * self.tile_mnk[2] + (kb_rows - 1)) // kb_rows
                 acc.fill(0.0)
                 if k_tiles > 0:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     for k in range(k_tiles):
                         ab_pipe.consumer_wait(read_state)
-                        kb_end = cutlass.select_(k == k_tiles - 1, last_kb, cutlass.Int32(k_blocks))
                         for kb in cutlass.range_constexpr(k_blocks):
                             coord = (None, None, kb, read_state.index)
-                            if cutlass.const_expr(self.diag == "no_mma"):
-                                pass
-                            elif cutlass.const_expr(self.trim_k and kb > 0):
-                                if kb < kb_end:
-                                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                            else:
+                            if cutlass.const_expr(self.diag != "no_mma"):
                                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                         cute.nvgpu.warpgroup.commit_group()
                         # Keep one wgmma batch in flight; release the stage before it.

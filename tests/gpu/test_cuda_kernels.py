@@ -240,7 +240,7 @@ def test_weight_grad_gemm(lib, case, kernel, monkeypatch):
 VARIANT_CASES = [  # rows per expert (top-1 routing, tokens shuffled), Na, Nb
     ((0, 1, 64, 65, 0, 128, 129, 3), 200, 392),  # K tile edges, empty experts, partial M and N tiles
     # ~4 output tiles per CTA, short K: epilogue buffers reused across tiles; every 16-row
-    # position of an expert's last row in its K tile (trim_k skips the blocks past it)
+    # position of an expert's last row in its K tile
     ((1, 64, 65, 0, 17, 130, 33, 48, 100, 7, 2, 64, 111, 0, 16, 81), 1024, 1536),
 ]
 
