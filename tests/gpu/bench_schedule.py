@@ -22,6 +22,8 @@ import torch
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
 
+from layer_runs import median_ms  # the script's folder is on sys.path
+
 IMPLS = {"mc": "mc", "mc_pdl": "mc_pdl", "single": "single", "torch": "torch"}  # name -> MOK_SCHEDULE
 SHAPES = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 FIELDS = ("pos", "row_token", "tile_expert", "seg_end", "seg_rows")
@@ -48,18 +50,6 @@ def gpu_ms(fn, reps):
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) / reps)
-    return statistics.median(times)
-
-
-def call_ms(fn, reps):
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
     return statistics.median(times)
 
 
@@ -107,7 +97,7 @@ def main():
             again = fn()
             torch.cuda.synchronize()
             exact = exact and all(torch.equal(getattr(got, f), getattr(again, f)) for f in FIELDS)
-            g_ms, c_ms = gpu_ms(fn, args.reps), call_ms(fn, args.reps)
+            g_ms, c_ms = gpu_ms(fn, args.reps), median_ms(fn, args.reps)
             if impl == "single":
                 base = g_ms
             rec = dict(shape=shape, tokens=args.tokens, experts=num_experts, top_k=ids.shape[1], impl=impl,

@@ -26,23 +26,9 @@ from mok_nn import cuda_backend as cb
 from mok_nn.kernels import registry
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from layer_runs import rel_err  # noqa: E402
+from layer_runs import median_ms, rel_err  # noqa: E402
 
 TOL = 1e-2  # relative L2 vs torch: two bf16 roundings of fp32 sums taken in different orders
-
-
-def median_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def launch_into(kernel, a, b, sched, counts, out):

@@ -1,4 +1,9 @@
-"""Shared by the GPU tests: the error measure, and one forward+backward of a layer."""
+"""Shared by the GPU tests and timers: the error measure, an fp64 oracle of routed GEMM rows,
+one forward+backward of a layer, and a CUDA-event timer."""
+
+import statistics
+
+import torch
 
 GRAD_NAMES = ("y", "dx", "dW13", "dW2", "dWr", "db13", "db2")
 
@@ -25,3 +30,30 @@ def run_layer(layer, x, dy):
     if e.gate_up_proj_bias is not None:
         out += [e.gate_up_proj_bias.grad, e.down_proj_bias.grad]
     return out
+
+
+def slot_products(x, ids, W, transpose_w):
+    """fp64 [T*k, N]: row (t, j) = x[t] @ W[e] (transpose_w) or x[t] @ W[e]^T, e = ids[t, j], expert by expert."""
+    flat = ids.reshape(-1)
+    xs = x.double().repeat_interleave(ids.shape[1], 0)
+    out = torch.empty(flat.numel(), W.shape[2] if transpose_w else W.shape[1], dtype=torch.float64, device=x.device)
+    for e in flat.unique().tolist():
+        sel = flat == e
+        We = W[e].double()
+        out[sel] = xs[sel] @ (We if transpose_w else We.T)
+    return out
+
+
+def median_ms(fn, reps):
+    """Median ms of fn() over reps calls, each between two CUDA events (host in the loop), after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)

@@ -12,7 +12,7 @@ import torch
 
 from mok_nn.kernels import registry
 
-from layer_runs import rel_err as rel_l2
+from layer_runs import rel_err as rel_l2, slot_products
 
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
@@ -62,19 +62,6 @@ DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn"
 
 def test_gemm_variants_listed():
     assert {v[0] for v in GEMM_VARIANTS} == set(registry.GEMM_KERNELS)
-
-
-def _slot_products(x, ids, W, transpose_w):
-    """fp64 [T*k, N]: row (t, j) = x[t] @ W[ids[t, j]] (transpose_w) or x[t] @ W[ids[t, j]]^T, expert by expert."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    xs = x.double().repeat_interleave(k, 0)
-    out = torch.empty(flat.numel(), W.shape[2] if transpose_w else W.shape[1], dtype=torch.float64, device=x.device)
-    for e in flat.unique().tolist():
-        sel = flat == e
-        We = W[e].double()
-        out[sel] = xs[sel] @ (We if transpose_w else We.T)
-    return out
 
 
 def _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m, seg_rows=None):
@@ -155,7 +142,7 @@ def test_grouped_gemm_tail_rows(lib, name, transpose_w, out_dtype):
     used = int(sched.seg_end[-1])
     assert torch.equal(outs[0][:used], outs[1][:used]), "not bitwise reproducible"
     pos = sched.pos.reshape(-1)
-    ref = _slot_products(x, ids, W, transpose_w)
+    ref = slot_products(x, ids, W, transpose_w)
     assert not torch.isnan(outs[0][:used]).any(), "rows left unwritten"
     assert rel_l2(outs[0][pos], ref) < BF16_TOL
     pad = torch.ones(used, dtype=torch.bool, device="cuda")
@@ -405,7 +392,7 @@ def test_gate_up_act_fused(lib, case):
     assert not torch.isnan(gu).any() and not torch.isnan(h).any()
     # independent check of the real rows in fp64
     pos = sched.pos.reshape(-1)
-    gu64 = _slot_products(x, ids, W13, False)
+    gu64 = slot_products(x, ids, W13, False)
     assert rel_l2(gu[pos], gu64) < BF16_TOL
     h64 = reference.activation_forward(gu[pos].double(), act, limit)
     assert rel_l2(h[pos], h64) < BF16_TOL

@@ -12,7 +12,7 @@ import torch
 
 from mok_nn.kernels import registry
 
-from layer_runs import GRAD_NAMES, rel_err as rel_l2, run_layer
+from layer_runs import GRAD_NAMES, rel_err as rel_l2, run_layer, slot_products
 
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
@@ -58,18 +58,6 @@ def _launch_gather(name, x, W, transpose_w, out_dtype, sched, seg_rows, group_m)
     cb._lib().launch(name, x.unsqueeze(-1), zeros, sched.row_token, b, out.unsqueeze(-1), sched.tile_expert,
                      sched.seg_end, seg_rows, group_m, stream=_stream())
     torch.cuda.synchronize()
-    return out
-
-
-def _slot_products(x, ids, W, transpose_w):
-    """fp64 [T*k, N]: row (t, j) = x[t] @ W[e] (transpose_w) or x[t] @ W[e]^T, e = ids[t, j], expert by expert."""
-    flat = ids.reshape(-1)
-    xs = x.double().repeat_interleave(ids.shape[1], 0)
-    out = torch.empty(flat.numel(), W.shape[2] if transpose_w else W.shape[1], dtype=torch.float64, device=x.device)
-    for e in flat.unique().tolist():
-        sel = flat == e
-        We = W[e].double()
-        out[sel] = xs[sel] @ (We if transpose_w else We.T)
     return out
 
 
@@ -140,7 +128,7 @@ def test_gather_equals_index_select(case, name):
                 assert torch.equal(o[:used], got[:used]), f"{label} group_m={group_m}: not bitwise reproducible"
             assert torch.equal(got[:used], want[:used]), f"{label} group_m={group_m}: differs from {twin}"
     # independent check of the routed rows in fp64, padding rows exactly zero
-    assert rel_l2(got[pos], _slot_products(x, ids, W, transpose_w)) < BF16_TOL
+    assert rel_l2(got[pos], slot_products(x, ids, W, transpose_w)) < BF16_TOL
     pad = torch.ones(used, dtype=torch.bool, device="cuda")
     pad[pos] = False
     assert torch.all(got[:used][pad] == 0), "padding rows not zero"
