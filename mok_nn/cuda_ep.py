@@ -130,67 +130,75 @@ class EPSchedule:
     overflow: torch.Tensor
 
 
+_CACHED: dict = {}  # (kind, dtype, device) -> constant tensor (arange / ones), grown as needed
+
+
+def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
+    """[n] view of a per-device constant ("arange" or "ones") kept across calls, so that the
+    per-call bookkeeping does not rebuild (launch) it. Read-only: callers never write into it."""
+    key = (kind, dtype, torch.device(device))
+    t = _CACHED.get(key)
+    if t is None or t.numel() < n:
+        size = max(n, 2 * (0 if t is None else t.numel()))
+        t = torch.arange(size, dtype=dtype, device=device) if kind == "arange" else \
+            torch.ones(size, dtype=dtype, device=device)
+        _CACHED[key] = t
+    return t[:n]
+
+
 def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
                      capacity: int) -> EPSchedule:
-    """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics."""
+    """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics.
+
+    One stable sort of all slots by global expert (-1 first) lists each expert's slots
+    contiguously in slot order; row r of this rank's buffers, at offset i of local expert e's
+    segment, takes the i-th slot of e's run (a gather: every output element written once).
+    """
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
+    e_l = experts_per_rank
+    num_experts = e_l * ep_size
     n = ep_size * tc * top_k
     flat = ids_all.reshape(-1)
-    local = flat - rank * experts_per_rank
-    is_local = (flat >= 0) & (local >= 0) & (local < experts_per_rank)
-    key = torch.where(is_local, local, experts_per_rank)  # bin E_l collects everything else
-    one = torch.ones_like(key)
-    counts = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, one)
-    counts[experts_per_rank] = 0
-    padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
-    seg_end = torch.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    cnt_start = torch.cumsum(counts, 0) - counts
-    order = torch.sort(key, stable=True).indices  # local slots by expert, then global slot order
-    sorted_key = key[order]
-    row = seg_start[sorted_key] + torch.arange(n, device=dev) - cnt_start[sorted_key]
-    keep = (sorted_key < experts_per_rank) & (row < capacity)
-    # Slots not kept go to trash rows past the capacity, one each (sliced off below): every
-    # element is written once, so the index_put_ below has no repeated index.
-    row = torch.where(keep, row, capacity + torch.arange(n, device=dev))
+    # Every rank's load (bin 0: no token), from the same ids: an overflow anywhere is known everywhere.
+    gcounts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    gcounts.scatter_add_(0, flat + 1, _cached("ones", n, dev))
+    gpadded = (gcounts[1:] + (TILE_M - 1)) // TILE_M * TILE_M
+    overflow = (gpadded.view(ep_size, e_l).sum(dim=1) > capacity).any()
+    run_start = torch.cumsum(gcounts, 0)  # [g]: sorted position of global expert g's first slot
 
-    # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
-    num_experts = experts_per_rank * ep_size
-    gkey = torch.where(flat >= 0, flat, num_experts)
-    gcounts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, gkey, torch.ones_like(gkey))
-    gpadded = ((gcounts[:num_experts] + (TILE_M - 1)) // TILE_M * TILE_M).view(ep_size, experts_per_rank)
-    overflow = (gpadded.sum(dim=1) > capacity).any()
-
-    src = order // (tc * top_k)
-    slot = order % (tc * top_k)
-    row_token = torch.full((capacity + n,), ep_size * tc, dtype=torch.int64, device=dev)
-    row_token[row] = src * tc + slot // top_k
-    row_src = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
-    row_src[row] = src
-    row_slot = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
-    row_slot[row] = slot
-    row_gslot = torch.full((capacity + n,), n, dtype=torch.int64, device=dev)
-    row_gslot[row] = order
-    row_token, row_src, row_slot, row_gslot = (t[:capacity] for t in (row_token, row_src, row_slot, row_gslot))
-
-    seg_end_l = seg_end[:experts_per_rank].clamp(max=capacity)  # only past the capacity (overflow, flagged)
-    tile_start = torch.arange(0, capacity, TILE_M, device=dev)
-    te = torch.searchsorted(seg_end_l, tile_start, right=True)
-    tile_expert = torch.where(te < experts_per_rank, te, -1).to(torch.int32)
-    row_expert = torch.searchsorted(seg_end_l, torch.arange(capacity, device=dev), right=True)
-    pos = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
+    lo = rank * e_l
+    counts, padded = gcounts[lo + 1:lo + 1 + e_l], gpadded[lo:lo + e_l]
+    cum = torch.cumsum(padded, 0)
+    seg_end = cum.clamp(max=capacity)  # only past the capacity (overflow, flagged)
+    seg_start = (cum - padded).clamp_(max=capacity)
     # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
-    seg_start_l = torch.cat([seg_end_l.new_zeros(1), seg_end_l[:-1]])
-    seg_rows = torch.minimum(counts[:experts_per_rank], seg_end_l - seg_start_l).to(torch.int32)
-    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows, row_expert)
+    seg_rows = torch.minimum(counts, seg_end - seg_start)
 
-    need = is_local.view(ep_size, tc, top_k).any(dim=2)
+    # Few distinct keys: a narrow dtype makes the GPU radix sort take fewer passes (same order).
+    key = flat.to(torch.int16) if num_experts < 2**15 else flat
+    order = torch.sort(key, stable=True).indices
+    rows = _cached("arange", max(capacity, n, ep_size * tc), dev)[:capacity]
+    row_expert = torch.searchsorted(seg_end, rows, right=True)  # e_l past the last segment
+    # Rows past the last segment look at the last expert: their offset exceeds its seg_rows.
+    per = torch.stack([seg_start, seg_rows, run_start[lo:lo + e_l]], dim=1)[row_expert.clamp(max=e_l - 1)]
+    off = rows - per[:, 0]
+    valid = off < per[:, 1]
+    src = (per[:, 2] + off).clamp_(max=n - 1)  # the slot's sorted position where valid
+    row_gslot = torch.where(valid, order[src], n)
+    row_token = row_gslot // top_k  # s*Tc + t; padding: n // k = P*Tc, the zero row
+    row_src = torch.where(valid, row_gslot // (tc * top_k), -1)
+    row_slot = torch.where(valid, row_gslot % (tc * top_k), -1)
+
+    te = row_expert[::TILE_M]
+    tile_expert = torch.where(te < e_l, te, -1).to(torch.int32)
+    pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end.to(torch.int32), seg_rows.to(torch.int32), row_expert)
+
+    need = (flat // e_l == rank).view(ep_size, tc, top_k).any(dim=2)  # -1 // e_l = -1: never
     need[rank] = False  # own rows are already local
-    tok = torch.arange(ep_size * tc, device=dev).view(ep_size, tc)
-    pull_src = torch.where(need, tok, -1)
-    rows = torch.arange(capacity, device=dev)
-    push_src = torch.where(row_src.unsqueeze(0) == torch.arange(ep_size, device=dev).unsqueeze(1), rows, -1)
+    pull_src = torch.where(need, _cached("arange", ep_size * tc, dev).view(ep_size, tc), -1)
+    push_src = torch.where(row_src.unsqueeze(0) == _cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
     return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
