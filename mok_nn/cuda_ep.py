@@ -11,10 +11,11 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   slots   [Tc*k, H]     bf16   combine slots: expert ranks push row (t, j) to t*k + j
   dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
   ids     [P, Tc, k]    int64  all-gathered top-k ids (-1 past a rank's tokens)
-  weights [P, Tc, k]    fp32   all-gathered top-k weights
+  weights [P*Tc*k + 1]  fp32   all-gathered top-k weights, slot (s, t, j) at (s*Tc + t)*k + j; the
+                               last element stays zero (padding rows read it)
   dwslots [P, Tc*k]     fp32   d top-k weight of each slot: row q written (densely) by expert rank q,
                                the source reads slot (t, j) from row ids[t, j] // E_l
-  ntok    [P]           int64  token count of each rank's current call (rank s writes slot s)
+  ntok    [P]           int32  token count of each rank's current call (rank s writes slot s)
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
@@ -151,8 +152,9 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics.
 
     One stable sort of all slots by global expert (-1 first) lists each expert's slots
-    contiguously in slot order; row r of this rank's buffers, at offset i of local expert e's
-    segment, takes the i-th slot of e's run (a gather: every output element written once).
+    contiguously in slot order; binary search for the run boundaries gives the counts. Row r
+    of this rank's buffers, at offset i of local expert e's segment, takes the i-th slot of
+    e's run (a gather: every output element written once).
     """
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
@@ -160,24 +162,24 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     num_experts = e_l * ep_size
     n = ep_size * tc * top_k
     flat = ids_all.reshape(-1)
-    # Every rank's load (bin 0: no token), from the same ids: an overflow anywhere is known everywhere.
-    gcounts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    gcounts.scatter_add_(0, flat + 1, _cached("ones", n, dev))
-    gpadded = (gcounts[1:] + (TILE_M - 1)) // TILE_M * TILE_M
+    # Few distinct keys: a narrow dtype makes the GPU radix sort take fewer passes (same order).
+    key = flat.to(torch.int16) if num_experts < 2**15 else flat
+    sorted_key, order = torch.sort(key, stable=True)  # -1 (no token) first, then by expert, slot order
+    # [g]: sorted position of expert g's first slot (queries of the key's dtype: no conversion of the keys)
+    run_start = torch.searchsorted(sorted_key, _cached("arange", num_experts + 1, dev, key.dtype))
+    gcounts = run_start[1:] - run_start[:-1]  # routed slots of every expert (run_start[E] = n)
+    # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
+    gpadded = (gcounts + (TILE_M - 1)) // TILE_M * TILE_M
     overflow = (gpadded.view(ep_size, e_l).sum(dim=1) > capacity).any()
-    run_start = torch.cumsum(gcounts, 0)  # [g]: sorted position of global expert g's first slot
 
     lo = rank * e_l
-    counts, padded = gcounts[lo + 1:lo + 1 + e_l], gpadded[lo:lo + e_l]
+    counts, padded = gcounts[lo:lo + e_l], gpadded[lo:lo + e_l]
     cum = torch.cumsum(padded, 0)
     seg_end = cum.clamp(max=capacity)  # only past the capacity (overflow, flagged)
     seg_start = (cum - padded).clamp_(max=capacity)
     # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
     seg_rows = torch.minimum(counts, seg_end - seg_start)
 
-    # Few distinct keys: a narrow dtype makes the GPU radix sort take fewer passes (same order).
-    key = flat.to(torch.int16) if num_experts < 2**15 else flat
-    order = torch.sort(key, stable=True).indices
     rows = _cached("arange", max(capacity, n, ep_size * tc), dev)[:capacity]
     row_expert = torch.searchsorted(seg_end, rows, right=True)  # e_l past the last segment
     # Rows past the last segment look at the last expert: their offset exceeds its seg_rows.
@@ -285,9 +287,9 @@ def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tup
         ("slots", (tc * k, h), torch.bfloat16),
         ("dxslots", (tc * k, h), torch.bfloat16),
         ("ids", (P, tc, k), torch.int64),
-        ("weights", (P, tc, k), torch.float32),
+        ("weights", (P * tc * k + 1,), torch.float32),
         ("dwslots", (P, tc * k), torch.float32),
-        ("ntok", (P,), torch.int64),
+        ("ntok", (P,), torch.int32),
         ("pad", (P,), torch.int32),
     ]
     sections, off = {}, 0
@@ -538,7 +540,7 @@ def _too_many(bufs: SymmBuffers) -> torch.Tensor:
     Read between the first and the second barrier: a peer writes its next call's count only
     after the second."""
     most = bufs.local("ntok").max()
-    return torch.where(most > bufs.tokens_cap, most, 0).to(torch.int32)
+    return torch.where(most > bufs.tokens_cap, most, 0)
 
 
 def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor, ov_err: torch.Tensor) -> torch.Tensor:
@@ -557,7 +559,7 @@ def _ov_err(ws, bufs: SymmBuffers) -> torch.Tensor:
 def _poison(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
     """t, or NaN everywhere if a flag is set (so the outputs show the error). A select, not an
     added 0.0: -0.0 stays -0.0, the bits equal the EP = 1 path's."""
-    return torch.where(flags.sum() > 0, float("nan"), t)
+    return torch.where(flags.any(), float("nan"), t)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, ws):
@@ -577,12 +579,16 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory)
     tokens = bufs.local("tokens")
     tokens[r * tc:r * tc + n].copy_(x[:n])
-    ids_pad = torch.full((tc, top_k), -1, dtype=torch.int64, device=x.device)
-    ids_pad[:n] = topk_ids[:n]
-    w = topk_weights[:n].detach().float()
+    own_ids = bufs.local("ids")[r]  # own row first, then copied to the peers from there
+    own_ids[:n].copy_(topk_ids[:n])
+    if n < tc:
+        own_ids[n:].fill_(-1)
+    w = topk_weights[:n].detach()
+    w_own = slice(r * tc * top_k, (r * tc + n) * top_k)
     for p in range(P):
-        bufs.peer(p, "ids")[r].copy_(ids_pad)
-        bufs.peer(p, "weights")[r, :n].copy_(w)
+        if p != r:
+            bufs.peer(p, "ids")[r].copy_(own_ids)
+        bufs.peer(p, "weights")[w_own].view(n, top_k).copy_(w)  # fp32 by the copy (same bits as .float())
         bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
@@ -590,14 +596,13 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 3. schedule from everyone's routing
     eps = make_ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
-    w_all = torch.cat([bufs.local("weights").reshape(-1), w.new_zeros(1)])
-    w_rows = w_all.index_select(0, eps.row_gslot)
+    w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if fwd_mode(ws.config) == "overlap":
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
         # 4. dispatch: pull the needed token rows of each peer
-        dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+        dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
         for p in range(P):
             if p != r:
                 bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
@@ -725,7 +730,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     bufs.barrier()
     too_many = _too_many(bufs)
     # 3. reverse combine: pull the needed x and dy rows of each peer
-    dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+    dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
     for p in range(P):
         if p != r:
             bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
@@ -751,7 +756,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # Rows without a slot (padding, past the segments) scatter to scratch elements, one each:
     # no index repeats, every element is written once.
     n_slots = P * tc * top_k
-    idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + torch.arange(dw_rows.numel(), device=x.device))
+    idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
     dw_dense = dw_rows.new_zeros(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
     for p in range(P):
@@ -761,7 +766,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     bufs.barrier()
     # 7. fixed-order sums on the source
     flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
-    ones = _poison(torch.ones(n, top_k, dtype=torch.float32, device=x.device), flags)
+    ones = _poison(_cached("ones", n * top_k, x.device, torch.float32).view(n, top_k), flags)
     dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
     owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
     dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
