@@ -15,7 +15,8 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
                                last element stays zero (padding rows read it)
   dwslots [P, Tc*k]     fp32   d top-k weight of each slot: row q written (densely) by expert rank q,
                                the source reads slot (t, j) from row ids[t, j] // E_l
-  ntok    [P]           int32  token count of each rank's current call (rank s writes slot s)
+  ntok    [P]           int32  token count of each rank's current forward (rank s writes slot s; the
+                               backward reuses its forward's verdict)
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
@@ -170,11 +171,11 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     gcounts = run_start[1:] - run_start[:-1]  # routed slots of every expert (run_start[E] = n)
     # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
     gpadded = (gcounts + (TILE_M - 1)) // TILE_M * TILE_M
-    overflow = (gpadded.view(ep_size, e_l).sum(dim=1) > capacity).any()
+    gcum = gpadded.view(ep_size, e_l).cumsum(dim=1)  # segment ends of every rank
+    overflow = (gcum[:, -1] > capacity).any()
 
     lo = rank * e_l
-    counts, padded = gcounts[lo:lo + e_l], gpadded[lo:lo + e_l]
-    cum = torch.cumsum(padded, 0)
+    counts, padded, cum = gcounts[lo:lo + e_l], gpadded[lo:lo + e_l], gcum[rank]
     seg_end = cum.clamp(max=capacity)  # only past the capacity (overflow, flagged)
     seg_start = (cum - padded).clamp_(max=capacity)
     # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
@@ -526,6 +527,7 @@ class EPSaved:
     w_rows: torch.Tensor  # [cap] fp32, top-k weight of each row (0 on padding)
     num_tokens: int
     bufs: SymmBuffers  # the buffer the schedule indexes (the backward must use the same one)
+    too_many: torch.Tensor  # [] int32 of _too_many in the forward: the backward has the same token counts
 
 
 def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -556,10 +558,10 @@ def _ov_err(ws, bufs: SymmBuffers) -> torch.Tensor:
     return st["ov_err"]
 
 
-def _poison(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """t, or NaN everywhere if a flag is set (so the outputs show the error). A select, not an
+def _poison(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """t, or NaN everywhere if bad (= flags.any(): the outputs show the error). A select, not an
     added 0.0: -0.0 stays -0.0, the bits equal the EP = 1 path's."""
-    return torch.where(flags.any(), float("nan"), t)
+    return torch.where(bad, float("nan"), t)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, ws):
@@ -626,10 +628,10 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     # 8. fixed-order combine on the source
     flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
-    w_eff = _poison(topk_weights[:n].float(), flags)
+    w_eff = _poison(topk_weights[:n].float(), flags.any())
     y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many)
 
 
 def _comm_setup(ws, dev):
@@ -724,11 +726,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     tokens, dy = bufs.local("tokens"), bufs.local("dy")
     tokens[r * tc:r * tc + n].copy_(x[:n])
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
-    for p in range(P):
-        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
-    # 2.
+    # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
-    too_many = _too_many(bufs)
     # 3. reverse combine: pull the needed x and dy rows of each peer
     dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
     for p in range(P):
@@ -765,12 +764,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
-    flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
-    ones = _poison(_cached("ones", n * top_k, x.device, torch.float32).view(n, top_k), flags)
+    flags = _step_flags(eps, bufs, saved.too_many, _ov_err(ws, bufs))
+    bad = flags.any()
+    ones = _poison(_cached("ones", n * top_k, x.device, torch.float32).view(n, top_k), bad)
     dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
     owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
     dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
-    d_topk = _pad_nan(_poison(dw_src.view(n, top_k), flags).to(topk_weights.dtype), num_tokens)
+    d_topk = _pad_nan(_poison(dw_src.view(n, top_k), bad).to(topk_weights.dtype), num_tokens)
     _record_errors(ws, flags, "backward")
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads
