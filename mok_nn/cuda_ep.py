@@ -141,7 +141,8 @@ def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
     key = (kind, dtype, torch.device(device))
     t = _CACHED.get(key)
     if t is None or t.numel() < n:
-        size = max(n, 2 * (0 if t is None else t.numel()))
+        wide = dtype in (torch.int64, torch.float32)  # a narrow arange (int16 keys) must not outgrow its range
+        size = max(n, 2 * t.numel()) if t is not None and wide else n
         t = torch.arange(size, dtype=dtype, device=device) if kind == "arange" else \
             torch.ones(size, dtype=dtype, device=device)
         _CACHED[key] = t
