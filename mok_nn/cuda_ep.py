@@ -752,12 +752,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
     # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
-    # (zero where another rank owns the slot) into this rank's row of the source's dwslots.
+    # into this rank's row of the source's dwslots. The source reads only the slots this rank
+    # computed (gather by owner below), so the others are left unwritten (no zero fill).
     # Rows without a slot (padding, past the segments) scatter to scratch elements, one each:
-    # no index repeats, every element is written once.
+    # no index repeats, every element is written at most once.
     n_slots = P * tc * top_k
     idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
-    dw_dense = dw_rows.new_zeros(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
+    dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
     for p in range(P):
         bufs.copy_rows(dx_rows, eps.push_src[p], bufs.peer(p, "dxslots"), eps.row_slot)
