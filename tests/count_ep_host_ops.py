@@ -39,7 +39,8 @@ class Counter(TorchDispatchMode):
 
 # views and host-side scalar wrappers: Python/ATen time, but no kernel launch on the GPU
 NO_LAUNCH = {"slice", "select", "view", "unsqueeze", "alias", "detach", "reshape", "expand", "permute", "t",
-             "transpose", "_unsafe_view", "as_strided", "lift_fresh", "scalar_tensor", "squeeze"}
+             "transpose", "_unsafe_view", "as_strided", "lift_fresh", "scalar_tensor", "squeeze",
+             "empty", "new_empty", "empty_like", "empty_strided"}
 
 _counters = {}  # thread id -> Counter (the mode stack is per thread)
 
