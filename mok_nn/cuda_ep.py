@@ -11,10 +11,12 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   slots   [Tc*k, H]     bf16   combine slots: expert ranks push row (t, j) to t*k + j
   dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
   ids     [P, Tc, k]    int64  all-gathered top-k ids (-1 past a rank's tokens)
-  weights [P, Tc, k]    fp32   all-gathered top-k weights
+  weights [P*Tc*k + 1]  fp32   all-gathered top-k weights, slot (s, t, j) at (s*Tc + t)*k + j; the
+                               last element stays zero (padding rows read it)
   dwslots [P, Tc*k]     fp32   d top-k weight of each slot: row q written (densely) by expert rank q,
                                the source reads slot (t, j) from row ids[t, j] // E_l
-  ntok    [P]           int64  token count of each rank's current call (rank s writes slot s)
+  ntok    [P]           int32  token count of each rank's current forward (rank s writes slot s; the
+                               backward reuses its forward's verdict)
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
@@ -130,67 +132,77 @@ class EPSchedule:
     overflow: torch.Tensor
 
 
+_CACHED: dict = {}  # (kind, dtype, device) -> constant tensor (arange / ones), grown as needed
+
+
+def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
+    """[n] view of a per-device constant ("arange" or "ones") kept across calls, so that the
+    per-call bookkeeping does not rebuild (launch) it. Read-only: callers never write into it."""
+    key = (kind, dtype, torch.device(device))
+    t = _CACHED.get(key)
+    if t is None or t.numel() < n:
+        wide = dtype in (torch.int64, torch.float32)  # a narrow arange (int16 keys) must not outgrow its range
+        size = max(n, 2 * t.numel()) if t is not None and wide else n
+        t = torch.arange(size, dtype=dtype, device=device) if kind == "arange" else \
+            torch.ones(size, dtype=dtype, device=device)
+        _CACHED[key] = t
+    return t[:n]
+
+
 def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
                      capacity: int) -> EPSchedule:
-    """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics."""
+    """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics.
+
+    One stable sort of all slots by global expert (-1 first) lists each expert's slots
+    contiguously in slot order; binary search for the run boundaries gives the counts. Row r
+    of this rank's buffers, at offset i of local expert e's segment, takes the i-th slot of
+    e's run (a gather: every output element written once).
+    """
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
+    e_l = experts_per_rank
+    num_experts = e_l * ep_size
     n = ep_size * tc * top_k
     flat = ids_all.reshape(-1)
-    local = flat - rank * experts_per_rank
-    is_local = (flat >= 0) & (local >= 0) & (local < experts_per_rank)
-    key = torch.where(is_local, local, experts_per_rank)  # bin E_l collects everything else
-    one = torch.ones_like(key)
-    counts = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, one)
-    counts[experts_per_rank] = 0
-    padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
-    seg_end = torch.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    cnt_start = torch.cumsum(counts, 0) - counts
-    order = torch.sort(key, stable=True).indices  # local slots by expert, then global slot order
-    sorted_key = key[order]
-    row = seg_start[sorted_key] + torch.arange(n, device=dev) - cnt_start[sorted_key]
-    keep = (sorted_key < experts_per_rank) & (row < capacity)
-    # Slots not kept go to trash rows past the capacity, one each (sliced off below): every
-    # element is written once, so the index_put_ below has no repeated index.
-    row = torch.where(keep, row, capacity + torch.arange(n, device=dev))
-
+    # Few distinct keys: a narrow dtype makes the GPU radix sort take fewer passes (same order).
+    key = flat.to(torch.int16) if num_experts < 2**15 else flat
+    sorted_key, order = torch.sort(key, stable=True)  # -1 (no token) first, then by expert, slot order
+    # [g]: sorted position of expert g's first slot (queries of the key's dtype: no conversion of the keys)
+    run_start = torch.searchsorted(sorted_key, _cached("arange", num_experts + 1, dev, key.dtype))
+    gcounts = run_start[1:] - run_start[:-1]  # routed slots of every expert (run_start[E] = n)
     # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
-    num_experts = experts_per_rank * ep_size
-    gkey = torch.where(flat >= 0, flat, num_experts)
-    gcounts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, gkey, torch.ones_like(gkey))
-    gpadded = ((gcounts[:num_experts] + (TILE_M - 1)) // TILE_M * TILE_M).view(ep_size, experts_per_rank)
-    overflow = (gpadded.sum(dim=1) > capacity).any()
+    gpadded = (gcounts + (TILE_M - 1)) // TILE_M * TILE_M
+    gcum = gpadded.view(ep_size, e_l).cumsum(dim=1)  # segment ends of every rank
+    overflow = (gcum[:, -1] > capacity).any()
 
-    src = order // (tc * top_k)
-    slot = order % (tc * top_k)
-    row_token = torch.full((capacity + n,), ep_size * tc, dtype=torch.int64, device=dev)
-    row_token[row] = src * tc + slot // top_k
-    row_src = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
-    row_src[row] = src
-    row_slot = torch.full((capacity + n,), -1, dtype=torch.int64, device=dev)
-    row_slot[row] = slot
-    row_gslot = torch.full((capacity + n,), n, dtype=torch.int64, device=dev)
-    row_gslot[row] = order
-    row_token, row_src, row_slot, row_gslot = (t[:capacity] for t in (row_token, row_src, row_slot, row_gslot))
-
-    seg_end_l = seg_end[:experts_per_rank].clamp(max=capacity)  # only past the capacity (overflow, flagged)
-    tile_start = torch.arange(0, capacity, TILE_M, device=dev)
-    te = torch.searchsorted(seg_end_l, tile_start, right=True)
-    tile_expert = torch.where(te < experts_per_rank, te, -1).to(torch.int32)
-    row_expert = torch.searchsorted(seg_end_l, torch.arange(capacity, device=dev), right=True)
-    pos = torch.arange(num_tokens * top_k, device=dev).view(num_tokens, top_k)
+    lo = rank * e_l
+    counts, padded, cum = gcounts[lo:lo + e_l], gpadded[lo:lo + e_l], gcum[rank]
+    seg_end = cum.clamp(max=capacity)  # only past the capacity (overflow, flagged)
+    seg_start = (cum - padded).clamp_(max=capacity)
     # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
-    seg_start_l = torch.cat([seg_end_l.new_zeros(1), seg_end_l[:-1]])
-    seg_rows = torch.minimum(counts[:experts_per_rank], seg_end_l - seg_start_l).to(torch.int32)
-    sched = cb.Schedule(pos, row_token, tile_expert, seg_end_l.to(torch.int32), seg_rows, row_expert)
+    seg_rows = torch.minimum(counts, seg_end - seg_start)
 
-    need = is_local.view(ep_size, tc, top_k).any(dim=2)
+    rows = _cached("arange", max(capacity, n, ep_size * tc), dev)[:capacity]
+    row_expert = torch.searchsorted(seg_end, rows, right=True)  # e_l past the last segment
+    # Rows past the last segment look at the last expert: their offset exceeds its seg_rows.
+    per = torch.stack([seg_start, seg_rows, run_start[lo:lo + e_l]], dim=1)[row_expert.clamp(max=e_l - 1)]
+    off = rows - per[:, 0]
+    valid = off < per[:, 1]
+    src = (per[:, 2] + off).clamp_(max=n - 1)  # the slot's sorted position where valid
+    row_gslot = torch.where(valid, order[src], n)
+    row_token = row_gslot // top_k  # s*Tc + t; padding: n // k = P*Tc, the zero row
+    row_src = torch.where(valid, row_gslot // (tc * top_k), -1)
+    row_slot = torch.where(valid, row_gslot % (tc * top_k), -1)
+
+    te = row_expert[::TILE_M]
+    tile_expert = torch.where(te < e_l, te, -1).to(torch.int32)
+    pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end.to(torch.int32), seg_rows.to(torch.int32), row_expert)
+
+    need = (flat // e_l == rank).view(ep_size, tc, top_k).any(dim=2)  # -1 // e_l = -1: never
     need[rank] = False  # own rows are already local
-    tok = torch.arange(ep_size * tc, device=dev).view(ep_size, tc)
-    pull_src = torch.where(need, tok, -1)
-    rows = torch.arange(capacity, device=dev)
-    push_src = torch.where(row_src.unsqueeze(0) == torch.arange(ep_size, device=dev).unsqueeze(1), rows, -1)
+    pull_src = torch.where(need, _cached("arange", ep_size * tc, dev).view(ep_size, tc), -1)
+    push_src = torch.where(row_src.unsqueeze(0) == _cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
     return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
@@ -277,9 +289,9 @@ def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tup
         ("slots", (tc * k, h), torch.bfloat16),
         ("dxslots", (tc * k, h), torch.bfloat16),
         ("ids", (P, tc, k), torch.int64),
-        ("weights", (P, tc, k), torch.float32),
+        ("weights", (P * tc * k + 1,), torch.float32),
         ("dwslots", (P, tc * k), torch.float32),
-        ("ntok", (P,), torch.int64),
+        ("ntok", (P,), torch.int32),
         ("pad", (P,), torch.int32),
     ]
     sections, off = {}, 0
@@ -516,6 +528,7 @@ class EPSaved:
     w_rows: torch.Tensor  # [cap] fp32, top-k weight of each row (0 on padding)
     num_tokens: int
     bufs: SymmBuffers  # the buffer the schedule indexes (the backward must use the same one)
+    too_many: torch.Tensor  # [] int32 of _too_many in the forward: the backward has the same token counts
 
 
 def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -530,7 +543,7 @@ def _too_many(bufs: SymmBuffers) -> torch.Tensor:
     Read between the first and the second barrier: a peer writes its next call's count only
     after the second."""
     most = bufs.local("ntok").max()
-    return torch.where(most > bufs.tokens_cap, most, 0).to(torch.int32)
+    return torch.where(most > bufs.tokens_cap, most, 0)
 
 
 def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor, ov_err: torch.Tensor) -> torch.Tensor:
@@ -546,10 +559,10 @@ def _ov_err(ws, bufs: SymmBuffers) -> torch.Tensor:
     return st["ov_err"]
 
 
-def _poison(t: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-    """t, or NaN everywhere if a flag is set (so the outputs show the error). A select, not an
+def _poison(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """t, or NaN everywhere if bad (= flags.any(): the outputs show the error). A select, not an
     added 0.0: -0.0 stays -0.0, the bits equal the EP = 1 path's."""
-    return torch.where(flags.sum() > 0, float("nan"), t)
+    return torch.where(bad, float("nan"), t)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, ws):
@@ -569,12 +582,16 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory)
     tokens = bufs.local("tokens")
     tokens[r * tc:r * tc + n].copy_(x[:n])
-    ids_pad = torch.full((tc, top_k), -1, dtype=torch.int64, device=x.device)
-    ids_pad[:n] = topk_ids[:n]
-    w = topk_weights[:n].detach().float()
+    own_ids = bufs.local("ids")[r]  # own row first, then copied to the peers from there
+    own_ids[:n].copy_(topk_ids[:n])
+    if n < tc:
+        own_ids[n:].fill_(-1)
+    w = topk_weights[:n].detach()
+    w_own = slice(r * tc * top_k, (r * tc + n) * top_k)
     for p in range(P):
-        bufs.peer(p, "ids")[r].copy_(ids_pad)
-        bufs.peer(p, "weights")[r, :n].copy_(w)
+        if p != r:
+            bufs.peer(p, "ids")[r].copy_(own_ids)
+        bufs.peer(p, "weights")[w_own].view(n, top_k).copy_(w)  # fp32 by the copy (same bits as .float())
         bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
@@ -582,14 +599,13 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 3. schedule from everyone's routing
     eps = make_ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
-    w_all = torch.cat([bufs.local("weights").reshape(-1), w.new_zeros(1)])
-    w_rows = w_all.index_select(0, eps.row_gslot)
+    w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if fwd_mode(ws.config) == "overlap":
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
         # 4. dispatch: pull the needed token rows of each peer
-        dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+        dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
         for p in range(P):
             if p != r:
                 bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
@@ -613,10 +629,10 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     # 8. fixed-order combine on the source
     flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
-    w_eff = _poison(topk_weights[:n].float(), flags)
+    w_eff = _poison(topk_weights[:n].float(), flags.any())
     y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs)
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many)
 
 
 def _comm_setup(ws, dev):
@@ -711,13 +727,10 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     tokens, dy = bufs.local("tokens"), bufs.local("dy")
     tokens[r * tc:r * tc + n].copy_(x[:n])
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
-    for p in range(P):
-        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
-    # 2.
+    # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
-    too_many = _too_many(bufs)
     # 3. reverse combine: pull the needed x and dy rows of each peer
-    dst_tok = torch.arange(P * tc, device=x.device).view(P, tc)
+    dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
     for p in range(P):
         if p != r:
             bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
@@ -739,12 +752,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
     # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
-    # (zero where another rank owns the slot) into this rank's row of the source's dwslots.
+    # into this rank's row of the source's dwslots. The source reads only the slots this rank
+    # computed (gather by owner below), so the others are left unwritten (no zero fill).
     # Rows without a slot (padding, past the segments) scatter to scratch elements, one each:
-    # no index repeats, every element is written once.
+    # no index repeats, every element is written at most once.
     n_slots = P * tc * top_k
-    idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + torch.arange(dw_rows.numel(), device=x.device))
-    dw_dense = dw_rows.new_zeros(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
+    idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
+    dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
     for p in range(P):
         bufs.copy_rows(dx_rows, eps.push_src[p], bufs.peer(p, "dxslots"), eps.row_slot)
@@ -752,12 +766,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
-    flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
-    ones = _poison(torch.ones(n, top_k, dtype=torch.float32, device=x.device), flags)
+    flags = _step_flags(eps, bufs, saved.too_many, _ov_err(ws, bufs))
+    bad = flags.any()
+    ones = _poison(_cached("ones", n * top_k, x.device, torch.float32).view(n, top_k), bad)
     dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
     owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
     dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
-    d_topk = _pad_nan(_poison(dw_src.view(n, top_k), flags).to(topk_weights.dtype), num_tokens)
+    d_topk = _pad_nan(_poison(dw_src.view(n, top_k), bad).to(topk_weights.dtype), num_tokens)
     _record_errors(ws, flags, "backward")
     grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads

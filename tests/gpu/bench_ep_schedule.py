@@ -1,0 +1,65 @@
+"""Time cuda_ep.make_ep_schedule against the previous construction on one GPU (qwen3-30b-a3b at EP=2:
+8192 tokens per rank, k=8, 64 experts per rank; capacity multiplier 2), host and device time per call.
+
+    python tests/gpu/bench_ep_schedule.py        # ~10 s; table on stdout, $OUT/bench_ep_schedule.json
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import time
+
+import torch
+
+from mok_nn import cuda_ep
+
+_spec = importlib.util.spec_from_file_location(
+    "ep_sched_equiv", pathlib.Path(__file__).resolve().parents[1] / "test_cuda_ep_schedule_equiv.py")
+equiv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(equiv)
+
+
+def timed(fn, iters=50):
+    """(host ms per call: Python + launches, device ms per call: CUDA events, queue kept full)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / iters
+    end.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) / iters
+
+
+def main():
+    P, tc, k, e_l = 2, 8192, 8, 64
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.full((P, tc, k), -1, dtype=torch.int64)
+    for s in range(P):
+        ids[s] = torch.topk(torch.randn(tc, P * e_l, generator=gen), k, dim=1).indices
+    ids = ids.cuda()
+    cap = cuda_ep.schedule_capacity(tc, k, e_l, P, 2.0)
+    rows = []
+    for name, fn in (("old", equiv._make_ep_schedule_old), ("new", cuda_ep.make_ep_schedule)):
+        host, dev = timed(lambda: fn(ids, tc, 0, e_l, cap))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(ids, tc, 0, e_l, cap)
+            torch.cuda.synchronize()
+        kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        rows.append({"impl": name, "host_ms": round(host, 4), "device_ms": round(dev, 4), "gpu_ops": kernels})
+    print(f"make_ep_schedule P={P} tc={tc} k={k} E_l={e_l} cap={cap}")
+    print(f"{'impl':5s} {'host ms':>8s} {'device ms':>10s} {'gpu ops':>8s}")
+    for r in rows:
+        print(f"{r['impl']:5s} {r['host_ms']:8.3f} {r['device_ms']:10.3f} {r['gpu_ops']:8d}")
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "bench_ep_schedule.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
