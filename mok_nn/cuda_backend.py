@@ -38,7 +38,9 @@ so no permuted copy of x is made or saved for backward (the backward gathers x
 rows for the weight gradient then). MOK_GEMM_GATHER_DY=1 does the same for the
 backward's dgrad of down (mok_gemm_bn_f32_gather on d y; the dy rows are still
 gathered for the weight gradient of down_proj). Same bits as the permuted copy;
-off by default until measured.
+off by default until measured. MOK_GEMM_GATHER_ZFILL=1 (EXPERIMENTAL, untested on a
+GPU) picks the *_gather_zf kernels instead: padding rows zero-filled by cp.async
+rather than read from the shared zero chunk (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -265,8 +267,10 @@ def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, trans
     out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
     b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
     name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1]) + "_gather"
+    if os.environ.get("MOK_GEMM_GATHER_ZFILL", "0") == "1":
+        name += "_zf"
     if name not in GEMM_GATHER_KERNELS:
-        raise ValueError(f"no gather variant of {name[:-7]} (have {GEMM_GATHER_KERNELS})")
+        raise ValueError(f"no gather variant {name} (have {GEMM_GATHER_KERNELS})")
     zeros = _ZEROS.get(x.device)
     if zeros is None:
         zeros = _ZEROS[x.device] = torch.zeros(8, dtype=torch.bfloat16, device=x.device)

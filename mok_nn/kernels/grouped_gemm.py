@@ -51,6 +51,9 @@ one cp.async.mbarrier.arrive.noinc per producer thread (fires when that thread's
 copies have landed). Consumers add a proxy fence (generic-proxy cp.async writes,
 async-proxy wgmma reads). Same K order, same MMAs: bitwise what index_select +
 the TMA kernel give. Registers: producer 56 (row indices), consumers 224.
+zfill=True (EXPERIMENTAL, untested on a GPU; *_gather_zf): padding rows and columns past K
+are zero-filled by cp.async's src-size 0 instead of read from `zeros`, whose one address
+every CTA reads is the measured cause of the variant's slowness (docs/kernels.md).
 
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
@@ -75,13 +78,15 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False,
+        gather: bool = False, zfill: bool = False,
     ):
         assert tile_n in (128, 256)
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
+        assert gather or not zfill, "zfill is an option of the gather producer"
         self.full_epi = full_epi
         self.act = act
         self.gather = gather
+        self.zfill = zfill  # EXPERIMENTAL, untested on a GPU: padding rows zero-filled, not read (see _produce_gathered)
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
         self.tile_mnk = (TILE_M, tile_n, 64)
@@ -316,17 +321,54 @@ class VarlenMGroupedGemm:
                     row_limit = num_tokens  # rows below it are read from x; 0 past K: all zeros
                     if chunk >= k_chunks:
                         row_limit = 0
-                    for i in cutlass.range_constexpr(rows_per_thr):
-                        dst = tXsA[(None, i, 0, state.index)]
-                        if tok[i] < row_limit:
-                            cute.copy(atom, mX_v[(tok[i], (None, chunk))], dst)
-                        else:
-                            cute.copy(atom, mZ, dst)
+                    if cutlass.const_expr(self.zfill):
+                        self._copy_rows_zfill(tXsA, state.index, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr)
+                    else:
+                        for i in cutlass.range_constexpr(rows_per_thr):
+                            dst = tXsA[(None, i, 0, state.index)]
+                            if tok[i] < row_limit:
+                                cute.copy(atom, mX_v[(tok[i], (None, chunk))], dst)
+                            else:
+                                cute.copy(atom, mZ, dst)
                     cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                     state.advance()
             sched.advance_to_next_work()
             work = sched.get_current_work()
         ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _copy_rows_zfill(self, tXsA, stage, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr):
+        """EXPERIMENTAL (zfill=True, untested on a GPU): this thread's 8 copies of one k tile.
+
+        Padding rows and chunks past K use cp.async's src-size operand 0: the 16 bytes are
+        zero-filled in shared memory and nothing is read. The default producer reads them
+        from the one shared zero chunk mZ instead, and those reads, one address for every
+        CTA, cost ~4 ns each GPU-wide (docs/kernels.md, "Gather variant: why it is slow").
+        The source of a zero-filled copy is a valid address anyway (row 0, chunk 0).
+        Same smem contents as the default: bitwise the same results.
+        """
+        from cutlass.experimental.primitives import nvvm_wrapper as nv  # the src-size form of cp.async
+
+        src_chunk = chunk
+        if chunk >= k_chunks:
+            src_chunk = 0
+        for i in cutlass.range_constexpr(rows_per_thr):
+            dst = tXsA[(None, i, 0, stage)]
+            # cute.copy applies the stage's swizzle to the address; the raw pointer op does not,
+            # so apply it here: 128B swizzle, byte address bits [4, 7) ^= bits [7, 10).
+            if cutlass.const_expr("S<3,4,3>" not in str(dst.iterator)):
+                raise TypeError(f"zfill expects a 128B-swizzled A stage, got {dst.iterator}")
+            addr = dst.iterator.toint()
+            addr = addr ^ ((addr >> 3) & 0x70)
+            row = cutlass.Int32(0)
+            nbytes = cutlass.Int32(0)
+            if tok[i] < row_limit:
+                row = tok[i]
+                nbytes = cutlass.Int32(16)
+            nv.cp_async_shared_global(
+                cute.make_ptr(self.ab_dtype, addr, cute.AddressSpace.smem, assumed_align=16),
+                mX_v[(row, (None, src_chunk))].iterator, 16, nv.LoadCacheModifier.CG, cp_size=nbytes,
+            )
 
     @cute.kernel
     def kernel(
@@ -665,8 +707,8 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
 class VarlenMGroupedGemmGather(VarlenMGroupedGemm):
     """The grouped GEMM whose A rows are read from x through the schedule's row index (no permuted copy)."""
 
-    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=full_epi, gather=True)
+    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, zfill: bool = False):
+        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=full_epi, gather=True, zfill=zfill)
 
     @cute.jit
     def __call__(

@@ -146,8 +146,10 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
 
 
 GATHER_SOURCES = {"gate_up": "x", "dgrad_down": "dy"}  # GEMMs whose A is gathered token rows
-GATHER_PAIRS = {False: (("mok_gemm_bk", "mok_gemm_bk_gather"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather")),
-                True: (("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather"),)}
+GATHER_PAIRS = {False: (("mok_gemm_bk", "mok_gemm_bk_gather"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather"),
+                        ("mok_gemm_bk", "mok_gemm_bk_gather_zf"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather_zf")),
+                True: (("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather"), ("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather_zf"))}
+# *_zf: EXPERIMENTAL zero-fill variants (padding rows not read; docs/kernels.md, gather analysis)
 
 
 def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say, records):

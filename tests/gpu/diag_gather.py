@@ -18,6 +18,9 @@ twin time.
                 tokens (padding rows real too): W = 128 is a contiguous block; W = T is
                 random rows over all of x; the span of a tile's rows grows with W
 
+With --kernels *_gather_zf (the EXPERIMENTAL zero-fill variants) real should come close to
+real_zrows: that is the fix.
+
 Reading: contig ~ twin -> the cp.async machinery is fine and the address stream is the cause
 (then win<W> and real_zrows say whether span (TLB / DRAM pages) or the zero chunk);
 contig >> twin -> the producer / consumer machinery itself (issue, barriers, proxy fence).
@@ -36,7 +39,7 @@ from mok_nn import cuda_backend as cb
 
 TWIN = {"mok_gemm_bk_gather": "mok_gemm_bk", "mok_gemm_bk_ef_gather": "mok_gemm_bk_ef",
         "mok_gemm_bn_f32_gather": "mok_gemm_bn_f32"}  # fmt: skip
-SOURCE = {"mok_gemm_bk_gather": "x", "mok_gemm_bk_ef_gather": "x", "mok_gemm_bn_f32_gather": "dy"}
+TWIN.update({k + "_zf": v for k, v in TWIN.items()})  # the zero-fill variants (EXPERIMENTAL)
 
 
 def time_call(fn, reps):
@@ -80,7 +83,7 @@ def run(shape, kernel, reps, windows, say, only):
     p = bench.make_problem(shape, 8192, "cuda")
     W13, W2 = p["gate_up_proj"], p["down_proj"]
     sched = cb.make_schedule(p["ids"], W13.shape[0])
-    transpose_w = kernel == "mok_gemm_bn_f32_gather"
+    transpose_w = kernel.startswith("mok_gemm_bn_f32_gather")
     W = W2 if transpose_w else W13
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
     n = W.shape[2] if transpose_w else W.shape[1]
@@ -93,7 +96,7 @@ def run(shape, kernel, reps, windows, say, only):
     out_g = torch.full((sched.capacity, n), float("nan"), device="cuda", dtype=out_dtype)
     out_t = torch.full_like(out_g, float("nan"))
     recs, ok = [], True
-    for name, src, idx in cases(p[SOURCE[kernel]], sched, windows, gen):
+    for name, src, idx in cases(p["dy" if transpose_w else "x"], sched, windows, gen):
         if only and name not in only:
             continue
         a = torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)

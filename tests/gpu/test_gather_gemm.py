@@ -25,6 +25,10 @@ TWINS = {
     "mok_gemm_bk_gather": ("mok_gemm_bk", False, torch.bfloat16),
     "mok_gemm_bk_ef_gather": ("mok_gemm_bk_ef", False, torch.bfloat16),
     "mok_gemm_bn_f32_gather": ("mok_gemm_bn_f32", True, torch.float32),
+    # EXPERIMENTAL zero-fill variants (padding rows not read): the same twins, the same bits
+    "mok_gemm_bk_gather_zf": ("mok_gemm_bk", False, torch.bfloat16),
+    "mok_gemm_bk_ef_gather_zf": ("mok_gemm_bk_ef", False, torch.bfloat16),
+    "mok_gemm_bn_f32_gather_zf": ("mok_gemm_bn_f32", True, torch.float32),
 }
 
 
@@ -134,9 +138,13 @@ def test_gather_equals_index_select(case, name):
     assert torch.all(got[:used][pad] == 0), "padding rows not zero"
 
 
-def test_backend_gather_helper(monkeypatch):
-    """cb.grouped_gemm_gather (the wiring's entry) gives the bits of cb.grouped_gemm on the permuted copy."""
+@pytest.mark.parametrize("zfill", ["0", "1"])
+def test_backend_gather_helper(zfill, monkeypatch):
+    """cb.grouped_gemm_gather (the wiring's entry) gives the bits of cb.grouped_gemm on the permuted copy
+    (zfill "1": the EXPERIMENTAL *_gather_zf kernels, MOK_GEMM_GATHER_ZFILL=1)."""
     from mok_nn import cuda_backend as cb
+
+    monkeypatch.setenv("MOK_GEMM_GATHER_ZFILL", zfill)
 
     ids = _random_routing(700, 4, 16, "random", seed=5)
     sched = cb.make_schedule(ids, 16)
