@@ -260,8 +260,9 @@ def fwd_mode(config) -> str:
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
 
     The overlapped forward is experimental: it gave the sequential path's bits in every
-    EP=2 check on H200, but some calls (the first of a fresh layer, the 8192-token
-    benchmark shapes) hit the readiness-wait timeout (docs/ep.md), so it is opt-in.
+    EP=2 check on H200, but the first overlapped call of a process hit the readiness-wait
+    timeout (the push was launched before the GEMM it waits for; fixed, not yet run on a
+    GPU: docs/ep.md, "Overlapped forward: why it times out"), so it is opt-in.
     """
     mode = os.environ.get("MOK_EP_FWD", "")
     if mode and mode not in FWD_MODES:
