@@ -14,8 +14,10 @@ process (nothing loaded yet), with a 1 s readiness timeout:
   push_first_warm      the same after one stand-alone _done GEMM launch         err=0, bits equal
   gemm_first_cold      _done GEMM, then push (cuda_ep's order now)              err=0, bits equal
   dispatch_first_cold  dispatch, then the _ready GEMM (cuda_ep's order)         err=0, bits equal
-  ready_first_cold     the _ready GEMM (waits), then dispatch (mirror image)    err=1
+  ready_first_cold     the _ready GEMM (waits), then dispatch (mirror image)    err=1 (supporting)
   push_first_eager     push_first_cold with CUDA_MODULE_LOADING=EAGER           informational
+
+The verdict line (exit status 0) depends on the first four ("core") cases only.
 
 "bits equal": the pair's output rows are bitwise those of the sequential construction (plain GEMM,
 copies), computed after the pair. With the fail-fast waits (readiness.wait_flag) a deadlocked pair
@@ -28,13 +30,14 @@ import subprocess
 import sys
 import time
 
-CASES = {  # name: (pair, spinning kernel first?, warm-up launch?, extra env, predicted err)
-    "push_first_cold": ("push", True, False, {}, 1),
-    "push_first_warm": ("push", True, True, {}, 0),
-    "gemm_first_cold": ("push", False, False, {}, 0),
-    "dispatch_first_cold": ("dispatch", False, False, {}, 0),
-    "ready_first_cold": ("dispatch", True, False, {}, 1),
-    "push_first_eager": ("push", True, False, {"CUDA_MODULE_LOADING": "EAGER"}, None),
+CASES = {  # name: (pair, spinning kernel first?, warm-up launch?, extra env, predicted err, role)
+    # role: "core" decides the verdict; "support" (same mechanism, another kernel) and "info" are reported
+    "push_first_cold": ("push", True, False, {}, 1, "core"),
+    "push_first_warm": ("push", True, True, {}, 0, "core"),
+    "gemm_first_cold": ("push", False, False, {}, 0, "core"),
+    "dispatch_first_cold": ("dispatch", False, False, {}, 0, "core"),
+    "ready_first_cold": ("dispatch", True, False, {}, 1, "support"),
+    "push_first_eager": ("push", True, False, {"CUDA_MODULE_LOADING": "EAGER"}, None, "info"),
 }
 TIMEOUT_US = 1_000_000
 COMM_CTAS = 4
@@ -71,7 +74,7 @@ def child(name):
     from mok_nn import cuda_ep
     from mok_nn.kernels import loader
 
-    pair, spinner_first, warm, _, _ = CASES[name]
+    pair, spinner_first, warm, _, _, _ = CASES[name]
     lib = loader.load("sm_90a")
     torch.cuda.set_device(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -169,29 +172,31 @@ def main():
         lines.append(s)
 
     log(f"{'case':<20} {'err':>3} {'bits':>5} {'total s':>8} {'launch ms (in launch order)':<40} predicted")
-    for name, (_, _, _, env, want_err) in CASES.items():
+    for name, (_, _, _, env, want_err, role) in CASES.items():
         t0 = time.time()
+        limit = 180 if env else 90  # EAGER loads all of torch's kernels at start-up
         try:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", name], capture_output=True,
-                                  text=True, timeout=90, env={**os.environ, **env})
+                                  text=True, timeout=limit, env={**os.environ, **env})
             found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             rec = json.loads(found[-1][7:]) if found else dict(case=name, failed=(proc.stderr or "")[-600:])
         except subprocess.TimeoutExpired:
-            rec = dict(case=name, failed=f"no result within 90 s ({time.time() - t0:.0f} s)")
+            rec = dict(case=name, failed=f"no result within {limit} s ({time.time() - t0:.0f} s)")
+        rec["role"] = role
         records.append(rec)
         if "failed" in rec:
             log(f"{name:<20} FAILED TO RUN: {rec['failed']}")
-            confirmed &= want_err is None
+            confirmed &= role != "core"
             continue
         pred = "-" if want_err is None else f"err={want_err}" + (", bits equal" if want_err == 0 else "")
         match = want_err is None or (rec["err"] == want_err and (want_err == 1 or rec["bits_equal"]))
-        confirmed &= match
+        confirmed &= match or role != "core"
         launches = " ".join(f"{k} {v:.1f}" for k, v in rec["launch_ms"].items())
         log(f"{name:<20} {rec['err']:>3} {str(rec['bits_equal']):>5} {rec['total_s']:8.2f} {launches:<40} "
-            f"{pred} {'ok' if match else 'MISMATCH'}")
+            f"{pred} {'ok' if match else 'MISMATCH'} ({role})")
     log("diagnosis " + ("CONFIRMED: a cold first launch of the flag-setting kernel behind a spinning kernel deadlocks "
                         "until the timeout; the setter-first order does not" if confirmed else
-                        "NOT confirmed (see the MISMATCH lines)"))
+                        "NOT confirmed (see the MISMATCH / FAILED lines of the core cases)"))
     out = os.environ.get("OUT", "/tmp")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "diag_ov_coldstart.json"), "w") as f:
