@@ -260,8 +260,9 @@ def fwd_mode(config) -> str:
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
 
     The overlapped forward is experimental: it gave the sequential path's bits in every
-    EP=2 check on H200, but some calls (the first of a fresh layer, the 8192-token
-    benchmark shapes) hit the readiness-wait timeout (docs/ep.md), so it is opt-in.
+    EP=2 check on H200, but the first overlapped call of a process hit the readiness-wait
+    timeout (the push was launched before the GEMM it waits for; fixed, not yet run on a
+    GPU: docs/ep.md, "Overlapped forward: why it times out"), so it is opt-in.
     """
     mode = os.environ.get("MOK_EP_FWD", "")
     if mode and mode not in FWD_MODES:
@@ -664,7 +665,9 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     row_peer, row_src = dispatch_plan(sched.row_token, bufs.ep_size, bufs.tokens_cap, bufs.rank)
     x_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
     gate_up = torch.empty(cap, gate_up_proj.shape[1], dtype=torch.bfloat16, device=dev)
-    # The dispatch is launched first, so its CTAs are resident before the GEMM fills the other SMs.
+    # The dispatch (which waits only for itself) is launched before the GEMM that waits for it: a
+    # launch that blocks the host until the device is idle (a kernel's first launch loads its module)
+    # then costs time, never a deadlock (see _down_push).
     comm.wait_stream(main)
     cb._lib().launch("mok_ep_dispatch_rows", x_rows, bufs.section_addrs("tokens"), row_peer, row_src,
                      sched.tile_expert, st["ready"], _ov_err(ws, bufs), epoch, timeout_us, comm_ctas,
@@ -683,8 +686,14 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
 
 def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_proj: torch.Tensor) -> None:
     """Steps 5c and 6 overlapped: mok_gemm_bk(_ef)_done on the GEMM SMs counts each finished output
-    tile in done[m_tile]; mok_ep_push_rows on comm CTAs (second stream, launched first) sends a row
-    tile's rows to their source ranks' slots once all its column tiles are done."""
+    tile in done[m_tile]; mok_ep_push_rows on comm CTAs (second stream) sends a row tile's rows to
+    their source ranks' slots once all its column tiles are done.
+
+    Launch order: the GEMM (which never waits) before the push (which waits for it). A launch can
+    block the host until the device is idle - the first launch of a kernel loads its module (CUDA
+    lazy loading), and CUDA_LAUNCH_BLOCKING / kernel-serialising tools do it on every launch - so
+    the waiting kernel must never be launched before the kernel it waits for (docs/ep.md,
+    "Overlapped forward: why it times out")."""
     st, sched = ws.ep_state, eps.sched
     dev = h.device
     cap, hidden = sched.capacity, bufs.hidden
@@ -698,14 +707,15 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     out_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
     tiles_n = -(-hidden // cb.GEMM_TILE_N)
     row_rank = eps.row_src.to(torch.int32)
-    comm.wait_stream(main)
-    cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
-                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, timeout_us, comm_ctas,
-                     stream=comm.cuda_stream)
+    comm.wait_stream(main)  # before the GEMM's launch: the push waits for done, not for the whole GEMM
     group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
     name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + "_done"
     cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
                      sched.seg_end, sched.gemm_seg_rows(), group_m, done, gemm_ctas, stream=main.cuda_stream)
+    # Its grid leaves comm_ctas SMs free, so the push still runs beside it.
+    cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
+                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, timeout_us, comm_ctas,
+                     stream=comm.cuda_stream)
     main.wait_stream(comm)  # every row pushed before the barrier; out_rows / row_rank outlive the push
 
 

@@ -168,3 +168,60 @@ def test_push_plan_gives_the_sequential_slots():
         assert torch.equal(push[p].view(torch.int16), seq[p].view(torch.int16))
         n = tokens[p] * top_k
         assert bool((written[p][:n] == 1).all()) and bool((written[p][n:] == 0).all())
+
+
+class _Stream:
+    """Stands in for a torch.cuda.Stream: records wait_stream in the shared log."""
+
+    def __init__(self, name, log):
+        self.name, self.cuda_stream, self._log = name, name, log
+
+    def wait_stream(self, other):
+        self._log.append(("wait", self.name, other.name))
+
+
+def test_overlapped_pairs_launch_the_waiting_kernel_last(monkeypatch):
+    """In each overlapped pair the kernel that spins on flags is launched after the kernel that sets
+    them, and the comm stream's wait on main is recorded before both (so they can overlap).
+
+    Why the order matters: a launch may block the host until every running kernel has finished (the
+    first launch of a kernel loads its module under CUDA lazy loading; CUDA_LAUNCH_BLOCKING=1 and
+    kernel-serialising tools do it on every launch). With the waiting kernel launched first, that
+    launch of the setter waits for the waiter, which waits for the setter: a deadlock, bounded only
+    by the readiness timeout (docs/ep.md, "Overlapped forward: why it times out")."""
+    from types import SimpleNamespace
+
+    from mok_nn import cuda_backend as cb
+
+    log = []
+    launches = SimpleNamespace(launch=lambda name, *a, stream: log.append(("launch", name, stream)))
+    monkeypatch.setattr(cb, "_lib", lambda: launches)
+    monkeypatch.setattr(cuda_ep, "_comm_setup", lambda ws, dev: (_Stream("comm", log), _Stream("main", log), 16, 116))
+    monkeypatch.delenv("MOK_GEMM_TAIL_SKIP", raising=False)
+    ep_size, tokens, tc, top_k, num_experts, hidden, inter = 2, [37, 20], 40, 2, 8, 64, 32
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, torch.Generator().manual_seed(5))
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
+    eps = cuda_ep.make_ep_schedule(ids_all, tokens[0], 0, e_l, cap)
+    ws = SimpleNamespace(ep_state={}, config=MoKConfig(fwd_num_comm_sms=16))
+    bufs = SimpleNamespace(hidden=hidden, ep_size=ep_size, tokens_cap=tc, rank=0, timeout_s=1.0,
+                           err=torch.zeros(1, dtype=torch.int32),
+                           section_addrs=lambda name: torch.zeros(ep_size, dtype=torch.int64))
+    w13 = torch.zeros(e_l, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.zeros(e_l, hidden, inter, dtype=torch.bfloat16)
+
+    def order(what):
+        return [(e[0], e[1] if e[0] == "launch" else f"{e[1]}<-{e[2]}") for e in what]
+
+    cuda_ep._dispatch_gate_up(ws, bufs, eps, w13)
+    gemm = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + "_ready"
+    assert order(log) == [("wait", "comm<-main"), ("launch", "mok_ep_dispatch_rows"), ("launch", gemm),
+                          ("wait", "main<-comm")]
+    assert [e[2] for e in log if e[0] == "launch"] == ["comm", "main"]
+
+    log.clear()
+    cuda_ep._down_push(ws, bufs, eps, torch.zeros(cap, inter, dtype=torch.bfloat16), w2)
+    gemm = cb.gemm_kernel(False, torch.bfloat16, k=inter) + "_done"
+    assert order(log) == [("wait", "comm<-main"), ("launch", gemm), ("launch", "mok_ep_push_rows"),
+                          ("wait", "main<-comm")]
+    assert [e[2] for e in log if e[0] == "launch"] == ["main", "comm"]

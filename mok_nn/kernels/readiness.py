@@ -5,7 +5,8 @@ ready[tile] = epoch with a release store (gpu scope). A consumer calls
 wait_tile_ready before its TMA reads those rows: an acquire-spin on the flag,
 then a proxy fence (generic writes -> async-proxy reads). The spin is bounded:
 after timeout_us it sets err[0] = 1 and returns, so a lost signal gives a flag
-and wrong numbers, never a hang. Epochs only grow, so a flag is never reset.
+and wrong numbers, never a hang; a wait that finds err[0] already set returns at
+once, so the other waiting tiles do not each add a timeout. Epochs only grow, so a flag is never reset.
 
 The other direction (the down GEMM's output rows to the combine push): the GEMM's
 store warp calls signal_tile_done once the TMA stores of an output tile are
@@ -21,16 +22,23 @@ import cutlass.cute as cute
 
 @cute.jit
 def wait_flag(flag_addr: cutlass.Int64, epoch: cutlass.Int32, timeout_us: cutlass.Int32, err: cute.Tensor):
-    """Acquire-spin until the int32 at flag_addr is >= epoch, at most timeout_us (then err[0] = 1)."""
+    """Acquire-spin until the int32 at flag_addr is >= epoch, at most timeout_us (then err[0] = 1).
+
+    Gives up at once while err[0] is set (a wait of this step, or of an earlier step on the same
+    workspace: the flag is sticky, those outputs are poisoned anyway): a lost signal costs one
+    timeout, not one per waiting tile in turn (minutes at the benchmark shapes)."""
     ptr = cute.make_ptr(cutlass.Int32, flag_addr, cute.AddressSpace.gmem, assumed_align=4)
+    err_ptr = cute.make_ptr(cutlass.Int32, err.iterator.toint(), cute.AddressSpace.gmem, assumed_align=4)
     seen = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="gpu")
     if seen < epoch:
         limit_ns = cutlass.Int64(timeout_us) * 1000
         start = cute.arch.globaltimer()
         waited = cutlass.Int64(0)
-        while (seen < epoch) & (waited < limit_ns):
+        failed = cute.arch.load(err_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+        while (seen < epoch) & (waited < limit_ns) & (failed == 0):
             seen = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="gpu")
             waited = cute.arch.globaltimer() - start
+            failed = cute.arch.load(err_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
         if seen < epoch:
             err[0] = cutlass.Int32(1)
 

@@ -8,7 +8,8 @@
 # Steps: tests (pytest tests/gpu), diag (kernel variant timers), stages
 # (per-stage times), bench (python -m mok_nn.bench -> $OUT/$BENCH_NAME.json, default bench),
 # ep (torchrun EP=2 checks; needs 2 GPUs), epbench (EP=2 benchmark), epov (EP=2 forward:
-# sequential vs overlapped dispatch, comm-SM sweep, kernel timeline),
+# sequential vs overlapped dispatch, comm-SM sweep, kernel timeline), ovdiag (the overlapped
+# forward's cold-start diagnosis: one GPU, then EP=2 overlap checks and qwen3 overlap bench),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
 # time on rank 0), gather (MOK_GEMM_GATHER tests, timings, layer),
 # pack (all logs into $OUT/logs.tgz; last).
@@ -43,6 +44,11 @@ for s in "$@"; do
     bench) TAIL=20 step "${BENCH_NAME:-bench}" 240 python3 -m mok_nn.bench --out "$OUT/${BENCH_NAME:-bench}.json" ;;
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epov) TAIL=40 step ep_overlap 180 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py ;;
+    ovdiag)  # the overlapped forward's cold-start deadlock (docs/ep.md): one GPU, then the EP=2 checks
+        TAIL=12 step ov_coldstart 600 python3 tests/gpu/diag_ov_coldstart.py
+        MOK_EP_CHECK_OVERLAP=1 TAIL=30 step ep_checks_overlap 400 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
+        TAIL=30 step ep_overlap_qwen3 400 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py \
+            --shapes qwen3-30b-a3b --comm 8,16 ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
     profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM with and without tail skip
         for sh in qwen3-30b-a3b deepseek-v3; do

@@ -210,9 +210,10 @@ def test_gemm_done_equals_gemm(lib, variant, num_ctas):
 
 @pytest.mark.parametrize("comm_ctas", [1, 16])
 def test_push_beside_gemm(lib, comm_ctas):
-    """The overlapped pair of the combine on one GPU: push on a side stream first (waiting for finished
-    row tiles), the done-counting down GEMM on the other SMs; the two "ranks'" slot buffers get exactly
-    the sequential push's rows, repeated."""
+    """The overlapped pair of the combine on one GPU: the done-counting down GEMM, then the push on a
+    side stream (waiting for finished row tiles; cuda_ep's launch order: the waiting kernel last) on
+    the SMs the GEMM leaves free; the two "ranks'" slot buffers get exactly the sequential push's rows,
+    repeated."""
     import mok_nn.cuda_backend as cb
 
     H, I, E, K, P = 2048, 768, 32, 8, 2
@@ -246,10 +247,10 @@ def test_push_beside_gemm(lib, comm_ctas):
         done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
         out = torch.full_like(ref, float("nan"))
         side.wait_stream(main)
-        lib.launch("mok_ep_push_rows", out, base, row_rank, eps.row_slot, sched.tile_expert, done, err,
-                   -(-H // 256), TIMEOUT_US, comm, stream=side.cuda_stream)
         lib.launch(name + "_done", h_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1), sched.tile_expert,
                    sched.seg_end, sched.gemm_seg_rows(), 1, done, gemm_ctas, stream=main.cuda_stream)
+        lib.launch("mok_ep_push_rows", out, base, row_rank, eps.row_slot, sched.tile_expert, done, err,
+                   -(-H // 256), TIMEOUT_US, comm, stream=side.cuda_stream)
         main.wait_stream(side)
         torch.cuda.synchronize()
         assert int(err.item()) == 0
@@ -272,3 +273,21 @@ def test_push_wait_times_out(lib):
                err, 1, 300_000, 16, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert int(err.item()) == 1 and time.time() - t0 < 10
+
+
+@pytest.mark.parametrize("case", ["gemm_first_cold", "dispatch_first_cold"])
+def test_pair_in_a_cold_process(case):
+    """cuda_ep's launch order (the kernel that waits launched last) in a fresh process, where each
+    kernel's first launch loads its module and may wait for the running kernels: no readiness
+    timeout, the sequential bits (diag_ov_coldstart.py runs the case; its 1 s timeout bounds a
+    deadlock)."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "diag_ov_coldstart.py")
+    proc = subprocess.run([sys.executable, script, "--case", case], capture_output=True, text=True, timeout=120)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert found, proc.stderr[-2000:]
+    rec = json.loads(found[-1][len("RESULT "):])
+    assert rec["err"] == 0 and rec["bits_equal"], rec
