@@ -30,26 +30,15 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 import torch
 
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
 
+from layer_runs import median_ms_queued  # the script's folder is on sys.path
+
 TOL = 1e-2  # relative L2 against torch._grouped_mm (both round to bf16; fp32 accumulation orders differ)
-
-
-def time_call(fn, reps):
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in events:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def rel_err(got, want):
@@ -94,7 +83,7 @@ def run_shape(shape, tokens, reps, say, only=None):
         flops = 2 * routed * n * a.shape[1]
         wt = W if transpose_w else W.transpose(1, 2)
         ref = torch._grouped_mm(a, wt, offs=sched.seg_end)
-        t_ref = time_call(lambda: torch._grouped_mm(a, wt, offs=sched.seg_end), reps)
+        t_ref = median_ms_queued(lambda: torch._grouped_mm(a, wt, offs=sched.seg_end), reps)
         say(f"{shape:<14} {gname:<11} {'torch._grouped_mm':<22} {t_ref:8.3f} {flops / t_ref / 1e9:7.1f} {1.0:8.2f}")
         records.append(dict(shape=shape, gemm=gname, variant="torch._grouped_mm", ms=t_ref, tflops=flops / t_ref / 1e9))
         b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
@@ -110,7 +99,7 @@ def run_shape(shape, tokens, reps, say, only=None):
                 err = rel_err(out[pos], ref[pos])
                 good = bitwise and err < TOL
                 ok &= good
-                t = time_call(lambda: cb.launch_gemm(name, a, b, out, s), reps)
+                t = median_ms_queued(lambda: cb.launch_gemm(name, a, b, out, s), reps)
                 check = f"{'bitwise=default' if bitwise else 'DIFFERS from default'} err {err:.1e}"
                 say(f"{shape:<14} {gname:<11} {name + skip:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_ref / t:8.2f}  "
                     f"{check}{'' if good else '  FAIL'}")
@@ -132,11 +121,11 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
     def split():
         return cb.act_forward(cb.grouped_gemm(a, W13, sched, transpose_w=False), sched, "swiglu", None)
 
-    t_split = time_call(split, reps)
+    t_split = median_ms_queued(split, reps)
     gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
     torch.cuda.synchronize()
     bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
-    t_fused = time_call(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
+    t_fused = median_ms_queued(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
     for label, t in (("gemm_bk+act_fwd", t_split), ("gate_up_swiglu fused", t_fused)):
         say(f"{shape:<14} {'gate_up+act':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
             f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'}")
@@ -159,7 +148,7 @@ def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
     zeros = torch.zeros(8, dtype=torch.bfloat16, device="cuda")
     ok = True
-    t_sel = time_call(lambda: cb.gather_rows(src, sched), reps)
+    t_sel = median_ms_queued(lambda: cb.gather_rows(src, sched), reps)
     say(f"{shape:<14} {gname:<11} {'index_select only':<22} {t_sel:8.3f}")
     records.append(dict(shape=shape, gemm=gname, variant="index_select", ms=t_sel))
     for twin, name in GATHER_PAIRS[transpose_w]:
@@ -181,8 +170,8 @@ def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say
         torch.cuda.synchronize()
         bitwise = torch.equal(out_g[:used], out_t[:used])
         ok &= bitwise
-        t_two = time_call(two_step, reps)
-        t_g = time_call(fused, reps)
+        t_two = median_ms_queued(two_step, reps)
+        t_g = median_ms_queued(fused, reps)
         for label, t in ((f"index_select+{twin}", t_two), (name, t_g)):
             say(f"{shape:<14} {gname:<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_two / t:8.2f}  "
                 f"{'bitwise=index_select+TMA' if bitwise else 'DIFFERS from index_select+TMA  FAIL'}")

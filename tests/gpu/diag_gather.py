@@ -30,28 +30,17 @@ Prints a table; writes gather_diag.json and .txt to $OUT. Exit status 1 if a bit
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
 
+from layer_runs import median_ms_queued  # the script's folder is on sys.path
+
 TWIN = {"mok_gemm_bk_gather": "mok_gemm_bk", "mok_gemm_bk_ef_gather": "mok_gemm_bk_ef",
         "mok_gemm_bn_f32_gather": "mok_gemm_bn_f32"}  # fmt: skip
 TWIN.update({k + "_zf": v for k, v in TWIN.items()})  # the zero-fill variants (EXPERIMENTAL)
-
-
-def time_call(fn, reps):
-    for _ in range(2):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
 
 
 def cases(src, sched, windows, gen):
@@ -118,7 +107,7 @@ def run(shape, kernel, reps, windows, say, only):
         torch.cuda.synchronize()
         same = torch.equal(out_g[:used], out_t[:used])
         ok &= same
-        tg, tt = time_call(gather, reps), time_call(twin, reps)
+        tg, tt = median_ms_queued(gather, reps), median_ms_queued(twin, reps)
         # Span of a row tile's rows in bytes (median over real tiles), a TLB-reach proxy.
         rows = idx[:used].reshape(-1, 128).clamp_max(src.shape[0] - 1)
         span_mb = float((rows.max(1).values - rows.min(1).values).float().median()) * src.stride(0) * 2 / 2**20

@@ -57,3 +57,17 @@ def median_ms(fn, reps):
         e.synchronize()
         times.append(s.elapsed_time(e))
     return statistics.median(times)
+
+
+def median_ms_queued(fn, reps, warmup=3):
+    """Median ms of fn() over reps calls queued back to back, each between two CUDA events
+    (one synchronize at the end: the host stays ahead, so launch latency is hidden)."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
