@@ -69,6 +69,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .readiness import signal_tile_done, wait_tile_ready
+from .gemm_consumer import epilogue_stores, mma_operands, store_sync
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -498,36 +499,17 @@ class VarlenMGroupedGemm:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - self.threads_per_wg
-            thr_mma = tiled_mma.get_slice(ctid)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
-            k_blocks = cute.size(tCrA, mode=[2])
+            tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
-            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
-            c_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
+                tiled_mma, ctid, sC, acc, self.c_layout, self.c_dtype, self.acc_dtype
             )
-            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
-            thr_r2s = r2s.get_slice(ctid)
-            tRS_sC = thr_r2s.partition_D(sC)
-            tRS_acc = r2s.retile(acc)
-            rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-            rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-            rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
-            rD_size = cute.size(rD)
             if cutlass.const_expr(self.act is not None):
-                rU = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-                rG_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
-                rU_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
-            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
-            )
+                rU = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
+                rG_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
+                rU_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
+            epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -535,7 +517,7 @@ class VarlenMGroupedGemm:
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            # thr_mma gives consumer threads 0-127 (warp group 1) rows 0-63 of the tile,
+            # The tiled MMA gives consumer threads 0-127 (warp group 1) rows 0-63 of the tile,
             # threads 128-255 (warp group 2) rows 64-127.
             first_row = (wg_idx - 1) * (TILE_M // self.num_consumer_wg)
             epi_count = cutlass.Int32(0)

@@ -27,6 +27,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
+from .gemm_consumer import epilogue_stores, mma_operands, store_sync
 from .registry import TILE_M
 
 
@@ -262,31 +263,12 @@ class VarlenKGroupedGemm:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - self.threads_per_wg
-            thr_mma = tiled_mma.get_slice(ctid)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
-            k_blocks = cute.size(tCrA, mode=[2])
+            tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
 
-            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
-            c_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
+                tiled_mma, ctid, sC, acc, self.c_layout, self.c_dtype, self.acc_dtype
             )
-            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
-            thr_r2s = r2s.get_slice(ctid)
-            tRS_sC = thr_r2s.partition_D(sC)
-            tRS_acc = r2s.retile(acc)
-            rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-            rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-            rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
-            rD_size = cute.size(rD)
-            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
-            )
+            epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()

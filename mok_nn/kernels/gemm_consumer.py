@@ -1,0 +1,48 @@
+"""Consumer-side setup shared by the grouped GEMM kernels (grouped_gemm.py, wgrad_gemm.py).
+
+Plain helpers traced inline into the kernels: the wgmma operands of one consumer
+thread, and the epilogue path registers -> shared memory (stmatrix) -> global
+memory (TMA stores) with its barrier and store pipeline.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+
+
+def mma_operands(tiled_mma, ctid, sA, sB, gC, acc_dtype):
+    """(A fragment, B fragment, accumulator, k-blocks per stage) of consumer thread ctid."""
+    thr_mma = tiled_mma.get_slice(ctid)
+    tCsA = thr_mma.partition_A(sA)
+    tCsB = thr_mma.partition_B(sB)
+    tCrA = tiled_mma.make_fragment_A(tCsA)
+    tCrB = tiled_mma.make_fragment_B(tCsB)
+    acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], acc_dtype)
+    return tCrA, tCrB, acc, cute.size(tCrA, mode=[2])
+
+
+def epilogue_stores(tiled_mma, ctid, sC, acc, c_layout, c_dtype, acc_dtype):
+    """Registers -> smem copy of one epilogue sub-tile: (r2s copy, smem destinations, the
+    accumulator as r2s source, fp32 staging registers, output-dtype registers, their size)."""
+    r2s_atom = sm90_utils.get_smem_store_op(c_layout, c_dtype, acc_dtype)
+    c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_layout.is_m_major_c(), 4), c_dtype)
+    r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+    thr_r2s = r2s.get_slice(ctid)
+    tRS_sC = thr_r2s.partition_D(sC)
+    tRS_acc = r2s.retile(acc)
+    rD_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+    rD = cute.make_rmem_tensor(rD_shape, acc_dtype)
+    rD_out = cute.make_rmem_tensor(rD_shape, c_dtype)
+    return r2s, tRS_sC, tRS_acc, rD, rD_out, cute.size(rD)
+
+
+def store_sync(num_consumer_threads, epi_stages):
+    """(named barrier of the consumer warp groups, TMA store pipeline over epi_stages buffers)."""
+    epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=num_consumer_threads)
+    store_pipe = pipeline.PipelineTmaStore.create(
+        num_stages=epi_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
+    )
+    return epi_barrier, store_pipe
