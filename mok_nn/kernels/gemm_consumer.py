@@ -7,6 +7,7 @@ memory (TMA stores) with its barrier and store pipeline.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -46,3 +47,27 @@ def store_sync(num_consumer_threads, epi_stages):
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
     )
     return epi_barrier, store_pipe
+
+
+@cute.jit
+def store_tile_split(
+    r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
+    tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles: cutlass.Constexpr, epi_count, epi_stages: cutlass.Constexpr,
+    epi_barrier, store_pipe, warp_idx,
+):
+    """Store one output tile sub-tile by sub-tile through epi_stages rotating smem buffers,
+    waiting for a buffer's previous TMA store before reusing it (the split epilogue).
+    Warp 4 (the first consumer warp) issues the TMA stores."""
+    for e in cutlass.range_constexpr(epi_tiles):
+        for v in cutlass.range_constexpr(rD_size):
+            rD[v] = tRS_acc[e * rD_size + v]
+        rD_out.store(rD.load().to(c_dtype))
+        buf = (epi_count + e) % epi_stages
+        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if warp_idx == 4:
+            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_barrier.arrive_and_wait()

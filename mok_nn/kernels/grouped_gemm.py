@@ -69,7 +69,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .readiness import signal_tile_done, wait_tile_ready
-from .gemm_consumer import epilogue_stores, mma_operands, store_sync
+from .gemm_consumer import epilogue_stores, mma_operands, store_sync, store_tile_split
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -640,19 +640,10 @@ class VarlenMGroupedGemm:
                             epi_barrier.arrive_and_wait()
                         epi_count = epi_count + epi_tiles + half
                     else:
-                        for e in cutlass.range_constexpr(epi_tiles):
-                            for v in cutlass.range_constexpr(rD_size):
-                                rD[v] = tRS_acc[e * rD_size + v]
-                            rD_out.store(rD.load().to(self.c_dtype))
-                            buf = (epi_count + e) % self.epi_stages
-                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_barrier.arrive_and_wait()
-                            if warp_idx == 4:
-                                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                                store_pipe.producer_commit()
-                                store_pipe.producer_acquire()
-                            epi_barrier.arrive_and_wait()
+                        store_tile_split(
+                            r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                            epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx,
+                        )
                         epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
