@@ -65,25 +65,24 @@ def _run_ranks(fn, ep_size):
         raise errs[0]
     return out
 
-
-@pytest.mark.parametrize("ep_size,tokens,bias,activation,limit", [
-    (2, [37, 20], False, "swiglu", None),
-    (2, [5, 1], True, "swiglu_oai", 7.0),
-])
-def test_simulated_ep_matches_reference(cpu_kernels, ep_size, tokens, bias, activation, limit):
-    H, I, E, K = 32, 16, 8, 2
-    e_l = E // ep_size
-    tc = max(tokens)
-    g = torch.Generator().manual_seed(sum(tokens))
+def _problem(g, tokens, H, I, E, K, bias, bias_scale):
+    """Expert weights (biases scaled by bias_scale, or None) and per-rank x, dy, top-k ids and weights."""
     W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
     W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16() if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).bfloat16() if bias else None
+    b13 = (torch.randn(E, 2 * I, generator=g) * bias_scale).bfloat16() if bias else None
+    b2 = (torch.randn(E, H, generator=g) * bias_scale).bfloat16() if bias else None
     xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
     dys = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
     ids = [torch.topk(torch.randn(t, E, generator=g), K, dim=1).indices for t in tokens]
     ws_ = [torch.rand(t, K, generator=g) for t in tokens]
+    return W13, W2, b13, b2, xs, dys, ids, ws_
 
+
+def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limit):
+    """cuda_ep forward + backward on ep_size threads sharing CPU 'symmetric' buffers; per rank
+    (y, dx, d topk-weights, grads). Every rank's step must finish without an error flag."""
+    E, H = W13.shape[0], W13.shape[2]
+    K, e_l, tc = ids[0].shape[1], E // ep_size, max(x.shape[0] for x in xs)
     _, nbytes = cuda_ep.buffer_layout(ep_size, tc, H, K)
     raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep_size)]
     barrier = threading.Barrier(ep_size)
@@ -99,7 +98,20 @@ def test_simulated_ep_matches_reference(cpu_kernels, ep_size, tokens, bias, acti
         assert all(int(f.sum()) == 0 for f in ws.ep_state["seen"]) and len(ws.ep_state["seen"]) == 2
         return y, dx, dw, grads
 
-    got = _run_ranks(rank_fn, ep_size)
+    return _run_ranks(rank_fn, ep_size)
+
+
+
+@pytest.mark.parametrize("ep_size,tokens,bias,activation,limit", [
+    (2, [37, 20], False, "swiglu", None),
+    (2, [5, 1], True, "swiglu_oai", 7.0),
+])
+def test_simulated_ep_matches_reference(cpu_kernels, ep_size, tokens, bias, activation, limit):
+    H, I, E, K = 32, 16, 8, 2
+    e_l = E // ep_size
+    g = torch.Generator().manual_seed(sum(tokens))
+    W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, bias_scale=0.1)
+    got = _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limit)
 
     # oracle: the reference experts on the whole batch, all experts local
     x, dy = torch.cat(xs), torch.cat(dys)
@@ -184,30 +196,10 @@ def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, tokens, bias,
     cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
     kernels. (On the GPU, tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
     H, I, E, K, P = 64, 32, 8, 2, 2
-    e_l, tc = E // P, max(tokens)
+    e_l = E // P
     g = torch.Generator().manual_seed(11 + sum(tokens))
-    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
-    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.5).bfloat16() if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.5).bfloat16() if bias else None
-    xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
-    dys = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
-    ids = [torch.topk(torch.randn(t, E, generator=g), K, dim=1).indices for t in tokens]
-    ws_ = [torch.rand(t, K, generator=g) for t in tokens]
-    _, nbytes = cuda_ep.buffer_layout(P, tc, H, K)
-    raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(P)]
-    barrier = threading.Barrier(P)
-
-    def rank_fn(r):
-        sl = slice(r * e_l, (r + 1) * e_l)
-        params = ExpertParams(W13[sl], W2[sl], None if b13 is None else b13[sl], None if b2 is None else b2[sl])
-        ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation=activation,
-                             swiglu_limit=limit, device=torch.device("cpu"), buffers={},
-                             ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
-        y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
-        return (y,) + cuda_ep.backward(dys[r], saved, xs[r], ids[r], ws_[r], params, ws)
-
-    got = _run_ranks(rank_fn, P)
+    W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, bias_scale=0.5)
+    got = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limit)
     x, dy, idc, wc = torch.cat(xs), torch.cat(dys), torch.cat(ids), torch.cat(ws_)
     y1, s1 = cb.experts_forward(x, idc, wc, W13, W2, b13, b2, activation, limit)
     dx1, dw1, g1 = cb.experts_backward(dy, s1, x, idc, wc, W13, W2, b13, b2, activation, limit)
