@@ -58,6 +58,15 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _ep_error(ws):
+    """The text of the EPError the workspace's pending step raises ("" if none); waits for the step."""
+    try:
+        cuda_ep.check_errors(ws)
+    except cuda_ep.EPError as err:
+        return str(err)
+    return ""
+
+
 def report(name, ok, detail=""):
     flag = torch.tensor([1 if ok else 0], device="cuda", dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -303,11 +312,7 @@ def case_growth():
         t0 = time.time()
         with torch.no_grad():  # forward only: the error is raised below at the same point on every rank
             y_bad = lay(x)
-        raised = ""
-        try:
-            cuda_ep.check_errors(ws)
-        except cuda_ep.EPError as err:
-            raised = str(err)
+        raised = _ep_error(ws)
         elapsed = time.time() - t0
         report(f"growth ({label}): batch above the capacity -> NaN and EPError on every rank",
                bool(torch.isnan(y_bad).all()) and f"{max(sizes)} tokens" in raised and elapsed < 10,
@@ -353,11 +358,7 @@ def case_overflow():
         lay.router.bias[:K] = 50.0  # every token of every rank picks experts 0..K-1, all on rank 0
         t0 = time.time()
         y_bad = lay(x)
-    raised = ""
-    try:
-        cuda_ep.check_errors(ws)
-    except cuda_ep.EPError as err:
-        raised = str(err)
+    raised = _ep_error(ws)
     elapsed = time.time() - t0
     report("overflow: outputs NaN and EPError raised", bool(torch.isnan(y_bad).all()) and "overflowed" in raised,
            f"({elapsed:.2f} s) {raised[:90]}...")
