@@ -11,7 +11,7 @@
 # sequential vs overlapped dispatch, comm-SM sweep, kernel timeline), ovdiag (the overlapped
 # forward's cold-start diagnosis: one GPU, then EP=2 overlap checks and qwen3 overlap bench),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
-# time on rank 0), gather (MOK_GEMM_GATHER tests, timings, layer),
+# time on rank 0), ephost (EP host issue time + cProfile), gatherzf (zero-fill gather variants), gather (MOK_GEMM_GATHER tests, timings, layer),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -45,9 +45,9 @@ for s in "$@"; do
     ep) TAIL=30 step ep_checks 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epov) TAIL=40 step ep_overlap 180 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py ;;
     ovdiag)  # the overlapped forward's cold-start deadlock (docs/ep.md): one GPU, then the EP=2 checks
-        TAIL=12 step ov_coldstart 600 python3 tests/gpu/diag_ov_coldstart.py
-        MOK_EP_CHECK_OVERLAP=1 TAIL=30 step ep_checks_overlap 400 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
-        TAIL=30 step ep_overlap_qwen3 400 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py \
+        TAIL=12 step ov_coldstart 150 python3 tests/gpu/diag_ov_coldstart.py
+        MOK_EP_CHECK_OVERLAP=1 TAIL=30 step ep_checks_overlap 150 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
+        TAIL=30 step ep_overlap_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py \
             --shapes qwen3-30b-a3b --comm 8,16 ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
     profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM with and without tail skip
@@ -69,6 +69,11 @@ for s in "$@"; do
         for sh in qwen3-30b-a3b deepseek-v3; do
             TAIL=0 step "profile_ep_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep.py "$sh"
         done ;;
+    ephost)  # the EP path's host side: issue time vs wall, cProfile of the issuing (rank 0)
+        TAIL=60 step ep_host_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py qwen3-30b-a3b ;;
+    gatherzf)  # the zero-fill gather variants (MOK_GEMM_GATHER_ZFILL) against their TMA twins
+        TAIL=30 step gather_zf_diag 200 python3 tests/gpu/diag_gather.py --shapes deepseek-v3,qwen3-30b-a3b \
+            --kernels mok_gemm_bk_gather,mok_gemm_bk_gather_zf,mok_gemm_bn_f32_gather_zf --cases real,real_zrows --reps 5 ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

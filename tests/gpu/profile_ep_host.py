@@ -1,0 +1,81 @@
+"""Diagnostic (not a test): the host side of the EP path on rank 0 (is it host bound, and where?).
+
+    torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py [shape] [tokens]
+
+For mok_nn's forward (no grad) and forward+backward at EP = world size it prints: the wall
+time per step with the GPU in the loop, the time to *issue* one step (host only, the GPU
+kept busy beforehand by a long sleep kernel so no launch waits), and a cProfile table of
+the issuing by own (tottime) time: the Python functions that cost host time.
+"""
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from mok_nn import bench
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
+tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
+fn = bench.mok_experts("cuda", dist.group.WORLD)
+leaves = bench._leaves(p)
+x, w, gu, dn = leaves
+
+
+def fwd():
+    with torch.no_grad():
+        fn(x, p["ids"], w, gu, dn)
+
+
+def fwd_bwd():
+    for t in leaves:
+        t.grad = None
+    y = fn(x, p["ids"], w, gu, dn)
+    y.backward(p["dy"])
+
+
+for name, step in (("forward", fwd), ("forward+backward", fwd_bwd)):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps * 1e3
+    dist.barrier()
+    # host issue time: the GPU sleeps long enough to take every launch of `few` steps queued behind it
+    # (a few steps only: a full launch queue would make the host wait again)
+    few = 5
+    issue = {}
+    for mode in ("plain", "cprofile"):
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU cycles on both ranks
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        if mode == "cprofile":
+            prof.enable()
+        for _ in range(few):
+            step()
+        prof.disable()
+        issue[mode] = (time.perf_counter() - t0) / few * 1e3
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        print(f"{shape} EP={world} {name}: wall {wall:.3f} ms per step; host issue {issue['plain']:.3f} ms "
+              f"per step ({issue['cprofile']:.3f} under cProfile)", flush=True)
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+        print(s.getvalue()[-9000:], flush=True)
+dist.destroy_process_group()
