@@ -131,17 +131,28 @@ def schedule_chunk(num_slots: int) -> tuple[int, int]:
     return chunk, max(1, -(-num_slots // chunk))
 
 
-def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
+def _checked_capacity(num_tokens: int, top_k: int, num_experts: int, capacity: int | None) -> int:
+    """capacity (rows), or the worst case where None; a given one must hold the worst case."""
+    need = schedule_capacity(num_tokens, top_k, num_experts)
+    if capacity is None:
+        return need
+    if capacity < need or capacity % TILE_M:
+        raise ValueError(f"schedule capacity {capacity}: needs a multiple of {TILE_M} >= {need}")
+    return capacity
+
+
+def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
     """Count -> pad -> prefix sum on the device, no host sync.
 
     On CUDA: mok_schedule_mc (multi-CTA); MOK_SCHEDULE=mc_pdl: the same with
     overlapping launches, =single: the one-CTA mok_schedule. All equal
     make_schedule_torch exactly. MOK_SCHEDULE=torch, CPU tensors or more than
-    SCHEDULE_MAX_EXPERTS experts: make_schedule_torch.
+    SCHEDULE_MAX_EXPERTS experts: make_schedule_torch. capacity: rows of the
+    schedule (default the worst case, schedule_capacity; more only adds padding rows).
     """
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
-    cap = schedule_capacity(num_tokens, top_k, num_experts)
+    cap = _checked_capacity(num_tokens, top_k, num_experts, capacity)
     mode = os.environ.get("MOK_SCHEDULE", "")
     if mode != "torch" and mode not in SCHEDULE_KERNELS:
         raise ValueError(f"MOK_SCHEDULE={mode!r}: expected one of {sorted(SCHEDULE_KERNELS) + ['torch']}")
@@ -162,16 +173,16 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
             scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
             _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
         return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows)
-    return make_schedule_torch(topk_ids, num_experts)
+    return make_schedule_torch(topk_ids, num_experts, cap)
 
 
-def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int) -> Schedule:
+def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
     """The same schedule from torch ops (CPU, or more experts than the kernel holds)."""
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
     n = flat.numel()
-    cap = schedule_capacity(num_tokens, top_k, num_experts)
+    cap = _checked_capacity(num_tokens, top_k, num_experts, capacity)
     # scatter_add_ of ints, not bincount: bincount reads min/max back to the host.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M

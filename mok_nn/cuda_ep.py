@@ -121,6 +121,7 @@ class EPSchedule:
     overflow [] bool: some rank's rows exceed the capacity.
     sched.seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment
         (clipped to the segment when the capacity overflowed).
+    sched.row_expert is None (derived from tile_expert where needed: the segments are tile-aligned).
     """
 
     sched: cb.Schedule
@@ -141,7 +142,7 @@ def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
     key = (kind, dtype, torch.device(device))
     t = _CACHED.get(key)
     if t is None or t.numel() < n:
-        wide = dtype in (torch.int64, torch.float32)  # a narrow arange (int16 keys) must not outgrow its range
+        wide = dtype in (torch.int64, torch.float32)  # a narrow arange must not outgrow its range
         size = max(n, 2 * t.numel()) if t is not None and wide else n
         t = torch.arange(size, dtype=dtype, device=device) if kind == "arange" else \
             torch.ones(size, dtype=dtype, device=device)
@@ -149,59 +150,111 @@ def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
     return t[:n]
 
 
+_TABLES: dict = {}  # (name, shape parameters, device) -> constant lookup table of make_ep_schedule
+
+
+def _table(key: tuple, build) -> torch.Tensor:
+    """A constant of make_ep_schedule for one shape and device, built once and kept (read-only)."""
+    t = _TABLES.get(key)
+    if t is None:
+        t = _TABLES[key] = build()
+    return t
+
+
+def spread_buckets(num_experts: int) -> bool:
+    """Whether make_ep_schedule gives every expert its own bucket of the single-GPU schedule (and the
+    -1 slots one more): where the schedule kernel holds E + 1 experts. Else one bucket holds all
+    experts of the other ranks and the -1 slots."""
+    return num_experts + 1 <= cb.SCHEDULE_MAX_EXPERTS
+
+
+def _bucket_table(num_experts: int, rank: int, e_l: int, spread: bool, dev) -> torch.Tensor:
+    """[E + 1] int64: bucket of global expert g at index g; index -1 (no token) reads the last entry.
+    This rank's experts first (bucket g - rank*E_l); spread: the others (rank order from rank + 1, wrapping)
+    and then -1 (bucket E), else all of them in bucket E_l."""
+    def build():
+        g = torch.arange(num_experts + 1)
+        local = (g - rank * e_l) % num_experts
+        if spread:
+            return torch.where(g < num_experts, local, num_experts).to(dev)
+        return torch.where((g < num_experts) & (local < e_l), local, e_l).to(dev)
+    return _table(("bucket", num_experts, rank, e_l, spread, torch.device(dev)), build)
+
+
+def _slot_tables(ep_size: int, tc: int, top_k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n + 1] int64 each (n = P*Tc*k): source rank and slot t*k + j of global slot s*Tc*k + t*k + j;
+    -1 at n (padding)."""
+    def build(kind):
+        def f():
+            n = ep_size * tc * top_k
+            g = torch.arange(n + 1)
+            v = g // (tc * top_k) if kind == "src" else g % (tc * top_k)
+            return torch.where(g < n, v, -1).to(dev)
+        return f
+    key = (ep_size, tc, top_k, torch.device(dev))
+    return _table(("src",) + key, build("src")), _table(("slot",) + key, build("slot"))
+
+
+def _pull_table(ep_size: int, tc: int, rank: int, dev) -> torch.Tensor:
+    """[P, Tc] int64: tokens row s*Tc + t of (s, t), -1 on this rank's own row s = rank (already local)."""
+    def build():
+        t = torch.arange(ep_size * tc).view(ep_size, tc)
+        t[rank] = -1
+        return t.to(dev)
+    return _table(("pull", ep_size, tc, rank, torch.device(dev)), build)
+
+
 def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
                      capacity: int) -> EPSchedule:
-    """Count -> pad -> prefix sum over the all-gathered ids [P, Tc, k] (-1 = no token); no atomics.
+    """This rank's rows from the all-gathered ids [P, Tc, k] (-1 = no token), by the single-GPU
+    schedule (cb.make_schedule: one kernel on CUDA, count -> pad -> prefix sum, no atomics).
 
-    One stable sort of all slots by global expert (-1 first) lists each expert's slots
-    contiguously in slot order; binary search for the run boundaries gives the counts. Row r
-    of this rank's buffers, at offset i of local expert e's segment, takes the i-th slot of
-    e's run (a gather: every output element written once).
+    The single-GPU schedule runs over the n = P*Tc*k slots taken as tokens of one slot each (so its
+    row_token is the global slot s*Tc*k + t*k + j), with the experts relabelled into buckets, this
+    rank's experts first (_bucket_table). Within a bucket it keeps slot order, i.e. (source rank,
+    token, j), and pads each bucket to the tile: its first `capacity` rows up to the end of this
+    rank's buckets are exactly this rank's rows. With spread buckets the same segment ends give
+    every rank's padded load (an overflow anywhere is known everywhere, from the same ids).
     """
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
     e_l = experts_per_rank
     num_experts = e_l * ep_size
     n = ep_size * tc * top_k
+    spread = spread_buckets(num_experts)
+    buckets = num_experts + 1 if spread else e_l + 1
     flat = ids_all.reshape(-1)
-    # Few distinct keys: a narrow dtype makes the GPU radix sort take fewer passes (same order).
-    key = flat.to(torch.int16) if num_experts < 2**15 else flat
-    sorted_key, order = torch.sort(key, stable=True)  # -1 (no token) first, then by expert, slot order
-    # [g]: sorted position of expert g's first slot (queries of the key's dtype: no conversion of the keys)
-    run_start = torch.searchsorted(sorted_key, _cached("arange", num_experts + 1, dev, key.dtype))
-    gcounts = run_start[1:] - run_start[:-1]  # routed slots of every expert (run_start[E] = n)
-    # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
-    gpadded = (gcounts + (TILE_M - 1)) // TILE_M * TILE_M
-    gcum = gpadded.view(ep_size, e_l).cumsum(dim=1)  # segment ends of every rank
-    overflow = (gcum[:, -1] > capacity).any()
+    key = _bucket_table(num_experts, rank, e_l, spread, dev)[flat]  # (index -1 wraps to the last entry)
+    full_cap = max(cb.schedule_capacity(n, 1, buckets), capacity)  # also holds the other buckets
+    full = cb.make_schedule(key.view(n, 1), buckets, full_cap)
 
-    lo = rank * e_l
-    counts, padded, cum = gcounts[lo:lo + e_l], gpadded[lo:lo + e_l], gcum[rank]
-    seg_end = cum.clamp(max=capacity)  # only past the capacity (overflow, flagged)
-    seg_start = (cum - padded).clamp_(max=capacity)
-    # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
-    seg_rows = torch.minimum(counts, seg_end - seg_start)
+    zero = _cached("arange", 1, dev, torch.int32)
+    bounds = torch.cat([zero, full.seg_end])  # [buckets + 1]: bucket b holds rows bounds[b] .. bounds[b + 1]
+    seg_end = bounds[1:e_l + 1].clamp(max=capacity)  # cut only past the capacity (overflow, flagged)
+    # routed rows kept per local expert: all, or those before the capacity (overflow)
+    seg_rows = torch.clamp(capacity - bounds[:e_l], min=zero, max=full.seg_rows[:e_l])
+    if spread:  # padded rows of every rank (this one first): ends of its buckets minus starts
+        load = bounds[e_l:num_experts + 1:e_l] - bounds[0:num_experts:e_l]
+        overflow = (load > capacity).any()
+    else:  # every expert's count (+ TILE_M - 1 to round up), -1 slots in the extra entry E
+        cnt = torch.full((num_experts + 1,), TILE_M - 1, dtype=torch.int64, device=dev)
+        cnt.scatter_add_(0, flat % (num_experts + 1), _cached("ones", n, dev))
+        tiles = (cnt[:num_experts] // TILE_M).view(ep_size, e_l).sum(dim=1)
+        overflow = (tiles > capacity // TILE_M).any()
 
-    rows = _cached("arange", max(capacity, n, ep_size * tc), dev)[:capacity]
-    row_expert = torch.searchsorted(seg_end, rows, right=True)  # e_l past the last segment
-    # Rows past the last segment look at the last expert: their offset exceeds its seg_rows.
-    per = torch.stack([seg_start, seg_rows, run_start[lo:lo + e_l]], dim=1)[row_expert.clamp(max=e_l - 1)]
-    off = rows - per[:, 0]
-    valid = off < per[:, 1]
-    src = (per[:, 2] + off).clamp_(max=n - 1)  # the slot's sorted position where valid
-    row_gslot = torch.where(valid, order[src], n)
+    rows = _cached("arange", capacity, dev)
+    # rows past this rank's buckets (other ranks' slots, or padding): the padding slot n
+    row_gslot = torch.where(rows < bounds[e_l], full.row_token[:capacity], n)
     row_token = row_gslot // top_k  # s*Tc + t; padding: n // k = P*Tc, the zero row
-    row_src = torch.where(valid, row_gslot // (tc * top_k), -1)
-    row_slot = torch.where(valid, row_gslot % (tc * top_k), -1)
-
-    te = row_expert[::TILE_M]
-    tile_expert = torch.where(te < e_l, te, -1).to(torch.int32)
+    src_of, slot_of = _slot_tables(ep_size, tc, top_k, dev)
+    row_src, row_slot = src_of[row_gslot], slot_of[row_gslot]
+    te = full.tile_expert[:capacity // TILE_M]
+    tile_expert = torch.where(te < e_l, te, -1)  # other buckets: past this rank's segments
     pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
-    sched = cb.Schedule(pos, row_token, tile_expert, seg_end.to(torch.int32), seg_rows.to(torch.int32), row_expert)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end, seg_rows)
 
-    need = (flat // e_l == rank).view(ep_size, tc, top_k).any(dim=2)  # -1 // e_l = -1: never
-    need[rank] = False  # own rows are already local
-    pull_src = torch.where(need, _cached("arange", ep_size * tc, dev).view(ep_size, tc), -1)
+    need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
+    pull_src = torch.where(need, _pull_table(ep_size, tc, rank, dev), -1)
     push_src = torch.where(row_src.unsqueeze(0) == _cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
     return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 

@@ -73,7 +73,7 @@ def test_ep_schedule_matches_python(ep_size, tokens, tc, top_k, num_experts, ske
         assert eps.row_slot.tolist() == want_slot
         assert eps.row_gslot.tolist() == want_gslot
         assert s.tile_expert.tolist() == want_te
-        assert s.row_expert[:start].tolist() == [
+        assert s.expert_of_rows()[:start].tolist() == [
             e for e, rows in enumerate(per) for _ in range(-(-len(rows) // TILE_M) * TILE_M)
         ]
         assert s.pos.tolist() == torch.arange(tokens[rank] * top_k).view(tokens[rank], top_k).tolist()

@@ -1,6 +1,8 @@
-"""cuda_ep.make_ep_schedule (one global sort + per-row gather) gives, bit for bit, every output of the
-earlier sort-by-local-key + scatter construction (kept below as the oracle), on many random routings:
-uneven and empty ranks, empty and crowded experts, capacity overflow, P = 2 and 4."""
+"""cuda_ep.make_ep_schedule (the single-GPU schedule over relabelled buckets) gives, bit for bit,
+every output of two earlier constructions kept below as oracles: the global sort + per-row gather
+of commit ca28148 and the sort-by-local-key + scatter of commit 77e2e79. Many random routings:
+P = 2, 4, 8; uneven, empty and -1-only ranks; k = 1..8; 1..64 experts per rank; crowded, empty and
+non-local experts; capacity overflow; spread and shared other-rank buckets (cuda_ep.spread_buckets)."""
 
 import pytest
 import torch
@@ -8,6 +10,58 @@ import torch
 from mok_nn import cuda_backend as cb
 from mok_nn import cuda_ep
 from mok_nn.kernels.registry import TILE_M
+
+
+def _make_ep_schedule_sorted(ids_all, num_tokens, rank, experts_per_rank, capacity):
+    """make_ep_schedule as of commit ca28148 (verbatim but for the name and module prefixes): one
+    stable sort of all slots by global expert, searchsorted run boundaries, a gather per row.
+    """
+    ep_size, tc, top_k = ids_all.shape
+    dev = ids_all.device
+    e_l = experts_per_rank
+    num_experts = e_l * ep_size
+    n = ep_size * tc * top_k
+    flat = ids_all.reshape(-1)
+    # Few distinct keys: a narrow dtype makes the GPU radix sort take fewer passes (same order).
+    key = flat.to(torch.int16) if num_experts < 2**15 else flat
+    sorted_key, order = torch.sort(key, stable=True)  # -1 (no token) first, then by expert, slot order
+    # [g]: sorted position of expert g's first slot (queries of the key's dtype: no conversion of the keys)
+    run_start = torch.searchsorted(sorted_key, cuda_ep._cached("arange", num_experts + 1, dev, key.dtype))
+    gcounts = run_start[1:] - run_start[:-1]  # routed slots of every expert (run_start[E] = n)
+    # Every rank's load, from the same ids: an overflow anywhere is known everywhere.
+    gpadded = (gcounts + (TILE_M - 1)) // TILE_M * TILE_M
+    gcum = gpadded.view(ep_size, e_l).cumsum(dim=1)  # segment ends of every rank
+    overflow = (gcum[:, -1] > capacity).any()
+
+    lo = rank * e_l
+    counts, padded, cum = gcounts[lo:lo + e_l], gpadded[lo:lo + e_l], gcum[rank]
+    seg_end = cum.clamp(max=capacity)  # only past the capacity (overflow, flagged)
+    seg_start = (cum - padded).clamp_(max=capacity)
+    # routed rows kept per local expert (fewer only where the capacity cut them: overflow, flagged)
+    seg_rows = torch.minimum(counts, seg_end - seg_start)
+
+    rows = cuda_ep._cached("arange", max(capacity, n, ep_size * tc), dev)[:capacity]
+    row_expert = torch.searchsorted(seg_end, rows, right=True)  # e_l past the last segment
+    # Rows past the last segment look at the last expert: their offset exceeds its seg_rows.
+    per = torch.stack([seg_start, seg_rows, run_start[lo:lo + e_l]], dim=1)[row_expert.clamp(max=e_l - 1)]
+    off = rows - per[:, 0]
+    valid = off < per[:, 1]
+    src = (per[:, 2] + off).clamp_(max=n - 1)  # the slot's sorted position where valid
+    row_gslot = torch.where(valid, order[src], n)
+    row_token = row_gslot // top_k  # s*Tc + t; padding: n // k = P*Tc, the zero row
+    row_src = torch.where(valid, row_gslot // (tc * top_k), -1)
+    row_slot = torch.where(valid, row_gslot % (tc * top_k), -1)
+
+    te = row_expert[::TILE_M]
+    tile_expert = torch.where(te < e_l, te, -1).to(torch.int32)
+    pos = cuda_ep._cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
+    sched = cb.Schedule(pos, row_token, tile_expert, seg_end.to(torch.int32), seg_rows.to(torch.int32), row_expert)
+
+    need = (flat // e_l == rank).view(ep_size, tc, top_k).any(dim=2)  # -1 // e_l = -1: never
+    need[rank] = False  # own rows are already local
+    pull_src = torch.where(need, cuda_ep._cached("arange", ep_size * tc, dev).view(ep_size, tc), -1)
+    push_src = torch.where(row_src.unsqueeze(0) == cuda_ep._cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
+    return cuda_ep.EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
 def _make_ep_schedule_old(ids_all, num_tokens, rank, experts_per_rank, capacity):
@@ -66,11 +120,18 @@ def _make_ep_schedule_old(ids_all, num_tokens, rank, experts_per_rank, capacity)
 
 
 def _fields(eps):
+    """Every output, by name (row_expert: the expert of each row, derived where the schedule has none)."""
     s = eps.sched
     return {"pos": s.pos, "row_token": s.row_token, "tile_expert": s.tile_expert, "seg_end": s.seg_end,
-            "seg_rows": s.seg_rows, "row_expert": s.row_expert, "row_src": eps.row_src, "row_slot": eps.row_slot,
-            "row_gslot": eps.row_gslot, "pull_src": eps.pull_src, "push_src": eps.push_src,
-            "overflow": eps.overflow}
+            "seg_rows": s.seg_rows, "row_expert": s.expert_of_rows(), "row_src": eps.row_src,
+            "row_slot": eps.row_slot, "row_gslot": eps.row_gslot, "pull_src": eps.pull_src,
+            "push_src": eps.push_src, "overflow": eps.overflow}
+
+
+def _assert_same(want, got, where):
+    for name in want:
+        a, b = want[name], got[name]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (where, name)
 
 
 def _random_ids(gen, ep_size, tc, top_k, num_experts):
@@ -87,6 +148,63 @@ def _random_ids(gen, ep_size, tc, top_k, num_experts):
     return ids, tokens
 
 
+ROUTINGS = ("random", "one_expert", "one_rank", "no_tokens")
+
+
+def _routing(gen, kind, ep_size, tc, top_k, e_l):
+    """ids [P, Tc, k] (-1 tails: token counts 1..Tc, different per rank) and the token counts.
+    random: top-k of skewed logits (with repeats where k > E); one_expert: every slot on one expert;
+    one_rank: every slot on one rank's experts (none local elsewhere); no_tokens: all -1."""
+    num_experts = e_l * ep_size
+    tokens = [int(torch.randint(1, tc + 1, (1,), generator=gen)) for _ in range(ep_size)]
+    tokens[int(torch.randint(0, ep_size, (1,), generator=gen))] = tc  # Tc is some rank's count
+    ids = torch.full((ep_size, tc, top_k), -1, dtype=torch.int64)
+    for s in range(ep_size):
+        t = tokens[s]
+        if kind == "random" and top_k <= num_experts:
+            logits = torch.randn(t, num_experts, generator=gen)
+            hot = torch.rand(num_experts, generator=gen) < 0.2
+            logits[:, hot] += float(torch.rand(1, generator=gen)) * 30  # crowd a few, starve others
+            ids[s, :t] = torch.topk(logits, top_k, dim=1).indices
+        elif kind == "random":
+            ids[s, :t] = torch.randint(0, num_experts, (t, top_k), generator=gen)
+        elif kind == "one_expert":
+            ids[s, :t] = int(torch.randint(0, num_experts, (1,), generator=gen))
+        elif kind == "one_rank":
+            q = int(torch.randint(0, ep_size, (1,), generator=gen))
+            ids[s, :t] = q * e_l + torch.randint(0, e_l, (t, top_k), generator=gen)
+    if kind == "no_tokens":
+        tokens = [0] * ep_size
+    return ids, tokens
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_schedule_bitwise_equals_sorted_construction(spread, monkeypatch):
+    """>= 100 random routings per bucket layout, every rank, every output field, dtype and shape."""
+    if not spread:  # one bucket for all other ranks' experts (what E + 1 > SCHEDULE_MAX_EXPERTS gets)
+        monkeypatch.setattr(cuda_ep, "spread_buckets", lambda num_experts: False)
+    gen = torch.Generator().manual_seed(7 + spread)
+    hits = {"overflow": 0, "no_local": 0, "tiny": 0}
+    for trial in range(105):
+        ep_size = (2, 4, 8)[trial % 3]
+        top_k = (1, 2, 4, 8)[trial // 3 % 4]
+        e_l = (1, 2, 8, 64)[trial // 12 % 4]
+        kind = ROUTINGS[trial % 4] if trial % 5 else "random"
+        tc = int(torch.randint(1, 4 if trial % 7 == 0 else 301, (1,), generator=gen))  # few: n < E_l
+        ids_all, tokens = _routing(gen, kind, ep_size, tc, top_k, e_l)
+        mult = [0.1, 0.5, 1.0, 2.0, float(ep_size)][trial % 5]  # the small ones overflow
+        cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, mult)
+        buckets = e_l * ep_size + 1 if cuda_ep.spread_buckets(e_l * ep_size) else e_l + 1
+        hits["tiny"] += cb.schedule_capacity(ep_size * tc * top_k, 1, buckets) < cap  # the EP capacity is the larger
+        for rank in range(ep_size):
+            want = _fields(_make_ep_schedule_sorted(ids_all, tokens[rank], rank, e_l, cap))
+            got = _fields(cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap))
+            _assert_same(want, got, (trial, kind, ep_size, tc, top_k, e_l, mult, rank))
+            hits["overflow"] += bool(want["overflow"])
+            hits["no_local"] += int(want["seg_rows"].sum()) == 0
+    assert all(v > 0 for v in hits.values()), hits  # the hard cases were hit
+
+
 @pytest.mark.parametrize("ep_size", [2, 4])
 def test_schedule_bitwise_equals_previous_construction(ep_size):
     gen = torch.Generator().manual_seed(100 + ep_size)
@@ -101,9 +219,7 @@ def test_schedule_bitwise_equals_previous_construction(ep_size):
         for rank in range(ep_size):
             old = _fields(_make_ep_schedule_old(ids_all, tokens[rank], rank, e_l, cap))
             new = _fields(cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap))
-            for name in old:
-                a, b = old[name], new[name]
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (trial, rank, name)
+            _assert_same(old, new, (trial, rank))
             checked["overflow"] += bool(old["overflow"])
             checked["empty_rank"] += tokens[rank] == 0
     assert checked["overflow"] > 0 and checked["empty_rank"] > 0  # the hard cases were hit
