@@ -122,6 +122,9 @@ class EPSchedule:
     sched.seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment
         (clipped to the segment when the capacity overflowed).
     sched.row_expert is None (derived from tile_expert where needed: the segments are tile-aligned).
+    slot_row [P*Tc*k] int64: row of global slot s*Tc*k + t*k + j in make_ep_schedule's bucket schedule:
+        this rank's row where the slot is routed here (>= cap where the capacity cut it), else a row
+        after all of this rank's (dispatch_plan; None where built otherwise).
     """
 
     sched: cb.Schedule
@@ -131,6 +134,7 @@ class EPSchedule:
     pull_src: torch.Tensor
     push_src: torch.Tensor
     overflow: torch.Tensor
+    slot_row: torch.Tensor | None = None
 
 
 _CACHED: dict = {}  # (kind, dtype, device) -> constant tensor (arange / ones), grown as needed
@@ -256,37 +260,44 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
     pull_src = torch.where(need, _pull_table(ep_size, tc, rank, dev), -1)
     push_src = torch.where(row_src.unsqueeze(0) == _cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
-    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
+    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow, full.pos.view(n))
 
 
-def first_row_of_token(row_token: torch.Tensor) -> torch.Tensor:
-    """[M] int64: for each row, the lowest row index holding the same token (stable sort, no atomics)."""
-    m = row_token.numel()
-    order = torch.sort(row_token, stable=True).indices  # equal tokens keep ascending row order
-    s = row_token[order]
-    rows = torch.arange(m, device=row_token.device)
-    starts = torch.ones(m, dtype=torch.bool, device=row_token.device)
-    starts[1:] = s[1:] != s[:-1]
-    group_first = torch.cummax(torch.where(starts, rows, 0), 0).values  # sorted position of each group's start
-    first = torch.empty_like(order)
-    first[order] = order[group_first]  # order is a permutation: every index written once
-    return first
+def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n + 1] each (n = P*Tc*k), for global slot g = s*Tc*k + t*k + j: remote (bool, s != rank) and
+    its tokens row s*Tc + t (int64); at n (padding): False and 0."""
+    def build(kind):
+        def f():
+            n = ep_size * tc * top_k
+            g = torch.arange(n + 1)
+            if kind == "remote":
+                return ((g < n) & (g // (tc * top_k) != rank)).to(dev)
+            return torch.where(g < n, g // top_k, 0).to(dev)
+        return f
+    key = (ep_size, tc, top_k, rank, torch.device(dev))
+    return _table(("remote",) + key, build("remote")), _table(("tokrow",) + key, build("tokrow"))
 
 
-def dispatch_plan(row_token: torch.Tensor, ep_size: int, tokens_cap: int, rank: int):
-    """(row_peer [M] int32, row_src [M] int64) for mok_ep_dispatch_rows, from the schedule's row_token.
+def dispatch_plan(eps: EPSchedule, rank: int):
+    """(row_peer [M] int32, row_src [M] int64) for mok_ep_dispatch_rows, from the schedule.
 
     row_peer: source rank of the row (its tokens section, row row_src = row_token), -1 for padding
     (zero row), -2 for a later row of a remote token already pulled by row row_src (its first row):
     each remote token row crosses NVLink once; local rows are copied from the local section.
+    A token's first row is the lowest row of its slots (eps.slot_row): slots of other ranks' experts
+    sit in rows after all of this rank's, so the minimum over the token's k slots is a row of
+    this rank where it has one (no sort, no scan).
     """
-    pad = row_token >= ep_size * tokens_cap
-    peer = torch.where(pad, -1, row_token // tokens_cap)
-    rows = torch.arange(row_token.numel(), device=row_token.device)
-    first = first_row_of_token(row_token)
-    dup = (peer >= 0) & (peer != rank) & (first != rows)
-    row_peer = torch.where(dup, -2, peer).to(torch.int32)
-    row_src = torch.where(dup, first, torch.where(pad, 0, row_token))
+    ep_size, tc = eps.pull_src.shape
+    sched = eps.sched
+    top_k = eps.slot_row.numel() // (ep_size * tc)
+    dev = sched.row_token.device
+    first_of_token = eps.slot_row.view(ep_size * tc, top_k).amin(dim=1)
+    first = first_of_token[sched.row_token.clamp(max=ep_size * tc - 1)]  # padding rows: not used
+    remote_of, tokrow_of = _plan_tables(ep_size, tc, top_k, rank, dev)
+    dup = remote_of[eps.row_gslot] & (first != _cached("arange", sched.capacity, dev))
+    row_peer = torch.where(dup, -2, eps.row_src).to(torch.int32)
+    row_src = torch.where(dup, first, tokrow_of[eps.row_gslot])
     return row_peer, row_src
 
 
@@ -715,7 +726,7 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
     comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
 
-    row_peer, row_src = dispatch_plan(sched.row_token, bufs.ep_size, bufs.tokens_cap, bufs.rank)
+    row_peer, row_src = dispatch_plan(eps, bufs.rank)
     x_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
     gate_up = torch.empty(cap, gate_up_proj.shape[1], dtype=torch.bfloat16, device=dev)
     # The dispatch (which waits only for itself) is launched before the GEMM that waits for it: a

@@ -1,7 +1,8 @@
 """Count the torch ops of cuda_ep's host bookkeeping (sequential EP forward + backward), on the CPU.
 
 The EP ranks are simulated by threads (as in test_cuda_ep_simulated); every kernel of the CUDA
-path (GEMMs, activations, combine, weight gradients, row copies, barrier signals) is stubbed by a
+path (GEMMs, activations, combine, weight gradients, row copies, barrier signals, the schedule:
+make_schedule, whose CUDA path also allocates its 6 outputs) is stubbed by a
 torch stand-in and counted as one launch, its inner ops not counted. What is left is what
 cuda_ep itself dispatches: on the GPU each op is (about) one kernel launch plus Python/ATen time.
 
@@ -69,7 +70,7 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
     cb.check_supported = lambda *a: None
     cuda_ep._record_errors = lambda ws, flags, what: None
     cb.combine = _kernel(_torch_combine)
-    for name in ("grouped_gemm", "act_forward", "act_backward", "weight_grad"):
+    for name in ("grouped_gemm", "act_forward", "act_backward", "weight_grad", "make_schedule"):
         setattr(cb, name, _kernel(getattr(cb, name)))
     _ThreadBuffers.copy_rows = _kernel(cuda_ep.SymmBuffers.copy_rows)
     barrier_fn = _ThreadBuffers.barrier
@@ -104,16 +105,22 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
                 cuda_ep.backward(dys[r], saved, xs[r], ids[r], wts[r], params, ws)
                 bwd = dict(c.ops)
             del _counters[threading.get_ident()]
-        with Counter() as c:
+        c = Counter()
+        _counters[threading.get_ident()] = c  # make_schedule counted as its kernel
+        with c:
             cuda_ep.make_ep_schedule(ws.ep_state["bufs"].local("ids"), T, r, e_l, saved.eps.sched.capacity)
-        result[r] = (fwd, bwd, dict(c.ops))
+        del _counters[threading.get_ident()]
+        cuda_ep.dispatch_plan(saved.eps, r)  # its constant tables built
+        with Counter() as plan:  # the overlapped forward's dispatch plan (not in the sequential forward)
+            cuda_ep.dispatch_plan(saved.eps, r)
+        result[r] = (fwd, bwd, dict(c.ops), dict(plan.ops))
 
     threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(P)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    fwd, bwd, sched = result[0]
+    fwd, bwd, sched, plan = result[0]
 
     def line(name, ops):
         ker = ops.get("<kernel>", 0)
@@ -124,6 +131,7 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
 
     print(f"P={P} tokens/rank={T} E={E} k={K} (rank 0)")
     line("make_ep_schedule", sched)
+    line("dispatch_plan", plan)
     line("forward", fwd)
     line("backward", bwd)
 

@@ -13,6 +13,39 @@ from mok_nn.config import MoKConfig
 from mok_nn.kernels.registry import TILE_M
 
 from test_cuda_ep_schedule import _ids_all
+from test_cuda_ep_schedule_equiv import ROUTINGS, _routing, _some_ranks
+
+
+def _first_row_of_token(row_token: torch.Tensor) -> torch.Tensor:
+    """[M] int64: for each row, the lowest row index holding the same token (stable sort, no atomics)."""
+    m = row_token.numel()
+    order = torch.sort(row_token, stable=True).indices  # equal tokens keep ascending row order
+    s = row_token[order]
+    rows = torch.arange(m, device=row_token.device)
+    starts = torch.ones(m, dtype=torch.bool, device=row_token.device)
+    starts[1:] = s[1:] != s[:-1]
+    group_first = torch.cummax(torch.where(starts, rows, 0), 0).values  # sorted position of each group's start
+    first = torch.empty_like(order)
+    first[order] = order[group_first]  # order is a permutation: every index written once
+    return first
+
+
+def _dispatch_plan_sorted(row_token: torch.Tensor, ep_size: int, tokens_cap: int, rank: int):
+    """cuda_ep.dispatch_plan as of commit ca28148 (verbatim but for the names): the first row of each
+    token by a stable sort of row_token and a cummax scan. (row_peer [M] int32, row_src [M] int64).
+
+    row_peer: source rank of the row (its tokens section, row row_src = row_token), -1 for padding
+    (zero row), -2 for a later row of a remote token already pulled by row row_src (its first row):
+    each remote token row crosses NVLink once; local rows are copied from the local section.
+    """
+    pad = row_token >= ep_size * tokens_cap
+    peer = torch.where(pad, -1, row_token // tokens_cap)
+    rows = torch.arange(row_token.numel(), device=row_token.device)
+    first = _first_row_of_token(row_token)
+    dup = (peer >= 0) & (peer != rank) & (first != rows)
+    row_peer = torch.where(dup, -2, peer).to(torch.int32)
+    row_src = torch.where(dup, first, torch.where(pad, 0, row_token))
+    return row_peer, row_src
 
 
 def _replay_dispatch(row_peer, row_src, tile_expert, sections, hidden):
@@ -73,7 +106,7 @@ def test_dispatch_plan_gives_the_sequential_rows(ep_size, tokens, tc, top_k, num
                 local[need] = sections[s][need]
         want = local.index_select(0, sched.row_token)
 
-        row_peer, row_src = cuda_ep.dispatch_plan(sched.row_token, ep_size, tc, rank)
+        row_peer, row_src = cuda_ep.dispatch_plan(eps, rank)
         assert row_peer.dtype == torch.int32 and row_src.dtype == torch.int64
         got = _replay_dispatch(row_peer, row_src, sched.tile_expert, sections, hidden)
         used = torch.repeat_interleave(sched.tile_expert >= 0, TILE_M)
@@ -88,13 +121,40 @@ def test_dispatch_plan_gives_the_sequential_rows(ep_size, tokens, tc, top_k, num
 
 
 def test_first_row_of_token():
+    """The oracle's own check: the lowest row holding each row's token."""
     row_token = torch.tensor([5, 3, 5, 9, 3, 3, 9, 5, 0])
     want = torch.tensor([0, 1, 0, 3, 1, 1, 3, 0, 8])
-    assert torch.equal(cuda_ep.first_row_of_token(row_token), want)
+    assert torch.equal(_first_row_of_token(row_token), want)
     r = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(1))
-    first = cuda_ep.first_row_of_token(r)
+    first = _first_row_of_token(r)
     for i in range(r.numel()):
         assert int(first[i]) == int((r == r[i]).nonzero()[0])
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_dispatch_plan_bitwise_equals_sorted_construction(spread, monkeypatch):
+    """dispatch_plan (first row of a token = min over its slots' rows) gives the bits of the sort +
+    cummax construction on many random routings, every rank, overflow included."""
+    if not spread:
+        monkeypatch.setattr(cuda_ep, "spread_buckets", lambda num_experts: False)
+    gen = torch.Generator().manual_seed(11 + spread)
+    dups = 0
+    for trial in range(48):
+        ep_size = (2, 4, 8)[trial % 3]
+        top_k = (1, 2, 4, 8)[trial // 3 % 4]
+        e_l = (1, 2, 8, 64)[trial // 12 % 4]
+        kind = ROUTINGS[trial % 4] if trial % 5 else "random"
+        tc = int(torch.randint(1, 301, (1,), generator=gen))
+        ids_all, tokens = _routing(gen, kind, ep_size, tc, top_k, e_l)
+        cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, [0.1, 0.5, 1.0, 2.0, float(ep_size)][trial % 5])
+        for rank in _some_ranks(gen, ep_size):
+            eps = cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap)
+            want = _dispatch_plan_sorted(eps.sched.row_token, ep_size, tc, rank)
+            got = cuda_ep.dispatch_plan(eps, rank)
+            for a, b in zip(want, got):
+                assert a.dtype == b.dtype and torch.equal(a, b), (trial, kind, ep_size, tc, top_k, e_l, rank)
+            dups += int((got[0] == -2).sum())
+    assert dups > 0
 
 
 def test_split_sms():

@@ -1,23 +1,34 @@
-"""Time cuda_ep.make_ep_schedule against the previous construction on one GPU (qwen3-30b-a3b at EP=2:
-8192 tokens per rank, k=8, 64 experts per rank; capacity multiplier 2), host and device time per call.
+"""Time cuda_ep.make_ep_schedule and cuda_ep.dispatch_plan against the earlier constructions on one GPU
+(qwen3-30b-a3b at EP=2: 8192 tokens per rank, k=8, 64 experts per rank; capacity multiplier 2), host
+and device time per call and the GPU kernels of one call.
 
-    python tests/gpu/bench_ep_schedule.py        # ~10 s; table on stdout, $OUT/bench_ep_schedule.json
+    python tests/gpu/bench_ep_schedule.py        # ~15 s; table on stdout, $OUT/bench_ep_schedule.json
 """
 
 import importlib.util
 import json
 import os
 import pathlib
+import sys
 import time
 
 import torch
 
 from mok_nn import cuda_ep
 
-_spec = importlib.util.spec_from_file_location(
-    "ep_sched_equiv", pathlib.Path(__file__).resolve().parents[1] / "test_cuda_ep_schedule_equiv.py")
-equiv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(equiv)
+_TESTS = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_TESTS))  # the CPU test modules import each other by name
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _TESTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+equiv = _load("test_cuda_ep_schedule_equiv")
+overlap = _load("test_cuda_ep_overlap")
 
 
 def timed(fn, iters=50):
@@ -45,17 +56,23 @@ def main():
     ids = ids.cuda()
     cap = cuda_ep.schedule_capacity(tc, k, e_l, P, 2.0)
     rows = []
-    for name, fn in (("old", equiv._make_ep_schedule_old), ("new", cuda_ep.make_ep_schedule)):
-        host, dev = timed(lambda: fn(ids, tc, 0, e_l, cap))
+    eps = cuda_ep.make_ep_schedule(ids, tc, 0, e_l, cap)
+    impls = (("sched_77e2e79", lambda: equiv._make_ep_schedule_old(ids, tc, 0, e_l, cap)),
+             ("sched_ca28148", lambda: equiv._make_ep_schedule_sorted(ids, tc, 0, e_l, cap)),
+             ("sched_new", lambda: cuda_ep.make_ep_schedule(ids, tc, 0, e_l, cap)),
+             ("plan_ca28148", lambda: overlap._dispatch_plan_sorted(eps.sched.row_token, P, tc, 0)),
+             ("plan_new", lambda: cuda_ep.dispatch_plan(eps, 0)))
+    for name, fn in impls:
+        host, dev = timed(fn)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn(ids, tc, 0, e_l, cap)
+            fn()
             torch.cuda.synchronize()
         kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
         rows.append({"impl": name, "host_ms": round(host, 4), "device_ms": round(dev, 4), "gpu_ops": kernels})
     print(f"make_ep_schedule P={P} tc={tc} k={k} E_l={e_l} cap={cap}")
-    print(f"{'impl':5s} {'host ms':>8s} {'device ms':>10s} {'gpu ops':>8s}")
+    print(f"{'impl':14s} {'host ms':>8s} {'device ms':>10s} {'gpu ops':>8s}")
     for r in rows:
-        print(f"{r['impl']:5s} {r['host_ms']:8.3f} {r['device_ms']:10.3f} {r['gpu_ops']:8d}")
+        print(f"{r['impl']:14s} {r['host_ms']:8.3f} {r['device_ms']:10.3f} {r['gpu_ops']:8d}")
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "bench_ep_schedule.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -115,7 +115,7 @@ def child(name):
             lib.launch(gemm + "_done", a_rows.unsqueeze(-1), wt, out.unsqueeze(-1), sched.tile_expert,
                        sched.seg_end, sched.gemm_seg_rows(), 1, done, gemm_ctas, stream=main.cuda_stream)
     else:
-        row_peer, row_src = cuda_ep.dispatch_plan(sched.row_token, 2, tc, rank)
+        row_peer, row_src = cuda_ep.dispatch_plan(eps, rank)
         base = torch.tensor([s.data_ptr() for s in secs], dtype=torch.int64, device="cuda")
         x_rows = torch.full((sched.capacity, width), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = torch.full((sched.capacity, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")

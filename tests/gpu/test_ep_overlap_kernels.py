@@ -56,7 +56,7 @@ def _setup(P, tokens, H, E, K, rank, seed):
             need = eps.pull_src[s][eps.pull_src[s] >= 0]
             merged[need] = secs[s][need]
     want = merged.index_select(0, eps.sched.row_token)
-    row_peer, row_src = cuda_ep.dispatch_plan(eps.sched.row_token, P, tc, rank)
+    row_peer, row_src = cuda_ep.dispatch_plan(eps, rank)
     base = torch.tensor([s.data_ptr() for s in secs], dtype=torch.int64, device="cuda")
     return secs, eps, want, row_peer, row_src, base, tc
 

@@ -1,10 +1,13 @@
-"""cuda_ep.make_ep_schedule on a CUDA device (no kernels of ours: torch's sort / searchsorted / gathers
-on the GPU) gives the bits of the previous construction (the oracle kept in
-tests/test_cuda_ep_schedule_equiv.py), also on the GPU, and of itself on the CPU; qwen3-sized and
-small random routings, overflow and empty ranks included. One GPU, a few seconds."""
+"""cuda_ep.make_ep_schedule on a CUDA device (the single-GPU schedule kernel, mok_schedule_mc, over
+relabelled buckets, plus torch ops) gives the bits of the two earlier constructions kept in
+tests/test_cuda_ep_schedule_equiv.py (run on the GPU too), and of itself on the CPU; likewise
+cuda_ep.dispatch_plan against the sort + cummax oracle of tests/test_cuda_ep_overlap.py. One GPU,
+simulated ranks; qwen3-sized and small random routings, overflow, empty ranks, few tokens (n < E_l),
+spread buckets (E + 1 <= 512) and the shared other-rank bucket (E = 512). About 30 s."""
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -13,30 +16,74 @@ from mok_nn import cuda_ep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-_spec = importlib.util.spec_from_file_location(
-    "ep_sched_equiv", pathlib.Path(__file__).resolve().parents[1] / "test_cuda_ep_schedule_equiv.py")
-equiv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(equiv)
+_TESTS = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_TESTS))  # the CPU test modules import each other by name
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _TESTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+equiv = _load("test_cuda_ep_schedule_equiv")
+overlap = _load("test_cuda_ep_overlap")
+
+
+def _check(ids_all, tokens, e_l, cap, where):
+    ep_size, tc, _ = ids_all.shape
+    ids_gpu = ids_all.cuda()
+    for rank in range(ep_size):
+        eps = cuda_ep.make_ep_schedule(ids_gpu, tokens[rank], rank, e_l, cap)
+        new = equiv._fields(eps)
+        cpu = equiv._fields(cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap))
+        oracles = {"sorted": equiv._make_ep_schedule_sorted, "old": equiv._make_ep_schedule_old}
+        for label, fn in oracles.items():
+            want = equiv._fields(fn(ids_gpu, tokens[rank], rank, e_l, cap))
+            for name in want:
+                assert new[name].is_cuda and new[name].dtype == want[name].dtype, (where, rank, name)
+                assert torch.equal(new[name], want[name]), (where, rank, name, f"vs {label} on the GPU")
+                assert torch.equal(new[name].cpu(), cpu[name]), (where, rank, name, "vs new on the CPU")
+        plan = cuda_ep.dispatch_plan(eps, rank)
+        want_plan = overlap._dispatch_plan_sorted(eps.sched.row_token, ep_size, tc, rank)
+        for a, b in zip(want_plan, plan):
+            assert b.is_cuda and a.dtype == b.dtype and torch.equal(a, b), (where, rank, "dispatch_plan")
 
 
 @pytest.mark.parametrize("ep_size,tc,top_k,e_l,mult,trials", [
     (2, 8192, 8, 64, 2.0, 2),   # qwen3-30b-a3b at EP=2, the benchmark shape
     (2, 8192, 8, 64, 1.0, 2),
     (4, 2048, 8, 32, 0.1, 2),   # overflows
+    (8, 1024, 8, 64, 2.0, 1),   # E = 512: one bucket for the other ranks' experts
     (2, 300, 2, 4, 1.0, 10),
     (4, 100, 4, 3, 4.0, 10),
+    (2, 2, 1, 64, 2.0, 5),      # n = 4 slots < E_l: the EP capacity exceeds the schedule's own
 ])
 def test_cuda_schedule_bitwise(ep_size, tc, top_k, e_l, mult, trials):
     gen = torch.Generator().manual_seed(tc + ep_size)
     for trial in range(trials):
         ids_all, tokens = equiv._random_ids(gen, ep_size, tc, top_k, e_l * ep_size)
         cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, mult)
-        ids_gpu = ids_all.cuda()
-        for rank in range(ep_size):
-            new = equiv._fields(cuda_ep.make_ep_schedule(ids_gpu, tokens[rank], rank, e_l, cap))
-            old = equiv._fields(equiv._make_ep_schedule_old(ids_gpu, tokens[rank], rank, e_l, cap))
-            cpu = equiv._fields(cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap))
-            for name in old:
-                assert new[name].is_cuda and new[name].dtype == old[name].dtype, (trial, rank, name)
-                assert torch.equal(new[name], old[name]), (trial, rank, name, "vs old on the GPU")
-                assert torch.equal(new[name].cpu(), cpu[name]), (trial, rank, name, "vs new on the CPU")
+        _check(ids_all, tokens, e_l, cap, (trial, ep_size, tc, top_k, e_l, mult))
+
+
+@pytest.mark.parametrize("kind", equiv.ROUTINGS)
+def test_cuda_schedule_skewed_routings(kind):
+    """All slots on one expert / on one rank's experts / no tokens at all, P = 2, 4, 8."""
+    gen = torch.Generator().manual_seed(len(kind))
+    for ep_size, top_k, e_l in ((2, 8, 64), (4, 4, 8), (8, 2, 1), (8, 8, 64)):
+        tc = int(torch.randint(1, 301, (1,), generator=gen))
+        ids_all, tokens = equiv._routing(gen, kind, ep_size, tc, top_k, e_l)
+        for mult in (0.5, 2.0):
+            cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, mult)
+            _check(ids_all, tokens, e_l, cap, (kind, ep_size, tc, top_k, e_l, mult))
+
+
+@pytest.mark.parametrize("mode", ["single", "mc_pdl", "torch"])
+def test_cuda_schedule_kernel_variants(mode, monkeypatch):
+    """Every MOK_SCHEDULE implementation of the single-GPU schedule gives the same EP schedule."""
+    monkeypatch.setenv("MOK_SCHEDULE", mode)
+    gen = torch.Generator().manual_seed(3)
+    ids_all, tokens = equiv._random_ids(gen, 2, 4096, 8, 128)
+    _check(ids_all, tokens, 64, cuda_ep.schedule_capacity(4096, 8, 64, 2, 2.0), mode)
