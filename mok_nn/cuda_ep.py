@@ -22,9 +22,10 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
 Forward (no host synchronisation; every peer write is a unicast store):
   1. copy x into own tokens rows; store own ids / weights into every rank's ids / weights
   2. barrier (mok_ep_signal with each peer)
-  3. schedule of the local experts from all ranks' ids (torch ops on the GPU):
-     rows ordered by (local expert, source rank, token, j), each expert padded to
-     the GEMM tile, capacity from MoKConfig.schedule_capacity_multiplier
+  3. schedule of the local experts from all ranks' ids (the single-GPU schedule kernel over
+     relabelled experts, then torch ops; make_ep_schedule): rows ordered by (local expert,
+     source rank, token, j), each expert padded to the GEMM tile, capacity from
+     MoKConfig.schedule_capacity_multiplier
   4. dispatch = pull (mok_ep_copy_rows): each token row a peer needs here crosses
      NVLink once; the GEMM then gathers its rows from the local tokens section
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
