@@ -155,11 +155,11 @@ def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
     return t[:n]
 
 
-_TABLES: dict = {}  # (name, shape parameters, device) -> constant lookup table of make_ep_schedule
+_TABLES: dict = {}  # (name, shape parameters, device) -> constant lookup table (make_ep_schedule, dispatch_plan)
 
 
 def _table(key: tuple, build) -> torch.Tensor:
-    """A constant of make_ep_schedule for one shape and device, built once and kept (read-only)."""
+    """A lookup table for one shape and device, built once (on the first call) and kept: read-only."""
     t = _TABLES.get(key)
     if t is None:
         t = _TABLES[key] = build()

@@ -76,3 +76,23 @@ def test_schedule_tail_skip_switch(monkeypatch):
     pad = padded_seg_rows(s.seg_end)
     assert torch.equal(s.gemm_seg_rows(), pad) and pad.dtype == torch.int32
     assert torch.equal(pad.long(), (s.seg_rows.long() + TILE_M - 1) // TILE_M * TILE_M)
+
+
+def test_schedule_larger_capacity():
+    """A given capacity above the worst case only appends padding rows (token T, tile expert -1);
+    one below it, or off the tile, is refused."""
+    gen = torch.Generator().manual_seed(2)
+    ids, _ = _routing(37, 2, 8, gen, skew=True)
+    base = make_schedule(ids, 8)
+    cap = base.capacity + 3 * TILE_M
+    big = make_schedule(ids, 8, cap)
+    assert big.capacity == cap and big.tile_expert.numel() == cap // TILE_M
+    for name in ("pos", "seg_end", "seg_rows"):
+        assert torch.equal(getattr(big, name), getattr(base, name))
+    assert torch.equal(big.row_token[:base.capacity], base.row_token)
+    assert bool((big.row_token[base.capacity:] == 37).all())
+    assert torch.equal(big.tile_expert[:base.tile_expert.numel()], base.tile_expert)
+    assert bool((big.tile_expert[base.tile_expert.numel():] == -1).all())
+    for bad in (base.capacity - TILE_M, base.capacity + 1):
+        with pytest.raises(ValueError, match="capacity"):
+            make_schedule(ids, 8, bad)
