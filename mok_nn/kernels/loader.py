@@ -279,6 +279,9 @@ _loaded: dict = {}
 
 def load(arch: str = "sm_90a", lib_dir=None, build_if_missing: bool = True) -> KernelLibrary:
     key = (arch, str(lib_dir))
+    lib = _loaded.get(key)  # without the lock: an entry, once there, is complete
+    if lib is not None:
+        return lib
     with _lock:
         if key in _loaded:
             return _loaded[key]
