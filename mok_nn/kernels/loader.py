@@ -115,7 +115,9 @@ class KernelLibrary:
             # invalid or unusual arguments: the ctypes path raises its error, or converts what the
             # packed path does not (stream None, an int32 scalar out of range, ...)
             return self.launch_ctypes(name, *args, stream=stream)
-        self._check(name, self._fns[name](addr))
+        rc = self._fns[name](addr)
+        if rc:
+            self._raise(name, rc)
 
     def launch_ctypes(self, name: str, *args, stream: int) -> None:
         """`launch` with one ctypes object per argument: slower; the oracle of the packed path."""
@@ -127,11 +129,12 @@ class KernelLibrary:
             keep.append(_to_ctypes(a, t, name))
         keep.append(ctypes.c_void_p(stream))
         ptrs = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.pointer(k), ctypes.c_void_p) for k in keep])
-        self._check(name, self._fns[name](ptrs))
+        rc = self._fns[name](ptrs)
+        if rc:
+            self._raise(name, rc)
 
-    def _check(self, name: str, rc: int) -> None:
-        if rc != 0:
-            raise KernelLibraryError(f"{name} failed to launch: {self._error_string(rc)} ({rc})")
+    def _raise(self, name: str, rc: int) -> None:
+        raise KernelLibraryError(f"{name} failed to launch: {self._error_string(rc)} ({rc})")
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "int64"}
