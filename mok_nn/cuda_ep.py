@@ -610,9 +610,13 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         for p in range(P):
             if p != r:
                 bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
-        # 5. experts
-        x_rows = tokens.index_select(0, sched.row_token)
-        gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
+        # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
+        if cb._use_gather():
+            gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
+        else:
+            x_rows = tokens.index_select(0, sched.row_token)
+            gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
