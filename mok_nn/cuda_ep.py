@@ -259,10 +259,9 @@ def fwd_mode(config) -> str:
     """'sequential' (the default) or 'overlap' (MOK_EP_FWD=overlap: dispatch on
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
 
-    The overlapped forward is experimental: it gave the sequential path's bits in every
-    EP=2 check on H200, but the first overlapped call of a process hit the readiness-wait
-    timeout (the push was launched before the GEMM it waits for; fixed, not yet run on a
-    GPU: docs/ep.md, "Overlapped forward: why it times out"), so it is opt-in.
+    The overlapped forward gives the sequential path's bits in every EP=2 check on H200
+    (since the launch-order fix of its cold-start deadlock, docs/ep.md "Overlapped forward:
+    why it timed out"), but it is not faster yet, so it is opt-in.
     """
     mode = os.environ.get("MOK_EP_FWD", "")
     if mode and mode not in FWD_MODES:
