@@ -306,6 +306,40 @@ def _ep_specs() -> tuple:
     return copy, signal, dispatch, push
 
 
+def _ep_copy_specs() -> tuple:
+    # Grid-stride row copies, warp per row (kernels/ep_copy.py); MOK_EP_COPY=v2 picks them. num_ctas: the grid.
+    rows = TensorArg("rows", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8))
+    idx = TensorArg("idx", "i64", (DYN,), (1,), align=8)
+    base = TensorArg("base", "i64", (DYN,), (1,), align=8)
+    grid = ScalarArg("num_ctas", "i32")
+    copy = KernelSpec(
+        name="mok_ep_copy_rows_v2",  # drop-in for mok_ep_copy_rows: (src, src_idx, dst, dst_idx)
+        module="ep_copy",
+        factory="CopyRowsGrid",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="src_idx"),
+              dataclasses.replace(rows, name="dst"), dataclasses.replace(idx, name="dst_idx"), grid),
+    )
+    pull = KernelSpec(
+        name="mok_ep_pull_peers",  # dst[p*Tc + t] = section p [pull_src[p, t]]: every peer's pull, one launch
+        module="ep_copy",
+        factory="PullPeers",
+        factory_kwargs=(),
+        args=(dataclasses.replace(base, name="src_base"),
+              TensorArg("pull_src", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+              dataclasses.replace(rows, name="dst"), grid),
+    )
+    push = KernelSpec(
+        name="mok_ep_push_peers",  # section row_rank[r] [row_slot[r]] = src[r]: the push to every rank, one launch
+        module="ep_copy",
+        factory="PushPeers",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(base, name="dst_base"),
+              dataclasses.replace(idx, name="row_rank"), dataclasses.replace(idx, name="row_slot"), grid),
+    )
+    return copy, pull, push
+
+
 SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
@@ -351,6 +385,7 @@ SPECS = (
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
     *_ep_specs(),
+    *_ep_copy_specs(),
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
