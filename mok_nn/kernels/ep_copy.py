@@ -29,8 +29,8 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from .ep_overlap import VEC, copy_row
+from .registry import EP_COPY_THREADS as THREADS
 
-THREADS = 256
 WARPS = THREADS // 32
 
 

@@ -22,6 +22,7 @@ GEMM_TILE_N = 256  # output columns per GEMM tile
 SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernels' shared-memory tables hold
 SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a multiple of 32 slots per warp
 SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
+EP_COPY_THREADS = 256  # threads per CTA of the grid-stride row copies (ep_copy.py); a warp copies whole rows
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 
 
