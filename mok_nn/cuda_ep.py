@@ -25,11 +25,12 @@ Forward (no host synchronisation; every peer write is a unicast store):
   3. schedule of the local experts from all ranks' ids (torch ops on the GPU):
      rows ordered by (local expert, source rank, token, j), each expert padded to
      the GEMM tile, capacity from MoKConfig.schedule_capacity_multiplier
-  4. dispatch = pull (mok_ep_copy_rows): each token row a peer needs here crosses
-     NVLink once; the GEMM then gathers its rows from the local tokens section
+  4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
+     mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once;
+     the GEMM then gathers its rows from the local tokens section
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
-  6. combine push (mok_ep_copy_rows): output row of slot (t, j) into its source
-     rank's slots[t*k + j]
+  6. combine push (mok_ep_push_peers, every rank in one launch; MOK_EP_COPY=v1: one
+     mok_ep_copy_rows per rank): output row of slot (t, j) into its source rank's slots[t*k + j]
   7. barrier; 8. fixed-order combine of the k slots on the source (mok_combine)
 Overlapped forward (experimental, opt-in with MOK_EP_FWD=overlap; see fwd_mode): steps 4
 and the gate/up GEMM of 5 run at the same time. mok_ep_dispatch_rows, on
