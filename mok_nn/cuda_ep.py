@@ -281,10 +281,9 @@ def fwd_mode(config) -> str:
     """'sequential' (the default) or 'overlap' (MOK_EP_FWD=overlap: dispatch on
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
 
-    The overlapped forward is experimental: it gave the sequential path's bits in every
-    EP=2 check on H200, but the first overlapped call of a process hit the readiness-wait
-    timeout (the push was launched before the GEMM it waits for; fixed, not yet run on a
-    GPU: docs/ep.md, "Overlapped forward: why it times out"), so it is opt-in.
+    The overlapped forward gives the sequential path's bits in every EP=2 check on H200
+    (since the launch-order fix of its cold-start deadlock, docs/ep.md "Overlapped forward:
+    why it timed out"), but it is not faster yet, so it is opt-in.
     """
     mode = os.environ.get("MOK_EP_FWD", "")
     if mode and mode not in FWD_MODES:
@@ -663,9 +662,13 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     else:
         # 4. dispatch: pull the needed token rows of each peer
         bufs.pull_rows("tokens", eps.pull_src)
-        # 5. experts
-        x_rows = tokens.index_select(0, sched.row_token)
-        gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
+        # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
+        if cb._use_gather():
+            gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
+        else:
+            x_rows = tokens.index_select(0, sched.row_token)
+            gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
