@@ -13,6 +13,8 @@ cuda_ep.make_ep_schedule at the default capacity multiplier. Cases (what cuda_ep
   push_peer  combine push of the rows owned by the peer (grid of v1: all `cap` rows, most -1)
   push_self  the same for the own rank (local copy)
   push_all   both pushes: v1 = P launches, v2 = one mok_ep_push_peers launch
+  pull_as_push  the same rows as pull, stored by their owner into the next rank's tokens section
+             (a push dispatch, for comparison; cuda_ep does not do this)
 Implementations: v1; v2@c = the one-launch kernel (mok_ep_pull_peers / mok_ep_push_peers) with c CTAs per
 SM; copy2@c = mok_ep_copy_rows_v2 as a drop-in for the per-peer launches. With two ranks both copy at
 the same time, started by a device barrier (mok_ep_signal); an iteration's time is the slower rank's.
@@ -56,10 +58,12 @@ def _setup(args, distributed):
     eps = cuda_ep.make_ep_schedule(ids, tc, rank, e_l, cap)
     assert not bool(eps.overflow), "capacity overflow: raise the multiplier"
     out_rows = torch.randn(cap, H, device=dev, generator=gl).to(torch.bfloat16)
-    return bufs, eps, out_rows, P, rank
+    # the own rows the next rank pulls (its pull_src row of this rank): for the pull-as-push case
+    peer_wants = cuda_ep.make_ep_schedule(ids, tc, (rank + 1) % P, e_l, cap).pull_src[rank]
+    return bufs, eps, out_rows, P, rank, peer_wants
 
 
-def _cases(bufs, eps, out_rows, P, rank, cpsm_list):
+def _cases(bufs, eps, out_rows, P, rank, peer_wants, cpsm_list):
     """{case: (bytes moved, {impl: fn})}"""
     lib, st = cb._lib(), cb._stream
     tc, H = bufs.tokens_cap, bufs.hidden
@@ -87,6 +91,11 @@ def _cases(bufs, eps, out_rows, P, rank, cpsm_list):
         "push_peer": (int((eps.push_src[peer] >= 0).sum()) * row_bytes, {"v1": v1_push([peer])}),
         "push_self": (int((eps.push_src[rank] >= 0).sum()) * row_bytes, {"v1": v1_push([rank])}),
         "push_all": (int((eps.row_src >= 0).sum()) * row_bytes, {"v1": v1_push(range(P))}),
+        # the dispatch done by the owner instead: own rows stored into the next rank's tokens section
+        # (what a push dispatch would cost; it would need one more barrier before the GEMM)
+        "pull_as_push": (int((peer_wants >= 0).sum()) * row_bytes, {
+            "v1": lambda: lib.launch("mok_ep_copy_rows", tokens, peer_wants, bufs.peer(peer, "tokens"), peer_wants,
+                                     stream=st())}),
     }
     for c in cpsm_list:
         grid_pull = cuda_ep.copy_grid(P * tc, sms, c)
@@ -119,6 +128,8 @@ def _cases(bufs, eps, out_rows, P, rank, cpsm_list):
         cases["push_self"][1][f"copy2@{c}"] = copy2_push([rank])
         cases["push_all"][1][f"v2@{c}"] = v2_push_all
         cases["push_all"][1][f"copy2@{c}"] = copy2_push(range(P))
+        cases["pull_as_push"][1][f"copy2@{c}"] = lambda grid=grid_peer: lib.launch(
+            "mok_ep_copy_rows_v2", tokens, peer_wants, bufs.peer(peer, "tokens"), peer_wants, grid, stream=st())
     return cases
 
 
@@ -184,8 +195,8 @@ def main():
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     cpsm = [int(c) for c in args.cpsm.split(",")]
-    bufs, eps, out_rows, P, rank = _setup(args, distributed)
-    cases = _cases(bufs, eps, out_rows, P, rank, cpsm)
+    bufs, eps, out_rows, P, rank, peer_wants = _setup(args, distributed)
+    cases = _cases(bufs, eps, out_rows, P, rank, peer_wants, cpsm)
     check = _check(bufs, eps, out_rows, P, rank, cases, distributed, f"v2@{cpsm[0]}")
     checks = [check]
     if distributed:
@@ -196,7 +207,7 @@ def main():
     lines = [f"bench_ep_copy: {where}; tokens/rank {args.tokens}, H {args.hidden}, E {args.experts}, k {args.topk}, "
              f"cap {out_rows.shape[0]} rows; {torch.cuda.get_device_name()}",
              "v2 == v1 bitwise (pull, push_all), per rank: " + str(checks),
-             f"{'case':10s} {'impl':9s} {'MiB':>8s} {'us':>9s} {'GB/s':>8s} {'vs v1':>6s}"]
+             f"{'case':12s} {'impl':9s} {'MiB':>8s} {'us':>9s} {'GB/s':>8s} {'vs v1':>6s}"]
     records = []
     for case, (nbytes, impls) in cases.items():
         base = None
@@ -204,7 +215,7 @@ def main():
             us = _time(fn, bufs, distributed, args.warmup, args.iters)
             base = base or us
             gbs = nbytes / us / 1e3
-            lines.append(f"{case:10s} {impl:9s} {nbytes / 2**20:8.1f} {us:9.1f} {gbs:8.1f} {base / us:5.2f}x")
+            lines.append(f"{case:12s} {impl:9s} {nbytes / 2**20:8.1f} {us:9.1f} {gbs:8.1f} {base / us:5.2f}x")
             records.append({"case": case, "impl": impl, "bytes": nbytes, "us": us, "gbps": gbs, "ranks": P,
                             "distributed": distributed, "tokens": args.tokens, "hidden": args.hidden})
     if rank == 0:
