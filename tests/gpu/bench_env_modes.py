@@ -1,0 +1,120 @@
+"""Diagnostic (not a test): mok_nn's layer under several env settings, timed side by side in one
+process (ABBA alternation, bench.measure) and checked bitwise against the first setting.
+
+    python tests/gpu/bench_env_modes.py [--shapes ...] [--modes gather]           (EP=1, one GPU)
+    torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes gather        (EP=2)
+
+Mode sets (the first entry of each is the default path, the reference for "bitwise"):
+  gather: copy (index_select + TMA GEMM), gather_zf (MOK_GEMM_GATHER=1, ZFILL=1),
+          gather_zf_dy (also MOK_GEMM_GATHER_DY=1; EP=1 only changes the backward)
+  epcopy: v2, v1 (MOK_EP_COPY; EP only)
+  epfwd:  seq, ov16 (MOK_EP_FWD; EP only)
+The env variables are read at every call, so one process can switch between them.
+Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
+the same alternation, peak and activation GB, and whether y and every gradient equal the first
+mode's bits. Writes bench_env_modes.json to $OUT. Exit status 1 if some mode's bits differ.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from mok_nn import bench
+
+MODE_SETS = {
+    "gather": {
+        "copy": {"MOK_GEMM_GATHER": "0", "MOK_GEMM_GATHER_ZFILL": "0", "MOK_GEMM_GATHER_DY": "0"},
+        "gather_zf": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_ZFILL": "1", "MOK_GEMM_GATHER_DY": "0"},
+        "gather_zf_dy": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_ZFILL": "1", "MOK_GEMM_GATHER_DY": "1"},
+    },
+    # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
+    "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
+    # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)
+    "epfwd": {
+        "seq": {"MOK_EP_FWD": "sequential"},
+        "ov16": {"MOK_EP_FWD": "overlap"},  # MoKConfig.fwd_num_comm_sms = 16 (the default)
+    },
+}
+
+
+def with_env(fn, env):
+    def run(*args):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn(*args)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return run
+
+
+def outputs(fn, p):
+    leaves = bench._leaves(p)
+    y = fn(leaves[0], p["ids"], *leaves[1:])
+    y.backward(p["dy"])
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
+    ap.add_argument("--modes", default="gather", choices=sorted(MODE_SETS))
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=15)
+    args = ap.parse_args()
+    group, rank, world = None, 0, 1
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        group = dist.group.WORLD
+    mok = bench.mok_experts("cuda", group)
+    modes = MODE_SETS[args.modes]
+    impls = {name: with_env(mok, env) for name, env in modes.items()}
+    impls["baseline"] = bench.baseline_experts if world == 1 else bench.baseline_experts_ep(group)
+    records, ok = [], True
+    for shape in args.shapes.split(","):
+        hidden, inter, _, top_k = bench.SHAPES[shape]
+        p = bench.make_problem(shape, args.tokens, "cuda", ep_size=world, ep_rank=rank)
+        ref = None
+        same = {}
+        for name in modes:
+            out = outputs(impls[name], p)
+            if ref is None:
+                ref = out
+            same[name] = all(torch.equal(a, b) for a, b in zip(out, ref))
+            ok &= same[name]
+        del ref, out
+        flops = 6 * args.tokens * top_k * hidden * inter
+        m = bench.measure(impls, p, "cuda", args.iters, 3, group)
+        base_f, base_b = m["baseline"][0], m["baseline"][1]
+        for name, (f, b, peak, act) in m.items():
+            rec = dict(shape=shape, ep=world, mode=name, fwd_ms=round(f, 4), bwd_ms=round(b, 4),
+                       fwd_tflops=round(flops / f / 1e9, 1), bwd_tflops=round(2 * flops / b / 1e9, 1),
+                       fwd_ratio=round(base_f / f, 3), bwd_ratio=round(base_b / b, 3),
+                       peak_gb=None if peak is None else round(peak, 3), act_gb=None if act is None else round(act, 3),
+                       bitwise_eq_first=same.get(name), commit=os.environ.get("MOK_COMMIT", "unknown"))
+            records.append(rec)
+            if rank == 0:
+                print(f"{shape:<15} EP={world} {name:<13} fwd {f:7.3f} ms ({rec['fwd_ratio']:.2f}x)  bwd {b:7.3f} ms "
+                      f"({rec['bwd_ratio']:.2f}x)  peak {rec['peak_gb']} GB  act {rec['act_gb']} GB  "
+                      f"bits={same.get(name, '-')}", flush=True)
+        del p
+        torch.cuda.empty_cache()
+    if rank == 0:
+        out = os.environ.get("OUT", "/tmp")
+        with open(os.path.join(out, f"bench_env_modes_ep{world}.json"), "w") as f:
+            json.dump(records, f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
