@@ -70,6 +70,7 @@ ranks in the same call provided they raised it at the same point (call
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -121,7 +122,8 @@ class EPSchedule:
     row_src / row_slot [cap] int64: source rank and slot t*k + j of each row, -1 on padding.
     row_gslot [cap] int64: s*Tc*k + t*k + j (index into the all-gathered weights), P*Tc*k on padding.
     pull_src [P, Tc] int64: tokens row to pull from source s, -1 where not needed (or s == rank).
-    push_src [P, cap] int64: row to push to source s, -1 otherwise.
+    push_src [P, cap] int64: row to push to source s, -1 otherwise (built on first use: only the
+        per-peer copies, MOK_EP_COPY=v1 / torch, need it).
     overflow [] bool: some rank's rows exceed the capacity.
     sched.seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment
         (clipped to the segment when the capacity overflowed).
@@ -136,9 +138,18 @@ class EPSchedule:
     row_slot: torch.Tensor
     row_gslot: torch.Tensor
     pull_src: torch.Tensor
-    push_src: torch.Tensor
     overflow: torch.Tensor
     slot_row: torch.Tensor | None = None
+
+    @functools.cached_property
+    def push_src(self) -> torch.Tensor:
+        return push_split(self.row_src, self.pull_src.shape[0])
+
+
+def push_split(row_rank: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """[P, M] int64: row r in row p where row_rank[r] == p, else -1 (the rows each rank receives)."""
+    rows = _cached("arange", row_rank.numel(), row_rank.device)
+    return torch.where(row_rank.unsqueeze(0) == _cached("arange", ep_size, row_rank.device).unsqueeze(1), rows, -1)
 
 
 _CACHED: dict = {}  # (kind, dtype, device) -> constant tensor (arange / ones), grown as needed
@@ -263,8 +274,7 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 
     need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
     pull_src = torch.where(need, _pull_table(ep_size, tc, rank, dev), -1)
-    push_src = torch.where(row_src.unsqueeze(0) == _cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
-    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow, full.pos.view(n))
+    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, overflow, full.pos.view(n))
 
 
 def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,13 +500,16 @@ class SymmBuffers:
                 self.copy_rows(self.peer(p, name), pull_src[p], self.local(name), dst_rows[p])
 
     def push_rows(self, rows: torch.Tensor, name: str, row_rank: torch.Tensor, row_slot: torch.Tensor,
-                  push_src: torch.Tensor) -> None:
+                  push_src: torch.Tensor | None = None) -> None:
         """Row r of rows into row row_slot[r] of rank row_rank[r]'s section `name` (own rank included;
-        -1: not sent). push_src [P, M] is the same split by rank (row r or -1), for the per-peer copies."""
+        -1: not sent). push_src [P, M] is the same split by rank (row r or -1), for the per-peer copies
+        (None: push_split(row_rank), built only where they run)."""
         if copy_mode() == "v2":
             cb._lib().launch("mok_ep_push_peers", rows, self.section_addrs(name), row_rank, row_slot,
                              self._copy_grid(rows.shape[0]), stream=cb._stream())
             return
+        if push_src is None:
+            push_src = push_split(row_rank, self.ep_size)
         for p in range(self.ep_size):
             self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
 
@@ -745,7 +758,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         if down_bias is not None:
             out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
         # 6. combine push into each source's slots
-        bufs.push_rows(out_rows, "slots", eps.row_src, eps.row_slot, eps.push_src)
+        bufs.push_rows(out_rows, "slots", eps.row_src, eps.row_slot)
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
@@ -887,7 +900,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
     dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
-    bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot, eps.push_src)
+    bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
     for p in range(P):
         bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
     # 6.

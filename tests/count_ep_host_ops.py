@@ -1,7 +1,8 @@
 """Count the torch ops of cuda_ep's host bookkeeping (sequential EP forward + backward), on the CPU.
 
 The EP ranks are simulated by threads (as in test_cuda_ep_simulated); every kernel of the CUDA
-path (GEMMs, activations, combine, weight gradients, row copies, barrier signals, the schedule:
+path (GEMMs, activations, combine, weight gradients, row copies as MOK_EP_COPY=v2 issues them: one
+per pull_rows / push_rows, barrier signals, the schedule:
 make_schedule, whose CUDA path also allocates its 6 outputs) is stubbed by a
 torch stand-in and counted as one launch, its inner ops not counted. What is left is what
 cuda_ep itself dispatches: on the GPU each op is (about) one kernel launch plus Python/ATen time.
@@ -72,7 +73,10 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
     cb.combine = _kernel(_torch_combine)
     for name in ("grouped_gemm", "act_forward", "act_backward", "weight_grad", "make_schedule"):
         setattr(cb, name, _kernel(getattr(cb, name)))
-    _ThreadBuffers.copy_rows = _kernel(cuda_ep.SymmBuffers.copy_rows)
+    # row copies as in the default MOK_EP_COPY=v2: one launch per pull_rows / push_rows (carried out
+    # by the torch mode underneath, not counted)
+    _ThreadBuffers.pull_rows = _kernel(cuda_ep.SymmBuffers.pull_rows)
+    _ThreadBuffers.push_rows = _kernel(cuda_ep.SymmBuffers.push_rows)
     barrier_fn = _ThreadBuffers.barrier
     _ThreadBuffers.barrier = lambda self: [_kernel(lambda: None)() for _ in range(P - 1)] and barrier_fn(self)
 

@@ -12,8 +12,15 @@ from mok_nn import cuda_ep
 from mok_nn.kernels.registry import TILE_M
 
 
+def _eps(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow):
+    """An EPSchedule of an oracle, holding the oracle's own push_src (not the one EPSchedule builds)."""
+    eps = cuda_ep.EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, overflow)
+    eps.__dict__["push_src"] = push_src  # where functools.cached_property keeps its value
+    return eps
+
+
 def _make_ep_schedule_sorted(ids_all, num_tokens, rank, experts_per_rank, capacity):
-    """make_ep_schedule as of commit ca28148 (verbatim but for the name and module prefixes): one
+    """make_ep_schedule as of commit ca28148 (verbatim but for the name, module prefixes, _eps): one
     stable sort of all slots by global expert, searchsorted run boundaries, a gather per row.
     """
     ep_size, tc, top_k = ids_all.shape
@@ -61,11 +68,11 @@ def _make_ep_schedule_sorted(ids_all, num_tokens, rank, experts_per_rank, capaci
     need[rank] = False  # own rows are already local
     pull_src = torch.where(need, cuda_ep._cached("arange", ep_size * tc, dev).view(ep_size, tc), -1)
     push_src = torch.where(row_src.unsqueeze(0) == cuda_ep._cached("arange", ep_size, dev).unsqueeze(1), rows, -1)
-    return cuda_ep.EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
+    return _eps(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
 def _make_ep_schedule_old(ids_all, num_tokens, rank, experts_per_rank, capacity):
-    """make_ep_schedule as of commit 77e2e79 (verbatim but for the name)."""
+    """make_ep_schedule as of commit 77e2e79 (verbatim but for the name and _eps)."""
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
     n = ep_size * tc * top_k
@@ -116,7 +123,7 @@ def _make_ep_schedule_old(ids_all, num_tokens, rank, experts_per_rank, capacity)
     pull_src = torch.where(need, tok, -1)
     rows = torch.arange(capacity, device=dev)
     push_src = torch.where(row_src.unsqueeze(0) == torch.arange(ep_size, device=dev).unsqueeze(1), rows, -1)
-    return cuda_ep.EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
+    return _eps(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow)
 
 
 def _fields(eps):
