@@ -5,8 +5,9 @@ process (ABBA alternation, bench.measure) and checked bitwise against the first 
     torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes gather        (EP=2)
 
 Mode sets (the first entry of each is the default path, the reference for "bitwise"):
-  gather: copy (index_select + TMA GEMM), gather_zf (MOK_GEMM_GATHER=1, ZFILL=1),
-          gather_zf_dy (also MOK_GEMM_GATHER_DY=1; EP=1 only changes the backward)
+  gather: copy (index_select + TMA GEMM), gather (MOK_GEMM_GATHER=1),
+          gather_dy (also MOK_GEMM_GATHER_DY=1; EP=1 only changes the backward)
+          (records before the zero-chunk producer was removed call the last two gather_zf, gather_zf_dy)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
 the same alternation, peak and activation GB, and whether y and every gradient equal the first
@@ -23,9 +24,9 @@ from mok_nn import bench
 
 MODE_SETS = {
     "gather": {
-        "copy": {"MOK_GEMM_GATHER": "0", "MOK_GEMM_GATHER_ZFILL": "0", "MOK_GEMM_GATHER_DY": "0"},
-        "gather_zf": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_ZFILL": "1", "MOK_GEMM_GATHER_DY": "0"},
-        "gather_zf_dy": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_ZFILL": "1", "MOK_GEMM_GATHER_DY": "1"},
+        "copy": {"MOK_GEMM_GATHER": "0", "MOK_GEMM_GATHER_DY": "0"},
+        "gather": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_DY": "0"},
+        "gather_dy": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_DY": "1"},
     },
 }
 
