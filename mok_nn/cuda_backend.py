@@ -50,6 +50,7 @@ import torch
 from .kernels.registry import (
     GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
 )  # fmt: skip
+from .kernels import loader
 from .kernels.registry import GEMM_GATHER_KERNELS
 
 WGRAD_KERNEL = "mok_gemm_wgrad"  # weight-gradient GEMM where experts have many rows
@@ -215,14 +216,29 @@ def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
     return os.environ.get(var, "0") == "1" and not _use_torch_gemm()
 
 
-def _lib():
-    from .kernels import loader
+_LIB_KEY = ("sm_90a", "None")  # loader.load("sm_90a")'s entry in loader._loaded
+_lib_seen = None  # what _lib returned last
 
-    return loader.load("sm_90a")
+
+def _lib():
+    """loader.load("sm_90a"); without the loader's lock while the loaded library is unchanged."""
+    global _lib_seen
+    lib = _lib_seen
+    if lib is None or loader._loaded.get(_LIB_KEY) is not lib:
+        lib = _lib_seen = loader.load("sm_90a")
+    return lib
+
+
+# torch.cuda.current_stream().cuda_stream without building a torch.cuda.Stream (~5 us a call)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
+    """cudaStream_t of the current stream of the current device."""
+    if _raw_stream is None or _get_device is None or not torch.cuda.is_initialized():
+        return torch.cuda.current_stream().cuda_stream  # CPU builds; CUDA not initialised yet
+    return _raw_stream(_get_device())
 
 
 def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:

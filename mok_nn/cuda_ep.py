@@ -25,11 +25,12 @@ Forward (no host synchronisation; every peer write is a unicast store):
   3. schedule of the local experts from all ranks' ids (torch ops on the GPU):
      rows ordered by (local expert, source rank, token, j), each expert padded to
      the GEMM tile, capacity from MoKConfig.schedule_capacity_multiplier
-  4. dispatch = pull (mok_ep_copy_rows): each token row a peer needs here crosses
-     NVLink once; the GEMM then gathers its rows from the local tokens section
+  4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
+     mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once;
+     the GEMM then gathers its rows from the local tokens section
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
-  6. combine push (mok_ep_copy_rows): output row of slot (t, j) into its source
-     rank's slots[t*k + j]
+  6. combine push (mok_ep_push_peers, every rank in one launch; MOK_EP_COPY=v1: one
+     mok_ep_copy_rows per rank): output row of slot (t, j) into its source rank's slots[t*k + j]
   7. barrier; 8. fixed-order combine of the k slots on the source (mok_combine)
 Overlapped forward (experimental, opt-in with MOK_EP_FWD=overlap; see fwd_mode): steps 4
 and the gate/up GEMM of 5 run at the same time. mok_ep_dispatch_rows, on
@@ -75,10 +76,12 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_backend as cb
-from .kernels.registry import TILE_M
+from .kernels.registry import EP_COPY_THREADS, TILE_M
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
+COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
+COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
 
 
 class EPError(RuntimeError):
@@ -237,6 +240,25 @@ def dispatch_plan(row_token: torch.Tensor, ep_size: int, tokens_cap: int, rank: 
     return row_peer, row_src
 
 
+def copy_mode() -> str:
+    """MOK_EP_COPY: 'v2' (default: mok_ep_pull_peers / mok_ep_push_peers, one launch for every peer;
+    mok_ep_copy_rows_v2 for single copies), 'v1' (mok_ep_copy_rows, one launch per peer) or 'torch'
+    (torch indexing, a debugging aid that synchronises with the host)."""
+    mode = os.environ.get("MOK_EP_COPY", "") or COPY_MODES[0]
+    if mode not in COPY_MODES:
+        raise ValueError(f"MOK_EP_COPY={mode!r}: expected one of {COPY_MODES}")
+    return mode
+
+
+def copy_grid(num_rows: int, num_sms: int, ctas_per_sm: int | None = None) -> int:
+    """CTAs of a v2 row copy: at most ctas_per_sm per SM (the warps walk the rows grid-stride), no more
+    than one row per warp, at least one."""
+    if ctas_per_sm is None:
+        ctas_per_sm = int(os.environ.get("MOK_EP_COPY_CTAS_PER_SM", COPY_CTAS_PER_SM))
+    warps = EP_COPY_THREADS // 32
+    return max(1, min(-(-num_rows // warps), num_sms * max(1, ctas_per_sm)))
+
+
 def split_sms(num_sms: int, comm_sms: int) -> tuple[int, int]:
     """(dispatch CTAs, GEMM CTAs): comm_sms for the dispatch (at least 1), the rest (at least 1) for the GEMM."""
     comm = max(1, min(comm_sms, num_sms - 1))
@@ -259,10 +281,9 @@ def fwd_mode(config) -> str:
     """'sequential' (the default) or 'overlap' (MOK_EP_FWD=overlap: dispatch on
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
 
-    The overlapped forward is experimental: it gave the sequential path's bits in every
-    EP=2 check on H200, but the first overlapped call of a process hit the readiness-wait
-    timeout (the push was launched before the GEMM it waits for; fixed, not yet run on a
-    GPU: docs/ep.md, "Overlapped forward: why it times out"), so it is opt-in.
+    The overlapped forward gives the sequential path's bits in every EP=2 check on H200
+    (since the launch-order fix of its cold-start deadlock, docs/ep.md "Overlapped forward:
+    why it timed out"), but it is not faster yet, so it is opt-in.
     """
     mode = os.environ.get("MOK_EP_FWD", "")
     if mode and mode not in FWD_MODES:
@@ -371,14 +392,48 @@ class SymmBuffers:
             cb._lib().launch("mok_ep_signal", peer_slot, pad[p:p + 1], self.err, self.epoch, timeout_us,
                              stream=cb._stream())
 
+    def _copy_grid(self, num_rows: int) -> int:
+        if getattr(self, "_num_sms", None) is None:
+            self._num_sms = torch.cuda.get_device_properties(self.err.device).multi_processor_count
+        return copy_grid(num_rows, self._num_sms)
+
     def copy_rows(self, src, src_idx, dst, dst_idx) -> None:
+        """dst[dst_idx[i]] = src[src_idx[i]] where both are >= 0 (dst indices unique)."""
         if src_idx.numel() == 0:
             return
-        if os.environ.get("MOK_EP_COPY", "") == "torch":  # debugging aid (synchronises with the host)
+        mode = copy_mode()
+        if mode == "torch":  # debugging aid (synchronises with the host)
             ok = (src_idx >= 0) & (dst_idx >= 0)
             dst[dst_idx[ok]] = src[src_idx[ok]]
+        elif mode == "v1":
+            cb._lib().launch("mok_ep_copy_rows", src, src_idx, dst, dst_idx, stream=cb._stream())
+        else:
+            cb._lib().launch("mok_ep_copy_rows_v2", src, src_idx, dst, dst_idx, self._copy_grid(src_idx.numel()),
+                             stream=cb._stream())
+
+    def pull_rows(self, name: str, pull_src: torch.Tensor) -> None:
+        """Row pull_src[p, t] (>= 0) of rank p's section `name` into row p*Tc + t of the local one,
+        for every peer p (pull_src [P, Tc]; the own rank's entries are -1)."""
+        P, tc = self.ep_size, self.tokens_cap
+        if copy_mode() == "v2":
+            cb._lib().launch("mok_ep_pull_peers", self.section_addrs(name), pull_src, self.local(name),
+                             self._copy_grid(P * tc), stream=cb._stream())
             return
-        cb._lib().launch("mok_ep_copy_rows", src, src_idx, dst, dst_idx, stream=cb._stream())
+        dst_rows = _cached("arange", P * tc, self.err.device).view(P, tc)
+        for p in range(P):
+            if p != self.rank:
+                self.copy_rows(self.peer(p, name), pull_src[p], self.local(name), dst_rows[p])
+
+    def push_rows(self, rows: torch.Tensor, name: str, row_rank: torch.Tensor, row_slot: torch.Tensor,
+                  push_src: torch.Tensor) -> None:
+        """Row r of rows into row row_slot[r] of rank row_rank[r]'s section `name` (own rank included;
+        -1: not sent). push_src [P, M] is the same split by rank (row r or -1), for the per-peer copies."""
+        if copy_mode() == "v2":
+            cb._lib().launch("mok_ep_push_peers", rows, self.section_addrs(name), row_rank, row_slot,
+                             self._copy_grid(rows.shape[0]), stream=cb._stream())
+            return
+        for p in range(self.ep_size):
+            self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
 
 
 # --------------------------------------------------------------------------
@@ -606,10 +661,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
         # 4. dispatch: pull the needed token rows of each peer
-        dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
-        for p in range(P):
-            if p != r:
-                bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
+        bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
         if cb._use_gather():
@@ -628,8 +680,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         if down_bias is not None:
             out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
         # 6. combine push into each source's slots
-        for p in range(P):
-            bufs.copy_rows(out_rows, eps.push_src[p], bufs.peer(p, "slots"), eps.row_slot)
+        bufs.push_rows(out_rows, "slots", eps.row_src, eps.row_slot, eps.push_src)
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
@@ -744,11 +795,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
     # 3. reverse combine: pull the needed x and dy rows of each peer
-    dst_tok = _cached("arange", P * tc, x.device).view(P, tc)
-    for p in range(P):
-        if p != r:
-            bufs.copy_rows(bufs.peer(p, "tokens"), eps.pull_src[p], tokens, dst_tok[p])
-            bufs.copy_rows(bufs.peer(p, "dy"), eps.pull_src[p], dy, dst_tok[p])
+    bufs.pull_rows("tokens", eps.pull_src)
+    bufs.pull_rows("dy", eps.pull_src)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     x_rows = tokens.index_select(0, sched.row_token)
     dy_rows = dy.index_select(0, sched.row_token)
@@ -774,8 +822,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
     dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
+    bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot, eps.push_src)
     for p in range(P):
-        bufs.copy_rows(dx_rows, eps.push_src[p], bufs.peer(p, "dxslots"), eps.row_slot)
         bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
     # 6.
     bufs.barrier()

@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import pathlib
+import struct
 import subprocess
 import sys
 import threading
@@ -74,20 +75,52 @@ class KernelLibrary:
     """The loaded library; `launch(name, *args, stream)` calls one kernel."""
 
     def __init__(self, path: pathlib.Path):
-        self.path = path
         self._lib = ctypes.CDLL(str(path))
         if self._lib.mok_abi_version() != _ABI_VERSION:
             raise KernelLibraryError(f"{path} has another ABI version; rebuild it")
         self._lib.mok_error_string.restype = ctypes.c_char_p
-        self._fns = {}
+        fns = {}
         for name in registry.SPECS_BY_NAME:
             fn = getattr(self._lib, f"{name}_launch")
-            fn.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            fn.argtypes = [ctypes.c_void_p]  # void **args: an int address or a ctypes pointer array
             fn.restype = ctypes.c_int
-            self._fns[name] = fn
+            fns[name] = fn
+        self._init(path, fns, lambda rc: self._lib.mok_error_string(rc).decode())
+
+    @classmethod
+    def from_functions(cls, path, fns: dict, error_string) -> "KernelLibrary":
+        """A library over given launch functions (name -> callable(void **args) -> int); for tests."""
+        lib = cls.__new__(cls)
+        lib._init(path, fns, error_string)
+        return lib
+
+    def _init(self, path, fns: dict, error_string) -> None:
+        self.path = path
+        self._fns = fns
+        self._error_string = error_string
+        self._plans = {name: _Plan(spec) for name, spec in registry.SPECS_BY_NAME.items()}
+        # MOK_LAUNCH=ctypes: one ctypes object per argument, as before the packed path (a fallback)
+        self._packed = os.environ.get("MOK_LAUNCH", "packed") != "ctypes"
 
     def launch(self, name: str, *args, stream: int) -> None:
         """args: torch tensors / python scalars in the order of the spec; stream: cudaStream_t as int."""
+        plan = self._plans[name]
+        if len(args) != plan.nargs:
+            raise TypeError(f"{name} takes {plan.nargs} arguments, got {len(args)}")
+        if not self._packed:
+            return self.launch_ctypes(name, *args, stream=stream)
+        try:
+            buf, addr = plan.pack(args, stream)  # buf: the block, alive until the call has returned
+        except Exception:
+            # invalid or unusual arguments: the ctypes path raises its error, or converts what the
+            # packed path does not (stream None, an int32 scalar out of range, ...)
+            return self.launch_ctypes(name, *args, stream=stream)
+        rc = self._fns[name](addr)
+        if rc:
+            self._raise(name, rc)
+
+    def launch_ctypes(self, name: str, *args, stream: int) -> None:
+        """`launch` with one ctypes object per argument: slower; the oracle of the packed path."""
         spec = registry.SPECS_BY_NAME[name]
         if len(args) != len(spec.args):
             raise TypeError(f"{name} takes {len(spec.args)} arguments, got {len(args)}")
@@ -97,9 +130,11 @@ class KernelLibrary:
         keep.append(ctypes.c_void_p(stream))
         ptrs = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.pointer(k), ctypes.c_void_p) for k in keep])
         rc = self._fns[name](ptrs)
-        if rc != 0:
-            msg = self._lib.mok_error_string(rc).decode()
-            raise KernelLibraryError(f"{name} failed to launch: {msg} ({rc})")
+        if rc:
+            self._raise(name, rc)
+
+    def _raise(self, name: str, rc: int) -> None:
+        raise KernelLibraryError(f"{name} failed to launch: {self._error_string(rc)} ({rc})")
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "int64"}
@@ -108,6 +143,16 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "i
 def _to_ctypes(a, t, kname: str):
     if isinstance(a, registry.ScalarArg):
         return ctypes.c_int32(int(t)) if a.dtype == "i32" else ctypes.c_float(float(t))
+    check_tensor(a, t, kname)
+    size, stride = t.shape, t.stride()
+    shapes = [size[i] for i in a.dyn_shape_modes()]
+    strides = [stride[i] for i in a.dyn_stride_modes()]
+    return _struct_type(len(shapes), len(strides))(t.data_ptr(), tuple(shapes), tuple(strides))
+
+
+def check_tensor(a, t, kname: str) -> None:
+    """Raise if tensor t does not fit TensorArg a. Reads t's dtype, dim (= len(shape)), is_cuda,
+    data_ptr % a.align, shape and stride only: _Plan caches the outcome under these."""
     import torch
 
     want = getattr(torch, _TORCH_DTYPES[a.dtype])
@@ -129,9 +174,6 @@ def _to_ctypes(a, t, kname: str):
             raise ValueError(f"{kname}.{a.name}: stride {stride[i]} of mode {i} not a multiple of {a.stride_divisibility}")
         if a.divisibility and s == registry.DYN and size[i] % a.divisibility[i]:
             raise ValueError(f"{kname}.{a.name}: extent {size[i]} of mode {i} not a multiple of {a.divisibility[i]}")
-    shapes = [size[i] for i in a.dyn_shape_modes()]
-    strides = [stride[i] for i in a.dyn_stride_modes()]
-    return _struct_type(len(shapes), len(strides))(t.data_ptr(), tuple(shapes), tuple(strides))
 
 
 _STRUCTS: dict = {}
@@ -162,12 +204,87 @@ def _struct_type(n_shapes: int, n_strides: int):
     return _STRUCTS[key]
 
 
+class _Plan:
+    """The argument block of one kernel, laid out once; `pack` fills a fresh copy per call.
+
+    The block: the `void *args[]` array (one pointer per argument, stream last), then per argument
+    what its pointer points at: a tensor's `{void *data; int32_t shapes[n]; int64_t strides[m];}`
+    (natural C alignment, as `_struct_type`), an int32 / float scalar, the stream (a pointer).
+    One `struct.pack_into` writes it all. The tensor checks run once per signature of the call
+    (everything `check_tensor` reads, per tensor), not on every call.
+    """
+
+    _MAX_SIGNATURES = 4096  # validated call signatures kept per kernel (then forgotten, re-checked)
+
+    def __init__(self, spec: registry.KernelSpec):
+        assert ctypes.sizeof(ctypes.c_void_p) == 8, "the argument block assumes 64-bit pointers"
+        self.spec = spec
+        self.nargs = len(spec.args)
+        nptr = self.nargs + 1
+        fmt, off, offsets, items = "=" + "Q" * nptr, 8 * nptr, [], []
+        for a in spec.args:
+            offsets.append(off)
+            if isinstance(a, registry.ScalarArg):
+                fmt += ("i" if a.dtype == "i32" else "f") + "4x"
+                off += 8
+                items.append(None)
+                continue
+            sm, tm = tuple(a.dyn_shape_modes()), tuple(a.dyn_stride_modes())
+            size = 8 + 4 * len(sm)
+            fmt += "Q" + "i" * len(sm)
+            if tm:  # int64 strides start 8-aligned
+                fmt += f"{-size % 8}x" + "q" * len(tm)
+                size += -size % 8 + 8 * len(tm)
+            fmt += f"{-size % 8}x"  # the struct's size is a multiple of its alignment, 8
+            off += size + -size % 8
+            items.append((a.align, sm, tm))
+        offsets.append(off)
+        fmt += "Q"
+        off += 8
+        self._struct = struct.Struct(fmt)
+        assert self._struct.size == off
+        self._buf_type = ctypes.c_char * off
+        self._offsets = tuple(offsets)
+        self._items = tuple(items)
+        self._valid = set()
+
+    def pack(self, args, stream):
+        """(buffer, address of its `void *args[]`); the buffer must live until the launch returns."""
+        key, vals = [], []
+        for t, item in zip(args, self._items):
+            if item is None:
+                vals.append(t)  # struct.error where ctypes would convert (floats for int32, ...)
+                continue
+            align, sm, tm = item
+            shape, stride, ptr = t.shape, t.stride(), t.data_ptr()
+            key.append((t.dtype, shape, stride, t.is_cuda, ptr % align))
+            vals.append(ptr)
+            vals.extend([shape[i] for i in sm])
+            vals.extend([stride[i] for i in tm])
+        vals.append(stream)
+        key = tuple(key)
+        if key not in self._valid:
+            for a, t in zip(self.spec.args, args):
+                if isinstance(a, registry.TensorArg):
+                    check_tensor(a, t, self.spec.name)
+            if len(self._valid) >= self._MAX_SIGNATURES:
+                self._valid.clear()
+            self._valid.add(key)
+        buf = self._buf_type()
+        base = ctypes.addressof(buf)
+        self._struct.pack_into(buf, 0, *[base + o for o in self._offsets], *vals)
+        return buf, base
+
+
 _lock = threading.Lock()
 _loaded: dict = {}
 
 
 def load(arch: str = "sm_90a", lib_dir=None, build_if_missing: bool = True) -> KernelLibrary:
     key = (arch, str(lib_dir))
+    lib = _loaded.get(key)  # without the lock: an entry, once there, is complete
+    if lib is not None:
+        return lib
     with _lock:
         if key in _loaded:
             return _loaded[key]

@@ -22,6 +22,7 @@ GEMM_TILE_N = 256  # output columns per GEMM tile
 SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernels' shared-memory tables hold
 SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a multiple of 32 slots per warp
 SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
+EP_COPY_THREADS = 256  # threads per CTA of the grid-stride row copies (ep_copy.py); a warp copies whole rows
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 
 
@@ -302,6 +303,40 @@ def _ep_specs() -> tuple:
     return copy, signal, dispatch, push
 
 
+def _ep_copy_specs() -> tuple:
+    # Grid-stride row copies, warp per row (kernels/ep_copy.py); MOK_EP_COPY=v2 picks them. num_ctas: the grid.
+    rows = TensorArg("rows", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8))
+    idx = TensorArg("idx", "i64", (DYN,), (1,), align=8)
+    base = TensorArg("base", "i64", (DYN,), (1,), align=8)
+    grid = ScalarArg("num_ctas", "i32")
+    copy = KernelSpec(
+        name="mok_ep_copy_rows_v2",  # drop-in for mok_ep_copy_rows: (src, src_idx, dst, dst_idx)
+        module="ep_copy",
+        factory="CopyRowsGrid",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="src_idx"),
+              dataclasses.replace(rows, name="dst"), dataclasses.replace(idx, name="dst_idx"), grid),
+    )
+    pull = KernelSpec(
+        name="mok_ep_pull_peers",  # dst[p*Tc + t] = section p [pull_src[p, t]]: every peer's pull, one launch
+        module="ep_copy",
+        factory="PullPeers",
+        factory_kwargs=(),
+        args=(dataclasses.replace(base, name="src_base"),
+              TensorArg("pull_src", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+              dataclasses.replace(rows, name="dst"), grid),
+    )
+    push = KernelSpec(
+        name="mok_ep_push_peers",  # section row_rank[r] [row_slot[r]] = src[r]: the push to every rank, one launch
+        module="ep_copy",
+        factory="PushPeers",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(base, name="dst_base"),
+              dataclasses.replace(idx, name="row_rank"), dataclasses.replace(idx, name="row_slot"), grid),
+    )
+    return copy, pull, push
+
+
 SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
@@ -342,6 +377,7 @@ SPECS = (
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
     *_ep_specs(),
+    *_ep_copy_specs(),
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}

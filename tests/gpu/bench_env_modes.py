@@ -8,6 +8,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   gather: copy (index_select + TMA GEMM), gather (MOK_GEMM_GATHER=1),
           gather_dy (also MOK_GEMM_GATHER_DY=1; EP=1 only changes the backward)
           (records before the zero-chunk producer was removed call the last two gather_zf, gather_zf_dy)
+  epcopy: v2, v1 (MOK_EP_COPY; EP only)
+  epfwd:  seq, ov16 (MOK_EP_FWD; EP only)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
 the same alternation, peak and activation GB, and whether y and every gradient equal the first
@@ -27,6 +29,13 @@ MODE_SETS = {
         "copy": {"MOK_GEMM_GATHER": "0", "MOK_GEMM_GATHER_DY": "0"},
         "gather": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_DY": "0"},
         "gather_dy": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_DY": "1"},
+    },
+    # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
+    "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
+    # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)
+    "epfwd": {
+        "seq": {"MOK_EP_FWD": "sequential"},
+        "ov16": {"MOK_EP_FWD": "overlap"},  # MoKConfig.fwd_num_comm_sms = 16 (the default)
     },
 }
 

@@ -11,7 +11,7 @@
 # sequential vs overlapped dispatch, comm-SM sweep, kernel timeline), ovdiag (the overlapped
 # forward's cold-start diagnosis: one GPU, then EP=2 overlap checks and qwen3 overlap bench),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
-# time on rank 0), ephost (EP host issue time + cProfile), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
+# time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
 # epgather (EP checks with MOK_GEMM_GATHER=1), gather (MOK_GEMM_GATHER tests, timings, layer),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
@@ -70,6 +70,10 @@ for s in "$@"; do
         done ;;
     ephost)  # the EP path's host side: issue time vs wall, cProfile of the issuing (rank 0)
         TAIL=60 step ep_host_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py qwen3-30b-a3b ;;
+    launch)  # packed kernel launches: same bits as the ctypes path, host us per launch, EP host issue with the old path
+        TAIL=20 step launch_packed 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_launch_packed.py
+        TAIL=10 step launch_host 60 python3 tests/bench_launch_host.py
+        MOK_LAUNCH=ctypes TAIL=60 step ep_host_qwen3_ctypes 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py qwen3-30b-a3b ;;
     gatherdiag)  # the gather GEMMs (padding rows zero-filled) against their TMA twins
         TAIL=30 step gather_diag 200 python3 tests/gpu/diag_gather.py --shapes deepseek-v3,qwen3-30b-a3b \
             --kernels mok_gemm_bk_gather,mok_gemm_bn_f32_gather --cases real,real_zrows --reps 5 ;;

@@ -15,6 +15,7 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     combine push beside the down GEMM) against the sequential default, fwd_num_comm_sms 1,
     16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential): y and every gradient
     bitwise equal, each run twice (bitwise repeat)
+  - row copies: MOK_EP_COPY=v2 (default), v1 and torch give the same bits (fixed routing), each run twice
   - capacity overflow -> NaN outputs and EPError, and the next step works again
   - token capacity growth: a batch above the capacity (same count on all ranks, then different
     counts) -> NaN + EPError on every rank, the next call grows the buffer on every rank, results
@@ -275,6 +276,35 @@ def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu",
                "" if eq and again else f"{detail} repeat={again} nan={nan}")
 
 
+def case_copy_modes(name, H, I, E, K, T_by_rank):
+    """Fixed routing: the row copies MOK_EP_COPY=v2 (default: one launch for every peer), v1 (one
+    mok_ep_copy_rows per peer) and torch give the same bits (y and all gradients), each run twice."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = E // world
+    g = torch.Generator(device="cuda").manual_seed(13)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
+    local = [W13[rank * per:(rank + 1) * per], W2[rank * per:(rank + 1) * per], None, None]
+    x, dy, ids, w = _rank_inputs(rank, T_by_rank[rank], H, E, K)
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
+                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    runs = {}
+    for mode in ("v1", "v2", "torch"):
+        os.environ["MOK_EP_COPY"] = mode
+        try:
+            runs[mode] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
+        finally:
+            del os.environ["MOK_EP_COPY"]
+        cuda_ep.check_errors(ws)
+    v1 = runs["v1"][0]
+    for mode, (a, b) in runs.items():
+        nan = any(torch.isnan(v).any() for v in a.values())
+        detail, eq = _diff(a, v1)
+        again = all(torch.equal(a[k], b[k]) for k in a)
+        report(f"{name}: MOK_EP_COPY={mode}: bitwise equal to v1, and on a repeat", eq and again and not nan,
+               "" if eq and again else f"{detail} repeat={again} nan={nan}")
+
+
 # --------------------------------------------------------------------------
 # token capacity growth
 
@@ -418,6 +448,7 @@ def main():
     check("fixed oai", lambda: case_fixed_routing(
         "gpt-oss (swiglu_oai, limit 7, biases)", 256, 128, 16, 4, [300, 301], activation="swiglu_oai", limit=7.0,
         bias=True, diag=True))
+    check("copy modes", lambda: case_copy_modes("copy modes", 2048, 256, 32, 8, [3000, 2001]))
     check("overflow", case_overflow)
     check("growth", case_growth)
     check("shapes", case_shapes_differ)

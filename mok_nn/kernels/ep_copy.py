@@ -1,0 +1,170 @@
+"""Grid-stride row copies for the sequential EP path (dispatch pull, combine push), warp per row.
+
+CopyRowsGrid:  dst[dst_idx[i]] = src[src_idx[i]] for every i with both indices >= 0
+               (mok_ep_copy_rows' contract, drop-in).
+PullPeers:     dst[p*Tc + t] = section p [pull_src[p, t]] for pull_src[p, t] >= 0, where
+               section p starts at src_base[p] (rank p's tokens section as mapped here) and
+               has dst's row stride: the pulls of every peer in one launch.
+PushPeers:     section row_rank[r] [row_slot[r]] = src[r] for row_rank[r] >= 0, where section
+               p starts at dst_base[p] and its rows are contiguous (H elements): the combine
+               push to every rank (own one included) in one launch.
+
+Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
+(num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;
+each warp copies whole rows with every lane issuing all its 16-byte loads of the row before
+its stores (ep_overlap.copy_row: 8 loads = a 4 KiB row per warp in flight), which is what a
+pull over NVLink needs (latency bound: bytes in flight decide its rate). The indices are read
+ahead: lane l of a warp loads the indices of the warp's (b + l)-th row, all 32 loads in flight
+at once, and the warp then walks those 32 rows taking the addresses by shuffle, so a skipped
+row costs a shuffle and a branch, not a dependent global load.
+
+Warp w of the grid (W warps) takes rows w, w + W, w + 2W, ... Every dst row is written once by
+one warp (the caller's indices are unique): the result does not depend on timing or on the grid.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from .ep_overlap import VEC, copy_row
+from .registry import EP_COPY_THREADS as THREADS
+
+WARPS = THREADS // 32
+
+
+@cute.jit
+def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolean, count: cutlass.Int32,
+                n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok)."""
+    ok_i = cutlass.Int32(0)
+    if ok:
+        ok_i = cutlass.Int32(1)
+    for j in range(count):
+        if cute.arch.shuffle_sync(ok_i, j) != 0:
+            s = cute.arch.shuffle_sync(s_addr, j)
+            d = cute.arch.shuffle_sync(d_addr, j)
+            copy_row(s, d, n_vec, lane, False)
+
+
+@cute.jit
+def _warp_slice(n: cutlass.Int32):
+    """(this warp's first row, rows per grid step W, number of rows this warp copies, lane)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    cta, _, _ = cute.arch.block_idx()
+    n_ctas, _, _ = cute.arch.grid_dim()
+    w = cutlass.Int32(cta) * WARPS + cutlass.Int32(tidx) // 32
+    step = cutlass.Int32(n_ctas) * WARPS
+    mine = cutlass.Int32(0)
+    if w < n:
+        mine = (n - w + step - 1) // step
+    return w, step, mine, cutlass.Int32(tidx) % 32
+
+
+class CopyRowsGrid:
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (R_src, H) bf16
+        src_idx: cute.Tensor,  # (N,) int64, row of src or -1
+        dst: cute.Tensor,  # (R_dst, H) bf16
+        dst_idx: cute.Tensor,  # (N,) int64, row of dst or -1
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src, src_idx, dst, dst_idx).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, src_idx: cute.Tensor, dst: cute.Tensor, dst_idx: cute.Tensor):
+        n = cute.size(src_idx, mode=[0])
+        n_vec = cute.size(dst, mode=[1]) // VEC
+        src_base = src.iterator.toint()
+        dst_base = dst.iterator.toint()
+        src_stride = cutlass.Int64(src.stride[0]) * 2  # bytes between rows
+        dst_stride = cutlass.Int64(dst.stride[0]) * 2
+        w, step, mine, lane = _warp_slice(n)
+        for b in range(0, mine, 32):
+            k = b + lane
+            s = cutlass.Int64(-1)
+            d = cutlass.Int64(-1)
+            if k < mine:
+                i = w + k * step
+                s = src_idx[i]
+                d = dst_idx[i]
+            ok = (s >= 0) & (d >= 0)
+            _copy_batch(src_base + s * src_stride, dst_base + d * dst_stride, ok, cutlass.min(mine - b, 32), n_vec,
+                        lane)
+
+
+class PullPeers:
+    @cute.jit
+    def __call__(
+        self,
+        src_base: cute.Tensor,  # (P,) int64: address of each rank's section on this GPU
+        pull_src: cute.Tensor,  # (P, Tc) int64: row of rank p's section, or -1
+        dst: cute.Tensor,  # (R, H) bf16: the local section, R >= P*Tc
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src_base, pull_src, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, src_base: cute.Tensor, pull_src: cute.Tensor, dst: cute.Tensor):
+        tc = cute.size(pull_src, mode=[1])
+        n = cute.size(pull_src, mode=[0]) * tc
+        n_vec = cute.size(dst, mode=[1]) // VEC
+        dst_base = dst.iterator.toint()
+        stride = cutlass.Int64(dst.stride[0]) * 2  # bytes between rows, the same in every rank's section
+        w, step, mine, lane = _warp_slice(n)
+        for b in range(0, mine, 32):
+            k = b + lane
+            s_addr = cutlass.Int64(0)
+            d_addr = cutlass.Int64(0)
+            ok = False
+            if k < mine:
+                i = w + k * step
+                p = i // tc
+                s = pull_src[(p, i - p * tc)]
+                if s >= 0:
+                    ok = True
+                    s_addr = src_base[p] + s * stride
+                    d_addr = dst_base + cutlass.Int64(i) * stride
+            _copy_batch(s_addr, d_addr, ok, cutlass.min(mine - b, 32), n_vec, lane)
+
+
+class PushPeers:
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (M, H) bf16: rows to send
+        dst_base: cute.Tensor,  # (P,) int64: address of each rank's section on this GPU (rows of H)
+        row_rank: cute.Tensor,  # (M,) int64: destination rank of row r, -1: not sent
+        row_slot: cute.Tensor,  # (M,) int64: row of that rank's section
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src, dst_base, row_rank, row_slot).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
+                                                              stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, dst_base: cute.Tensor, row_rank: cute.Tensor, row_slot: cute.Tensor):
+        n = cute.size(row_rank, mode=[0])
+        n_vec = cute.size(src, mode=[1]) // VEC
+        src_base = src.iterator.toint()
+        src_stride = cutlass.Int64(src.stride[0]) * 2
+        row_bytes = cutlass.Int64(cute.size(src, mode=[1])) * 2
+        w, step, mine, lane = _warp_slice(n)
+        for b in range(0, mine, 32):
+            k = b + lane
+            s_addr = cutlass.Int64(0)
+            d_addr = cutlass.Int64(0)
+            ok = False
+            if k < mine:
+                i = w + k * step
+                p = row_rank[i]
+                if p >= 0:
+                    ok = True
+                    s_addr = src_base + cutlass.Int64(i) * src_stride
+                    d_addr = dst_base[p] + row_slot[i] * row_bytes
+            _copy_batch(s_addr, d_addr, ok, cutlass.min(mine - b, 32), n_vec, lane)

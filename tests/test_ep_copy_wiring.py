@@ -1,0 +1,141 @@
+"""MOK_EP_COPY (v1 / v2 / torch) in cuda_ep, on the CPU: which row-copy kernels each mode launches,
+with which arguments, and that all three give the same bits.
+
+The ranks are threads (test_cuda_ep_simulated); the library is a stub that records each launch and
+carries out the kernel's documented contract with torch indexing on the CPU tensors behind the
+addresses it is given (the peer address tables hold data_ptrs of the simulated sections). The kernels
+themselves are checked on the GPU by tests/gpu/test_ep_copy.py.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from mok_nn import cuda_backend as cb
+from mok_nn import cuda_ep
+from test_cuda_ep_simulated import _problem, _simulated_ep
+
+
+class _StubLib:
+    """Row-copy kernels by their contract; every other kernel is unexpected here."""
+
+    def __init__(self):
+        self.launches = []
+        self.sections = {}  # data_ptr -> the CPU section tensor at that address
+        self._lock = threading.Lock()
+
+    def _at(self, addr, like):
+        sec = self.sections[int(addr)]
+        assert sec.dtype == like.dtype and sec.shape[1] == like.shape[1]
+        return sec
+
+    def launch(self, name, *args, stream):
+        with self._lock:
+            self.launches.append((threading.get_ident(), name))
+        if name in ("mok_ep_copy_rows", "mok_ep_copy_rows_v2"):
+            src, src_idx, dst, dst_idx = args[:4]
+            assert (name == "mok_ep_copy_rows_v2") == (len(args) == 5)
+            for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
+                if s >= 0 and d >= 0:
+                    dst[d] = src[s]
+        elif name == "mok_ep_pull_peers":
+            base, pull_src, dst, grid = args
+            assert grid >= 1 and pull_src.dim() == 2
+            tc = pull_src.shape[1]
+            for p in range(pull_src.shape[0]):
+                sec = self._at(base[p], dst)
+                for t, s in enumerate(pull_src[p].tolist()):
+                    if s >= 0:
+                        dst[p * tc + t] = sec[s]
+        elif name == "mok_ep_push_peers":
+            src, base, row_rank, row_slot, grid = args
+            assert grid >= 1 and row_rank.dtype == torch.int64 and row_slot.dtype == torch.int64
+            for r, (p, d) in enumerate(zip(row_rank.tolist(), row_slot.tolist())):
+                if p >= 0:
+                    self._at(base[p], src)[d] = src[r]
+        else:
+            raise AssertionError(f"unexpected launch {name}")
+
+
+@pytest.fixture
+def stub_copies(monkeypatch):
+    monkeypatch.setenv("MOK_GEMM", "torch")
+    monkeypatch.setenv("MOK_ACT", "torch")
+    monkeypatch.setattr(cb, "check_supported", lambda *a: None)
+    from test_cuda_ep_simulated import _torch_combine
+
+    monkeypatch.setattr(cb, "combine", _torch_combine)
+    monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
+    lib = _StubLib()
+    monkeypatch.setattr(cb, "_lib", lambda: lib)
+    monkeypatch.setattr(cb, "_stream", lambda: 0)
+    real_init = cuda_ep.SymmBuffers.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self._num_sms = 3  # no device to ask
+        for views in self._views:
+            for name, v in views.items():
+                if name in ("tokens", "dy", "slots", "dxslots"):
+                    lib.sections[v.data_ptr()] = v
+
+    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+    return lib
+
+
+def _run(monkeypatch, mode, seed, tokens):
+    if mode is None:
+        monkeypatch.delenv("MOK_EP_COPY", raising=False)
+    else:
+        monkeypatch.setenv("MOK_EP_COPY", mode)
+    H, I, E, K = 64, 32, 4 * len(tokens), 2
+    g = torch.Generator().manual_seed(seed)
+    W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, False, 0.0)
+    return _simulated_ep(len(tokens), W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
+def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
+    P = len(tokens)
+    got = {}
+    for mode in ("torch", "v1", None, "v2"):
+        stub_copies.launches.clear()
+        got[mode] = _run(monkeypatch, mode, seed=3 + P, tokens=tokens)
+        names = [n for _, n in stub_copies.launches]
+        per_rank = len(names) / P
+        if mode == "torch":
+            assert names == []
+        elif mode == "v1":
+            # forward: P-1 pulls + P pushes; backward: 2(P-1) pulls + P pushes, per rank
+            assert set(names) == {"mok_ep_copy_rows"} and per_rank == 3 * (P - 1) + 2 * P
+        else:  # v2, also the default: one pull per section, one push per step
+            assert sorted(names) == sorted(["mok_ep_pull_peers"] * 3 * P + ["mok_ep_push_peers"] * 2 * P)
+    for mode in ("v1", None, "v2"):
+        for r in range(P):
+            y, dx, dw, grads = got[mode][r]
+            y0, dx0, dw0, grads0 = got["torch"][r]
+            for a, b in [(y, y0), (dx, dx0), (dw, dw0), (grads.gate_up_proj, grads0.gate_up_proj),
+                         (grads.down_proj, grads0.down_proj)]:
+                assert torch.equal(_bits(a), _bits(b)), (mode, r)
+
+
+def test_copy_mode_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("MOK_EP_COPY", "v3")
+    with pytest.raises(ValueError, match="MOK_EP_COPY='v3'"):
+        cuda_ep.copy_mode()
+    monkeypatch.delenv("MOK_EP_COPY")
+    assert cuda_ep.copy_mode() == "v2"
+
+
+def test_copy_grid():
+    warps = cuda_ep.EP_COPY_THREADS // 32
+    assert cuda_ep.copy_grid(0, 132, 4) == 1
+    assert cuda_ep.copy_grid(1, 132, 4) == 1
+    assert cuda_ep.copy_grid(warps + 1, 132, 4) == 2
+    assert cuda_ep.copy_grid(10**6, 132, 4) == 528
+    assert cuda_ep.copy_grid(10**6, 132, 0) == 132
