@@ -27,9 +27,7 @@ output tile staged in shared memory, stores drained during the next tile:
 mok_gemm_bk_ef / mok_gemm_bn_ef), "split" (4 sub-tile buffers: mok_gemm_bk /
 mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
 H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
-bitwise. MOK_GEMM_TAIL_SKIP=1 lets a consumer warp group whose 64 rows are all
-padding skip its MMA (same results; measured slower on H200, so off by default).
-MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
+bitwise. MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
 (mok_gemm_gate_up_<act>, I % 128 == 0, no gate/up bias; bitwise equal to the two
 kernels; not faster on H200, so off by default).
 MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
@@ -38,9 +36,8 @@ so no permuted copy of x is made or saved for backward (the backward gathers x
 rows for the weight gradient then). MOK_GEMM_GATHER_DY=1 does the same for the
 backward's dgrad of down (mok_gemm_bn_f32_gather on d y; the dy rows are still
 gathered for the weight gradient of down_proj). Same bits as the permuted copy;
-off by default until measured. MOK_GEMM_GATHER_ZFILL=1 (EXPERIMENTAL, untested on a
-GPU) picks the *_gather_zf kernels instead: padding rows zero-filled by cp.async
-rather than read from the shared zero chunk (docs/kernels.md).
+off by default: on H200 the forward is 1-5% slower than with the copy, but the
+activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
 """
 
 from __future__ import annotations
@@ -88,10 +85,8 @@ class Schedule:
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
 
     def gemm_seg_rows(self) -> torch.Tensor:
-        """[E] int32 rows per expert as the GEMMs see them: the padded segment sizes (no
-        tile counts as padding), or with MOK_GEMM_TAIL_SKIP=1 seg_rows (tail skip)."""
-        if os.environ.get("MOK_GEMM_TAIL_SKIP", "0") == "1":
-            return self.seg_rows
+        """[E] int32 rows per expert as the GEMMs see them: the padded segment sizes, so no
+        consumer warp group skips its MMA (skipping all-padding halves measured slower on H200)."""
         return padded_seg_rows(self.seg_end)
 
     @property
@@ -279,12 +274,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     return out
 
 
-_ZEROS: dict = {}  # device -> 16 zero bytes (bf16 [8]), what the gather GEMMs read for padding rows
-
-
 def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
     """grouped_gemm(gather_rows(x, sched), w, sched, ...) without the permuted copy: the kernel
-    (mok_gemm_*_gather) reads row r of A as x[sched.row_token[r]], zeros where that is T (padding)."""
+    (mok_gemm_*_gather) reads row r of A as x[sched.row_token[r]], zero-filled where that is T (padding)."""
     if _use_torch_gemm() or x.shape[0] == 0:
         return grouped_gemm(gather_rows(x, sched), w, sched, transpose_w, out_dtype)
     x = x.contiguous()
@@ -294,17 +286,12 @@ def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, trans
     out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
     b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
     name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1]) + "_gather"
-    if os.environ.get("MOK_GEMM_GATHER_ZFILL", "0") == "1":
-        name += "_zf"
     if name not in GEMM_GATHER_KERNELS:
         raise ValueError(f"no gather variant {name} (have {GEMM_GATHER_KERNELS})")
-    zeros = _ZEROS.get(x.device)
-    if zeros is None:
-        zeros = _ZEROS[x.device] = torch.zeros(8, dtype=torch.bfloat16, device=x.device)
     tiles_n = (n + GEMM_TILE_N - 1) // GEMM_TILE_N
     group_m = 8 if tiles_n > 32 else 1  # the raster choice of launch_gemm
     _lib().launch(
-        name, x.unsqueeze(-1), zeros, sched.row_token, b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+        name, x.unsqueeze(-1), sched.row_token, b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
         sched.gemm_seg_rows(), group_m, stream=_stream(),
     )  # fmt: skip
     return out

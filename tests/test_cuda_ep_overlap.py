@@ -257,7 +257,6 @@ def test_overlapped_pairs_launch_the_waiting_kernel_last(monkeypatch):
     launches = SimpleNamespace(launch=lambda name, *a, stream: log.append(("launch", name, stream)))
     monkeypatch.setattr(cb, "_lib", lambda: launches)
     monkeypatch.setattr(cuda_ep, "_comm_setup", lambda ws, dev: (_Stream("comm", log), _Stream("main", log), 16, 116))
-    monkeypatch.delenv("MOK_GEMM_TAIL_SKIP", raising=False)
     ep_size, tokens, tc, top_k, num_experts, hidden, inter = 2, [37, 20], 40, 2, 8, 64, 32
     ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, torch.Generator().manual_seed(5))
     e_l = num_experts // ep_size

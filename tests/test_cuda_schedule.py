@@ -63,16 +63,16 @@ def test_schedule_setting_checked(monkeypatch):
     monkeypatch.setenv("MOK_SCHEDULE", "bogus")
     with pytest.raises(ValueError, match="MOK_SCHEDULE"):
         make_schedule(ids, 4)
-def test_schedule_tail_skip_switch(monkeypatch):
-    """By default the GEMMs get the padded segment sizes (no tile counts as padding); MOK_GEMM_TAIL_SKIP=1: seg_rows."""
+
+
+def test_gemm_seg_rows_padded():
+    """The GEMMs get the padded segment sizes as seg_rows: no tile's rows count as padding."""
     from mok_nn.cuda_backend import padded_seg_rows
 
     gen = torch.Generator().manual_seed(3)
     ids, _ = _routing(50, 2, 8, gen, skew=True)
     s = make_schedule(ids, 8)
-    monkeypatch.setenv("MOK_GEMM_TAIL_SKIP", "1")
-    assert torch.equal(s.gemm_seg_rows(), s.seg_rows)
-    monkeypatch.delenv("MOK_GEMM_TAIL_SKIP")
+    assert not torch.equal(s.seg_rows, padded_seg_rows(s.seg_end))  # some expert's last tile is part padding
     pad = padded_seg_rows(s.seg_end)
     assert torch.equal(s.gemm_seg_rows(), pad) and pad.dtype == torch.int32
     assert torch.equal(pad.long(), (s.seg_rows.long() + TILE_M - 1) // TILE_M * TILE_M)

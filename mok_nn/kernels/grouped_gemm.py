@@ -17,11 +17,13 @@ persistent schedule of (m-tile, n-tile) pairs, so no inter-role queue is needed
 beyond the stage ring. Every output element is written once by one CTA with a
 fixed K order: results are bitwise reproducible.
 
-Tail skip: the schedule pads each expert's segment to TILE_M rows, so the
-last tile of a segment may hold fewer real rows. A consumer warp group whose
-64 rows are all padding issues no wgmma for that tile (it still waits on and
-releases every stage, and stores its zero accumulator): padding rows come out
-0 exactly as before (their A rows are zero), so results are bitwise unchanged.
+seg_end / seg_rows: each expert's padded segment end and its rows. A consumer
+warp group whose 64 rows all lie past seg_rows issues no wgmma for that tile (it
+still waits on and releases every stage, and stores its zero accumulator). The
+callers pass the padded segment sizes as seg_rows (Schedule.gemm_seg_rows), so no
+warp group skips: skipping the padding halves ("tail skip") measured slower on
+H200 everywhere and its switch was removed (docs/kernels.md). The branch itself
+stays, as taking it out changes the code of every GEMM variant.
 
 Full-tile epilogue (full_epi=True, bf16 output): the shared-memory epilogue
 buffer holds the whole output tile, so the consumers write all of it, issue the
@@ -43,17 +45,14 @@ of x but x itself [T, K] plus the schedule's row index (row_token [M], T for a
 padding row). The whole producer warp group loads A by cp.async, 16 bytes per
 copy (thread t: 16-byte chunk t % 8 of rows t // 8 + 16 i, i < 8, of each 128 x 64
 k tile), into the same swizzled stage the TMA would fill (CuTe partitions it);
-padding rows and the columns past K of the last k tile are copied from a
-16-byte zero chunk (`zeros` [8]), so they hold the zeros the permuted copy and
-the TMA's out-of-bounds fill give. B still comes by TMA (warp 0). A stage's full
-barrier expects 1 + 128 arrivals: warp 0's arrive with B's transaction bytes and
-one cp.async.mbarrier.arrive.noinc per producer thread (fires when that thread's
-copies have landed). Consumers add a proxy fence (generic-proxy cp.async writes,
+padding rows and the columns past K of the last k tile are zero-filled by
+cp.async's src-size operand 0 (nothing is read), so they hold the zeros the
+permuted copy and the TMA's out-of-bounds fill give. B still comes by TMA (warp
+0). A stage's full barrier expects 1 + 128 arrivals: warp 0's arrive with B's
+transaction bytes and one cp.async.mbarrier.arrive.noinc per producer thread
+(fires when that thread's copies have landed). Consumers add a proxy fence (generic-proxy cp.async writes,
 async-proxy wgmma reads). Same K order, same MMAs: bitwise what index_select +
 the TMA kernel give. Registers: producer 56 (row indices), consumers 224.
-zfill=True (EXPERIMENTAL, untested on a GPU; *_gather_zf): padding rows and columns past K
-are zero-filled by cp.async's src-size 0 instead of read from `zeros`, whose one address
-every CTA reads is the measured cause of the variant's slowness (docs/kernels.md).
 
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
@@ -79,15 +78,13 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, zfill: bool = False,
+        gather: bool = False,
     ):
         assert tile_n in (128, 256)
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
-        assert gather or not zfill, "zfill is an option of the gather producer"
         self.full_epi = full_epi
         self.act = act
         self.gather = gather
-        self.zfill = zfill  # EXPERIMENTAL, untested on a GPU: padding rows zero-filled, not read (see _produce_gathered)
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
         self.tile_mnk = (TILE_M, tile_n, 64)
@@ -134,18 +131,18 @@ class VarlenMGroupedGemm:
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
 
     @cute.jit
-    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, mZ=None, row_idx=None,
+    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, row_idx=None,
                 ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
 
-        gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), mZ 16 zero bytes,
-        row_idx [M] the x row of each A row (T: padding, read from mZ).
+        gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), row_idx [M] the x row
+        of each A row (T: padding, zero-filled).
         ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady; with
         VarlenMGroupedGemmDone, `ready` holds the done counters).
         """
         mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
         if cutlass.const_expr(not self.gather):
-            mZ, row_idx = mA, tile_expert  # unused placeholders (kernel arguments cannot be None)
+            row_idx = tile_expert  # unused placeholder (kernel arguments cannot be None)
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -239,7 +236,7 @@ class VarlenMGroupedGemm:
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
-            mX, mZ, row_idx,
+            mX, row_idx,
             ready, ready_err, epoch, timeout_us,
         ).launch(
             grid=grid,
@@ -266,16 +263,15 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _produce_gathered(
-        self, ab_pipe, tma_b, tBgB, tBsB, sA, mX, mZ, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
+        self, ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
         group_m, k_tiles,
     ):
         """Producer of the gather variant, run by all 128 threads of warp group 0.
 
         Per k tile: every thread waits for the stage to be free; warp 0 arms the full
         barrier with B's bytes and issues B's TMA; every thread issues its 8 cp.async
-        copies of A (x rows through row_idx; padding rows and columns past K from the
-        zero chunk) and a cp.async.mbarrier.arrive.noinc, which fires when those
-        copies have landed.
+        copies of A (x rows through row_idx; padding rows and columns past K zero-filled)
+        and a cp.async.mbarrier.arrive.noinc, which fires when those copies have landed.
         """
         ptid, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -283,6 +279,7 @@ class VarlenMGroupedGemm:
         k_chunks = cute.size(mX, mode=[1]) // (128 // self.ab_dtype.width)  # K % 8 == 0 (spec)
         bm, _, bk = self.tile_mnk
         vec = 128 // self.ab_dtype.width  # elements per 16-byte cp.async
+        # The copy atom only shapes the per-thread partition; _copy_rows issues the copies.
         atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.ab_dtype,
             num_bits_per_copy=128,
@@ -322,15 +319,7 @@ class VarlenMGroupedGemm:
                     row_limit = num_tokens  # rows below it are read from x; 0 past K: all zeros
                     if chunk >= k_chunks:
                         row_limit = 0
-                    if cutlass.const_expr(self.zfill):
-                        self._copy_rows_zfill(tXsA, state.index, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr)
-                    else:
-                        for i in cutlass.range_constexpr(rows_per_thr):
-                            dst = tXsA[(None, i, 0, state.index)]
-                            if tok[i] < row_limit:
-                                cute.copy(atom, mX_v[(tok[i], (None, chunk))], dst)
-                            else:
-                                cute.copy(atom, mZ, dst)
+                    self._copy_rows(tXsA, state.index, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr)
                     cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                     state.advance()
             sched.advance_to_next_work()
@@ -338,15 +327,14 @@ class VarlenMGroupedGemm:
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def _copy_rows_zfill(self, tXsA, stage, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr):
-        """EXPERIMENTAL (zfill=True, untested on a GPU): this thread's 8 copies of one k tile.
+    def _copy_rows(self, tXsA, stage, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr):
+        """This thread's 8 cp.async copies of one k tile.
 
         Padding rows and chunks past K use cp.async's src-size operand 0: the 16 bytes are
-        zero-filled in shared memory and nothing is read. The default producer reads them
-        from the one shared zero chunk mZ instead, and those reads, one address for every
-        CTA, cost ~4 ns each GPU-wide (docs/kernels.md, "Gather variant: why it is slow").
+        zero-filled in shared memory and nothing is read. (Reading them from one shared
+        16-byte zero chunk instead, one address for every CTA, made the kernel 1.7-4.5x
+        slower on H200: docs/kernels.md, "Gather variant: why it was slow".)
         The source of a zero-filled copy is a valid address anyway (row 0, chunk 0).
-        Same smem contents as the default: bitwise the same results.
         """
         from cutlass.experimental.primitives import nvvm_wrapper as nv  # the src-size form of cp.async
 
@@ -358,7 +346,7 @@ class VarlenMGroupedGemm:
             # cute.copy applies the stage's swizzle to the address; the raw pointer op does not,
             # so apply it here: 128B swizzle, byte address bits [4, 7) ^= bits [7, 10).
             if cutlass.const_expr("S<3,4,3>" not in str(dst.iterator)):
-                raise TypeError(f"zfill expects a 128B-swizzled A stage, got {dst.iterator}")
+                raise TypeError(f"the gather producer expects a 128B-swizzled A stage, got {dst.iterator}")
             addr = dst.iterator.toint()
             addr = addr ^ ((addr >> 3) & 0x70)
             row = cutlass.Int32(0)
@@ -396,7 +384,6 @@ class VarlenMGroupedGemm:
         tiles_n: cutlass.Int32,
         group_m: cutlass.Int32,
         mX: cute.Tensor,
-        mZ: cute.Tensor,
         row_idx: cute.Tensor,
         ready: cute.Tensor,
         ready_err: cute.Tensor,
@@ -462,7 +449,7 @@ class VarlenMGroupedGemm:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if cutlass.const_expr(self.gather):
                 self._produce_gathered(
-                    ab_pipe, tma_b, tBgB, tBsB, sA, mX, mZ, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
+                    ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
                     group_m, k_tiles,
                 )
             elif warp_idx == 0:
@@ -680,14 +667,13 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
 class VarlenMGroupedGemmGather(VarlenMGroupedGemm):
     """The grouped GEMM whose A rows are read from x through the schedule's row index (no permuted copy)."""
 
-    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, zfill: bool = False):
-        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=full_epi, gather=True, zfill=zfill)
+    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=full_epi, gather=True)
 
     @cute.jit
     def __call__(
         self,
         mX: cute.Tensor,  # (T, K, 1) K-major: the tokens
-        mZ: cute.Tensor,  # (8,) bf16 zeros: what padding rows and columns past K read
         row_idx: cute.Tensor,  # (M,) int64: x row of each A row, T for padding (Schedule.row_token)
         mB: cute.Tensor,  # (N, K, E) K- or N-major
         mC: cute.Tensor,  # (M, N, 1) N-major
@@ -698,7 +684,7 @@ class VarlenMGroupedGemmGather(VarlenMGroupedGemm):
         stream: cuda.CUstream,
     ):
         self._launch(
-            mX, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream, mZ, row_idx
+            mX, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream, row_idx
         )
 
 

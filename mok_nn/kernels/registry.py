@@ -83,20 +83,16 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
     )
 
 
-def _gemm_gather_spec(
-    name: str, b_major: str, c_dtype: str = "bf16", full_epi: bool = False, zfill: bool = False
-) -> KernelSpec:
-    # A rows gathered from x [T, K] through row_idx (Schedule.row_token, T = padding: read from zeros;
-    # zfill: zero-filled by cp.async without a read, `zeros` unused).
+def _gemm_gather_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
+    # A rows gathered from x [T, K] through row_idx (Schedule.row_token, T = padding: zero-filled by cp.async).
     b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
     return KernelSpec(
         name=name,
         module="grouped_gemm",
         factory="VarlenMGroupedGemmGather",
-        factory_kwargs=(("tile_n", GEMM_TILE_N), ("full_epi", full_epi)) + ((("zfill", True),) if zfill else ()),
+        factory_kwargs=(("tile_n", GEMM_TILE_N), ("full_epi", full_epi)),
         args=(
             TensorArg("x", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(1, 8, 1)),
-            TensorArg("zeros", "bf16", (8,), (1,)),  # 16 zero bytes
             TensorArg("row_idx", "i64", (DYN,), (1,), align=8),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
             TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
@@ -353,11 +349,6 @@ SPECS = (
     _gemm_gather_spec("mok_gemm_bk_gather", "k"),  # gate/up: x rows @ W13[e]^T
     _gemm_gather_spec("mok_gemm_bk_ef_gather", "k", full_epi=True),
     _gemm_gather_spec("mok_gemm_bn_f32_gather", "n", "f32"),  # dgrad of down: dy rows @ W2[e]
-    # EXPERIMENTAL, untested on a GPU: the same with padding rows zero-filled by cp.async, no read
-    # of the shared zero chunk (docs/kernels.md, "Gather variant: why it is slow"); MOK_GEMM_GATHER_ZFILL=1
-    _gemm_gather_spec("mok_gemm_bk_gather_zf", "k", zfill=True),
-    _gemm_gather_spec("mok_gemm_bk_ef_gather_zf", "k", full_epi=True, zfill=True),
-    _gemm_gather_spec("mok_gemm_bn_f32_gather_zf", "n", "f32", zfill=True),
     # the overlapped EP forward (cuda_ep): gate/up GEMM whose A row tiles wait for the dispatch, and
     # down GEMM that counts finished tiles for the combine push
     _gemm_hook_spec("mok_gemm_bk_ready", full_epi=False, hook="ready"),

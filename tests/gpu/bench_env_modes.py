@@ -5,8 +5,9 @@ process (ABBA alternation, bench.measure) and checked bitwise against the first 
     torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes gather        (EP=2)
 
 Mode sets (the first entry of each is the default path, the reference for "bitwise"):
-  gather: copy (index_select + TMA GEMM), gather_zf (MOK_GEMM_GATHER=1, ZFILL=1),
-          gather_zf_dy (also MOK_GEMM_GATHER_DY=1; EP=1 only changes the backward)
+  gather: copy (index_select + TMA GEMM), gather (MOK_GEMM_GATHER=1),
+          gather_dy (also MOK_GEMM_GATHER_DY=1; EP=1 only changes the backward)
+          (records before the zero-chunk producer was removed call the last two gather_zf, gather_zf_dy)
   epcopy: v2, v1 (MOK_EP_COPY; EP only)
   epfwd:  seq, ov16 (MOK_EP_FWD; EP only)
 The env variables are read at every call, so one process can switch between them.
@@ -25,9 +26,9 @@ from mok_nn import bench
 
 MODE_SETS = {
     "gather": {
-        "copy": {"MOK_GEMM_GATHER": "0", "MOK_GEMM_GATHER_ZFILL": "0", "MOK_GEMM_GATHER_DY": "0"},
-        "gather_zf": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_ZFILL": "1", "MOK_GEMM_GATHER_DY": "0"},
-        "gather_zf_dy": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_ZFILL": "1", "MOK_GEMM_GATHER_DY": "1"},
+        "copy": {"MOK_GEMM_GATHER": "0", "MOK_GEMM_GATHER_DY": "0"},
+        "gather": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_DY": "0"},
+        "gather_dy": {"MOK_GEMM_GATHER": "1", "MOK_GEMM_GATHER_DY": "1"},
     },
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},

@@ -12,11 +12,9 @@ backward with every variant, and torch._grouped_mm on the same operands
     dgrad_down   dy_rows @ W2[e] (fp32)   mok_gemm_bn_f32
     dgrad_gu     dgu @ W13[e]             mok_gemm_bn, mok_gemm_bn_ef
 
-each with the tail skip on (the schedule's seg_rows) and off ("noskip": every
-padded row counted real, the kernels' behaviour before the skip). CUDA events
-per call, 3 warm-up calls, median of --reps. TFLOP/s count routed rows only.
-Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the default
-(split epilogue, skip on); routed rows within bf16 tolerance of
+CUDA events per call, 3 warm-up calls, median of --reps. TFLOP/s count routed
+rows only. Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the
+default (split epilogue); routed rows within bf16 tolerance of
 torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
 Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
 vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this).
@@ -27,7 +25,6 @@ Exit status 1 if a check fails.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -71,7 +68,6 @@ def run_shape(shape, tokens, reps, say, only=None):
     ids = p["ids"]
     E = p["gate_up_proj"].shape[0]
     sched = cb.make_schedule(ids, E)
-    no_skip = dataclasses.replace(sched, seg_rows=cb.padded_seg_rows(sched.seg_end))  # nothing skipped
     used = int(sched.seg_end[-1])
     pos = sched.pos.reshape(-1)
     routed = ids.numel()
@@ -89,23 +85,22 @@ def run_shape(shape, tokens, reps, say, only=None):
         b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
         default = None
         for name in variants:
-            for skip, s in (("", sched), ("/noskip", no_skip)):
-                out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
-                cb.launch_gemm(name, a, b, out, s)
-                torch.cuda.synchronize()
-                if default is None:
-                    default = out  # the first variant, skip on: the default kernel
-                bitwise = torch.equal(out[:used], default[:used])
-                err = rel_err(out[pos], ref[pos])
-                good = bitwise and err < TOL
-                ok &= good
-                t = median_ms_queued(lambda: cb.launch_gemm(name, a, b, out, s), reps)
-                check = f"{'bitwise=default' if bitwise else 'DIFFERS from default'} err {err:.1e}"
-                say(f"{shape:<14} {gname:<11} {name + skip:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_ref / t:8.2f}  "
-                    f"{check}{'' if good else '  FAIL'}")
-                records.append(dict(shape=shape, gemm=gname, variant=name + skip, ms=t, tflops=flops / t / 1e9,
-                                    speedup_vs_torch=t_ref / t, bitwise_equal_default=bitwise,
-                                    rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
+            out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
+            cb.launch_gemm(name, a, b, out, sched)
+            torch.cuda.synchronize()
+            if default is None:
+                default = out  # the first variant: the default kernel
+            bitwise = torch.equal(out[:used], default[:used])
+            err = rel_err(out[pos], ref[pos])
+            good = bitwise and err < TOL
+            ok &= good
+            t = median_ms_queued(lambda: cb.launch_gemm(name, a, b, out, sched), reps)
+            check = f"{'bitwise=default' if bitwise else 'DIFFERS from default'} err {err:.1e}"
+            say(f"{shape:<14} {gname:<11} {name:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_ref / t:8.2f}  "
+                f"{check}{'' if good else '  FAIL'}")
+            records.append(dict(shape=shape, gemm=gname, variant=name, ms=t, tflops=flops / t / 1e9,
+                                speedup_vs_torch=t_ref / t, bitwise_equal_default=bitwise,
+                                rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
         if gname == "gate_up" and cb.fused_act_supported(p["down_proj"].shape[2], "swiglu", False):
             ok &= fused_act(shape, a, W, sched, default, flops, reps, say, records)
         if gname in GATHER_SOURCES:
@@ -135,10 +130,8 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
 
 
 GATHER_SOURCES = {"gate_up": "x", "dgrad_down": "dy"}  # GEMMs whose A is gathered token rows
-GATHER_PAIRS = {False: (("mok_gemm_bk", "mok_gemm_bk_gather"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather"),
-                        ("mok_gemm_bk", "mok_gemm_bk_gather_zf"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather_zf")),
-                True: (("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather"), ("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather_zf"))}
-# *_zf: EXPERIMENTAL zero-fill variants (padding rows not read; docs/kernels.md, gather analysis)
+GATHER_PAIRS = {False: (("mok_gemm_bk", "mok_gemm_bk_gather"), ("mok_gemm_bk_ef", "mok_gemm_bk_ef_gather")),
+                True: (("mok_gemm_bn_f32", "mok_gemm_bn_f32_gather"),)}
 
 
 def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say, records):
@@ -146,7 +139,6 @@ def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say
     used = int(sched.seg_end[-1])
     n = W.shape[2] if transpose_w else W.shape[1]
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-    zeros = torch.zeros(8, dtype=torch.bfloat16, device="cuda")
     ok = True
     t_sel = median_ms_queued(lambda: cb.gather_rows(src, sched), reps)
     say(f"{shape:<14} {gname:<11} {'index_select only':<22} {t_sel:8.3f}")
@@ -160,7 +152,7 @@ def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say
 
         def fused():
             cb._lib().launch(
-                name, src.unsqueeze(-1), zeros, sched.row_token, b, out_g.unsqueeze(-1), sched.tile_expert,
+                name, src.unsqueeze(-1), sched.row_token, b, out_g.unsqueeze(-1), sched.tile_expert,
                 sched.seg_end, sched.gemm_seg_rows(), 8 if (n + 255) // 256 > 32 else 1,
                 stream=torch.cuda.current_stream().cuda_stream,
             )  # fmt: skip

@@ -11,7 +11,7 @@
 # sequential vs overlapped dispatch, comm-SM sweep, kernel timeline), ovdiag (the overlapped
 # forward's cold-start diagnosis: one GPU, then EP=2 overlap checks and qwen3 overlap bench),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
-# time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherzf (zero-fill gather variants), envmodes / epenvmodes (env settings side by side),
+# time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
 # epgather (EP checks with MOK_GEMM_GATHER=1), gather (MOK_GEMM_GATHER tests, timings, layer),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
@@ -51,16 +51,14 @@ for s in "$@"; do
         TAIL=30 step ep_overlap_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py \
             --shapes qwen3-30b-a3b --comm 8,16 ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
-    profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM with and without tail skip
+    profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM
         for sh in qwen3-30b-a3b deepseek-v3; do
             TAIL=0 step "profile_layer_$sh" 90 python3 tests/gpu/profile_layer.py "$sh"
         done
-        for skip in 0 1; do
-            MOK_GEMM_TAIL_SKIP=$skip TAIL=60 step "ncu_gate_up_skip$skip" 150 ncu --launch-skip 2 --launch-count 1 \
-                -k regex:VarlenMGroupedGemm --section SpeedOfLight --section WarpStateStats \
-                --section MemoryWorkloadAnalysis --section Occupancy \
-                python3 tests/gpu/ncu_gemm.py deepseek-v3 gate_up
-        done ;;
+        TAIL=60 step ncu_gate_up 150 ncu --launch-skip 2 --launch-count 1 \
+            -k regex:VarlenMGroupedGemm --section SpeedOfLight --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section Occupancy \
+            python3 tests/gpu/ncu_gemm.py deepseek-v3 gate_up ;;
     gather)  # A rows gathered inside the GEMM (MOK_GEMM_GATHER): tests, GEMM timings, the layer with it on
         step gather_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gather_gemm.py
         TAIL=40 step gather_gemms 240 python3 tests/gpu/bench_gemm_variants.py --gemms gate_up,dgrad_down
@@ -76,15 +74,15 @@ for s in "$@"; do
         TAIL=20 step launch_packed 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_launch_packed.py
         TAIL=10 step launch_host 60 python3 tests/bench_launch_host.py
         MOK_LAUNCH=ctypes TAIL=60 step ep_host_qwen3_ctypes 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py qwen3-30b-a3b ;;
-    gatherzf)  # the zero-fill gather variants (MOK_GEMM_GATHER_ZFILL) against their TMA twins
-        TAIL=30 step gather_zf_diag 200 python3 tests/gpu/diag_gather.py --shapes deepseek-v3,qwen3-30b-a3b \
-            --kernels mok_gemm_bk_gather,mok_gemm_bk_gather_zf,mok_gemm_bn_f32_gather_zf --cases real,real_zrows --reps 5 ;;
+    gatherdiag)  # the gather GEMMs (padding rows zero-filled) against their TMA twins
+        TAIL=30 step gather_diag 200 python3 tests/gpu/diag_gather.py --shapes deepseek-v3,qwen3-30b-a3b \
+            --kernels mok_gemm_bk_gather,mok_gemm_bn_f32_gather --cases real,real_zrows --reps 5 ;;
     envmodes)  # the layer under env settings side by side (tests/gpu/bench_env_modes.py; MODES=gather)
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
         TAIL=12 step env_modes_ep2 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epgather)  # the EP checks with the gate/up GEMM gathering from the tokens section
-        MOK_GEMM_GATHER=1 MOK_GEMM_GATHER_ZFILL=1 TAIL=8 step ep_checks_gather 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
+        MOK_GEMM_GATHER=1 TAIL=8 step ep_checks_gather 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

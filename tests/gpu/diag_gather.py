@@ -1,29 +1,25 @@
-"""Diagnostic (not a test): why the cp.async gather GEMM is slow. Same kernels, different row indices.
+"""Diagnostic (not a test): the cp.async gather GEMMs against their TMA twins. Same kernels, different row indices.
 
     OUT=/tmp timeout 600 python tests/gpu/diag_gather.py [--shapes deepseek-v3,qwen3-30b-a3b,mixtral-8x7b]
         [--kernels mok_gemm_bk_gather,mok_gemm_bn_f32_gather] [--cases real,contig] [--reps 10]
 
-No kernel is changed: the gather kernel reads src rows through any row index, so the
-suspected causes are separated by what src / row_idx hold (docs/kernels.md, "Gather
-variant: why it is slow"). Per case: the gather kernel on (src, row_idx) and its TMA
-twin on index_select(src, row_idx), checked bitwise equal; "x twin" = gather time /
-twin time.
+The gather kernel reads src rows through any row index, so costs are separated by what
+src / row_idx hold (docs/kernels.md, "Gather variant: why it was slow"). Per case: the
+gather kernel on (src, row_idx) and its TMA twin on index_select(src, row_idx), checked
+bitwise equal; "x twin" = gather time / twin time.
 
-    real        src = x, row_idx = Schedule.row_token (padding -> zero chunk): the benchmark case
-    real_zrows  as real, but each padding row reads its own zero row of src (no shared zero chunk)
+    real        src = x, row_idx = Schedule.row_token (padding rows zero-filled): the benchmark case
+    real_zrows  as real, but each padding row reads its own zero row of src (no zero fill)
     contig      src = the gathered rows A (padding rows are zero rows of A), row_idx = arange:
                 the TMA twin's exact address stream, issued by cp.async
-    contig_zpad as contig, padding rows -> the 16-byte zero chunk
+    contig_zpad as contig, padding rows zero-filled
     win<W>      src = x, each row tile's rows a sorted random sample of 128 of W consecutive
                 tokens (padding rows real too): W = 128 is a contiguous block; W = T is
                 random rows over all of x; the span of a tile's rows grows with W
 
-With --kernels *_gather_zf (the EXPERIMENTAL zero-fill variants) real should come close to
-real_zrows: that is the fix.
-
-Reading: contig ~ twin -> the cp.async machinery is fine and the address stream is the cause
-(then win<W> and real_zrows say whether span (TLB / DRAM pages) or the zero chunk);
-contig >> twin -> the producer / consumer machinery itself (issue, barriers, proxy fence).
+Reading: contig ~ twin -> the cp.async machinery is fine and the address stream is the cost
+(then win<W> says whether span (TLB / DRAM pages) matters); contig >> twin -> the producer /
+consumer machinery itself (issue, barriers, proxy fence).
 Prints a table; writes gather_diag.json and .txt to $OUT. Exit status 1 if a bitwise check fails.
 """
 
@@ -40,11 +36,10 @@ from layer_runs import median_ms_queued  # the script's folder is on sys.path
 
 TWIN = {"mok_gemm_bk_gather": "mok_gemm_bk", "mok_gemm_bk_ef_gather": "mok_gemm_bk_ef",
         "mok_gemm_bn_f32_gather": "mok_gemm_bn_f32"}  # fmt: skip
-TWIN.update({k + "_zf": v for k, v in TWIN.items()})  # the zero-fill variants (EXPERIMENTAL)
 
 
 def cases(src, sched, windows, gen):
-    """(name, src [S, K], row_idx [cap] int64 in [0, S]; S reads the zero chunk)."""
+    """(name, src [S, K], row_idx [cap] int64 in [0, S]; S: a zero-filled padding row)."""
     T = src.shape[0]
     rt = sched.row_token
     used = int(sched.seg_end[-1])
@@ -78,7 +73,6 @@ def run(shape, kernel, reps, windows, say, only):
     n = W.shape[2] if transpose_w else W.shape[1]
     out_dtype = torch.float32 if transpose_w else torch.bfloat16
     group_m = 8 if (n + 255) // 256 > 32 else 1
-    zeros = torch.zeros(8, dtype=torch.bfloat16, device="cuda")
     seg_rows = sched.gemm_seg_rows()
     used = int(sched.seg_end[-1])
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -92,7 +86,7 @@ def run(shape, kernel, reps, windows, say, only):
 
         def gather():
             cb._lib().launch(
-                kernel, src.unsqueeze(-1), zeros, idx, b, out_g.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+                kernel, src.unsqueeze(-1), idx, b, out_g.unsqueeze(-1), sched.tile_expert, sched.seg_end,
                 seg_rows, group_m, stream=torch.cuda.current_stream().cuda_stream,
             )  # fmt: skip
 

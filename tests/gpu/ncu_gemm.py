@@ -3,8 +3,8 @@
     ncu --launch-skip 2 --launch-count 1 -k regex:VarlenMGroupedGemm --section SpeedOfLight \\
         python tests/gpu/ncu_gemm.py deepseek-v3 gate_up
 
-gemm: gate_up (x_rows @ W13^T), down (h @ W2^T), dgrad_gu (dgu @ W13). MOK_GEMM_TAIL_SKIP /
-MOK_GEMM_EPI pick the variant as in the layer. Three launches: two to warm up, one to profile.
+gemm: gate_up (x_rows @ W13^T), down (h @ W2^T), dgrad_gu (dgu @ W13). MOK_GEMM_EPI picks
+the variant as in the layer. Three launches: two to warm up, one to profile.
 """
 import sys
 

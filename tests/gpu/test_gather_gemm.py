@@ -1,7 +1,7 @@
 """Grouped GEMM with A rows gathered from x inside the kernel (mok_gemm_*_gather, MOK_GEMM_GATHER=1).
 
 Each gather variant must give the bits of index_select (cb.gather_rows) + its TMA twin
-(same K order, same MMAs), padding rows exactly 0, real rows within bf16 rounding of
+(same K order, same MMAs), padding rows (zero-filled by cp.async) exactly 0, real rows within bf16 rounding of
 an fp64 product, and the same bits on every repeat (5 launches: a missing barrier
 arrive or proxy fence would show up as run-to-run differences). The experts and the
 layer with MOK_GEMM_GATHER=1 / MOK_GEMM_GATHER_DY=1 must give the default path's bits.
@@ -25,10 +25,6 @@ TWINS = {
     "mok_gemm_bk_gather": ("mok_gemm_bk", False, torch.bfloat16),
     "mok_gemm_bk_ef_gather": ("mok_gemm_bk_ef", False, torch.bfloat16),
     "mok_gemm_bn_f32_gather": ("mok_gemm_bn_f32", True, torch.float32),
-    # EXPERIMENTAL zero-fill variants (padding rows not read): the same twins, the same bits
-    "mok_gemm_bk_gather_zf": ("mok_gemm_bk", False, torch.bfloat16),
-    "mok_gemm_bk_ef_gather_zf": ("mok_gemm_bk_ef", False, torch.bfloat16),
-    "mok_gemm_bn_f32_gather_zf": ("mok_gemm_bn_f32", True, torch.float32),
 }
 
 
@@ -40,27 +36,26 @@ def _stream():
     return torch.cuda.current_stream().cuda_stream
 
 
-def _launch_twin(name, a, W, transpose_w, out_dtype, sched, seg_rows, group_m):
+def _launch_twin(name, a, W, transpose_w, out_dtype, sched, group_m):
     from mok_nn import cuda_backend as cb
 
     out = torch.full((a.shape[0], W.shape[2] if transpose_w else W.shape[1]), float("nan"), device="cuda",
                      dtype=out_dtype)
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-    cb._lib().launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, seg_rows,
-                     group_m, stream=_stream())
+    cb._lib().launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+                     sched.gemm_seg_rows(), group_m, stream=_stream())
     torch.cuda.synchronize()
     return out
 
 
-def _launch_gather(name, x, W, transpose_w, out_dtype, sched, seg_rows, group_m):
+def _launch_gather(name, x, W, transpose_w, out_dtype, sched, group_m):
     from mok_nn import cuda_backend as cb
 
     out = torch.full((sched.capacity, W.shape[2] if transpose_w else W.shape[1]), float("nan"), device="cuda",
                      dtype=out_dtype)
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-    zeros = torch.zeros(8, dtype=torch.bfloat16, device="cuda")
-    cb._lib().launch(name, x.unsqueeze(-1), zeros, sched.row_token, b, out.unsqueeze(-1), sched.tile_expert,
-                     sched.seg_end, seg_rows, group_m, stream=_stream())
+    cb._lib().launch(name, x.unsqueeze(-1), sched.row_token, b, out.unsqueeze(-1), sched.tile_expert,
+                     sched.seg_end, sched.gemm_seg_rows(), group_m, stream=_stream())
     torch.cuda.synchronize()
     return out
 
@@ -122,15 +117,13 @@ def test_gather_equals_index_select(case, name):
     a = cb.gather_rows(x, sched)
     group_ms = [1, 3] if case[0] in ("edges", "many_tiles") else [1]
     for group_m in group_ms:
-        for label, seg_rows in (("skip", sched.seg_rows), ("noskip", cb.padded_seg_rows(sched.seg_end))):
-            want = _launch_twin(twin, a, W, transpose_w, out_dtype, sched, seg_rows, group_m)
-            outs = [_launch_gather(name, x, W, transpose_w, out_dtype, sched, seg_rows, group_m)
-                    for _ in range(REPEATS)]
-            got = outs[0]
-            assert not torch.isnan(got[:used]).any(), f"{label} group_m={group_m}: rows left unwritten"
-            for o in outs[1:]:
-                assert torch.equal(o[:used], got[:used]), f"{label} group_m={group_m}: not bitwise reproducible"
-            assert torch.equal(got[:used], want[:used]), f"{label} group_m={group_m}: differs from {twin}"
+        want = _launch_twin(twin, a, W, transpose_w, out_dtype, sched, group_m)
+        outs = [_launch_gather(name, x, W, transpose_w, out_dtype, sched, group_m) for _ in range(REPEATS)]
+        got = outs[0]
+        assert not torch.isnan(got[:used]).any(), f"group_m={group_m}: rows left unwritten"
+        for o in outs[1:]:
+            assert torch.equal(o[:used], got[:used]), f"group_m={group_m}: not bitwise reproducible"
+        assert torch.equal(got[:used], want[:used]), f"group_m={group_m}: differs from {twin}"
     # independent check of the routed rows in fp64, padding rows exactly zero
     assert rel_l2(got[pos], slot_products(x, ids, W, transpose_w)) < BF16_TOL
     pad = torch.ones(used, dtype=torch.bool, device="cuda")
@@ -138,13 +131,9 @@ def test_gather_equals_index_select(case, name):
     assert torch.all(got[:used][pad] == 0), "padding rows not zero"
 
 
-@pytest.mark.parametrize("zfill", ["0", "1"])
-def test_backend_gather_helper(zfill, monkeypatch):
-    """cb.grouped_gemm_gather (the wiring's entry) gives the bits of cb.grouped_gemm on the permuted copy
-    (zfill "1": the EXPERIMENTAL *_gather_zf kernels, MOK_GEMM_GATHER_ZFILL=1)."""
+def test_backend_gather_helper(monkeypatch):
+    """cb.grouped_gemm_gather (the wiring's entry) gives the bits of cb.grouped_gemm on the permuted copy."""
     from mok_nn import cuda_backend as cb
-
-    monkeypatch.setenv("MOK_GEMM_GATHER_ZFILL", zfill)
 
     ids = _random_routing(700, 4, 16, "random", seed=5)
     sched = cb.make_schedule(ids, 16)
