@@ -12,7 +12,7 @@
 # forward's cold-start diagnosis: one GPU, then EP=2 overlap checks and qwen3 overlap bench),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
 # time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
-# epgather (EP checks with MOK_GEMM_GATHER=1), gather (MOK_GEMM_GATHER tests, timings, layer),
+# epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -50,6 +50,8 @@ for s in "$@"; do
         MOK_EP_CHECK_OVERLAP=1 TAIL=30 step ep_checks_overlap 150 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
         TAIL=30 step ep_overlap_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/bench_ep_overlap.py \
             --shapes qwen3-30b-a3b --comm 8,16 ;;
+    epcopy)  # the EP row copies v1 vs v2 over NVLink (tests/gpu/bench_ep_copy.py)
+        TAIL=30 step ep_copy_bench 180 torchrun --nproc_per_node 2 tests/gpu/bench_ep_copy.py ;;
     epbench) TAIL=20 step ep_bench 240 torchrun --nproc_per_node 2 -m mok_nn.bench --out "$OUT/ep_bench.json" ;;
     profile)  # kernels of the deepseek-v3 layer, and ncu of its gate/up GEMM
         for sh in qwen3-30b-a3b deepseek-v3; do
