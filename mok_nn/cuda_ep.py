@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -134,12 +134,29 @@ class EPSchedule:
     """
 
     sched: cb.Schedule
-    row_src: torch.Tensor
-    row_slot: torch.Tensor
     row_gslot: torch.Tensor
     pull_src: torch.Tensor
-    overflow: torch.Tensor
     slot_row: torch.Tensor | None = None
+    # Computes {"row_src", "row_slot", "overflow"} on first use of any of them: make_ep_schedule
+    # leaves these to after the first GEMM's launch, which they are not needed for (on the host,
+    # each torch op before that launch delays the GPU's start).
+    derive: object = field(default=None, repr=False)
+
+    def _derived(self, name: str) -> torch.Tensor:
+        self.__dict__.update(self.derive())  # where functools.cached_property keeps its values
+        return self.__dict__[name]
+
+    @functools.cached_property
+    def row_src(self) -> torch.Tensor:
+        return self._derived("row_src")
+
+    @functools.cached_property
+    def row_slot(self) -> torch.Tensor:
+        return self._derived("row_slot")
+
+    @functools.cached_property
+    def overflow(self) -> torch.Tensor:
+        return self._derived("overflow")
 
     @functools.cached_property
     def push_src(self) -> torch.Tensor:
@@ -252,21 +269,11 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     seg_end = bounds[1:e_l + 1].clamp(max=capacity)  # cut only past the capacity (overflow, flagged)
     # routed rows kept per local expert: all, or those before the capacity (overflow)
     seg_rows = torch.clamp(capacity - bounds[:e_l], min=zero, max=full.seg_rows[:e_l])
-    if spread:  # padded rows of every rank (this one first): ends of its buckets minus starts
-        load = bounds[e_l:num_experts + 1:e_l] - bounds[0:num_experts:e_l]
-        overflow = (load > capacity).any()
-    else:  # every expert's count (+ TILE_M - 1 to round up), -1 slots in the extra entry E
-        cnt = torch.full((num_experts + 1,), TILE_M - 1, dtype=torch.int64, device=dev)
-        cnt.scatter_add_(0, flat % (num_experts + 1), _cached("ones", n, dev))
-        tiles = (cnt[:num_experts] // TILE_M).view(ep_size, e_l).sum(dim=1)
-        overflow = (tiles > capacity // TILE_M).any()
 
     rows = _cached("arange", capacity, dev)
     # rows past this rank's buckets (other ranks' slots, or padding): the padding slot n
     row_gslot = torch.where(rows < bounds[e_l], full.row_token[:capacity], n)
     row_token = row_gslot // top_k  # s*Tc + t; padding: n // k = P*Tc, the zero row
-    src_of, slot_of = _slot_tables(ep_size, tc, top_k, dev)
-    row_src, row_slot = src_of[row_gslot], slot_of[row_gslot]
     te = full.tile_expert[:capacity // TILE_M]
     tile_expert = torch.where(te < e_l, te, -1)  # other buckets: past this rank's segments
     pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
@@ -274,7 +281,20 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 
     need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
     pull_src = torch.where(need, _pull_table(ep_size, tc, rank, dev), -1)
-    return EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, overflow, full.pos.view(n))
+
+    def derive():  # what the GEMMs do not need (EPSchedule.derive)
+        if spread:  # padded rows of every rank (this one first): ends of its buckets minus starts
+            load = bounds[e_l:num_experts + 1:e_l] - bounds[0:num_experts:e_l]
+            overflow = (load > capacity).any()
+        else:  # every expert's count (+ TILE_M - 1 to round up), -1 slots in the extra entry E
+            cnt = torch.full((num_experts + 1,), TILE_M - 1, dtype=torch.int64, device=dev)
+            cnt.scatter_add_(0, flat % (num_experts + 1), _cached("ones", n, dev))
+            tiles = (cnt[:num_experts] // TILE_M).view(ep_size, e_l).sum(dim=1)
+            overflow = (tiles > capacity // TILE_M).any()
+        src_of, slot_of = _slot_tables(ep_size, tc, top_k, dev)
+        return {"row_src": src_of[row_gslot], "row_slot": slot_of[row_gslot], "overflow": overflow}
+
+    return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive)
 
 
 def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -729,11 +749,10 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
-    too_many = _too_many(bufs)
-    # 3. schedule from everyone's routing
+    # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
+    # op issued before the first GEMM delays the GPU, which waits for the host here)
     eps = make_ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
-    w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if fwd_mode(ws.config) == "overlap":
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
@@ -747,6 +766,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         else:
             x_rows = tokens.index_select(0, sched.row_token)
             gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+    too_many = _too_many(bufs)  # between the two barriers (stream order), as _too_many requires
+    w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)

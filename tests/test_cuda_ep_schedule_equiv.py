@@ -14,8 +14,9 @@ from mok_nn.kernels.registry import TILE_M
 
 def _eps(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow):
     """An EPSchedule of an oracle, holding the oracle's own push_src (not the one EPSchedule builds)."""
-    eps = cuda_ep.EPSchedule(sched, row_src, row_slot, row_gslot, pull_src, overflow)
-    eps.__dict__["push_src"] = push_src  # where functools.cached_property keeps its value
+    eps = cuda_ep.EPSchedule(sched, row_gslot, pull_src)
+    # where functools.cached_property keeps its values: the oracle's own, nothing derived
+    eps.__dict__.update(row_src=row_src, row_slot=row_slot, overflow=overflow, push_src=push_src)
     return eps
 
 
