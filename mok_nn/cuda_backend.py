@@ -43,7 +43,7 @@ activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,11 +83,16 @@ class Schedule:
     seg_end: torch.Tensor
     seg_rows: torch.Tensor
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
+    # gemm_seg_rows, computed once: every GEMM of a forward+backward takes it (3 torch ops each time
+    # otherwise, host time the GPU can wait for)
+    padded_rows: torch.Tensor | None = field(default=None, repr=False)
 
     def gemm_seg_rows(self) -> torch.Tensor:
         """[E] int32 rows per expert as the GEMMs see them: the padded segment sizes, so no
         consumer warp group skips its MMA (skipping all-padding halves measured slower on H200)."""
-        return padded_seg_rows(self.seg_end)
+        if self.padded_rows is None:
+            self.padded_rows = padded_seg_rows(self.seg_end)
+        return self.padded_rows
 
     @property
     def capacity(self) -> int:

@@ -297,6 +297,86 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive)
 
 
+# --------------------------------------------------------------------------
+# the EP schedule as one CUDA graph replay
+
+
+_SCHED_GRAPHS: dict = {}  # (ids address, shapes, rank, E_l, capacity) -> _GraphedSchedule
+
+
+def use_schedule_graph() -> bool:
+    """MOK_EP_SCHED_GRAPH (default 1): make_ep_schedule's ~25 small GPU ops replayed as one CUDA
+    graph. The forward issues them between its first barrier and its first GEMM, where the GPU
+    waits for the host (25-40 us per torch op on the H200 hosts); the replay costs one launch."""
+    return os.environ.get("MOK_EP_SCHED_GRAPH", "1") != "0"
+
+
+class _GraphedSchedule:
+    """make_ep_schedule(ids_all, ...) for one buffer and shape, captured once as a CUDA graph.
+
+    The graph reads the ids section in place (its address is part of the key) and writes every
+    output into one flat byte buffer; each call replays it and clones that buffer (one copy), so
+    schedules of earlier calls, still held for their backward, are never overwritten. The
+    constant tensors the captured ops read (the _CACHED and _TABLES entries) are kept alive here.
+    Same kernels, same inputs: bitwise the eager make_ep_schedule.
+    """
+
+    _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
+               "slot_row", "row_src", "row_slot", "overflow")
+
+    def __init__(self, ids_all, num_tokens, rank, e_l, capacity):
+        self.args = (num_tokens, rank, e_l, capacity)
+        make_ep_schedule(ids_all, *self.args).row_src  # warm-up: modules loaded, tables and constants built
+        side = torch.cuda.Stream(device=ids_all.device)
+        side.wait_stream(torch.cuda.current_stream(ids_all.device))
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
+            eps = make_ep_schedule(ids_all, *self.args)
+            outs = self._outputs(eps)
+            self.layout, off = [], 0
+            for t in outs:
+                nbytes = t.numel() * t.element_size()
+                self.layout.append((off, nbytes, t.dtype, tuple(t.shape)))
+                off += -(-nbytes // 16) * 16
+            self.flat = torch.empty(off, dtype=torch.uint8, device=ids_all.device)
+            for (o, nb, _, _), t in zip(self.layout, outs):
+                self.flat[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
+        torch.cuda.current_stream(ids_all.device).wait_stream(side)
+        self.pos = eps.sched.pos  # a constant view (_cached arange), not an output of the graph
+        self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
+
+    @classmethod
+    def _outputs(cls, eps):
+        s = eps.sched
+        return [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
+                eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
+
+    def __call__(self) -> EPSchedule:
+        self.graph.replay()
+        flat = self.flat.clone()
+        f = {name: flat[o:o + nb].view(dt).view(shape)
+             for name, (o, nb, dt, shape) in zip(self._FIELDS, self.layout)}
+        sched = cb.Schedule(self.pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
+                            padded_rows=f["padded_rows"])
+        eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"])
+        eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
+        return eps
+
+
+def ep_schedule(ids_all, num_tokens, rank, e_l, capacity) -> EPSchedule:
+    """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager."""
+    if not (ids_all.is_cuda and use_schedule_graph()):
+        return make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
+    key = (ids_all.data_ptr(), tuple(ids_all.shape), num_tokens, rank, e_l, capacity, ids_all.device,
+           os.environ.get("MOK_SCHEDULE", ""))
+    g = _SCHED_GRAPHS.get(key)
+    if g is None:
+        if len(_SCHED_GRAPHS) >= 64:  # many distinct token counts: keep the memory bounded
+            _SCHED_GRAPHS.clear()
+        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, num_tokens, rank, e_l, capacity)
+    return g()
+
+
 def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """[n + 1] each (n = P*Tc*k), for global slot g = s*Tc*k + t*k + j: remote (bool, s != rank) and
     its tokens row s*Tc + t (int64); at n (padding): False and 0."""
@@ -589,6 +669,7 @@ def init_workspace(ws) -> None:
 def _recreate(ws, tokens_cap: int) -> None:
     """Collective: replace the symmetric buffer by one for tokens_cap tokens per rank."""
     st = ws.ep_state
+    _SCHED_GRAPHS.clear()  # they read the old buffer's ids section
     if st["bufs"] is not None:
         # Every rank's queued work, and so every peer's access to this rank's old buffer, is
         # done before the old buffer is freed.
@@ -751,7 +832,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
     # op issued before the first GEMM delays the GPU, which waits for the host here)
-    eps = make_ep_schedule(bufs.local("ids"), n, r, e_l, cap)
+    eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
     if fwd_mode(ws.config) == "overlap":
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs

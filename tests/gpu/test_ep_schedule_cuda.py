@@ -87,3 +87,40 @@ def test_cuda_schedule_kernel_variants(mode, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     ids_all, tokens = equiv._random_ids(gen, 2, 4096, 8, 128)
     _check(ids_all, tokens, 64, cuda_ep.schedule_capacity(4096, 8, 64, 2, 2.0), mode)
+
+
+@pytest.mark.parametrize("ep_size,tc,top_k,e_l,mult", [
+    (2, 8192, 8, 64, 2.0),   # qwen3-30b-a3b at EP=2
+    (4, 2048, 8, 32, 0.1),   # overflows
+    (8, 1024, 8, 64, 2.0),   # E = 512: the shared other-rank bucket
+    (2, 2, 1, 64, 2.0),      # n < E_l
+])
+@pytest.mark.parametrize("mode", ["", "torch"])
+def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypatch):
+    """cuda_ep.ep_schedule (a CUDA graph replay) gives the eager make_ep_schedule's bits in every field,
+    for new routings written into the same ids buffer (the graph reads it in place), and a replay
+    leaves the schedules of earlier calls untouched (each call clones the graph's outputs)."""
+    monkeypatch.setenv("MOK_SCHEDULE", mode)
+    monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "1")
+    cuda_ep._SCHED_GRAPHS.clear()
+    gen = torch.Generator().manual_seed(tc + 7 * ep_size)
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, mult)
+    ids_buf = torch.empty(ep_size, tc, top_k, dtype=torch.int64, device="cuda")  # stands for the ids section
+    rank = ep_size - 1
+    kept = []
+    for trial in range(3):
+        ids_all, tokens = equiv._random_ids(gen, ep_size, tc, top_k, e_l * ep_size)
+        tokens[rank] = tc  # one key (token count) for all trials: the same graph is replayed
+        ids_buf.copy_(ids_all)
+        got = cuda_ep.ep_schedule(ids_buf, tokens[rank], rank, e_l, cap)
+        want = equiv._fields(cuda_ep.make_ep_schedule(ids_buf, tokens[rank], rank, e_l, cap))
+        fields = equiv._fields(got)
+        for name in want:
+            assert fields[name].dtype == want[name].dtype and torch.equal(fields[name], want[name]), (trial, name)
+        assert torch.equal(got.sched.gemm_seg_rows(), cuda_ep.cb.padded_seg_rows(want["seg_end"])), trial
+        kept.append(({k: v.clone() for k, v in fields.items()}, got))
+    assert len(cuda_ep._SCHED_GRAPHS) == 1  # captured once, replayed after
+    for trial, (snapshot, got) in enumerate(kept):  # later replays did not write into earlier results
+        fields = equiv._fields(got)
+        for name in snapshot:
+            assert torch.equal(fields[name], snapshot[name]), (trial, name, "overwritten by a later replay")
