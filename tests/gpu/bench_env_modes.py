@@ -10,6 +10,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           (records before the zero-chunk producer was removed call the last two gather_zf, gather_zf_dy)
   epcopy: v2, v1 (MOK_EP_COPY; EP only)
   epfwd:  seq, ov16 (MOK_EP_FWD; EP only)
+  epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
 the same alternation, peak and activation GB, and whether y and every gradient equal the first
@@ -32,6 +33,8 @@ MODE_SETS = {
     },
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
+    # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one
+    "epsched": {"graph": {"MOK_EP_SCHED_GRAPH": "1"}, "eager": {"MOK_EP_SCHED_GRAPH": "0"}},
     # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)
     "epfwd": {
         "seq": {"MOK_EP_FWD": "sequential"},
