@@ -5,30 +5,18 @@ and device time per call and the GPU kernels of one call.
     python tests/gpu/bench_ep_schedule.py        # ~15 s; table on stdout, $OUT/bench_ep_schedule.json
 """
 
-import importlib.util
 import json
 import os
-import pathlib
-import sys
 import time
 
 import torch
 
 from mok_nn import cuda_ep
 
-_TESTS = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_TESTS))  # the CPU test modules import each other by name
+import layer_runs  # tests/gpu is on sys.path (pytest rootdir insertion, or the script's folder)
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, _TESTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-equiv = _load("test_cuda_ep_schedule_equiv")
-overlap = _load("test_cuda_ep_overlap")
+equiv = layer_runs.load_cpu_test("test_cuda_ep_schedule_equiv")
+overlap = layer_runs.load_cpu_test("test_cuda_ep_overlap")
 
 
 def timed(fn, iters=50):

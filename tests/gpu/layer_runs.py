@@ -1,7 +1,11 @@
 """Shared by the GPU tests and timers: the error measure, an fp64 oracle of routed GEMM rows,
 one forward+backward of a layer, and a CUDA-event timer."""
 
+import importlib.util
+import os
+import pathlib
 import statistics
+import sys
 
 import torch
 
@@ -71,3 +75,43 @@ def median_ms_queued(fn, reps, warmup=3):
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def load_cpu_test(name):
+    """A module of tests/ (the CPU tests) by file name, e.g. an oracle kept there; the CPU test modules
+    import each other by name, so tests/ goes on sys.path."""
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    if str(tests) not in sys.path:
+        sys.path.insert(0, str(tests))
+    spec = importlib.util.spec_from_file_location(name, tests / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ep_steps(shape, tokens):
+    """Under torchrun: NCCL process group, this rank's problem of mok_nn.bench at EP = world size, and
+    (rank, world, [("forward", fwd), ("forward+backward", fwd_bwd)]) running mok_nn's routed experts."""
+    import torch.distributed as dist
+
+    from mok_nn import bench
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
+    fn = bench.mok_experts("cuda", dist.group.WORLD)
+    leaves = bench._leaves(p)
+    x, w, gu, dn = leaves
+
+    def fwd():
+        with torch.no_grad():
+            fn(x, p["ids"], w, gu, dn)
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        y = fn(x, p["ids"], w, gu, dn)
+        y.backward(p["dy"])
+
+    return rank, world, [("forward", fwd), ("forward+backward", fwd_bwd)]

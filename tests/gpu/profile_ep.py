@@ -6,7 +6,6 @@ Prints, for mok_nn's forward (no grad) and forward+backward at EP = world size: 
 time per step, the CUDA kernel time per step, and the kernels by total time, so host
 overhead (GPU waiting for launches) and the slow kernels show separately.
 """
-import os
 import sys
 import time
 
@@ -14,33 +13,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from mok_nn import bench
+import layer_runs  # the script's folder is on sys.path
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-dist.init_process_group("nccl")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-group = dist.group.WORLD
-p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
-fn = bench.mok_experts("cuda", group)
-leaves = bench._leaves(p)
-x, w, gu, dn = leaves
+rank, world, steps = layer_runs.ep_steps(shape, tokens)
 
 
-def fwd():
-    with torch.no_grad():
-        fn(x, p["ids"], w, gu, dn)
-
-
-def fwd_bwd():
-    for t in leaves:
-        t.grad = None
-    y = fn(x, p["ids"], w, gu, dn)
-    y.backward(p["dy"])
-
-
-for name, step in (("forward", fwd), ("forward+backward", fwd_bwd)):
+for name, step in steps:
     for _ in range(3):
         step()
     torch.cuda.synchronize()

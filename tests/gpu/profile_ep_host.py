@@ -16,32 +16,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from mok_nn import bench
+import layer_runs  # the script's folder is on sys.path
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-dist.init_process_group("nccl")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
-fn = bench.mok_experts("cuda", dist.group.WORLD)
-leaves = bench._leaves(p)
-x, w, gu, dn = leaves
+rank, world, steps = layer_runs.ep_steps(shape, tokens)
 
 
-def fwd():
-    with torch.no_grad():
-        fn(x, p["ids"], w, gu, dn)
-
-
-def fwd_bwd():
-    for t in leaves:
-        t.grad = None
-    y = fn(x, p["ids"], w, gu, dn)
-    y.backward(p["dy"])
-
-
-for name, step in (("forward", fwd), ("forward+backward", fwd_bwd)):
+for name, step in steps:
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -5,30 +5,18 @@ cuda_ep.dispatch_plan against the sort + cummax oracle of tests/test_cuda_ep_ove
 simulated ranks; qwen3-sized and small random routings, overflow, empty ranks, few tokens (n < E_l),
 spread buckets (E + 1 <= 512) and the shared other-rank bucket (E = 512). About 30 s."""
 
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
 
 from mok_nn import cuda_ep
 
+import layer_runs  # tests/gpu is on sys.path (pytest rootdir insertion, or the script's folder)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-_TESTS = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_TESTS))  # the CPU test modules import each other by name
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, _TESTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-equiv = _load("test_cuda_ep_schedule_equiv")
-overlap = _load("test_cuda_ep_overlap")
+equiv = layer_runs.load_cpu_test("test_cuda_ep_schedule_equiv")
+overlap = layer_runs.load_cpu_test("test_cuda_ep_overlap")
 
 
 def _check(ids_all, tokens, e_l, cap, where):
