@@ -25,6 +25,14 @@ class MoKConfig:
     schedule_capacity_multiplier: capacity of each rank's expert buffers as a
         multiple of the balanced load (tokens * top_k / ep_size, padded); a
         routing that overflows it is reported as an error, never truncated.
+
+    What the CUDA kernels read today: schedule_capacity_multiplier (expert
+    parallelism) and fwd_num_comm_sms (only the opt-in overlapped forward,
+    MOK_EP_FWD=overlap; docs/ep.md). The readiness unit of that forward is one
+    128-row GEMM tile, not minibatch_size, and every token runs in one pass.
+    bwd_num_comm_sms, minibatch_size and macrobatch_size are validated and kept
+    for the overlapped backward and the macrobatched passes, which do not exist
+    yet: setting them changes nothing now.
     """
 
     fwd_num_comm_sms: int = 16
