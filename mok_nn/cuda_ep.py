@@ -20,7 +20,8 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
-  1. copy x into own tokens rows; store own ids / weights into every rank's ids / weights
+  1. copy x into own tokens rows; store own ids / weights / token count into every rank's ids /
+     weights / ntok (SymmBuffers.publish: one mok_ep_publish launch; MOK_EP_PUBLISH=torch: torch ops)
   2. barrier (mok_ep_signal with each peer)
   3. schedule of the local experts from all ranks' ids (the single-GPU schedule kernel over
      relabelled experts, then torch ops; make_ep_schedule): rows ordered by (local expert,
@@ -83,6 +84,7 @@ from .kernels.registry import EP_COPY_THREADS, TILE_M
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
+PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
 
 
@@ -425,6 +427,27 @@ def copy_mode() -> str:
     return mode
 
 
+def publish_mode() -> str:
+    """MOK_EP_PUBLISH: 'kernel' (default: step 1 of the forward as one mok_ep_publish launch) or 'torch'
+    (the torch ops it replaces, about 4 + 4P launches; the fallback and the test oracle)."""
+    mode = os.environ.get("MOK_EP_PUBLISH", "") or PUBLISH_MODES[0]
+    if mode not in PUBLISH_MODES:
+        raise ValueError(f"MOK_EP_PUBLISH={mode!r}: expected one of {PUBLISH_MODES}")
+    return mode
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda  # (the CPU wiring test stubs the kernels and this)
+
+
+def publish_kernel(x: torch.Tensor, topk_weights: torch.Tensor) -> str | None:
+    """The mok_ep_publish variant for these inputs, or None where it cannot take them: not on the GPU,
+    or x's rows not 16-byte vectors (the torch ops then run)."""
+    if not _on_cuda(x) or x.stride(-1) != 1 or x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8):
+        return None
+    return "mok_ep_publish_bf16w" if topk_weights.dtype == torch.bfloat16 else "mok_ep_publish"
+
+
 def copy_grid(num_rows: int, num_sms: int, ctas_per_sm: int | None = None) -> int:
     """CTAs of a v2 row copy: at most ctas_per_sm per SM (the warps walk the rows grid-stride), no more
     than one row per warp, at least one."""
@@ -552,6 +575,49 @@ class SymmBuffers:
             cache[name] = torch.tensor([self.peer(p, name).data_ptr() for p in range(self.ep_size)],
                                        dtype=torch.int64, device=self.err.device)
         return cache[name]
+
+    def section_table(self, names: tuple) -> torch.Tensor:
+        """[len(names), P] int64 on the GPU: section_addrs of each name, one table (one kernel argument)."""
+        cache = self.__dict__.setdefault("_tables", {})
+        if names not in cache:
+            cache[names] = torch.stack([self.section_addrs(name) for name in names])
+        return cache[names]
+
+    def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int) -> None:
+        """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
+        (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
+        rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
+        (MOK_EP_PUBLISH=kernel, the default) or the torch ops (=torch, the oracle; also where the
+        kernel cannot take the inputs). Peer stores are plain: the barrier that follows fences them."""
+        name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
+        if name is None:
+            self.publish_torch(x, topk_ids, topk_weights, num_tokens)
+            return
+        if topk_weights.dtype not in (torch.float32, torch.bfloat16):
+            topk_weights = topk_weights.float()  # the bits copy_ into fp32 gives (fp16 exact, fp64 rounded)
+        tc, k = self.tokens_cap, topk_ids.shape[1]
+        warp_jobs = max(min(num_tokens, tc), -(-tc * k // 32))  # x rows (a warp each), id/weight elements (32 a warp)
+        cb._lib().launch(name, x, topk_ids, topk_weights, self.local("tokens"),
+                         self.section_table(("ids", "weights", "ntok")), self.rank, tc, num_tokens,
+                         self._copy_grid(warp_jobs), stream=cb._stream())
+
+    def publish_torch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      num_tokens: int) -> None:
+        """publish with torch ops (about 4 + 4P launches)."""
+        P, r, tc, top_k = self.ep_size, self.rank, self.tokens_cap, topk_ids.shape[1]
+        n = min(num_tokens, tc)
+        self.local("tokens")[r * tc:r * tc + n].copy_(x[:n])
+        own_ids = self.local("ids")[r]  # own row first, then copied to the peers from there
+        own_ids[:n].copy_(topk_ids[:n])
+        if n < tc:
+            own_ids[n:].fill_(-1)
+        w = topk_weights[:n].detach()
+        w_own = slice(r * tc * top_k, (r * tc + n) * top_k)
+        for p in range(P):
+            if p != r:
+                self.peer(p, "ids")[r].copy_(own_ids)
+            self.peer(p, "weights")[w_own].view(n, top_k).copy_(w)  # fp32 by the copy (same bits as .float())
+            self.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
 
     def barrier(self) -> None:
         """Every rank reaches this point of its stream; unicast release/acquire with each peer."""
@@ -815,19 +881,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     n = min(num_tokens, tc)  # above the capacity: the first tc tokens take part, the step is flagged
 
     # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory)
+    bufs.publish(x, topk_ids, topk_weights, num_tokens)
     tokens = bufs.local("tokens")
-    tokens[r * tc:r * tc + n].copy_(x[:n])
-    own_ids = bufs.local("ids")[r]  # own row first, then copied to the peers from there
-    own_ids[:n].copy_(topk_ids[:n])
-    if n < tc:
-        own_ids[n:].fill_(-1)
-    w = topk_weights[:n].detach()
-    w_own = slice(r * tc * top_k, (r * tc + n) * top_k)
-    for p in range(P):
-        if p != r:
-            bufs.peer(p, "ids")[r].copy_(own_ids)
-        bufs.peer(p, "weights")[w_own].view(n, top_k).copy_(w)  # fp32 by the copy (same bits as .float())
-        bufs.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
     # 2.
     bufs.barrier()
     # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch

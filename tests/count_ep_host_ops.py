@@ -2,7 +2,8 @@
 
 The EP ranks are simulated by threads (as in test_cuda_ep_simulated); every kernel of the CUDA
 path (GEMMs, activations, combine, weight gradients, row copies as MOK_EP_COPY=v2 issues them: one
-per pull_rows / push_rows, barrier signals, the schedule:
+per pull_rows / push_rows, step 1 of the forward as MOK_EP_PUBLISH=kernel does it: one launch, barrier
+signals, the schedule:
 make_schedule, whose CUDA path also allocates its 6 outputs) is stubbed by a
 torch stand-in and counted as one launch, its inner ops not counted. What is left is what
 cuda_ep itself dispatches: on the GPU each op is (about) one kernel launch plus Python/ATen time.
@@ -77,6 +78,8 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
     # by the torch mode underneath, not counted)
     _ThreadBuffers.pull_rows = _kernel(cuda_ep.SymmBuffers.pull_rows)
     _ThreadBuffers.push_rows = _kernel(cuda_ep.SymmBuffers.push_rows)
+    # step 1 of the forward as in the default MOK_EP_PUBLISH=kernel: one mok_ep_publish launch
+    _ThreadBuffers.publish = _kernel(cuda_ep.SymmBuffers.publish)
     barrier_fn = _ThreadBuffers.barrier
     _ThreadBuffers.barrier = lambda self: [_kernel(lambda: None)() for _ in range(P - 1)] and barrier_fn(self)
 

@@ -337,6 +337,28 @@ def _ep_copy_specs() -> tuple:
     return copy, pull, push
 
 
+def _ep_publish_spec(w_dtype: str) -> KernelSpec:
+    # Step 1 of the EP forward in one launch (kernels/ep_publish.py): x rows into the local tokens
+    # section, ids / weights / token count into every rank's sections (addrs: [3, P] addresses).
+    return KernelSpec(
+        name="mok_ep_publish" + ("" if w_dtype == "f32" else f"_{w_dtype}w"),
+        module="ep_publish",
+        factory="Publish",
+        factory_kwargs=(("w_dtype", w_dtype),),
+        args=(
+            TensorArg("x", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("topk_ids", "i64", (DYN, DYN), (DYN, DYN), align=8, stride_div=1),
+            TensorArg("topk_weights", w_dtype, (DYN, DYN), (DYN, DYN), align=ITEMSIZE[w_dtype], stride_div=1),
+            TensorArg("tokens", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            TensorArg("addrs", "i64", (3, DYN), (DYN, 1), align=8, stride_div=1),
+            ScalarArg("rank", "i32"),
+            ScalarArg("tokens_cap", "i32"),
+            ScalarArg("num_tokens", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+
+
 SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
@@ -378,6 +400,8 @@ SPECS = (
     *_act_specs("swiglu_oai"),
     *_ep_specs(),
     *_ep_copy_specs(),
+    _ep_publish_spec("f32"),  # mok_ep_publish: fp32 top-k weights (the router's)
+    _ep_publish_spec("bf16"),  # mok_ep_publish_bf16w: bf16 top-k weights, widened exactly
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}

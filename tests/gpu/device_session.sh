@@ -13,6 +13,7 @@
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
 # time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
 # epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
+# eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -85,6 +86,11 @@ for s in "$@"; do
         TAIL=12 step env_modes_ep2 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epgather)  # the EP checks with the gate/up GEMM gathering from the tokens section
         MOK_GEMM_GATHER=1 TAIL=8 step ep_checks_gather 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
+    eppublish)  # step 1 of the EP forward as one launch (MOK_EP_PUBLISH=kernel) vs the torch ops
+        TAIL=5 step ep_publish_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ep_publish.py
+        TAIL=8 step ep_publish_bench_ep1 120 python3 tests/gpu/bench_ep_publish.py
+        TAIL=8 step ep_publish_bench_ep2 150 torchrun --nproc_per_node 2 tests/gpu/bench_ep_publish.py
+        TAIL=12 step env_modes_eppublish 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes eppublish ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

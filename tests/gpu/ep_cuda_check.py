@@ -16,6 +16,8 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential): y and every gradient
     bitwise equal, each run twice (bitwise repeat)
   - row copies: MOK_EP_COPY=v2 (default), v1 and torch give the same bits (fixed routing), each run twice
+  - step 1 of the forward: MOK_EP_PUBLISH=kernel (default) and torch give the same bits (fixed routing,
+    fp32 and bf16 top-k weights, published sections poisoned first), each run twice
   - capacity overflow -> NaN outputs and EPError, and the next step works again
   - token capacity growth: a batch above the capacity (same count on all ranks, then different
     counts) -> NaN + EPError on every rank, the next call grows the buffer on every rank, results
@@ -305,6 +307,58 @@ def case_copy_modes(name, H, I, E, K, T_by_rank):
                "" if eq and again else f"{detail} repeat={again} nan={nan}")
 
 
+def _poison_published(ws):
+    """Every rank fills what the EP forward's step 1 writes into its buffer (own tokens rows, ids,
+    weights but the zero last element, ntok) with 0x7f bytes / NaN / expert 0 (an id that indexes
+    nothing out of range), then waits for all ranks: a publish that misses a store leaves poison,
+    not the previous step's values."""
+    bufs = ws.ep_state["bufs"]
+    r, tc = bufs.rank, bufs.tokens_cap
+    bufs.local("tokens")[r * tc:(r + 1) * tc].view(torch.int16).fill_(0x7F7F)
+    bufs.local("ids").fill_(0)
+    bufs.local("weights")[:-1].fill_(float("nan"))
+    bufs.local("ntok").fill_(0x7F7F7F7F)
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def case_publish_modes(name, H, I, E, K, T_by_rank):
+    """Fixed routing: step 1 of the forward as one mok_ep_publish launch (MOK_EP_PUBLISH=kernel, the
+    default) and as torch ops give the same bits (y and all gradients), fp32 and bf16 top-k weights,
+    the published sections poisoned before each run, each mode run twice."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = E // world
+    g = torch.Generator(device="cuda").manual_seed(17)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
+    local = [W13[rank * per:(rank + 1) * per], W2[rank * per:(rank + 1) * per], None, None]
+    x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)  # not the inputs of other cases
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
+                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    for wdt in (torch.float32, torch.bfloat16):
+        wt = w.to(wdt)
+        runs = {}
+        for mode in ("torch", "kernel"):
+            os.environ["MOK_EP_PUBLISH"] = mode
+            try:
+                if ws.ep_state.get("bufs") is None:
+                    _experts(ws, x, wt, ids, dy, local)  # creates the buffer
+                runs[mode] = []
+                for _ in range(2):
+                    _poison_published(ws)
+                    runs[mode].append(_experts(ws, x, wt, ids, dy, local))
+            finally:
+                del os.environ["MOK_EP_PUBLISH"]
+            cuda_ep.check_errors(ws)
+        ref = runs["torch"][0]
+        for mode, (a, b) in runs.items():
+            nan = any(torch.isnan(v).any() for v in a.values())
+            detail, eq = _diff(a, ref)
+            again = all(torch.equal(a[k], b[k]) for k in a)
+            report(f"{name} ({str(wdt)[6:]} weights): MOK_EP_PUBLISH={mode}: bitwise equal to torch, and on a repeat",
+                   eq and again and not nan, "" if eq and again else f"{detail} repeat={again} nan={nan}")
+
+
 # --------------------------------------------------------------------------
 # token capacity growth
 
@@ -449,6 +503,7 @@ def main():
         "gpt-oss (swiglu_oai, limit 7, biases)", 256, 128, 16, 4, [300, 301], activation="swiglu_oai", limit=7.0,
         bias=True, diag=True))
     check("copy modes", lambda: case_copy_modes("copy modes", 2048, 256, 32, 8, [3000, 2001]))
+    check("publish modes", lambda: case_publish_modes("publish modes", 2048, 256, 32, 8, [3000, 2001]))
     check("overflow", case_overflow)
     check("growth", case_growth)
     check("shapes", case_shapes_differ)

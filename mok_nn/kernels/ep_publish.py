@@ -1,0 +1,120 @@
+"""Step 1 of the EP forward in one launch: this rank's tokens, routing and token count published.
+
+Publish (rank r, token capacity Tc, n = min(num_tokens, Tc), K = top-k), for every rank p
+(own rank included; addrs[0/1/2][p] = rank p's ids / weights / ntok section as mapped here):
+
+  tokens[r*Tc + t]                  = x[t]                  t < n   (local rows, 16-byte vectors)
+  ids_p[(r*Tc + t)*K + j]           = topk_ids[t, j]        t < n
+                                    = -1                    n <= t < Tc
+  weights_p[(r*Tc + t)*K + j]       = fp32(topk_weights[t, j])   t < n
+  ntok_p[r]                         = num_tokens
+
+the stores of cuda_ep's torch ops (MOK_EP_PUBLISH=torch), bit for bit: ids are int64 moves; fp32
+weights are moved as 32-bit words; bf16 weights (w_dtype="bf16") are widened by putting their
+16 bits in the high half of a 32-bit word, which is the bf16 -> fp32 conversion torch's copy_
+does (exact, NaN payloads kept). Other dtypes are converted to fp32 by the caller first.
+
+Stores into peer memory are plain (weak) stores. They are made visible to the peers by the
+barrier that follows on the same stream (mok_ep_signal: fence.acq_rel.sys before its release
+store of the epoch, and the peer's acquire load): this kernel must be followed by that barrier
+before any peer reads ids / weights / ntok, as the torch ops were.
+
+Work split over a fixed grid (num_ctas, chosen by the caller): first every thread takes the
+(t, j) elements i, i + G, ... (G threads; consecutive threads store consecutive elements, so a
+warp's peer stores are whole sectors) and stores each into every rank; CTA 0 stores the token
+count; then warp w takes the x rows w, w + W, ... (ep_overlap.copy_row: 8 x 16-byte loads per
+lane in flight, then the stores). Every destination element is written by one thread with a value
+that does not depend on timing.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from .ep_overlap import VEC, copy_row
+from .registry import EP_COPY_THREADS as THREADS
+
+WARPS = THREADS // 32
+
+
+def _gmem(dtype, addr, n, align: int):
+    """A flat (n,) tensor of dtype at a raw global address (traced inline into the kernel)."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align),
+                            cute.make_layout((n,)))
+
+
+class Publish:
+    def __init__(self, w_dtype: str = "f32"):
+        assert w_dtype in ("f32", "bf16")
+        self.w_dtype = w_dtype
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # (T, H) bf16: this rank's tokens
+        topk_ids: cute.Tensor,  # (T, K) int64
+        topk_weights: cute.Tensor,  # (T, K) fp32 or bf16 (w_dtype)
+        tokens: cute.Tensor,  # (R, H) bf16: the local tokens section, R >= (rank + 1) * Tc
+        addrs: cute.Tensor,  # (3, P) int64: ids, weights, ntok section of each rank, as mapped here
+        rank: cutlass.Int32,
+        tokens_cap: cutlass.Int32,
+        num_tokens: cutlass.Int32,
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(x, topk_ids, topk_weights, tokens, addrs, rank, tokens_cap, num_tokens).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor, topk_ids: cute.Tensor, topk_weights: cute.Tensor, tokens: cute.Tensor,
+               addrs: cute.Tensor, rank: cutlass.Int32, tokens_cap: cutlass.Int32, num_tokens: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        n_ctas, _, _ = cute.arch.grid_dim()
+        tid = cutlass.Int32(cta) * THREADS + cutlass.Int32(tidx)
+        n_threads = cutlass.Int32(n_ctas) * THREADS
+        P = cute.size(addrs, mode=[1])
+        K = cute.size(topk_ids, mode=[1])
+        n = cutlass.min(cutlass.min(num_tokens, tokens_cap), cute.size(x, mode=[0]))
+        n_el = tokens_cap * K  # elements of this rank's row of ids / weights
+        first = rank * n_el  # (r*Tc + t)*K + j = first + t*K + j
+
+        # 1. ids and weights into every rank (small: issued first, their latency hides under the rows)
+        for i in range(tid, n_el, n_threads):
+            t = i // K
+            j = i - t * K
+            idv = cutlass.Int64(-1)
+            wbits = cutlass.Int32(0)
+            if t < n:
+                idv = topk_ids[(t, j)]
+                if cutlass.const_expr(self.w_dtype == "bf16"):
+                    hi = cutlass.Int32(topk_weights[(t, j)].bitcast(cutlass.Int16))
+                    wbits = hi << 16  # the low 16 bits of hi << 16 are all that survive: no sign issue
+                else:
+                    wbits = topk_weights[(t, j)].bitcast(cutlass.Int32)
+            for p in range(P):
+                ids_p = _gmem(cutlass.Int64, addrs[(0, p)], first + n_el, 8)
+                ids_p[first + i] = idv
+                if t < n:
+                    w_p = _gmem(cutlass.Int32, addrs[(1, p)], first + n_el, 4)
+                    w_p[first + i] = wbits
+        # 2. token count into every rank
+        if cutlass.Int32(cta) == 0:
+            for p in range(cutlass.Int32(tidx), P, THREADS):
+                ntok_p = _gmem(cutlass.Int32, addrs[(2, p)], rank + 1, 4)
+                ntok_p[rank] = num_tokens
+        # 3. own token rows into the local tokens section, warp per row
+        lane = cutlass.Int32(tidx) % 32
+        w = tid // 32
+        n_warps = n_threads // 32
+        n_vec = cute.size(x, mode=[1]) // VEC
+        x_base = x.iterator.toint()
+        dst_base = tokens.iterator.toint()
+        x_stride = cutlass.Int64(x.stride[0]) * 2  # bytes between rows
+        dst_stride = cutlass.Int64(tokens.stride[0]) * 2
+        row0 = cutlass.Int64(rank) * cutlass.Int64(tokens_cap)
+        for t in range(w, n, n_warps):
+            copy_row(x_base + cutlass.Int64(t) * x_stride, dst_base + (row0 + cutlass.Int64(t)) * dst_stride, n_vec,
+                     lane, False)

@@ -1,0 +1,205 @@
+"""MOK_EP_PUBLISH (kernel / torch) in cuda_ep, on the CPU: which launches each mode issues, with which
+arguments, and that the torch ops (the oracle) store what mok_ep_publish's contract says, bit for bit.
+
+The library is a stub that carries out the kernel's documented contract (kernels/ep_publish.py) on
+the CPU tensors behind the addresses it is given, written independently of the torch ops (element
+by element, bf16 widened by integer shifts). The kernel itself is checked on the GPU by
+tests/gpu/test_ep_publish.py.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from mok_nn import cuda_backend as cb
+from mok_nn import cuda_ep
+from test_cuda_ep_simulated import _problem, _simulated_ep
+
+
+def _fp32_bits(w: torch.Tensor) -> list:
+    """int32 bit patterns of w as fp32: bf16 by shifting its 16 bits up (exact widening), fp32 as is."""
+    if w.dtype == torch.bfloat16:
+        u = w.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+        return [v - (1 << 32) if v >= 1 << 31 else v for v in (u << 16).flatten().tolist()]
+    assert w.dtype == torch.float32
+    return w.contiguous().view(torch.int32).flatten().tolist()
+
+
+class _StubLib:
+    """mok_ep_publish(_bf16w) by its contract; every other kernel is unexpected here."""
+
+    def __init__(self):
+        self.launches = []
+        self.sections = {}  # data_ptr -> the CPU section tensor at that address
+        self._lock = threading.Lock()
+
+    def launch(self, name, *args, stream):
+        with self._lock:
+            self.launches.append((threading.get_ident(), name))
+        assert name in ("mok_ep_publish", "mok_ep_publish_bf16w"), f"unexpected launch {name}"
+        x, ids, w, tokens, table, rank, tc, num_tokens, grid = args
+        assert (name == "mok_ep_publish_bf16w") == (w.dtype == torch.bfloat16)
+        assert w.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
+        assert table.dtype == torch.int64 and table.shape[0] == 3 and grid >= 1
+        assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid))
+        k = ids.shape[1]
+        n = min(num_tokens, tc, x.shape[0])
+        bits = _fp32_bits(w[:n])
+        for p in range(table.shape[1]):
+            ids_p = self.sections[int(table[0, p])].view(-1)
+            w_p = self.sections[int(table[1, p])].view(torch.int32)
+            ntok_p = self.sections[int(table[2, p])]
+            for t in range(tc):
+                for j in range(k):
+                    e = (rank * tc + t) * k + j
+                    ids_p[e] = int(ids[t, j]) if t < n else -1
+                    if t < n:
+                        w_p[e] = bits[t * k + j]
+            ntok_p[rank] = num_tokens
+        for t in range(n):
+            tokens[rank * tc + t] = x[t]
+
+
+def _register(lib, bufs):
+    for views in bufs._views:
+        for name in ("ids", "weights", "ntok"):
+            lib.sections[views[name].data_ptr()] = views[name]
+
+
+@pytest.fixture
+def stub_publish(monkeypatch):
+    monkeypatch.setenv("MOK_GEMM", "torch")
+    monkeypatch.setenv("MOK_ACT", "torch")
+    monkeypatch.setenv("MOK_EP_COPY", "torch")
+    monkeypatch.setattr(cb, "check_supported", lambda *a: None)
+    from test_cuda_ep_simulated import _torch_combine
+
+    monkeypatch.setattr(cb, "combine", _torch_combine)
+    monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
+    monkeypatch.setattr(cuda_ep, "_on_cuda", lambda t: True)  # the stub takes CPU tensors
+    lib = _StubLib()
+    monkeypatch.setattr(cb, "_lib", lambda: lib)
+    monkeypatch.setattr(cb, "_stream", lambda: 0)
+    real_init = cuda_ep.SymmBuffers.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self._num_sms = 3  # no device to ask
+        _register(lib, self)
+
+    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+    return lib
+
+
+def _set_mode(monkeypatch, mode):
+    if mode is None:
+        monkeypatch.delenv("MOK_EP_PUBLISH", raising=False)
+    else:
+        monkeypatch.setenv("MOK_EP_PUBLISH", mode)
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens, wdtype):
+    """The whole simulated EP step: one mok_ep_publish per rank and forward (none in the backward,
+    none in torch mode), and every output / gradient the same bits in all modes."""
+    P = len(tokens)
+    H, I, E, K = 64, 32, 4 * P, 2
+    got = {}
+    for mode in ("torch", "kernel", None):
+        _set_mode(monkeypatch, mode)
+        stub_publish.launches.clear()
+        g = torch.Generator().manual_seed(7 + P)
+        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, False, 0.0)
+        ws_ = [w.to(wdtype) for w in ws_]
+        got[mode] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+        names = [n for _, n in stub_publish.launches]
+        want = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
+        assert names == ([] if mode == "torch" else [want] * P), mode
+        assert len({tid for tid, _ in stub_publish.launches}) == len(names)  # one per rank (thread)
+    for mode in ("kernel", None):
+        for r in range(P):
+            for a, b in zip(got[mode][r][:3], got["torch"][r][:3]):
+                assert torch.equal(_bits(a), _bits(b)), (mode, r)
+            ga, gb = got[mode][r][3], got["torch"][r][3]
+            assert torch.equal(_bits(ga.gate_up_proj), _bits(gb.gate_up_proj))
+            assert torch.equal(_bits(ga.down_proj), _bits(gb.down_proj))
+
+
+def _poisoned_raws(P, tc, H, K, seed):
+    """Every rank's buffer filled with random bytes (no section starts out as what publish writes)."""
+    _, nbytes = cuda_ep.buffer_layout(P, tc, H, K)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(P)]
+
+
+def _special_weights(g, T, K, dtype):
+    """Fresh random weights of dtype with -0.0, inf, NaN (with a payload), a denormal and, for fp64,
+    values that round when narrowed to fp32."""
+    w = torch.rand(T, K, generator=g, dtype=torch.float64) * 3 - 1
+    flat = w.view(-1)
+    if flat.numel() >= 4:
+        flat[:4] = torch.tensor([-0.0, float("inf"), 1e-40, 1 + 2.0**-30], dtype=torch.float64)
+    w = w.to(dtype)
+    if dtype == torch.bfloat16 and w.numel() > 5:
+        w.view(-1).view(torch.int16)[5] = 0x7FC3  # NaN with payload bits
+    elif dtype == torch.float32 and w.numel() > 5:
+        w.view(-1).view(torch.int32)[5] = 0x7FC00123
+    return w
+
+
+@pytest.mark.parametrize("P,rank", [(2, 0), (2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("tc,num_tokens", [(9, 9), (9, 4), (9, 13), (6, 0)])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, num_tokens, wdtype):
+    """SymmBuffers.publish in torch mode and the stand-in of the kernel's contract write the same
+    bytes into every rank's buffer (n == Tc, n < Tc, more tokens than Tc, no tokens; weights of
+    each float dtype, with -0.0 / inf / NaN / denormals / values that round to fp32)."""
+    H, K = 16, 3
+    g = torch.Generator().manual_seed(P * 100 + tc * 10 + num_tokens)
+    x = torch.randn(num_tokens, H, generator=g).bfloat16()
+    ids = torch.randint(0, 50, (num_tokens, K), generator=g)
+    w = _special_weights(g, num_tokens, K, wdtype)
+    out = {}
+    for mode in ("torch", "kernel"):
+        _set_mode(monkeypatch, mode)
+        stub_publish.launches.clear()
+        raws = _poisoned_raws(P, tc, H, K, seed=3)
+        bufs = cuda_ep.SymmBuffers(raws, rank, tc, H, K, torch.device("cpu"))
+        bufs.publish(x, ids, w, num_tokens)
+        kname = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
+        assert [n for _, n in stub_publish.launches] == ([] if mode == "torch" else [kname])
+        out[mode] = raws
+    fresh = _poisoned_raws(P, tc, H, K, seed=3)
+    for p in range(P):
+        assert not torch.equal(out["torch"][p], fresh[p])  # something was written into every rank
+        assert torch.equal(out["kernel"][p], out["torch"][p]), p
+
+
+def test_publish_kernel_fallback(monkeypatch):
+    """publish_kernel: the variant by weight dtype; None (torch ops) off the GPU or for rows that
+    are not 16-byte vectors."""
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    w32, w16 = torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.bfloat16)
+    assert cuda_ep.publish_kernel(x, w32) is None  # CPU
+    monkeypatch.setattr(cuda_ep, "_on_cuda", lambda t: True)
+    assert cuda_ep.publish_kernel(x, w32) == "mok_ep_publish"
+    assert cuda_ep.publish_kernel(x, w16) == "mok_ep_publish_bf16w"
+    assert cuda_ep.publish_kernel(x, w32.double()) == "mok_ep_publish"
+    wide = torch.zeros(4, 20, dtype=torch.bfloat16)
+    assert cuda_ep.publish_kernel(wide[:, 4:], w32) is None  # row stride 20: not 16-byte rows
+    assert cuda_ep.publish_kernel(wide[:, ::2][:, :8], w32) is None  # column stride 2
+    assert cuda_ep.publish_kernel(x.view(-1)[1:33].view(2, 16), w32) is None  # 2 bytes off alignment
+
+
+def test_publish_mode_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("MOK_EP_PUBLISH", "fast")
+    with pytest.raises(ValueError, match="MOK_EP_PUBLISH='fast'"):
+        cuda_ep.publish_mode()
+    monkeypatch.delenv("MOK_EP_PUBLISH")
+    assert cuda_ep.publish_mode() == "kernel"
