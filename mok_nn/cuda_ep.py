@@ -44,7 +44,8 @@ TMA loads. Steps 5c and 6 likewise (without a down-projection bias; MOK_EP_COMBI
 turns it off): the down GEMM (mok_gemm_bk_done / _bk_ef_done) counts finished output tiles
 per row tile and mok_ep_push_rows on the comm CTAs pushes a row tile's rows once all its
 column tiles are stored. Same rows, same GEMM tiles and K order, same slots: bitwise the
-sequential path's results.
+sequential path's results. MOK_EP_OV_TILES=dynamic (ov_tiles_mode): both GEMMs are the _dyn
+variants on every SM, tiles claimed by atomic add, so the comm SMs join the GEMM once free.
 Backward mirrors it: x and d y rows pulled again, dgrad + dSwiGLU + weight
 gradients locally, d x rows and d w pushed to the source slots, barrier, fixed
 order sums. Each slot is written exactly once and every sum has a fixed order,
@@ -83,6 +84,7 @@ from .kernels.registry import EP_COPY_THREADS, TILE_M
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
+OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first is the default
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
@@ -461,6 +463,38 @@ def split_sms(num_sms: int, comm_sms: int) -> tuple[int, int]:
     """(dispatch CTAs, GEMM CTAs): comm_sms for the dispatch (at least 1), the rest (at least 1) for the GEMM."""
     comm = max(1, min(comm_sms, num_sms - 1))
     return comm, num_sms - comm
+
+
+def ov_tiles_mode() -> str:
+    """MOK_EP_OV_TILES: 'static' (default: the hooked GEMMs on the SMs the comm kernel leaves free,
+    tile t on CTA t mod grid) or 'dynamic' (the _dyn GEMMs on every SM, each CTA claims the next tile
+    by atomic add, so CTAs that start when the comm kernel's SMs free up take the remaining tiles) or
+    'dispatch' (dynamic for the dispatch pair only: the push runs until the down GEMM's end, and with
+    that GEMM on every SM the push may only find SMs once the GEMM's CTAs leave)."""
+    mode = os.environ.get("MOK_EP_OV_TILES", "") or OV_TILES_MODES[0]
+    if mode not in OV_TILES_MODES:
+        raise ValueError(f"MOK_EP_OV_TILES={mode!r}: expected one of {OV_TILES_MODES}")
+    return mode
+
+
+def _ov_gemm(ws, hook: str, comm_ctas: int, gemm_ctas: int, dev) -> tuple[str, int, tuple]:
+    """(kernel name suffix, grid, extra trailing arguments) of an overlapped pair's GEMM (hook "ready" or
+    "done"). dynamic: a grid of every SM (comm_ctas + gemm_ctas) and the tile counter, zeroed here (on
+    the current stream, before the GEMM's launch on it): [claims] for done, [claims, comm_ctas] for
+    ready (its last comm_ctas CTAs join only once every dispatch CTA runs: grouped_gemm._may_join)."""
+    mode = ov_tiles_mode()
+    if mode == "static" or (mode == "dispatch" and hook == "done"):
+        return "_" + hook, gemm_ctas, ()
+    st = ws.ep_state
+    key = f"{hook}_ctr"
+    want = comm_ctas if hook == "ready" else None
+    if st.get(key) is None or st.get(key + "_comm") != want:
+        init = [0, comm_ctas] if hook == "ready" else [0]
+        st[key] = torch.tensor(init, dtype=torch.int32, device=dev)
+        st[key + "_comm"] = want
+    ctr = st[key]
+    ctr[:1].zero_()  # claims of this launch only (the previous GEMM on this stream has finished)
+    return "_" + hook + "_dyn", comm_ctas + gemm_ctas, (ctr,)
 
 
 def combine_mode(config, down_bias: bool) -> str:
@@ -964,10 +998,11 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
                      stream=comm.cuda_stream)
     tiles_n = -(-gate_up.shape[1] // cb.GEMM_TILE_N)
     group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
-    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + "_ready"
+    suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + suffix
     cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
                      sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, st["ready"], _ov_err(ws, bufs),
-                     epoch, timeout_us, gemm_ctas, stream=main.cuda_stream)
+                     epoch, timeout_us, grid, *extra, stream=main.cuda_stream)
     # The GEMM ends only after every tile was published; from here on the main stream also orders
     # after the whole dispatch (x_rows, row_peer, row_src may be freed and reused on main).
     main.wait_stream(comm)
@@ -999,10 +1034,12 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     row_rank = eps.row_src.to(torch.int32)
     comm.wait_stream(main)  # before the GEMM's launch: the push waits for done, not for the whole GEMM
     group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
-    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + "_done"
+    suffix, grid, extra = _ov_gemm(ws, "done", comm_ctas, gemm_ctas, dev)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + suffix
     cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
-                     sched.seg_end, sched.gemm_seg_rows(), group_m, done, gemm_ctas, stream=main.cuda_stream)
-    # Its grid leaves comm_ctas SMs free, so the push still runs beside it.
+                     sched.seg_end, sched.gemm_seg_rows(), group_m, done, grid, *extra, stream=main.cuda_stream)
+    # Static: its grid leaves comm_ctas SMs free, so the push still runs beside it. Dynamic: the push's
+    # CTAs (high priority) take SMs as they free up; no deadlock, as a claimed tile never waits.
     cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
                      sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, timeout_us, comm_ctas,
                      stream=comm.cuda_stream)

@@ -284,3 +284,67 @@ def test_overlapped_pairs_launch_the_waiting_kernel_last(monkeypatch):
     assert order(log) == [("wait", "comm<-main"), ("launch", gemm), ("launch", "mok_ep_push_rows"),
                           ("wait", "main<-comm")]
     assert [e[2] for e in log if e[0] == "launch"] == ["main", "comm"]
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic", "dispatch"])
+def test_ov_tiles_mode_launches(mode, monkeypatch):
+    """MOK_EP_OV_TILES: dynamic launches the _dyn GEMMs on every SM (comm + GEMM CTAs) with the tile
+    counter zeroed before each launch ([0, comm CTAs] for the ready GEMM, [0] for the done GEMM);
+    dispatch does so for the gate/up GEMM only; static keeps the _ready / _done GEMMs on the GEMM CTAs."""
+    from types import SimpleNamespace
+
+    from mok_nn import cuda_backend as cb
+
+    monkeypatch.setenv("MOK_EP_OV_TILES", mode)
+    log = []
+
+    def launch(name, *args, stream):
+        # what the kernel would see at its launch: the counter's values, the grid (num_ctas)
+        ctr = [a.clone().tolist() for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32
+               and a.numel() <= 2 and a is not bufs.err]
+        log.append((name, stream, args, ctr))
+
+    monkeypatch.setattr(cb, "_lib", lambda: SimpleNamespace(launch=launch))
+    monkeypatch.setattr(cuda_ep, "_comm_setup", lambda ws, dev: (_Stream("comm", []), _Stream("main", []), 16, 116))
+    ep_size, tokens, tc, top_k, num_experts, hidden, inter = 2, [37, 20], 40, 2, 8, 64, 32
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, torch.Generator().manual_seed(6))
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
+    eps = cuda_ep.make_ep_schedule(ids_all, tokens[0], 0, e_l, cap)
+    ws = SimpleNamespace(ep_state={}, config=MoKConfig(fwd_num_comm_sms=16))
+    bufs = SimpleNamespace(hidden=hidden, ep_size=ep_size, tokens_cap=tc, rank=0, timeout_s=1.0,
+                           err=torch.zeros(1, dtype=torch.int32),
+                           section_addrs=lambda name: torch.zeros(ep_size, dtype=torch.int64))
+    w13 = torch.zeros(e_l, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.zeros(e_l, hidden, inter, dtype=torch.bfloat16)
+    h = torch.zeros(cap, inter, dtype=torch.bfloat16)
+    for step in range(2):  # the second call finds the counters dirty from the first
+        for key in ("ready_ctr", "done_ctr"):
+            if ws.ep_state.get(key) is not None:
+                ws.ep_state[key][0] = 123  # as a GEMM's claims leave it
+        log.clear()
+        cuda_ep._dispatch_gate_up(ws, bufs, eps, w13)
+        cuda_ep._down_push(ws, bufs, eps, h, w2)
+        (g1, s1, a1, c1), (p1, _, _, _) = log[1], log[0]
+        (g2, s2, a2, c2), (p2, _, _, _) = log[2], log[3]
+        assert (p1, p2) == ("mok_ep_dispatch_rows", "mok_ep_push_rows")
+        assert (s1, s2) == ("main", "main")
+        ready_dyn = mode in ("dynamic", "dispatch")
+        done_dyn = mode == "dynamic"
+        base1 = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + "_ready"
+        base2 = cb.gemm_kernel(False, torch.bfloat16, k=inter) + "_done"
+        assert g1 == base1 + ("_dyn" if ready_dyn else "")
+        assert g2 == base2 + ("_dyn" if done_dyn else "")
+        if ready_dyn:
+            assert a1[-2] == 132 and a1[-1] is ws.ep_state["ready_ctr"]
+            assert c1[-1] == [0, 16]  # zeroed claims, comm CTAs, at the launch
+        else:
+            assert a1[-1] == 116
+        if done_dyn:
+            assert a2[-2] == 132 and a2[-1] is ws.ep_state["done_ctr"] and c2[-1] == [0]
+        else:
+            assert a2[-1] == 116
+        # the dyn GEMMs' argument lists match their registry specs (num_ctas, then tile_counter)
+        from mok_nn.kernels.registry import SPECS_BY_NAME
+        for name, args in ((g1, a1), (g2, a2)):
+            assert len(args) == len(SPECS_BY_NAME[name].args)

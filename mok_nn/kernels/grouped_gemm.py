@@ -68,6 +68,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .readiness import signal_tile_done, wait_tile_ready
+from .tile_queue import RING_STAGES, DynamicTileScheduler, make_tile_pipe
 from .gemm_consumer import epilogue_stores, mma_operands, store_sync, store_tile_split
 from .registry import TILE_M
 from .swiglu import _act
@@ -87,6 +88,7 @@ class VarlenMGroupedGemm:
         self.gather = gather
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
+        self.dynamic = False  # hooked variants with dynamic_tiles: tiles claimed by atomic add (tile_queue.py)
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -132,17 +134,21 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, row_idx=None,
-                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None):
+                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None, tile_counter=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
 
         gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), row_idx [M] the x row
         of each A row (T: padding, zero-filled).
         ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady; with
         VarlenMGroupedGemmDone, `ready` holds the done counters).
+        tile_counter (dynamic): [claims, comm CTAs (ready hook)], passed in the kernel's row_idx slot
+        (unused by the TMA-only hooked variants), so the other variants' kernels keep their parameters.
         """
         mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
         if cutlass.const_expr(not self.gather):
             row_idx = tile_expert  # unused placeholder (kernel arguments cannot be None)
+            if cutlass.const_expr(self.dynamic):
+                row_idx = tile_counter
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -231,6 +237,18 @@ class VarlenMGroupedGemm:
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
 
         self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.dynamic):
+            # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
+            @cute.struct
+            class SharedStorageDyn:
+                ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+                tile_barriers: cute.struct.MemRange[cutlass.Int64, RING_STAGES * 2]
+                tile_ring: cute.struct.MemRange[cutlass.Int32, RING_STAGES]
+                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
+
+            self.shared_storage = SharedStorageDyn
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
@@ -260,6 +278,27 @@ class VarlenMGroupedGemm:
         rows_in_band = cutlass.min(tiles_m - first_m, group_m)
         within = linear - band * (group_m * tiles_n)
         return first_m + within % rows_in_band, within // rows_in_band
+
+    @cute.jit
+    def _may_join(self, tile_counter, ready, tile_expert, epoch, tiles_m):
+        """Dynamic ready hook: 1 if this CTA may claim tiles, 0 if it must take none.
+
+        The CTAs past num_ctas - C (C = tile_counter[1], the dispatch's CTAs) join only if every
+        dispatch CTA c < C has published its first tile c (tile_expert[c] < 0: nothing to
+        publish): all of them are then resident or done, so every flag a claimed tile waits for
+        will come. Otherwise (GEMM CTAs placed before the dispatch's, e.g. by the block
+        scheduler's order) they leave at once: at most num_ctas - C CTAs spin, and the SMs the
+        dispatch needs stay free. The first num_ctas - C CTAs always join."""
+        comm = tile_counter[1]
+        join = cutlass.Int32(1)
+        if cute.arch.block_idx()[2] >= cute.arch.grid_dim()[2] - comm:
+            for c in range(cutlass.min(comm, tiles_m)):
+                if tile_expert[c] >= 0:
+                    ptr = cute.make_ptr(cutlass.Int32, ready.iterator.toint() + cutlass.Int64(c) * 4,
+                                        cute.AddressSpace.gmem, assumed_align=4)
+                    if cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="gpu") < epoch:
+                        join = cutlass.Int32(0)
+        return join
 
     @cute.jit
     def _produce_gathered(
@@ -419,6 +458,10 @@ class VarlenMGroupedGemm:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
+        if cutlass.const_expr(self.dynamic):
+            tile_pipe = make_tile_pipe(storage.tile_barriers.data_ptr(), self.num_consumer_threads)
+            tile_ring = storage.tile_ring.get_tensor(cute.make_layout(RING_STAGES))
+
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
@@ -453,9 +496,18 @@ class VarlenMGroupedGemm:
                     group_m, k_tiles,
                 )
             elif warp_idx == 0:
-                sched = utils.StaticPersistentTileScheduler.create(
-                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-                )
+                if cutlass.const_expr(self.dynamic):
+                    join = cutlass.Int32(1)
+                    if cutlass.const_expr(self.ready):
+                        join = self._may_join(row_idx, ready, tile_expert, epoch, tiles_m)
+                    sched = DynamicTileScheduler.create(
+                        sched_params, cute.arch.block_idx(), cute.arch.grid_dim(), tile_pipe, tile_ring, row_idx,
+                        producer=True, join=join,
+                    )
+                else:
+                    sched = utils.StaticPersistentTileScheduler.create(
+                        sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+                    )
                 work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
@@ -498,9 +550,15 @@ class VarlenMGroupedGemm:
                 rU_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
             epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
 
-            sched = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-            )
+            if cutlass.const_expr(self.dynamic):
+                sched = DynamicTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim(), tile_pipe, tile_ring, row_idx,
+                    producer=False,
+                )
+            else:
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+                )
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
@@ -748,3 +806,64 @@ class VarlenMGroupedGemmDone(VarlenMGroupedGemm):
     ):
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
                      ready=done, num_ctas=num_ctas)
+
+
+class VarlenMGroupedGemmReadyDyn(VarlenMGroupedGemmReady):
+    """VarlenMGroupedGemmReady with dynamic tiles (tile_queue.py): a grid of every SM, each CTA claims
+    the next tile. tile_counter = [0, C] before the launch (C: the dispatch's CTAs; the last C CTAs
+    join only once every dispatch CTA runs, see _may_join; C = 0: all join at once).
+
+    Same tiles, same K order: bitwise equal to VarlenMGroupedGemm for any num_ctas."""
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.dynamic = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        ready: cute.Tensor,
+        ready_err: cute.Tensor,
+        epoch: cutlass.Int32,
+        timeout_us: cutlass.Int32,
+        num_ctas: cutlass.Int32,
+        tile_counter: cute.Tensor,  # (2,) int32: [claims (0), dispatch CTAs]
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     ready=ready, ready_err=ready_err, epoch=epoch, timeout_us=timeout_us, num_ctas=num_ctas,
+                     tile_counter=tile_counter)
+
+
+class VarlenMGroupedGemmDoneDyn(VarlenMGroupedGemmDone):
+    """VarlenMGroupedGemmDone with dynamic tiles (tile_queue.py). tile_counter = [0] before the launch.
+    Bitwise equal to VarlenMGroupedGemm for any num_ctas."""
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.dynamic = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        done: cute.Tensor,
+        num_ctas: cutlass.Int32,
+        tile_counter: cute.Tensor,  # (1,) int32: claims (0)
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     ready=done, num_ctas=num_ctas, tile_counter=tile_counter)

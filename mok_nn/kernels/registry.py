@@ -104,7 +104,7 @@ def _gemm_gather_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: 
     )
 
 
-def _gemm_hook_spec(name: str, full_epi: bool, hook: str) -> KernelSpec:
+def _gemm_hook_spec(name: str, full_epi: bool, hook: str, dynamic: bool = False) -> KernelSpec:
     # mok_gemm_bk + an EP hook, on a grid of num_ctas CTAs. "ready": waits for ready[m_tile] >= epoch
     # before loading an A row tile; "done": done[m_tile] += 1 per finished output tile.
     base = _gemm_spec(name, "k", GEMM_TILE_N, full_epi=full_epi)
@@ -118,7 +118,11 @@ def _gemm_hook_spec(name: str, full_epi: bool, hook: str) -> KernelSpec:
     else:
         extra = (TensorArg("done", "i32", (DYN,), (1,), align=4),)
     factory = {"ready": "VarlenMGroupedGemmReady", "done": "VarlenMGroupedGemmDone"}[hook]
-    return dataclasses.replace(base, factory=factory, args=base.args + extra + (ScalarArg("num_ctas", "i32"),))
+    extra = extra + (ScalarArg("num_ctas", "i32"),)
+    if dynamic:  # tiles claimed by atomic add: [claims, dispatch CTAs] (ready) / [claims] (done), zeroed per launch
+        factory += "Dyn"
+        extra = extra + (TensorArg("tile_counter", "i32", (2 if hook == "ready" else 1,), (1,), align=4),)
+    return dataclasses.replace(base, factory=factory, args=base.args + extra)
 
 
 def _gemm_act_spec(kind: str) -> KernelSpec:
@@ -377,6 +381,11 @@ SPECS = (
     _gemm_hook_spec("mok_gemm_bk_ef_ready", full_epi=True, hook="ready"),
     _gemm_hook_spec("mok_gemm_bk_done", full_epi=False, hook="done"),
     _gemm_hook_spec("mok_gemm_bk_ef_done", full_epi=True, hook="done"),
+    # the same with dynamic tiles (a grid of every SM, tiles claimed by atomic add; MOK_EP_OV_TILES=dynamic)
+    _gemm_hook_spec("mok_gemm_bk_ready_dyn", full_epi=False, hook="ready", dynamic=True),
+    _gemm_hook_spec("mok_gemm_bk_ef_ready_dyn", full_epi=True, hook="ready", dynamic=True),
+    _gemm_hook_spec("mok_gemm_bk_done_dyn", full_epi=False, hook="done", dynamic=True),
+    _gemm_hook_spec("mok_gemm_bk_ef_done_dyn", full_epi=True, hook="done", dynamic=True),
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),
