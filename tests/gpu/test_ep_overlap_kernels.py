@@ -291,3 +291,206 @@ def test_pair_in_a_cold_process(case):
     assert found, proc.stderr[-2000:]
     rec = json.loads(found[-1][len("RESULT "):])
     assert rec["err"] == 0 and rec["bits_equal"], rec
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic tiles (MOK_EP_OV_TILES=dynamic): mok_gemm_bk[_ef]_{ready,done}_dyn claim tiles by atomic
+# add on tile_counter[0]; every tile is the static kernel's tile, so the bits equal mok_gemm_bk[_ef].
+
+# (tokens of the two simulated ranks, H = GEMM K, N, experts, top-k): a small one, qwen3-30b-a3b's
+# gate/up and down, deepseek-v3's gate/up and down; "few" routes 200 + 60 tokens to 256 experts
+# (local experts with 0 rows).
+DYN_SHAPES = {
+    "small": ([400, 300], 512, 768, 16, 4),
+    "few": ([200, 60], 512, 512, 256, 8),
+    "qwen3_gate_up": ([1024, 900], 2048, 1536, 128, 8),
+    "qwen3_down": ([1024, 900], 768, 2048, 128, 8),
+    "deepseek_gate_up": ([512, 400], 7168, 4096, 256, 8),
+    "deepseek_down": ([512, 400], 2048, 7168, 256, 8),
+}
+
+
+def _dyn_case(shape, seed):
+    import mok_nn.cuda_backend as cb
+
+    tokens, H, N, E, K = DYN_SHAPES[shape]
+    secs, eps, want, *_ = _setup(2, tokens, H, E, K, 0, seed=seed)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=seed + 1)
+    tiles_n = -(-N // 256)
+    group_m = 8 if tiles_n > 32 else 1  # cuda_ep's choice
+    n_tiles = sched.tile_expert.numel() * tiles_n  # every tile is claimed once (unused ones skipped)
+    return cb, want, w, sched, tiles_n, group_m, n_tiles
+
+
+@pytest.mark.parametrize("variant", ["mok_gemm_bk", "mok_gemm_bk_ef"])
+@pytest.mark.parametrize("shape", list(DYN_SHAPES))
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+def test_gemm_ready_dyn_equals_gemm(lib, variant, shape, num_ctas):
+    """Flags already published: the _ready_dyn GEMM on any grid gives the plain GEMM's bits; each CTA
+    claims until it draws an index past the last tile, so the counter ends at tiles + grid."""
+    cb, want, w, sched, tiles_n, group_m, n_tiles = _dyn_case(shape, seed=100 + num_ctas)
+    if shape == "few":
+        assert int((sched.tile_expert >= 0).sum()) > 0
+        assert torch.unique(sched.tile_expert[sched.tile_expert >= 0]).numel() < 128  # experts with 0 rows
+    N = w.shape[1]
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(variant, want, w.permute(1, 2, 0), ref, sched)
+    ready = torch.full((sched.tile_expert.numel(),), 4, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    used = _used_rows(sched)
+    grid = min(num_ctas, n_tiles)
+    for comm in (0, 3):  # 3: the last 3 CTAs check the dispatch's first tiles (published) and join
+        for _ in range(2):
+            out = torch.full_like(ref, float("nan"))
+            ctr = torch.tensor([0, comm], dtype=torch.int32, device="cuda")
+            lib.launch(variant + "_ready_dyn", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
+                       sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, err, 4, TIMEOUT_US,
+                       num_ctas, ctr, stream=torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            assert int(err.item()) == 0
+            assert torch.equal(_bits(out[used]), _bits(ref[used]))
+            assert ctr.tolist() == [n_tiles + grid, comm]
+    if shape == "small":  # against fp64 math too (the reference GEMM could share a bug)
+        e_of_row = torch.repeat_interleave(sched.tile_expert.long(), TILE_M)
+        exact = torch.zeros(sched.capacity, N, dtype=torch.float64, device="cuda")
+        for e in range(w.shape[0]):
+            rows = e_of_row == e
+            exact[rows] = want[rows].double() @ w[e].double().T
+        rel = ((out[used].double() - exact[used]).norm() / exact[used].norm()).item()
+        assert rel < 1e-2, rel
+
+
+def test_gemm_ready_dyn_guard_leaves(lib):
+    """Every CTA is one of the last C (C = grid) and tile 0's flag is not published: no CTA joins (the
+    dispatch is not running, so none may spin on an SM it needs): nothing claimed, nothing written,
+    no wait, no timeout."""
+    cb, want, w, sched, tiles_n, group_m, n_tiles = _dyn_case("small", seed=7)
+    ready = torch.full((sched.tile_expert.numel(),), 4, dtype=torch.int32, device="cuda")
+    ready[0] = 3  # an older epoch
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.full((sched.capacity, w.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ctr = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    t0 = time.time()
+    lib.launch("mok_gemm_bk_ready_dyn", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
+               sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, err, 4, TIMEOUT_US,
+               8, ctr, stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert time.time() - t0 < 5
+    assert int(err.item()) == 0 and ctr.tolist() == [0, 8] and bool(torch.isnan(out).all())
+
+
+@pytest.mark.parametrize("variant", ["mok_gemm_bk", "mok_gemm_bk_ef"])
+@pytest.mark.parametrize("shape", list(DYN_SHAPES))
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+def test_gemm_done_dyn_equals_gemm(lib, variant, shape, num_ctas):
+    """The _done_dyn GEMM gives the plain GEMM's bits on any grid and counts every column tile of every
+    used row tile exactly once."""
+    cb, want, w, sched, tiles_n, group_m, n_tiles = _dyn_case(shape, seed=200 + num_ctas)
+    ref = torch.full((sched.capacity, w.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(variant, want, w.permute(1, 2, 0), ref, sched)
+    used = _used_rows(sched)
+    for _ in range(2):
+        done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+        lib.launch(variant + "_done_dyn", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
+                   sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, done, num_ctas, ctr,
+                   stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(out[used]), _bits(ref[used]))
+        assert torch.equal(done, torch.where(sched.tile_expert >= 0, tiles_n, 0).to(torch.int32))
+        assert int(ctr.item()) == n_tiles + min(num_ctas, n_tiles)
+
+
+@pytest.mark.parametrize("comm_ctas", [1, 16])
+def test_dispatch_beside_gemm_dyn(lib, comm_ctas):
+    """The dispatch pair with dynamic tiles: dispatch on comm CTAs (high-priority side stream, launched
+    first), the _ready_dyn GEMM on every SM with tile_counter [0, comm]; bitwise the sequential result."""
+    import mok_nn.cuda_backend as cb
+
+    H, N, E, K = 2048, 1536, 32, 8
+    secs, eps, want, row_peer, row_src, base, tc = _setup(2, [4096, 4096], H, E, K, 1, seed=50 + comm_ctas)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=3)
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    name = cb.gemm_kernel(False, torch.bfloat16, k=H)
+    cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
+    used = _used_rows(sched)
+    ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    comm, gemm_ctas = cuda_ep.split_sms(sms, comm_ctas)
+    ctr = torch.zeros(2, dtype=torch.int32, device="cuda")
+    for epoch in (1, 2, 3):
+        x_rows = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        ctr.copy_(torch.tensor([0, comm], dtype=torch.int32))
+        side.wait_stream(main)
+        lib.launch("mok_ep_dispatch_rows", x_rows, base, row_peer, row_src, sched.tile_expert, ready, err, epoch,
+                   TIMEOUT_US, comm, stream=side.cuda_stream)
+        lib.launch(name + "_ready_dyn", x_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
+                   sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, epoch, TIMEOUT_US,
+                   comm + gemm_ctas, ctr, stream=main.cuda_stream)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        assert torch.equal(_bits(x_rows[used]), _bits(want[used]))
+        assert torch.equal(_bits(out[used]), _bits(ref[used]))
+        claims = int(ctr[0].item())
+        tiles = sched.tile_expert.numel() * (-(-N // 256))
+        assert tiles + gemm_ctas <= claims <= tiles + comm + gemm_ctas  # the last comm CTAs may not join
+
+
+@pytest.mark.parametrize("comm_ctas", [1, 16])
+def test_push_beside_gemm_dyn(lib, comm_ctas):
+    """The combine pair with dynamic tiles: the _done_dyn GEMM on every SM, then the push on comm CTAs
+    of a side stream: no deadlock (a claimed tile never waits), exactly the sequential push's rows."""
+    import mok_nn.cuda_backend as cb
+
+    H, I, E, K, P = 2048, 768, 32, 8, 2
+    tokens = [3000, 2800]
+    secs, eps, h_rows, *_ = _setup(P, tokens, I, E, K, 1, seed=60 + comm_ctas)
+    sched = eps.sched
+    w = _gemm_inputs(sched.capacity, I, H, E // P, seed=4)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=I)
+    ref = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm(name, h_rows, w.permute(1, 2, 0), ref, sched)
+    tc = max(tokens)
+
+    def fresh():
+        bufs = [torch.full((tc * K, H), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(P)]
+        for p in range(P):
+            bufs[p][tokens[p] * K:] = 0
+        return bufs
+
+    want = fresh()
+    for p in range(P):
+        ok = eps.push_src[p] >= 0
+        want[p][eps.row_slot[ok]] = ref[eps.push_src[p][ok]]
+    row_rank = eps.row_src.to(torch.int32)
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    comm, gemm_ctas = cuda_ep.split_sms(sms, comm_ctas)
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        slots = fresh()
+        base = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64, device="cuda")
+        done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        ctr.zero_()
+        side.wait_stream(main)
+        lib.launch(name + "_done_dyn", h_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
+                   sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), 1, done, sms, ctr,
+                   stream=main.cuda_stream)
+        lib.launch("mok_ep_push_rows", out, base, row_rank, eps.row_slot, sched.tile_expert, done, err,
+                   -(-H // 256), TIMEOUT_US, comm, stream=side.cuda_stream)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        for p in range(P):
+            assert torch.equal(_bits(slots[p]), _bits(want[p])), p
