@@ -10,6 +10,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           (records before the zero-chunk producer was removed call the last two gather_zf, gather_zf_dy)
   epcopy: v2, v1 (MOK_EP_COPY; EP only)
   epfwd:  seq, ov16 (MOK_EP_FWD; EP only)
+  epovdyn: seq, ov_static, ov_dynamic, ov_dyn_dispatch (MOK_EP_FWD=overlap with MOK_EP_OV_TILES=static /
+          dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
 The env variables are read at every call, so one process can switch between them.
@@ -43,6 +45,14 @@ MODE_SETS = {
     "epfwd": {
         "seq": {"MOK_EP_FWD": "sequential"},
         "ov16": {"MOK_EP_FWD": "overlap"},  # MoKConfig.fwd_num_comm_sms = 16 (the default)
+    },
+    # the overlapped forward's GEMMs: static tiles on the SMs the comm kernels leave free, or the _dyn
+    # GEMMs on every SM claiming tiles by atomic add (both pairs, or the dispatch pair only)
+    "epovdyn": {
+        "seq": {"MOK_EP_FWD": "sequential"},
+        "ov_static": {"MOK_EP_FWD": "overlap", "MOK_EP_OV_TILES": "static"},
+        "ov_dynamic": {"MOK_EP_FWD": "overlap", "MOK_EP_OV_TILES": "dynamic"},
+        "ov_dyn_dispatch": {"MOK_EP_FWD": "overlap", "MOK_EP_OV_TILES": "dispatch"},
     },
 }
 

@@ -10,6 +10,9 @@ routing (softmax top-k of x @ a random router), the same inputs for every implem
   ov<c>       cuda_ep forward, overlapped (dispatch beside gate/up, push beside down), fwd_num_comm_sms=c
   ov<c>d      the same with the combine push after the down GEMM (MOK_EP_COMBINE=sequential): the
               dispatch overlap alone
+  ov<c>dyn    ov<c> with dynamic tiles (MOK_EP_OV_TILES=dynamic: the _dyn GEMMs on every SM, tiles
+              claimed by atomic add, the comm SMs join the GEMM once the comm kernel ends)
+  ov<c>dsp    ov<c> with dynamic tiles for the dispatch pair only (MOK_EP_OV_TILES=dispatch)
 Implementations alternate inside each timed iteration (clock drift hits all alike); an
 iteration's time is the slowest rank's (all_reduce MAX); medians reported, with TFLOP/s
 per GPU (6*T*k*H*I / time) and the ratio to ep1 (target: >= 0.90). Before timing, y of
@@ -85,7 +88,7 @@ def main():
 
     comms = [int(c) for c in args.comm.split(",") if c]
     log(f"EP={world}, {args.tokens} tokens per rank, {args.iters} iterations (median of the slowest rank)")
-    log(f"{'shape':<15} {'impl':<6} {'fwd ms':>8} {'TFLOP/s':>8} {'vs ep1':>7}  y bitwise = seq")
+    log(f"{'shape':<15} {'impl':<8} {'fwd ms':>8} {'TFLOP/s':>8} {'vs ep1':>7}  y bitwise = seq")
     ok_all = True
     for shape in [s for s in args.shapes.split(",") if s]:
         hidden, inter, num_experts, top_k = bench.SHAPES[shape]
@@ -100,22 +103,26 @@ def main():
         for c in comms:
             ws = functional.get_workspace(ep_group=dist.group.WORLD, config=MoKConfig(fwd_num_comm_sms=c), **common)
             impls[f"ov{c}"] = (ws, local, "overlap", "overlap")
+            impls[f"ov{c}dyn"] = (ws, local, "overlap", "overlap", "dynamic")
             if c == 16:
                 impls[f"ov{c}d"] = (ws, local, "overlap", "sequential")
+                impls[f"ov{c}dsp"] = (ws, local, "overlap", "overlap", "dispatch")
 
         def run(name):
-            ws, params, mode, combine = impls[name]
+            ws, params, mode, combine, *tiles = impls[name]
             if mode:
                 os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"] = mode, combine
+                os.environ["MOK_EP_OV_TILES"] = tiles[0] if tiles else "static"
             try:
                 with torch.no_grad():
                     return MoKFunction.apply(x, w, *params, ids, ws)
             finally:
                 os.environ.pop("MOK_EP_FWD", None)
                 os.environ.pop("MOK_EP_COMBINE", None)
+                os.environ.pop("MOK_EP_OV_TILES", None)
 
         ys = {n: run(n) for n in impls}
-        for n, (ws, _, mode, _) in impls.items():
+        for n, (ws, _, mode, *_) in impls.items():
             if mode:
                 cuda_ep.check_errors(ws)
         for _ in range(args.warmup):
@@ -132,8 +139,9 @@ def main():
                 end.record()
                 end.synchronize()
                 times[n].append(start.elapsed_time(end))
-        timelines = {n: kernel_timeline(lambda: run(n)) for n in ("seq", f"ov{comms[0] if 16 not in comms else 16}")}
-        for n, (ws, _, mode, _) in impls.items():
+        c0 = comms[0] if 16 not in comms else 16
+        timelines = {n: kernel_timeline(lambda: run(n)) for n in ("seq", f"ov{c0}", f"ov{c0}dyn")}
+        for n, (ws, _, mode, *_) in impls.items():
             if mode:
                 cuda_ep.check_errors(ws)
         flops = 6 * args.tokens * top_k * hidden * inter
@@ -149,7 +157,7 @@ def main():
             same = same if same == "-" else bool(flag.item())
             ok_all &= same is not False
             tf = flops / med[n] / 1e9
-            log(f"{shape:<15} {n:<6} {med[n]:8.3f} {tf:8.1f} {med['ep1'] / med[n]:7.2f}  {same}")
+            log(f"{shape:<15} {n:<8} {med[n]:8.3f} {tf:8.1f} {med['ep1'] / med[n]:7.2f}  {same}")
             records.append(dict(shape=shape, ep=world, tokens_per_rank=args.tokens, impl=n, fwd_ms=med[n],
                                 fwd_tflops=tf, ratio_vs_ep1=med["ep1"] / med[n], y_bitwise_eq_seq=same,
                                 gpu=torch.cuda.get_device_name(), torch=torch.__version__,

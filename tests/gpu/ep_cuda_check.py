@@ -13,8 +13,9 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
   - the same under torch.use_deterministic_algorithms(True): nothing raises, bits unchanged
   - with MOK_EP_CHECK_OVERLAP=1: the overlapped forward (opt-in, MOK_EP_FWD=overlap: dispatch on comm CTAs beside the gate/up GEMM,
     combine push beside the down GEMM) against the sequential default, fwd_num_comm_sms 1,
-    16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential): y and every gradient
-    bitwise equal, each run twice (bitwise repeat)
+    16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential), and with dynamic tiles
+    (MOK_EP_OV_TILES=dynamic, comm 1/16/64; =dispatch, comm 16): y and every gradient bitwise equal,
+    each run twice (bitwise repeat)
   - row copies: MOK_EP_COPY=v2 (default), v1 and torch give the same bits (fixed routing), each run twice
   - step 1 of the forward: MOK_EP_PUBLISH=kernel (default) and torch give the same bits (fixed routing,
     fp32 and bf16 top-k weights, published sections poisoned first), each run twice
@@ -256,18 +257,23 @@ def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu",
     common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
                   backend="cuda", activation=activation, swiglu_limit=limit, ep_group=dist.group.WORLD)
     runs = {}
-    for label, comm, mode, combine in (
-            ("sequential", 16, "sequential", "sequential"),
-            ("overlap comm_sms=16", 16, "overlap", "overlap"),
-            ("overlap comm_sms=16, combine push after the down GEMM", 16, "overlap", "sequential"),
-            ("overlap comm_sms=1", 1, "overlap", "overlap"),
-            ("overlap comm_sms=64", 64, "overlap", "overlap")):
+    for label, comm, mode, combine, tiles in (
+            ("sequential", 16, "sequential", "sequential", "static"),
+            ("overlap comm_sms=16", 16, "overlap", "overlap", "static"),
+            ("overlap comm_sms=16, combine push after the down GEMM", 16, "overlap", "sequential", "static"),
+            ("overlap comm_sms=1", 1, "overlap", "overlap", "static"),
+            ("overlap comm_sms=64", 64, "overlap", "overlap", "static"),
+            # MOK_EP_OV_TILES: the _dyn GEMMs on every SM (tiles claimed by atomic add)
+            ("overlap dynamic tiles comm_sms=16", 16, "overlap", "overlap", "dynamic"),
+            ("overlap dynamic tiles comm_sms=1", 1, "overlap", "overlap", "dynamic"),
+            ("overlap dynamic tiles comm_sms=64", 64, "overlap", "overlap", "dynamic"),
+            ("overlap dynamic tiles (dispatch pair only) comm_sms=16", 16, "overlap", "overlap", "dispatch")):
         ws = functional.get_workspace(config=MoKConfig(fwd_num_comm_sms=comm), **common)
-        os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"] = mode, combine
+        os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"], os.environ["MOK_EP_OV_TILES"] = mode, combine, tiles
         try:
             runs[label] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
         finally:
-            del os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"]
+            del os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"], os.environ["MOK_EP_OV_TILES"]
         cuda_ep.check_errors(ws)
     seq = runs["sequential"][0]
     for label, (a, b) in runs.items():
