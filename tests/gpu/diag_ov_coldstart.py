@@ -16,8 +16,10 @@ process (nothing loaded yet), with a 1 s readiness timeout:
   dispatch_first_cold  dispatch, then the _ready GEMM (cuda_ep's order)         err=0, bits equal
   ready_first_cold     the _ready GEMM (waits), then dispatch (mirror image)    err=1 (supporting)
   push_first_eager     push_first_cold with CUDA_MODULE_LOADING=EAGER           informational
+  gemm_dyn_first_cold  _done_dyn GEMM on every SM, then push (MOK_EP_OV_TILES=dynamic) err=0, bits equal
+  dispatch_first_dyn_cold  dispatch, then the _ready_dyn GEMM on every SM        err=0, bits equal
 
-The verdict line (exit status 0) depends on the first four ("core") cases only.
+The verdict line (exit status 0) depends on the "core" cases only (the first four and the two dyn ones).
 
 "bits equal": the pair's output rows are bitwise those of the sequential construction (plain GEMM,
 copies), computed after the pair. With the fail-fast waits (readiness.wait_flag) a deadlocked pair
@@ -38,6 +40,9 @@ CASES = {  # name: (pair, spinning kernel first?, warm-up launch?, extra env, pr
     "dispatch_first_cold": ("dispatch", False, False, {}, 0, "core"),
     "ready_first_cold": ("dispatch", True, False, {}, 1, "support"),
     "push_first_eager": ("push", True, False, {"CUDA_MODULE_LOADING": "EAGER"}, None, "info"),
+    # dynamic tiles (pair "*_dyn"): the _dyn GEMMs on every SM, cuda_ep's launch order
+    "gemm_dyn_first_cold": ("push_dyn", False, False, {}, 0, "core"),
+    "dispatch_first_dyn_cold": ("dispatch_dyn", False, False, {}, 0, "core"),
 }
 TIMEOUT_US = 1_000_000
 COMM_CTAS = 4
@@ -75,10 +80,16 @@ def child(name):
     from mok_nn.kernels import loader
 
     pair, spinner_first, warm, _, _, _ = CASES[name]
+    dyn = pair.endswith("_dyn")
+    pair = pair.removesuffix("_dyn")
     lib = loader.load("sm_90a")
     torch.cuda.set_device(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     comm_ctas, gemm_ctas = cuda_ep.split_sms(sms, COMM_CTAS)
+    # dyn: the GEMM on every SM; extra trailing argument tile_counter ([0] done, [0, comm] ready)
+    suffix, grid = ("_dyn", sms) if dyn else ("", gemm_ctas)
+    ctr = torch.tensor([0, comm_ctas] if pair == "dispatch" else [0], dtype=torch.int32, device="cuda")
+    extra = (ctr,) if dyn else ()
     side, main = torch.cuda.Stream(priority=-1), torch.cuda.current_stream()
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
     tokens, E, K = [1500, 1400], 32, 4
@@ -112,8 +123,8 @@ def child(name):
                        tiles_n, TIMEOUT_US, comm_ctas, stream=side.cuda_stream)
 
         def setter():
-            lib.launch(gemm + "_done", a_rows.unsqueeze(-1), wt, out.unsqueeze(-1), sched.tile_expert,
-                       sched.seg_end, sched.gemm_seg_rows(), 1, done, gemm_ctas, stream=main.cuda_stream)
+            lib.launch(gemm + "_done" + suffix, a_rows.unsqueeze(-1), wt, out.unsqueeze(-1), sched.tile_expert,
+                       sched.seg_end, sched.gemm_seg_rows(), 1, done, grid, *extra, stream=main.cuda_stream)
     else:
         row_peer, row_src = cuda_ep.dispatch_plan(eps, rank)
         base = torch.tensor([s.data_ptr() for s in secs], dtype=torch.int64, device="cuda")
@@ -126,8 +137,8 @@ def child(name):
                        TIMEOUT_US, comm_ctas, stream=side.cuda_stream)
 
         def spinner():
-            lib.launch(gemm + "_ready", x_rows.unsqueeze(-1), wt, out.unsqueeze(-1), sched.tile_expert,
-                       sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, 1, TIMEOUT_US, gemm_ctas,
+            lib.launch(gemm + "_ready" + suffix, x_rows.unsqueeze(-1), wt, out.unsqueeze(-1), sched.tile_expert,
+                       sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, 1, TIMEOUT_US, grid, *extra,
                        stream=main.cuda_stream)
 
     side.wait_stream(main)

@@ -275,7 +275,8 @@ def test_push_wait_times_out(lib):
     assert int(err.item()) == 1 and time.time() - t0 < 10
 
 
-@pytest.mark.parametrize("case", ["gemm_first_cold", "dispatch_first_cold"])
+@pytest.mark.parametrize("case", ["gemm_first_cold", "dispatch_first_cold", "gemm_dyn_first_cold",
+                                  "dispatch_first_dyn_cold"])
 def test_pair_in_a_cold_process(case):
     """cuda_ep's launch order (the kernel that waits launched last) in a fresh process, where each
     kernel's first launch loads its module and may wait for the running kernels: no readiness
