@@ -299,11 +299,11 @@ def test_pair_in_a_cold_process(case):
 # add on tile_counter[0]; every tile is the static kernel's tile, so the bits equal mok_gemm_bk[_ef].
 
 # (tokens of the two simulated ranks, H = GEMM K, N, experts, top-k): a small one, qwen3-30b-a3b's
-# gate/up and down, deepseek-v3's gate/up and down; "few" routes 200 + 60 tokens to 256 experts
+# gate/up and down, deepseek-v3's gate/up and down; "few" routes 40 + 20 tokens (top-2) to 256 experts
 # (local experts with 0 rows).
 DYN_SHAPES = {
     "small": ([400, 300], 512, 768, 16, 4),
-    "few": ([200, 60], 512, 512, 256, 8),
+    "few": ([40, 20], 512, 512, 256, 2),
     "qwen3_gate_up": ([1024, 900], 2048, 1536, 128, 8),
     "qwen3_down": ([1024, 900], 768, 2048, 128, 8),
     "deepseek_gate_up": ([512, 400], 7168, 4096, 256, 8),
