@@ -37,14 +37,37 @@ def _torch_combine(rows, pos, weights, out_dtype):
     return acc.to(out_dtype)
 
 
-@pytest.fixture
-def cpu_kernels(monkeypatch):
+def patch_cpu_kernels(monkeypatch):
+    """The EP path on the CPU: torch GEMMs, activation and combine; each step's error flags
+    recorded into ws.ep_state["seen"] instead of a pinned copy."""
     monkeypatch.setenv("MOK_GEMM", "torch")
     monkeypatch.setenv("MOK_ACT", "torch")
-    monkeypatch.setenv("MOK_EP_COPY", "torch")
     monkeypatch.setattr(cb, "check_supported", lambda *a: None)
     monkeypatch.setattr(cb, "combine", _torch_combine)
     monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
+
+
+def install_stub_library(monkeypatch, lib, on_buffers):
+    """patch_cpu_kernels, plus `lib` (a stub carrying out some kernels' contracts on CPU tensors) as
+    the kernel library; on_buffers(bufs) runs for every new symmetric buffer (to register its sections
+    with the stub by address)."""
+    patch_cpu_kernels(monkeypatch)
+    monkeypatch.setattr(cb, "_lib", lambda: lib)
+    monkeypatch.setattr(cb, "_stream", lambda: 0)
+    real_init = cuda_ep.SymmBuffers.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self._num_sms = 3  # no device to ask
+        on_buffers(self)
+
+    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    patch_cpu_kernels(monkeypatch)
+    monkeypatch.setenv("MOK_EP_COPY", "torch")
 
 
 def _run_ranks(fn, ep_size):

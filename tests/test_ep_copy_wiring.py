@@ -12,9 +12,8 @@ import threading
 import pytest
 import torch
 
-from mok_nn import cuda_backend as cb
 from mok_nn import cuda_ep
-from test_cuda_ep_simulated import _problem, _simulated_ep
+from test_cuda_ep_simulated import _problem, _simulated_ep, install_stub_library
 
 
 class _StubLib:
@@ -60,27 +59,15 @@ class _StubLib:
 
 @pytest.fixture
 def stub_copies(monkeypatch):
-    monkeypatch.setenv("MOK_GEMM", "torch")
-    monkeypatch.setenv("MOK_ACT", "torch")
-    monkeypatch.setattr(cb, "check_supported", lambda *a: None)
-    from test_cuda_ep_simulated import _torch_combine
-
-    monkeypatch.setattr(cb, "combine", _torch_combine)
-    monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
     lib = _StubLib()
-    monkeypatch.setattr(cb, "_lib", lambda: lib)
-    monkeypatch.setattr(cb, "_stream", lambda: 0)
-    real_init = cuda_ep.SymmBuffers.__init__
 
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        self._num_sms = 3  # no device to ask
-        for views in self._views:
+    def register(bufs):
+        for views in bufs._views:
             for name, v in views.items():
                 if name in ("tokens", "dy", "slots", "dxslots"):
                     lib.sections[v.data_ptr()] = v
 
-    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+    install_stub_library(monkeypatch, lib, register)
     return lib
 
 
