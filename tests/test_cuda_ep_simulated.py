@@ -209,15 +209,20 @@ def test_check_errors_too_many_tokens_sets_growth():
     cuda_ep.check_errors(ws)  # reported once
 
 
+@pytest.mark.parametrize("save_x_rows", ["1", "0"])
 @pytest.mark.parametrize("tokens,bias,activation,limit", [
     ([37, 20], False, "swiglu", None),
     ([37, 1], False, "swiglu", 7.0),
     ([300, 301], True, "swiglu_oai", 7.0),
 ])
-def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, tokens, bias, activation, limit):
+def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, tokens, bias, activation, limit,
+                                                      save_x_rows):
     """Given one routing, cuda_ep's plumbing (exchange, row order, biases, d w slots) gives the bits of
     cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
-    kernels. (On the GPU, tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
+    kernels; with the forward's x rows kept for the backward (MOK_EP_SAVE_X_ROWS=1, the default) and
+    with them pulled and gathered again (=0). (On the GPU, tests/gpu/ep_cuda_check.py checks the same
+    with the real kernels.)"""
+    monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x_rows)
     H, I, E, K, P = 64, 32, 8, 2, 2
     e_l = E // P
     g = torch.Generator().manual_seed(11 + sum(tokens))

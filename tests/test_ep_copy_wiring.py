@@ -98,10 +98,11 @@ def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
         if mode == "torch":
             assert names == []
         elif mode == "v1":
-            # forward: P-1 pulls + P pushes; backward: 2(P-1) pulls + P pushes, per rank
-            assert set(names) == {"mok_ep_copy_rows"} and per_rank == 3 * (P - 1) + 2 * P
+            # forward: P-1 pulls + P pushes; backward: P-1 pulls (d y; the forward kept its x rows,
+            # MOK_EP_SAVE_X_ROWS) + P pushes, per rank
+            assert set(names) == {"mok_ep_copy_rows"} and per_rank == 2 * (P - 1) + 2 * P
         else:  # v2, also the default: one pull per section, one push per step
-            assert sorted(names) == sorted(["mok_ep_pull_peers"] * 3 * P + ["mok_ep_push_peers"] * 2 * P)
+            assert sorted(names) == sorted(["mok_ep_pull_peers"] * 2 * P + ["mok_ep_push_peers"] * 2 * P)
     for mode in ("v1", None, "v2"):
         for r in range(P):
             y, dx, dw, grads = got[mode][r]
