@@ -46,9 +46,9 @@ per row tile and mok_ep_push_rows on the comm CTAs pushes a row tile's rows once
 column tiles are stored. Same rows, same GEMM tiles and K order, same slots: bitwise the
 sequential path's results. MOK_EP_OV_TILES=dynamic (ov_tiles_mode): both GEMMs are the _dyn
 variants on every SM, tiles claimed by atomic add, so the comm SMs join the GEMM once free.
-Backward mirrors it: x and d y rows pulled again, dgrad + dSwiGLU + weight
-gradients locally, d x rows and d w pushed to the source slots, barrier, fixed
-order sums. Each slot is written exactly once and every sum has a fixed order,
+Backward mirrors it: d y rows pulled (and x rows, where the forward kept none:
+save_x_rows), dgrad + dSwiGLU + weight gradients locally, d x rows and d w
+pushed to the source slots, barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
 so results are bitwise reproducible, and the row order inside an expert is the
 one of the reference EP path (source rank, then slot order).
 
@@ -864,6 +864,17 @@ class EPSaved:
     num_tokens: int
     bufs: SymmBuffers  # the buffer the schedule indexes (the backward must use the same one)
     too_many: torch.Tensor  # [] int32 of _too_many in the forward: the backward has the same token counts
+    # [cap, H] bf16 x rows in schedule order, for the weight gradient of gate_up_proj (save_x_rows);
+    # None: the backward pulls and gathers them again
+    x_rows: torch.Tensor | None = None
+
+
+def save_x_rows() -> bool:
+    """MOK_EP_SAVE_X_ROWS (default 1): keep the forward's x rows (schedule order) for the backward,
+    as the single-GPU path does, instead of pulling the peers' x rows again and gathering them:
+    time for memory (deepseek-v3 at 8192 tokens per rank: 1.3 ms of the backward for ~2 GB).
+    The overlapped and the gathering forward (MOK_GEMM_GATHER=1) make no copy to keep."""
+    return os.environ.get("MOK_EP_SAVE_X_ROWS", "1") != "0"
 
 
 def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -923,6 +934,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # op issued before the first GEMM delays the GPU, which waits for the host here)
     eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
+    x_rows = None
     if fwd_mode(ws.config) == "overlap":
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
@@ -957,7 +969,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     w_eff = _poison(topk_weights[:n].float(), flags.any())
     y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many)
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None)
 
 
 def _comm_setup(ws, dev):
@@ -1060,17 +1072,22 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     eps, sched, gate_up = saved.eps, saved.eps.sched, saved.gate_up
     n = min(num_tokens, tc)
 
-    # 1. own x and dy rows local (x again: another layer may have reused the tokens section)
+    # 1. own dy rows local, and x rows unless the forward kept them (x again: another layer may have
+    # reused the tokens section)
     tokens, dy = bufs.local("tokens"), bufs.local("dy")
-    tokens[r * tc:r * tc + n].copy_(x[:n])
+    x_rows = saved.x_rows
+    if x_rows is None:
+        tokens[r * tc:r * tc + n].copy_(x[:n])
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
-    # 3. reverse combine: pull the needed x and dy rows of each peer
-    bufs.pull_rows("tokens", eps.pull_src)
+    # 3. reverse combine: pull the needed dy (and x) rows of each peer
+    if x_rows is None:
+        bufs.pull_rows("tokens", eps.pull_src)
     bufs.pull_rows("dy", eps.pull_src)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
-    x_rows = tokens.index_select(0, sched.row_token)
+    if x_rows is None:
+        x_rows = tokens.index_select(0, sched.row_token)
     dy_rows = dy.index_select(0, sched.row_token)
     dh_raw = cb.grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     dgu, wh, dw_rows = cb.act_backward(gate_up, dh_raw, saved.w_rows, sched, ws.activation, ws.swiglu_limit)

@@ -37,14 +37,37 @@ def _torch_combine(rows, pos, weights, out_dtype):
     return acc.to(out_dtype)
 
 
-@pytest.fixture
-def cpu_kernels(monkeypatch):
+def patch_cpu_kernels(monkeypatch):
+    """The EP path on the CPU: torch GEMMs, activation and combine; each step's error flags
+    recorded into ws.ep_state["seen"] instead of a pinned copy."""
     monkeypatch.setenv("MOK_GEMM", "torch")
     monkeypatch.setenv("MOK_ACT", "torch")
-    monkeypatch.setenv("MOK_EP_COPY", "torch")
     monkeypatch.setattr(cb, "check_supported", lambda *a: None)
     monkeypatch.setattr(cb, "combine", _torch_combine)
     monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
+
+
+def install_stub_library(monkeypatch, lib, on_buffers):
+    """patch_cpu_kernels, plus `lib` (a stub carrying out some kernels' contracts on CPU tensors) as
+    the kernel library; on_buffers(bufs) runs for every new symmetric buffer (to register its sections
+    with the stub by address)."""
+    patch_cpu_kernels(monkeypatch)
+    monkeypatch.setattr(cb, "_lib", lambda: lib)
+    monkeypatch.setattr(cb, "_stream", lambda: 0)
+    real_init = cuda_ep.SymmBuffers.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self._num_sms = 3  # no device to ask
+        on_buffers(self)
+
+    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    patch_cpu_kernels(monkeypatch)
+    monkeypatch.setenv("MOK_EP_COPY", "torch")
 
 
 def _run_ranks(fn, ep_size):
@@ -186,15 +209,20 @@ def test_check_errors_too_many_tokens_sets_growth():
     cuda_ep.check_errors(ws)  # reported once
 
 
+@pytest.mark.parametrize("save_x_rows", ["1", "0"])
 @pytest.mark.parametrize("tokens,bias,activation,limit", [
     ([37, 20], False, "swiglu", None),
     ([37, 1], False, "swiglu", 7.0),
     ([300, 301], True, "swiglu_oai", 7.0),
 ])
-def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, tokens, bias, activation, limit):
+def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, tokens, bias, activation, limit,
+                                                      save_x_rows):
     """Given one routing, cuda_ep's plumbing (exchange, row order, biases, d w slots) gives the bits of
     cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
-    kernels. (On the GPU, tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
+    kernels; with the forward's x rows kept for the backward (MOK_EP_SAVE_X_ROWS=1, the default) and
+    with them pulled and gathered again (=0). (On the GPU, tests/gpu/ep_cuda_check.py checks the same
+    with the real kernels.)"""
+    monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x_rows)
     H, I, E, K, P = 64, 32, 8, 2, 2
     e_l = E // P
     g = torch.Generator().manual_seed(11 + sum(tokens))

@@ -12,9 +12,8 @@ import threading
 import pytest
 import torch
 
-from mok_nn import cuda_backend as cb
 from mok_nn import cuda_ep
-from test_cuda_ep_simulated import _problem, _simulated_ep
+from test_cuda_ep_simulated import _problem, _simulated_ep, install_stub_library
 
 
 class _StubLib:
@@ -60,27 +59,15 @@ class _StubLib:
 
 @pytest.fixture
 def stub_copies(monkeypatch):
-    monkeypatch.setenv("MOK_GEMM", "torch")
-    monkeypatch.setenv("MOK_ACT", "torch")
-    monkeypatch.setattr(cb, "check_supported", lambda *a: None)
-    from test_cuda_ep_simulated import _torch_combine
-
-    monkeypatch.setattr(cb, "combine", _torch_combine)
-    monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
     lib = _StubLib()
-    monkeypatch.setattr(cb, "_lib", lambda: lib)
-    monkeypatch.setattr(cb, "_stream", lambda: 0)
-    real_init = cuda_ep.SymmBuffers.__init__
 
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        self._num_sms = 3  # no device to ask
-        for views in self._views:
+    def register(bufs):
+        for views in bufs._views:
             for name, v in views.items():
                 if name in ("tokens", "dy", "slots", "dxslots"):
                     lib.sections[v.data_ptr()] = v
 
-    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+    install_stub_library(monkeypatch, lib, register)
     return lib
 
 
@@ -111,10 +98,11 @@ def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
         if mode == "torch":
             assert names == []
         elif mode == "v1":
-            # forward: P-1 pulls + P pushes; backward: 2(P-1) pulls + P pushes, per rank
-            assert set(names) == {"mok_ep_copy_rows"} and per_rank == 3 * (P - 1) + 2 * P
+            # forward: P-1 pulls + P pushes; backward: P-1 pulls (d y; the forward kept its x rows,
+            # MOK_EP_SAVE_X_ROWS) + P pushes, per rank
+            assert set(names) == {"mok_ep_copy_rows"} and per_rank == 2 * (P - 1) + 2 * P
         else:  # v2, also the default: one pull per section, one push per step
-            assert sorted(names) == sorted(["mok_ep_pull_peers"] * 3 * P + ["mok_ep_push_peers"] * 2 * P)
+            assert sorted(names) == sorted(["mok_ep_pull_peers"] * 2 * P + ["mok_ep_push_peers"] * 2 * P)
     for mode in ("v1", None, "v2"):
         for r in range(P):
             y, dx, dw, grads = got[mode][r]

@@ -12,9 +12,8 @@ import threading
 import pytest
 import torch
 
-from mok_nn import cuda_backend as cb
 from mok_nn import cuda_ep
-from test_cuda_ep_simulated import _problem, _simulated_ep
+from test_cuda_ep_simulated import _problem, _simulated_ep, install_stub_library
 
 
 def _fp32_bits(w: torch.Tensor) -> list:
@@ -69,26 +68,10 @@ def _register(lib, bufs):
 
 @pytest.fixture
 def stub_publish(monkeypatch):
-    monkeypatch.setenv("MOK_GEMM", "torch")
-    monkeypatch.setenv("MOK_ACT", "torch")
     monkeypatch.setenv("MOK_EP_COPY", "torch")
-    monkeypatch.setattr(cb, "check_supported", lambda *a: None)
-    from test_cuda_ep_simulated import _torch_combine
-
-    monkeypatch.setattr(cb, "combine", _torch_combine)
-    monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
     monkeypatch.setattr(cuda_ep, "_on_cuda", lambda t: True)  # the stub takes CPU tensors
     lib = _StubLib()
-    monkeypatch.setattr(cb, "_lib", lambda: lib)
-    monkeypatch.setattr(cb, "_stream", lambda: 0)
-    real_init = cuda_ep.SymmBuffers.__init__
-
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        self._num_sms = 3  # no device to ask
-        _register(lib, self)
-
-    monkeypatch.setattr(cuda_ep.SymmBuffers, "__init__", init)
+    install_stub_library(monkeypatch, lib, lambda bufs: _register(lib, bufs))
     return lib
 
 

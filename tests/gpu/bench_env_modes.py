@@ -13,6 +13,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epovdyn: seq, ov_static, ov_dynamic, ov_dyn_dispatch (MOK_EP_FWD=overlap with MOK_EP_OV_TILES=static /
           dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
+  epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
@@ -41,6 +42,8 @@ MODE_SETS = {
     # EP only: step 1 of the forward (own rows, ids, weights, token count to every rank) as one
     # mok_ep_publish launch, or the torch ops it replaces
     "eppublish": {"kernel": {"MOK_EP_PUBLISH": "kernel"}, "torch": {"MOK_EP_PUBLISH": "torch"}},
+    # EP only: the forward's x rows kept for the backward, or pulled and gathered again there
+    "epsavex": {"keep": {"MOK_EP_SAVE_X_ROWS": "1"}, "pull": {"MOK_EP_SAVE_X_ROWS": "0"}},
     # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)
     "epfwd": {
         "seq": {"MOK_EP_FWD": "sequential"},

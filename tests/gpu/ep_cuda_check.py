@@ -304,12 +304,17 @@ def case_copy_modes(name, H, I, E, K, T_by_rank):
         finally:
             del os.environ["MOK_EP_COPY"]
         cuda_ep.check_errors(ws)
-    v1 = runs["v1"][0]
+    _report_mode_runs(name, "MOK_EP_COPY", runs, "v1")
+
+
+def _report_mode_runs(label, var, runs, ref):
+    """One PASS/FAIL line per mode of runs {mode: [first run, repeat]}: the first run has ref's bits
+    (y and every gradient), the repeat the first run's, and nothing is NaN."""
     for mode, (a, b) in runs.items():
         nan = any(torch.isnan(v).any() for v in a.values())
-        detail, eq = _diff(a, v1)
+        detail, eq = _diff(a, runs[ref][0])
         again = all(torch.equal(a[k], b[k]) for k in a)
-        report(f"{name}: MOK_EP_COPY={mode}: bitwise equal to v1, and on a repeat", eq and again and not nan,
+        report(f"{label}: {var}={mode}: bitwise equal to {ref}, and on a repeat", eq and again and not nan,
                "" if eq and again else f"{detail} repeat={again} nan={nan}")
 
 
@@ -356,13 +361,7 @@ def case_publish_modes(name, H, I, E, K, T_by_rank):
             finally:
                 del os.environ["MOK_EP_PUBLISH"]
             cuda_ep.check_errors(ws)
-        ref = runs["torch"][0]
-        for mode, (a, b) in runs.items():
-            nan = any(torch.isnan(v).any() for v in a.values())
-            detail, eq = _diff(a, ref)
-            again = all(torch.equal(a[k], b[k]) for k in a)
-            report(f"{name} ({str(wdt)[6:]} weights): MOK_EP_PUBLISH={mode}: bitwise equal to torch, and on a repeat",
-                   eq and again and not nan, "" if eq and again else f"{detail} repeat={again} nan={nan}")
+        _report_mode_runs(f"{name} ({str(wdt)[6:]} weights)", "MOK_EP_PUBLISH", runs, "torch")
 
 
 # --------------------------------------------------------------------------
