@@ -498,7 +498,7 @@ def _ov_gemm(ws, hook: str, comm_ctas: int, gemm_ctas: int, dev) -> tuple[str, i
     """(kernel name suffix, grid, extra trailing arguments) of an overlapped pair's GEMM (hook "ready" or
     "done"). dynamic: a grid of every SM (comm_ctas + gemm_ctas) and the tile counter, zeroed here (on
     the current stream, before the GEMM's launch on it): [claims] for done, [claims, comm_ctas] for
-    ready (its last comm_ctas CTAs join only once every dispatch CTA runs: grouped_gemm._may_join)."""
+    ready (its last comm_ctas CTAs, never CTA 0, join only once every dispatch CTA runs: grouped_gemm._may_join)."""
     mode = ov_tiles_mode()
     if mode == "static" or (mode == "dispatch" and hook == "done"):
         return "_" + hook, gemm_ctas, ()

@@ -68,7 +68,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .readiness import signal_tile_done, wait_tile_ready
-from .tile_queue import RING_STAGES, DynamicTileScheduler, make_tile_pipe
+from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
 from .gemm_consumer import epilogue_stores, mma_operands, store_sync, store_tile_split
 from .registry import TILE_M
 from .swiglu import _act
@@ -288,10 +288,11 @@ class VarlenMGroupedGemm:
         publish): all of them are then resident or done, so every flag a claimed tile waits for
         will come. Otherwise (GEMM CTAs placed before the dispatch's, e.g. by the block
         scheduler's order) they leave at once: at most num_ctas - C CTAs spin, and the SMs the
-        dispatch needs stay free. The first num_ctas - C CTAs always join."""
+        dispatch needs stay free. The first max(num_ctas - C, 1) CTAs always join (at least one:
+        tile_queue.first_guarded_cta; num_ctas is the grid, clipped to the tile count)."""
         comm = tile_counter[1]
         join = cutlass.Int32(1)
-        if cute.arch.block_idx()[2] >= cute.arch.grid_dim()[2] - comm:
+        if cute.arch.block_idx()[2] >= first_guarded_cta(cute.arch.grid_dim()[2], comm):
             for c in range(cutlass.min(comm, tiles_m)):
                 if tile_expert[c] >= 0:
                     ptr = cute.make_ptr(cutlass.Int32, ready.iterator.toint() + cutlass.Int64(c) * 4,

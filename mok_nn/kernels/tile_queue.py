@@ -29,6 +29,19 @@ import cutlass.utils as utils
 RING_STAGES = 4  # claimed indices in flight from producer to consumers (a few: claims are cheap)
 
 
+def first_guarded_cta(grid, comm):
+    """Dispatch pair (_ready_dyn): CTAs below this index always claim tiles; those at or above it
+    join only once the dispatch's first tiles are published (grouped_gemm._may_join).
+
+    grid - comm keeps comm SMs free for the dispatch; at least 1, so that one CTA always claims:
+    a claiming CTA claims until the counter passes the last tile, so every tile is computed even
+    if every other CTA leaves. (grid - comm alone was <= 0 when the grid, clipped to the tile
+    count, had no more CTAs than the dispatch: then every CTA could leave and no tile was computed,
+    with no error flag: docs/ep.md.) Safe: max(grid - comm, 1) + comm <= SMs, as comm < SMs.
+    Python ints or DSL Int32 alike (tests/test_tile_queue_rule.py checks the rule on the CPU)."""
+    return cutlass.max(grid - comm, 1)
+
+
 def make_tile_pipe(barrier_ptr, num_consumer_threads: int):
     """The ring's barriers: producer = the 32 lanes of warp 0, consumers = every consumer thread."""
     return pipeline.PipelineAsync.create(

@@ -15,7 +15,9 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     combine push beside the down GEMM) against the sequential default, fwd_num_comm_sms 1,
     16, 64, and with the push after the down GEMM (MOK_EP_COMBINE=sequential), and with dynamic tiles
     (MOK_EP_OV_TILES=dynamic, comm 1/16/64; =dispatch, comm 16): y and every gradient bitwise equal,
-    each run twice (bitwise repeat)
+    each run twice (bitwise repeat; MOK_EP_CHECK_REPEATS=N runs N times, each compared to the first;
+    a failing repeat names the tensors that differ). INFO lines give, per dynamic run, the gate/up
+    GEMM CTAs that claimed tiles (tile counter - tiles; 0 would mean no tile computed)
   - row copies: MOK_EP_COPY=v2 (default), v1 and torch give the same bits (fixed routing), each run twice
   - step 1 of the forward: MOK_EP_PUBLISH=kernel (default) and torch give the same bits (fixed routing,
     fp32 and bf16 top-k weights, published sections poisoned first), each run twice
@@ -26,6 +28,9 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
   - a peer that never signals -> the barrier returns within its timeout with the error flag set
   - workspace shapes that differ across ranks -> ValueError on every rank
 INFO lines are diagnostics (not pass/fail).
+Filters (to repeat one case quickly): MOK_EP_CHECK_ONLY="overlap oai,overlap tiny" runs only the checks
+of those names (see main()); MOK_EP_CHECK_OV_TILES="dynamic,dispatch" runs only the overlap labels of
+those tile modes (the sequential reference always runs).
 """
 
 import os
@@ -80,6 +85,9 @@ def report(name, ok, detail=""):
 
 
 def check(name, fn):
+    only = os.environ.get("MOK_EP_CHECK_ONLY", "")
+    if only and name not in only.split(","):
+        return
     try:
         fn()
     except Exception:  # one failing check must not hide the others
@@ -257,6 +265,8 @@ def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu",
     common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
                   backend="cuda", activation=activation, swiglu_limit=limit, ep_group=dist.group.WORLD)
     runs = {}
+    repeats = max(2, int(os.environ.get("MOK_EP_CHECK_REPEATS", "2")))
+    tile_modes = os.environ.get("MOK_EP_CHECK_OV_TILES", "")
     for label, comm, mode, combine, tiles in (
             ("sequential", 16, "sequential", "sequential", "static"),
             ("overlap comm_sms=16", 16, "overlap", "overlap", "static"),
@@ -268,20 +278,45 @@ def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu",
             ("overlap dynamic tiles comm_sms=1", 1, "overlap", "overlap", "dynamic"),
             ("overlap dynamic tiles comm_sms=64", 64, "overlap", "overlap", "dynamic"),
             ("overlap dynamic tiles (dispatch pair only) comm_sms=16", 16, "overlap", "overlap", "dispatch")):
+        if label != "sequential" and tile_modes and tiles not in tile_modes.split(","):
+            continue
         ws = functional.get_workspace(config=MoKConfig(fwd_num_comm_sms=comm), **common)
         os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"], os.environ["MOK_EP_OV_TILES"] = mode, combine, tiles
+        runs[label], joined = [], []
         try:
-            runs[label] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
+            for _ in range(repeats):
+                runs[label].append(_experts(ws, x, w, ids, dy, local))
+                if tiles != "static" and mode == "overlap":
+                    joined.append(_gate_up_claimers(ws, I))
         finally:
             del os.environ["MOK_EP_FWD"], os.environ["MOK_EP_COMBINE"], os.environ["MOK_EP_OV_TILES"]
         cuda_ep.check_errors(ws)
+        if joined:
+            log(f"INFO  {name}: {label}: gate/up GEMM CTAs that claimed tiles, per run: {joined}", all_ranks=True)
     seq = runs["sequential"][0]
-    for label, (a, b) in runs.items():
+    for label, (a, *rest) in runs.items():
         nan = any(torch.isnan(v).any() for v in a.values())
         detail, eq = _diff(a, seq)
-        again = all(torch.equal(a[k], b[k]) for k in a)
-        report(f"{name}: {label}: bitwise equal to sequential, and on a repeat", eq and again and not nan,
+        # each repeat against the first run: which tensors differ (all ranks: one rank may differ alone)
+        diffs = [(i + 1, *_diff(b, a)) for i, b in enumerate(rest)]
+        bad = [(i, d) for i, d, same in diffs if not same]
+        again = not bad
+        if bad:
+            log(f"      {name}: {label}: repeats unlike run 0: " + "; ".join(f"run {i}: {d}" for i, d in bad),
+                all_ranks=True)
+        on = "a repeat" if len(rest) == 1 else f"{len(rest)} repeats"
+        report(f"{name}: {label}: bitwise equal to sequential, and on {on}", eq and again and not nan,
                "" if eq and again else f"{detail} repeat={again} nan={nan}")
+
+
+def _gate_up_claimers(ws, I):
+    """CTAs of the last dynamic gate/up GEMM that claimed tiles: claims - tiles (each claiming CTA draws one
+    index past the last tile). The tile counter is zeroed before each launch; read after the step."""
+    ctr = ws.ep_state.get("ready_ctr")
+    if ctr is None:
+        return None
+    tiles = ws.ep_state["ready"].numel() * -(-2 * I // 256)
+    return int(ctr[0].item()) - tiles
 
 
 def case_copy_modes(name, H, I, E, K, T_by_rank):

@@ -363,22 +363,30 @@ def test_gemm_ready_dyn_equals_gemm(lib, variant, shape, num_ctas):
 
 
 def test_gemm_ready_dyn_guard_leaves(lib):
-    """Every CTA is one of the last C (C = grid) and tile 0's flag is not published: no CTA joins (the
-    dispatch is not running, so none may spin on an SM it needs): nothing claimed, nothing written,
-    no wait, no timeout."""
+    """Every CTA but CTA 0 is one of the last C (C = grid = 8) and tile 0's flag is not published:
+    CTAs 1..7 leave without claiming; CTA 0 always joins (tile_queue.first_guarded_cta), so every tile
+    is still computed. Before that rule no CTA joined and nothing was written, with no error flag: the
+    intermittent wrong result of the EP check (docs/ep.md). Here CTA 0's wait for tile 0 times out
+    (err = 1, a short timeout); the A rows are in place, so the bits are still the plain GEMM's."""
     cb, want, w, sched, tiles_n, group_m, n_tiles = _dyn_case("small", seed=7)
+    assert n_tiles > 8
+    ref = torch.full((sched.capacity, w.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cb.launch_gemm("mok_gemm_bk", want, w.permute(1, 2, 0), ref, sched)
     ready = torch.full((sched.tile_expert.numel(),), 4, dtype=torch.int32, device="cuda")
     ready[0] = 3  # an older epoch
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out = torch.full((sched.capacity, w.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(ref, float("nan"))
     ctr = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
     t0 = time.time()
     lib.launch("mok_gemm_bk_ready_dyn", want.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
-               sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, err, 4, TIMEOUT_US,
+               sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, err, 4, 200_000,
                8, ctr, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert time.time() - t0 < 5
-    assert int(err.item()) == 0 and ctr.tolist() == [0, 8] and bool(torch.isnan(out).all())
+    assert ctr.tolist() == [n_tiles + 1, 8]  # CTA 0 claimed every tile and the stop index; no other claim
+    assert int(err.item()) == 1  # CTA 0 waited out tile 0's flag
+    used = _used_rows(sched)
+    assert torch.equal(_bits(out[used]), _bits(ref[used]))
 
 
 @pytest.mark.parametrize("variant", ["mok_gemm_bk", "mok_gemm_bk_ef"])
@@ -443,6 +451,53 @@ def test_dispatch_beside_gemm_dyn(lib, comm_ctas):
         claims = int(ctr[0].item())
         tiles = sched.tile_expert.numel() * (-(-N // 256))
         assert tiles + gemm_ctas <= claims <= tiles + comm + gemm_ctas  # the last comm CTAs may not join
+
+
+@pytest.mark.parametrize("comm_ctas", [64, 131])
+def test_dispatch_beside_gemm_dyn_few_tiles(lib, comm_ctas):
+    """The dispatch pair with no more GEMM tiles than dispatch CTAs (the EP check's GPT-OSS shape: 27 tiles,
+    comm 64): the GEMM's grid (clipped to the tiles) lies wholly in the guarded range, so without CTA 0's
+    unconditional join every CTA could leave before the dispatch publishes, and no tile would be computed
+    (no error flag). Outputs NaN-filled, 30 warm repeats: every used row has the sequential bits, each time."""
+    import mok_nn.cuda_backend as cb
+
+    H, N, E, K = 256, 256, 16, 4
+    secs, eps, want, row_peer, row_src, base, tc = _setup(2, [300, 301], H, E, K, 1, seed=70 + comm_ctas)
+    sched = eps.sched
+    tiles = sched.tile_expert.numel() * (-(-N // 256))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    comm, gemm_ctas = cuda_ep.split_sms(sms, comm_ctas)
+    assert tiles <= comm  # the whole grid is guarded but CTA 0
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=4)
+    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    name = cb.gemm_kernel(False, torch.bfloat16, k=H)
+    cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
+    used = _used_rows(sched)
+    ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    ctr = torch.zeros(2, dtype=torch.int32, device="cuda")
+    joined = []
+    for epoch in range(1, 31):
+        x_rows = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full_like(ref, float("nan"))
+        ctr.copy_(torch.tensor([0, comm], dtype=torch.int32))
+        side.wait_stream(main)
+        lib.launch("mok_ep_dispatch_rows", x_rows, base, row_peer, row_src, sched.tile_expert, ready, err, epoch,
+                   TIMEOUT_US, comm, stream=side.cuda_stream)
+        lib.launch(name + "_ready_dyn", x_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
+                   sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, epoch, TIMEOUT_US,
+                   comm + gemm_ctas, ctr, stream=main.cuda_stream)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        assert int(err.item()) == 0
+        assert torch.equal(_bits(x_rows[used]), _bits(want[used]))
+        assert torch.equal(_bits(out[used]), _bits(ref[used])), f"epoch {epoch}"
+        claims = int(ctr[0].item())
+        assert tiles + 1 <= claims <= 2 * tiles  # CTA 0 always; grid = tiles CTAs at most
+        joined.append(claims - tiles)
+    print(f"comm={comm} tiles={tiles}: CTAs that joined per run {joined}")
 
 
 @pytest.mark.parametrize("comm_ctas", [1, 16])
