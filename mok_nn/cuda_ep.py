@@ -474,24 +474,7 @@ def ov_tiles_mode() -> str:
     mode = os.environ.get("MOK_EP_OV_TILES", "") or OV_TILES_MODES[0]
     if mode not in OV_TILES_MODES:
         raise ValueError(f"MOK_EP_OV_TILES={mode!r}: expected one of {OV_TILES_MODES}")
-    if mode != "static" and not _warned_dynamic:
-        _warn_dynamic()
     return mode
-
-
-_warned_dynamic = False
-
-
-def _warn_dynamic() -> None:
-    """Once per process: the dynamic tiles are not trustworthy yet (docs/ep.md, "Overlapped forward with
-    dynamic tiles": one of the GPU checks gave different bits on a repeat)."""
-    global _warned_dynamic
-    import warnings
-
-    _warned_dynamic = True
-    warnings.warn("MOK_EP_OV_TILES=dynamic/dispatch is EXPERIMENTAL: on 2 H200 (b95ebff) one of 65 checks gave "
-                  "different bits on a repeat (GPT-OSS config, fwd_num_comm_sms=64); results may be "
-                  "nondeterministic. See docs/ep.md.", RuntimeWarning, stacklevel=3)
 
 
 def _ov_gemm(ws, hook: str, comm_ctas: int, gemm_ctas: int, dev) -> tuple[str, int, tuple]:

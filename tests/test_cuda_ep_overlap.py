@@ -349,18 +349,3 @@ def test_ov_tiles_mode_launches(mode, monkeypatch):
         for name, args in ((g1, a1), (g2, a2)):
             assert len(args) == len(SPECS_BY_NAME[name].args)
 
-
-@pytest.mark.parametrize("mode,warns", [("static", False), ("dynamic", True), ("dispatch", True)])
-def test_ov_tiles_dynamic_warns_once(mode, warns, monkeypatch):
-    """The dynamic tile modes failed one GPU repeat check (docs/ep.md): choosing them warns, once per
-    process; the default (static) does not."""
-    import warnings
-
-    monkeypatch.setenv("MOK_EP_OV_TILES", mode)
-    monkeypatch.setattr(cuda_ep, "_warned_dynamic", False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert cuda_ep.ov_tiles_mode() == mode
-        assert cuda_ep.ov_tiles_mode() == mode
-    hits = [w for w in caught if issubclass(w.category, RuntimeWarning) and "EXPERIMENTAL" in str(w.message)]
-    assert len(hits) == (1 if warns else 0)
