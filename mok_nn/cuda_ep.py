@@ -328,8 +328,10 @@ class _GraphedSchedule:
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
                "slot_row", "row_src", "row_slot", "overflow")
 
-    def __init__(self, ids_all, num_tokens, rank, e_l, capacity):
-        self.args = (num_tokens, rank, e_l, capacity)
+    def __init__(self, ids_all, rank, e_l, capacity):
+        # The schedule depends on this rank's token count only through `pos` (an arange view, built per
+        # call below), so one graph serves every count: captured with the capacity's count.
+        self.args = (ids_all.shape[1], rank, e_l, capacity)
         make_ep_schedule(ids_all, *self.args).row_src  # warm-up: modules loaded, tables and constants built
         side = torch.cuda.Stream(device=ids_all.device)
         side.wait_stream(torch.cuda.current_stream(ids_all.device))
@@ -346,7 +348,6 @@ class _GraphedSchedule:
             for (o, nb, _, _), t in zip(self.layout, outs):
                 self.flat[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
         torch.cuda.current_stream(ids_all.device).wait_stream(side)
-        self.pos = eps.sched.pos  # a constant view (_cached arange), not an output of the graph
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
 
     @classmethod
@@ -355,12 +356,14 @@ class _GraphedSchedule:
         return [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
                 eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
 
-    def __call__(self) -> EPSchedule:
+    def __call__(self, num_tokens: int) -> EPSchedule:
         self.graph.replay()
         flat = self.flat.clone()
         f = {name: flat[o:o + nb].view(dt).view(shape)
              for name, (o, nb, dt, shape) in zip(self._FIELDS, self.layout)}
-        sched = cb.Schedule(self.pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
+        top_k = f["slot_row"].numel() // f["pull_src"].numel()  # slots [P*Tc*k] per token row [P, Tc]
+        pos = _cached("arange", num_tokens * top_k, self.flat.device).view(num_tokens, top_k)  # as make_ep_schedule
+        sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
                             padded_rows=f["padded_rows"])
         eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"])
         eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
@@ -371,14 +374,14 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity) -> EPSchedule:
     """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager."""
     if not (ids_all.is_cuda and use_schedule_graph()):
         return make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
-    key = (ids_all.data_ptr(), tuple(ids_all.shape), num_tokens, rank, e_l, capacity, ids_all.device,
+    key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
            os.environ.get("MOK_SCHEDULE", ""))
     g = _SCHED_GRAPHS.get(key)
     if g is None:
-        if len(_SCHED_GRAPHS) >= 64:  # many distinct token counts: keep the memory bounded
+        if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
             _SCHED_GRAPHS.clear()
-        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, num_tokens, rank, e_l, capacity)
-    return g()
+        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity)
+    return g(num_tokens)
 
 
 def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:

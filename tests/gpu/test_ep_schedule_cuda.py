@@ -86,8 +86,9 @@ def test_cuda_schedule_kernel_variants(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["", "torch"])
 def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypatch):
     """cuda_ep.ep_schedule (a CUDA graph replay) gives the eager make_ep_schedule's bits in every field,
-    for new routings written into the same ids buffer (the graph reads it in place), and a replay
-    leaves the schedules of earlier calls untouched (each call clones the graph's outputs)."""
+    for new routings written into the same ids buffer (the graph reads it in place) and other token
+    counts of this rank (one graph for all), and a replay leaves the schedules of earlier calls
+    untouched (each call clones the graph's outputs)."""
     monkeypatch.setenv("MOK_SCHEDULE", mode)
     monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "1")
     cuda_ep._SCHED_GRAPHS.clear()
@@ -98,7 +99,7 @@ def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypat
     kept = []
     for trial in range(3):
         ids_all, tokens = equiv._random_ids(gen, ep_size, tc, top_k, e_l * ep_size)
-        tokens[rank] = tc  # one key (token count) for all trials: the same graph is replayed
+        tokens[rank] = [tc, 1, tc // 2 + 1][trial]  # one graph serves every token count (pos is built per call)
         ids_buf.copy_(ids_all)
         got = cuda_ep.ep_schedule(ids_buf, tokens[rank], rank, e_l, cap)
         want = equiv._fields(cuda_ep.make_ep_schedule(ids_buf, tokens[rank], rank, e_l, cap))
@@ -107,7 +108,7 @@ def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypat
             assert fields[name].dtype == want[name].dtype and torch.equal(fields[name], want[name]), (trial, name)
         assert torch.equal(got.sched.gemm_seg_rows(), cuda_ep.cb.padded_seg_rows(want["seg_end"])), trial
         kept.append(({k: v.clone() for k, v in fields.items()}, got))
-    assert len(cuda_ep._SCHED_GRAPHS) == 1  # captured once, replayed after
+    assert len(cuda_ep._SCHED_GRAPHS) == 1  # captured once, replayed after, whatever the token count
     for trial, (snapshot, got) in enumerate(kept):  # later replays did not write into earlier results
         fields = equiv._fields(got)
         for name in snapshot:
