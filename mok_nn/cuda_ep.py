@@ -94,6 +94,15 @@ class EPError(RuntimeError):
     pass
 
 
+def _env_choice(var: str, choices: tuple, default: str) -> str:
+    """The setting in environment variable `var`: one of `choices`, `default` where unset or empty;
+    any other value raises ValueError naming the variable."""
+    mode = os.environ.get(var, "")
+    if mode and mode not in choices:
+        raise ValueError(f"{var}={mode!r}: expected one of {choices}")
+    return mode or default
+
+
 # --------------------------------------------------------------------------
 # pure logic (CPU-testable)
 
@@ -426,19 +435,13 @@ def copy_mode() -> str:
     """MOK_EP_COPY: 'v2' (default: mok_ep_pull_peers / mok_ep_push_peers, one launch for every peer;
     mok_ep_copy_rows_v2 for single copies), 'v1' (mok_ep_copy_rows, one launch per peer) or 'torch'
     (torch indexing, a debugging aid that synchronises with the host)."""
-    mode = os.environ.get("MOK_EP_COPY", "") or COPY_MODES[0]
-    if mode not in COPY_MODES:
-        raise ValueError(f"MOK_EP_COPY={mode!r}: expected one of {COPY_MODES}")
-    return mode
+    return _env_choice("MOK_EP_COPY", COPY_MODES, COPY_MODES[0])
 
 
 def publish_mode() -> str:
     """MOK_EP_PUBLISH: 'kernel' (default: step 1 of the forward as one mok_ep_publish launch) or 'torch'
     (the torch ops it replaces, about 4 + 4P launches; the fallback and the test oracle)."""
-    mode = os.environ.get("MOK_EP_PUBLISH", "") or PUBLISH_MODES[0]
-    if mode not in PUBLISH_MODES:
-        raise ValueError(f"MOK_EP_PUBLISH={mode!r}: expected one of {PUBLISH_MODES}")
-    return mode
+    return _env_choice("MOK_EP_PUBLISH", PUBLISH_MODES, PUBLISH_MODES[0])
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -474,10 +477,7 @@ def ov_tiles_mode() -> str:
     by atomic add, so CTAs that start when the comm kernel's SMs free up take the remaining tiles) or
     'dispatch' (dynamic for the dispatch pair only: the push runs until the down GEMM's end, and with
     that GEMM on every SM the push may only find SMs once the GEMM's CTAs leave)."""
-    mode = os.environ.get("MOK_EP_OV_TILES", "") or OV_TILES_MODES[0]
-    if mode not in OV_TILES_MODES:
-        raise ValueError(f"MOK_EP_OV_TILES={mode!r}: expected one of {OV_TILES_MODES}")
-    return mode
+    return _env_choice("MOK_EP_OV_TILES", OV_TILES_MODES, OV_TILES_MODES[0])
 
 
 def _ov_gemm(ws, hook: str, comm_ctas: int, gemm_ctas: int, dev) -> tuple[str, int, tuple]:
@@ -504,12 +504,10 @@ def combine_mode(config, down_bias: bool) -> str:
     """'overlap' (push beside the down GEMM) or 'sequential' (push after it). Overlapped only in the
     overlapped forward and without a down-projection bias (added after the GEMM); MOK_EP_COMBINE
     =sequential turns it off."""
-    mode = os.environ.get("MOK_EP_COMBINE", "")
-    if mode and mode not in FWD_MODES:
-        raise ValueError(f"MOK_EP_COMBINE={mode!r}: expected one of {FWD_MODES}")
+    mode = _env_choice("MOK_EP_COMBINE", FWD_MODES, "overlap")
     if fwd_mode(config) != "overlap" or down_bias:
         return "sequential"
-    return mode or "overlap"
+    return mode
 
 
 def fwd_mode(config) -> str:
@@ -520,9 +518,7 @@ def fwd_mode(config) -> str:
     (since the launch-order fix of its cold-start deadlock, docs/ep.md "Overlapped forward:
     why it timed out"), but it is not faster yet, so it is opt-in.
     """
-    mode = os.environ.get("MOK_EP_FWD", "")
-    if mode and mode not in FWD_MODES:
-        raise ValueError(f"MOK_EP_FWD={mode!r}: expected one of {FWD_MODES}")
+    mode = _env_choice("MOK_EP_FWD", FWD_MODES, "sequential")
     if cb._use_torch_gemm():
         return "sequential"  # torch._grouped_mm has no readiness hook
     if mode == "overlap" and config.fwd_num_comm_sms > 0:
