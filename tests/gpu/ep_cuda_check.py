@@ -196,16 +196,24 @@ def _diff(got, want):
     return " ".join(parts), all_eq
 
 
-def case_fixed_routing(name, H, I, E, K, T_by_rank, activation="swiglu", limit=None, bias=False, diag=False):
+def _expert_params(seed, H, I, E, bias=False):
+    """([W13, W2, b13, b2] of all E experts, the same on every rank; this rank's slice of each).
+    Biases are None without bias (and then not drawn: the same weights as with bias)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per = E // world
-    g = torch.Generator(device="cuda").manual_seed(7)  # same weights on every rank
+    g = torch.Generator(device="cuda").manual_seed(seed)
     W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
     W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
     b13 = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
     b2 = (torch.randn(E, H, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
     full = [W13, W2, b13, b2]
-    local = [None if p is None else p[rank * per:(rank + 1) * per] for p in full]
+    return full, [None if p is None else p[rank * per:(rank + 1) * per] for p in full]
+
+
+def case_fixed_routing(name, H, I, E, K, T_by_rank, activation="swiglu", limit=None, bias=False, diag=False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = E // world
+    full, local = _expert_params(7, H, I, E, bias)  # same weights on every rank
     ins = [_rank_inputs(r, T_by_rank[r], H, E, K) for r in range(world)]
     x, dy, ids, w = ins[rank]
     xa, dya, idsa, wa = (torch.cat([i[n] for i in ins]) for n in range(4))
@@ -253,14 +261,8 @@ def case_fixed_routing(name, H, I, E, K, T_by_rank, activation="swiglu", limit=N
 def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu", limit=None, bias=False):
     """Fixed routing: the overlapped forward gives the sequential forward's bits (y and all gradients;
     the backward is the same code), for several comm-SM counts, each run twice."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = E // world
-    g = torch.Generator(device="cuda").manual_seed(11)
-    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
-    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
-    b13 = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
-    b2 = (torch.randn(E, H, device="cuda", generator=g) * 0.5).to(torch.bfloat16) if bias else None
-    local = [None if p is None else p[rank * per:(rank + 1) * per] for p in (W13, W2, b13, b2)]
+    rank = dist.get_rank()
+    _, local = _expert_params(11, H, I, E, bias)
     x, dy, ids, w = _rank_inputs(rank, T_by_rank[rank], H, E, K)
     common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
                   backend="cuda", activation=activation, swiglu_limit=limit, ep_group=dist.group.WORLD)
@@ -293,20 +295,7 @@ def case_overlap_vs_sequential(name, H, I, E, K, T_by_rank, activation="swiglu",
         cuda_ep.check_errors(ws)
         if joined:
             log(f"INFO  {name}: {label}: gate/up GEMM CTAs that claimed tiles, per run: {joined}", all_ranks=True)
-    seq = runs["sequential"][0]
-    for label, (a, *rest) in runs.items():
-        nan = any(torch.isnan(v).any() for v in a.values())
-        detail, eq = _diff(a, seq)
-        # each repeat against the first run: which tensors differ (all ranks: one rank may differ alone)
-        diffs = [(i + 1, *_diff(b, a)) for i, b in enumerate(rest)]
-        bad = [(i, d) for i, d, same in diffs if not same]
-        again = not bad
-        if bad:
-            log(f"      {name}: {label}: repeats unlike run 0: " + "; ".join(f"run {i}: {d}" for i, d in bad),
-                all_ranks=True)
-        on = "a repeat" if len(rest) == 1 else f"{len(rest)} repeats"
-        report(f"{name}: {label}: bitwise equal to sequential, and on {on}", eq and again and not nan,
-               "" if eq and again else f"{detail} repeat={again} nan={nan}")
+    _report_mode_runs(name, None, runs, "sequential")
 
 
 def _gate_up_claimers(ws, I):
@@ -322,12 +311,8 @@ def _gate_up_claimers(ws, I):
 def case_copy_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: the row copies MOK_EP_COPY=v2 (default: one launch for every peer), v1 (one
     mok_ep_copy_rows per peer) and torch give the same bits (y and all gradients), each run twice."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = E // world
-    g = torch.Generator(device="cuda").manual_seed(13)
-    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
-    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
-    local = [W13[rank * per:(rank + 1) * per], W2[rank * per:(rank + 1) * per], None, None]
+    rank = dist.get_rank()
+    _, local = _expert_params(13, H, I, E)
     x, dy, ids, w = _rank_inputs(rank, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
@@ -343,13 +328,22 @@ def case_copy_modes(name, H, I, E, K, T_by_rank):
 
 
 def _report_mode_runs(label, var, runs, ref):
-    """One PASS/FAIL line per mode of runs {mode: [first run, repeat]}: the first run has ref's bits
-    (y and every gradient), the repeat the first run's, and nothing is NaN."""
-    for mode, (a, b) in runs.items():
+    """One PASS/FAIL line per mode of runs {mode: [first run, repeats...]} (mode named `var=mode`, or
+    as is without var): the first run has ref's first run's bits (y and every gradient), every repeat
+    the first run's, and nothing is NaN. A repeat that differs is named with the tensors that differ
+    (on every rank: one rank may differ alone)."""
+    for mode, (a, *rest) in runs.items():
+        what = f"{var}={mode}" if var else mode
         nan = any(torch.isnan(v).any() for v in a.values())
         detail, eq = _diff(a, runs[ref][0])
-        again = all(torch.equal(a[k], b[k]) for k in a)
-        report(f"{label}: {var}={mode}: bitwise equal to {ref}, and on a repeat", eq and again and not nan,
+        diffs = [(i + 1, *_diff(b, a)) for i, b in enumerate(rest)]
+        bad = [(i, d) for i, d, same in diffs if not same]
+        again = not bad
+        if bad:
+            log(f"      {label}: {what}: repeats unlike run 0: " + "; ".join(f"run {i}: {d}" for i, d in bad),
+                all_ranks=True)
+        on = "a repeat" if len(rest) == 1 else f"{len(rest)} repeats"
+        report(f"{label}: {what}: bitwise equal to {ref}, and on {on}", eq and again and not nan,
                "" if eq and again else f"{detail} repeat={again} nan={nan}")
 
 
@@ -372,12 +366,8 @@ def case_publish_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: step 1 of the forward as one mok_ep_publish launch (MOK_EP_PUBLISH=kernel, the
     default) and as torch ops give the same bits (y and all gradients), fp32 and bf16 top-k weights,
     the published sections poisoned before each run, each mode run twice."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per = E // world
-    g = torch.Generator(device="cuda").manual_seed(17)
-    W13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
-    W2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(torch.bfloat16)
-    local = [W13[rank * per:(rank + 1) * per], W2[rank * per:(rank + 1) * per], None, None]
+    rank = dist.get_rank()
+    _, local = _expert_params(17, H, I, E)
     x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)  # not the inputs of other cases
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
