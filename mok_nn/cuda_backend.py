@@ -232,17 +232,9 @@ def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
     return os.environ.get(var, "0") == "1" and not _use_torch_gemm()
 
 
-_LIB_KEY = ("sm_90a", "None")  # loader.load("sm_90a")'s entry in loader._loaded
-_lib_seen = None  # what _lib returned last
-
-
 def _lib():
-    """loader.load("sm_90a"); without the loader's lock while the loaded library is unchanged."""
-    global _lib_seen
-    lib = _lib_seen
-    if lib is None or loader._loaded.get(_LIB_KEY) is not lib:
-        lib = _lib_seen = loader.load("sm_90a")
-    return lib
+    """The kernel library (loader.load: a dict lookup, no lock, once it is loaded)."""
+    return loader.load("sm_90a")
 
 
 # torch.cuda.current_stream().cuda_stream without building a torch.cuda.Stream (~5 us a call)
