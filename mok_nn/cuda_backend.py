@@ -11,8 +11,10 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk
   combine         mok_combine  (fixed-order sum over j)
-  dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
-  dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
+  dgrad of down,  mok_gemm_dact_<act>: the dgrad GEMM with the activation backward in its
+  dSwiGLU, dw     epilogue (d gate_up, w*h, per-256-column partial top-k weight gradients,
+                  summed by pairwise_sum); where I % 256 != 0 or MOK_GEMM_DACT=split:
+                  mok_gemm_bn_f32 (fp32 dh) + mok_act_bwd_<act> (same d gate_up and w*h bits)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
   weight grads    mok_gemm_wgrad (varlen-K grouped GEMM over each expert's rows)
@@ -421,6 +423,62 @@ def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swig
     return dgu, wh, dw
 
 
+def fused_dact_supported(inter: int, activation: str) -> bool:
+    """Whether dgrad_act runs these: the gate and up blocks of its 256-column tiles must not straddle I."""
+    return inter % GEMM_TILE_N == 0 and activation in SUPPORTED_ACTIVATIONS
+
+
+def _use_fused_dact(inter: int, activation: str) -> bool:
+    mode = os.environ.get("MOK_GEMM_DACT", "fused")
+    if mode not in ("fused", "split"):
+        raise ValueError(f"MOK_GEMM_DACT={mode!r}: expected fused or split")
+    return mode == "fused" and not _use_torch_gemm() and not _use_torch_act() and fused_dact_supported(inter, activation)
+
+
+def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
+    """[n, M] -> [M]: sum over dim 0 by elementwise halving (p[:h] + p[h:2h], the odd one carried), so
+    the order of the additions depends on n only: the same bits for a row wherever it sits (any M)."""
+    while parts.shape[0] > 1:
+        n, h = parts.shape[0], parts.shape[0] // 2
+        halved = parts[:h] + parts[h:2 * h]
+        parts = torch.cat([halved, parts[2 * h:]]) if n % 2 else halved
+    return parts[0]
+
+
+def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
+    """act_backward(gate_up, dy_rows @ W2[e], ...) in one kernel (mok_gemm_dact_<act>): the dgrad of down
+    with the activation backward in its epilogue, so dh never goes to memory. d gate_up and w*h are
+    bitwise what the two kernels give; dw sums per 256-column tile in the kernel, then pairwise_sum."""
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    if not fused_dact_supported(inter, activation):
+        raise ValueError(f"mok_gemm_dact: needs I % {GEMM_TILE_N} == 0 and a SwiGLU activation, got I={inter}, "
+                         f"{activation!r}")
+    dgu = torch.empty_like(gate_up)
+    wh = gate_up.new_empty(m, inter)
+    tiles_n = inter // GEMM_TILE_N
+    parts = torch.empty(tiles_n, m, dtype=torch.float32, device=gate_up.device)
+    if m == 0:
+        return dgu, wh, parts.sum(dim=0)
+    group_m = 8 if tiles_n > 32 else 1  # the raster choice of launch_gemm for this N
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(
+        f"mok_gemm_dact_{activation}", dy_rows.unsqueeze(-1), down_proj.permute(2, 1, 0), dgu.unsqueeze(-1),
+        wh.unsqueeze(-1), gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end,
+        sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
+    )  # fmt: skip
+    return dgu, wh, pairwise_sum(parts)
+
+
+def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
+    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where
+    it runs these (MOK_GEMM_DACT=split: never), else mok_gemm_bn_f32 + act_backward."""
+    if _use_fused_dact(gate_up.shape[1] // 2, activation):
+        return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
+    dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
+    return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
+
+
 def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """[E, N] per-expert column sums of rows [M_cap, N] (fixed order, via grouped_mm)."""
     ones = rows.new_ones(8, rows.shape[0])
@@ -513,12 +571,12 @@ def experts_backward(
     gather_dy = _use_gather("MOK_GEMM_GATHER_DY")
     # with gather_dy, the dy rows are gathered only where they are needed (less memory alive at once)
     dy_rows = None if gather_dy else gather_rows(gy, sched)  # zero on padding rows
-    if gather_dy:
-        dh_raw = grouped_gemm_gather(gy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-    else:
-        dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     w_rows = row_weights(sched, topk_weights)
-    dgu, wh, dw_rows = act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
+    if gather_dy:  # (the fused dSwiGLU GEMM has no gather variant)
+        dh_raw = grouped_gemm_gather(gy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
+        dgu, wh, dw_rows = act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
+    else:
+        dgu, wh, dw_rows = dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     if down_bias is not None:
         dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched)
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)

@@ -1088,8 +1088,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     if x_rows is None:
         x_rows = tokens.index_select(0, sched.row_token)
     dy_rows = dy.index_select(0, sched.row_token)
-    dh_raw = cb.grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-    dgu, wh, dw_rows = cb.act_backward(gate_up, dh_raw, saved.w_rows, sched, ws.activation, ws.swiglu_limit)
+    dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
+                                         ws.swiglu_limit)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
     dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)

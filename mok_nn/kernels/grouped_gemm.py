@@ -40,6 +40,18 @@ The epilogue stores both into gate_up (columns n*128.. and I + n*128..) and
 h = act(gate, up) from the bf16-rounded values with the formulas of
 swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives.
 
+dSwiGLU epilogue (dact="swiglu" / "swiglu_oai", class VarlenMGroupedGemmDact; the backward's
+dgrad of down: A = dy rows, B = down_proj N-major, I % 256 == 0): the accumulator is
+dh = dy @ W2[e] (fp32), never stored. Each thread loads the bf16 gate and up values at its
+accumulator positions straight from the forward's gate_up (sub-tile 0 before the mainloop,
+sub-tile e + 1 during sub-tile e's stores) and computes, with the formulas of
+swiglu.ActBackward, d gate = dg * (dh * w), d up = du * (dh * w) and w * h (h rounded to
+bf16 as the forward stored it): three bf16 sub-tile stores per 32 columns, bitwise what
+mok_gemm_bn_f32 + mok_act_bwd_* give. The top-k weight gradient needs sum(dh * h) over all
+of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by a fixed
+butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
+fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
+
 Gathered A (gather=True, class VarlenMGroupedGemmGather): A is not a permuted copy
 of x but x itself [T, K] plus the schedule's row index (row_token [M], T for a
 padding row). The whole producer warp group loads A by cp.async, 16 bytes per
@@ -79,12 +91,14 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False,
+        gather: bool = False, dact: str | None = None,
     ):
         assert tile_n in (128, 256)
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
+        assert dact is None or not (full_epi or gather or act), "the dSwiGLU epilogue: split, TMA-loaded A"
         self.full_epi = full_epi
         self.act = act
+        self.dact = dact  # VarlenMGroupedGemmDact: the backward's activation in the dgrad-of-down epilogue
         self.gather = gather
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
@@ -134,7 +148,8 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, row_idx=None,
-                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None, tile_counter=None):
+                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None, tile_counter=None,
+                gate_up=None, w_rows=None, dw_part=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
 
         gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), row_idx [M] the x row
@@ -143,12 +158,16 @@ class VarlenMGroupedGemm:
         VarlenMGroupedGemmDone, `ready` holds the done counters).
         tile_counter (dynamic): [claims, comm CTAs (ready hook)], passed in the kernel's row_idx slot
         (unused by the TMA-only hooked variants), so the other variants' kernels keep their parameters.
+        gate_up / w_rows / dw_part (dact): the forward's gate_up, each row's top-k weight and the
+        per-column-tile partial d topk-weights, passed in the row_idx / ready / ready_err slots.
         """
         mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
         if cutlass.const_expr(not self.gather):
             row_idx = tile_expert  # unused placeholder (kernel arguments cannot be None)
             if cutlass.const_expr(self.dynamic):
                 row_idx = tile_counter
+            if cutlass.const_expr(self.dact is not None):
+                row_idx = gate_up
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -203,7 +222,7 @@ class VarlenMGroupedGemm:
             self.epi_tile,
         )
         tma_h, tma_mH = tma_c, tma_mC
-        if cutlass.const_expr(self.act is not None):
+        if cutlass.const_expr(self.act is not None or self.dact is not None):
             tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
                 mH,
@@ -215,6 +234,8 @@ class VarlenMGroupedGemm:
         # With act: tiles over h's columns (gate and up halves of one tile per I-block).
         if cutlass.const_expr(self.act is not None):
             gc = cute.zipped_divide(mH, tiler=(bm, bn // 2))
+        elif cutlass.const_expr(self.dact is not None):
+            gc = cute.zipped_divide(mH, tiler=(bm, bn))  # wh's columns: one tile per I-block
         else:
             gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
@@ -228,6 +249,8 @@ class VarlenMGroupedGemm:
             ready_err, epoch, timeout_us = tile_expert, cutlass.Int32(0), cutlass.Int32(0)
             if cutlass.const_expr(not self.done):
                 ready = tile_expert
+        if cutlass.const_expr(self.dact is not None):
+            ready, ready_err = w_rows, dw_part
 
         @cute.struct
         class SharedStorage:
@@ -438,7 +461,7 @@ class VarlenMGroupedGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
-            if cutlass.const_expr(self.act is not None):
+            if cutlass.const_expr(self.act is not None or self.dact is not None):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_h)
 
         smem = utils.SmemAllocator()
@@ -549,6 +572,20 @@ class VarlenMGroupedGemm:
                 rU = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
                 rG_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
                 rU_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
+            if cutlass.const_expr(self.dact is not None):
+                # acc element o = (v0, v1, b) (o = v0 + 2 v1 + 4 b) is row r0 + 8 v1, column c0 + v0 + 8 b
+                # of the tile (the wgmma accumulator layout; the r2s retile of acc is the identity, so
+                # sub-tile e of the epilogue is acc[e * rD_size ..]). Its two rows, from the identity tensor:
+                thr_c = tiled_mma.get_slice(ctid)
+                tCcC = thr_c.partition_C(cute.make_identity_tensor((self.tile_mnk[0], self.tile_mnk[1])))
+                row0 = tCcC[0][0]
+                row1 = tCcC[2][0]
+                gGU = cute.local_tile(row_idx, (self.tile_mnk[0], self.tile_mnk[1]), (None, None, None))
+                rG = cute.make_rmem_tensor(rD.shape, self.c_dtype)  # gate / up of one sub-tile (prefetched)
+                rU = cute.make_rmem_tensor(rD.shape, self.c_dtype)
+                rH = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
+                rHq = cute.make_rmem_tensor(rD.shape, self.c_dtype)
+                rDU = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
             epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
 
             if cutlass.const_expr(self.dynamic):
@@ -576,6 +613,13 @@ class VarlenMGroupedGemm:
                     rows = seg_rows[expert]
                     seg_start = seg_end[expert] - (rows + TILE_M - 1) // TILE_M * TILE_M
                     real_rows = seg_start + rows - m_tile * TILE_M
+                    if cutlass.const_expr(self.dact is not None):
+                        # the first sub-tile's gate / up, loaded before the mainloop hides their latency
+                        tCgG = thr_c.partition_C(gGU[(None, None, m_tile, n_tile, 0)])
+                        tCgU = thr_c.partition_C(gGU[(None, None, m_tile, n_tile + tiles_n, 0)])
+                        for v in cutlass.range_constexpr(rD_size):
+                            rG[v] = tCgG[v]
+                            rU[v] = tCgU[v]
                     acc.fill(0.0)
                     if real_rows > first_row:
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -685,6 +729,70 @@ class VarlenMGroupedGemm:
                                 store_pipe.producer_acquire()
                             epi_barrier.arrive_and_wait()
                         epi_count = epi_count + epi_tiles + half
+                    elif cutlass.const_expr(self.dact is not None):
+                        # acc = dh = dy @ W2[e] (fp32, not scaled by w). Per sub-tile e (32 columns):
+                        # with h, dg, du = act(gate, up) and h rounded to bf16 as the forward stored it,
+                        # d gate = dg * (dh * w), d up = du * (dh * w), wh = h * w (bf16, the formulas of
+                        # swiglu.ActBackward: the same bits), and per row sum(dh * h) over the tile's columns.
+                        # Three stores per sub-tile: d gate -> gate_up block 8n + e, d up -> I/32 + 8n + e,
+                        # wh -> block 8n + e.
+                        gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
+                        gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
+                        _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(
+                            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa
+                        )
+                        bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
+                            tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa
+                        )
+                        up_block = cute.size(mH, mode=[1]) // self.epi_tile[1]
+                        w_of = (ready[m_tile * TILE_M + row0], ready[m_tile * TILE_M + row1])
+                        part = [cutlass.Float32(0.0), cutlass.Float32(0.0)]  # per row (v1 = 0, 1)
+                        for e in cutlass.range_constexpr(epi_tiles):
+                            for v in cutlass.range_constexpr(rD_size):
+                                hv, dg, du = _act(self.dact, rG[v].to(cutlass.Float32), rU[v].to(cutlass.Float32), limit)
+                                rH[v] = hv
+                                rD[v] = dg
+                                rDU[v] = du
+                            if cutlass.const_expr(e + 1 < epi_tiles):
+                                # the next sub-tile's gate / up: in flight during this one's stores
+                                for v in cutlass.range_constexpr(rD_size):
+                                    rG[v] = tCgG[(e + 1) * rD_size + v]
+                                    rU[v] = tCgU[(e + 1) * rD_size + v]
+                            rHq.store(rH.load().to(self.c_dtype))
+                            rH.store(rHq.load().to(self.acc_dtype))
+                            for v in cutlass.range_constexpr(rD_size):
+                                half = (v // 2) % 2  # v1 of acc element e * rD_size + v (rD_size % 4 == 0)
+                                dh = acc[e * rD_size + v]
+                                part[half] = part[half] + dh * rH[v]
+                                d = dh * w_of[half]
+                                rD[v] = rD[v] * d
+                                rDU[v] = rDU[v] * d
+                                rH[v] = rH[v] * w_of[half]
+                            for out in cutlass.range_constexpr(3):
+                                rD_out.store((rD, rDU, rH)[out].load().to(self.c_dtype))
+                                buf = (epi_count + 3 * e + out) % self.epi_stages
+                                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                epi_barrier.arrive_and_wait()
+                                if warp_idx == 4:
+                                    if cutlass.const_expr(out == 0):
+                                        dst = bSG_gCa[(None, (m_tile, n_tile * epi_tiles + e))]
+                                        cute.copy(tma_c, bSG_sC[(None, buf)], dst)
+                                    elif cutlass.const_expr(out == 1):
+                                        dst = bSG_gCa[(None, (m_tile, up_block + n_tile * epi_tiles + e))]
+                                        cute.copy(tma_c, bSG_sC[(None, buf)], dst)
+                                    else:
+                                        dst = bSG_gH[(None, (m_tile, n_tile * epi_tiles + e))]
+                                        cute.copy(tma_h, bSG_sH[(None, buf)], dst)
+                                    store_pipe.producer_commit()
+                                    store_pipe.producer_acquire()
+                                epi_barrier.arrive_and_wait()
+                        # the four lanes of a quad hold the same two rows: fixed butterfly over them
+                        for half in cutlass.range_constexpr(2):
+                            total = cute.arch.warp_reduction_sum(part[half], threads_in_group=4)
+                            if tidx % 4 == 0:
+                                ready_err[(n_tile, m_tile * TILE_M + (row0, row1)[half])] = total
+                        epi_count = epi_count + 3 * epi_tiles
                     else:
                         store_tile_split(
                             r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
@@ -721,6 +829,37 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
         stream: cuda.CUstream,
     ):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream)
+
+
+class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
+    """The backward's dgrad of down with the activation backward in its epilogue (module docstring).
+
+    Writes d gate_up and w*h (bf16) and dw_part[n, r] = sum over the columns of h-tile n of dh * h;
+    I % tile_n == 0 (the gate and up blocks of a tile must not straddle I)."""
+
+    def __init__(self, dact: str, tile_n: int = 256, num_sms: int = 132):
+        assert dact in ("swiglu", "swiglu_oai") and tile_n == 256
+        super().__init__(tile_n=tile_n, num_sms=num_sms, dact=dact)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K=H, 1) K-major: dy rows
+        mB: cute.Tensor,  # (I, H, E) N-major: down_proj read transposed
+        mC: cute.Tensor,  # (M, 2I, 1) N-major: d gate_up (out)
+        mH: cute.Tensor,  # (M, I, 1) N-major: w * h (out)
+        gate_up: cute.Tensor,  # (M, 2I, 1) N-major: the forward's gate_up
+        w_rows: cute.Tensor,  # (M,) fp32: each row's top-k weight (0 on padding rows)
+        dw_part: cute.Tensor,  # (I / tile_n, M) fp32 out: partial d topk-weight per column tile
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        limit: cutlass.Float32,  # clamp of gate/up (+inf: none)
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream,
+                     gate_up=gate_up, w_rows=w_rows, dw_part=dw_part)
 
 
 class VarlenMGroupedGemmGather(VarlenMGroupedGemm):

@@ -146,6 +146,31 @@ def _gemm_act_spec(kind: str) -> KernelSpec:
     )
 
 
+def _gemm_dact_spec(kind: str) -> KernelSpec:
+    # dgrad of down with the activation backward in the epilogue: dy rows @ W2[e] -> d gate_up, w*h,
+    # and per (column tile, row) partial top-k weight gradients. I % GEMM_TILE_N == 0.
+    return KernelSpec(
+        name=f"mok_gemm_dact_{kind}",
+        module="grouped_gemm",
+        factory="VarlenMGroupedGemmDact",
+        factory_kwargs=(("dact", kind),),
+        args=(
+            TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
+            TensorArg("b", "bf16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(256, 8, 1)),
+            TensorArg("dgate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 512, 1)),
+            TensorArg("wh", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 256, 1)),
+            TensorArg("gate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 512, 1)),
+            TensorArg("w", "f32", (DYN,), (1,), divisibility=(128,), align=4),
+            TensorArg("dw_part", "f32", (DYN, DYN), (DYN, 1), divisibility=(1, 128), align=4),
+            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            ScalarArg("limit", "f32"),
+            ScalarArg("group_m", "i32"),
+        ),
+    )
+
+
 def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "") -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -389,6 +414,8 @@ SPECS = (
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),
+    _gemm_dact_spec("swiglu"),  # dgrad of down + dSwiGLU + d topk-weight partials (MOK_GEMM_DACT)
+    _gemm_dact_spec("swiglu_oai"),
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
     # tests/gpu/bench_wgrad_variants.py). Lost on H200 and dropped: (256, 64, 2), (128, 64, 2);
     # lazy epilogues with 4 x 128x64 buffers, half a tile buffered (4 A/B stages), 128x128 tiles,

@@ -287,6 +287,7 @@ EXPERT_CASES = [  # T, H, I, E, k, routing, activation, limit, bias
     (512, 2048, 768, 128, 8, "random", "swiglu", None, False),  # qwen3-30b-a3b, reduced T
     (256, 7168, 2048, 256, 8, "random", "swiglu", None, False),  # deepseek-v3, reduced T
     (128, 4096, 14336, 8, 2, "random", "swiglu", None, False),  # mixtral-8x7b, reduced T
+    (300, 256, 512, 8, 2, "skew", "swiglu_oai", 7.0, True),  # biases on the fused dSwiGLU path (I % 256 == 0)
 ]
 
 
@@ -408,3 +409,89 @@ def test_gate_up_act_in_forward(lib, monkeypatch):
     y1, s1 = cb.experts_forward(x, ids, w, W13, W2)
     used = int(s0.sched.seg_end[-1])
     assert torch.equal(y0, y1) and torch.equal(s0.gate_up[:used], s1.gate_up[:used])
+
+
+DACT_CASES = [  # T, k, E, H, I, routing, activation, limit
+    (256, 2, 8, 256, 256, "random", "swiglu", None),
+    (333, 2, 8, 320, 512, "skew", "swiglu", 7.0),  # two column tiles, empty experts, clamps active
+    (300, 1, 3, 128, 256, "one_expert", "swiglu_oai", 7.0),
+    (1, 1, 4, 256, 256, "random", "swiglu_oai", None),
+    (512, 8, 128, 2048, 768, "random", "swiglu", None),  # qwen3-30b-a3b, reduced T: 3 column tiles
+    (96, 2, 8, 4096, 14336, "random", "swiglu", None),  # mixtral-8x7b: 56 column tiles (raster bands)
+]
+
+
+@pytest.mark.parametrize("case", DACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
+def test_dgrad_act_fused(lib, case):
+    """mok_gemm_dact_<act>: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>; the
+    per-row d topk-weight close to theirs and to an fp64 oracle; all outputs poisoned, run twice."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn import reference
+
+    T, k, E, H, I, mode, act, limit = case
+    ids, w = _routing(T, k, E, mode, seed=T + 3 * I)
+    sched = cb.make_schedule(ids, E)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    gate_up = cb.grouped_gemm(cb.gather_rows(x, sched), W13, sched, transpose_w=False)
+    dy_rows = cb.gather_rows(dy, sched)
+    w_rows = cb.row_weights(sched, w)
+    m, used = sched.capacity, int(sched.seg_end[-1])
+    tiles_n = I // 256
+    runs = []
+    for _ in range(2):
+        dgu = torch.full_like(gate_up, float("nan"))
+        wh = torch.full((m, I), float("nan"), device="cuda", dtype=torch.bfloat16)
+        parts = torch.full((tiles_n, m), float("nan"), device="cuda")
+        lib.launch(
+            f"mok_gemm_dact_{act}", dy_rows.unsqueeze(-1), W2.permute(2, 1, 0), dgu.unsqueeze(-1), wh.unsqueeze(-1),
+            gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
+            float("inf") if limit is None else limit, 8 if tiles_n > 32 else 1,
+            stream=torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        runs.append((dgu[:used].clone(), wh[:used].clone(), parts[:, :used].clone()))
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b), "not bitwise reproducible"
+    dgu, wh, parts = runs[0]
+    assert not torch.isnan(dgu).any() and not torch.isnan(wh).any() and not torch.isnan(parts).any()
+    # the two-kernel path: the same d gate_up and w*h bits, d topk-weight within fp32 reordering
+    dh = cb.grouped_gemm(dy_rows, W2, sched, transpose_w=True, out_dtype=torch.float32)
+    dgu2, wh2, dw2 = cb.act_backward(gate_up, dh, w_rows, sched, act, limit)
+    assert torch.equal(dgu, dgu2[:used]), "d gate_up differs from mok_act_bwd"
+    assert torch.equal(wh, wh2[:used]), "w*h differs from mok_act_bwd"
+    dw = cb.pairwise_sum(parts)
+    assert rel_l2(dw, dw2[:used]) < 1e-5
+    # fp64 oracle on the real rows: dh = dy @ W2[e], h from the bf16 gate_up
+    pos = sched.pos.reshape(-1)
+    dh64 = slot_products(dy, ids, W2, True)
+    gu64 = gate_up[pos].double()
+    h64 = reference.activation_forward(gu64, act, limit).to(torch.bfloat16).double()
+    w64 = w.reshape(-1, 1).double()
+    assert rel_l2(cb.pairwise_sum(parts)[pos], (dh64 * h64).sum(dim=1)) < BF16_TOL
+    assert rel_l2(wh[pos], w64 * h64) < BF16_TOL
+    assert rel_l2(dgu[pos], reference.activation_backward(gu64, w64 * dh64, act, limit)) < BF16_TOL
+
+
+def test_dgrad_act_in_backward(lib, monkeypatch):
+    """MOK_GEMM_DACT=fused vs split through experts_backward: dx and both weight gradients bitwise equal,
+    d topk-weights within fp32 reordering."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k = 300, 256, 512, 8, 2
+    ids, w = _routing(T, k, E, "random", seed=11)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    out = {}
+    for mode in ("split", "fused"):
+        monkeypatch.setenv("MOK_GEMM_DACT", mode)
+        y, saved = cb.experts_forward(x, ids, w, W13, W2)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2)
+        out[mode] = (dx, g.gate_up_proj, g.down_proj, dtk)
+    for a, b in zip(out["split"][:3], out["fused"][:3]):
+        assert torch.equal(a, b)
+    assert rel_l2(out["fused"][3], out["split"][3]) < 1e-5
