@@ -36,8 +36,9 @@ MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
 each expert row's token through the schedule (mok_gemm_bk[_ef]_gather, cp.async),
 so no permuted copy of x is made or saved for backward (the backward gathers x
 rows for the weight gradient then). MOK_GEMM_GATHER_DY=1 does the same for the
-backward's dgrad of down (mok_gemm_bn_f32_gather on d y; the dy rows are still
-gathered for the weight gradient of down_proj). Same bits as the permuted copy;
+backward's dgrad of down (mok_gemm_bn_f32_gather on d y, then mok_act_bwd: the fused
+dSwiGLU GEMM has no gather variant; the dy rows are still gathered for the weight
+gradient of down_proj). Same bits as the permuted copy (with MOK_GEMM_DACT=split);
 off by default: on H200 the forward is 1-5% slower than with the copy, but the
 activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
 """

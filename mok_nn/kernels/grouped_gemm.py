@@ -46,7 +46,8 @@ dh = dy @ W2[e] (fp32), never stored. Each thread loads the bf16 gate and up val
 accumulator positions straight from the forward's gate_up (sub-tile 0 before the mainloop,
 sub-tile e + 1 during sub-tile e's stores) and computes, with the formulas of
 swiglu.ActBackward, d gate = dg * (dh * w), d up = du * (dh * w) and w * h (h rounded to
-bf16 as the forward stored it): three bf16 sub-tile stores per 32 columns, bitwise what
+bf16 as the forward stored it): three bf16 sub-tile stores per 32 columns (smem buffers
+0-2, one bulk group, waited for before the next sub-tile reuses them), bitwise what
 mok_gemm_bn_f32 + mok_act_bwd_* give. The top-k weight gradient needs sum(dh * h) over all
 of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by a fixed
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
@@ -768,31 +769,28 @@ class VarlenMGroupedGemm:
                                 rD[v] = rD[v] * d
                                 rDU[v] = rDU[v] * d
                                 rH[v] = rH[v] * w_of[half]
+                            # The three outputs go through smem buffers 0-2 at once, one bulk group
+                            # per sub-tile: the group of sub-tile e - 1 must have read them first
+                            # (it had this sub-tile's math to do so). 2 barriers per sub-tile, not 6.
+                            if warp_idx == 4:
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            epi_barrier.arrive_and_wait()
                             for out in cutlass.range_constexpr(3):
                                 rD_out.store((rD, rDU, rH)[out].load().to(self.c_dtype))
-                                buf = (epi_count + 3 * e + out) % self.epi_stages
-                                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                epi_barrier.arrive_and_wait()
-                                if warp_idx == 4:
-                                    if cutlass.const_expr(out == 0):
-                                        dst = bSG_gCa[(None, (m_tile, n_tile * epi_tiles + e))]
-                                        cute.copy(tma_c, bSG_sC[(None, buf)], dst)
-                                    elif cutlass.const_expr(out == 1):
-                                        dst = bSG_gCa[(None, (m_tile, up_block + n_tile * epi_tiles + e))]
-                                        cute.copy(tma_c, bSG_sC[(None, buf)], dst)
-                                    else:
-                                        dst = bSG_gH[(None, (m_tile, n_tile * epi_tiles + e))]
-                                        cute.copy(tma_h, bSG_sH[(None, buf)], dst)
-                                    store_pipe.producer_commit()
-                                    store_pipe.producer_acquire()
-                                epi_barrier.arrive_and_wait()
+                                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, out)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == 4:
+                                col = n_tile * epi_tiles + e
+                                cute.copy(tma_c, bSG_sC[(None, 0)], bSG_gCa[(None, (m_tile, col))])
+                                cute.copy(tma_c, bSG_sC[(None, 1)], bSG_gCa[(None, (m_tile, up_block + col))])
+                                cute.copy(tma_h, bSG_sH[(None, 2)], bSG_gH[(None, (m_tile, col))])
+                                cute.arch.cp_async_bulk_commit_group()
                         # the four lanes of a quad hold the same two rows: fixed butterfly over them
                         for half in cutlass.range_constexpr(2):
                             total = cute.arch.warp_reduction_sum(part[half], threads_in_group=4)
                             if tidx % 4 == 0:
                                 ready_err[(n_tile, m_tile * TILE_M + (row0, row1)[half])] = total
-                        epi_count = epi_count + 3 * epi_tiles
                     else:
                         store_tile_split(
                             r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,

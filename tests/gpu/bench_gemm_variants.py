@@ -17,7 +17,9 @@ rows only. Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the
 default (split epilogue); routed rows within bf16 tolerance of
 torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
 Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
-vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this).
+vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this), and
+(I % 256 == 0) the backward's dgrad of down + activation backward as two kernels vs
+mok_gemm_dact_swiglu.
 Gather: gate_up (x) and dgrad_down (dy) as index_select (cb.gather_rows) + the TMA
 kernel vs the kernel that gathers A rows itself (mok_gemm_*_gather); "speedup"
 there = index_select+GEMM time / this, checked bitwise equal to the TMA kernel.
@@ -103,6 +105,8 @@ def run_shape(shape, tokens, reps, say, only=None):
                                 rel_err_vs_torch=err, routed_rows=routed, padded_rows=used))
         if gname == "gate_up" and cb.fused_act_supported(p["down_proj"].shape[2], "swiglu", False):
             ok &= fused_act(shape, a, W, sched, default, flops, reps, say, records)
+        if gname == "dgrad_down" and cb.fused_dact_supported(n, "swiglu"):
+            ok &= fused_dact(shape, p, a, W, sched, flops, reps, say, records)
         if gname in GATHER_SOURCES:
             ok &= gather(shape, gname, p[GATHER_SOURCES[gname]], W, transpose_w, out_dtype, sched, flops, reps, say,
                          records)
@@ -127,6 +131,34 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
         records.append(dict(shape=shape, gemm="gate_up+act", variant=label, ms=t, tflops=flops / t / 1e9,
                             bitwise_equal_default=bitwise))
     return bitwise
+
+
+def fused_dact(shape, p, dy_rows, W2, sched, flops, reps, say, records):
+    """dgrad of down + activation backward: two kernels (mok_gemm_bn_f32, mok_act_bwd_swiglu) vs
+    mok_gemm_dact_swiglu (cb.dgrad_act); d gate_up and w*h must be the same bits."""
+    used = int(sched.seg_end[-1])
+    gate_up = cb.grouped_gemm(cb.gather_rows(p["x"], sched), p["gate_up_proj"], sched, transpose_w=False)
+    w_rows = cb.row_weights(sched, p["w"])
+
+    def split():
+        dh = cb.grouped_gemm(dy_rows, W2, sched, transpose_w=True, out_dtype=torch.float32)
+        return cb.act_backward(gate_up, dh, w_rows, sched, "swiglu", None)
+
+    def fused():
+        return cb.dgrad_act(dy_rows, W2, gate_up, w_rows, sched, "swiglu", None)
+
+    (dgu_s, wh_s, dw_s), (dgu_f, wh_f, dw_f) = split(), fused()
+    torch.cuda.synchronize()
+    bitwise = torch.equal(dgu_s[:used], dgu_f[:used]) and torch.equal(wh_s[:used], wh_f[:used])
+    dw_err = rel_err(dw_f[:used], dw_s[:used])
+    t_split = median_ms_queued(split, reps)
+    t_fused = median_ms_queued(fused, reps)
+    for label, t in (("gemm_bn_f32+act_bwd", t_split), ("dact_swiglu fused", t_fused)):
+        say(f"{shape:<14} {'dgrad+dact':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
+            f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'} dw err {dw_err:.1e}")
+        records.append(dict(shape=shape, gemm="dgrad+dact", variant=label, ms=t, tflops=flops / t / 1e9,
+                            bitwise_equal_default=bitwise, dw_rel_err=dw_err))
+    return bitwise and dw_err < 1e-5
 
 
 GATHER_SOURCES = {"gate_up": "x", "dgrad_down": "dy"}  # GEMMs whose A is gathered token rows

@@ -14,6 +14,7 @@
 # time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
 # epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
+# dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -80,6 +81,8 @@ for s in "$@"; do
     gatherdiag)  # the gather GEMMs (padding rows zero-filled) against their TMA twins
         TAIL=30 step gather_diag 200 python3 tests/gpu/diag_gather.py --shapes deepseek-v3,qwen3-30b-a3b \
             --kernels mok_gemm_bk_gather,mok_gemm_bn_f32_gather --cases real,real_zrows --reps 5 ;;
+    dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
+        TAIL=20 step dact_gemms 150 python3 tests/gpu/bench_gemm_variants.py --gemms dgrad_down ;;
     envmodes)  # the layer under env settings side by side (tests/gpu/bench_env_modes.py; MODES=gather)
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
