@@ -11,10 +11,13 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk
   combine         mok_combine  (fixed-order sum over j)
-  dgrad of down,  mok_gemm_dact_<act>: the dgrad GEMM with the activation backward in its
-  dSwiGLU, dw     epilogue (d gate_up, w*h, per-256-column partial top-k weight gradients,
-                  summed by pairwise_sum); where I % 256 != 0 or MOK_GEMM_DACT=split:
-                  mok_gemm_bn_f32 (fp32 dh) + mok_act_bwd_<act> (same d gate_up and w*h bits)
+  dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
+  dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
+                  MOK_GEMM_DACT=fused: both in one kernel, mok_gemm_dact_<act> (the dgrad GEMM
+                  with the activation backward in its epilogue; I % 256 == 0; same d gate_up
+                  and w*h bits, d topk-weight summed per 256 columns then pairwise_sum). Off by
+                  default: 8-14% slower than the two kernels on H200, as its epilogue math does
+                  not overlap the MMA (docs/kernels.md)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
   weight grads    mok_gemm_wgrad (varlen-K grouped GEMM over each expert's rows)
@@ -430,7 +433,7 @@ def fused_dact_supported(inter: int, activation: str) -> bool:
 
 
 def _use_fused_dact(inter: int, activation: str) -> bool:
-    mode = os.environ.get("MOK_GEMM_DACT", "fused")
+    mode = os.environ.get("MOK_GEMM_DACT", "split")  # fused measured slower on H200 (docs/kernels.md)
     if mode not in ("fused", "split"):
         raise ValueError(f"MOK_GEMM_DACT={mode!r}: expected fused or split")
     return mode == "fused" and not _use_torch_gemm() and not _use_torch_act() and fused_dact_supported(inter, activation)
@@ -472,8 +475,8 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
 
 
 def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
-    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where
-    it runs these (MOK_GEMM_DACT=split: never), else mok_gemm_bn_f32 + act_backward."""
+    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: mok_gemm_bn_f32 +
+    act_backward, or with MOK_GEMM_DACT=fused dgrad_act where it runs these."""
     if _use_fused_dact(gate_up.shape[1] // 2, activation):
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)

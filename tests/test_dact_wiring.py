@@ -1,4 +1,4 @@
-"""MOK_GEMM_DACT wiring of cuda_backend (the dgrad of down with the activation backward in its epilogue),
+"""MOK_GEMM_DACT wiring of cuda_backend (the dgrad of down with the activation backward in its epilogue, opt-in),
 on the CPU with torch stand-ins for the kernels, and pairwise_sum, the fixed-order sum of its partials.
 
 The stand-ins (test_gather_wiring._FakeLib, extended) check every launch against its registry spec
@@ -96,6 +96,10 @@ def test_fused_dact_equals_split(dact_lib, monkeypatch, I, activation, limit, bi
         dx, dtk, gr = cb.experts_backward(dy, saved, x, ids, w, *args)
         return [dx, gr.gate_up_proj, gr.down_proj, gr.gate_up_bias, gr.down_bias, dtk], list(lib.calls)
 
+    monkeypatch.delenv("MOK_GEMM_DACT", raising=False)
+    lib.calls.clear()
+    cb.experts_backward(dy, cb.experts_forward(x, ids, w, *args)[1], x, ids, w, *args)
+    assert f"mok_act_bwd_{activation}" in lib.calls, "the default is the split path (measured faster)"
     split, calls_split = run("split")
     fused, calls_fused = run("fused")
     assert f"mok_gemm_dact_{activation}" in calls_fused and f"mok_act_bwd_{activation}" not in calls_fused
@@ -114,6 +118,7 @@ def test_fused_dact_equals_split(dact_lib, monkeypatch, I, activation, limit, bi
 def test_fused_dact_falls_back_where_unsupported(dact_lib, monkeypatch):
     """I % 256 != 0: the fused kernel cannot tile it, so the split kernels run; bad mode names are rejected."""
     lib = dact_lib("swiglu")
+    monkeypatch.setenv("MOK_GEMM_DACT", "fused")
     T, H, I, E, K = 9, 16, 192, 4, 2
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).bfloat16()

@@ -287,14 +287,17 @@ EXPERT_CASES = [  # T, H, I, E, k, routing, activation, limit, bias
     (512, 2048, 768, 128, 8, "random", "swiglu", None, False),  # qwen3-30b-a3b, reduced T
     (256, 7168, 2048, 256, 8, "random", "swiglu", None, False),  # deepseek-v3, reduced T
     (128, 4096, 14336, 8, 2, "random", "swiglu", None, False),  # mixtral-8x7b, reduced T
-    (300, 256, 512, 8, 2, "skew", "swiglu_oai", 7.0, True),  # biases on the fused dSwiGLU path (I % 256 == 0)
+    (300, 256, 512, 8, 2, "skew", "swiglu_oai", 7.0, True),  # biases, I % 256 == 0 (the fused dSwiGLU can run)
 ]
 
 
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"T{c[0]}H{c[1]}I{c[2]}E{c[3]}k{c[4]}-{c[5]}-{c[6]}")
-def test_experts_vs_reference(lib, case):
+@pytest.mark.parametrize("dact", ["split", "fused"])  # MOK_GEMM_DACT (fused runs where I % 256 == 0)
+def test_experts_vs_reference(lib, case, dact, monkeypatch):
     from mok_nn import cuda_backend as cb
     from mok_nn import functional
+
+    monkeypatch.setenv("MOK_GEMM_DACT", dact)
 
     T, H, I, E, k, mode, act, limit, bias = case
     torch.manual_seed(T * 7 + H)
@@ -487,7 +490,7 @@ def test_dgrad_act_in_backward(lib, monkeypatch):
     W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
     W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
     out = {}
-    for mode in ("split", "fused"):
+    for mode in ("split", "fused"):  # (split is the default)
         monkeypatch.setenv("MOK_GEMM_DACT", mode)
         y, saved = cb.experts_forward(x, ids, w, W13, W2)
         dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2)
