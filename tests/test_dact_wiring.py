@@ -14,7 +14,7 @@ from mok_nn import cuda_backend as cb
 from mok_nn import reference
 from mok_nn.kernels import registry
 
-from test_gather_wiring import _FakeLib, _gemm, _torch_combine
+from test_gather_wiring import _FakeLib, _gemm, _torch_combine, random_problem
 
 
 def _act_bwd(gu, dh, w, activation, limit):
@@ -77,16 +77,7 @@ def dact_lib(monkeypatch):
 @pytest.mark.parametrize("I,activation,limit,bias", [(256, "swiglu", None, False), (512, "swiglu_oai", 7.0, True)])
 def test_fused_dact_equals_split(dact_lib, monkeypatch, I, activation, limit, bias):
     lib = dact_lib(activation)
-    T, H, E, K = 41, 32, 4, 2
-    g = torch.Generator().manual_seed(I)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    dy = torch.randn(T, H, generator=g).bfloat16()
-    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
-    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16() if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).bfloat16() if bias else None
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(41, 32, I, 4, 2, bias, seed=I)
     args = (W13, W2, b13, b2, activation, limit)
 
     def run(mode):
@@ -119,22 +110,16 @@ def test_fused_dact_falls_back_where_unsupported(dact_lib, monkeypatch):
     """I % 256 != 0: the fused kernel cannot tile it, so the split kernels run; bad mode names are rejected."""
     lib = dact_lib("swiglu")
     monkeypatch.setenv("MOK_GEMM_DACT", "fused")
-    T, H, I, E, K = 9, 16, 192, 4, 2
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
-    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    x, ids, w, dy, W13, W2, _, _ = random_problem(9, 16, 192, 4, 2, False, seed=1)
     y, saved = cb.experts_forward(x, ids, w, W13, W2)
-    cb.experts_backward(torch.randn(T, H, generator=g).bfloat16(), saved, x, ids, w, W13, W2)
+    cb.experts_backward(dy, saved, x, ids, w, W13, W2)
     assert "mok_act_bwd_swiglu" in lib.calls and not any("dact" in c for c in lib.calls)
     with pytest.raises(ValueError, match="mok_gemm_dact"):
         cb.dgrad_act(saved.gate_up[:, :16], W2, saved.gate_up, torch.zeros(saved.gate_up.shape[0]), saved.sched,
                      "swiglu", None)
     monkeypatch.setenv("MOK_GEMM_DACT", "maybe")
     with pytest.raises(ValueError, match="MOK_GEMM_DACT"):
-        cb.experts_backward(torch.randn(T, H, generator=g).bfloat16(), saved, x, ids, w, W13, W2)
+        cb.experts_backward(dy, saved, x, ids, w, W13, W2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 56])

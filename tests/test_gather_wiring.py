@@ -59,6 +59,20 @@ def _torch_combine(rows, pos, weights, out_dtype):
     return acc.to(out_dtype)
 
 
+def random_problem(T, H, I, E, K, bias, seed):
+    """(x, ids, w, dy, W13, W2, b13, b2): fresh random inputs, bf16 rows and weights, fp32 top-k weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16() if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).bfloat16() if bias else None
+    return x, ids, w, dy, W13, W2, b13, b2
+
+
 @pytest.fixture
 def fake_lib(monkeypatch):
     lib = _FakeLib()
@@ -75,16 +89,7 @@ def fake_lib(monkeypatch):
 
 @pytest.mark.parametrize("T,bias,activation,limit", [(37, False, "swiglu", None), (1, True, "swiglu_oai", 7.0)])
 def test_gather_path_equals_default(fake_lib, monkeypatch, T, bias, activation, limit):
-    H, I, E, K = 32, 16, 4, 2
-    g = torch.Generator().manual_seed(T)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    dy = torch.randn(T, H, generator=g).bfloat16()
-    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
-    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16() if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).bfloat16() if bias else None
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(T, 32, 16, 4, 2, bias, seed=T)
     args = (W13, W2, b13, b2, activation, limit)
 
     def run():

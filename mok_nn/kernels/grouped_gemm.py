@@ -303,6 +303,15 @@ class VarlenMGroupedGemm:
         within = linear - band * (group_m * tiles_n)
         return first_m + within % rows_in_band, within // rows_in_band
 
+    def _gate_up_h_stores(self, mC, mH, tma_c, tma_h, sC):
+        """TMA store views of the SwiGLU epilogues (act, dact), by 32-column block of the whole outputs:
+        (gate_up blocks, smem buffers as h's source, h blocks, the first up block of gate_up = I / 32)."""
+        gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
+        gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
+        _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa)
+        bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa)
+        return bSG_gCa, bSG_sH, bSG_gH, cute.size(mH, mode=[1]) // self.epi_tile[1]
+
     @cute.jit
     def _may_join(self, tile_counter, ready, tile_expert, epoch, tiles_m):
         """Dynamic ready hook: 1 if this CTA may claim tiles, 0 if it must take none.
@@ -685,15 +694,7 @@ class VarlenMGroupedGemm:
                         # slot, column + bn/2), then half sub-tiles of h. Destinations are 32-column
                         # blocks of the whole outputs: gate_up block 4n + e / I/32 + 4n + e, h 4n + j.
                         half = epi_tiles // 2
-                        gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
-                        gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
-                        _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(
-                            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa
-                        )
-                        bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
-                            tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa
-                        )
-                        up_block = cute.size(mH, mode=[1]) // self.epi_tile[1]
+                        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
                         for e in cutlass.range_constexpr(epi_tiles + half):
                             if cutlass.const_expr(e < epi_tiles):
                                 for v in cutlass.range_constexpr(rD_size):
@@ -737,15 +738,7 @@ class VarlenMGroupedGemm:
                         # swiglu.ActBackward: the same bits), and per row sum(dh * h) over the tile's columns.
                         # Three stores per sub-tile: d gate -> gate_up block 8n + e, d up -> I/32 + 8n + e,
                         # wh -> block 8n + e.
-                        gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
-                        gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
-                        _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(
-                            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa
-                        )
-                        bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
-                            tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa
-                        )
-                        up_block = cute.size(mH, mode=[1]) // self.epi_tile[1]
+                        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
                         w_of = (ready[m_tile * TILE_M + row0], ready[m_tile * TILE_M + row1])
                         part = [cutlass.Float32(0.0), cutlass.Float32(0.0)]  # per row (v1 = 0, 1)
                         for e in cutlass.range_constexpr(epi_tiles):
