@@ -371,13 +371,19 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     name = os.environ.get("MOK_WGRAD_KERNEL") or (WGRAD_KERNEL_FEW_ROWS if few_rows else WGRAD_KERNEL)
     if name not in WGRAD_KERNELS:
         raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
-    tile_n = tile_n_of(name)
-    group_m = int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or (8 if (nb + tile_n - 1) // tile_n > 32 else 1)
     _lib().launch(
         name, a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
-        sched.seg_end, counts, group_m, stream=_stream(),
+        sched.seg_end, counts, wgrad_group_m(name, nb), stream=_stream(),
     )  # fmt: skip
     return out
+
+
+def wgrad_group_m(name: str, nb: int) -> int:
+    """Row tiles (row-tile pairs in the clustered kernels) per raster band of weight-gradient kernel `name`
+    with nb output columns: MOK_WGRAD_GROUP_M, else 8 where the columns span more than 32 tiles, else 1
+    (column tiles fastest)."""
+    tile_n = tile_n_of(name)
+    return int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or (8 if (nb + tile_n - 1) // tile_n > 32 else 1)
 
 
 def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dtype) -> torch.Tensor:

@@ -171,12 +171,16 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
     )
 
 
-def _wgrad_spec(name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "") -> KernelSpec:
+def _wgrad_spec(
+    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
+) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
+    # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share each B stage by TMA multicast.
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
+    kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -424,6 +428,10 @@ SPECS = (
     # Lazy epilogue: the whole 128x256 tile buffered (3 A/B stages), its stores overlap the next
     # tile's MMA; experts with few rows (deepseek-v3 d gate_up 7.9 vs 9.0 ms)
     _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),
+    # the same two on 2-CTA clusters that share B by TMA multicast: a third less L2 -> smem traffic
+    # per tile (the loads, not the MMA or the stores, bound the deepseek-v3 weight gradients)
+    _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
+    _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),

@@ -57,8 +57,13 @@ class VarlenKGroupedGemm:
         lazy_epilogue: bool = False,
         diag: str = "",
         num_sms: int = 132,
+        cluster_m: int = 1,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
+        # cluster_m = 2: CTA pairs (a cluster) take row tiles m, m + 1 of the same (column tile, expert)
+        # and share B: each loads half of every B stage and multicasts it to both (see __call__).
+        assert cluster_m in (1, 2)
+        self.cluster_m = cluster_m
         # lazy: each buffer is waited for just before it is rewritten (see _epilogue_lazy);
         # sub-tile e of every tile uses buffer e % epi_stages.
         assert not lazy_epilogue or (epi_stages >= 2 and (tile_n // epi_n) % epi_stages == 0)
@@ -125,17 +130,30 @@ class VarlenKGroupedGemm:
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem, (None, None, 0)), (bm, bk)
         )
-        tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (bn, bk)
-        )
+        if cutlass.const_expr(self.cluster_m > 1):
+            tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, cute.slice_(b_smem, (None, None, 0)),
+                (bn, bk), num_multicast=self.cluster_m,
+            )  # fmt: skip
+        else:
+            tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (bn, bk)
+            )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(c_smem, (None, None, 0)), self.epi_tile
         )
 
         gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, num_experts = gc[(0, (None, None, None))].shape
-        sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n * num_experts, 1, 1), (1, 1, 1))
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
+        # cluster_m = 2: linear tiles 2c, 2c + 1 go to the two CTAs of cluster c, and _tile_coord maps them
+        # to row tiles 2p, 2p + 1 of one (column tile, expert): the tile space counts row-tile pairs (an odd
+        # last row tile gets a partner past M, whose A loads are zero-filled and stores clipped by TMA).
+        if cutlass.const_expr(self.cluster_m > 1):
+            tiles_m = (tiles_m + 1) // 2
+        sched_params = utils.PersistentTileSchedulerParams(
+            (tiles_m * tiles_n * num_experts * self.cluster_m, 1, 1), (self.cluster_m, 1, 1)
+        )
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // self.cluster_m)
 
         @cute.struct
         class SharedStorage:
@@ -152,13 +170,20 @@ class VarlenKGroupedGemm:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            cluster=(1, 1, 1),
+            cluster=(self.cluster_m, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )  # fmt: skip
 
     def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
-        """Linear tile index -> (m_tile, n_tile, expert): expert slowest, then bands of group_m row tiles."""
+        """Linear tile index -> (m_tile, n_tile, expert): expert slowest, then bands of group_m row tiles.
+        With a cluster, tiles_m counts row-tile pairs and CTA r of cluster c gets row 2 p + r of pair p."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            pair, n_tile, expert = self._tile_coord_one(linear // self.cluster_m, tiles_m, tiles_n, group_m)
+            return pair * self.cluster_m + linear % self.cluster_m, n_tile, expert
+        return self._tile_coord_one(linear, tiles_m, tiles_n, group_m)
+
+    def _tile_coord_one(self, linear, tiles_m, tiles_n, group_m):
         per_expert = tiles_m * tiles_n
         expert = linear // per_expert
         within = linear - expert * per_expert
@@ -210,14 +235,27 @@ class VarlenKGroupedGemm:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
+        # A stage is free once the consumer warps of every CTA it is multicast into released it:
+        # with a cluster each consumer warp arrives on the empty barrier of both CTAs (the pipeline
+        # picks the peers from cta_layout_vmnk), and a full barrier expects A plus both halves of B.
+        # (create() ends with a cluster-wide sync: the barriers are initialised before a peer's
+        # multicast or arrive can reach them.)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4 * self.cluster_m),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
         )
+        b_mask = None
+        b_rank, b_ranks = 0, cute.make_layout(1)
+        if cutlass.const_expr(self.cluster_m > 1):
+            cta_layout = cute.make_layout((self.cluster_m, 1, 1))
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cta_coord = cta_layout.get_flat_coord(rank)
+            b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0)
+            b_rank, b_ranks = cta_coord[0], cute.make_layout(self.cluster_m)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -232,7 +270,7 @@ class VarlenKGroupedGemm:
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            tma_b, b_rank, b_ranks, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
 
         if wg_idx == 0:
@@ -253,7 +291,11 @@ class VarlenKGroupedGemm:
                         ab_pipe.producer_acquire(state)
                         bar = ab_pipe.producer_get_barrier(state)
                         cute.copy(tma_a, tAgA_t[(None, k_first + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBgB_t[(None, k_first + k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.cluster_m > 1):
+                            cute.copy(tma_b, tBgB_t[(None, k_first + k)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                                      mcast_mask=b_mask)
+                        else:
+                            cute.copy(tma_b, tBgB_t[(None, k_first + k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                         ab_pipe.producer_commit(state)
                         state.advance()
                     sched.advance_to_next_work()

@@ -33,10 +33,9 @@ TOL = 1e-2  # relative L2 vs torch: two bf16 roundings of fp32 sums taken in dif
 
 def launch_into(kernel, a, b, sched, counts, out):
     """The variant's output written into `out` (poisoned by the caller), group_m as weight_grad picks it."""
-    tn = registry.tile_n_of(kernel)
-    group_m = 8 if (b.shape[1] + tn - 1) // tn > 32 else 1
     cb._lib().launch(kernel, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
-                     sched.seg_end, counts, group_m, stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
+                     sched.seg_end, counts, cb.wgrad_group_m(kernel, b.shape[1]),
+                     stream=torch.cuda.current_stream().cuda_stream)  # fmt: skip
     return out
 
 

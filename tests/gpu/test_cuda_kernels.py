@@ -174,6 +174,7 @@ WGRAD_CASES = [  # tokens, k, E, Na, Nb, routing
     (333, 2, 8, 200, 1000, "skew"),  # Na, Nb not multiples of the tile; experts without rows
     (300, 1, 3, 136, 72, "one_expert"),  # one expert over several K tiles, two empty ones
     (700, 4, 16, 384, 8448, "random"),  # Nb spans > 32 column tiles: banded raster
+    (400, 2, 8, 384, 512, "random"),  # 3 row tiles: the clustered kernels' last pair has a row past M
 ]
 
 
@@ -193,9 +194,8 @@ def test_weight_grad_gemm(lib, case, kernel, monkeypatch):
     outs = []
     for _ in range(2):
         out = torch.full((E, Na, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
-        tn = registry.tile_n_of(kernel)
         cb._lib().launch(kernel, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
-                         sched.seg_end, counts, 8 if (Nb + tn - 1) // tn > 32 else 1,
+                         sched.seg_end, counts, cb.wgrad_group_m(kernel, Nb),
                          stream=torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         outs.append(out)
@@ -245,9 +245,8 @@ def test_weight_grad_variant_equals_default(lib, case, kernel):
     outs = {}
     for name in ("mok_gemm_wgrad", kernel, kernel):
         out = torch.full((E, Na, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
-        tn = registry.tile_n_of(name)
         cb._lib().launch(name, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0),
-                         sched.seg_end, counts, 8 if (Nb + tn - 1) // tn > 32 else 1,
+                         sched.seg_end, counts, cb.wgrad_group_m(name, Nb),
                          stream=torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         assert not torch.isnan(out).any(), f"{name}: outputs left unwritten"
