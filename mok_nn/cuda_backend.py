@@ -60,7 +60,7 @@ from .kernels import loader
 from .kernels.registry import GEMM_GATHER_KERNELS
 
 WGRAD_KERNEL = "mok_gemm_wgrad"  # weight-gradient GEMM where experts have many rows
-WGRAD_KERNEL_FEW_ROWS = "mok_gemm_wgrad_defer"  # ... and where they have few (MOK_WGRAD_KERNEL overrides both)
+WGRAD_KERNEL_FEW_ROWS = "mok_gemm_wgrad_defer_c2"  # ... and where they have few (MOK_WGRAD_KERNEL overrides both)
 WGRAD_FEW_ROWS = 1024  # mean routed rows per expert up to which the deferred epilogue wins (H200)
 # Longest reduction for which the full-tile epilogue GEMM variants win on H200
 # (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).

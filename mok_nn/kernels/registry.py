@@ -173,6 +173,7 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
+    full: bool = False,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -181,6 +182,7 @@ def _wgrad_spec(
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
+    kwargs += (("full_epilogue", True),) if full else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -432,6 +434,9 @@ SPECS = (
     # per tile (the loads, not the MMA or the stores, bound the deepseek-v3 weight gradients)
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
+    # the whole tile written to smem between two barriers, its stores in one bulk group
+    _wgrad_spec("mok_gemm_wgrad_full", GEMM_TILE_N, 32, 8, full=True),
+    _wgrad_spec("mok_gemm_wgrad_full_c2", GEMM_TILE_N, 32, 8, full=True, cluster_m=2),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),
