@@ -59,9 +59,10 @@ from .kernels.registry import (
 from .kernels import loader
 from .kernels.registry import GEMM_GATHER_KERNELS
 
-WGRAD_KERNEL = "mok_gemm_wgrad"  # weight-gradient GEMM where experts have many rows
-WGRAD_KERNEL_FEW_ROWS = "mok_gemm_wgrad_defer_c2"  # ... and where they have few (MOK_WGRAD_KERNEL overrides both)
-WGRAD_FEW_ROWS = 1024  # mean routed rows per expert up to which the deferred epilogue wins (H200)
+# Weight-gradient GEMM (MOK_WGRAD_KERNEL overrides): deferred epilogue on 2-CTA clusters sharing B.
+# Fastest over the three benchmark shapes on H200, all variants bitwise equal
+# (docs/benchmarks/2026-11-30_h200_ep1_v26_wgrad_cluster*.txt: 21.2 ms vs 22.4-23.3 for the others).
+WGRAD_KERNEL = "mok_gemm_wgrad_defer_c2"
 # Longest reduction for which the full-tile epilogue GEMM variants win on H200
 # (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
 GEMM_FULL_EPI_MAX_K = 8192
@@ -367,8 +368,7 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
     out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
-    few_rows = sched.pos.numel() <= WGRAD_FEW_ROWS * sched.num_experts  # known on the host: no sync
-    name = os.environ.get("MOK_WGRAD_KERNEL") or (WGRAD_KERNEL_FEW_ROWS if few_rows else WGRAD_KERNEL)
+    name = os.environ.get("MOK_WGRAD_KERNEL") or WGRAD_KERNEL
     if name not in WGRAD_KERNELS:
         raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
     _lib().launch(

@@ -173,7 +173,6 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
-    full: bool = False,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -182,7 +181,6 @@ def _wgrad_spec(
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
-    kwargs += (("full_epilogue", True),) if full else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -431,12 +429,11 @@ SPECS = (
     # tile's MMA; experts with few rows (deepseek-v3 d gate_up 7.9 vs 9.0 ms)
     _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),
     # the same two on 2-CTA clusters that share B by TMA multicast: a third less L2 -> smem traffic
-    # per tile (the loads, not the MMA or the stores, bound the deepseek-v3 weight gradients)
+    # per tile (the loads, not the MMA or the stores, bound the deepseek-v3 weight gradients).
+    # _defer_c2 is the default (cuda_backend.WGRAD_KERNEL): fastest over the three shapes on H200.
+    # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
-    # the whole tile written to smem between two barriers, its stores in one bulk group
-    _wgrad_spec("mok_gemm_wgrad_full", GEMM_TILE_N, 32, 8, full=True),
-    _wgrad_spec("mok_gemm_wgrad_full_c2", GEMM_TILE_N, 32, 8, full=True, cluster_m=2),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),

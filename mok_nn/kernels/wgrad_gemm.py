@@ -48,10 +48,6 @@ class VarlenKGroupedGemm:
     ring (256-wide tiles: 4 stages -> 3). Same MMA, same K order, same rounding:
     bitwise equal to the default epilogue.
 
-    full_epilogue: the same whole-tile buffering with two barriers per tile instead of one per
-    sub-tile: wait for the previous tile's stores, write every sub-tile, then one bulk group of
-    TMA stores.
-
     cluster_m = 2: a cluster of two CTAs takes row tiles 2p and 2p + 1 of one (column tile,
     expert), so both need the same B stages: each CTA loads half of every B stage and multicasts
     it into both CTAs' shared memory (TMA multicast), and releases a stage to both producers. A
@@ -68,14 +64,8 @@ class VarlenKGroupedGemm:
         diag: str = "",
         num_sms: int = 132,
         cluster_m: int = 1,
-        full_epilogue: bool = False,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
-        # full: the whole tile in smem (epi_stages * epi_n == tile_n): wait once for the previous tile's
-        # stores, write every sub-tile, one barrier, all TMA stores in one bulk group (2 barriers a tile,
-        # the lazy epilogue has one per sub-tile). Same stores, same bits.
-        assert not full_epilogue or (not lazy_epilogue and epi_stages * epi_n == tile_n)
-        self.full_epilogue = full_epilogue
         # cluster_m = 2: CTA pairs (a cluster) take row tiles m, m + 1 of the same (column tile, expert)
         # and share B: each loads half of every B stage and multicasts it to both (see __call__).
         assert cluster_m in (1, 2)
@@ -367,22 +357,7 @@ class VarlenKGroupedGemm:
                 epi_tiles = cute.size(gC_epi, mode=[1])
                 epi_shape = gC_epi.shape[1]
                 epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                if cutlass.const_expr(self.full_epilogue):
-                    if warp_idx == 4:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's stores read smem
-                    epi_barrier.arrive_and_wait()
-                    for e in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(rD_size):
-                            rD[v] = tRS_acc[e * rD_size + v]
-                        rD_out.store(rD.load().to(self.c_dtype))
-                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_barrier.arrive_and_wait()
-                    if warp_idx == 4:
-                        for e in cutlass.range_constexpr(epi_tiles):
-                            cute.copy(tma_c, bSG_sC[(None, e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                        cute.arch.cp_async_bulk_commit_group()
-                elif cutlass.const_expr(self.lazy_epilogue):
+                if cutlass.const_expr(self.lazy_epilogue):
                     # Stores of this tile are left in flight while the next tile's MMA runs;
                     # a buffer is waited for only right before it is rewritten. One bulk group
                     # per sub-tile, so "buffer b is free" = all but the newest groups have read smem.
