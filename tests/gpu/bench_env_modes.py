@@ -16,6 +16,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
+  cluster: c2, one (MOK_GEMM_CLUSTER: the grouped GEMMs on 2-CTA clusters sharing B)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
@@ -39,6 +40,8 @@ MODE_SETS = {
     },
     # the backward's dgrad of down with dSwiGLU + d topk-weight in its epilogue, or the fp32 GEMM + act kernel
     "dact": {"fused": {"MOK_GEMM_DACT": "fused"}, "split": {"MOK_GEMM_DACT": "split"}},
+    # the plain grouped GEMMs on 2-CTA clusters sharing B (listed first: the first mode has measured slower)
+    "cluster": {"c2": {"MOK_GEMM_CLUSTER": "1"}, "one": {"MOK_GEMM_CLUSTER": "0"}},
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
