@@ -176,7 +176,6 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
-    warp_stores: bool = False,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -185,7 +184,6 @@ def _wgrad_spec(
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
-    kwargs += (("warp_stores", True),) if warp_stores else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -445,9 +443,6 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
-    # each consumer warp stores its own rows: no CTA barrier in the epilogue (ncu: 31% of the stall
-    # cycles of _defer_c2 were epilogue barrier waits)
-    _wgrad_spec("mok_gemm_wgrad_warp_c2", GEMM_TILE_N, 32, 8, cluster_m=2, warp_stores=True),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),

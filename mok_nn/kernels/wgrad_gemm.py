@@ -30,8 +30,6 @@ import cuda.bindings.driver as cuda
 from .gemm_consumer import epilogue_stores, mma_operands, store_sync, store_tile_split
 from .registry import TILE_M
 
-WARP_ROWS = 16  # tile rows of one consumer warp (a 64-row warp group has 4 warps)
-
 
 class VarlenKGroupedGemm:
     """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major.
@@ -66,18 +64,12 @@ class VarlenKGroupedGemm:
         diag: str = "",
         num_sms: int = 132,
         cluster_m: int = 1,
-        warp_stores: bool = False,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
         # cluster_m = 2: CTA pairs (a cluster) take row tiles m, m + 1 of the same (column tile, expert)
         # and share B: each loads half of every B stage and multicasts it to both (see __call__).
         assert cluster_m in (1, 2)
         self.cluster_m = cluster_m
-        # warp_stores: each consumer warp stores its own 16 rows of a sub-tile (its stmatrix rows) with
-        # its own TMA store and waits only for its own earlier stores: no CTA barrier in the epilogue.
-        # The whole tile is buffered (epi_stages * epi_n == tile_n), as in the lazy epilogue.
-        assert not warp_stores or (not lazy_epilogue and epi_stages * epi_n == tile_n)
-        self.warp_stores = warp_stores
         # lazy: each buffer is waited for just before it is rewritten (see _epilogue_lazy);
         # sub-tile e of every tile uses buffer e % epi_stages.
         assert not lazy_epilogue or (epi_stages >= 2 and (tile_n // epi_n) % epi_stages == 0)
@@ -153,18 +145,9 @@ class VarlenKGroupedGemm:
             tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (bn, bk)
             )
-        if cutlass.const_expr(self.warp_stores):  # boxes of one warp's 16 rows (the same bytes: see kernel)
-            c_smem_w = sm90_utils.make_smem_layout_epi(
-                self.c_dtype, self.c_layout, (WARP_ROWS, self.epi_tile[1]), self.epi_stages * self.epi_tile[0] // WARP_ROWS
-            )
-            tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(c_smem_w, (None, None, 0)),
-                (WARP_ROWS, self.epi_tile[1]),
-            )  # fmt: skip
-        else:
-            tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(c_smem, (None, None, 0)), self.epi_tile
-            )
+        tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(c_smem, (None, None, 0)), self.epi_tile
+        )
 
         gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, num_experts = gc[(0, (None, None, None))].shape
@@ -197,41 +180,6 @@ class VarlenKGroupedGemm:
             min_blocks_per_mp=1,
             stream=stream,
         )  # fmt: skip
-
-    def _warp_store_smem(self, storage):
-        """The epilogue buffers as (16, epi_n) boxes (warp_stores)."""
-        c_smem_w = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, self.c_layout, (WARP_ROWS, self.epi_tile[1]), self.epi_stages * self.epi_tile[0] // WARP_ROWS
-        )
-        return storage.sC.get_tensor(c_smem_w.outer, swizzle=c_smem_w.inner)
-
-    @cute.jit
-    def _store_tile_by_warps(
-        self, sCw, tma_c, gC_t, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr,
-        epi_tiles: cutlass.Constexpr, warp_idx,
-    ):
-        """The warp_stores epilogue. Consumer warp w holds rows 16 w .. 16 w + 15 of the tile (the wgmma
-        accumulator layout), so it writes exactly those rows of sub-tile buffer e (stmatrix) and stores
-        them itself: buffer e of the (128, epi_n) smem layout is, byte for byte, boxes 8 e .. 8 e + 7 of
-        the (16, epi_n) layout (same swizzle atom, whole atoms per box). Before rewriting buffer e the
-        warp waits for its own store of it, one tile (epi_tiles bulk groups) ago."""
-        gC_w = cute.zipped_divide(gC_t, (WARP_ROWS, self.epi_tile[1]))  # ((16, epi_n), (row blocks, col blocks))
-        bSG_sCw, bSG_gCw = cute.nvgpu.cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sCw, 0, 2), gC_w
-        )
-        cw = warp_idx - self.threads_per_wg // 32  # consumer warp 0 .. 7
-        boxes = self.epi_tile[0] // WARP_ROWS
-        for e in cutlass.range_constexpr(epi_tiles):
-            cute.arch.cp_async_bulk_wait_group(epi_tiles - 1, read=True)  # this warp's store of buffer e
-            cute.arch.sync_warp()
-            for v in cutlass.range_constexpr(rD_size):
-                rD[v] = tRS_acc[e * rD_size + v]
-            rD_out.store(rD.load().to(self.c_dtype))
-            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_warp()
-            cute.copy(tma_c, bSG_sCw[(None, e * boxes + cw)], bSG_gCw[(None, (cw, e))])
-            cute.arch.cp_async_bulk_commit_group()
 
     def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
         """Linear tile index -> (m_tile, n_tile, expert): expert slowest, then bands of group_m row tiles.
@@ -369,8 +317,6 @@ class VarlenKGroupedGemm:
                 tiled_mma, ctid, sC, acc, self.c_layout, self.c_dtype, self.acc_dtype
             )
             epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
-            if cutlass.const_expr(self.warp_stores):
-                sCw = self._warp_store_smem(storage)
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -411,11 +357,7 @@ class VarlenKGroupedGemm:
                 epi_tiles = cute.size(gC_epi, mode=[1])
                 epi_shape = gC_epi.shape[1]
                 epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                if cutlass.const_expr(self.warp_stores):
-                    self._store_tile_by_warps(
-                        sCw, tma_c, gC_t, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, epi_tiles, warp_idx
-                    )
-                elif cutlass.const_expr(self.lazy_epilogue):
+                if cutlass.const_expr(self.lazy_epilogue):
                     # Stores of this tile are left in flight while the next tile's MMA runs;
                     # a buffer is waited for only right before it is rewritten. One bulk group
                     # per sub-tile, so "buffer b is free" = all but the newest groups have read smem.
