@@ -17,6 +17,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   cluster: c2, one (MOK_GEMM_CLUSTER: the grouped GEMMs on 2-CTA clusters sharing B)
+  wgrad: c2, defer, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
@@ -40,6 +41,13 @@ MODE_SETS = {
     },
     # the backward's dgrad of down with dSwiGLU + d topk-weight in its epilogue, or the fp32 GEMM + act kernel
     "dact": {"fused": {"MOK_GEMM_DACT": "fused"}, "split": {"MOK_GEMM_DACT": "split"}},
+    # the weight-gradient kernel in the layer; the default twice (first and last) to show the
+    # measurement's position bias next to the difference
+    "wgrad": {
+        "c2": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
+        "defer": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer"},
+        "c2_again": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
+    },
     # the plain grouped GEMMs on 2-CTA clusters sharing B (listed first: the first mode has measured slower)
     "cluster": {"c2": {"MOK_GEMM_CLUSTER": "1"}, "one": {"MOK_GEMM_CLUSTER": "0"}},
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
