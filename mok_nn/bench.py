@@ -188,8 +188,9 @@ def measure(impls, p, device, iters, warmup, group=None):
     activation GB kept for bwd)} for every implementation in impls {name: fn}.
 
     The implementations share the same leaf tensors, and their timed iterations
-    alternate in ABBA order, so clock and temperature drift over the run affects
-    all alike instead of favouring whichever runs first or second. Gradients are
+    rotate (A B, B A, ... for two; A B C, B C A, C A B, ... for three), so clock and
+    temperature drift over the run affects all alike instead of favouring whichever
+    runs first or second. Gradients are
     reset to None before every iteration, as optimizer.zero_grad() does in
     training, so no implementation pays for accumulating into old grads. With a
     process group, times and peak are the slowest rank's.
@@ -233,8 +234,13 @@ def measure(impls, p, device, iters, warmup, group=None):
     fb = {name: [] for name in impls}
     order = list(impls.items())
     for step, times in ((fwd, f), (fwd_bwd, fb)):
-        for i in range(iters):  # A B, B A, A B, ...: neither always runs right after the other
-            for name, fn in order if i % 2 == 0 else order[::-1]:
+        for i in range(iters):
+            # Rotated order: A B C, B C A, C A B, ... (two: A B, B A, ...). Every implementation takes
+            # every position equally often. The mirrored order used before (A B C, C B A, ...) ran the
+            # first and the last twice in a row and measured the first-listed one slower: at deepseek-v3
+            # one configuration listed first and last gave a backward of 28.2 vs 26.7 ms (v30).
+            k = i % len(order)
+            for name, fn in order[k:] + order[:k]:
                 times[name].append(timer(lambda: step(fn)))
     for t in leaves:
         t.grad = None
