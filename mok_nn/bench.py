@@ -235,10 +235,10 @@ def measure(impls, p, device, iters, warmup, group=None):
     order = list(impls.items())
     for step, times in ((fwd, f), (fwd_bwd, fb)):
         for i in range(iters):
-            # Rotated order: A B C, B C A, C A B, ... (two: A B, B A, ...). Every implementation takes
-            # every position equally often. The mirrored order used before (A B C, C B A, ...) ran the
-            # first and the last twice in a row and measured the first-listed one slower: at deepseek-v3
-            # one configuration listed first and last gave a backward of 28.2 vs 26.7 ms (v30).
+            # Rotated order: A B C, B C A, C A B, ... (two: A B, B A, ...): every implementation takes
+            # every position equally often (the mirrored A B C, C B A ran the first and the last twice
+            # in a row). Even so, one configuration listed twice differs by up to ~4% in the backward
+            # at deepseek-v3 and mixtral (v30, v31): compare layer variants with that in mind.
             k = i % len(order)
             for name, fn in order[k:] + order[:k]:
                 times[name].append(timer(lambda: step(fn)))
