@@ -20,7 +20,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   not overlap the MMA (docs/kernels.md)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
-  weight grads    mok_gemm_wgrad (varlen-K grouped GEMM over each expert's rows)
+  weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
+                  2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL)
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
@@ -32,7 +33,9 @@ output tile staged in shared memory, stores drained during the next tile:
 mok_gemm_bk_ef / mok_gemm_bn_ef), "split" (4 sub-tile buffers: mok_gemm_bk /
 mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
 H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
-bitwise. MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
+bitwise. MOK_GEMM_CLUSTER=1 runs the plain grouped GEMMs on 2-CTA clusters sharing B
+(mok_gemm_*_c2; bitwise equal, not faster on H200, so off by default).
+MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
 (mok_gemm_gate_up_<act>, I % 128 == 0, no gate/up bias; bitwise equal to the two
 kernels; not faster on H200, so off by default).
 MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
