@@ -33,9 +33,7 @@ output tile staged in shared memory, stores drained during the next tile:
 mok_gemm_bk_ef / mok_gemm_bn_ef), "split" (4 sub-tile buffers: mok_gemm_bk /
 mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
 H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
-bitwise. MOK_GEMM_CLUSTER=1 runs the plain grouped GEMMs on 2-CTA clusters sharing B
-(mok_gemm_*_c2; bitwise equal, not faster on H200, so off by default).
-MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
+bitwise. MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
 (mok_gemm_gate_up_<act>, I % 128 == 0, no gate/up bias; bitwise equal to the two
 kernels; not faster on H200, so off by default).
 MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
@@ -292,7 +290,7 @@ def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, trans
     n = w.shape[2] if transpose_w else w.shape[1]
     out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
     b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
-    name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1], cluster=False) + "_gather"
+    name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1]) + "_gather"
     if name not in GEMM_GATHER_KERNELS:
         raise ValueError(f"no gather variant {name} (have {GEMM_GATHER_KERNELS})")
     tiles_n = (n + GEMM_TILE_N - 1) // GEMM_TILE_N
@@ -327,32 +325,20 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     return gate_up, h
 
 
-def gemm_cluster() -> bool:
-    """MOK_GEMM_CLUSTER=1: the plain grouped GEMMs on 2-CTA clusters sharing B (the *_c2 kernels)."""
-    mode = os.environ.get("MOK_GEMM_CLUSTER", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"MOK_GEMM_CLUSTER={mode!r}: expected 0 or 1")
-    return mode == "1"
-
-
-def gemm_kernel(
-    transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0, cluster: bool | None = None,
-) -> str:
+def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0) -> str:
     """Registry name of the grouped GEMM variant; epi "split", "full" or "auto" (MOK_GEMM_EPI).
 
-    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K. cluster (None:
-    gemm_cluster()) picks the *_c2 kernel; the gather and EP-hook variants have none (cluster=False).
+    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K.
     """
-    suffix = "_c2" if (gemm_cluster() if cluster is None else cluster) else ""
     if out_dtype == torch.float32:
-        return "mok_gemm_bn_f32" + suffix  # an fp32 output tile does not fit smem whole: split only
+        return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
     epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
     if epi not in ("split", "full", "auto"):
         raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")
     if epi == "auto":
         epi = "full" if k <= GEMM_FULL_EPI_MAX_K else "split"
     name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
-    return (name + "_ef" if epi == "full" else name) + suffix
+    return name + "_ef" if epi == "full" else name
 
 
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:

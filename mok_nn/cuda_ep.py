@@ -1010,7 +1010,7 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     tiles_n = -(-gate_up.shape[1] // cb.GEMM_TILE_N)
     group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
     suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden, cluster=False) + suffix
+    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + suffix
     cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
                      sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, st["ready"], _ov_err(ws, bufs),
                      epoch, timeout_us, grid, *extra, stream=main.cuda_stream)
@@ -1046,7 +1046,7 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     comm.wait_stream(main)  # before the GEMM's launch: the push waits for done, not for the whole GEMM
     group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
     suffix, grid, extra = _ov_gemm(ws, "done", comm_ctas, gemm_ctas, dev)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1], cluster=False) + suffix
+    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + suffix
     cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
                      sched.seg_end, sched.gemm_seg_rows(), group_m, done, grid, *extra, stream=main.cuda_stream)
     # Static: its grid leaves comm_ctas SMs free, so the push still runs beside it. Dynamic: the push's

@@ -49,19 +49,3 @@ def test_shared_memory_budget(name):
     assert stages >= 3 and used <= gemm.smem_bytes
     if gemm.lazy_epilogue and gemm.epi_tile[1] * gemm.epi_stages == bn:
         assert stages == (3 if bn == 256 else 6)  # whole tile buffered
-
-
-def test_gemm_cluster_names(monkeypatch):
-    """MOK_GEMM_CLUSTER=1 picks the *_c2 grouped GEMMs (all registered); the gather and EP-hook
-    callers ask for cluster=False; other values are rejected."""
-    monkeypatch.delenv("MOK_GEMM_EPI", raising=False)
-    monkeypatch.setenv("MOK_GEMM_CLUSTER", "1")
-    names = [cb.gemm_kernel(t, d, k=k) for t in (False, True) for d in (torch.bfloat16, torch.float32)
-             for k in (128, 16384) if not (d == torch.float32 and not t)]
-    assert all(n.endswith("_c2") and n in registry.GEMM_KERNELS for n in names), names
-    assert cb.gemm_kernel(False, torch.bfloat16, k=128, cluster=False) == "mok_gemm_bk_ef"
-    monkeypatch.setenv("MOK_GEMM_CLUSTER", "0")
-    assert cb.gemm_kernel(True, torch.float32) == "mok_gemm_bn_f32"
-    monkeypatch.setenv("MOK_GEMM_CLUSTER", "yes")
-    with pytest.raises(ValueError, match="MOK_GEMM_CLUSTER"):
-        cb.gemm_kernel(True, torch.float32)

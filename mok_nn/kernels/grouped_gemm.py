@@ -67,16 +67,6 @@ transaction bytes and one cp.async.mbarrier.arrive.noinc per producer thread
 async-proxy wgmma reads). Same K order, same MMAs: bitwise what index_select +
 the TMA kernel give. Registers: producer 56 (row indices), consumers 224.
 
-2-CTA clusters (cluster_m=2, the *_c2 kernels, MOK_GEMM_CLUSTER=1; plain TMA variants only): the
-two CTAs of a cluster take row tiles 2p and 2p + 1 of one column tile (the scheduler counts
-row-tile pairs). Where one expert owns both rows, each CTA loads half of every B stage and
-multicasts it into both CTAs' shared memory (a third less L2 -> smem traffic); where the rows
-belong to two experts, each loads its own B whole. A full barrier expects A and all of B either
-way, and each consumer warp releases a stage to both producers, so the pair stays in lockstep.
-Unused row tiles are a suffix, so a pair may be half used (or its second row past M when the row
-tiles are odd): that CTA loads A past the used rows (zero-filled past M) and its partner's B,
-takes and releases every stage, and stores nothing. Same MMAs, same K order: bitwise equal.
-
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
 """
@@ -102,7 +92,7 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, dact: str | None = None, cluster_m: int = 1,
+        gather: bool = False, dact: str | None = None,
     ):
         assert tile_n in (128, 256)
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
@@ -110,10 +100,6 @@ class VarlenMGroupedGemm:
         self.full_epi = full_epi
         self.act = act
         self.dact = dact  # VarlenMGroupedGemmDact: the backward's activation in the dgrad-of-down epilogue
-        # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share B by TMA multicast where both rows
-        # belong to one expert (module docstring); plain TMA-only variants
-        assert cluster_m in (1, 2) and (cluster_m == 1 or not (act or dact or gather))
-        self.cluster_m = cluster_m
         self.gather = gather
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
@@ -237,13 +223,6 @@ class VarlenMGroupedGemm:
             self.epi_tile,
         )
         tma_h, tma_mH = tma_c, tma_mC
-        if cutlass.const_expr(self.cluster_m > 1):
-            # the kernel's h slot (unused without an activation) carries B's multicast TMA: each CTA of
-            # a pair loads half of a B stage into both CTAs' shared memory
-            tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, cute.slice_(b_smem, (None, None, 0)),
-                (bn, bk), num_multicast=self.cluster_m,
-            )  # fmt: skip
         if cutlass.const_expr(self.act is not None or self.dact is not None):
             tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -265,10 +244,6 @@ class VarlenMGroupedGemm:
         # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
-        if cutlass.const_expr(self.cluster_m > 1):  # row-tile pairs; CTA r of cluster c takes linear tile 2c + r
-            pairs = (tiles_m + 1) // 2
-            sched_params = utils.PersistentTileSchedulerParams((pairs * tiles_n * 2, 1, 1), (2, 1, 1))
-            grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // 2)
         if cutlass.const_expr(self.ready or self.done):  # the hooked variants run on num_ctas CTAs
             grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
         if cutlass.const_expr(not self.ready):  # placeholders: the readiness hook is compiled out
@@ -308,34 +283,12 @@ class VarlenMGroupedGemm:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            cluster=(self.cluster_m, 1, 1),
+            cluster=(1, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )
 
     def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
-        """Linear tile index -> (m_tile, n_tile) (_tile_coord_one); with a cluster, tiles_m rows make
-        (tiles_m + 1) // 2 row-tile pairs and CTA r of cluster c gets row 2 p + r of pair p (past the
-        last row tile when tiles_m is odd: see _cluster_experts)."""
-        if cutlass.const_expr(self.cluster_m > 1):
-            pair, n_tile = self._tile_coord_one(linear // 2, (tiles_m + 1) // 2, tiles_n, group_m)
-            return pair * 2 + linear % 2, n_tile
-        return self._tile_coord_one(linear, tiles_m, tiles_n, group_m)
-
-    def _cluster_experts(self, tile_expert, m_tile, tiles_m):
-        """(this CTA's expert, -1 for none; the expert of the pair's first row tile, -1: the pair has no
-        work; whether both rows use one expert's B, so the pair shares it by multicast).
-
-        Unused tiles are a suffix of the row tiles, so a pair is all unused, all used, or (the last used
-        row tile first) half used: the unused CTA then mirrors its partner's stages (loads A past the
-        used rows, B of the partner's expert, no multicast) and stores nothing."""
-        m0 = m_tile - m_tile % 2
-        e0 = tile_expert[m0]
-        e1 = cutlass.select_(m0 + 1 < tiles_m, tile_expert[cutlass.min(m0 + 1, tiles_m - 1)], cutlass.Int32(-1))
-        own = cutlass.select_(m_tile == m0, e0, e1)
-        return own, e0, e0 == e1
-
-    def _tile_coord_one(self, linear, tiles_m, tiles_n, group_m):
         """Linear tile index -> (m_tile, n_tile), row tiles fastest inside bands of group_m.
 
         group_m = 1: column tiles fastest, so a wave of persistent CTAs shares a few
@@ -534,9 +487,9 @@ class VarlenMGroupedGemm:
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.full_arrivals),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4 * self.cluster_m),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
         if cutlass.const_expr(self.dynamic):
@@ -567,17 +520,6 @@ class VarlenMGroupedGemm:
                 tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
             )
         k_tiles = cute.size(gA, mode=[3])
-        if cutlass.const_expr(self.cluster_m > 1):
-            # each consumer warp releases a stage to both CTAs' producers (the pipeline picks the peer from
-            # cta_layout_vmnk; create() ended with a cluster sync); a full barrier expects A and all of B
-            # whether B came whole from this CTA or in halves from both
-            cta_layout = cute.make_layout((2, 1, 1))
-            cta_coord = cta_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
-            b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0)
-            gB_mc = cute.local_tile(mH, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
-            tBsB_mc, tBgB_mc = cute.nvgpu.cpasync.tma_partition(
-                tma_h, cta_coord[0], cute.make_layout(2), cute.group_modes(sB, 0, 2), cute.group_modes(gB_mc, 0, 2)
-            )
 
         if wg_idx == 0:
             # ---------------- producer: TMA loads ----------------
@@ -604,45 +546,25 @@ class VarlenMGroupedGemm:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
                     m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                    if cutlass.const_expr(self.cluster_m > 1):
-                        own, first, shared = self._cluster_experts(tile_expert, m_tile, tiles_m)
-                        if first >= 0:
-                            b_expert = cutlass.select_(own >= 0, own, first)
-                            tAgA_t = tAgA[(None, m_tile, None, 0)]  # past M: zero-filled by the TMA
-                            tBgB_t = tBgB[(None, n_tile, None, b_expert)]
-                            tBgB_mc_t = tBgB_mc[(None, n_tile, None, b_expert)]
-                            for k in range(k_tiles):
-                                ab_pipe.producer_acquire(state)
-                                bar = ab_pipe.producer_get_barrier(state)
-                                cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                                if shared:  # this CTA's half of B, into both CTAs
-                                    cute.copy(tma_h, tBgB_mc_t[(None, k)], tBsB_mc[(None, state.index)], tma_bar_ptr=bar,
-                                              mcast_mask=b_mask)
-                                else:
-                                    cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                                ab_pipe.producer_commit(state)
-                                state.advance()
-                    else:
-                        expert = tile_expert[m_tile]
-                        if expert >= 0:
-                            if cutlass.const_expr(self.ready):
-                                wait_tile_ready(ready, m_tile, epoch, timeout_us, ready_err)
-                            tAgA_t = tAgA[(None, m_tile, None, 0)]
-                            tBgB_t = tBgB[(None, n_tile, None, expert)]
+                    expert = tile_expert[m_tile]
+                    if expert >= 0:
+                        if cutlass.const_expr(self.ready):
+                            wait_tile_ready(ready, m_tile, epoch, timeout_us, ready_err)
+                        tAgA_t = tAgA[(None, m_tile, None, 0)]
+                        tBgB_t = tBgB[(None, n_tile, None, expert)]
+                        if cutlass.const_expr(self.act is not None):
+                            tBgB_u = tBgB[(None, n_tile + tiles_n, None, expert)]  # the up half
+                        for k in range(k_tiles):
+                            ab_pipe.producer_acquire(state)
+                            bar = ab_pipe.producer_get_barrier(state)
+                            cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                             if cutlass.const_expr(self.act is not None):
-                                tBgB_u = tBgB[(None, n_tile + tiles_n, None, expert)]  # the up half
-                            for k in range(k_tiles):
-                                ab_pipe.producer_acquire(state)
-                                bar = ab_pipe.producer_get_barrier(state)
-                                cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                                if cutlass.const_expr(self.act is not None):
-                                    cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
-                                    cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)],
-                                              tma_bar_ptr=bar)
-                                else:
-                                    cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                                ab_pipe.producer_commit(state)
-                                state.advance()
+                                cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
+                                cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)], tma_bar_ptr=bar)
+                            else:
+                                cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                            ab_pipe.producer_commit(state)
+                            state.advance()
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
@@ -695,17 +617,7 @@ class VarlenMGroupedGemm:
             prev_m = cutlass.Int32(-1)  # done hook: row tile of the last output tile stored
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                if cutlass.const_expr(self.cluster_m > 1):
-                    expert, first, _ = self._cluster_experts(tile_expert, m_tile, tiles_m)
-                    if expert < 0:
-                        if first >= 0:  # the partner's tile runs: take and release its stages, store nothing
-                            for k in range(k_tiles):
-                                ab_pipe.consumer_wait(read_state)
-                                ab_pipe.consumer_release(release_state)
-                                read_state.advance()
-                                release_state.advance()
-                else:
-                    expert = tile_expert[m_tile]
+                expert = tile_expert[m_tile]
                 if expert >= 0:
                     # Real rows in this tile (more than TILE_M before the segment's last tile).
                     rows = seg_rows[expert]

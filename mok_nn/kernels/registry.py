@@ -62,18 +62,15 @@ class KernelSpec:
     args: tuple  # TensorArg / ScalarArg, then the stream (implicit, last)
 
 
-def _gemm_spec(
-    name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False, cluster_m: int = 1,
-) -> KernelSpec:
+def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
     # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
     # seg_end / seg_rows: padded segment ends and real rows per expert (tiles' padding halves skip the MMA).
-    # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share B by TMA multicast where one expert owns both.
     b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
     return KernelSpec(
         name=name,
         module="grouped_gemm",
         factory="VarlenMGroupedGemm",
-        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)) + ((("cluster_m", cluster_m),) if cluster_m > 1 else ()),
+        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
@@ -403,12 +400,6 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
-    # the same on 2-CTA clusters sharing B (MOK_GEMM_CLUSTER)
-    _gemm_spec("mok_gemm_bk_c2", "k", GEMM_TILE_N, cluster_m=2),
-    _gemm_spec("mok_gemm_bn_c2", "n", GEMM_TILE_N, cluster_m=2),
-    _gemm_spec("mok_gemm_bn_f32_c2", "n", GEMM_TILE_N, "f32", cluster_m=2),
-    _gemm_spec("mok_gemm_bk_ef_c2", "k", GEMM_TILE_N, full_epi=True, cluster_m=2),
-    _gemm_spec("mok_gemm_bn_ef_c2", "n", GEMM_TILE_N, full_epi=True, cluster_m=2),
     # the same with A rows gathered from x by the schedule (no permuted copy); MOK_GEMM_GATHER=1 picks them
     _gemm_gather_spec("mok_gemm_bk_gather", "k"),  # gate/up: x rows @ W13[e]^T
     _gemm_gather_spec("mok_gemm_bk_ef_gather", "k", full_epi=True),

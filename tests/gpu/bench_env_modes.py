@@ -16,7 +16,6 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
-  cluster: c2, one (MOK_GEMM_CLUSTER: the grouped GEMMs on 2-CTA clusters sharing B)
   wgrad: c2, defer, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
 The env variables are read at every call, so one process can switch between them.
@@ -48,8 +47,6 @@ MODE_SETS = {
         "defer": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer"},
         "c2_again": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
     },
-    # the plain grouped GEMMs on 2-CTA clusters sharing B (listed first: the first mode has measured slower)
-    "cluster": {"c2": {"MOK_GEMM_CLUSTER": "1"}, "one": {"MOK_GEMM_CLUSTER": "0"}},
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)

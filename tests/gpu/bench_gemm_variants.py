@@ -56,10 +56,10 @@ def gemms(p, sched):
     dy_rows = cb.gather_rows(p["dy"], sched)
     dgu = cb.gather_rows((torch.randn(T, 2 * inter, device="cuda", generator=g) * 0.1).to(bf), sched)
     return [
-        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_c2", "mok_gemm_bk_ef_c2")),
-        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_c2", "mok_gemm_bk_ef_c2")),
-        ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32", "mok_gemm_bn_f32_c2")),
-        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_bn_c2", "mok_gemm_bn_ef_c2")),
+        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef")),
+        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef")),
+        ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32",)),
+        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef")),
     ]
 
 
