@@ -58,3 +58,28 @@ def test_bench_cpu_defaults_to_the_tiny_shape(tmp_path):
     recs = json.loads(out.read_text())
     assert {r["shape"] for r in recs} == {"tiny"}
     assert {r["tokens_per_rank"] for r in recs} == {64}
+
+
+@pytest.mark.parametrize("n_impls", [2, 3, 4])
+def test_measure_rotates_the_order(n_impls):
+    """Timed iterations rotate the implementations (A B, B A for two; A B C, B C A, C A B for three):
+    over n iterations each one runs once in every position of the forward and forward+backward loops."""
+    p = bench.make_problem("tiny", 16, "cpu", seed=1)
+    calls = []
+
+    def make(name):
+        def fn(x, ids, w, gu, dn):
+            calls.append(name)
+            return bench.baseline_experts(x, ids, w, gu, dn)
+        return fn
+
+    names = [f"impl{i}" for i in range(n_impls)]
+    bench.measure({n: make(n) for n in names}, p, "cpu", iters=n_impls, warmup=0)
+    timed = calls[-2 * n_impls * n_impls:]  # after the per-implementation memory pass: fwd loop, then fwd+bwd
+    for loop in (timed[: n_impls * n_impls], timed[n_impls * n_impls:]):
+        rounds = [loop[i * n_impls:(i + 1) * n_impls] for i in range(n_impls)]
+        assert all(sorted(r) == names for r in rounds)  # every implementation once per iteration
+        for pos in range(n_impls):
+            assert sorted(r[pos] for r in rounds) == names  # and once in each position
+    if n_impls == 2:
+        assert timed[:4] == ["impl0", "impl1", "impl1", "impl0"]  # the A B, B A of the two-way benchmark
