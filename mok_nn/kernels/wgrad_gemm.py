@@ -66,8 +66,8 @@ class VarlenKGroupedGemm:
         cluster_m: int = 1,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
-        # cluster_m = 2: CTA pairs (a cluster) take row tiles m, m + 1 of the same (column tile, expert)
-        # and share B: each loads half of every B stage and multicasts it to both (see __call__).
+        # cluster_m = 2: CTA pairs (a cluster) take row tiles 2p, 2p + 1 of the same (column tile, expert)
+        # and share B: each loads half of every B stage and multicasts it to both (see the docstring).
         assert cluster_m in (1, 2)
         self.cluster_m = cluster_m
         # lazy: each buffer is waited for just before it is rewritten (see _epilogue_lazy);
