@@ -62,6 +62,15 @@ class KernelSpec:
     args: tuple  # TensorArg / ScalarArg, then the stream (implicit, last)
 
 
+# The schedule as the varlen-M grouped GEMMs read it: each row tile's expert (-1: unused), each expert's
+# padded segment end and its rows (cuda_backend.Schedule).
+_SCHEDULE_ARGS = (
+    TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
+    TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
+    TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+)
+
+
 def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
     # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
     # seg_end / seg_rows: padded segment ends and real rows per expert (tiles' padding halves skip the MMA).
@@ -75,9 +84,7 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
             TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            *_SCHEDULE_ARGS,
             ScalarArg("group_m", "i32"),
         ),
     )
@@ -96,9 +103,7 @@ def _gemm_gather_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: 
             TensorArg("row_idx", "i64", (DYN,), (1,), align=8),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
             TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            *_SCHEDULE_ARGS,
             ScalarArg("group_m", "i32"),
         ),
     )
@@ -137,9 +142,7 @@ def _gemm_act_spec(kind: str) -> KernelSpec:
             TensorArg("b", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(256, 8, 1)),
             TensorArg("gate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 256, 1)),
             TensorArg("h", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 128, 1)),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            *_SCHEDULE_ARGS,
             ScalarArg("limit", "f32"),
             ScalarArg("group_m", "i32"),
         ),
@@ -162,9 +165,7 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
             TensorArg("gate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 512, 1)),
             TensorArg("w", "f32", (DYN,), (1,), divisibility=(128,), align=4),
             TensorArg("dw_part", "f32", (DYN, DYN), (DYN, 1), divisibility=(1, 128), align=4),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            *_SCHEDULE_ARGS,
             ScalarArg("limit", "f32"),
             ScalarArg("group_m", "i32"),
         ),
@@ -258,9 +259,7 @@ def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> Kerne
             TensorArg("ids", "i64", (DYN,), (1,), align=8),
             TensorArg("pos", "i64", (DYN,), (1,), align=8),
             TensorArg("row_token", "i64", (DYN,), (1,), align=8),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
-            TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
+            *_SCHEDULE_ARGS,
             *((TensorArg("scratch", "i32", (DYN,), (1,), align=4),) if multi else ()),
             ScalarArg("top_k", "i32"),
             *((ScalarArg("chunk", "i32"),) if multi else ()),
