@@ -257,17 +257,7 @@ def test_overlapped_pairs_launch_the_waiting_kernel_last(monkeypatch):
     launches = SimpleNamespace(launch=lambda name, *a, stream: log.append(("launch", name, stream)))
     monkeypatch.setattr(cb, "_lib", lambda: launches)
     monkeypatch.setattr(cuda_ep, "_comm_setup", lambda ws, dev: (_Stream("comm", log), _Stream("main", log), 16, 116))
-    ep_size, tokens, tc, top_k, num_experts, hidden, inter = 2, [37, 20], 40, 2, 8, 64, 32
-    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, torch.Generator().manual_seed(5))
-    e_l = num_experts // ep_size
-    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
-    eps = cuda_ep.make_ep_schedule(ids_all, tokens[0], 0, e_l, cap)
-    ws = SimpleNamespace(ep_state={}, config=MoKConfig(fwd_num_comm_sms=16))
-    bufs = SimpleNamespace(hidden=hidden, ep_size=ep_size, tokens_cap=tc, rank=0, timeout_s=1.0,
-                           err=torch.zeros(1, dtype=torch.int32),
-                           section_addrs=lambda name: torch.zeros(ep_size, dtype=torch.int64))
-    w13 = torch.zeros(e_l, 2 * inter, hidden, dtype=torch.bfloat16)
-    w2 = torch.zeros(e_l, hidden, inter, dtype=torch.bfloat16)
+    eps, ws, bufs, w13, w2, cap, hidden, inter = _overlap_pair_inputs(seed=5)
 
     def order(what):
         return [(e[0], e[1] if e[0] == "launch" else f"{e[1]}<-{e[2]}") for e in what]
@@ -284,6 +274,25 @@ def test_overlapped_pairs_launch_the_waiting_kernel_last(monkeypatch):
     assert order(log) == [("wait", "comm<-main"), ("launch", gemm), ("launch", "mok_ep_push_rows"),
                           ("wait", "main<-comm")]
     assert [e[2] for e in log if e[0] == "launch"] == ["main", "comm"]
+
+
+def _overlap_pair_inputs(seed):
+    """Rank 0 of 2 (37 and 20 tokens, top-2 of 8 experts, hidden 64, intermediate 32): its EP schedule,
+    a stand-in workspace and symmetric buffer, zero expert weights (launches are only logged)."""
+    from types import SimpleNamespace
+
+    ep_size, tokens, tc, top_k, num_experts, hidden, inter = 2, [37, 20], 40, 2, 8, 64, 32
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, torch.Generator().manual_seed(seed))
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
+    eps = cuda_ep.make_ep_schedule(ids_all, tokens[0], 0, e_l, cap)
+    ws = SimpleNamespace(ep_state={}, config=MoKConfig(fwd_num_comm_sms=16))
+    bufs = SimpleNamespace(hidden=hidden, ep_size=ep_size, tokens_cap=tc, rank=0, timeout_s=1.0,
+                           err=torch.zeros(1, dtype=torch.int32),
+                           section_addrs=lambda name: torch.zeros(ep_size, dtype=torch.int64))
+    w13 = torch.zeros(e_l, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.zeros(e_l, hidden, inter, dtype=torch.bfloat16)
+    return eps, ws, bufs, w13, w2, cap, hidden, inter
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "dispatch"])
@@ -306,17 +315,7 @@ def test_ov_tiles_mode_launches(mode, monkeypatch):
 
     monkeypatch.setattr(cb, "_lib", lambda: SimpleNamespace(launch=launch))
     monkeypatch.setattr(cuda_ep, "_comm_setup", lambda ws, dev: (_Stream("comm", []), _Stream("main", []), 16, 116))
-    ep_size, tokens, tc, top_k, num_experts, hidden, inter = 2, [37, 20], 40, 2, 8, 64, 32
-    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, torch.Generator().manual_seed(6))
-    e_l = num_experts // ep_size
-    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, 2.0)
-    eps = cuda_ep.make_ep_schedule(ids_all, tokens[0], 0, e_l, cap)
-    ws = SimpleNamespace(ep_state={}, config=MoKConfig(fwd_num_comm_sms=16))
-    bufs = SimpleNamespace(hidden=hidden, ep_size=ep_size, tokens_cap=tc, rank=0, timeout_s=1.0,
-                           err=torch.zeros(1, dtype=torch.int32),
-                           section_addrs=lambda name: torch.zeros(ep_size, dtype=torch.int64))
-    w13 = torch.zeros(e_l, 2 * inter, hidden, dtype=torch.bfloat16)
-    w2 = torch.zeros(e_l, hidden, inter, dtype=torch.bfloat16)
+    eps, ws, bufs, w13, w2, cap, hidden, inter = _overlap_pair_inputs(seed=6)
     h = torch.zeros(cap, inter, dtype=torch.bfloat16)
     for step in range(2):  # the second call finds the counters dirty from the first
         for key in ("ready_ctr", "done_ctr"):
