@@ -412,16 +412,16 @@ def test_gemm_done_dyn_equals_gemm(lib, variant, shape, num_ctas):
         assert int(ctr.item()) == n_tiles + min(num_ctas, n_tiles)
 
 
-@pytest.mark.parametrize("comm_ctas", [1, 16])
-def test_dispatch_beside_gemm_dyn(lib, comm_ctas):
-    """The dispatch pair with dynamic tiles: dispatch on comm CTAs (high-priority side stream, launched
-    first), the _ready_dyn GEMM on every SM with tile_counter [0, comm]; bitwise the sequential result."""
+def _dispatch_gemm_dyn_runs(lib, setup, H, N, E, comm_ctas, w_seed, epochs):
+    """The dispatch pair with dynamic tiles, once per epoch: dispatch on comm CTAs (high-priority side
+    stream, launched first), the _ready_dyn GEMM on every SM with tile_counter [0, comm]. Outputs
+    NaN-filled each time; asserts no error flag and the sequential bits of x rows and output on every used
+    row. Returns (tiles, comm CTAs, GEMM CTAs, the claim count of each run)."""
     import mok_nn.cuda_backend as cb
 
-    H, N, E, K = 2048, 1536, 32, 8
-    secs, eps, want, row_peer, row_src, base, tc = _setup(2, [4096, 4096], H, E, K, 1, seed=50 + comm_ctas)
+    secs, eps, want, row_peer, row_src, base, tc = setup
     sched = eps.sched
-    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=3)
+    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=w_seed)
     ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     name = cb.gemm_kernel(False, torch.bfloat16, k=H)
     cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
@@ -433,53 +433,8 @@ def test_dispatch_beside_gemm_dyn(lib, comm_ctas):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     comm, gemm_ctas = cuda_ep.split_sms(sms, comm_ctas)
     ctr = torch.zeros(2, dtype=torch.int32, device="cuda")
-    for epoch in (1, 2, 3):
-        x_rows = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        out = torch.full_like(ref, float("nan"))
-        ctr.copy_(torch.tensor([0, comm], dtype=torch.int32))
-        side.wait_stream(main)
-        lib.launch("mok_ep_dispatch_rows", x_rows, base, row_peer, row_src, sched.tile_expert, ready, err, epoch,
-                   TIMEOUT_US, comm, stream=side.cuda_stream)
-        lib.launch(name + "_ready_dyn", x_rows.unsqueeze(-1), w.permute(1, 2, 0), out.unsqueeze(-1),
-                   sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), 1, ready, err, epoch, TIMEOUT_US,
-                   comm + gemm_ctas, ctr, stream=main.cuda_stream)
-        main.wait_stream(side)
-        torch.cuda.synchronize()
-        assert int(err.item()) == 0
-        assert torch.equal(_bits(x_rows[used]), _bits(want[used]))
-        assert torch.equal(_bits(out[used]), _bits(ref[used]))
-        claims = int(ctr[0].item())
-        tiles = sched.tile_expert.numel() * (-(-N // 256))
-        assert tiles + gemm_ctas <= claims <= tiles + comm + gemm_ctas  # the last comm CTAs may not join
-
-
-@pytest.mark.parametrize("comm_ctas", [64, 131])
-def test_dispatch_beside_gemm_dyn_few_tiles(lib, comm_ctas):
-    """The dispatch pair with no more GEMM tiles than dispatch CTAs (the EP check's GPT-OSS shape: 27 tiles,
-    comm 64): the GEMM's grid (clipped to the tiles) lies wholly in the guarded range, so without CTA 0's
-    unconditional join every CTA could leave before the dispatch publishes, and no tile would be computed
-    (no error flag). Outputs NaN-filled, 30 warm repeats: every used row has the sequential bits, each time."""
-    import mok_nn.cuda_backend as cb
-
-    H, N, E, K = 256, 256, 16, 4
-    secs, eps, want, row_peer, row_src, base, tc = _setup(2, [300, 301], H, E, K, 1, seed=70 + comm_ctas)
-    sched = eps.sched
-    tiles = sched.tile_expert.numel() * (-(-N // 256))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    comm, gemm_ctas = cuda_ep.split_sms(sms, comm_ctas)
-    assert tiles <= comm  # the whole grid is guarded but CTA 0
-    w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=4)
-    ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    name = cb.gemm_kernel(False, torch.bfloat16, k=H)
-    cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
-    used = _used_rows(sched)
-    ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
-    err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream(priority=-1)
-    main = torch.cuda.current_stream()
-    ctr = torch.zeros(2, dtype=torch.int32, device="cuda")
-    joined = []
-    for epoch in range(1, 31):
+    claims = []
+    for epoch in epochs:
         x_rows = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = torch.full_like(ref, float("nan"))
         ctr.copy_(torch.tensor([0, comm], dtype=torch.int32))
@@ -494,10 +449,36 @@ def test_dispatch_beside_gemm_dyn_few_tiles(lib, comm_ctas):
         assert int(err.item()) == 0
         assert torch.equal(_bits(x_rows[used]), _bits(want[used]))
         assert torch.equal(_bits(out[used]), _bits(ref[used])), f"epoch {epoch}"
-        claims = int(ctr[0].item())
-        assert tiles + 1 <= claims <= 2 * tiles  # CTA 0 always; grid = tiles CTAs at most
-        joined.append(claims - tiles)
-    print(f"comm={comm} tiles={tiles}: CTAs that joined per run {joined}")
+        claims.append(int(ctr[0].item()))
+    tiles = sched.tile_expert.numel() * (-(-N // 256))
+    return tiles, comm, gemm_ctas, claims
+
+
+@pytest.mark.parametrize("comm_ctas", [1, 16])
+def test_dispatch_beside_gemm_dyn(lib, comm_ctas):
+    """The dispatch pair with dynamic tiles: bitwise the sequential result, three epochs."""
+    H, N, E, K = 2048, 1536, 32, 8
+    setup = _setup(2, [4096, 4096], H, E, K, 1, seed=50 + comm_ctas)
+    tiles, comm, gemm_ctas, claims = _dispatch_gemm_dyn_runs(lib, setup, H, N, E, comm_ctas, 3, (1, 2, 3))
+    for c in claims:
+        assert tiles + gemm_ctas <= c <= tiles + comm + gemm_ctas  # the last comm CTAs may not join
+
+
+@pytest.mark.parametrize("comm_ctas", [64, 131])
+def test_dispatch_beside_gemm_dyn_few_tiles(lib, comm_ctas):
+    """The dispatch pair with no more GEMM tiles than dispatch CTAs (the EP check's GPT-OSS shape: 27 tiles,
+    comm 64): the GEMM's grid (clipped to the tiles) lies wholly in the guarded range, so without CTA 0's
+    unconditional join every CTA could leave before the dispatch publishes, and no tile would be computed
+    (no error flag). Outputs NaN-filled, 30 warm repeats: every used row has the sequential bits, each time."""
+    H, N, E, K = 256, 256, 16, 4
+    setup = _setup(2, [300, 301], H, E, K, 1, seed=70 + comm_ctas)
+    tiles = setup[1].sched.tile_expert.numel() * (-(-N // 256))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert tiles <= cuda_ep.split_sms(sms, comm_ctas)[0]  # the whole grid is guarded but CTA 0
+    tiles, comm, _, claims = _dispatch_gemm_dyn_runs(lib, setup, H, N, E, comm_ctas, 4, range(1, 31))
+    for c in claims:
+        assert tiles + 1 <= c <= 2 * tiles  # CTA 0 always; grid = tiles CTAs at most
+    print(f"comm={comm} tiles={tiles}: CTAs that joined per run {[c - tiles for c in claims]}")
 
 
 @pytest.mark.parametrize("comm_ctas", [1, 16])
