@@ -293,11 +293,9 @@ def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, trans
     name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1]) + "_gather"
     if name not in GEMM_GATHER_KERNELS:
         raise ValueError(f"no gather variant {name} (have {GEMM_GATHER_KERNELS})")
-    tiles_n = (n + GEMM_TILE_N - 1) // GEMM_TILE_N
-    group_m = 8 if tiles_n > 32 else 1  # the raster choice of launch_gemm
     _lib().launch(
         name, x.unsqueeze(-1), sched.row_token, b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
-        sched.gemm_seg_rows(), group_m, stream=_stream(),
+        sched.gemm_seg_rows(), gemm_group_m(n), stream=_stream(),
     )  # fmt: skip
     return out
 
@@ -315,8 +313,7 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    tiles_n = two_i // GEMM_TILE_N
-    group_m = 8 if tiles_n > 32 else 1  # the same raster choice as launch_gemm for this N
+    group_m = gemm_group_m(two_i)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
         f"mok_gemm_gate_up_{activation}", a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
@@ -343,13 +340,16 @@ def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = N
 
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]."""
-    tiles_n = (out.shape[1] + GEMM_TILE_N - 1) // GEMM_TILE_N
-    # Measured on H200: column tiles fastest unless N spans many tiles (mixtral's gate/up).
-    group_m = 8 if tiles_n > 32 else 1
     _lib().launch(
-        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m,
-        stream=_stream(),
+        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
+        gemm_group_m(out.shape[1]), stream=_stream(),
     )  # fmt: skip
+
+
+def gemm_group_m(n: int, tile_n: int = GEMM_TILE_N) -> int:
+    """Row tiles per raster band of a grouped GEMM with n output columns. Measured on H200: column
+    tiles fastest (1) unless the columns span more than 32 tiles (mixtral's gate/up: bands of 8)."""
+    return 8 if (n + tile_n - 1) // tile_n > 32 else 1
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -383,8 +383,7 @@ def wgrad_group_m(name: str, nb: int) -> int:
     """Row tiles (row-tile pairs in the clustered kernels) per raster band of weight-gradient kernel `name`
     with nb output columns: MOK_WGRAD_GROUP_M, else 8 where the columns span more than 32 tiles, else 1
     (column tiles fastest)."""
-    tile_n = tile_n_of(name)
-    return int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or (8 if (nb + tile_n - 1) // tile_n > 32 else 1)
+    return int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or gemm_group_m(nb, tile_n_of(name))
 
 
 def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dtype) -> torch.Tensor:
@@ -471,7 +470,7 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
     parts = torch.empty(tiles_n, m, dtype=torch.float32, device=gate_up.device)
     if m == 0:
         return dgu, wh, parts.sum(dim=0)
-    group_m = 8 if tiles_n > 32 else 1  # the raster choice of launch_gemm for this N
+    group_m = gemm_group_m(inter)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
         f"mok_gemm_dact_{activation}", dy_rows.unsqueeze(-1), down_proj.permute(2, 1, 0), dgu.unsqueeze(-1),

@@ -1007,8 +1007,7 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     cb._lib().launch("mok_ep_dispatch_rows", x_rows, bufs.section_addrs("tokens"), row_peer, row_src,
                      sched.tile_expert, st["ready"], _ov_err(ws, bufs), epoch, timeout_us, comm_ctas,
                      stream=comm.cuda_stream)
-    tiles_n = -(-gate_up.shape[1] // cb.GEMM_TILE_N)
-    group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
+    group_m = cb.gemm_group_m(gate_up.shape[1])
     suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
     name = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + suffix
     cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
@@ -1044,7 +1043,7 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     tiles_n = -(-hidden // cb.GEMM_TILE_N)
     row_rank = eps.row_src.to(torch.int32)
     comm.wait_stream(main)  # before the GEMM's launch: the push waits for done, not for the whole GEMM
-    group_m = 8 if tiles_n > 32 else 1  # launch_gemm's raster choice
+    group_m = cb.gemm_group_m(hidden)
     suffix, grid, extra = _ov_gemm(ws, "done", comm_ctas, gemm_ctas, dev)
     name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + suffix
     cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,

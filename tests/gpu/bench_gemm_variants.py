@@ -185,7 +185,7 @@ def gather(shape, gname, src, W, transpose_w, out_dtype, sched, flops, reps, say
         def fused():
             cb._lib().launch(
                 name, src.unsqueeze(-1), sched.row_token, b, out_g.unsqueeze(-1), sched.tile_expert,
-                sched.seg_end, sched.gemm_seg_rows(), 8 if (n + 255) // 256 > 32 else 1,
+                sched.seg_end, sched.gemm_seg_rows(), cb.gemm_group_m(n),
                 stream=torch.cuda.current_stream().cuda_stream,
             )  # fmt: skip
 

@@ -72,7 +72,7 @@ def run(shape, kernel, reps, windows, say, only):
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
     n = W.shape[2] if transpose_w else W.shape[1]
     out_dtype = torch.float32 if transpose_w else torch.bfloat16
-    group_m = 8 if (n + 255) // 256 > 32 else 1
+    group_m = cb.gemm_group_m(n)
     seg_rows = sched.gemm_seg_rows()
     used = int(sched.seg_end[-1])
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -50,8 +50,7 @@ def main():
             name = cb.gemm_kernel(False, torch.bfloat16, k=a.shape[1], cluster=False)
             n = W.shape[1]
             b = W.permute(1, 2, 0)
-            tiles_n = (n + 255) // 256
-            group_m = 8 if tiles_n > 32 else 1
+            group_m = cb.gemm_group_m(n)
             done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
             ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
             rows = {"padded": sched.gemm_seg_rows(), "routed": sched.seg_rows}

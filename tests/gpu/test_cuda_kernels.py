@@ -450,7 +450,7 @@ def test_dgrad_act_fused(lib, case):
         lib.launch(
             f"mok_gemm_dact_{act}", dy_rows.unsqueeze(-1), W2.permute(2, 1, 0), dgu.unsqueeze(-1), wh.unsqueeze(-1),
             gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
-            float("inf") if limit is None else limit, 8 if tiles_n > 32 else 1,
+            float("inf") if limit is None else limit, cb.gemm_group_m(I),
             stream=torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         torch.cuda.synchronize()

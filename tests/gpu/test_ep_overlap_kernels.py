@@ -319,7 +319,7 @@ def _dyn_case(shape, seed):
     sched = eps.sched
     w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=seed + 1)
     tiles_n = -(-N // 256)
-    group_m = 8 if tiles_n > 32 else 1  # cuda_ep's choice
+    group_m = cb.gemm_group_m(N)  # cuda_ep's choice
     n_tiles = sched.tile_expert.numel() * tiles_n  # every tile is claimed once (unused ones skipped)
     return cb, want, w, sched, tiles_n, group_m, n_tiles
 
