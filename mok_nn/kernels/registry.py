@@ -174,14 +174,17 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
+    num_sms: int = 0,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
-    # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share each B stage by TMA multicast.
+    # cluster_m = c > 1: clusters of c CTAs on row tiles c p .. c p + c - 1 share each B stage by TMA multicast.
+    # num_sms: CTAs of the persistent grid where it must differ from the 132 SMs (clusters that fit at once).
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
+    kwargs += (("num_sms", num_sms),) if num_sms else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -433,6 +436,10 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
+    # 4-CTA clusters: B loads a quarter per CTA (16 + 8 KB per K tile instead of 16 + 16). 33 clusters
+    # of 4 may not fit on the 132 SMs at once (GPCs of 16-18 SMs): the grid takes 32 (128 CTAs), so that
+    # no cluster of the persistent grid waits for another to finish.
+    _wgrad_spec("mok_gemm_wgrad_defer_c4", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=4, num_sms=128),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),
