@@ -436,10 +436,11 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
-    # 4-CTA clusters: B loads a quarter per CTA (16 + 8 KB per K tile instead of 16 + 16). 33 clusters
-    # of 4 may not fit on the 132 SMs at once (GPCs of 16-18 SMs): the grid takes 32 (128 CTAs), so that
-    # no cluster of the persistent grid waits for another to finish.
-    _wgrad_spec("mok_gemm_wgrad_defer_c4", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=4, num_sms=128),
+    # 4-CTA clusters: B loads a quarter per CTA (16 + 8 KB per K tile instead of 16 + 16). Only 30
+    # clusters of 4 are resident at once on H200 (tests/gpu/cluster_occupancy.cu: 66 of 2, 30 of 4,
+    # 15 of 8): the grid takes 120 CTAs, so that no cluster of the persistent grid waits for another
+    # to finish (with 128 CTAs it ran 1.7-1.9x slower).
+    _wgrad_spec("mok_gemm_wgrad_defer_c4", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=4, num_sms=120),
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),
