@@ -10,7 +10,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk
-  combine         mok_combine  (fixed-order sum over j)
+  combine         mok_combine  (fixed tree over expert groups, j ascending within a group; the
+                  same tree as the EP path's per-rank partial sums: kernels/combine.py)
   dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
                   MOK_GEMM_DACT=fused: both in one kernel, mok_gemm_dact_<act> (the dgrad GEMM
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels.registry import COMBINE_LEAVES, combine_leaves
 from .kernels.registry import (
     GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
 )  # fmt: skip
@@ -386,8 +388,15 @@ def wgrad_group_m(name: str, nb: int) -> int:
     return int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or gemm_group_m(nb, tile_n_of(name))
 
 
-def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dtype) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * rows[pos[t, j]], j ascending, fp32."""
+def experts_per_leaf(num_experts: int) -> int:
+    """Experts per leaf of the combine's tree (E / combine_leaves(E)): slot (t, j) sums into leaf ids[t, j] // this."""
+    return num_experts // combine_leaves(num_experts)
+
+
+def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+            out_dtype) -> torch.Tensor:
+    """out[t] = the fixed tree over expert groups (kernels/combine.py) of weights[t, j] * rows[pos[t, j]],
+    fp32, j ascending within a group; ids [T, k] the experts of the slots."""
     num_tokens, hidden = pos.shape[0], rows.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=rows.device)
     if num_tokens == 0:
@@ -395,8 +404,50 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dt
     w = weights.float().contiguous()
     if out_dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or hidden % 8:
         raise ValueError("combine kernel takes bf16 rows and output with hidden % 8 == 0")
-    _lib().launch("mok_combine", rows, pos.contiguous(), w, out, stream=_stream())
+    _lib().launch("mok_combine", rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
+                  stream=_stream())
     return out
+
+
+def tree_sum_torch(vals: list, present: list) -> tuple:
+    """The combine's tree in torch: vals[l] [T, H] fp32 leaf sums, present[l] [T] bool (COMBINE_LEAVES
+    each) -> (root [T, H], present [T]); a node with one present child is that child (no + 0.0)."""
+    vals, present = list(vals), list(present)
+    width = 1
+    while width < COMBINE_LEAVES:
+        for a in range(0, COMBINE_LEAVES, 2 * width):
+            b = a + width
+            both, only_b = (present[a] & present[b])[:, None], (present[b] & ~present[a])[:, None]
+            vals[a] = torch.where(both, vals[a] + vals[b], torch.where(only_b, vals[b], vals[a]))
+            present[a] = present[a] | present[b]
+        width *= 2
+    return vals[0], present[0]
+
+
+def leaf_sums_torch(rows_j, weights: torch.Tensor, leaf: torch.Tensor, use: torch.Tensor) -> tuple:
+    """Leaf sums of the combine in torch: rows_j(j) [T, H] the rows of slot j, weights / leaf / use [T, k]
+    -> (vals, present) for tree_sum_torch; slot (t, j) adds weights[t, j] * row into leaf[t, j] where use."""
+    num_tokens, top_k = leaf.shape
+    vals, present = None, [torch.zeros(num_tokens, dtype=torch.bool, device=leaf.device)] * COMBINE_LEAVES
+    for j in range(top_k):
+        x = rows_j(j).float() * weights[:, j:j + 1].float()
+        if vals is None:
+            vals = [torch.zeros_like(x) for _ in range(COMBINE_LEAVES)]
+        for g in range(COMBINE_LEAVES):
+            m = (leaf[:, j] == g) & use[:, j]
+            vals[g] = torch.where(m[:, None], vals[g] + x, vals[g])
+            present[g] = present[g] | m
+    return vals, present
+
+
+def combine_torch(rows, pos, weights, ids, num_experts, out_dtype) -> torch.Tensor:
+    """combine() with torch ops, the same tree (a CPU stand-in: torch rounds w * row and the add apart,
+    the kernel fuses them, so the two agree to fp32 rounding, not bitwise)."""
+    if pos.shape[0] == 0:
+        return rows.new_empty(0, rows.shape[1], dtype=out_dtype)
+    leaf = ids // experts_per_leaf(num_experts)
+    vals, present = leaf_sums_torch(lambda j: rows[pos[:, j]], weights, leaf, torch.ones_like(leaf, dtype=torch.bool))
+    return tree_sum_torch(vals, present)[0].to(out_dtype)
 
 
 def act_forward(gate_up: torch.Tensor, sched: Schedule, activation: str, swiglu_limit) -> torch.Tensor:
@@ -559,7 +610,7 @@ def experts_forward(
     out_rows = grouped_gemm(h, down_proj, sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
-    y = combine(out_rows, sched.pos, topk_weights, x.dtype)
+    y = combine(out_rows, sched.pos, topk_weights, topk_ids, gate_up_proj.shape[0], x.dtype)
     return y, CudaSaved(sched, None if gather else x_rows, gate_up)
 
 
@@ -593,7 +644,7 @@ def experts_backward(
     w_rows = w_rows.unsqueeze(1)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    dx = combine(dx_rows, sched.pos, ones, x.dtype)
+    dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
     x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched)

@@ -10,6 +10,8 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   dy      [P*Tc + 1, H] bf16   the same for d y in the backward
   slots   [Tc*k, H]     bf16   combine slots: expert ranks push row (t, j) to t*k + j
   dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
+  partials [P, Tc, H]   fp32   per-rank partial sums (combine_sums "rank"): [q, t] = rank q's node of
+                               token t's combine tree (y in the forward, d x in the backward)
   ids     [P, Tc, k]    int64  all-gathered top-k ids (-1 past a rank's tokens)
   weights [P*Tc*k + 1]  fp32   all-gathered top-k weights, slot (s, t, j) at (s*Tc + t)*k + j; the
                                last element stays zero (padding rows read it)
@@ -31,9 +33,15 @@ Forward (no host synchronisation; every peer write is a unicast store):
      mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once;
      the GEMM then gathers its rows from the local tokens section
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
-  6. combine push (mok_ep_push_peers, every rank in one launch; MOK_EP_COPY=v1: one
-     mok_ep_copy_rows per rank): output row of slot (t, j) into its source rank's slots[t*k + j]
-  7. barrier; 8. fixed-order combine of the k slots on the source (mok_combine)
+  6. combine push. Default (combine_sums "rank", where P divides the combine's 8-leaf tree of expert
+     groups, kernels/combine.py): mok_ep_partial_push sums, for every token of every source, the
+     slots routed here into this rank's node of the tree and stores it (fp32, one row per token
+     instead of one bf16 row per slot) into the source's partials[rank, t]. MOK_EP_COMBINE_SUMS=slot
+     (or P not dividing the leaves): mok_ep_push_peers (every rank in one launch; MOK_EP_COPY=v1:
+     one mok_ep_copy_rows per rank) stores the output row of slot (t, j) into slots[t*k + j]
+  7. barrier; 8. on the source, the rest of the tree over the ranks' nodes (mok_combine_final), or
+     the whole tree over the k slots (mok_combine). Either way every addition of the tree happens
+     in the order of the single-GPU combine: bitwise the EP = 1 results
 Overlapped forward (experimental, opt-in with MOK_EP_FWD=overlap; see fwd_mode): steps 4
 and the gate/up GEMM of 5 run at the same time. mok_ep_dispatch_rows, on
 MoKConfig.fwd_num_comm_sms CTAs of a second (high-priority) stream, writes the GEMM's A
@@ -48,7 +56,7 @@ sequential path's results. MOK_EP_OV_TILES=dynamic (ov_tiles_mode): both GEMMs a
 variants on every SM, tiles claimed by atomic add, so the comm SMs join the GEMM once free.
 Backward mirrors it: d y rows pulled (and x rows, where the forward kept none:
 save_x_rows), dgrad + dSwiGLU + weight gradients locally, d x rows and d w
-pushed to the source slots, barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
+pushed to the source (partials or slots, as in the forward), barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
 so results are bitwise reproducible, and the row order inside an expert is the
 one of the reference EP path (source rank, then slot order).
 
@@ -510,6 +518,20 @@ def combine_mode(config, down_bias: bool) -> str:
     return mode
 
 
+COMBINE_SUMS_MODES = ("rank", "slot")  # MOK_EP_COMBINE_SUMS; the first is the default
+
+
+def combine_sums(num_experts: int, ep_size: int) -> str:
+    """How the sequential combine (and the backward's d x) crosses NVLink: 'rank' (each expert rank
+    sends one fp32 partial sum per token, its node of the combine tree) or 'slot' (one bf16 row per
+    slot, summed on the source). 'rank' needs P to divide the tree's leaves (combine_leaves(E)):
+    then its bits equal 'slot' and EP = 1; otherwise 'slot' runs."""
+    mode = _env_choice("MOK_EP_COMBINE_SUMS", COMBINE_SUMS_MODES, COMBINE_SUMS_MODES[0])
+    if mode == "rank" and cb.combine_leaves(num_experts) % ep_size:
+        return "slot"
+    return mode
+
+
 def fwd_mode(config) -> str:
     """'sequential' (the default) or 'overlap' (MOK_EP_FWD=overlap: dispatch on
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
@@ -541,6 +563,7 @@ def buffer_layout(ep_size: int, tokens_cap: int, hidden: int, top_k: int) -> tup
         ("dy", (P * tc + 1, h), torch.bfloat16),
         ("slots", (tc * k, h), torch.bfloat16),
         ("dxslots", (tc * k, h), torch.bfloat16),
+        ("partials", (P, tc, h), torch.float32),
         ("ids", (P, tc, k), torch.int64),
         ("weights", (P * tc * k + 1,), torch.float32),
         ("dwslots", (P, tc * k), torch.float32),
@@ -711,6 +734,59 @@ class SymmBuffers:
             push_src = push_split(row_rank, self.ep_size)
         for p in range(self.ep_size):
             self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
+
+    def push_partials(self, rows: torch.Tensor, eps: "EPSchedule", num_experts: int, weighted: bool) -> None:
+        """Into every source s's partials[rank, t]: this rank's node of token (s, t)'s combine tree,
+        from the rows of its slots routed here (times the all-gathered top-k weight if weighted);
+        tokens without a slot here get nothing (the source knows it from its ids)."""
+        args = (rows, eps.slot_row, self.local("weights"), self.local("ids"))
+        scalars = (self.rank, num_experts // self.ep_size, cb.experts_per_leaf(num_experts), int(weighted))
+        if copy_mode() == "torch":  # CPU simulation, debugging aid
+            for s, (node, present) in enumerate(partial_sums_torch(*args, *scalars)):
+                self.peer(s, "partials")[self.rank][present] = node[present]
+            return
+        cb._lib().launch("mok_ep_partial_push", *args, self.section_addrs("partials"), *scalars, stream=cb._stream())
+
+    def final_combine(self, topk_ids: torch.Tensor, flags: torch.Tensor, num_experts: int, out_dtype) -> torch.Tensor:
+        """out[t] = the top of token t's combine tree over the ranks' nodes in partials[:, t]; NaN rows
+        where any flag is set (the step's errors)."""
+        parts, ids = self.local("partials"), topk_ids.contiguous()
+        scalars = (num_experts // self.ep_size, cb.experts_per_leaf(num_experts))
+        if copy_mode() == "torch":
+            return final_combine_torch(parts, ids, flags, *scalars).to(out_dtype)
+        out = torch.empty(ids.shape[0], self.hidden, dtype=out_dtype, device=parts.device)
+        if ids.shape[0]:
+            cb._lib().launch("mok_combine_final", parts, ids, flags, out, *scalars, stream=cb._stream())
+        return out
+
+
+def partial_sums_torch(rows, slot_row, w_all, ids_all, rank, experts_per_rank, experts_per_leaf, weighted) -> list:
+    """mok_ep_partial_push's contract in torch (CPU simulation): per source s, (node [Tc, H] fp32,
+    present [Tc] bool) of this rank's block of each token's combine tree."""
+    P, tc, k = ids_all.shape
+    slot_row = slot_row.view(P, tc, k)
+    w_all = w_all[:P * tc * k].view(P, tc, k)
+    out = []
+    for s in range(P):
+        ids = ids_all[s]
+        use = (ids >= 0) & (ids // experts_per_rank == rank) & (slot_row[s] < rows.shape[0])
+        safe = torch.where(use, slot_row[s], 0)
+        w = w_all[s] if weighted else torch.ones_like(w_all[s])
+        vals, present = cb.leaf_sums_torch(lambda j: rows[safe[:, j]], w, ids // experts_per_leaf, use)
+        out.append(cb.tree_sum_torch(vals, present))
+    return out
+
+
+def final_combine_torch(parts, ids, flags, experts_per_rank, experts_per_leaf) -> torch.Tensor:
+    """mok_combine_final's contract in torch: [T, H] fp32, the tree over the ranks' nodes parts[q, t]
+    (rank q's at leaf q * leaves per rank, present where a slot of t went to rank q), NaN if any flag."""
+    n, per_rank = ids.shape[0], experts_per_rank // experts_per_leaf
+    vals = [parts.new_zeros(n, parts.shape[2]) for _ in range(cb.COMBINE_LEAVES)]
+    present = [torch.zeros(n, dtype=torch.bool, device=parts.device)] * cb.COMBINE_LEAVES
+    for q in range(parts.shape[0]):
+        vals[q * per_rank] = parts[q, :n]
+        present[q * per_rank] = (ids // experts_per_rank == q).any(dim=1)
+    return _poison(cb.tree_sum_torch(vals, present)[0], flags.any())
 
 
 # --------------------------------------------------------------------------
@@ -952,21 +1028,30 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
-    if combine_mode(ws.config, down_bias is not None) == "overlap":
+    overlap = combine_mode(ws.config, down_bias is not None) == "overlap"
+    sums = "slot" if overlap else combine_sums(ws.num_experts, P)
+    if overlap:
         # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
         _down_push(ws, bufs, eps, h, down_proj)
     else:
         out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
         if down_bias is not None:
             out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
-        # 6. combine push into each source's slots
-        bufs.push_rows(out_rows, "slots", eps.row_src, eps.row_slot)
+        # 6. combine push into each source's partials (one fp32 node per token) or slots (a row per slot)
+        if sums == "rank":
+            bufs.push_partials(out_rows, eps, ws.num_experts, weighted=True)
+        else:
+            bufs.push_rows(out_rows, "slots", eps.row_src, eps.row_slot)
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
     flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
-    w_eff = _poison(topk_weights[:n].float(), flags.any())
-    y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, x.dtype), num_tokens)
+    if sums == "rank":
+        y = _pad_nan(bufs.final_combine(topk_ids[:n], flags, ws.num_experts, x.dtype), num_tokens)
+    else:
+        w_eff = _poison(topk_weights[:n].float(), flags.any())
+        y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, topk_ids[:n], ws.num_experts, x.dtype),
+                     num_tokens)
     _record_errors(ws, flags, "forward")
     return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None)
 
@@ -1109,7 +1194,11 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
     dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
-    bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
+    sums = combine_sums(ws.num_experts, P)
+    if sums == "rank":
+        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False)
+    else:
+        bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
     for p in range(P):
         bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
     # 6.
@@ -1117,8 +1206,12 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     # 7. fixed-order sums on the source
     flags = _step_flags(eps, bufs, saved.too_many, _ov_err(ws, bufs))
     bad = flags.any()
-    ones = _poison(_cached("ones", n * top_k, x.device, torch.float32).view(n, top_k), bad)
-    dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, x.dtype), num_tokens)
+    if sums == "rank":
+        dx = _pad_nan(bufs.final_combine(topk_ids[:n], flags, ws.num_experts, x.dtype), num_tokens)
+    else:
+        ones = _poison(_cached("ones", n * top_k, x.device, torch.float32).view(n, top_k), bad)
+        dx = _pad_nan(cb.combine(bufs.local("dxslots"), sched.pos, ones, topk_ids[:n], ws.num_experts, x.dtype),
+                      num_tokens)
     owner = (topk_ids[:n] // (ws.num_experts // P)).reshape(1, -1)  # the rank that computed slot (t, j)
     dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
     d_topk = _pad_nan(_poison(dw_src.view(n, top_k), bad).to(topk_weights.dtype), num_tokens)

@@ -67,17 +67,19 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
     import os
 
     os.environ.update(MOK_GEMM="torch", MOK_ACT="torch", MOK_EP_COPY="torch")
-    from test_cuda_ep_simulated import _ThreadBuffers, _torch_combine
+    from test_cuda_ep_simulated import _ThreadBuffers
 
     cb.check_supported = lambda *a: None
     cuda_ep._record_errors = lambda ws, flags, what: None
-    cb.combine = _kernel(_torch_combine)
+    cb.combine = _kernel(cb.combine_torch)
     for name in ("grouped_gemm", "act_forward", "act_backward", "weight_grad", "make_schedule"):
         setattr(cb, name, _kernel(getattr(cb, name)))
     # row copies as in the default MOK_EP_COPY=v2: one launch per pull_rows / push_rows (carried out
     # by the torch mode underneath, not counted)
     _ThreadBuffers.pull_rows = _kernel(cuda_ep.SymmBuffers.pull_rows)
     _ThreadBuffers.push_rows = _kernel(cuda_ep.SymmBuffers.push_rows)
+    _ThreadBuffers.push_partials = _kernel(cuda_ep.SymmBuffers.push_partials)
+    _ThreadBuffers.final_combine = _kernel(cuda_ep.SymmBuffers.final_combine)
     # step 1 of the forward as in the default MOK_EP_PUBLISH=kernel: one mok_ep_publish launch
     _ThreadBuffers.publish = _kernel(cuda_ep.SymmBuffers.publish)
     barrier_fn = _ThreadBuffers.barrier

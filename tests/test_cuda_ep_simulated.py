@@ -30,20 +30,13 @@ class _ThreadBuffers(cuda_ep.SymmBuffers):
         self._barrier.wait(timeout=60)
 
 
-def _torch_combine(rows, pos, weights, out_dtype):
-    acc = torch.zeros(pos.shape[0], rows.shape[1], dtype=torch.float32)
-    for j in range(pos.shape[1]):
-        acc += weights[:, j:j + 1].float() * rows[pos[:, j]].float()
-    return acc.to(out_dtype)
-
-
 def patch_cpu_kernels(monkeypatch):
     """The EP path on the CPU: torch GEMMs, activation and combine; each step's error flags
     recorded into ws.ep_state["seen"] instead of a pinned copy."""
     monkeypatch.setenv("MOK_GEMM", "torch")
     monkeypatch.setenv("MOK_ACT", "torch")
     monkeypatch.setattr(cb, "check_supported", lambda *a: None)
-    monkeypatch.setattr(cb, "combine", _torch_combine)
+    monkeypatch.setattr(cb, "combine", cb.combine_torch)
     monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
 
 
@@ -209,20 +202,22 @@ def test_check_errors_too_many_tokens_sets_growth():
     cuda_ep.check_errors(ws)  # reported once
 
 
-@pytest.mark.parametrize("save_x_rows", ["1", "0"])
+@pytest.mark.parametrize("save_x_rows,sums", [("1", "rank"), ("0", "rank"), ("1", "slot")])
 @pytest.mark.parametrize("tokens,bias,activation,limit", [
     ([37, 20], False, "swiglu", None),
     ([37, 1], False, "swiglu", 7.0),
     ([300, 301], True, "swiglu_oai", 7.0),
 ])
 def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, tokens, bias, activation, limit,
-                                                      save_x_rows):
+                                                      save_x_rows, sums):
     """Given one routing, cuda_ep's plumbing (exchange, row order, biases, d w slots) gives the bits of
     cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
     kernels; with the forward's x rows kept for the backward (MOK_EP_SAVE_X_ROWS=1, the default) and
-    with them pulled and gathered again (=0). (On the GPU, tests/gpu/ep_cuda_check.py checks the same
-    with the real kernels.)"""
+    with them pulled and gathered again (=0); with the combine and d x pre-reduced per rank
+    (MOK_EP_COMBINE_SUMS=rank, the default) and summed from one row per slot (=slot). (On the GPU,
+    tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
     monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x_rows)
+    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", sums)
     H, I, E, K, P = 64, 32, 8, 2, 2
     e_l = E // P
     g = torch.Generator().manual_seed(11 + sum(tokens))

@@ -14,7 +14,7 @@ from mok_nn import cuda_backend as cb
 from mok_nn import reference
 from mok_nn.kernels import registry
 
-from test_gather_wiring import _FakeLib, _gemm, _torch_combine, random_problem
+from test_gather_wiring import _FakeLib, _gemm, random_problem
 
 
 def _act_bwd(gu, dh, w, activation, limit):
@@ -66,7 +66,7 @@ def dact_lib(monkeypatch):
 
     monkeypatch.setattr(cb, "_stream", lambda: 0)
     monkeypatch.setattr(cb, "check_supported", lambda *a: None)
-    monkeypatch.setattr(cb, "combine", _torch_combine)
+    monkeypatch.setattr(cb, "combine", cb.combine_torch)
     monkeypatch.setenv("MOK_WGRAD", "torch")
     for var in ("MOK_GEMM", "MOK_ACT", "MOK_GEMM_GATHER", "MOK_GEMM_GATHER_DY", "MOK_GEMM_ACT", "MOK_GEMM_DACT"):
         monkeypatch.delenv(var, raising=False)

@@ -17,7 +17,8 @@ from test_cuda_ep_simulated import _problem, _simulated_ep, install_stub_library
 
 
 class _StubLib:
-    """Row-copy kernels by their contract; every other kernel is unexpected here."""
+    """Row-copy kernels and the EP combine's two halves by their contract; every other kernel is
+    unexpected here."""
 
     def __init__(self):
         self.launches = []
@@ -53,6 +54,14 @@ class _StubLib:
             for r, (p, d) in enumerate(zip(row_rank.tolist(), row_slot.tolist())):
                 if p >= 0:
                     self._at(base[p], src)[d] = src[r]
+        elif name == "mok_ep_partial_push":
+            rows, slot_row, w_all, ids_all, base, rank, e_l, epl, weighted = args
+            for s, (node, present) in enumerate(cuda_ep.partial_sums_torch(rows, slot_row, w_all, ids_all, rank, e_l,
+                                                                            epl, weighted)):
+                self.sections[int(base[s])][rank][present] = node[present]
+        elif name == "mok_combine_final":
+            parts, ids, flags, out, e_l, epl = args
+            out.copy_(cuda_ep.final_combine_torch(parts, ids, flags, e_l, epl))
         else:
             raise AssertionError(f"unexpected launch {name}")
 
@@ -64,7 +73,7 @@ def stub_copies(monkeypatch):
     def register(bufs):
         for views in bufs._views:
             for name, v in views.items():
-                if name in ("tokens", "dy", "slots", "dxslots"):
+                if name in ("tokens", "dy", "slots", "dxslots", "partials"):
                     lib.sections[v.data_ptr()] = v
 
     install_stub_library(monkeypatch, lib, register)
@@ -89,20 +98,27 @@ def _bits(t):
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
     P = len(tokens)
+    rank_sums = cuda_ep.combine_sums(4 * P, P) == "rank"  # [37, 20]: 2 ranks, 8 experts; [5, 9, 1]: slot sums
+    # the combine and d x per rank and step: one pre-reduced push + the source's final sum, or the slot push
+    sums = ["mok_ep_partial_push", "mok_combine_final"] * 2 * P if rank_sums else []
     got = {}
     for mode in ("torch", "v1", None, "v2"):
         stub_copies.launches.clear()
         got[mode] = _run(monkeypatch, mode, seed=3 + P, tokens=tokens)
         names = [n for _, n in stub_copies.launches]
-        per_rank = len(names) / P
+        copies = [n for n in names if n not in ("mok_ep_partial_push", "mok_combine_final")]
         if mode == "torch":
             assert names == []
-        elif mode == "v1":
-            # forward: P-1 pulls + P pushes; backward: P-1 pulls (d y; the forward kept its x rows,
-            # MOK_EP_SAVE_X_ROWS) + P pushes, per rank
-            assert set(names) == {"mok_ep_copy_rows"} and per_rank == 2 * (P - 1) + 2 * P
+            continue
+        assert sorted(set(names) - set(copies)) == sorted(set(sums)) and len(names) - len(copies) == len(sums)
+        if mode == "v1":
+            # forward: P-1 pulls (+ P pushes); backward: P-1 pulls (d y; the forward kept its x rows,
+            # MOK_EP_SAVE_X_ROWS) (+ P pushes), per rank
+            assert set(copies) == {"mok_ep_copy_rows"}
+            assert len(copies) / P == 2 * (P - 1) + (0 if rank_sums else 2 * P)
         else:  # v2, also the default: one pull per section, one push per step
-            assert sorted(names) == sorted(["mok_ep_pull_peers"] * 2 * P + ["mok_ep_push_peers"] * 2 * P)
+            pushes = [] if rank_sums else ["mok_ep_push_peers"] * 2 * P
+            assert sorted(copies) == sorted(["mok_ep_pull_peers"] * 2 * P + pushes)
     for mode in ("v1", None, "v2"):
         for r in range(P):
             y, dx, dw, grads = got[mode][r]

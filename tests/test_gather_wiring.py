@@ -52,13 +52,6 @@ def _gemm(a, b, c, tile_expert):
         c[r, :, 0] = (a[r].float() @ b[:, :, e].float().T).to(c.dtype)
 
 
-def _torch_combine(rows, pos, weights, out_dtype):
-    acc = torch.zeros(pos.shape[0], rows.shape[1], dtype=torch.float32)
-    for j in range(pos.shape[1]):
-        acc += weights[:, j : j + 1].float() * rows[pos[:, j]].float()
-    return acc.to(out_dtype)
-
-
 def random_problem(T, H, I, E, K, bias, seed):
     """(x, ids, w, dy, W13, W2, b13, b2): fresh random inputs, bf16 rows and weights, fp32 top-k weights."""
     g = torch.Generator().manual_seed(seed)
@@ -79,7 +72,7 @@ def fake_lib(monkeypatch):
     monkeypatch.setattr(cb, "_lib", lambda: lib)
     monkeypatch.setattr(cb, "_stream", lambda: 0)
     monkeypatch.setattr(cb, "check_supported", lambda *a: None)
-    monkeypatch.setattr(cb, "combine", _torch_combine)
+    monkeypatch.setattr(cb, "combine", cb.combine_torch)
     monkeypatch.setenv("MOK_ACT", "torch")
     monkeypatch.setenv("MOK_WGRAD", "torch")
     for var in ("MOK_GEMM", "MOK_GEMM_GATHER", "MOK_GEMM_GATHER_DY", "MOK_GEMM_ACT", "MOK_GEMM_EPI"):

@@ -137,15 +137,18 @@ def test_packed_bytes_decode():
     rows = FakeTensor(torch.bfloat16, (5, 24), (40, 1), 0x1000)
     pos = FakeTensor(torch.int64, (7, 3), (3, 1), 0x2008)
     w = FakeTensor(torch.float32, (7, 3), (5, 1), 0x3004)
+    ids = FakeTensor(torch.int64, (7, 3), (4, 1), 0x5000)
     out = FakeTensor(torch.bfloat16, (7, 24), (32, 1), 0x4000)
     lib = make_lib()
-    got = launched(lib, "launch", spec.name, [rows, pos, w, out], 0xABCDEF)
+    got = launched(lib, "launch", spec.name, [rows, pos, w, ids, out, 33], 0xABCDEF)
     # {void *data; int32_t shapes[2]; int64_t strides[1];}: 8 + 8 + 8 bytes, no padding
     assert got[0] == struct.pack("<Qiiq", 0x1000, 5, 24, 40)
     assert got[1] == struct.pack("<Qiiq", 0x2008, 7, 3, 3)
     assert got[2] == struct.pack("<Qiiq", 0x3004, 7, 3, 5)
-    assert got[3] == struct.pack("<Qiiq", 0x4000, 7, 24, 32)
-    assert got[4] == struct.pack("<Q", 0xABCDEF)
+    assert got[3] == struct.pack("<Qiiq", 0x5000, 7, 3, 4)
+    assert got[4] == struct.pack("<Qiiq", 0x4000, 7, 24, 32)
+    assert got[5] == struct.pack("<i", 33)  # experts_per_leaf
+    assert got[6] == struct.pack("<Q", 0xABCDEF)
     # gemm a (M, K, 1), strides (DYN, 1, 0): {data; int32 shapes[2]; int64 strides[1]}; group_m int32
     spec = registry.SPECS_BY_NAME["mok_gemm_bk_ef"]
     rng = random.Random(1)
@@ -244,7 +247,7 @@ def test_argument_count_and_unknown_kernel():
     spec = registry.SPECS_BY_NAME["mok_combine"]
     args = rand_args(spec, random.Random(0))
     for how in ("launch", "launch_ctypes"):
-        with pytest.raises(TypeError, match="mok_combine takes 4 arguments, got 3"):
+        with pytest.raises(TypeError, match="mok_combine takes 6 arguments, got 3"):
             getattr(lib, how)("mok_combine", *args[:3], stream=0)
         with pytest.raises(KeyError):
             getattr(lib, how)("mok_nope", *args, stream=0)

@@ -1,10 +1,30 @@
-"""Combine: out[t, :] = sum_j w[t, j] * rows[pos[t, j], :], in fixed order j = 0..k-1, fp32.
+"""Combine in a fixed tree order that does not depend on the expert-parallel degree.
 
-Used for the forward combine (rows = the down-projection outputs in expert
-order, w = top-k weights) and for the backward reverse combine into d x
-(rows = d x of each routed row, w = 1). One CTA per token; each thread owns
-8 consecutive columns (16-byte loads and stores) and walks j in order, so the
-sum order never depends on timing.
+    out[t, :] = tree over leaves l = 0..7 of  sum_{j : leaf(t, j) = l, j ascending}  w[t, j] * rows(t, j)
+
+fp32 throughout, one bf16 (or fp32) rounding at the end. The leaf of slot (t, j) is the group of
+its expert: leaf = ids[t, j] // experts_per_leaf, where experts_per_leaf = E / G and
+G = gcd(E, 8) (registry.combine_leaves) groups of consecutive experts. The tree is the balanced binary
+tree over the 8 leaves, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), in which an empty
+leaf (no slot of the token in that group) is skipped, not added as 0.0: a node with one present
+child is that child, bit for bit.
+
+Why a tree over expert groups: with expert parallelism over P ranks (P dividing G), rank r owns
+the experts of the aligned leaf block [r G / P, (r + 1) G / P), which is one node of the tree.
+So an expert rank can send one pre-reduced fp32 row per token (the node of its block: PartialPush)
+instead of one bf16 row per slot, and the source finishes the tree from the P nodes
+(FinalCombine): every addition happens in the same order as on one GPU, so the results are
+bitwise those of EP = 1. The row of every slot is still read once and in ascending j within its
+leaf, so the result never depends on timing either.
+
+Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte loads):
+  Combine       the whole tree on one GPU: the forward combine (rows = down-projection outputs,
+                w = top-k weights) and the backward's reverse combine into d x (w = 1); also the
+                source side of the EP path that pushes one row per slot
+  PartialPush   EP, on the expert rank: for every token t of every source rank s, the node of
+                this rank's block from its slots routed here, stored (fp32) into rank s's
+                partials section at [rank, t] (tokens without a slot here: nothing stored)
+  FinalCombine  EP, on the source rank: the tree over the P nodes it received
 """
 
 from __future__ import annotations
@@ -12,9 +32,51 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .registry import COMBINE_LEAVES as LEAVES  # the largest EP degree whose partial sums keep the EP = 1 bits
 
 VEC = 8
 THREADS = 128
+
+
+@dsl_user_op
+def _fma(a, b, c, *, loc=None, ip=None) -> cutlass.Float32:
+    """a * b + c with one rounding, always: an explicit fma.rn.f32, so that the compiler's choice of
+    contracting (or not) a multiply and an add can never differ between the kernels below (it did:
+    one fused, one did not), which would break the EP = 1 bits."""
+    args = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)]
+    return cutlass.Float32(
+        llvm.inline_asm(T.f32(), args, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    )
+
+
+@cute.jit
+def _add_to_leaf(acc: cute.Tensor, leaf: cutlass.Int32, vals: cute.Tensor, wj: cutlass.Float32):
+    """acc[:, leaf] += wj * vals (fp32 vals; leaf is uniform over the CTA: one branch taken)."""
+    for l in cutlass.range_constexpr(LEAVES):
+        if leaf == l:
+            for v in cutlass.range_constexpr(VEC):
+                acc[(v, l)] = _fma(vals[v], wj, acc[(v, l)])
+
+
+@cute.jit
+def _tree(acc: cute.Tensor, mask: cutlass.Int32):
+    """acc[:, 0] = the tree sum of the leaves present in mask (bit l: leaf l), empty ones skipped."""
+    for level in cutlass.range_constexpr(3):
+        width = 1 << level
+        for a in cutlass.range_constexpr(0, LEAVES, 2 * width):
+            b = a + width
+            span = (1 << width) - 1
+            if (mask >> b) & span != 0:
+                left = acc[(None, a)]
+                right = acc[(None, b)]
+                if (mask >> a) & span != 0:
+                    left.store(left.load() + right.load())
+                else:
+                    left.store(right.load())
 
 
 class Combine:
@@ -24,33 +86,161 @@ class Combine:
         rows: cute.Tensor,  # (R, H) bf16
         pos: cute.Tensor,  # (T, k) int64, row index of (t, j)
         w: cute.Tensor,  # (T, k) fp32
+        ids: cute.Tensor,  # (T, k) int64, expert of (t, j)
         out: cute.Tensor,  # (T, H) bf16
+        experts_per_leaf: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         num_tokens = cute.size(out, mode=[0])
-        self.kernel(rows, pos, w, out).launch(
+        self.kernel(rows, pos, w, ids, out, experts_per_leaf).launch(
             grid=[num_tokens, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, rows: cute.Tensor, pos: cute.Tensor, w: cute.Tensor, out: cute.Tensor):
+    def kernel(self, rows: cute.Tensor, pos: cute.Tensor, w: cute.Tensor, ids: cute.Tensor, out: cute.Tensor,
+               experts_per_leaf: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         hidden = cute.size(out, mode=[1])
         top_k = cute.size(pos, mode=[1])
         n_vec = hidden // VEC
-        # (VEC, H/VEC) views of one output row and of the rows table.
         out_v = cute.zipped_divide(out[(t, None)], (VEC,))
-        acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
         frag = cute.make_rmem_tensor((VEC,), rows.element_type)
+        vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
         for c in range(tidx, n_vec, THREADS):
             acc.fill(0.0)
-            for j in cutlass.range(top_k, unroll=4):  # several row loads in flight
-                p = pos[(t, j)]
-                wj = w[(t, j)]
-                src_v = cute.zipped_divide(rows[(p, None)], (VEC,))
+            mask = cutlass.Int32(0)
+            for j in cutlass.range(top_k, unroll=4):
+                leaf = cutlass.Int32(ids[(t, j)] // experts_per_leaf)
+                mask = mask | (cutlass.Int32(1) << leaf)
+                src_v = cute.zipped_divide(rows[(pos[(t, j)], None)], (VEC,))
                 cute.autovec_copy(src_v[(None, c)], frag)
-                acc.store(acc.load() + frag.load().to(cutlass.Float32) * wj)
-            res.store(acc.load().to(out.element_type))
+                vals.store(frag.load().to(cutlass.Float32))
+                _add_to_leaf(acc, leaf, vals, w[(t, j)])
+            _tree(acc, mask)
+            res.store(acc[(None, 0)].load().to(out.element_type))
+            cute.autovec_copy(res, out_v[(None, c)])
+
+
+class PartialPush:
+    @cute.jit
+    def __call__(
+        self,
+        rows: cute.Tensor,  # (R, H) bf16: this rank's rows (schedule order)
+        slot_row: cute.Tensor,  # (P*Tc*k,) int64: row of global slot (s*Tc + t)*k + j (valid where routed here)
+        w_all: cute.Tensor,  # (>= P*Tc*k,) fp32: the all-gathered top-k weights (read only if weighted)
+        ids_all: cute.Tensor,  # (P, Tc, k) int64: the all-gathered top-k ids (-1 past a rank's tokens)
+        part_base: cute.Tensor,  # (P,) int64: address of every rank's partials section [P, Tc, H] fp32
+        rank: cutlass.Int32,
+        experts_per_rank: cutlass.Int32,
+        experts_per_leaf: cutlass.Int32,
+        weighted: cutlass.Int32,  # 1: w_all[slot] * row (forward), 0: the row itself (backward d x)
+        stream: cuda.CUstream,
+    ):
+        n = cute.size(ids_all, mode=[0]) * cute.size(ids_all, mode=[1])
+        self.kernel(rows, slot_row, w_all, ids_all, part_base, rank, experts_per_rank, experts_per_leaf,
+                    weighted).launch(grid=[n, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, rows: cute.Tensor, slot_row: cute.Tensor, w_all: cute.Tensor, ids_all: cute.Tensor,
+               part_base: cute.Tensor, rank: cutlass.Int32, experts_per_rank: cutlass.Int32,
+               experts_per_leaf: cutlass.Int32, weighted: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        i, _, _ = cute.arch.block_idx()  # i = s*Tc + t
+        tc = cute.size(ids_all, mode=[1])
+        top_k = cute.size(ids_all, mode=[2])
+        num_rows = cute.size(rows, mode=[0])
+        hidden = cute.size(rows, mode=[1])
+        n_vec = hidden // VEC
+        s = cutlass.Int32(i) // tc
+        t = cutlass.Int32(i) - s * tc
+        lo = rank * experts_per_rank
+        # leaves of this token's slots routed here (rows past the capacity: an overflow, flagged)
+        mask = cutlass.Int32(0)
+        for j in range(top_k):
+            e = cutlass.Int32(ids_all[(s, t, j)])
+            if e >= lo and e < lo + experts_per_rank:
+                if slot_row[cutlass.Int64(i) * top_k + j] < num_rows:
+                    mask = mask | (cutlass.Int32(1) << (e // experts_per_leaf))
+        if mask != 0:
+            dst = cute.make_tensor(
+                cute.make_ptr(cutlass.Float32, part_base[s] + (cutlass.Int64(rank) * tc + t) * hidden * 4,
+                              cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((VEC, n_vec)),
+            )
+            acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
+            frag = cute.make_rmem_tensor((VEC,), rows.element_type)
+            vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            res = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            for c in range(tidx, n_vec, THREADS):
+                acc.fill(0.0)
+                for j in cutlass.range(top_k, unroll=4):
+                    e = cutlass.Int32(ids_all[(s, t, j)])
+                    slot = cutlass.Int64(i) * top_k + j
+                    r = slot_row[slot]
+                    if (e >= lo) & (e < lo + experts_per_rank) & (r < num_rows):
+                        src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
+                        cute.autovec_copy(src_v[(None, c)], frag)
+                        wj = cutlass.Float32(1.0)
+                        if weighted != 0:
+                            wj = w_all[slot]
+                        vals.store(frag.load().to(cutlass.Float32))
+                        _add_to_leaf(acc, e // experts_per_leaf, vals, wj)
+                _tree(acc, mask)
+                res.store(acc[(None, 0)].load())
+                cute.autovec_copy(res, dst[(None, c)])
+
+
+class FinalCombine:
+    @cute.jit
+    def __call__(
+        self,
+        parts: cute.Tensor,  # (P, Tc, H) fp32: this rank's partials section, [q, t] from rank q
+        ids: cute.Tensor,  # (T, k) int64: this rank's top-k ids
+        flags: cute.Tensor,  # (F,) int32: any non-zero entry -> NaN outputs (the step's error flags)
+        out: cute.Tensor,  # (T, H) bf16
+        experts_per_rank: cutlass.Int32,
+        experts_per_leaf: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        num_tokens = cute.size(out, mode=[0])
+        self.kernel(parts, ids, flags, out, experts_per_rank, experts_per_leaf).launch(
+            grid=[num_tokens, 1, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, parts: cute.Tensor, ids: cute.Tensor, flags: cute.Tensor, out: cute.Tensor,
+               experts_per_rank: cutlass.Int32, experts_per_leaf: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        hidden = cute.size(out, mode=[1])
+        top_k = cute.size(ids, mode=[1])
+        n_vec = hidden // VEC
+        leaves_per_rank = experts_per_rank // experts_per_leaf
+        bad = cutlass.Int32(0)
+        for f in range(cute.size(flags, mode=[0])):
+            bad = bad | flags[f]
+        # rank q's node sits at leaf q * leaves_per_rank; present if a slot of t went to rank q
+        mask = cutlass.Int32(0)
+        for j in range(top_k):
+            q = cutlass.Int32(ids[(t, j)]) // experts_per_rank
+            mask = mask | (cutlass.Int32(1) << (q * leaves_per_rank))
+        out_v = cute.zipped_divide(out[(t, None)], (VEC,))
+        acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
+        frag = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        res = cute.make_rmem_tensor((VEC,), out.element_type)
+        for c in range(tidx, n_vec, THREADS):
+            acc.fill(0.0)
+            for l in cutlass.range_constexpr(LEAVES):
+                if (mask >> l) & 1 != 0:
+                    q = l // leaves_per_rank
+                    src_v = cute.zipped_divide(parts[(q, t, None)], (VEC,))
+                    cute.autovec_copy(src_v[(None, c)], frag)
+                    acc[(None, l)].store(frag.load())
+            _tree(acc, mask)
+            if bad != 0:
+                acc.fill(float("nan"))
+            res.store(acc[(None, 0)].load().to(out.element_type))
             cute.autovec_copy(res, out_v[(None, c)])

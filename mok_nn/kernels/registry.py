@@ -10,6 +10,7 @@ struct holds the run-time extents, then the run-time strides, in mode order.
 from __future__ import annotations
 
 import dataclasses
+import math
 import hashlib
 import pathlib
 
@@ -24,6 +25,15 @@ SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a 
 SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
 EP_COPY_THREADS = 256  # threads per CTA of the grid-stride row copies (ep_copy.py); a warp copies whole rows
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
+# The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
+# expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
+COMBINE_LEAVES = 8
+
+
+def combine_leaves(num_experts: int) -> int:
+    """G = gcd(E, 8): the expert groups (leaves) the combine's tree sums over; group g holds the
+    E / G consecutive experts g E / G .. (g + 1) E / G - 1."""
+    return math.gcd(num_experts, COMBINE_LEAVES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,20 +211,57 @@ def _wgrad_spec(
     )
 
 
-def _combine_spec(name: str) -> KernelSpec:
-    # out[t, h] = sum_j w[t, j] * rows[pos[t, j], h], j ascending, fp32.
-    return KernelSpec(
-        name=name,
+def _combine_specs() -> tuple:
+    # Combine in the fixed tree over expert groups (kernels/combine.py): on one GPU, and the two EP
+    # halves (partial sums pushed by the expert ranks, finished on the source) with the same bits.
+    rows = TensorArg("rows", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8))
+    tk = TensorArg("pos", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1)
+    local = KernelSpec(
+        name="mok_combine",  # out[t] = tree over leaves of sum_j w[t, j] * rows[pos[t, j]]
         module="combine",
         factory="Combine",
         factory_kwargs=(),
         args=(
-            TensorArg("rows", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
-            TensorArg("pos", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+            rows,
+            tk,
             TensorArg("w", "f32", (DYN, DYN), (DYN, 1), align=4, stride_div=1),
-            TensorArg("out", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
+            dataclasses.replace(tk, name="ids"),
+            dataclasses.replace(rows, name="out"),
+            ScalarArg("experts_per_leaf", "i32"),
         ),
     )
+    partial = KernelSpec(
+        name="mok_ep_partial_push",  # rank s's partials[rank, t] = this rank's node of token (s, t)
+        module="combine",
+        factory="PartialPush",
+        factory_kwargs=(),
+        args=(
+            rows,
+            TensorArg("slot_row", "i64", (DYN,), (1,), align=8),
+            TensorArg("w_all", "f32", (DYN,), (1,), align=4),
+            TensorArg("ids_all", "i64", (DYN, DYN, DYN), (DYN, DYN, 1), align=8, stride_div=1),
+            TensorArg("part_base", "i64", (DYN,), (1,), align=8),
+            ScalarArg("rank", "i32"),
+            ScalarArg("experts_per_rank", "i32"),
+            ScalarArg("experts_per_leaf", "i32"),
+            ScalarArg("weighted", "i32"),
+        ),
+    )
+    final = KernelSpec(
+        name="mok_combine_final",  # out[t] = tree over the ranks' nodes in parts[:, t]
+        module="combine",
+        factory="FinalCombine",
+        factory_kwargs=(),
+        args=(
+            TensorArg("parts", "f32", (DYN, DYN, DYN), (DYN, DYN, 1), divisibility=(1, 1, 8)),
+            dataclasses.replace(tk, name="ids"),
+            TensorArg("flags", "i32", (DYN,), (1,), align=4),
+            dataclasses.replace(rows, name="out"),
+            ScalarArg("experts_per_rank", "i32"),
+            ScalarArg("experts_per_leaf", "i32"),
+        ),
+    )
+    return local, partial, final
 
 
 def _act_specs(kind: str) -> tuple:
@@ -445,7 +492,7 @@ SPECS = (
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),
     _wgrad_spec("mok_wgrad_diag_no_mma", GEMM_TILE_N, 32, 8, lazy=True, diag="no_mma"),
-    _combine_spec("mok_combine"),
+    *_combine_specs(),
     _schedule_spec("mok_schedule", "Schedule"),  # one CTA (MOK_SCHEDULE=single)
     _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),  # the default
     _schedule_spec("mok_schedule_mc_pdl", "ScheduleMultiCta", (("pdl", True),)),  # launches overlap (MOK_SCHEDULE=mc_pdl)

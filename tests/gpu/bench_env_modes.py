@@ -14,6 +14,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
+  epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   wgrad: c2, c4, c2_again (MOK_WGRAD_KERNEL; c2 twice, to show the position bias)
@@ -56,6 +57,8 @@ MODE_SETS = {
     # EP only: step 1 of the forward (own rows, ids, weights, token count to every rank) as one
     # mok_ep_publish launch, or the torch ops it replaces
     "eppublish": {"kernel": {"MOK_EP_PUBLISH": "kernel"}, "torch": {"MOK_EP_PUBLISH": "torch"}},
+    # EP only: the combine and d x crossing NVLink as one fp32 partial sum per token and rank, or one bf16 row per slot
+    "epsums": {"rank": {"MOK_EP_COMBINE_SUMS": "rank"}, "slot": {"MOK_EP_COMBINE_SUMS": "slot"}},
     # EP only: the forward's x rows kept for the backward, or pulled and gathered again there
     "epsavex": {"keep": {"MOK_EP_SAVE_X_ROWS": "1"}, "pull": {"MOK_EP_SAVE_X_ROWS": "0"}},
     # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)

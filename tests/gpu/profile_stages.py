@@ -35,7 +35,7 @@ gu = timed("gemm gate_up", lambda: cb.grouped_gemm(xr, W13, sched, transpose_w=F
 timed("gemm gate_up gather", lambda: cb.grouped_gemm_gather(x, W13, sched, transpose_w=False))  # MOK_GEMM_GATHER
 h = timed("act fwd", lambda: cb.act_forward(gu, sched, "swiglu", None))
 o = timed("gemm down", lambda: cb.grouped_gemm(h, W2, sched, transpose_w=False))
-timed("combine", lambda: cb.combine(o, sched.pos, w, x.dtype))
+timed("combine", lambda: cb.combine(o, sched.pos, w, ids, E, x.dtype))
 dyr = timed("gather dy", lambda: cb.gather_rows(dy, sched))
 dh = timed("gemm dgrad down f32", lambda: cb.grouped_gemm(dyr, W2, sched, transpose_w=True, out_dtype=torch.float32))
 timed("gemm dgrad down gather",
@@ -43,7 +43,7 @@ timed("gemm dgrad down gather",
 wr = cb.row_weights(sched, w)
 dgu, wh, dwr = timed("act bwd", lambda: cb.act_backward(gu, dh, wr, sched, "swiglu", None))
 dxr = timed("gemm dgrad gate_up", lambda: cb.grouped_gemm(dgu, W13, sched, transpose_w=True))
-timed("combine dx", lambda: cb.combine(dxr, sched.pos, torch.ones_like(w), x.dtype))
+timed("combine dx", lambda: cb.combine(dxr, sched.pos, torch.ones_like(w), ids, E, x.dtype))
 counts = cb.expert_row_counts(ids, E)
 timed("torch wgrad down", lambda: torch._grouped_mm(dyr.t(), wh, offs=sched.seg_end))
 timed("torch wgrad gate_up", lambda: torch._grouped_mm(dgu.t(), xr, offs=sched.seg_end))

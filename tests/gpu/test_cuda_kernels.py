@@ -264,18 +264,84 @@ def test_weight_grad_variant_equals_default(lib, case, kernel):
         assert rel_l2(outs[kernel][e], want) < BF16_TOL, e
 
 
-@pytest.mark.parametrize("T,k,H", [(1, 1, 8), (513, 8, 2048), (64, 2, 7168)])
-def test_combine(lib, T, k, H):
+def _combine_problem(T, k, H, E, seed):
+    """rows [T*k + 5, H] bf16, pos [T, k] (distinct rows), w [T, k] fp32, ids [T, k] (distinct experts per token)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    R = T * k + 5
+    rows = torch.randn(R, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.randperm(R, device="cuda", generator=g)[: T * k].view(T, k)
+    w = torch.rand(T, k, device="cuda", generator=g)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :k].contiguous()
+    return rows, pos, w, ids
+
+
+@pytest.mark.parametrize("T,k,H,E", [(1, 1, 8, 8), (513, 8, 2048, 128), (64, 2, 7168, 8), (100, 4, 256, 6)])
+def test_combine(lib, T, k, H, E):
     from mok_nn import cuda_backend as cb
 
-    R = T * k + 5
-    rows = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
-    pos = torch.randperm(R, device="cuda")[: T * k].view(T, k)
-    w = torch.rand(T, k, device="cuda")
-    ys = [cb.combine(rows, pos, w, torch.bfloat16) for _ in range(2)]
+    rows, pos, w, ids = _combine_problem(T, k, H, E, seed=T + E)
+    ys = [cb.combine(rows, pos, w, ids, E, torch.bfloat16) for _ in range(2)]
     assert torch.equal(ys[0], ys[1])
     ref = (rows.double()[pos] * w.double()[..., None]).sum(1)
     assert rel_l2(ys[0], ref) < 5e-3  # one bf16 rounding of the fp32 sum
+    # the torch stand-in of the same tree (w * row rounded before the add, the kernel fuses them)
+    assert rel_l2(ys[0], cb.combine_torch(rows, pos, w, ids, E, torch.float32)) < 5e-3
+
+
+def test_combine_tree_order(lib):
+    """The kernel adds in the tree over expert groups, not in slot order: by leaf 2^27, -2^27, 1, 1
+    gives (2^27 - 2^27) + (1 + 1) = 2, where the slot order (leaves 3, 0, 2, 1) gives
+    ((1 + 2^27) + 1) - 2^27 = 0 in fp32. The EP pre-reduced path gives the same 2."""
+    from mok_nn import cuda_backend as cb
+
+    by_leaf = [2.0**27, -(2.0**27), 1.0, 1.0]
+    ids = torch.tensor([[3, 0, 2, 1]], device="cuda")
+    rows = torch.tensor([[by_leaf[e]] * 8 for e in (3, 0, 2, 1)], device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(4, device="cuda").view(1, 4)
+    w = torch.ones(1, 4, device="cuda")
+    y = cb.combine(rows, pos, w, ids, 8, torch.bfloat16)
+    assert y.float().tolist() == [[2.0] * 8]
+    assert _partial_final(rows, pos, w, ids, 8, 2, weighted=1).float().tolist() == [[2.0] * 8]
+
+
+def _partial_final(rows, pos, w, ids, E, P, weighted, flags=None):
+    """The EP combine's two halves on one GPU: P virtual expert ranks each push their node of every
+    token (one source) into parts[q] (NaN-poisoned first), then the tree over the P nodes."""
+    from mok_nn import cuda_backend as cb
+
+    T, k = ids.shape
+    H = rows.shape[1]
+    stream = torch.cuda.current_stream().cuda_stream
+    parts = torch.full((P, T, H), float("nan"), device="cuda")
+    base = torch.tensor([parts.data_ptr()], dtype=torch.int64, device="cuda")
+    for q in range(P):
+        cb._lib().launch("mok_ep_partial_push", rows, pos.reshape(-1), w.reshape(-1).contiguous(), ids.view(1, T, k),
+                         base, q, E // P, cb.experts_per_leaf(E), weighted, stream=stream)
+    out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda") if flags is None else flags
+    cb._lib().launch("mok_combine_final", parts, ids, flags, out, E // P, cb.experts_per_leaf(E), stream=stream)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+@pytest.mark.parametrize("weighted", [1, 0])
+@pytest.mark.parametrize("T,k,H,E", [(300, 8, 512, 64), (77, 2, 7168, 8), (1, 1, 8, 8)])
+def test_partial_push_final_equals_combine(lib, T, k, H, E, P, weighted):
+    """Pre-reduced per rank (mok_ep_partial_push on each of P ranks, mok_combine_final on the source)
+    is bitwise the single-GPU combine, for every P dividing the 8 leaves: the EP combine's bits do
+    not depend on the EP degree. Tokens without a slot on a rank leave its (NaN) row unread."""
+    from mok_nn import cuda_backend as cb
+
+    rows, pos, w, ids = _combine_problem(T, k, H, E, seed=7 * T + P)
+    w_used = w if weighted else torch.ones_like(w)
+    want = cb.combine(rows, pos, w_used, ids, E, torch.bfloat16)
+    got = _partial_final(rows, pos, w, ids, E, P, weighted)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+    assert torch.equal(_partial_final(rows, pos, w, ids, E, P, weighted), got)  # repeat: same bits
+    bad = torch.tensor([0, 0, 3, 0], dtype=torch.int32, device="cuda")  # an error flag: NaN outputs
+    assert torch.isnan(_partial_final(rows, pos, w, ids, E, P, weighted, flags=bad)).all()
 
 
 EXPERT_CASES = [  # T, H, I, E, k, routing, activation, limit, bias
