@@ -741,7 +741,7 @@ class SymmBuffers:
         tokens without a slot here get nothing (the source knows it from its ids)."""
         args = (rows, eps.slot_row, self.local("weights"), self.local("ids"))
         scalars = (self.rank, num_experts // self.ep_size, cb.experts_per_leaf(num_experts), int(weighted))
-        if copy_mode() == "torch":  # CPU simulation, debugging aid
+        if _sums_in_torch(rows):
             for s, (node, present) in enumerate(partial_sums_torch(*args, *scalars)):
                 self.peer(s, "partials")[self.rank][present] = node[present]
             return
@@ -752,12 +752,19 @@ class SymmBuffers:
         where any flag is set (the step's errors)."""
         parts, ids = self.local("partials"), topk_ids.contiguous()
         scalars = (num_experts // self.ep_size, cb.experts_per_leaf(num_experts))
-        if copy_mode() == "torch":
+        if _sums_in_torch(parts):
             return final_combine_torch(parts, ids, flags, *scalars).to(out_dtype)
         out = torch.empty(ids.shape[0], self.hidden, dtype=out_dtype, device=parts.device)
         if ids.shape[0]:
             cb._lib().launch("mok_combine_final", parts, ids, flags, out, *scalars, stream=cb._stream())
         return out
+
+
+def _sums_in_torch(t: torch.Tensor) -> bool:
+    """The combine's per-rank sums by torch stand-ins: only in the CPU simulation (MOK_EP_COPY=torch on
+    CPU tensors). On the GPU the kernels always run (their fused multiply-adds give the EP = 1 bits;
+    torch's separate multiply and add would not), whatever MOK_EP_COPY says about the row copies."""
+    return copy_mode() == "torch" and not t.is_cuda
 
 
 def partial_sums_torch(rows, slot_row, w_all, ids_all, rank, experts_per_rank, experts_per_leaf, weighted) -> list:
