@@ -184,17 +184,14 @@ def _gemm_dact_spec(kind: str) -> KernelSpec:
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
-    num_sms: int = 0,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
-    # cluster_m = c > 1: clusters of c CTAs on row tiles c p .. c p + c - 1 share each B stage by TMA multicast.
-    # num_sms: CTAs of the persistent grid where it must differ from the 132 SMs (clusters that fit at once).
+    # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share each B stage by TMA multicast.
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
-    kwargs += (("num_sms", num_sms),) if num_sms else ()
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -483,11 +480,9 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
-    # 4-CTA clusters: B loads a quarter per CTA (16 + 8 KB per K tile instead of 16 + 16). Only 30
-    # clusters of 4 are resident at once on H200 (tests/gpu/cluster_occupancy.cu: 66 of 2, 30 of 4,
-    # 15 of 8): the grid takes 120 CTAs, so that no cluster of the persistent grid waits for another
-    # to finish (with 128 CTAs it ran 1.7-1.9x slower).
-    _wgrad_spec("mok_gemm_wgrad_defer_c4", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=4, num_sms=120),
+    # Lost and dropped: 4-CTA clusters (B a quarter per CTA). Only 30 clusters of 4 are resident on
+    # H200 (tests/gpu/cluster_occupancy.cu: 66 of 2, 30 of 4, 15 of 8), so the grid had 120 CTAs:
+    # 4-15% slower than _defer_c2 (..._v34_wgrad_c4.txt; with 128 CTAs, a second wave: 1.7-1.9x).
     # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
     # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
     _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),

@@ -48,13 +48,11 @@ class VarlenKGroupedGemm:
     ring (256-wide tiles: 4 stages -> 3). Same MMA, same K order, same rounding:
     bitwise equal to the default epilogue.
 
-    cluster_m = c (2 or 4): a cluster of c CTAs takes row tiles c p .. c p + c - 1 of one (column
-    tile, expert), so all need the same B stages: each CTA loads 1/c of every B stage and
-    multicasts it into the c CTAs' shared memory (TMA multicast), and releases a stage to all c
-    producers. Per CTA and K tile the loads shrink from A 16 KB + B 32 KB to 16 + 32 / c KB; the
-    loads, more than the MMA or the stores, bound these short-K GEMMs (deepseek-v3: the _defer
-    kernel without MMA took 7.4 of 7.9 ms). A last group of row tiles past M gets partners
-    whose A loads are zero-filled and whose stores TMA clips.
+    cluster_m = 2: a cluster of two CTAs takes row tiles 2p and 2p + 1 of one (column tile,
+    expert), so both need the same B stages: each CTA loads half of every B stage and multicasts
+    it into both CTAs' shared memory (TMA multicast), and releases a stage to both producers. A
+    third less L2 -> shared-memory traffic per tile; the loads, more than the MMA or the stores,
+    bound these short-K GEMMs (deepseek-v3: the _defer kernel without MMA took 7.4 of 7.9 ms).
     """
 
     def __init__(
@@ -68,9 +66,9 @@ class VarlenKGroupedGemm:
         cluster_m: int = 1,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
-        # cluster_m = c > 1: the c CTAs of a cluster take row tiles c p .. c p + c - 1 of the same
-        # (column tile, expert) and share B: each loads 1/c of every B stage and multicasts it to all.
-        assert cluster_m in (1, 2, 4)
+        # cluster_m = 2: CTA pairs (a cluster) take row tiles 2p, 2p + 1 of the same (column tile, expert)
+        # and share B: each loads half of every B stage and multicasts it to both (see the docstring).
+        assert cluster_m in (1, 2)
         self.cluster_m = cluster_m
         # lazy: each buffer is waited for just before it is rewritten (see _epilogue_lazy);
         # sub-tile e of every tile uses buffer e % epi_stages.
@@ -153,12 +151,11 @@ class VarlenKGroupedGemm:
 
         gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, num_experts = gc[(0, (None, None, None))].shape
-        # cluster_m = c > 1: linear tiles c q .. c q + c - 1 go to the c CTAs of cluster q, and _tile_coord
-        # maps them to row tiles c p .. c p + c - 1 of one (column tile, expert): the tile space counts groups
-        # of c row tiles (a last, partial group gets partners past M, whose A loads are zero-filled and
-        # stores clipped by TMA).
+        # cluster_m = 2: linear tiles 2c, 2c + 1 go to the two CTAs of cluster c, and _tile_coord maps them
+        # to row tiles 2p, 2p + 1 of one (column tile, expert): the tile space counts row-tile pairs (an odd
+        # last row tile gets a partner past M, whose A loads are zero-filled and stores clipped by TMA).
         if cutlass.const_expr(self.cluster_m > 1):
-            tiles_m = (tiles_m + self.cluster_m - 1) // self.cluster_m
+            tiles_m = (tiles_m + 1) // 2
         sched_params = utils.PersistentTileSchedulerParams(
             (tiles_m * tiles_n * num_experts * self.cluster_m, 1, 1), (self.cluster_m, 1, 1)
         )
@@ -186,11 +183,10 @@ class VarlenKGroupedGemm:
 
     def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
         """Linear tile index -> (m_tile, n_tile, expert): expert slowest, then bands of group_m row tiles.
-        With clusters of c CTAs, tiles_m counts groups of c row tiles and CTA r of a cluster on group p
-        gets row tile c p + r."""
+        With a cluster, tiles_m counts row-tile pairs and CTA r of cluster c gets row 2 p + r of pair p."""
         if cutlass.const_expr(self.cluster_m > 1):
-            group, n_tile, expert = self._tile_coord_one(linear // self.cluster_m, tiles_m, tiles_n, group_m)
-            return group * self.cluster_m + linear % self.cluster_m, n_tile, expert
+            pair, n_tile, expert = self._tile_coord_one(linear // self.cluster_m, tiles_m, tiles_n, group_m)
+            return pair * self.cluster_m + linear % self.cluster_m, n_tile, expert
         return self._tile_coord_one(linear, tiles_m, tiles_n, group_m)
 
     def _tile_coord_one(self, linear, tiles_m, tiles_n, group_m):
@@ -246,8 +242,8 @@ class VarlenKGroupedGemm:
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
         # A stage is free once the consumer warps of every CTA it is multicast into released it:
-        # with a cluster each consumer warp arrives on the empty barrier of every CTA of the cluster (the
-        # pipeline picks the peers from cta_layout_vmnk), and a full barrier expects A plus all parts of B.
+        # with a cluster each consumer warp arrives on the empty barrier of both CTAs (the pipeline
+        # picks the peers from cta_layout_vmnk), and a full barrier expects A plus both halves of B.
         # (create() ends with a cluster-wide sync: the barriers are initialised before a peer's
         # multicast or arrive can reach them.)
         ab_pipe = pipeline.PipelineTmaAsync.create(

@@ -17,7 +17,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
-  wgrad: c2, c4, c2_again (MOK_WGRAD_KERNEL; c2 twice, to show the position bias)
+  wgrad: c2, defer, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
 The env variables are read at every call, so one process can switch between them.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
@@ -45,7 +45,7 @@ MODE_SETS = {
     # measurement's position bias next to the difference
     "wgrad": {
         "c2": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
-        "c4": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c4"},
+        "defer": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer"},
         "c2_again": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
     },
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel

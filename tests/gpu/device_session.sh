@@ -16,7 +16,7 @@
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
 # epslot (EP checks with MOK_EP_COMBINE_SUMS=slot),
-# wgrad (resident clusters per cluster size, weight-gradient GPU tests, c2 vs c4 kernels call by call),
+# wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -85,11 +85,11 @@ for s in "$@"; do
             --kernels mok_gemm_bk_gather,mok_gemm_bn_f32_gather --cases real,real_zrows --reps 5 ;;
     dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
         TAIL=20 step dact_gemms 150 python3 tests/gpu/bench_gemm_variants.py --gemms dgrad_down ;;
-    wgrad)  # weight-gradient clusters: resident clusters per size, the wgrad GPU tests, c2 vs c4 call by call
+    wgrad)  # weight-gradient kernels: resident clusters per cluster size, the wgrad GPU tests, the variants call by call
         TAIL=8 step cluster_occupancy 60 bash -c "nvcc -arch=sm_90a -o /tmp/cluster_occupancy tests/gpu/cluster_occupancy.cu && /tmp/cluster_occupancy"
         TAIL=5 step wgrad_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k weight_grad
         TAIL=20 step wgrad_clusters 200 python3 tests/gpu/bench_wgrad_variants.py --diag 0 --reps 20 \
-            --kernels mok_gemm_wgrad_defer_c2,mok_gemm_wgrad_defer_c4,mok_gemm_wgrad_defer ;;
+            --kernels mok_gemm_wgrad_defer_c2,mok_gemm_wgrad_defer ;;
     envmodes)  # the layer under env settings side by side (tests/gpu/bench_env_modes.py; MODES=gather)
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
