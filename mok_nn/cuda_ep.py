@@ -33,7 +33,7 @@ Forward (no host synchronisation; every peer write is a unicast store):
      mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once;
      the GEMM then gathers its rows from the local tokens section
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
-  6. combine push. Default (combine_sums "rank", where P divides the combine's 8-leaf tree of expert
+  6. combine push. Where k > 2P (combine_sums; P must divide the combine's 8-leaf tree of expert
      groups, kernels/combine.py): mok_ep_partial_push sums, for every token of every source, the
      slots routed here into this rank's node of the tree and stores it (fp32, one row per token
      instead of one bf16 row per slot) into the source's partials[rank, t]. MOK_EP_COMBINE_SUMS=slot
@@ -518,15 +518,22 @@ def combine_mode(config, down_bias: bool) -> str:
     return mode
 
 
-COMBINE_SUMS_MODES = ("rank", "slot")  # MOK_EP_COMBINE_SUMS; the first is the default
+COMBINE_SUMS_MODES = ("auto", "rank", "slot")  # MOK_EP_COMBINE_SUMS; the first is the default
 
 
-def combine_sums(num_experts: int, ep_size: int) -> str:
+def combine_sums(num_experts: int, ep_size: int, top_k: int) -> str:
     """How the sequential combine (and the backward's d x) crosses NVLink: 'rank' (each expert rank
     sends one fp32 partial sum per token, its node of the combine tree) or 'slot' (one bf16 row per
-    slot, summed on the source). 'rank' needs P to divide the tree's leaves (combine_leaves(E)):
-    then its bits equal 'slot' and EP = 1; otherwise 'slot' runs."""
+    slot, summed on the source). Both give the same bits (and EP = 1's). 'rank' needs P to divide the
+    tree's leaves (combine_leaves(E)); otherwise 'slot' runs.
+
+    'auto' (default): 'rank' where it sends fewer bytes, i.e. where a token's slots on one rank are
+    more than 2 on average (top_k > 2 P: one 4-byte row instead of several 2-byte ones). Measured on
+    2 H200 (docs/ep.md): qwen3 / deepseek-v3 (k = 8) forward 6-7% faster with 'rank', mixtral (k = 2)
+    backward 1% slower (a token's 1-2 slots per rank cost less as bf16 rows than one fp32 row)."""
     mode = _env_choice("MOK_EP_COMBINE_SUMS", COMBINE_SUMS_MODES, COMBINE_SUMS_MODES[0])
+    if mode == "auto":
+        mode = "rank" if top_k > 2 * ep_size else "slot"
     if mode == "rank" and cb.combine_leaves(num_experts) % ep_size:
         return "slot"
     return mode
@@ -1036,7 +1043,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
     overlap = combine_mode(ws.config, down_bias is not None) == "overlap"
-    sums = "slot" if overlap else combine_sums(ws.num_experts, P)
+    sums = "slot" if overlap else combine_sums(ws.num_experts, P, top_k)
     if overlap:
         # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
         _down_push(ws, bufs, eps, h, down_proj)
@@ -1201,7 +1208,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
     dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
-    sums = combine_sums(ws.num_experts, P)
+    sums = combine_sums(ws.num_experts, P, top_k)
     if sums == "rank":
         bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False)
     else:

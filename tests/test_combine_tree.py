@@ -66,12 +66,19 @@ def test_combine_torch_vs_fp64(E, k):
 
 def test_combine_sums_mode(monkeypatch):
     monkeypatch.delenv("MOK_EP_COMBINE_SUMS", raising=False)
-    assert cuda_ep.combine_sums(256, 2) == "rank"
-    assert cuda_ep.combine_sums(8, 8) == "rank"
-    assert cuda_ep.combine_sums(6, 3) == "slot"  # 3 ranks do not divide gcd(6, 8) = 2 leaves
-    assert cuda_ep.combine_sums(12, 8) == "slot"  # 4 leaves
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "slot")
-    assert cuda_ep.combine_sums(256, 2) == "slot"
+    assert cuda_ep.combine_sums(256, 2, 8) == "rank"  # auto: 4 slots per rank and token on average
+    assert cuda_ep.combine_sums(128, 2, 8) == "rank"
+    assert cuda_ep.combine_sums(8, 2, 2) == "slot"  # mixtral: 1 slot per rank
+    assert cuda_ep.combine_sums(256, 2, 4) == "slot"  # 2 per rank: not fewer bytes
+    assert cuda_ep.combine_sums(256, 8, 8) == "slot"
+    for mode in ("rank", "slot"):
+        monkeypatch.setenv("MOK_EP_COMBINE_SUMS", mode)
+        assert cuda_ep.combine_sums(256, 2, 8) == mode
+        assert cuda_ep.combine_sums(8, 2, 2) == mode
+    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "rank")
+    assert cuda_ep.combine_sums(8, 8, 2) == "rank"
+    assert cuda_ep.combine_sums(6, 3, 2) == "slot"  # 3 ranks do not divide gcd(6, 8) = 2 leaves
+    assert cuda_ep.combine_sums(12, 8, 8) == "slot"  # 4 leaves
     monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "nope")
     with pytest.raises(ValueError, match="MOK_EP_COMBINE_SUMS"):
-        cuda_ep.combine_sums(256, 2)
+        cuda_ep.combine_sums(256, 2, 8)

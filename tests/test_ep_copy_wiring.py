@@ -98,7 +98,8 @@ def _bits(t):
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
     P = len(tokens)
-    rank_sums = cuda_ep.combine_sums(4 * P, P) == "rank"  # [37, 20]: 2 ranks, 8 experts; [5, 9, 1]: slot sums
+    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "rank")  # per-rank sums where P divides the leaves
+    rank_sums = cuda_ep.combine_sums(4 * P, P, 2) == "rank"  # [37, 20]: 2 ranks, 8 experts; [5, 9, 1]: slot sums
     # the combine and d x per rank and step: one pre-reduced push + the source's final sum, or the slot push
     sums = ["mok_ep_partial_push", "mok_combine_final"] * 2 * P if rank_sums else []
     got = {}

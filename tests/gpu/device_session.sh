@@ -15,7 +15,7 @@
 # epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
-# epslot (EP checks with MOK_EP_COMBINE_SUMS=slot),
+# epslot / eprank (EP checks with MOK_EP_COMBINE_SUMS=slot / rank),
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
@@ -94,8 +94,10 @@ for s in "$@"; do
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
         TAIL=12 step env_modes_ep2 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
-    epslot)  # the EP checks with one pushed row per slot (MOK_EP_COMBINE_SUMS=slot) instead of per-rank partial sums
+    epslot)  # the EP checks with one pushed row per slot everywhere (MOK_EP_COMBINE_SUMS=slot)
         MOK_EP_COMBINE_SUMS=slot TAIL=8 step ep_checks_slot 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
+    eprank)  # the EP checks with per-rank partial sums everywhere (MOK_EP_COMBINE_SUMS=rank)
+        MOK_EP_COMBINE_SUMS=rank TAIL=8 step ep_checks_rank 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     epgather)  # the EP checks with the gate/up GEMM gathering from the tokens section
         MOK_GEMM_GATHER=1 TAIL=8 step ep_checks_gather 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     eppublish)  # step 1 of the EP forward as one launch (MOK_EP_PUBLISH=kernel) vs the torch ops
