@@ -89,7 +89,7 @@ for s in "$@"; do
         TAIL=8 step cluster_occupancy 60 bash -c "nvcc -arch=sm_90a -o /tmp/cluster_occupancy tests/gpu/cluster_occupancy.cu && /tmp/cluster_occupancy"
         TAIL=5 step wgrad_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k weight_grad
         TAIL=20 step wgrad_clusters 200 python3 tests/gpu/bench_wgrad_variants.py --diag 0 --reps 20 \
-            --kernels mok_gemm_wgrad_defer_c2,mok_gemm_wgrad_defer ;;
+            --kernels "${WGRAD_KERNELS:-mok_gemm_wgrad_defer_c2,mok_gemm_wgrad_defer}" ;;
     envmodes)  # the layer under env settings side by side (tests/gpu/bench_env_modes.py; MODES=gather)
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
