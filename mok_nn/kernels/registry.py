@@ -480,9 +480,8 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
-    # the same with wider epilogue sub-tiles: fewer barriers per tile (4 or 2 instead of 8)
-    _wgrad_spec("mok_gemm_wgrad_defer_c2_e64", GEMM_TILE_N, 64, 4, lazy=True, cluster_m=2),
-    _wgrad_spec("mok_gemm_wgrad_defer_c2_e128", GEMM_TILE_N, 128, 2, lazy=True, cluster_m=2),
+    # Lost and dropped: wider epilogue sub-tiles for _defer_c2, 128x64 x 4 and 128x128 x 2 (4 and 2
+    # barriers a tile instead of 8): -2% to +13% (..._v38_wgrad_epi_width.txt).
     # Lost and dropped: 4-CTA clusters (B a quarter per CTA). Only 30 clusters of 4 are resident on
     # H200 (tests/gpu/cluster_occupancy.cu: 66 of 2, 30 of 4, 15 of 8), so the grid had 120 CTAs:
     # 4-15% slower than _defer_c2 (..._v34_wgrad_c4.txt; with 128 CTAs, a second wave: 1.7-1.9x).
