@@ -539,6 +539,17 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int) -> str:
     return mode
 
 
+DX_PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH; the first is the default
+
+
+def dx_push_mode() -> str:
+    """How the backward's per-rank d x sums reach their sources: 'copy_engine' (default: summed into a
+    local staging block, then copied by the copy engines on a side stream while the weight gradients
+    run, SymmBuffers.push_partials(copy_stream=...)) or 'kernel' (stored over NVLink by the summing
+    kernel itself, in stream order after the weight gradients)."""
+    return _env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
+
+
 def fwd_mode(config) -> str:
     """'sequential' (the default) or 'overlap' (MOK_EP_FWD=overlap: dispatch on
     config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
@@ -742,17 +753,35 @@ class SymmBuffers:
         for p in range(self.ep_size):
             self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
 
-    def push_partials(self, rows: torch.Tensor, eps: "EPSchedule", num_experts: int, weighted: bool) -> None:
+    def push_partials(self, rows: torch.Tensor, eps: "EPSchedule", num_experts: int, weighted: bool,
+                      copy_stream: torch.cuda.Stream | None = None) -> None:
         """Into every source s's partials[rank, t]: this rank's node of token (s, t)'s combine tree,
         from the rows of its slots routed here (times the all-gathered top-k weight if weighted);
-        tokens without a slot here get nothing (the source knows it from its ids)."""
+        tokens without a slot here get nothing (the source knows it from its ids).
+
+        copy_stream: the kernel writes the nodes into a local staging block per source instead, and
+        copy_stream sends each block whole to its source (one copy each: the GPU's copy engines, no
+        SMs), so the current stream goes on at once; the caller waits for copy_stream before the
+        barrier. Rows of tokens without a slot here travel too but are never read."""
         args = (rows, eps.slot_row, self.local("weights"), self.local("ids"))
         scalars = (self.rank, num_experts // self.ep_size, cb.experts_per_leaf(num_experts), int(weighted))
         if _sums_in_torch(rows):
             for s, (node, present) in enumerate(partial_sums_torch(*args, *scalars)):
                 self.peer(s, "partials")[self.rank][present] = node[present]
             return
-        cb._lib().launch("mok_ep_partial_push", *args, self.section_addrs("partials"), *scalars, stream=cb._stream())
+        if copy_stream is None:
+            cb._lib().launch("mok_ep_partial_push", *args, self.section_addrs("partials"), *scalars,
+                             self.rank * self.tokens_cap, stream=cb._stream())
+            return
+        P, tc = self.ep_size, self.tokens_cap
+        staging = torch.empty(P, tc, self.hidden, dtype=torch.float32, device=rows.device)
+        bases = _cached("arange", P, rows.device) * (tc * self.hidden * 4) + staging.data_ptr()
+        cb._lib().launch("mok_ep_partial_push", *args, bases, *scalars, 0, stream=cb._stream())
+        copy_stream.wait_stream(torch.cuda.current_stream(rows.device))
+        with torch.cuda.stream(copy_stream):
+            for p in range(P):
+                self.peer(p, "partials")[self.rank].copy_(staging[p], non_blocking=True)
+        staging.record_stream(copy_stream)
 
     def final_combine(self, topk_ids: torch.Tensor, flags: torch.Tensor, num_experts: int, out_dtype) -> torch.Tensor:
         """out[t] = the top of token t's combine tree over the ranks' nodes in partials[:, t]; NaN rows
@@ -1080,6 +1109,14 @@ def _comm_setup(ws, dev):
     return st["comm_stream"], torch.cuda.current_stream(dev), comm_ctas, gemm_ctas
 
 
+def _copy_stream(ws, dev) -> torch.cuda.Stream:
+    """The side stream of the copy-engine sends (one per workspace)."""
+    st = ws.ep_state
+    if "copy_stream" not in st:
+        st["copy_stream"] = torch.cuda.Stream(device=dev)
+    return st["copy_stream"]
+
+
 def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torch.Tensor) -> torch.Tensor:
     """Steps 4 and 5a overlapped: mok_ep_dispatch_rows on a second stream fills the A rows tile by
     tile and flags each ready; mok_gemm_bk(_ef)_ready consumes them as they come. Returns gate_up."""
@@ -1191,6 +1228,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
     dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
+    # 5a. (per-rank sums, MOK_EP_DX_PUSH=copy_engine) d x sums now, sent by the copy engines while the
+    # weight gradients below run on every SM
+    sums = combine_sums(ws.num_experts, P, top_k)
+    dx_stream = None
+    if sums == "rank" and dx_rows.is_cuda and dx_push_mode() == "copy_engine":
+        dx_stream = _copy_stream(ws, dx_rows.device)
+        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, copy_stream=dx_stream)
     wdt = gate_up_proj.dtype  # mok_gemm_wgrad as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm)
     d_down = cb.weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
     d_gate_up = cb.weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
@@ -1208,13 +1252,14 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     idx = torch.where(eps.row_src >= 0, eps.row_gslot, n_slots + _cached("arange", dw_rows.numel(), x.device))
     dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
-    sums = combine_sums(ws.num_experts, P, top_k)
-    if sums == "rank":
-        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False)
-    else:
+    if sums == "slot":
         bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
+    elif dx_stream is None:
+        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False)
     for p in range(P):
         bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
+    if dx_stream is not None:
+        torch.cuda.current_stream(dx_rows.device).wait_stream(dx_stream)  # every d x block sent
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source

@@ -55,7 +55,9 @@ class _StubLib:
                 if p >= 0:
                     self._at(base[p], src)[d] = src[r]
         elif name == "mok_ep_partial_push":
-            rows, slot_row, w_all, ids_all, base, rank, e_l, epl, weighted = args
+            rows, slot_row, w_all, ids_all, base, rank, e_l, epl, weighted, row0 = args
+            tc = ids_all.shape[1]
+            assert row0 == rank * tc  # the direct form (the copy-engine form runs only on CUDA tensors)
             for s, (node, present) in enumerate(cuda_ep.partial_sums_torch(rows, slot_row, w_all, ids_all, rank, e_l,
                                                                             epl, weighted)):
                 self.sections[int(base[s])][rank][present] = node[present]

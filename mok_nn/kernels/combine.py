@@ -22,8 +22,10 @@ Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte load
                 w = top-k weights) and the backward's reverse combine into d x (w = 1); also the
                 source side of the EP path that pushes one row per slot
   PartialPush   EP, on the expert rank: for every token t of every source rank s, the node of
-                this rank's block from its slots routed here, stored (fp32) into rank s's
-                partials section at [rank, t] (tokens without a slot here: nothing stored)
+                this rank's block from its slots routed here, stored (fp32) at row dst_row0 + t of
+                part_base[s]: rank s's partials section at [rank, t] (dst_row0 = rank * Tc), or a
+                local staging block per source (dst_row0 = 0) that the copy engine sends later;
+                tokens without a slot here: nothing stored
   FinalCombine  EP, on the source rank: the tree over the P nodes it received
 """
 
@@ -137,16 +139,17 @@ class PartialPush:
         experts_per_rank: cutlass.Int32,
         experts_per_leaf: cutlass.Int32,
         weighted: cutlass.Int32,  # 1: w_all[slot] * row (forward), 0: the row itself (backward d x)
+        dst_row0: cutlass.Int32,  # the node of (s, t) goes to row dst_row0 + t of part_base[s]
         stream: cuda.CUstream,
     ):
         n = cute.size(ids_all, mode=[0]) * cute.size(ids_all, mode=[1])
         self.kernel(rows, slot_row, w_all, ids_all, part_base, rank, experts_per_rank, experts_per_leaf,
-                    weighted).launch(grid=[n, 1, 1], block=[THREADS, 1, 1], stream=stream)
+                    weighted, dst_row0).launch(grid=[n, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, rows: cute.Tensor, slot_row: cute.Tensor, w_all: cute.Tensor, ids_all: cute.Tensor,
                part_base: cute.Tensor, rank: cutlass.Int32, experts_per_rank: cutlass.Int32,
-               experts_per_leaf: cutlass.Int32, weighted: cutlass.Int32):
+               experts_per_leaf: cutlass.Int32, weighted: cutlass.Int32, dst_row0: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         i, _, _ = cute.arch.block_idx()  # i = s*Tc + t
         tc = cute.size(ids_all, mode=[1])
@@ -166,7 +169,7 @@ class PartialPush:
                     mask = mask | (cutlass.Int32(1) << (e // experts_per_leaf))
         if mask != 0:
             dst = cute.make_tensor(
-                cute.make_ptr(cutlass.Float32, part_base[s] + (cutlass.Int64(rank) * tc + t) * hidden * 4,
+                cute.make_ptr(cutlass.Float32, part_base[s] + (cutlass.Int64(dst_row0) + t) * hidden * 4,
                               cute.AddressSpace.gmem, assumed_align=16),
                 cute.make_layout((VEC, n_vec)),
             )

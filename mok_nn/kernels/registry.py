@@ -228,7 +228,7 @@ def _combine_specs() -> tuple:
         ),
     )
     partial = KernelSpec(
-        name="mok_ep_partial_push",  # rank s's partials[rank, t] = this rank's node of token (s, t)
+        name="mok_ep_partial_push",  # part_base[s] row dst_row0 + t = this rank's node of token (s, t)
         module="combine",
         factory="PartialPush",
         factory_kwargs=(),
@@ -242,6 +242,7 @@ def _combine_specs() -> tuple:
             ScalarArg("experts_per_rank", "i32"),
             ScalarArg("experts_per_leaf", "i32"),
             ScalarArg("weighted", "i32"),
+            ScalarArg("dst_row0", "i32"),
         ),
     )
     final = KernelSpec(

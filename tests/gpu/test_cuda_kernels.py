@@ -304,19 +304,24 @@ def test_combine_tree_order(lib):
     assert _partial_final(rows, pos, w, ids, 8, 2, weighted=1).float().tolist() == [[2.0] * 8]
 
 
-def _partial_final(rows, pos, w, ids, E, P, weighted, flags=None):
+def _partial_final(rows, pos, w, ids, E, P, weighted, flags=None, staged=False):
     """The EP combine's two halves on one GPU: P virtual expert ranks each push their node of every
-    token (one source) into parts[q] (NaN-poisoned first), then the tree over the P nodes."""
+    token (one source) into parts[q] (NaN-poisoned first), then the tree over the P nodes.
+    staged: each rank writes its nodes to a staging block at row 0 (dst_row0 = 0), copied to parts[q]
+    afterwards (the copy-engine form of the backward's d x)."""
     from mok_nn import cuda_backend as cb
 
     T, k = ids.shape
     H = rows.shape[1]
     stream = torch.cuda.current_stream().cuda_stream
     parts = torch.full((P, T, H), float("nan"), device="cuda")
-    base = torch.tensor([parts.data_ptr()], dtype=torch.int64, device="cuda")
     for q in range(P):
+        dst = torch.full((T, H), float("nan"), device="cuda") if staged else parts
+        base = torch.tensor([dst.data_ptr()], dtype=torch.int64, device="cuda")
         cb._lib().launch("mok_ep_partial_push", rows, pos.reshape(-1), w.reshape(-1).contiguous(), ids.view(1, T, k),
-                         base, q, E // P, cb.experts_per_leaf(E), weighted, stream=stream)
+                         base, q, E // P, cb.experts_per_leaf(E), weighted, 0 if staged else q * T, stream=stream)
+        if staged:
+            parts[q].copy_(dst)
     out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
     flags = torch.zeros(4, dtype=torch.int32, device="cuda") if flags is None else flags
     cb._lib().launch("mok_combine_final", parts, ids, flags, out, E // P, cb.experts_per_leaf(E), stream=stream)
@@ -339,6 +344,7 @@ def test_partial_push_final_equals_combine(lib, T, k, H, E, P, weighted):
     got = _partial_final(rows, pos, w, ids, E, P, weighted)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)
+    assert torch.equal(_partial_final(rows, pos, w, ids, E, P, weighted, staged=True), want)
     assert torch.equal(_partial_final(rows, pos, w, ids, E, P, weighted), got)  # repeat: same bits
     bad = torch.tensor([0, 0, 3, 0], dtype=torch.int32, device="cuda")  # an error flag: NaN outputs
     assert torch.isnan(_partial_final(rows, pos, w, ids, E, P, weighted, flags=bad)).all()
