@@ -539,7 +539,7 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int) -> str:
     return mode
 
 
-PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH (default: the first), MOK_EP_Y_PUSH (default: the second)
+DX_PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH; the first is the default
 
 
 def dx_push_mode() -> str:
@@ -547,14 +547,7 @@ def dx_push_mode() -> str:
     local staging block, then copied by the copy engines on a side stream while the weight gradients
     run, SymmBuffers.push_partials(copy_stream=...)) or 'kernel' (stored over NVLink by the summing
     kernel itself, in stream order after the weight gradients)."""
-    return _env_choice("MOK_EP_DX_PUSH", PUSH_MODES, PUSH_MODES[0])
-
-
-def y_push_mode() -> str:
-    """The same choice for the forward's per-rank sums of y, MOK_EP_Y_PUSH: nothing runs beside them
-    there (the forward ends with them), so the copy engines can only win by moving the bytes faster
-    than the kernel's own stores; 'kernel' by default."""
-    return _env_choice("MOK_EP_Y_PUSH", PUSH_MODES, PUSH_MODES[1])
+    return _env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
 
 
 def fwd_mode(config) -> str:
@@ -1089,10 +1082,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
             out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
         # 6. combine push into each source's partials (one fp32 node per token) or slots (a row per slot)
         if sums == "rank":
-            y_stream = _copy_stream(ws, out_rows.device) if out_rows.is_cuda and y_push_mode() == "copy_engine" else None
-            bufs.push_partials(out_rows, eps, ws.num_experts, weighted=True, copy_stream=y_stream)
-            if y_stream is not None:
-                torch.cuda.current_stream(out_rows.device).wait_stream(y_stream)
+            bufs.push_partials(out_rows, eps, ws.num_experts, weighted=True)
         else:
             bufs.push_rows(out_rows, "slots", eps.row_src, eps.row_slot)
     # 7.

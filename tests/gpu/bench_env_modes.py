@@ -17,8 +17,6 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
   epdxpush: copy_engine, kernel (MOK_EP_DX_PUSH: the backward's d x sums sent beside the weight gradients
           by the copy engines, or stored by the summing kernel after them; EP only, per-rank sums)
-  epypush: kernel, copy_engine (MOK_EP_Y_PUSH: the forward's y sums stored by the summing kernel, or
-          staged and sent by the copy engines; EP only, per-rank sums)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   wgrad: c2, defer, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
@@ -65,8 +63,6 @@ MODE_SETS = {
     "epsums": {"rank": {"MOK_EP_COMBINE_SUMS": "rank"}, "slot": {"MOK_EP_COMBINE_SUMS": "slot"}},
     # EP only: the backward's d x sums sent by the copy engines beside the weight gradients, or by the kernel after them
     "epdxpush": {"copy_engine": {"MOK_EP_DX_PUSH": "copy_engine"}, "kernel": {"MOK_EP_DX_PUSH": "kernel"}},
-    # EP only: the forward's y sums stored by the kernel over NVLink, or staged and sent by the copy engines
-    "epypush": {"kernel": {"MOK_EP_Y_PUSH": "kernel"}, "copy_engine": {"MOK_EP_Y_PUSH": "copy_engine"}},
     # EP only: the forward's x rows kept for the backward, or pulled and gathered again there
     "epsavex": {"keep": {"MOK_EP_SAVE_X_ROWS": "1"}, "pull": {"MOK_EP_SAVE_X_ROWS": "0"}},
     # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)
