@@ -388,6 +388,9 @@ def wgrad_group_m(name: str, nb: int) -> int:
     return int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or gemm_group_m(nb, tile_n_of(name))
 
 
+MAX_TOP_K = 32  # the combine kernels hold slot j's row index, leaf and weight in lane j of a warp
+
+
 def experts_per_leaf(num_experts: int) -> int:
     """Experts per leaf of the combine's tree (E / combine_leaves(E)): slot (t, j) sums into leaf ids[t, j] // this."""
     return num_experts // combine_leaves(num_experts)
@@ -404,6 +407,8 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ids: t
     w = weights.float().contiguous()
     if out_dtype != torch.bfloat16 or rows.dtype != torch.bfloat16 or hidden % 8:
         raise ValueError("combine kernel takes bf16 rows and output with hidden % 8 == 0")
+    if pos.shape[1] > MAX_TOP_K:
+        raise ValueError(f"combine kernel takes at most {MAX_TOP_K} slots per token, not {pos.shape[1]}")
     _lib().launch("mok_combine", rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
                   stream=_stream())
     return out
@@ -567,6 +572,8 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
         return "hidden and intermediate sizes must be multiples of 8"
     if topk_ids.dtype != torch.int64:
         return "topk_ids must be int64"
+    if topk_ids.dim() == 2 and topk_ids.shape[1] > MAX_TOP_K:
+        return f"top_k = {topk_ids.shape[1]}: the combine kernels take at most {MAX_TOP_K}"
     return None
 
 
@@ -684,7 +691,8 @@ def unsupported_reason(layer, x: torch.Tensor) -> str | None:
     if not x.is_cuda:
         return f"input is on {x.device.type}"
     e = layer.experts
-    return unavailable_reason(x, torch.empty(0, dtype=torch.int64), e.gate_up_proj, e.down_proj, layer.activation)
+    return unavailable_reason(x, torch.empty(0, layer.top_k, dtype=torch.int64), e.gate_up_proj, e.down_proj,
+                              layer.activation)
 
 
 def init_workspace(ws) -> None:

@@ -82,3 +82,10 @@ def test_combine_sums_mode(monkeypatch):
     monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "nope")
     with pytest.raises(ValueError, match="MOK_EP_COMBINE_SUMS"):
         cuda_ep.combine_sums(256, 2, 8)
+
+
+def test_combine_refuses_more_than_32_slots():
+    rows = torch.zeros(40, 8, dtype=torch.bfloat16)
+    pos = torch.arange(33).view(1, 33)
+    with pytest.raises(ValueError, match="at most 32"):
+        cb.combine(rows, pos, torch.ones(1, 33), torch.zeros(1, 33, dtype=torch.long), 8, torch.bfloat16)

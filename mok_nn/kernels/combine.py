@@ -17,7 +17,9 @@ instead of one bf16 row per slot, and the source finishes the tree from the P no
 bitwise those of EP = 1. The row of every slot is still read once and in ascending j within its
 leaf, so the result never depends on timing either.
 
-Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte loads):
+Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte loads; lane j of every
+warp loads slot j's row index, leaf and weight once and the loop over j takes them by shuffle, so
+no index load sits in the column loop; top_k <= 32):
   Combine       the whole tree on one GPU: the forward combine (rows = down-projection outputs,
                 w = top-k weights) and the backward's reverse combine into d x (w = 1); also the
                 source side of the EP path that pushes one row per slot
@@ -81,6 +83,34 @@ def _tree(acc: cute.Tensor, mask: cutlass.Int32):
                     left.store(right.load())
 
 
+@cute.jit
+def _leaf_mask(row_l: cutlass.Int64, leaf_l: cutlass.Int32) -> cutlass.Int32:
+    """Bit l set where some lane's slot (row >= 0) sums into leaf l: the same in every warp."""
+    bit = cutlass.Int32(0)
+    if row_l >= 0:
+        bit = cutlass.Int32(1) << leaf_l
+    return cute.arch.warp_reduction(bit, lambda a, b: a | b)
+
+
+@cute.jit
+def _sum_slots(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, rows: cute.Tensor, c: cutlass.Int32,
+               active: cutlass.Boolean, top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32,
+               w_l: cutlass.Float32):
+    """acc = the leaf sums of column chunk c over slots j = 0..top_k-1 in order; slot j's row, leaf and
+    weight come from lane j by shuffle (every lane of the warp runs the shuffles; only active lanes,
+    those with a chunk, load and add; a row < 0 is a slot that does not count here)."""
+    acc.fill(0.0)
+    for j in cutlass.range(top_k, unroll=4):
+        r = cute.arch.shuffle_sync(row_l, j)
+        leaf = cute.arch.shuffle_sync(leaf_l, j)
+        wj = cute.arch.shuffle_sync(w_l, j)
+        if active & (r >= 0):
+            src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
+            cute.autovec_copy(src_v[(None, c)], frag)
+            vals.store(frag.load().to(cutlass.Float32))
+            _add_to_leaf(acc, leaf, vals, wj)
+
+
 class Combine:
     @cute.jit
     def __call__(
@@ -106,24 +136,26 @@ class Combine:
         hidden = cute.size(out, mode=[1])
         top_k = cute.size(pos, mode=[1])
         n_vec = hidden // VEC
+        # lane j of every warp holds slot j's row, leaf and weight (top_k <= 32)
+        j = cutlass.Int32(tidx) % 32
+        row_l, leaf_l, w_l = cutlass.Int64(-1), cutlass.Int32(0), cutlass.Float32(0.0)
+        if j < top_k:
+            row_l = pos[(t, j)]
+            leaf_l = cutlass.Int32(ids[(t, j)] // experts_per_leaf)
+            w_l = w[(t, j)]
+        mask = _leaf_mask(row_l, leaf_l)
         out_v = cute.zipped_divide(out[(t, None)], (VEC,))
         acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
         frag = cute.make_rmem_tensor((VEC,), rows.element_type)
         vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
-        for c in range(tidx, n_vec, THREADS):
-            acc.fill(0.0)
-            mask = cutlass.Int32(0)
-            for j in cutlass.range(top_k, unroll=4):
-                leaf = cutlass.Int32(ids[(t, j)] // experts_per_leaf)
-                mask = mask | (cutlass.Int32(1) << leaf)
-                src_v = cute.zipped_divide(rows[(pos[(t, j)], None)], (VEC,))
-                cute.autovec_copy(src_v[(None, c)], frag)
-                vals.store(frag.load().to(cutlass.Float32))
-                _add_to_leaf(acc, leaf, vals, w[(t, j)])
-            _tree(acc, mask)
-            res.store(acc[(None, 0)].load().to(out.element_type))
-            cute.autovec_copy(res, out_v[(None, c)])
+        for c0 in range(0, n_vec, THREADS):
+            c = c0 + cutlass.Int32(tidx)
+            _sum_slots(acc, frag, vals, rows, c, c < n_vec, top_k, row_l, leaf_l, w_l)
+            if c < n_vec:
+                _tree(acc, mask)
+                res.store(acc[(None, 0)].load().to(out.element_type))
+                cute.autovec_copy(res, out_v[(None, c)])
 
 
 class PartialPush:
@@ -160,13 +192,20 @@ class PartialPush:
         s = cutlass.Int32(i) // tc
         t = cutlass.Int32(i) - s * tc
         lo = rank * experts_per_rank
-        # leaves of this token's slots routed here (rows past the capacity: an overflow, flagged)
-        mask = cutlass.Int32(0)
-        for j in range(top_k):
+        # lane j of every warp holds slot j's row (-1 unless routed here; rows past the capacity: an
+        # overflow, flagged), leaf and weight (top_k <= 32)
+        j = cutlass.Int32(tidx) % 32
+        row_l, leaf_l, w_l = cutlass.Int64(-1), cutlass.Int32(0), cutlass.Float32(1.0)
+        if j < top_k:
             e = cutlass.Int32(ids_all[(s, t, j)])
-            if e >= lo and e < lo + experts_per_rank:
-                if slot_row[cutlass.Int64(i) * top_k + j] < num_rows:
-                    mask = mask | (cutlass.Int32(1) << (e // experts_per_leaf))
+            slot = cutlass.Int64(i) * top_k + j
+            r = slot_row[slot]
+            if (e >= lo) & (e < lo + experts_per_rank) & (r < num_rows):
+                row_l = r
+                leaf_l = e // experts_per_leaf
+                if weighted != 0:
+                    w_l = w_all[slot]
+        mask = _leaf_mask(row_l, leaf_l)
         if mask != 0:
             dst = cute.make_tensor(
                 cute.make_ptr(cutlass.Float32, part_base[s] + (cutlass.Int64(dst_row0) + t) * hidden * 4,
@@ -177,23 +216,13 @@ class PartialPush:
             frag = cute.make_rmem_tensor((VEC,), rows.element_type)
             vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             res = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            for c in range(tidx, n_vec, THREADS):
-                acc.fill(0.0)
-                for j in cutlass.range(top_k, unroll=4):
-                    e = cutlass.Int32(ids_all[(s, t, j)])
-                    slot = cutlass.Int64(i) * top_k + j
-                    r = slot_row[slot]
-                    if (e >= lo) & (e < lo + experts_per_rank) & (r < num_rows):
-                        src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
-                        cute.autovec_copy(src_v[(None, c)], frag)
-                        wj = cutlass.Float32(1.0)
-                        if weighted != 0:
-                            wj = w_all[slot]
-                        vals.store(frag.load().to(cutlass.Float32))
-                        _add_to_leaf(acc, e // experts_per_leaf, vals, wj)
-                _tree(acc, mask)
-                res.store(acc[(None, 0)].load())
-                cute.autovec_copy(res, dst[(None, c)])
+            for c0 in range(0, n_vec, THREADS):
+                c = c0 + cutlass.Int32(tidx)
+                _sum_slots(acc, frag, vals, rows, c, c < n_vec, top_k, row_l, leaf_l, w_l)
+                if c < n_vec:
+                    _tree(acc, mask)
+                    res.store(acc[(None, 0)].load())
+                    cute.autovec_copy(res, dst[(None, c)])
 
 
 class FinalCombine:

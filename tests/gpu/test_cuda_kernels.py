@@ -275,7 +275,8 @@ def _combine_problem(T, k, H, E, seed):
     return rows, pos, w, ids
 
 
-@pytest.mark.parametrize("T,k,H,E", [(1, 1, 8, 8), (513, 8, 2048, 128), (64, 2, 7168, 8), (100, 4, 256, 6)])
+@pytest.mark.parametrize("T,k,H,E", [(1, 1, 8, 8), (513, 8, 2048, 128), (64, 2, 7168, 8), (100, 4, 256, 6),
+                                     (5, 32, 72, 64)])  # top_k = 32: every lane holds a slot
 def test_combine(lib, T, k, H, E):
     from mok_nn import cuda_backend as cb
 
@@ -286,6 +287,17 @@ def test_combine(lib, T, k, H, E):
     assert rel_l2(ys[0], ref) < 5e-3  # one bf16 rounding of the fp32 sum
     # the torch stand-in of the same tree (w * row rounded before the add, the kernel fuses them)
     assert rel_l2(ys[0], cb.combine_torch(rows, pos, w, ids, E, torch.float32)) < 5e-3
+
+
+def test_top_k_above_32_is_refused(lib):
+    from mok_nn import cuda_backend as cb
+
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(64, 64, 64, device="cuda", dtype=torch.bfloat16)
+    dn = torch.randn(64, 64, 32, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(4, 33, dtype=torch.int64, device="cuda")
+    assert "at most 32" in cb.check_supported(x, ids, gu, dn, "swiglu")
+    assert cb.check_supported(x, ids[:, :32], gu, dn, "swiglu") is None
 
 
 def test_combine_tree_order(lib):
@@ -331,7 +343,7 @@ def _partial_final(rows, pos, w, ids, E, P, weighted, flags=None, staged=False):
 
 @pytest.mark.parametrize("P", [2, 4, 8])
 @pytest.mark.parametrize("weighted", [1, 0])
-@pytest.mark.parametrize("T,k,H,E", [(300, 8, 512, 64), (77, 2, 7168, 8), (1, 1, 8, 8)])
+@pytest.mark.parametrize("T,k,H,E", [(300, 8, 512, 64), (77, 2, 7168, 8), (1, 1, 8, 8), (40, 32, 136, 64)])
 def test_partial_push_final_equals_combine(lib, T, k, H, E, P, weighted):
     """Pre-reduced per rank (mok_ep_partial_push on each of P ranks, mok_combine_final on the source)
     is bitwise the single-GPU combine, for every P dividing the 8 leaves: the EP combine's bits do
