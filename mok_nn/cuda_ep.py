@@ -523,19 +523,21 @@ def combine_mode(config, down_bias: bool) -> str:
 COMBINE_SUMS_MODES = ("auto", "rank", "slot")  # MOK_EP_COMBINE_SUMS; the first is the default
 
 
-def combine_sums(num_experts: int, ep_size: int, top_k: int) -> str:
+def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = False) -> str:
     """How the sequential combine (and the backward's d x) crosses NVLink: 'rank' (each expert rank
     sends one fp32 partial sum per token, its node of the combine tree) or 'slot' (one bf16 row per
     slot, summed on the source). Both give the same bits (and EP = 1's). 'rank' needs P to divide the
     tree's leaves (combine_leaves(E)); otherwise 'slot' runs.
 
     'auto' (default): 'rank' where it sends fewer bytes, i.e. where a token's slots on one rank are
-    more than 2 on average (top_k > 2 P: one 4-byte row instead of several 2-byte ones). Measured on
-    2 H200 (docs/ep.md): qwen3 / deepseek-v3 (k = 8) forward 6-7% faster with 'rank', mixtral (k = 2)
-    backward 1% slower (a token's 1-2 slots per rank cost less as bf16 rows than one fp32 row)."""
+    more than 2 on average (top_k > 2 P: one 4-byte row instead of several 2-byte ones), or where the
+    transfer is hidden (hidden=True: the backward's d x sums, sent by the copy engines beside the
+    weight gradients, MOK_EP_DX_PUSH=copy_engine; the slot rows would be pushed after them). Measured
+    on 2 H200 (docs/ep.md): qwen3 / deepseek-v3 (k = 8) forward 6-7% faster with 'rank', mixtral
+    (k = 2) backward 1% slower with 'rank' sent by the kernel."""
     mode = _env_choice("MOK_EP_COMBINE_SUMS", COMBINE_SUMS_MODES, COMBINE_SUMS_MODES[0])
     if mode == "auto":
-        mode = "rank" if top_k > 2 * ep_size else "slot"
+        mode = "rank" if top_k > 2 * ep_size or hidden else "slot"
     if mode == "rank" and cb.combine_leaves(num_experts) % ep_size:
         return "slot"
     return mode
@@ -1232,9 +1234,10 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
     # 5a. (per-rank sums, MOK_EP_DX_PUSH=copy_engine) d x sums now, sent by the copy engines while the
     # weight gradients below run on every SM
-    sums = combine_sums(ws.num_experts, P, top_k)
+    copy_engine = dx_rows.is_cuda and dx_push_mode() == "copy_engine"
+    sums = combine_sums(ws.num_experts, P, top_k, hidden=copy_engine)
     dx_stream = None
-    if sums == "rank" and dx_rows.is_cuda and dx_push_mode() == "copy_engine":
+    if sums == "rank" and copy_engine:
         dx_stream = _copy_stream(ws, dx_rows.device)
         bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, copy_stream=dx_stream)
     wdt = gate_up_proj.dtype  # mok_gemm_wgrad as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm)

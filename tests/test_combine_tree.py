@@ -71,6 +71,8 @@ def test_combine_sums_mode(monkeypatch):
     assert cuda_ep.combine_sums(8, 2, 2) == "slot"  # mixtral: 1 slot per rank
     assert cuda_ep.combine_sums(256, 2, 4) == "slot"  # 2 per rank: not fewer bytes
     assert cuda_ep.combine_sums(256, 8, 8) == "slot"
+    assert cuda_ep.combine_sums(8, 2, 2, hidden=True) == "rank"  # d x by the copy engines: bytes hidden
+    assert cuda_ep.combine_sums(6, 3, 2, hidden=True) == "slot"  # 3 ranks do not divide 2 leaves
     for mode in ("rank", "slot"):
         monkeypatch.setenv("MOK_EP_COMBINE_SUMS", mode)
         assert cuda_ep.combine_sums(256, 2, 8) == mode
