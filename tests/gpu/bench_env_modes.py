@@ -15,6 +15,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
+  epsumsauto: auto, slot (MOK_EP_COMBINE_SUMS: the default choice against one row per slot everywhere; EP only)
   epdxpush: copy_engine, kernel (MOK_EP_DX_PUSH: the backward's d x sums sent beside the weight gradients
           by the copy engines, or stored by the summing kernel after them; EP only, per-rank sums)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
@@ -61,6 +62,7 @@ MODE_SETS = {
     "eppublish": {"kernel": {"MOK_EP_PUBLISH": "kernel"}, "torch": {"MOK_EP_PUBLISH": "torch"}},
     # EP only: the combine and d x crossing NVLink as one fp32 partial sum per token and rank, or one bf16 row per slot
     "epsums": {"rank": {"MOK_EP_COMBINE_SUMS": "rank"}, "slot": {"MOK_EP_COMBINE_SUMS": "slot"}},
+    "epsumsauto": {"auto": {"MOK_EP_COMBINE_SUMS": "auto"}, "slot": {"MOK_EP_COMBINE_SUMS": "slot"}},
     # EP only: the backward's d x sums sent by the copy engines beside the weight gradients, or by the kernel after them
     "epdxpush": {"copy_engine": {"MOK_EP_DX_PUSH": "copy_engine"}, "kernel": {"MOK_EP_DX_PUSH": "kernel"}},
     # EP only: the forward's x rows kept for the backward, or pulled and gathered again there
