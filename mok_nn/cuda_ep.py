@@ -56,9 +56,9 @@ sequential path's results. MOK_EP_OV_TILES=dynamic (ov_tiles_mode): both GEMMs a
 variants on every SM, tiles claimed by atomic add, so the comm SMs join the GEMM once free.
 Backward mirrors it: d y rows pulled (and x rows, where the forward kept none:
 save_x_rows), dgrad + dSwiGLU + weight gradients locally, d x rows and d w
-pushed to the source (partials or slots, as in the forward; per-rank d x sums are staged locally
-and sent by the copy engines on a side stream while the weight gradients run, MOK_EP_DX_PUSH),
-barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
+pushed to the source (per-rank d x sums, staged locally and sent by the copy engines on a side
+stream while the weight gradients run, MOK_EP_DX_PUSH; where P divides the tree's leaves, also for
+k <= 2P since those bytes are hidden; else slot rows), barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
 so results are bitwise reproducible, and the row order inside an expert is the
 one of the reference EP path (source rank, then slot order).
 
