@@ -758,16 +758,22 @@ class SymmBuffers:
             self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
 
     def push_partials(self, rows: torch.Tensor, eps: "EPSchedule", num_experts: int, weighted: bool,
-                      copy_stream: torch.cuda.Stream | None = None) -> None:
+                      ids_all: torch.Tensor | None = None, copy_stream: torch.cuda.Stream | None = None) -> None:
         """Into every source s's partials[rank, t]: this rank's node of token (s, t)'s combine tree,
         from the rows of its slots routed here (times the all-gathered top-k weight if weighted);
         tokens without a slot here get nothing (the source knows it from its ids).
 
-        copy_stream: the kernel writes the nodes into a local staging block per source instead, and
-        copy_stream sends each block whole to its source (one copy each: the GPU's copy engines, no
-        SMs), so the current stream goes on at once; the caller waits for copy_stream before the
-        barrier. Rows of tokens without a slot here travel too but are never read."""
-        args = (rows, eps.slot_row, self.local("weights"), self.local("ids"))
+        ids_all: the all-gathered ids of the step that built eps (default: the ids section, which holds
+        them only until the next forward on this workspace publishes; the backward passes its forward's
+        copy, EPSaved.ids_all).
+        copy_stream: the kernel writes the nodes for the other ranks into a local staging block each
+        (its own ones straight into its own partials section), and copy_stream sends each block whole
+        to its source (one copy each: the GPU's copy engines, no SMs), so the current stream goes on
+        at once; the caller waits for copy_stream before the barrier. Rows of tokens without a slot
+        here travel too but are never read."""
+        assert eps.slot_row is not None, "the per-rank sums need EPSchedule.slot_row"
+        ids_all = self.local("ids") if ids_all is None else ids_all
+        args = (rows, eps.slot_row, self.local("weights"), ids_all)
         scalars = (self.rank, num_experts // self.ep_size, cb.experts_per_leaf(num_experts), int(weighted))
         if _sums_in_torch(rows):
             for s, (node, present) in enumerate(partial_sums_torch(*args, *scalars)):
@@ -777,14 +783,19 @@ class SymmBuffers:
             cb._lib().launch("mok_ep_partial_push", *args, self.section_addrs("partials"), *scalars,
                              self.rank * self.tokens_cap, stream=cb._stream())
             return
-        P, tc = self.ep_size, self.tokens_cap
-        staging = torch.empty(P, tc, self.hidden, dtype=torch.float32, device=rows.device)
-        bases = _cached("arange", P, rows.device) * (tc * self.hidden * 4) + staging.data_ptr()
+        P, r, tc, dev = self.ep_size, self.rank, self.tokens_cap, rows.device
+        block = tc * self.hidden * 4  # bytes of one source's nodes
+        staging = torch.empty(P - 1, tc, self.hidden, dtype=torch.float32, device=dev)
+        # source s < r -> staging block s, s > r -> block s - 1, s == r -> own partials[r] (row 0 of it)
+        src = _cached("arange", P, dev)
+        bases = torch.where(src == r, self.local("partials")[r].data_ptr(),
+                            staging.data_ptr() + (src - (src > r).long()) * block)
         cb._lib().launch("mok_ep_partial_push", *args, bases, *scalars, 0, stream=cb._stream())
-        copy_stream.wait_stream(torch.cuda.current_stream(rows.device))
+        copy_stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(copy_stream):
-            for p in range(P):
-                self.peer(p, "partials")[self.rank].copy_(staging[p], non_blocking=True)
+            for s in range(P):
+                if s != r:
+                    self.peer(s, "partials")[r].copy_(staging[s - (s > r)], non_blocking=True)
         staging.record_stream(copy_stream)
 
     def final_combine(self, topk_ids: torch.Tensor, flags: torch.Tensor, num_experts: int, out_dtype) -> torch.Tensor:
@@ -989,6 +1000,10 @@ class EPSaved:
     # [cap, H] bf16 x rows in schedule order, for the weight gradient of gate_up_proj (save_x_rows);
     # None: the backward pulls and gathers them again
     x_rows: torch.Tensor | None = None
+    # [P, Tc, k] int64: the forward's all-gathered ids, for the backward's per-rank d x sums. A copy, taken
+    # between the forward's two barriers: the ids section belongs to the workspace, and the next forward
+    # on it (another layer with the same shapes) publishes its own routing there.
+    ids_all: torch.Tensor | None = None
 
 
 def save_x_rows() -> bool:
@@ -1071,6 +1086,9 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
             x_rows = tokens.index_select(0, sched.row_token)
             gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     too_many = _too_many(bufs)  # between the two barriers (stream order), as _too_many requires
+    # the routing of this step for the backward's per-rank d x sums: copied here, between the two
+    # barriers, as a peer publishes its next call's ids into this section only after the second
+    ids_all = bufs.local("ids").clone()
     w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
@@ -1100,7 +1118,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, topk_ids[:n], ws.num_experts, x.dtype),
                      num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None)
+    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None,
+                      ids_all)
 
 
 def _comm_setup(ws, dev):
@@ -1239,7 +1258,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     dx_stream = None
     if sums == "rank" and copy_engine:
         dx_stream = _copy_stream(ws, dx_rows.device)
-        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, copy_stream=dx_stream)
+        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, ids_all=saved.ids_all,
+                           copy_stream=dx_stream)
     wdt = gate_up_proj.dtype  # mok_gemm_wgrad as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm)
     d_down = cb.weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
     d_gate_up = cb.weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
@@ -1260,7 +1280,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     if sums == "slot":
         bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
     elif dx_stream is None:
-        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False)
+        bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, ids_all=saved.ids_all)
     for p in range(P):
         bufs.peer(p, "dwslots")[r].copy_(dw_dense[p])
     if dx_stream is not None:

@@ -1,7 +1,10 @@
 """Pure-PyTorch deterministic implementation of the routed experts.
 
 This is the oracle of every kernel test and the CPU path. It computes, with
-explicit formulas (no autograd), exactly what the fused kernels compute:
+explicit formulas (no autograd), the function the fused kernels compute (the
+same formulas; the order of some fp32 sums differs, e.g. the CUDA combine adds
+the k slots in a fixed tree over expert groups, kernels/combine.py, so the two
+agree within rounding, not bitwise):
 
 forward, for each routed slot s = t*k + j with expert e = topk_ids[t, j]:
     gu_s   = W13[e] @ x_t (+ b13[e])            fp32 accumulate, stored in x.dtype

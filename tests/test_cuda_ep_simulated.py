@@ -214,7 +214,7 @@ def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, 
     cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
     kernels; with the forward's x rows kept for the backward (MOK_EP_SAVE_X_ROWS=1, the default) and
     with them pulled and gathered again (=0); with the combine and d x pre-reduced per rank
-    (MOK_EP_COMBINE_SUMS=rank, the default) and summed from one row per slot (=slot). (On the GPU,
+    (MOK_EP_COMBINE_SUMS=rank) and summed from one row per slot (=slot). (On the GPU,
     tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
     monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x_rows)
     monkeypatch.setenv("MOK_EP_COMBINE_SUMS", sums)
@@ -236,3 +236,41 @@ def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, 
             pairs.update(db13=(grads.gate_up_bias, g1.gate_up_bias[sl]), db2=(grads.down_bias, g1.down_bias[sl]))
         assert {k: torch.equal(a, b) for k, (a, b) in pairs.items()} == {k: True for k in pairs}, r
         lo += t
+
+
+@pytest.mark.parametrize("sums", ["rank", "slot"])
+def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
+    """Two layers with the same shapes share one workspace (one symmetric buffer). Forward A,
+    forward B, backward B, backward A, as in training: A's backward gives the bits of A alone
+    (forward A, backward A), although B's forward published its own routing into the shared ids
+    section in between (the per-rank d x sums read the forward's copy, EPSaved.ids_all)."""
+    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", sums)
+    H, I, E, K, P, tokens = 64, 32, 8, 2, 2, [37, 20]
+    A = _problem(torch.Generator().manual_seed(1), tokens, H, I, E, K, False, 0.0)
+    B = _problem(torch.Generator().manual_seed(2), tokens, H, I, E, K, False, 0.0)
+    e_l, tc = E // P, max(tokens)
+
+    def run(two):
+        _, nbytes = cuda_ep.buffer_layout(P, tc, H, K)
+        raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(P)]
+        barrier = threading.Barrier(P)
+
+        def rank_fn(r):
+            sl = slice(r * e_l, (r + 1) * e_l)
+            ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation="swiglu",
+                                 swiglu_limit=None, device=torch.device("cpu"), buffers={},
+                                 ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [],
+                                           "seen": []})
+            pa, pb = (ExpertParams(L[0][sl], L[1][sl], None, None) for L in (A, B))
+            ya, sa = cuda_ep.forward(A[4][r], A[6][r], A[7][r], pa, None, ws)
+            if two:
+                _, sb = cuda_ep.forward(B[4][r], B[6][r], B[7][r], pb, None, ws)
+                cuda_ep.backward(B[5][r], sb, B[4][r], B[6][r], B[7][r], pb, ws)
+            dx, dw, grads = cuda_ep.backward(A[5][r], sa, A[4][r], A[6][r], A[7][r], pa, ws)
+            return ya, dx, dw, grads.gate_up_proj, grads.down_proj
+
+        return _run_ranks(rank_fn, P)
+
+    alone, interleaved = run(False), run(True)
+    for r in range(P):
+        assert [torch.equal(a, b) for a, b in zip(alone[r], interleaved[r])] == [True] * 5, r

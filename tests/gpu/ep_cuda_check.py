@@ -327,6 +327,35 @@ def case_copy_modes(name, H, I, E, K, T_by_rank):
     _report_mode_runs(name, "MOK_EP_COPY", runs, "v1")
 
 
+def case_two_layers(name, H, I, E, K, T_by_rank):
+    """Two layers with the same shapes share one workspace: forward A, forward B, backward B, backward
+    A (as in training) gives A the bits of forward A, backward A alone (y and every gradient), for the
+    per-rank d x sums (MOK_EP_COMBINE_SUMS=rank: they read the forward's copy of the routing, not the
+    ids section B's forward overwrote) and for slot rows."""
+    rank = dist.get_rank()
+    _, pa = _expert_params(21, H, I, E)
+    _, pb = _expert_params(22, H, I, E)
+    xa, dya, ida, wa = _rank_inputs(rank + 70, T_by_rank[rank], H, E, K)
+    xb, dyb, idb, wb = _rank_inputs(rank + 80, T_by_rank[rank], H, E, K)
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=xa.device,
+                                  dtype=xa.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    for sums in ("rank", "slot"):
+        os.environ["MOK_EP_COMBINE_SUMS"] = sums
+        try:
+            alone = _experts(ws, xa, wa, ida, dya, pa)
+            xa_, wa_ = xa.clone().requires_grad_(), wa.clone().requires_grad_()
+            psa = [None if p is None else p.detach().clone().requires_grad_() for p in pa]
+            ya = MoKFunction.apply(xa_, wa_, *psa, ida, ws)
+            _experts(ws, xb, wb, idb, dyb, pb)  # B's forward and backward in between
+            ya.backward(dya)
+            inter = {"y": ya.detach(), "dx": xa_.grad, "dw": wa_.grad, "dW13": psa[0].grad, "dW2": psa[1].grad}
+        finally:
+            del os.environ["MOK_EP_COMBINE_SUMS"]
+        cuda_ep.check_errors(ws)
+        detail, eq = _diff(inter, alone)
+        report(f"{name}: {sums} sums: layer A's bits unchanged by layer B's step in between", eq, detail)
+
+
 def _report_mode_runs(label, var, runs, ref):
     """One PASS/FAIL line per mode of runs {mode: [first run, repeats...]} (mode named `var=mode`, or
     as is without var): the first run has ref's first run's bits (y and every gradient), every repeat
@@ -534,6 +563,7 @@ def main():
         bias=True, diag=True))
     check("copy modes", lambda: case_copy_modes("copy modes", 2048, 256, 32, 8, [3000, 2001]))
     check("publish modes", lambda: case_publish_modes("publish modes", 2048, 256, 32, 8, [3000, 2001]))
+    check("two layers", lambda: case_two_layers("two layers, one workspace", 1024, 256, 32, 8, [1500, 1201]))
     check("overflow", case_overflow)
     check("growth", case_growth)
     check("shapes", case_shapes_differ)

@@ -289,6 +289,46 @@ def test_combine(lib, T, k, H, E):
     assert rel_l2(ys[0], cb.combine_torch(rows, pos, w, ids, E, torch.float32)) < 5e-3
 
 
+@pytest.mark.parametrize("weighted", [1, 0])
+def test_partial_push_many_sources(lib, weighted):
+    """The EP form with P sources at once: sources with fewer tokens than Tc (ids -1 past them), one
+    slot cut by the capacity (slot_row >= the rows: skipped, as a zero weight would add nothing), each
+    virtual rank's nodes stored per source (part_base[s]) at rows rank * Tc + t; every source's
+    final sum is bitwise mok_combine over its own slots."""
+    from mok_nn import cuda_backend as cb
+
+    P, tc, k, H, E = 2, 96, 8, 264, 64
+    counts = [96, 41]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ids_all = torch.rand(P, tc, E, device="cuda", generator=g).argsort(dim=2)[:, :, :k].contiguous()
+    for s_, n in enumerate(counts):
+        ids_all[s_, n:] = -1
+    rows = torch.randn(P * tc * k, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    slot_row = torch.arange(P * tc * k, device="cuda")  # slot (s, t, j) -> its own row
+    cut = 5 * k + 2  # source 0, token 5, j = 2: past the capacity
+    slot_row[cut] = rows.shape[0]
+    w_all = torch.rand(P * tc * k + 1, device="cuda", generator=g)
+    parts = [torch.full((P, tc, H), float("nan"), device="cuda") for _ in range(P)]
+    base = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    for q in range(P):  # virtual expert rank q holds experts [q E/P, (q + 1) E/P)
+        cb._lib().launch("mok_ep_partial_push", rows, slot_row, w_all, ids_all, base, q, E // P,
+                         cb.experts_per_leaf(E), weighted, q * tc, stream=stream)
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    for s_, n in enumerate(counts):
+        ids = ids_all[s_, :n].contiguous()
+        out = torch.full((n, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        cb._lib().launch("mok_combine_final", parts[s_], ids, flags, out, E // P, cb.experts_per_leaf(E),
+                         stream=stream)
+        pos = (s_ * tc + torch.arange(n, device="cuda")).unsqueeze(1) * k + torch.arange(k, device="cuda")
+        w = w_all[pos] if weighted else torch.ones(n, k, device="cuda")
+        w = torch.where(pos == cut, 0.0, w)
+        want = cb.combine(rows, pos, w, ids, E, torch.bfloat16)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), s_
+        assert torch.equal(out, want), s_
+
+
 def test_top_k_above_32_is_refused(lib):
     from mok_nn import cuda_backend as cb
 
