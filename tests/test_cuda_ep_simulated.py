@@ -94,6 +94,13 @@ def _problem(g, tokens, H, I, E, K, bias, bias_scale):
     return W13, W2, b13, b2, xs, dys, ids, ws_
 
 
+def _rank_workspace(raws, r, tc, E, H, K, barrier, activation="swiglu", limit=None):
+    """Rank r's workspace stand-in over the simulated symmetric buffers raws (one per rank)."""
+    return SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation=activation,
+                           swiglu_limit=limit, device=torch.device("cpu"), buffers={},
+                           ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
+
+
 def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limit):
     """cuda_ep forward + backward on ep_size threads sharing CPU 'symmetric' buffers; per rank
     (y, dx, d topk-weights, grads). Every rank's step must finish without an error flag."""
@@ -106,9 +113,7 @@ def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limi
     def rank_fn(r):
         sl = slice(r * e_l, (r + 1) * e_l)
         params = ExpertParams(W13[sl], W2[sl], None if b13 is None else b13[sl], None if b2 is None else b2[sl])
-        ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation=activation,
-                             swiglu_limit=limit, device=torch.device("cpu"), buffers={},
-                             ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
+        ws = _rank_workspace(raws, r, tc, E, H, K, barrier, activation, limit)
         y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
         dx, dw, grads = cuda_ep.backward(dys[r], saved, xs[r], ids[r], ws_[r], params, ws)
         assert all(int(f.sum()) == 0 for f in ws.ep_state["seen"]) and len(ws.ep_state["seen"]) == 2
@@ -171,9 +176,7 @@ def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
 
     def rank_fn(r):
         sl = slice(r * e_l, (r + 1) * e_l)
-        ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation="swiglu",
-                             swiglu_limit=None, device=torch.device("cpu"), buffers={},
-                             ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
+        ws = _rank_workspace(raws, r, tc, E, H, K, barrier)
         params = ExpertParams(W13[sl], W2[sl], None, None)
         y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
         dx, dw, _ = cuda_ep.backward(torch.ones_like(y), saved, xs[r], ids[r], ws_[r], params, ws)
@@ -257,10 +260,7 @@ def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
 
         def rank_fn(r):
             sl = slice(r * e_l, (r + 1) * e_l)
-            ws = SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation="swiglu",
-                                 swiglu_limit=None, device=torch.device("cpu"), buffers={},
-                                 ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [],
-                                           "seen": []})
+            ws = _rank_workspace(raws, r, tc, E, H, K, barrier)
             pa, pb = (ExpertParams(L[0][sl], L[1][sl], None, None) for L in (A, B))
             ya, sa = cuda_ep.forward(A[4][r], A[6][r], A[7][r], pa, None, ws)
             if two:
