@@ -94,6 +94,12 @@ def _problem(g, tokens, H, I, E, K, bias, bias_scale):
     return W13, W2, b13, b2, xs, dys, ids, ws_
 
 
+def _shared_buffers(ep_size, tc, H, K):
+    """The ranks' simulated symmetric buffers (zeroed CPU tensors) and their barrier."""
+    _, nbytes = cuda_ep.buffer_layout(ep_size, tc, H, K)
+    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep_size)], threading.Barrier(ep_size)
+
+
 def _rank_workspace(raws, r, tc, E, H, K, barrier, activation="swiglu", limit=None):
     """Rank r's workspace stand-in over the simulated symmetric buffers raws (one per rank)."""
     return SimpleNamespace(num_experts=E, hidden_size=H, top_k=K, config=MoKConfig(), activation=activation,
@@ -106,9 +112,7 @@ def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limi
     (y, dx, d topk-weights, grads). Every rank's step must finish without an error flag."""
     E, H = W13.shape[0], W13.shape[2]
     K, e_l, tc = ids[0].shape[1], E // ep_size, max(x.shape[0] for x in xs)
-    _, nbytes = cuda_ep.buffer_layout(ep_size, tc, H, K)
-    raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep_size)]
-    barrier = threading.Barrier(ep_size)
+    raws, barrier = _shared_buffers(ep_size, tc, H, K)
 
     def rank_fn(r):
         sl = slice(r * e_l, (r + 1) * e_l)
@@ -170,9 +174,7 @@ def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
     xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
     ids = [torch.topk(torch.randn(t, E, generator=g), K, dim=1).indices for t in tokens]
     ws_ = [torch.rand(t, K, generator=g) for t in tokens]
-    _, nbytes = cuda_ep.buffer_layout(ep_size, tc, H, K)
-    raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(ep_size)]
-    barrier = threading.Barrier(ep_size)
+    raws, barrier = _shared_buffers(ep_size, tc, H, K)
 
     def rank_fn(r):
         sl = slice(r * e_l, (r + 1) * e_l)
@@ -254,9 +256,7 @@ def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
     e_l, tc = E // P, max(tokens)
 
     def run(two):
-        _, nbytes = cuda_ep.buffer_layout(P, tc, H, K)
-        raws = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(P)]
-        barrier = threading.Barrier(P)
+        raws, barrier = _shared_buffers(P, tc, H, K)
 
         def rank_fn(r):
             sl = slice(r * e_l, (r + 1) * e_l)
