@@ -46,6 +46,11 @@ dSwiGLU GEMM has no gather variant; the dy rows are still gathered for the weigh
 gradient of down_proj). Same bits as the permuted copy (with MOK_GEMM_DACT=split);
 off by default: on H200 the forward is 1-5% slower than with the copy, but the
 activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
+MOK_GEMM_PINGPONG=1 runs the bf16 grouped GEMMs and the fused gate/up + activation and
+dgrad + dSwiGLU kernels as ping-pong kernels (mok_gemm_bk_pp, mok_gemm_bn_pp,
+mok_gemm_gate_up_<act>_pp, mok_gemm_dact_<act>_pp): each consumer warp group computes whole
+128 x 128 tiles, so one's epilogue runs beside the other's MMA. Same K order per output
+element as the cooperative kernels.
 """
 
 from __future__ import annotations
@@ -238,6 +243,18 @@ def _use_torch_act() -> bool:
     return os.environ.get("MOK_ACT", "") == "torch"
 
 
+def use_pingpong() -> bool:
+    """MOK_GEMM_PINGPONG=1: the ping-pong variants of the bf16 and fused-epilogue grouped GEMMs."""
+    mode = os.environ.get("MOK_GEMM_PINGPONG", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"MOK_GEMM_PINGPONG={mode!r}: expected 0 or 1")
+    return mode == "1"
+
+
+def _pp_suffix() -> str:
+    return "_pp" if use_pingpong() else ""
+
+
 def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
     return os.environ.get(var, "0") == "1" and not _use_torch_gemm()
 
@@ -292,7 +309,7 @@ def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, trans
     n = w.shape[2] if transpose_w else w.shape[1]
     out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
     b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
-    name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1]) + "_gather"
+    name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1], pingpong=False) + "_gather"
     if name not in GEMM_GATHER_KERNELS:
         raise ValueError(f"no gather variant {name} (have {GEMM_GATHER_KERNELS})")
     _lib().launch(
@@ -315,22 +332,28 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    group_m = gemm_group_m(two_i)
+    name = f"mok_gemm_gate_up_{activation}" + _pp_suffix()
+    group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
-        f"mok_gemm_gate_up_{activation}", a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
+        name, a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
         h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
     )  # fmt: skip
     return gate_up, h
 
 
-def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0) -> str:
+def gemm_kernel(
+    transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0, pingpong: bool | None = None,
+) -> str:
     """Registry name of the grouped GEMM variant; epi "split", "full" or "auto" (MOK_GEMM_EPI).
 
-    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K.
+    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K. pingpong (default
+    MOK_GEMM_PINGPONG): the ping-pong kernel of a bf16 output, whatever epi says (it keeps the tile whole).
     """
     if out_dtype == torch.float32:
         return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
+    if use_pingpong() if pingpong is None else pingpong:
+        return "mok_gemm_bn_pp" if transpose_w else "mok_gemm_bk_pp"
     epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
     if epi not in ("split", "full", "auto"):
         raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")
@@ -344,7 +367,7 @@ def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]."""
     _lib().launch(
         name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
-        gemm_group_m(out.shape[1]), stream=_stream(),
+        gemm_group_m(out.shape[1], tile_n_of(name)), stream=_stream(),
     )  # fmt: skip
 
 
@@ -514,7 +537,8 @@ def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
 def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
     """act_backward(gate_up, dy_rows @ W2[e], ...) in one kernel (mok_gemm_dact_<act>): the dgrad of down
     with the activation backward in its epilogue, so dh never goes to memory. d gate_up and w*h are
-    bitwise what the two kernels give; dw sums per 256-column tile in the kernel, then pairwise_sum."""
+    bitwise what the two kernels give; dw sums per 256-column tile (ping-pong: 128) in the kernel, then
+    pairwise_sum."""
     m, two_i = gate_up.shape
     inter = two_i // 2
     if not fused_dact_supported(inter, activation):
@@ -522,14 +546,15 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
                          f"{activation!r}")
     dgu = torch.empty_like(gate_up)
     wh = gate_up.new_empty(m, inter)
-    tiles_n = inter // GEMM_TILE_N
-    parts = torch.empty(tiles_n, m, dtype=torch.float32, device=gate_up.device)
+    name = f"mok_gemm_dact_{activation}" + _pp_suffix()
+    tile_n = tile_n_of(name)
+    parts = torch.empty(inter // tile_n, m, dtype=torch.float32, device=gate_up.device)
     if m == 0:
         return dgu, wh, parts.sum(dim=0)
-    group_m = gemm_group_m(inter)
+    group_m = gemm_group_m(inter, tile_n)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
-        f"mok_gemm_dact_{activation}", dy_rows.unsqueeze(-1), down_proj.permute(2, 1, 0), dgu.unsqueeze(-1),
+        name, dy_rows.unsqueeze(-1), down_proj.permute(2, 1, 0), dgu.unsqueeze(-1),
         wh.unsqueeze(-1), gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end,
         sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
     )  # fmt: skip

@@ -1168,7 +1168,7 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
                      stream=comm.cuda_stream)
     group_m = cb.gemm_group_m(gate_up.shape[1])
     suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + suffix
+    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden, pingpong=False) + suffix
     cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
                      sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, st["ready"], _ov_err(ws, bufs),
                      epoch, timeout_us, grid, *extra, stream=main.cuda_stream)
@@ -1204,7 +1204,7 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     comm.wait_stream(main)  # before the GEMM's launch: the push waits for done, not for the whole GEMM
     group_m = cb.gemm_group_m(hidden)
     suffix, grid, extra = _ov_gemm(ws, "done", comm_ctas, gemm_ctas, dev)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1]) + suffix
+    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1], pingpong=False) + suffix
     cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
                      sched.seg_end, sched.gemm_seg_rows(), group_m, done, grid, *extra, stream=main.cuda_stream)
     # Static: its grid leaves comm_ctas SMs free, so the push still runs beside it. Dynamic: the push's

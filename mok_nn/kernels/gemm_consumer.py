@@ -39,9 +39,10 @@ def epilogue_stores(tiled_mma, ctid, sC, acc, c_layout, c_dtype, acc_dtype):
     return r2s, tRS_sC, tRS_acc, rD, rD_out, cute.size(rD)
 
 
-def store_sync(num_consumer_threads, epi_stages):
-    """(named barrier of the consumer warp groups, TMA store pipeline over epi_stages buffers)."""
-    epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=num_consumer_threads)
+def store_sync(num_consumer_threads, epi_stages, barrier_id=1):
+    """(named barrier of the consumer warp groups, TMA store pipeline over epi_stages buffers).
+    Ping-pong GEMMs give each warp group its own barrier (barrier_id 1 + its index, a run-time value)."""
+    epi_barrier = pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=num_consumer_threads)
     store_pipe = pipeline.PipelineTmaStore.create(
         num_stages=epi_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
@@ -53,20 +54,20 @@ def store_sync(num_consumer_threads, epi_stages):
 def store_tile_split(
     r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
     tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles: cutlass.Constexpr, epi_count, epi_stages: cutlass.Constexpr,
-    epi_barrier, store_pipe, warp_idx,
+    epi_barrier, store_pipe, warp_idx, buf_base=0, store_warp=4,
 ):
-    """Store one output tile sub-tile by sub-tile through epi_stages rotating smem buffers,
-    waiting for a buffer's previous TMA store before reusing it (the split epilogue).
-    Warp 4 (the first consumer warp) issues the TMA stores."""
+    """Store one output tile sub-tile by sub-tile through epi_stages rotating smem buffers
+    (buf_base.. of sC), waiting for a buffer's previous TMA store before reusing it (the split
+    epilogue). Warp store_warp (the first consumer warp of the storing warp group) issues the TMA stores."""
     for e in cutlass.range_constexpr(epi_tiles):
         for v in cutlass.range_constexpr(rD_size):
             rD[v] = tRS_acc[e * rD_size + v]
         rD_out.store(rD.load().to(c_dtype))
-        buf = (epi_count + e) % epi_stages
+        buf = buf_base + (epi_count + e) % epi_stages
         cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
-        if warp_idx == 4:
+        if warp_idx == store_warp:
             cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
             store_pipe.producer_commit()
             store_pipe.producer_acquire()

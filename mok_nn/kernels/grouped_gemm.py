@@ -92,9 +92,13 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, dact: str | None = None,
+        gather: bool = False, dact: str | None = None, pingpong: bool = False,
     ):
         assert tile_n in (128, 256)
+        # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
+        # (module docstring); the plain, act and dact epilogues only.
+        assert not pingpong or (tile_n == 128 and not gather), "ping-pong: 128 x 128 tiles per warp group"
+        self.pingpong = pingpong
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
         assert dact is None or not (full_epi or gather or act), "the dSwiGLU epilogue: split, TMA-loaded A"
         self.full_epi = full_epi
@@ -107,8 +111,9 @@ class VarlenMGroupedGemm:
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
-        # Two consumer warp groups split the 128 rows (64 each).
-        self.mma_atom_layout = (2, 1, 1)
+        # Two consumer warp groups split the 128 rows (64 each); ping-pong: one warp group's MMA
+        # covers all 128 rows (two m64 wgmma per k block).
+        self.mma_atom_layout = (1, 1, 1) if pingpong else (2, 1, 1)
         self.num_consumer_wg = 2
         self.threads_per_wg = 128
         self.num_threads = (1 + self.num_consumer_wg) * self.threads_per_wg
@@ -122,15 +127,20 @@ class VarlenMGroupedGemm:
             self.producer_regs = 56  # 8 row indices + addresses per thread
             self.consumer_regs = 224  # 128 * 56 + 256 * 224 <= 64K registers
             self.full_arrivals = 1 + self.threads_per_wg
-        self.epi_tile = (TILE_M, 32)
-        # full_epi: one buffer per 32-column sub-tile, the whole output tile in smem.
-        self.epi_stages = tile_n // self.epi_tile[1] if full_epi else 4
+        # Ping-pong: sub-tiles of one warp group's 64-row MMA blocks (the accumulator holds them in order).
+        self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
+        # full_epi: one buffer per sub-tile, the whole output tile in smem.
+        self.epi_stages = TILE_M * tile_n // (self.epi_tile[0] * self.epi_tile[1]) if full_epi else 4
+        # Ping-pong: each warp group has its own epi_stages buffers, barrier and storing warp.
+        self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
+        # Warps that release each A/B stage: both consumer warp groups, or (ping-pong) the one whose tile it is.
+        self.stage_consumer_warps = 4 if pingpong else self.num_consumer_wg * 4
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
         bm, bn, bk = self.tile_mnk
         ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_stages
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_buffers
         return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
 
     @cute.jit
@@ -194,7 +204,7 @@ class VarlenMGroupedGemm:
         self.ab_stages = self._stages(self.ab_dtype, self.c_dtype)
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
-        c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stages)
+        c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_buffers)
 
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -311,6 +321,143 @@ class VarlenMGroupedGemm:
         _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa)
         bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa)
         return bSG_gCa, bSG_sH, bSG_gH, cute.size(mH, mode=[1]) // self.epi_tile[1]
+
+    def _row_block(self, m_tile, ms, m_subs):
+        """Row block (of epi_tile[0] rows) of sub-tile row ms of row tile m_tile, in whole-output views."""
+        if cutlass.const_expr(m_subs == 1):
+            return m_tile
+        return m_tile * m_subs + ms
+
+    @cute.jit
+    def _epilogue_full(
+        self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, epi_layout,
+        epi_tiles: cutlass.Constexpr, epi_barrier, warp_idx, buf_base, store_warp,
+    ):
+        """The whole output tile into smem buffers buf_base.., then its TMA stores, left in flight: the wait
+        for them to have read smem comes at the start of this warp group's next epilogue."""
+        if warp_idx == store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        epi_barrier.arrive_and_wait()
+        for e in cutlass.range_constexpr(epi_tiles):
+            for v in cutlass.range_constexpr(rD_size):
+                rD[v] = tRS_acc[e * rD_size + v]
+            rD_out.store(rD.load().to(self.c_dtype))
+            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf_base + e)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if warp_idx == store_warp:
+            for e in cutlass.range_constexpr(epi_tiles):
+                cute.copy(tma_c, bSG_sC[(None, buf_base + e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _epilogue_act(
+        self, mC, mH, tma_c, tma_h, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, rU, rG_out, rU_out,
+        rD_size: cutlass.Constexpr, bSG_sC, m_tile, n_tile, limit, epi_count, epi_barrier, store_pipe, warp_idx,
+        buf_base, store_warp, m_subs: cutlass.Constexpr, n_sub: cutlass.Constexpr,
+    ):
+        """SwiGLU epilogue. In each sub-tile row, sub-tiles 0..hn-1 are gate and hn..n_sub-1 up (same
+        thread, same register slot, column + bn/2); then the h sub-tiles. Destinations are 32-column
+        blocks of the whole outputs: gate_up block n hn + c / I/32 + n hn + c, h n hn + c."""
+        hn = n_sub // 2
+        epi_tiles = m_subs * n_sub
+        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
+        for e in cutlass.range_constexpr(epi_tiles + epi_tiles // 2):
+            if cutlass.const_expr(e < epi_tiles):
+                ms, c = e // n_sub, e % n_sub
+                for v in cutlass.range_constexpr(rD_size):
+                    rD[v] = tRS_acc[e * rD_size + v]
+            else:
+                # h from the bf16-rounded gate/up, as mok_act_fwd reads them from gate_up.
+                ms, c = (e - epi_tiles) // hn, (e - epi_tiles) % hn
+                g = ms * n_sub + c
+                for v in cutlass.range_constexpr(rD_size):
+                    rD[v] = tRS_acc[g * rD_size + v]
+                    rU[v] = tRS_acc[(g + hn) * rD_size + v]
+                rG_out.store(rD.load().to(self.c_dtype))
+                rU_out.store(rU.load().to(self.c_dtype))
+                for v in cutlass.range_constexpr(rD_size):
+                    hv, _, _ = _act(self.act, rG_out[v].to(cutlass.Float32), rU_out[v].to(cutlass.Float32), limit)
+                    rD[v] = hv
+            rD_out.store(rD.load().to(self.c_dtype))
+            buf = buf_base + (epi_count + e) % self.epi_stages
+            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == store_warp:
+                row_blk = self._row_block(m_tile, ms, m_subs)
+                if cutlass.const_expr(e < epi_tiles and c < hn):
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gCa[(None, (row_blk, n_tile * hn + c))])
+                elif cutlass.const_expr(e < epi_tiles):
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gCa[(None, (row_blk, up_block + n_tile * hn + c - hn))])
+                else:
+                    cute.copy(tma_h, bSG_sH[(None, buf)], bSG_gH[(None, (row_blk, n_tile * hn + c))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _epilogue_dact(
+        self, mC, mH, tma_c, tma_h, sC, r2s, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, bSG_sC, acc, tCgG,
+        tCgU, rG, rU, rH, rHq, rDU, rows, w_rows, dw_part, m_tile, n_tile, limit, epi_barrier, warp_idx, tidx,
+        buf_base, store_warp, m_subs: cutlass.Constexpr, n_sub: cutlass.Constexpr,
+    ):
+        """dSwiGLU epilogue. acc = dh = dy @ W2[e] (fp32, not scaled by w). Per sub-tile (32 columns): with
+        h, dg, du = act(gate, up) and h rounded to bf16 as the forward stored it, d gate = dg * (dh * w),
+        d up = du * (dh * w), wh = h * w (bf16, the formulas of swiglu.ActBackward: the same bits), and
+        per row sum(dh * h) over the tile's columns into dw_part[n_tile, row]. Three stores per sub-tile
+        (column block c of sub-tile row ms): d gate -> gate_up block n n_sub + c, d up -> I/32 + n n_sub + c,
+        wh -> block n n_sub + c. rows[ms]: this thread's two rows in sub-tile row ms (v1 = 0, 1)."""
+        epi_tiles = m_subs * n_sub
+        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
+        w_of = [(w_rows[m_tile * TILE_M + r0], w_rows[m_tile * TILE_M + r1]) for r0, r1 in rows]
+        part = [[cutlass.Float32(0.0), cutlass.Float32(0.0)] for _ in range(m_subs)]
+        for e in cutlass.range_constexpr(epi_tiles):
+            ms, c = e // n_sub, e % n_sub
+            for v in cutlass.range_constexpr(rD_size):
+                hv, dg, du = _act(self.dact, rG[v].to(cutlass.Float32), rU[v].to(cutlass.Float32), limit)
+                rH[v] = hv
+                rD[v] = dg
+                rDU[v] = du
+            if cutlass.const_expr(e + 1 < epi_tiles):
+                # the next sub-tile's gate / up: in flight during this one's stores
+                for v in cutlass.range_constexpr(rD_size):
+                    rG[v] = tCgG[(e + 1) * rD_size + v]
+                    rU[v] = tCgU[(e + 1) * rD_size + v]
+            rHq.store(rH.load().to(self.c_dtype))
+            rH.store(rHq.load().to(self.acc_dtype))
+            for v in cutlass.range_constexpr(rD_size):
+                half = (v // 2) % 2  # v1 of acc element e * rD_size + v (rD_size % 4 == 0)
+                dh = acc[e * rD_size + v]
+                part[ms][half] = part[ms][half] + dh * rH[v]
+                d = dh * w_of[ms][half]
+                rD[v] = rD[v] * d
+                rDU[v] = rDU[v] * d
+                rH[v] = rH[v] * w_of[ms][half]
+            # The three outputs go through smem buffers buf_base + 0..2 at once, one bulk group per
+            # sub-tile: the group of sub-tile e - 1 must have read them first (it had this sub-tile's
+            # math to do so). 2 barriers per sub-tile, not 6.
+            if warp_idx == store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epi_barrier.arrive_and_wait()
+            for out in cutlass.range_constexpr(3):
+                rD_out.store((rD, rDU, rH)[out].load().to(self.c_dtype))
+                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf_base + out)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == store_warp:
+                row_blk = self._row_block(m_tile, ms, m_subs)
+                col = n_tile * n_sub + c
+                cute.copy(tma_c, bSG_sC[(None, buf_base)], bSG_gCa[(None, (row_blk, col))])
+                cute.copy(tma_c, bSG_sC[(None, buf_base + 1)], bSG_gCa[(None, (row_blk, up_block + col))])
+                cute.copy(tma_h, bSG_sH[(None, buf_base + 2)], bSG_gH[(None, (row_blk, col))])
+                cute.arch.cp_async_bulk_commit_group()
+        # the four lanes of a quad hold the same two rows: fixed butterfly over them
+        for ms in cutlass.range_constexpr(m_subs):
+            for half in cutlass.range_constexpr(2):
+                total = cute.arch.warp_reduction_sum(part[ms][half], threads_in_group=4)
+                if tidx % 4 == 0:
+                    dw_part[(n_tile, m_tile * TILE_M + rows[ms][half])] = total
 
     @cute.jit
     def _may_join(self, tile_counter, ready, tile_expert, epoch, tiles_m):
@@ -482,12 +629,12 @@ class VarlenMGroupedGemm:
         )
         if cutlass.const_expr(self.gather):
             tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))  # A: cp.async
-        # Consumers release a stage once per warp (8 consumer warps).
+        # Consumers release a stage once per warp (8 consumer warps; ping-pong: the 4 of the tile's warp group).
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.full_arrivals),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
@@ -571,7 +718,24 @@ class VarlenMGroupedGemm:
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            # Cooperative: the tiled MMA gives consumer threads 0-127 (warp group 1) rows 0-63 of every
+            # tile, threads 128-255 (warp group 2) rows 64-127, and warp 4 stores. Ping-pong: warp group
+            # w (1, 2) takes every other valid tile of this CTA whole, with its own smem buffers
+            # (buf_base..), named barrier (1 + w) and storing warp (4 w).
+            wg = wg_idx - 1
             ctid = tidx - self.threads_per_wg
+            first_row = wg * (TILE_M // self.num_consumer_wg)
+            store_warp = 4
+            buf_base = 0
+            epi_threads = self.num_consumer_threads
+            barrier_id = 1
+            if cutlass.const_expr(self.pingpong):
+                ctid = tidx % self.threads_per_wg
+                first_row = 0
+                store_warp = wg_idx * 4
+                buf_base = wg * self.epi_stages
+                epi_threads = self.threads_per_wg
+                barrier_id = 1 + wg
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
@@ -583,20 +747,20 @@ class VarlenMGroupedGemm:
                 rG_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
                 rU_out = cute.make_rmem_tensor(rD.shape, self.c_dtype)
             if cutlass.const_expr(self.dact is not None):
-                # acc element o = (v0, v1, b) (o = v0 + 2 v1 + 4 b) is row r0 + 8 v1, column c0 + v0 + 8 b
-                # of the tile (the wgmma accumulator layout; the r2s retile of acc is the identity, so
-                # sub-tile e of the epilogue is acc[e * rD_size ..]). Its two rows, from the identity tensor:
+                # acc element o = (v0, v1, b, m) (o = v0 + 2 v1 + 4 b + acc_per_m m) is row r0 + 8 v1 +
+                # 64 m, column c0 + v0 + 8 b of the tile (the wgmma accumulator layout; m: the 64-row MMA
+                # block, ping-pong only; the r2s retile of acc is the identity, so sub-tile e of the
+                # epilogue is acc[e * rD_size ..]). Its rows, from the identity tensor:
                 thr_c = tiled_mma.get_slice(ctid)
                 tCcC = thr_c.partition_C(cute.make_identity_tensor((self.tile_mnk[0], self.tile_mnk[1])))
-                row0 = tCcC[0][0]
-                row1 = tCcC[2][0]
+                acc_per_m = cute.size(acc) // (TILE_M // self.epi_tile[0])
                 gGU = cute.local_tile(row_idx, (self.tile_mnk[0], self.tile_mnk[1]), (None, None, None))
                 rG = cute.make_rmem_tensor(rD.shape, self.c_dtype)  # gate / up of one sub-tile (prefetched)
                 rU = cute.make_rmem_tensor(rD.shape, self.c_dtype)
                 rH = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
                 rHq = cute.make_rmem_tensor(rD.shape, self.c_dtype)
                 rDU = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
-            epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
+            epi_barrier, store_pipe = store_sync(epi_threads, self.epi_stages, barrier_id)
 
             if cutlass.const_expr(self.dynamic):
                 sched = DynamicTileScheduler.create(
@@ -610,190 +774,107 @@ class VarlenMGroupedGemm:
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            # The tiled MMA gives consumer threads 0-127 (warp group 1) rows 0-63 of the tile,
-            # threads 128-255 (warp group 2) rows 64-127.
-            first_row = (wg_idx - 1) * (TILE_M // self.num_consumer_wg)
             epi_count = cutlass.Int32(0)
             prev_m = cutlass.Int32(-1)  # done hook: row tile of the last output tile stored
+            turn = cutlass.Int32(0)  # ping-pong: the warp group whose tile the next valid one is
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
                 if expert >= 0:
-                    # Real rows in this tile (more than TILE_M before the segment's last tile).
-                    rows = seg_rows[expert]
-                    seg_start = seg_end[expert] - (rows + TILE_M - 1) // TILE_M * TILE_M
-                    real_rows = seg_start + rows - m_tile * TILE_M
-                    if cutlass.const_expr(self.dact is not None):
-                        # the first sub-tile's gate / up, loaded before the mainloop hides their latency
-                        tCgG = thr_c.partition_C(gGU[(None, None, m_tile, n_tile, 0)])
-                        tCgU = thr_c.partition_C(gGU[(None, None, m_tile, n_tile + tiles_n, 0)])
-                        for v in cutlass.range_constexpr(rD_size):
-                            rG[v] = tCgG[v]
-                            rU[v] = tCgU[v]
-                    acc.fill(0.0)
-                    if real_rows > first_row:
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        cute.nvgpu.warpgroup.fence()
+                    skip = cutlass.Int32(0)
+                    if cutlass.const_expr(self.pingpong):
+                        if turn != wg:
+                            skip = cutlass.Int32(1)
+                        turn = 1 - turn
+                    if skip == 1:
+                        # The other warp group's tile: step over its stages (it waits for and releases them).
                         for k in range(k_tiles):
-                            ab_pipe.consumer_wait(read_state)
-                            if cutlass.const_expr(self.gather):
-                                # A arrived by cp.async (generic proxy); wgmma reads through the async proxy.
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                            for kb in cutlass.range_constexpr(k_blocks):
-                                coord = (None, None, kb, read_state.index)
-                                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                            cute.nvgpu.warpgroup.commit_group()
-                            # Keep one wgmma batch in flight; release the stage before it.
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            if k > 0:
-                                ab_pipe.consumer_release(release_state)
-                                release_state.advance()
-                            read_state.advance()
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        ab_pipe.consumer_release(release_state)
-                        release_state.advance()
-                    else:
-                        # All 64 rows are padding: no MMA, but the stage ring must still
-                        # see this warp group wait on and release every stage.
-                        for k in range(k_tiles):
-                            ab_pipe.consumer_wait(read_state)
-                            ab_pipe.consumer_release(release_state)
                             read_state.advance()
                             release_state.advance()
-
-                    if cutlass.const_expr(self.done):
-                        if warp_idx == 4:  # the store warp: the previous tile's stores are long complete
-                            signal_tile_done(ready, prev_m)
-                        prev_m = m_tile
-                    gC_t = gC[(None, None, m_tile, n_tile, 0)]
-                    gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-                    bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                        tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
-                    )
-                    epi_tiles = cute.size(gC_epi, mode=[1])
-                    epi_shape = gC_epi.shape[1]
-                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    if cutlass.const_expr(self.full_epi):
-                        # The previous tile's stores must have read the buffer before it is rewritten.
-                        if warp_idx == 4:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        epi_barrier.arrive_and_wait()
-                        for e in cutlass.range_constexpr(epi_tiles):
-                            for v in cutlass.range_constexpr(rD_size):
-                                rD[v] = tRS_acc[e * rD_size + v]
-                            rD_out.store(rD.load().to(self.c_dtype))
-                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_barrier.arrive_and_wait()
-                        if warp_idx == 4:
-                            for e in cutlass.range_constexpr(epi_tiles):
-                                cute.copy(tma_c, bSG_sC[(None, e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-                            cute.arch.cp_async_bulk_commit_group()
-                    elif cutlass.const_expr(self.act is not None):
-                        # Sub-tiles 0..half-1 gate, half..epi_tiles-1 up (same thread, same register
-                        # slot, column + bn/2), then half sub-tiles of h. Destinations are 32-column
-                        # blocks of the whole outputs: gate_up block 4n + e / I/32 + 4n + e, h 4n + j.
-                        half = epi_tiles // 2
-                        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
-                        for e in cutlass.range_constexpr(epi_tiles + half):
-                            if cutlass.const_expr(e < epi_tiles):
-                                for v in cutlass.range_constexpr(rD_size):
-                                    rD[v] = tRS_acc[e * rD_size + v]
-                            else:
-                                # h from the bf16-rounded gate/up, as mok_act_fwd reads them from gate_up.
-                                j = e - epi_tiles
-                                for v in cutlass.range_constexpr(rD_size):
-                                    rD[v] = tRS_acc[j * rD_size + v]
-                                    rU[v] = tRS_acc[(j + half) * rD_size + v]
-                                rG_out.store(rD.load().to(self.c_dtype))
-                                rU_out.store(rU.load().to(self.c_dtype))
-                                for v in cutlass.range_constexpr(rD_size):
-                                    hv, _, _ = _act(
-                                        self.act, rG_out[v].to(cutlass.Float32), rU_out[v].to(cutlass.Float32), limit
-                                    )
-                                    rD[v] = hv
-                            rD_out.store(rD.load().to(self.c_dtype))
-                            buf = (epi_count + e) % self.epi_stages
-                            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_barrier.arrive_and_wait()
-                            if warp_idx == 4:
-                                if cutlass.const_expr(e < half):
-                                    dst = bSG_gCa[(None, (m_tile, n_tile * half + e))]
-                                    cute.copy(tma_c, bSG_sC[(None, buf)], dst)
-                                elif cutlass.const_expr(e < epi_tiles):
-                                    dst = bSG_gCa[(None, (m_tile, up_block + n_tile * half + e - half))]
-                                    cute.copy(tma_c, bSG_sC[(None, buf)], dst)
-                                else:
-                                    dst = bSG_gH[(None, (m_tile, n_tile * half + e - epi_tiles))]
-                                    cute.copy(tma_h, bSG_sH[(None, buf)], dst)
-                                store_pipe.producer_commit()
-                                store_pipe.producer_acquire()
-                            epi_barrier.arrive_and_wait()
-                        epi_count = epi_count + epi_tiles + half
-                    elif cutlass.const_expr(self.dact is not None):
-                        # acc = dh = dy @ W2[e] (fp32, not scaled by w). Per sub-tile e (32 columns):
-                        # with h, dg, du = act(gate, up) and h rounded to bf16 as the forward stored it,
-                        # d gate = dg * (dh * w), d up = du * (dh * w), wh = h * w (bf16, the formulas of
-                        # swiglu.ActBackward: the same bits), and per row sum(dh * h) over the tile's columns.
-                        # Three stores per sub-tile: d gate -> gate_up block 8n + e, d up -> I/32 + 8n + e,
-                        # wh -> block 8n + e.
-                        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
-                        w_of = (ready[m_tile * TILE_M + row0], ready[m_tile * TILE_M + row1])
-                        part = [cutlass.Float32(0.0), cutlass.Float32(0.0)]  # per row (v1 = 0, 1)
-                        for e in cutlass.range_constexpr(epi_tiles):
-                            for v in cutlass.range_constexpr(rD_size):
-                                hv, dg, du = _act(self.dact, rG[v].to(cutlass.Float32), rU[v].to(cutlass.Float32), limit)
-                                rH[v] = hv
-                                rD[v] = dg
-                                rDU[v] = du
-                            if cutlass.const_expr(e + 1 < epi_tiles):
-                                # the next sub-tile's gate / up: in flight during this one's stores
-                                for v in cutlass.range_constexpr(rD_size):
-                                    rG[v] = tCgG[(e + 1) * rD_size + v]
-                                    rU[v] = tCgU[(e + 1) * rD_size + v]
-                            rHq.store(rH.load().to(self.c_dtype))
-                            rH.store(rHq.load().to(self.acc_dtype))
-                            for v in cutlass.range_constexpr(rD_size):
-                                half = (v // 2) % 2  # v1 of acc element e * rD_size + v (rD_size % 4 == 0)
-                                dh = acc[e * rD_size + v]
-                                part[half] = part[half] + dh * rH[v]
-                                d = dh * w_of[half]
-                                rD[v] = rD[v] * d
-                                rDU[v] = rDU[v] * d
-                                rH[v] = rH[v] * w_of[half]
-                            # The three outputs go through smem buffers 0-2 at once, one bulk group
-                            # per sub-tile: the group of sub-tile e - 1 must have read them first
-                            # (it had this sub-tile's math to do so). 2 barriers per sub-tile, not 6.
-                            if warp_idx == 4:
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            epi_barrier.arrive_and_wait()
-                            for out in cutlass.range_constexpr(3):
-                                rD_out.store((rD, rDU, rH)[out].load().to(self.c_dtype))
-                                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, out)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_barrier.arrive_and_wait()
-                            if warp_idx == 4:
-                                col = n_tile * epi_tiles + e
-                                cute.copy(tma_c, bSG_sC[(None, 0)], bSG_gCa[(None, (m_tile, col))])
-                                cute.copy(tma_c, bSG_sC[(None, 1)], bSG_gCa[(None, (m_tile, up_block + col))])
-                                cute.copy(tma_h, bSG_sH[(None, 2)], bSG_gH[(None, (m_tile, col))])
-                                cute.arch.cp_async_bulk_commit_group()
-                        # the four lanes of a quad hold the same two rows: fixed butterfly over them
-                        for half in cutlass.range_constexpr(2):
-                            total = cute.arch.warp_reduction_sum(part[half], threads_in_group=4)
-                            if tidx % 4 == 0:
-                                ready_err[(n_tile, m_tile * TILE_M + (row0, row1)[half])] = total
                     else:
-                        store_tile_split(
-                            r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
-                            epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx,
+                        # Real rows in this tile (more than TILE_M before the segment's last tile).
+                        rows = seg_rows[expert]
+                        seg_start = seg_end[expert] - (rows + TILE_M - 1) // TILE_M * TILE_M
+                        real_rows = seg_start + rows - m_tile * TILE_M
+                        if cutlass.const_expr(self.dact is not None):
+                            # the first sub-tile's gate / up, loaded before the mainloop hides their latency
+                            tCgG = thr_c.partition_C(gGU[(None, None, m_tile, n_tile, 0)])
+                            tCgU = thr_c.partition_C(gGU[(None, None, m_tile, n_tile + tiles_n, 0)])
+                            for v in cutlass.range_constexpr(rD_size):
+                                rG[v] = tCgG[v]
+                                rU[v] = tCgU[v]
+                        acc.fill(0.0)
+                        if real_rows > first_row:
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            cute.nvgpu.warpgroup.fence()
+                            for k in range(k_tiles):
+                                ab_pipe.consumer_wait(read_state)
+                                if cutlass.const_expr(self.gather):
+                                    # A arrived by cp.async (generic proxy); wgmma reads through the async proxy.
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                for kb in cutlass.range_constexpr(k_blocks):
+                                    coord = (None, None, kb, read_state.index)
+                                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                                cute.nvgpu.warpgroup.commit_group()
+                                # Keep one wgmma batch in flight; release the stage before it.
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                if k > 0:
+                                    ab_pipe.consumer_release(release_state)
+                                    release_state.advance()
+                                read_state.advance()
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        else:
+                            # All 64 rows are padding: no MMA, but the stage ring must still
+                            # see this warp group wait on and release every stage.
+                            for k in range(k_tiles):
+                                ab_pipe.consumer_wait(read_state)
+                                ab_pipe.consumer_release(release_state)
+                                read_state.advance()
+                                release_state.advance()
+
+                        if cutlass.const_expr(self.done):
+                            if warp_idx == store_warp:  # the previous tile's stores are long complete: the previous tile's stores are long complete
+                                signal_tile_done(ready, prev_m)
+                            prev_m = m_tile
+                        gC_t = gC[(None, None, m_tile, n_tile, 0)]
+                        gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+                        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
                         )
-                        epi_count = epi_count + epi_tiles
+                        epi_tiles = cute.size(gC_epi, mode=[1])
+                        epi_shape = gC_epi.shape[1]
+                        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                        m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
+                        if cutlass.const_expr(self.full_epi):
+                            self._epilogue_full(
+                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles,
+                                epi_barrier, warp_idx, buf_base, store_warp,
+                            )
+                        elif cutlass.const_expr(self.act is not None):
+                            self._epilogue_act(
+                                mC, mH, tma_c, tma_h, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, rU, rG_out, rU_out, rD_size, bSG_sC,
+                                m_tile, n_tile, limit, epi_count, epi_barrier, store_pipe, warp_idx, buf_base, store_warp, m_subs, n_sub,
+                            )
+                            epi_count = epi_count + epi_tiles + epi_tiles // 2
+                        elif cutlass.const_expr(self.dact is not None):
+                            rows = [(tCcC[ms * acc_per_m][0], tCcC[ms * acc_per_m + 2][0]) for ms in range(m_subs)]
+                            self._epilogue_dact(
+                                mC, mH, tma_c, tma_h, sC, r2s, tRS_sC, rD, rD_out, rD_size, bSG_sC, acc, tCgG, tCgU, rG, rU, rH, rHq,
+                                rDU, rows, ready, ready_err, m_tile, n_tile, limit, epi_barrier, warp_idx, tidx, buf_base, store_warp,
+                                m_subs, n_sub,
+                            )
+                        else:
+                            store_tile_split(
+                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                                epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx, buf_base, store_warp,
+                            )
+                            epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             if cutlass.const_expr(self.done):
-                if warp_idx == 4:
+                if warp_idx == store_warp:
                     signal_tile_done(ready, prev_m)
             store_pipe.producer_tail()
 
@@ -801,9 +882,9 @@ class VarlenMGroupedGemm:
 class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
     """The gate/up GEMM with the activation in its epilogue: writes gate_up and h = act(gate, up)."""
 
-    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132):
-        assert act in ("swiglu", "swiglu_oai") and tile_n == 256
-        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act)
+    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False):
+        assert act in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
+        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act, pingpong=pingpong)
 
     @cute.jit
     def __call__(
@@ -828,9 +909,9 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
     Writes d gate_up and w*h (bf16) and dw_part[n, r] = sum over the columns of h-tile n of dh * h;
     I % tile_n == 0 (the gate and up blocks of a tile must not straddle I)."""
 
-    def __init__(self, dact: str, tile_n: int = 256, num_sms: int = 132):
-        assert dact in ("swiglu", "swiglu_oai") and tile_n == 256
-        super().__init__(tile_n=tile_n, num_sms=num_sms, dact=dact)
+    def __init__(self, dact: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False):
+        assert dact in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
+        super().__init__(tile_n=tile_n, num_sms=num_sms, dact=dact, pingpong=pingpong)
 
     @cute.jit
     def __call__(

@@ -20,6 +20,7 @@ MANIFEST = "manifest.json"
 BUILD_COMMAND = "python -m mok_nn.kernels.build --arch {arch} --out {out}"
 TILE_M = 128  # rows per GEMM tile; the schedule pads each expert's segment to it
 GEMM_TILE_N = 256  # output columns per GEMM tile
+PINGPONG_TILE_N = 128  # output columns per tile of the ping-pong GEMMs (each consumer warp group: 128 x 128)
 SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernels' shared-memory tables hold
 SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a multiple of 32 slots per warp
 SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
@@ -81,7 +82,9 @@ _SCHEDULE_ARGS = (
 )
 
 
-def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
+def _gemm_spec(
+    name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False, pingpong: bool = False,
+) -> KernelSpec:
     # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
     # seg_end / seg_rows: padded segment ends and real rows per expert (tiles' padding halves skip the MMA).
     b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
@@ -89,7 +92,7 @@ def _gemm_spec(name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full
         name=name,
         module="grouped_gemm",
         factory="VarlenMGroupedGemm",
-        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)),
+        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)) + ((("pingpong", True),) if pingpong else ()),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
@@ -140,13 +143,17 @@ def _gemm_hook_spec(name: str, full_epi: bool, hook: str, dynamic: bool = False)
     return dataclasses.replace(base, factory=factory, args=base.args + extra)
 
 
-def _gemm_act_spec(kind: str) -> KernelSpec:
+def _pingpong_kwargs(pingpong: bool) -> tuple:
+    return (("tile_n", PINGPONG_TILE_N), ("pingpong", True)) if pingpong else ()
+
+
+def _gemm_act_spec(kind: str, pingpong: bool = False) -> KernelSpec:
     # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
     return KernelSpec(
-        name=f"mok_gemm_gate_up_{kind}",
+        name=f"mok_gemm_gate_up_{kind}" + ("_pp" if pingpong else ""),
         module="grouped_gemm",
         factory="VarlenMGroupedGemmAct",
-        factory_kwargs=(("act", kind),),
+        factory_kwargs=(("act", kind),) + _pingpong_kwargs(pingpong),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(256, 8, 1)),
@@ -159,14 +166,14 @@ def _gemm_act_spec(kind: str) -> KernelSpec:
     )
 
 
-def _gemm_dact_spec(kind: str) -> KernelSpec:
+def _gemm_dact_spec(kind: str, pingpong: bool = False) -> KernelSpec:
     # dgrad of down with the activation backward in the epilogue: dy rows @ W2[e] -> d gate_up, w*h,
     # and per (column tile, row) partial top-k weight gradients. I % GEMM_TILE_N == 0.
     return KernelSpec(
-        name=f"mok_gemm_dact_{kind}",
+        name=f"mok_gemm_dact_{kind}" + ("_pp" if pingpong else ""),
         module="grouped_gemm",
         factory="VarlenMGroupedGemmDact",
-        factory_kwargs=(("dact", kind),),
+        factory_kwargs=(("dact", kind),) + _pingpong_kwargs(pingpong),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(256, 8, 1)),
@@ -467,6 +474,14 @@ SPECS = (
     _gemm_act_spec("swiglu_oai"),
     _gemm_dact_spec("swiglu"),  # dgrad of down + dSwiGLU + d topk-weight partials (MOK_GEMM_DACT)
     _gemm_dact_spec("swiglu_oai"),
+    # ping-pong: each consumer warp group computes whole 128 x 128 tiles, its epilogue beside the other's
+    # mainloop (MOK_GEMM_PINGPONG=1); the plain ones keep the whole tile in smem (full_epi)
+    _gemm_spec("mok_gemm_bk_pp", "k", PINGPONG_TILE_N, full_epi=True, pingpong=True),
+    _gemm_spec("mok_gemm_bn_pp", "n", PINGPONG_TILE_N, full_epi=True, pingpong=True),
+    _gemm_act_spec("swiglu", pingpong=True),
+    _gemm_act_spec("swiglu_oai", pingpong=True),
+    _gemm_dact_spec("swiglu", pingpong=True),
+    _gemm_dact_spec("swiglu_oai", pingpong=True),
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
     # tests/gpu/bench_wgrad_variants.py). Lost on H200 and dropped: (256, 64, 2), (128, 64, 2);
     # lazy epilogues with 4 x 128x64 buffers, half a tile buffered (4 A/B stages), 128x128 tiles,
@@ -510,7 +525,8 @@ GEMM_GATHER_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupe
 
 
 def tile_n_of(name: str) -> int:
-    return dict(SPECS_BY_NAME[name].factory_kwargs)["tile_n"]
+    """Output columns per tile of a GEMM variant (the factories' default: GEMM_TILE_N)."""
+    return dict(SPECS_BY_NAME[name].factory_kwargs).get("tile_n", GEMM_TILE_N)
 
 
 def source_hash() -> str:

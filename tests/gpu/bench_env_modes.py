@@ -53,6 +53,13 @@ MODE_SETS = {
     },
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
+    # the ping-pong GEMMs (MOK_GEMM_PINGPONG), alone and with the fused activation epilogues they can hide
+    "pingpong": {
+        "coop": {"MOK_GEMM_PINGPONG": "0", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
+        "pp": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
+        "pp_dact": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "fused"},
+        "pp_fused": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "fused", "MOK_GEMM_DACT": "fused"},
+    },
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
     # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one

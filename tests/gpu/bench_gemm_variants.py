@@ -7,19 +7,19 @@ routing, make_schedule) it times the four grouped GEMMs of the forward and
 backward with every variant, and torch._grouped_mm on the same operands
 ("speedup" = torch time / this time):
 
-    gate_up      x_rows @ W13[e]^T        mok_gemm_bk, mok_gemm_bk_ef
-    down         h @ W2[e]^T              mok_gemm_bk, mok_gemm_bk_ef
+    gate_up      x_rows @ W13[e]^T        mok_gemm_bk, mok_gemm_bk_ef, mok_gemm_bk_pp
+    down         h @ W2[e]^T              mok_gemm_bk, mok_gemm_bk_ef, mok_gemm_bk_pp
     dgrad_down   dy_rows @ W2[e] (fp32)   mok_gemm_bn_f32
-    dgrad_gu     dgu @ W13[e]             mok_gemm_bn, mok_gemm_bn_ef
+    dgrad_gu     dgu @ W13[e]             mok_gemm_bn, mok_gemm_bn_ef, mok_gemm_bn_pp
 
 CUDA events per call, 3 warm-up calls, median of --reps. TFLOP/s count routed
 rows only. Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the
 default (split epilogue); routed rows within bf16 tolerance of
 torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
 Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
-vs the fused mok_gemm_gate_up_swiglu ("speedup" there = two-kernel time / this), and
-(I % 256 == 0) the backward's dgrad of down + activation backward as two kernels vs
-mok_gemm_dact_swiglu.
+vs the fused mok_gemm_gate_up_swiglu and its ping-pong twin (_pp) ("speedup" there =
+two-kernel time / this), and (I % 256 == 0) the backward's dgrad of down + activation
+backward as two kernels vs mok_gemm_dact_swiglu and mok_gemm_dact_swiglu_pp.
 Gather: gate_up (x) and dgrad_down (dy) as index_select (cb.gather_rows) + the TMA
 kernel vs the kernel that gathers A rows itself (mok_gemm_*_gather); "speedup"
 there = index_select+GEMM time / this, checked bitwise equal to the TMA kernel.
@@ -56,14 +56,14 @@ def gemms(p, sched):
     dy_rows = cb.gather_rows(p["dy"], sched)
     dgu = cb.gather_rows((torch.randn(T, 2 * inter, device="cuda", generator=g) * 0.1).to(bf), sched)
     return [
-        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef")),
-        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef")),
+        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp")),
+        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp")),
         ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32",)),
-        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef")),
+        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_bn_pp")),
     ]
 
 
-def run_shape(shape, tokens, reps, say, only=None):
+def run_shape(shape, tokens, reps, say, only=None, gather_too=True):
     """Time and check every GEMM of one shape; returns (records, all checks passed)."""
     records, ok = [], True
     p = bench.make_problem(shape, tokens, "cuda")
@@ -107,7 +107,7 @@ def run_shape(shape, tokens, reps, say, only=None):
             ok &= fused_act(shape, a, W, sched, default, flops, reps, say, records)
         if gname == "dgrad_down" and cb.fused_dact_supported(n, "swiglu"):
             ok &= fused_dact(shape, p, a, W, sched, flops, reps, say, records)
-        if gname in GATHER_SOURCES:
+        if gname in GATHER_SOURCES and gather_too:
             ok &= gather(shape, gname, p[GATHER_SOURCES[gname]], W, transpose_w, out_dtype, sched, flops, reps, say,
                          records)
     return records, ok
@@ -121,16 +121,24 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
         return cb.act_forward(cb.grouped_gemm(a, W13, sched, transpose_w=False), sched, "swiglu", None)
 
     t_split = median_ms_queued(split, reps)
-    gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
-    torch.cuda.synchronize()
-    bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
-    t_fused = median_ms_queued(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
-    for label, t in (("gemm_bk+act_fwd", t_split), ("gate_up_swiglu fused", t_fused)):
+    say(f"{shape:<14} {'gate_up+act':<11} {'gemm_bk+act_fwd':<22} {t_split:8.3f} {flops / t_split / 1e9:7.1f} "
+        f"{1.0:8.2f}")
+    records.append(dict(shape=shape, gemm="gate_up+act", variant="gemm_bk+act_fwd", ms=t_split,
+                        tflops=flops / t_split / 1e9))
+    ok = True
+    for label, pingpong in (("gate_up_swiglu fused", "0"), ("gate_up_swiglu_pp", "1")):
+        os.environ["MOK_GEMM_PINGPONG"] = pingpong  # gate_up_act picks the kernel by it
+        gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
+        torch.cuda.synchronize()
+        bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
+        ok &= bitwise
+        t = median_ms_queued(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
         say(f"{shape:<14} {'gate_up+act':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
             f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'}")
         records.append(dict(shape=shape, gemm="gate_up+act", variant=label, ms=t, tflops=flops / t / 1e9,
                             bitwise_equal_default=bitwise))
-    return bitwise
+    os.environ["MOK_GEMM_PINGPONG"] = "0"
+    return ok
 
 
 def fused_dact(shape, p, dy_rows, W2, sched, flops, reps, say, records):
@@ -147,18 +155,27 @@ def fused_dact(shape, p, dy_rows, W2, sched, flops, reps, say, records):
     def fused():
         return cb.dgrad_act(dy_rows, W2, gate_up, w_rows, sched, "swiglu", None)
 
-    (dgu_s, wh_s, dw_s), (dgu_f, wh_f, dw_f) = split(), fused()
-    torch.cuda.synchronize()
-    bitwise = torch.equal(dgu_s[:used], dgu_f[:used]) and torch.equal(wh_s[:used], wh_f[:used])
-    dw_err = rel_err(dw_f[:used], dw_s[:used])
+    dgu_s, wh_s, dw_s = split()
     t_split = median_ms_queued(split, reps)
-    t_fused = median_ms_queued(fused, reps)
-    for label, t in (("gemm_bn_f32+act_bwd", t_split), ("dact_swiglu fused", t_fused)):
+    say(f"{shape:<14} {'dgrad+dact':<11} {'gemm_bn_f32+act_bwd':<22} {t_split:8.3f} {flops / t_split / 1e9:7.1f} "
+        f"{1.0:8.2f}")
+    records.append(dict(shape=shape, gemm="dgrad+dact", variant="gemm_bn_f32+act_bwd", ms=t_split,
+                        tflops=flops / t_split / 1e9))
+    ok = True
+    for label, pingpong in (("dact_swiglu fused", "0"), ("dact_swiglu_pp", "1")):
+        os.environ["MOK_GEMM_PINGPONG"] = pingpong  # dgrad_act picks the kernel by it
+        dgu_f, wh_f, dw_f = fused()
+        torch.cuda.synchronize()
+        bitwise = torch.equal(dgu_s[:used], dgu_f[:used]) and torch.equal(wh_s[:used], wh_f[:used])
+        dw_err = rel_err(dw_f[:used], dw_s[:used])
+        ok &= bitwise and dw_err < 1e-5
+        t = median_ms_queued(fused, reps)
         say(f"{shape:<14} {'dgrad+dact':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
             f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'} dw err {dw_err:.1e}")
         records.append(dict(shape=shape, gemm="dgrad+dact", variant=label, ms=t, tflops=flops / t / 1e9,
                             bitwise_equal_default=bitwise, dw_rel_err=dw_err))
-    return bitwise and dw_err < 1e-5
+    os.environ["MOK_GEMM_PINGPONG"] = "0"
+    return ok
 
 
 GATHER_SOURCES = {"gate_up": "x", "dgrad_down": "dy"}  # GEMMs whose A is gathered token rows
@@ -210,6 +227,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gemms", default="", help="only these GEMMs (gate_up,down,dgrad_down,dgrad_gu); default all")
+    ap.add_argument("--no-gather", action="store_true", help="skip the gather comparisons")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     records, lines, ok = [], [], True
@@ -220,7 +238,8 @@ def main():
 
     say(f"{'shape':<14} {'gemm':<11} {'variant':<22} {'ms':>8} {'TF/s':>7} {'speedup':>8}  check")
     for shape in args.shapes.split(","):
-        recs, good = run_shape(shape, args.tokens, args.reps, say, set(filter(None, args.gemms.split(","))))
+        recs, good = run_shape(shape, args.tokens, args.reps, say, set(filter(None, args.gemms.split(","))),
+                               gather_too=not args.no_gather)
         records += recs
         ok &= good
         torch.cuda.empty_cache()

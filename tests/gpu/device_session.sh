@@ -17,6 +17,7 @@
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
 # epslot / eprank (EP checks with MOK_EP_COMBINE_SUMS=slot / rank),
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
+# pingpong (ping-pong GEMM tests, call by call vs the cooperative kernels, the layer side by side),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -83,6 +84,11 @@ for s in "$@"; do
     gatherdiag)  # the gather GEMMs (padding rows zero-filled) against their TMA twins
         TAIL=30 step gather_diag 200 python3 tests/gpu/diag_gather.py --shapes deepseek-v3,qwen3-30b-a3b \
             --kernels mok_gemm_bk_gather,mok_gemm_bn_f32_gather --cases real,real_zrows --reps 5 ;;
+    pingpong)  # ping-pong GEMMs: their GPU tests, call by call against the cooperative kernels, the layer side by side
+        TAIL=6 step pp_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py \
+            -k "grouped_gemm or act_fused or pingpong or experts_vs_reference"
+        TAIL=60 step pp_gemms 240 python3 tests/gpu/bench_gemm_variants.py --no-gather
+        TAIL=16 step pp_modes 300 python3 tests/gpu/bench_env_modes.py --modes pingpong ;;
     dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
         TAIL=20 step dact_gemms 150 python3 tests/gpu/bench_gemm_variants.py --gemms dgrad_down ;;
     wgrad)  # weight-gradient kernels: resident clusters per cluster size, the wgrad GPU tests, the variants call by call

@@ -56,8 +56,12 @@ GEMM_VARIANTS = [
     ("mok_gemm_bn", True, torch.bfloat16),
     ("mok_gemm_bn_ef", True, torch.bfloat16),
     ("mok_gemm_bn_f32", True, torch.float32),
+    ("mok_gemm_bk_pp", False, torch.bfloat16),
+    ("mok_gemm_bn_pp", True, torch.bfloat16),
 ]
-DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn"}
+# variants whose bits must equal the default's (same K order per output element)
+DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn",
+                "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn"}
 
 
 def test_gemm_variants_listed():
@@ -94,7 +98,7 @@ def test_grouped_gemm(lib, case, name, transpose_w, out_dtype, group_m):
     used = int(sched.seg_end[-1])
     if name in DEFAULT_GEMM:
         ref_bits = _run_gemm(lib, DEFAULT_GEMM[name], a, W, transpose_w, out_dtype, sched, group_m)
-        assert torch.equal(outs[0][:used], ref_bits[:used]), "full-tile epilogue differs from the default"
+        assert torch.equal(outs[0][:used], ref_bits[:used]), f"{name} differs from the default"
     got = outs[0][pos]
     Wd = W.double()
     ref = torch.stack(
@@ -146,7 +150,7 @@ def test_grouped_gemm_tail_rows(lib, name, transpose_w, out_dtype):
     assert torch.all(outs[0][:used][pad] == 0), "padding rows not zero"
     if name in DEFAULT_GEMM:
         ref_bits = _run_gemm(lib, DEFAULT_GEMM[name], a, W, transpose_w, out_dtype, sched, 1)
-        assert torch.equal(outs[0][:used], ref_bits[:used]), "full-tile epilogue differs from the default"
+        assert torch.equal(outs[0][:used], ref_bits[:used]), f"{name} differs from the default"
 
 
 @pytest.mark.parametrize("epi", ["split", "full"])
@@ -415,12 +419,16 @@ EXPERT_CASES = [  # T, H, I, E, k, routing, activation, limit, bias
 
 
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: f"T{c[0]}H{c[1]}I{c[2]}E{c[3]}k{c[4]}-{c[5]}-{c[6]}")
-@pytest.mark.parametrize("dact", ["split", "fused"])  # MOK_GEMM_DACT (fused runs where I % 256 == 0)
+# MOK_GEMM_DACT (fused runs where I % 256 == 0); pingpong: the ping-pong GEMMs with both fused epilogues
+@pytest.mark.parametrize("dact", ["split", "fused", "pingpong"])
 def test_experts_vs_reference(lib, case, dact, monkeypatch):
     from mok_nn import cuda_backend as cb
     from mok_nn import functional
 
-    monkeypatch.setenv("MOK_GEMM_DACT", dact)
+    monkeypatch.setenv("MOK_GEMM_DACT", "split" if dact == "split" else "fused")
+    if dact == "pingpong":
+        monkeypatch.setenv("MOK_GEMM_ACT", "fused")
+        monkeypatch.setenv("MOK_GEMM_PINGPONG", "1")
 
     T, H, I, E, k, mode, act, limit, bias = case
     torch.manual_seed(T * 7 + H)
@@ -489,8 +497,9 @@ ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-def test_gate_up_act_fused(lib, case):
-    """mok_gemm_gate_up_<act>: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
+@pytest.mark.parametrize("pingpong", ["0", "1"])  # MOK_GEMM_PINGPONG: mok_gemm_gate_up_<act>[_pp]
+def test_gate_up_act_fused(lib, case, pingpong, monkeypatch):
+    """mok_gemm_gate_up_<act>[_pp]: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
     from mok_nn import cuda_backend as cb
     from mok_nn import reference
 
@@ -503,6 +512,7 @@ def test_gate_up_act_fused(lib, case):
     used = int(sched.seg_end[-1])
     gu_ref = cb.grouped_gemm(a, W13, sched, transpose_w=False)
     h_ref = cb.act_forward(gu_ref, sched, act, limit)
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", pingpong)
     outs = []
     for _ in range(2):
         gu, h = cb.gate_up_act(a, W13, sched, act, limit)
@@ -548,9 +558,10 @@ DACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", DACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-def test_dgrad_act_fused(lib, case):
-    """mok_gemm_dact_<act>: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>; the
-    per-row d topk-weight close to theirs and to an fp64 oracle; all outputs poisoned, run twice."""
+@pytest.mark.parametrize("suffix", ["", "_pp"])  # the cooperative and the ping-pong kernel
+def test_dgrad_act_fused(lib, case, suffix):
+    """mok_gemm_dact_<act>[_pp]: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>;
+    the per-row d topk-weight close to theirs and to an fp64 oracle; all outputs poisoned, run twice."""
     from mok_nn import cuda_backend as cb
     from mok_nn import reference
 
@@ -565,16 +576,18 @@ def test_dgrad_act_fused(lib, case):
     dy_rows = cb.gather_rows(dy, sched)
     w_rows = cb.row_weights(sched, w)
     m, used = sched.capacity, int(sched.seg_end[-1])
-    tiles_n = I // 256
+    name = f"mok_gemm_dact_{act}{suffix}"
+    tile_n = registry.tile_n_of(name)
+    tiles_n = I // tile_n
     runs = []
     for _ in range(2):
         dgu = torch.full_like(gate_up, float("nan"))
         wh = torch.full((m, I), float("nan"), device="cuda", dtype=torch.bfloat16)
         parts = torch.full((tiles_n, m), float("nan"), device="cuda")
         lib.launch(
-            f"mok_gemm_dact_{act}", dy_rows.unsqueeze(-1), W2.permute(2, 1, 0), dgu.unsqueeze(-1), wh.unsqueeze(-1),
+            name, dy_rows.unsqueeze(-1), W2.permute(2, 1, 0), dgu.unsqueeze(-1), wh.unsqueeze(-1),
             gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
-            float("inf") if limit is None else limit, cb.gemm_group_m(I),
+            float("inf") if limit is None else limit, cb.gemm_group_m(I, tile_n),
             stream=torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         torch.cuda.synchronize()
@@ -621,3 +634,35 @@ def test_dgrad_act_in_backward(lib, monkeypatch):
     for a, b in zip(out["split"][:3], out["fused"][:3]):
         assert torch.equal(a, b)
     assert rel_l2(out["fused"][3], out["split"][3]) < 1e-5
+
+
+@pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (512, 2048, 768, 128, 8, "skew")])
+def test_pingpong_in_layer(lib, case, monkeypatch):
+    """MOK_GEMM_PINGPONG=1 with the fused epilogues (MOK_GEMM_ACT=fused, MOK_GEMM_DACT=fused) against the
+    default path through experts_forward / experts_backward: y, dx and both weight gradients bitwise
+    equal, d topk-weights within fp32 reordering (summed per 128 instead of 256 columns); run twice."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k, mode = case
+    ids, w = _routing(T, k, E, mode, seed=T + I)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+
+    def run():
+        y, saved = cb.experts_forward(x, ids, w, W13, W2)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2)
+        torch.cuda.synchronize()
+        return y, dx, g.gate_up_proj, g.down_proj, dtk
+
+    want = run()
+    for var in ("MOK_GEMM_PINGPONG", "MOK_GEMM_ACT", "MOK_GEMM_DACT"):
+        monkeypatch.setenv(var, "1" if var == "MOK_GEMM_PINGPONG" else "fused")
+    got, again = run(), run()
+    names = ("y", "dx", "d_gate_up_proj", "d_down_proj", "d_topk")
+    for n, a, b in zip(names, got, again):
+        assert torch.equal(a, b), f"{n} not bitwise reproducible"
+    for n, a, b in zip(names[:4], got, want):
+        assert torch.equal(a, b), f"{n} differs from the default path"
+    assert rel_l2(got[4], want[4]) < 1e-5
