@@ -283,6 +283,17 @@ class VarlenMGroupedGemm:
                 sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
 
             self.shared_storage = SharedStorageDyn
+        if cutlass.const_expr(self.pingpong):
+            # + the two mainloop order barriers of the consumer warp groups (see the kernel)
+            @cute.struct
+            class SharedStoragePingPong:
+                ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+                order_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
+
+            self.shared_storage = SharedStoragePingPong
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
@@ -629,6 +640,16 @@ class VarlenMGroupedGemm:
         )
         if cutlass.const_expr(self.gather):
             tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))  # A: cp.async
+        if cutlass.const_expr(self.pingpong):
+            # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
+            # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
+            # MMA, this keeps a warp group that steps over the other's stages (without waiting on them)
+            # from waiting on a stage more than one ring lap ahead, where the full barrier's phase
+            # parity could not tell the laps apart. Initialised here, fenced by the A/B pipeline's setup.
+            order_bars = storage.order_barriers.data_ptr()
+            if tidx == 0:
+                cute.arch.mbarrier_init(order_bars, self.threads_per_wg)
+                cute.arch.mbarrier_init(order_bars + 1, self.threads_per_wg)
         # Consumers release a stage once per warp (8 consumer warps; ping-pong: the 4 of the tile's warp group).
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
@@ -777,6 +798,9 @@ class VarlenMGroupedGemm:
             epi_count = cutlass.Int32(0)
             prev_m = cutlass.Int32(-1)  # done hook: row tile of the last output tile stored
             turn = cutlass.Int32(0)  # ping-pong: the warp group whose tile the next valid one is
+            # ping-pong: phase to wait for on order_bars[wg]; a fresh barrier passes parity 1 at once,
+            # so warp group 1 (wg 0) starts and warp group 2 waits for its first arrival
+            order_phase = 1 - wg
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
@@ -804,6 +828,9 @@ class VarlenMGroupedGemm:
                                 rG[v] = tCgG[v]
                                 rU[v] = tCgU[v]
                         acc.fill(0.0)
+                        if cutlass.const_expr(self.pingpong):
+                            cute.arch.mbarrier_wait(order_bars + wg, order_phase)
+                            order_phase = 1 - order_phase
                         if real_rows > first_row:
                             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                             cute.nvgpu.warpgroup.fence()
@@ -833,6 +860,8 @@ class VarlenMGroupedGemm:
                                 ab_pipe.consumer_release(release_state)
                                 read_state.advance()
                                 release_state.advance()
+                        if cutlass.const_expr(self.pingpong):
+                            cute.arch.mbarrier_arrive(order_bars + (1 - wg))
 
                         if cutlass.const_expr(self.done):
                             if warp_idx == store_warp:  # the previous tile's stores are long complete: the previous tile's stores are long complete
