@@ -92,17 +92,13 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, dact: str | None = None, pingpong: bool = False, pingpong_order: bool = True,
-        tile_k: int = 64,
+        gather: bool = False, dact: str | None = None, pingpong: bool = False, tile_k: int = 64,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
         # (module docstring); the plain, act and dact epilogues only.
         assert not pingpong or (tile_n == 128 and not gather), "ping-pong: 128 x 128 tiles per warp group"
         self.pingpong = pingpong
-        # pingpong_order=False: no order barrier; a warp group waits on the full barrier of each stage of the
-        # other's tiles as it steps over them (so it never waits a lap ahead), and the mainloops may overlap.
-        self.pingpong_order = pingpong and pingpong_order
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
         assert dact is None or not (full_epi or gather or act), "the dSwiGLU epilogue: split, TMA-loaded A"
         self.full_epi = full_epi
@@ -289,7 +285,7 @@ class VarlenMGroupedGemm:
                 sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
 
             self.shared_storage = SharedStorageDyn
-        if cutlass.const_expr(self.pingpong_order):
+        if cutlass.const_expr(self.pingpong):
             # + the two mainloop order barriers of the consumer warp groups (see the kernel)
             @cute.struct
             class SharedStoragePingPong:
@@ -646,7 +642,7 @@ class VarlenMGroupedGemm:
         )
         if cutlass.const_expr(self.gather):
             tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))  # A: cp.async
-        if cutlass.const_expr(self.pingpong_order):
+        if cutlass.const_expr(self.pingpong):
             # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
             # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
             # MMA, this keeps a warp group that steps over the other's stages (without waiting on them)
@@ -819,8 +815,6 @@ class VarlenMGroupedGemm:
                     if skip == 1:
                         # The other warp group's tile: step over its stages (it waits for and releases them).
                         for k in range(k_tiles):
-                            if cutlass.const_expr(not self.pingpong_order):
-                                ab_pipe.consumer_wait(read_state)
                             read_state.advance()
                             release_state.advance()
                     else:
@@ -836,7 +830,7 @@ class VarlenMGroupedGemm:
                                 rG[v] = tCgG[v]
                                 rU[v] = tCgU[v]
                         acc.fill(0.0)
-                        if cutlass.const_expr(self.pingpong_order):
+                        if cutlass.const_expr(self.pingpong):
                             cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                             order_phase = 1 - order_phase
                         if real_rows > first_row:
@@ -868,7 +862,7 @@ class VarlenMGroupedGemm:
                                 ab_pipe.consumer_release(release_state)
                                 read_state.advance()
                                 release_state.advance()
-                        if cutlass.const_expr(self.pingpong_order):
+                        if cutlass.const_expr(self.pingpong):
                             cute.arch.mbarrier_arrive(order_bars + (1 - wg))
 
                         if cutlass.const_expr(self.done):

@@ -481,10 +481,6 @@ SPECS = (
     # experiment: K tiles of 32 (8 A/B stages of 24 KB instead of 4 of 48 KB)
     dataclasses.replace(_gemm_spec("mok_gemm_bk_k32", "k", GEMM_TILE_N),
                         factory_kwargs=(("tile_n", GEMM_TILE_N), ("full_epi", False), ("tile_k", 32))),
-    # experiment: no order barrier between the warp groups' mainloops (they may overlap)
-    dataclasses.replace(_gemm_spec("mok_gemm_bk_ppf", "k", PINGPONG_TILE_N, full_epi=True, pingpong=True),
-                        factory_kwargs=(("tile_n", PINGPONG_TILE_N), ("full_epi", True), ("pingpong", True),
-                                        ("pingpong_order", False))),
     _gemm_act_spec("swiglu", pingpong=True),
     _gemm_act_spec("swiglu_oai", pingpong=True),
     _gemm_dact_spec("swiglu", pingpong=True),

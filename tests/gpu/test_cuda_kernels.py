@@ -58,13 +58,12 @@ GEMM_VARIANTS = [
     ("mok_gemm_bn_f32", True, torch.float32),
     ("mok_gemm_bk_pp", False, torch.bfloat16),
     ("mok_gemm_bn_pp", True, torch.bfloat16),
-    ("mok_gemm_bk_ppf", False, torch.bfloat16),
     ("mok_gemm_bk_k32", False, torch.bfloat16),
 ]
 # variants whose bits must equal the default's (same K order per output element)
 DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn",
                 "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn",
-                "mok_gemm_bk_ppf": "mok_gemm_bk", "mok_gemm_bk_k32": "mok_gemm_bk"}
+                "mok_gemm_bk_k32": "mok_gemm_bk"}
 
 
 def test_gemm_variants_listed():
