@@ -92,7 +92,7 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, dact: str | None = None, pingpong: bool = False, tile_k: int = 64,
+        gather: bool = False, dact: str | None = None, pingpong: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -108,9 +108,7 @@ class VarlenMGroupedGemm:
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
         self.dynamic = False  # hooked variants with dynamic_tiles: tiles claimed by atomic add (tile_queue.py)
-        # tile_k = 32 (experiment): stages half as large, twice as many of them in the same smem
-        assert tile_k in (32, 64) and (tile_k == 64 or not gather)
-        self.tile_mnk = (TILE_M, tile_n, tile_k)
+        self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
         # Two consumer warp groups split the 128 rows (64 each); ping-pong: one warp group's MMA

@@ -478,9 +478,10 @@ SPECS = (
     # mainloop (MOK_GEMM_PINGPONG=1); the plain ones keep the whole tile in smem (full_epi)
     _gemm_spec("mok_gemm_bk_pp", "k", PINGPONG_TILE_N, full_epi=True, pingpong=True),
     _gemm_spec("mok_gemm_bn_pp", "n", PINGPONG_TILE_N, full_epi=True, pingpong=True),
-    # experiment: K tiles of 32 (8 A/B stages of 24 KB instead of 4 of 48 KB)
-    dataclasses.replace(_gemm_spec("mok_gemm_bk_k32", "k", GEMM_TILE_N),
-                        factory_kwargs=(("tile_n", GEMM_TILE_N), ("full_epi", False), ("tile_k", 32))),
+    # Lost and dropped: K tiles of 32 (8 A/B stages of 24 KB instead of 4 of 48 KB), 3-19% slower than
+    # mok_gemm_bk / _ef on every shape's gate/up and down (..._v49_gemm_k32_pp.txt); a ping-pong variant
+    # without the order barrier deadlocked (a warp group stepping over the other's stages can wait for a
+    # phase that needs its own next tile's release).
     _gemm_act_spec("swiglu", pingpong=True),
     _gemm_act_spec("swiglu_oai", pingpong=True),
     _gemm_dact_spec("swiglu", pingpong=True),

@@ -56,8 +56,8 @@ def gemms(p, sched):
     dy_rows = cb.gather_rows(p["dy"], sched)
     dgu = cb.gather_rows((torch.randn(T, 2 * inter, device="cuda", generator=g) * 0.1).to(bf), sched)
     return [
-        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_k32")),
-        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_k32")),
+        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp")),
+        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp")),
         ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32",)),
         ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_bn_pp")),
     ]

@@ -58,12 +58,10 @@ GEMM_VARIANTS = [
     ("mok_gemm_bn_f32", True, torch.float32),
     ("mok_gemm_bk_pp", False, torch.bfloat16),
     ("mok_gemm_bn_pp", True, torch.bfloat16),
-    ("mok_gemm_bk_k32", False, torch.bfloat16),
 ]
 # variants whose bits must equal the default's (same K order per output element)
 DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn",
-                "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn",
-                "mok_gemm_bk_k32": "mok_gemm_bk"}
+                "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn"}
 
 
 def test_gemm_variants_listed():
