@@ -96,6 +96,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
 OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first is the default
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
+DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
 
@@ -164,6 +165,8 @@ class EPSchedule:
     # leaves these to after the first GEMM's launch, which they are not needed for (on the host,
     # each torch op before that launch delays the GPU's start).
     derive: object = field(default=None, repr=False)
+    # (row_peer, row_src) of dispatch_plan where the schedule graph computed it (MOK_EP_DISPATCH=rows)
+    dispatch: tuple | None = None
 
     def _derived(self, name: str) -> torch.Tensor:
         self.__dict__.update(self.derive())  # where functools.cached_property keeps its values
@@ -347,17 +350,21 @@ class _GraphedSchedule:
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
                "slot_row", "row_src", "row_slot", "overflow")
 
-    def __init__(self, ids_all, rank, e_l, capacity):
+    def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False):
+        # with_dispatch: also dispatch_plan's (row_peer, row_src), for MOK_EP_DISPATCH=rows.
+        self.fields = self._FIELDS + (("disp_peer", "disp_src") if with_dispatch else ())
+        dispatch_rank = rank if with_dispatch else None
         # The schedule depends on this rank's token count only through `pos` (an arange view, built per
         # call below), so one graph serves every count: captured with the capacity's count.
         self.args = (ids_all.shape[1], rank, e_l, capacity)
-        make_ep_schedule(ids_all, *self.args).row_src  # warm-up: modules loaded, tables and constants built
+        warm = make_ep_schedule(ids_all, *self.args)  # warm-up: modules loaded, tables and constants built
+        self._outputs(warm, dispatch_rank)
         side = torch.cuda.Stream(device=ids_all.device)
         side.wait_stream(torch.cuda.current_stream(ids_all.device))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             eps = make_ep_schedule(ids_all, *self.args)
-            outs = self._outputs(eps)
+            outs = self._outputs(eps, dispatch_rank)
             self.layout, off = [], 0
             for t in outs:
                 nbytes = t.numel() * t.element_size()
@@ -370,21 +377,23 @@ class _GraphedSchedule:
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
 
     @classmethod
-    def _outputs(cls, eps):
+    def _outputs(cls, eps, dispatch_rank=None):
         s = eps.sched
-        return [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
+        outs = [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
                 eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
+        return outs + (list(dispatch_plan(eps, dispatch_rank)) if dispatch_rank is not None else [])
 
     def __call__(self, num_tokens: int) -> EPSchedule:
         self.graph.replay()
         flat = self.flat.clone()
         f = {name: flat[o:o + nb].view(dt).view(shape)
-             for name, (o, nb, dt, shape) in zip(self._FIELDS, self.layout)}
+             for name, (o, nb, dt, shape) in zip(self.fields, self.layout)}
         top_k = f["slot_row"].numel() // f["pull_src"].numel()  # slots [P*Tc*k] per token row [P, Tc]
         pos = _cached("arange", num_tokens * top_k, self.flat.device).view(num_tokens, top_k)  # as make_ep_schedule
         sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
                             padded_rows=f["padded_rows"])
-        eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"])
+        eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"],
+                         dispatch=(f["disp_peer"], f["disp_src"]) if "disp_peer" in f else None)
         eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
         return eps
 
@@ -393,13 +402,14 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity) -> EPSchedule:
     """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager."""
     if not (ids_all.is_cuda and use_schedule_graph()):
         return make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
+    with_dispatch = dispatch_mode() == "rows"
     key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
-           os.environ.get("MOK_SCHEDULE", ""))
+           os.environ.get("MOK_SCHEDULE", ""), with_dispatch)
     g = _SCHED_GRAPHS.get(key)
     if g is None:
         if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
             _SCHED_GRAPHS.clear()
-        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity)
+        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, with_dispatch)
     return g(num_tokens)
 
 
@@ -446,6 +456,14 @@ def copy_mode() -> str:
     mok_ep_copy_rows_v2 for single copies), 'v1' (mok_ep_copy_rows, one launch per peer) or 'torch'
     (torch indexing, a debugging aid that synchronises with the host)."""
     return _env_choice("MOK_EP_COPY", COPY_MODES, COPY_MODES[0])
+
+
+def dispatch_mode() -> str:
+    """MOK_EP_DISPATCH: 'pull' (default: the peers' token rows into the local tokens / dy section by
+    mok_ep_pull_peers, then index_select into the GEMM's row order) or 'rows' (one
+    mok_ep_dispatch_rows launch on every SM writes the GEMM's rows straight from the peers' sections,
+    each remote token row crossing NVLink once; its plan comes from the schedule graph). Same rows."""
+    return _env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
 
 
 def publish_mode() -> str:
@@ -711,10 +729,13 @@ class SymmBuffers:
             cb._lib().launch("mok_ep_signal", peer_slot, pad[p:p + 1], self.err, self.epoch, timeout_us,
                              stream=cb._stream())
 
-    def _copy_grid(self, num_rows: int) -> int:
+    def num_sms(self) -> int:
         if getattr(self, "_num_sms", None) is None:
             self._num_sms = torch.cuda.get_device_properties(self.err.device).multi_processor_count
-        return copy_grid(num_rows, self._num_sms)
+        return self._num_sms
+
+    def _copy_grid(self, num_rows: int) -> int:
+        return copy_grid(num_rows, self.num_sms())
 
     def copy_rows(self, src, src_idx, dst, dst_idx) -> None:
         """dst[dst_idx[i]] = src[src_idx[i]] where both are >= 0 (dst indices unique)."""
@@ -1076,14 +1097,19 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
-        # 4. dispatch: pull the needed token rows of each peer
-        bufs.pull_rows("tokens", eps.pull_src)
+        # 4. dispatch: pull the needed token rows of each peer (MOK_EP_DISPATCH=rows: straight into the
+        # GEMM's row order, _dispatch_rows)
+        if _dispatch_rows_here(x) and not cb._use_gather():
+            x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
+        else:
+            bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
         if cb._use_gather():
             gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
         else:
-            x_rows = tokens.index_select(0, sched.row_token)
+            if x_rows is None:
+                x_rows = tokens.index_select(0, sched.row_token)
             gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     too_many = _too_many(bufs)  # between the two barriers (stream order), as _too_many requires
     # the routing of this step for the backward's per-rank d x sums: copied here, between the two
@@ -1140,23 +1166,52 @@ def _copy_stream(ws, dev) -> torch.cuda.Stream:
     return st["copy_stream"]
 
 
+def _ready_flags(ws, n_tiles: int, dev) -> tuple[torch.Tensor, int]:
+    """(ready [n_tiles] int32, this call's epoch) of mok_ep_dispatch_rows' per-tile readiness flags.
+    Epochs keep growing (the flags are never reset)."""
+    st = ws.ep_state
+    if st.get("ready") is None or st["ready"].numel() != n_tiles:
+        st["ready"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    st["ov_epoch"] = st.get("ov_epoch", 0) + 1
+    if st["ov_epoch"] >= 2**31 - 1:
+        raise EPError("dispatch readiness epoch overflow; create a new workspace")
+    return st["ready"], st["ov_epoch"]
+
+
+def _dispatch_rows_here(t: torch.Tensor) -> bool:
+    """MOK_EP_DISPATCH=rows applies: CUDA tensors and the kernel copies (not the MOK_EP_COPY=torch aid)."""
+    return dispatch_mode() == "rows" and _on_cuda(t) and copy_mode() != "torch"
+
+
+def _dispatch_rows(ws, bufs: SymmBuffers, eps: EPSchedule, section: str) -> torch.Tensor:
+    """Step 4 and the gather into the GEMM's row order as one kernel on every SM (MOK_EP_DISPATCH=rows):
+    mok_ep_dispatch_rows writes row r of the result from `section` ("tokens" or "dy") of its source rank,
+    a remote token's later rows from its first row here, zeros for padding. Returns [capacity, H]
+    (rows of the tiles past the last segment are left unwritten: nothing reads them)."""
+    sched, dev = eps.sched, bufs.err.device
+    n_tiles = sched.capacity // TILE_M
+    ready, epoch = _ready_flags(ws, n_tiles, dev)
+    row_peer, row_src = eps.dispatch if eps.dispatch is not None else dispatch_plan(eps, bufs.rank)
+    rows = torch.empty(sched.capacity, bufs.hidden, dtype=torch.bfloat16, device=dev)
+    # every CTA resident at once (a duplicate row waits for an earlier tile's flag): 2 of 512 threads per SM
+    grid = max(1, min(n_tiles, 2 * bufs.num_sms()))
+    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    cb._lib().launch("mok_ep_dispatch_rows", rows, bufs.section_addrs(section), row_peer, row_src,
+                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, timeout_us, grid, stream=cb._stream())
+    return rows
+
+
 def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torch.Tensor) -> torch.Tensor:
     """Steps 4 and 5a overlapped: mok_ep_dispatch_rows on a second stream fills the A rows tile by
     tile and flags each ready; mok_gemm_bk(_ef)_ready consumes them as they come. Returns gate_up."""
-    st, sched = ws.ep_state, eps.sched
+    sched = eps.sched
     dev = gate_up_proj.device
     cap, hidden = sched.capacity, bufs.hidden
-    n_tiles = cap // TILE_M
-    if st.get("ready") is None or st["ready"].numel() != n_tiles:
-        st["ready"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)  # epochs keep growing: no reset
-    st["ov_epoch"] = st.get("ov_epoch", 0) + 1
-    epoch = st["ov_epoch"]
-    if epoch >= 2**31 - 1:
-        raise EPError("overlapped forward epoch overflow; create a new workspace")
+    ready, epoch = _ready_flags(ws, cap // TILE_M, dev)
     timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
     comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
 
-    row_peer, row_src = dispatch_plan(eps, bufs.rank)
+    row_peer, row_src = eps.dispatch if eps.dispatch is not None else dispatch_plan(eps, bufs.rank)
     x_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
     gate_up = torch.empty(cap, gate_up_proj.shape[1], dtype=torch.bfloat16, device=dev)
     # The dispatch (which waits only for itself) is launched before the GEMM that waits for it: a
@@ -1164,13 +1219,13 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     # then costs time, never a deadlock (see _down_push).
     comm.wait_stream(main)
     cb._lib().launch("mok_ep_dispatch_rows", x_rows, bufs.section_addrs("tokens"), row_peer, row_src,
-                     sched.tile_expert, st["ready"], _ov_err(ws, bufs), epoch, timeout_us, comm_ctas,
+                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, timeout_us, comm_ctas,
                      stream=comm.cuda_stream)
     group_m = cb.gemm_group_m(gate_up.shape[1])
     suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
     name = cb.gemm_kernel(False, torch.bfloat16, k=hidden, pingpong=False) + suffix
     cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
-                     sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, st["ready"], _ov_err(ws, bufs),
+                     sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, _ov_err(ws, bufs),
                      epoch, timeout_us, grid, *extra, stream=main.cuda_stream)
     # The GEMM ends only after every tile was published; from here on the main stream also orders
     # after the whole dispatch (x_rows, row_peer, row_src may be freed and reused on main).
@@ -1238,14 +1293,20 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
-    # 3. reverse combine: pull the needed dy (and x) rows of each peer
-    if x_rows is None:
-        bufs.pull_rows("tokens", eps.pull_src)
-    bufs.pull_rows("dy", eps.pull_src)
+    # 3. reverse combine: pull the needed dy (and x) rows of each peer (MOK_EP_DISPATCH=rows: straight
+    # into the GEMMs' row order)
+    if _dispatch_rows_here(grad_y):
+        if x_rows is None:
+            x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
+        dy_rows = _dispatch_rows(ws, bufs, eps, "dy")
+    else:
+        if x_rows is None:
+            bufs.pull_rows("tokens", eps.pull_src)
+        bufs.pull_rows("dy", eps.pull_src)
+        if x_rows is None:
+            x_rows = tokens.index_select(0, sched.row_token)
+        dy_rows = dy.index_select(0, sched.row_token)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
-    if x_rows is None:
-        x_rows = tokens.index_select(0, sched.row_token)
-    dy_rows = dy.index_select(0, sched.row_token)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)
     if down_bias is not None:

@@ -72,6 +72,9 @@ MODE_SETS = {
     "epsumsauto": {"auto": {"MOK_EP_COMBINE_SUMS": "auto"}, "slot": {"MOK_EP_COMBINE_SUMS": "slot"}},
     # EP only: the backward's d x sums sent by the copy engines beside the weight gradients, or by the kernel after them
     "epdxpush": {"copy_engine": {"MOK_EP_DX_PUSH": "copy_engine"}, "kernel": {"MOK_EP_DX_PUSH": "kernel"}},
+    # EP only: the dispatch as pull into the tokens / dy section + index_select, or one mok_ep_dispatch_rows
+    # launch writing the GEMM's rows straight from the peers' sections
+    "epdispatch": {"pull": {"MOK_EP_DISPATCH": "pull"}, "rows": {"MOK_EP_DISPATCH": "rows"}},
     # EP only: the forward's x rows kept for the backward, or pulled and gathered again there
     "epsavex": {"keep": {"MOK_EP_SAVE_X_ROWS": "1"}, "pull": {"MOK_EP_SAVE_X_ROWS": "0"}},
     # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)

@@ -15,7 +15,8 @@
 # epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
-# epslot / eprank (EP checks with MOK_EP_COMBINE_SUMS=slot / rank),
+# epslot / eprank (EP checks with MOK_EP_COMBINE_SUMS=slot / rank), epdispatch (EP checks with
+# MOK_EP_DISPATCH=rows, then pull vs rows side by side),
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
 # pingpong (ping-pong GEMM tests, call by call vs the cooperative kernels, the layer side by side),
 # pack (all logs into $OUT/logs.tgz; last).
@@ -100,6 +101,9 @@ for s in "$@"; do
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
         TAIL=12 step env_modes_ep2 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
+    epdispatch)  # the EP checks with the dispatch as one mok_ep_dispatch_rows launch, then pull vs rows side by side
+        MOK_EP_DISPATCH=rows TAIL=8 step ep_checks_dispatch_rows 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
+        TAIL=12 step env_modes_epdispatch 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes epdispatch ;;
     epslot)  # the EP checks with one pushed row per slot everywhere (MOK_EP_COMBINE_SUMS=slot)
         MOK_EP_COMBINE_SUMS=slot TAIL=8 step ep_checks_slot 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py ;;
     eprank)  # the EP checks with per-rank partial sums everywhere (MOK_EP_COMBINE_SUMS=rank)

@@ -327,6 +327,26 @@ def case_copy_modes(name, H, I, E, K, T_by_rank):
     _report_mode_runs(name, "MOK_EP_COPY", runs, "v1")
 
 
+def case_dispatch_modes(name, H, I, E, K, T_by_rank):
+    """Fixed routing: the dispatch as pull + index_select (MOK_EP_DISPATCH=pull, the default) and as one
+    mok_ep_dispatch_rows launch (rows), the backward pulling x again (MOK_EP_SAVE_X_ROWS=0) or not: the
+    same bits (y and all gradients), each run twice."""
+    rank = dist.get_rank()
+    _, local = _expert_params(17, H, I, E)
+    x, dy, ids, w = _rank_inputs(rank + 40, T_by_rank[rank], H, E, K)
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
+                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    runs = {}
+    for mode, save_x in (("pull", "1"), ("rows", "1"), ("rows", "0")):
+        os.environ["MOK_EP_DISPATCH"], os.environ["MOK_EP_SAVE_X_ROWS"] = mode, save_x
+        try:
+            runs[f"{mode}, MOK_EP_SAVE_X_ROWS={save_x}"] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
+        finally:
+            del os.environ["MOK_EP_DISPATCH"], os.environ["MOK_EP_SAVE_X_ROWS"]
+        cuda_ep.check_errors(ws)
+    _report_mode_runs(name, "MOK_EP_DISPATCH", runs, "pull, MOK_EP_SAVE_X_ROWS=1")
+
+
 def case_two_layers(name, H, I, E, K, T_by_rank):
     """Two layers with the same shapes share one workspace: forward A, forward B, backward B, backward
     A (as in training) gives A the bits of forward A, backward A alone (y and every gradient), for the
@@ -563,6 +583,7 @@ def main():
         bias=True, diag=True))
     check("copy modes", lambda: case_copy_modes("copy modes", 2048, 256, 32, 8, [3000, 2001]))
     check("publish modes", lambda: case_publish_modes("publish modes", 2048, 256, 32, 8, [3000, 2001]))
+    check("dispatch modes", lambda: case_dispatch_modes("dispatch modes", 2048, 256, 32, 8, [3000, 2001]))
     check("two layers", lambda: case_two_layers("two layers, one workspace", 1024, 256, 32, 8, [1500, 1201]))
     check("overflow", case_overflow)
     check("growth", case_growth)
