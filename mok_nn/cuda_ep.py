@@ -155,6 +155,7 @@ class EPSchedule:
     slot_row [P*Tc*k] int64: row of global slot s*Tc*k + t*k + j in make_ep_schedule's bucket schedule:
         this rank's row where the slot is routed here (>= cap where the capacity cut it), else a row
         after all of this rank's (dispatch_plan; None where built otherwise).
+    dispatch: (row_peer, row_src) of dispatch_plan, where the schedule graph computed it (MOK_EP_DISPATCH=rows).
     """
 
     sched: cb.Schedule
