@@ -24,6 +24,39 @@ def mma_operands(tiled_mma, ctid, sA, sB, gC, acc_dtype):
     return tCrA, tCrB, acc, cute.size(tCrA, mode=[2])
 
 
+@cute.jit
+def mma_mainloop(
+    tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
+    proxy_fence: cutlass.Constexpr = False, skip_mma: cutlass.Constexpr = False,
+):
+    """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
+    releasing it once the next stage's wgmma batch is in flight. proxy_fence: A arrived by cp.async
+    (generic proxy), wgmma reads it through the async proxy. skip_mma: diagnostics (loads only).
+    Returns (tiled_mma, acc, read_state, release_state): rebind all four (the tracer threads values
+    through staged control flow only as plain local variables, not through a helper's updates)."""
+    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    cute.nvgpu.warpgroup.fence()
+    for k in range(k_tiles):
+        ab_pipe.consumer_wait(read_state)
+        if cutlass.const_expr(proxy_fence):
+            cute.arch.fence_proxy("async.shared", space="cta")
+        for kb in cutlass.range_constexpr(k_blocks):
+            coord = (None, None, kb, read_state.index)
+            if cutlass.const_expr(not skip_mma):
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        # Keep one wgmma batch in flight; release the stage before it.
+        cute.nvgpu.warpgroup.wait_group(1)
+        if k > 0:
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+        read_state.advance()
+    cute.nvgpu.warpgroup.wait_group(0)
+    ab_pipe.consumer_release(release_state)
+    release_state.advance()
+    return tiled_mma, acc, read_state, release_state
+
+
 def epilogue_stores(tiled_mma, ctid, sC, acc, c_layout, c_dtype, acc_dtype):
     """Registers -> smem copy of one epilogue sub-tile: (r2s copy, smem destinations, the
     accumulator as r2s source, fp32 staging registers, output-dtype registers, their size)."""
@@ -37,6 +70,19 @@ def epilogue_stores(tiled_mma, ctid, sC, acc, c_layout, c_dtype, acc_dtype):
     rD = cute.make_rmem_tensor(rD_shape, acc_dtype)
     rD_out = cute.make_rmem_tensor(rD_shape, c_dtype)
     return r2s, tRS_sC, tRS_acc, rD, rD_out, cute.size(rD)
+
+
+def epilogue_views(gC_t, epi_tile, tma_c, sC):
+    """The TMA store views of one output tile gC_t cut into epi_tile sub-tiles: (smem buffers as store
+    sources, gmem sub-tiles, sub-tile count, their (rows, columns) shape, the layout numbering them
+    columns fastest)."""
+    gC_epi = cute.zipped_divide(gC_t, epi_tile)
+    bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+        tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+    )
+    epi_shape = gC_epi.shape[1]
+    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+    return bSG_sC, bSG_gC, cute.size(gC_epi, mode=[1]), epi_shape, epi_layout
 
 
 def store_sync(num_consumer_threads, epi_stages, barrier_id=1):

@@ -82,7 +82,7 @@ import cuda.bindings.driver as cuda
 
 from .readiness import signal_tile_done, wait_tile_ready
 from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
-from .gemm_consumer import epilogue_stores, mma_operands, store_sync, store_tile_split
+from .gemm_consumer import epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_split
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -832,26 +832,10 @@ class VarlenMGroupedGemm:
                             cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                             order_phase = 1 - order_phase
                         if real_rows > first_row:
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                            cute.nvgpu.warpgroup.fence()
-                            for k in range(k_tiles):
-                                ab_pipe.consumer_wait(read_state)
-                                if cutlass.const_expr(self.gather):
-                                    # A arrived by cp.async (generic proxy); wgmma reads through the async proxy.
-                                    cute.arch.fence_proxy("async.shared", space="cta")
-                                for kb in cutlass.range_constexpr(k_blocks):
-                                    coord = (None, None, kb, read_state.index)
-                                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                                cute.nvgpu.warpgroup.commit_group()
-                                # Keep one wgmma batch in flight; release the stage before it.
-                                cute.nvgpu.warpgroup.wait_group(1)
-                                if k > 0:
-                                    ab_pipe.consumer_release(release_state)
-                                    release_state.advance()
-                                read_state.advance()
-                            cute.nvgpu.warpgroup.wait_group(0)
-                            ab_pipe.consumer_release(release_state)
-                            release_state.advance()
+                            tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                                self.gather,
+                            )
                         else:
                             # All 64 rows are padding: no MMA, but the stage ring must still
                             # see this warp group wait on and release every stage.
@@ -864,17 +848,12 @@ class VarlenMGroupedGemm:
                             cute.arch.mbarrier_arrive(order_bars + (1 - wg))
 
                         if cutlass.const_expr(self.done):
-                            if warp_idx == store_warp:  # the previous tile's stores are long complete: the previous tile's stores are long complete
+                            if warp_idx == store_warp:  # the previous tile's stores are long complete
                                 signal_tile_done(ready, prev_m)
                             prev_m = m_tile
-                        gC_t = gC[(None, None, m_tile, n_tile, 0)]
-                        gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-                        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                        bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
+                            gC[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
                         )
-                        epi_tiles = cute.size(gC_epi, mode=[1])
-                        epi_shape = gC_epi.shape[1]
-                        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
                         if cutlass.const_expr(self.full_epi):
                             self._epilogue_full(

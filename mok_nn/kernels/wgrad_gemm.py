@@ -27,7 +27,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
-from .gemm_consumer import epilogue_stores, mma_operands, store_sync, store_tile_split
+from .gemm_consumer import epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_split
 from .registry import TILE_M
 
 
@@ -330,33 +330,14 @@ class VarlenKGroupedGemm:
                 _, k_tiles = self._k_range(seg_end, seg_rows, expert)
                 acc.fill(0.0)
                 if k_tiles > 0:
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    for k in range(k_tiles):
-                        ab_pipe.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            coord = (None, None, kb, read_state.index)
-                            if cutlass.const_expr(self.diag != "no_mma"):
-                                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        cute.nvgpu.warpgroup.commit_group()
-                        # Keep one wgmma batch in flight; release the stage before it.
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        if k > 0:
-                            ab_pipe.consumer_release(release_state)
-                            release_state.advance()
-                        read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
+                    tiled_mma, acc, read_state, release_state = mma_mainloop(
+                        tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                        skip_mma=self.diag == "no_mma",
+                    )
 
-                gC_t = gC[(None, None, m_tile, n_tile, expert)]
-                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+                bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
+                    gC[(None, None, m_tile, n_tile, expert)], self.epi_tile, tma_c, sC
                 )
-                epi_tiles = cute.size(gC_epi, mode=[1])
-                epi_shape = gC_epi.shape[1]
-                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
                 if cutlass.const_expr(self.lazy_epilogue):
                     # Stores of this tile are left in flight while the next tile's MMA runs;
                     # a buffer is waited for only right before it is rewritten. One bulk group

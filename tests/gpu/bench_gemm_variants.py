@@ -113,6 +113,12 @@ def run_shape(shape, tokens, reps, say, only=None, gather_too=True):
     return records, ok
 
 
+def _fused_row(shape, gemm, label, t, t_split, flops, check, say, records, **extra):
+    """One line and one record of a fused kernel timed against its two-kernel path (t_split)."""
+    say(f"{shape:<14} {gemm:<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  {check}")
+    records.append(dict(shape=shape, gemm=gemm, variant=label, ms=t, tflops=flops / t / 1e9, **extra))
+
+
 def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
     """gate/up GEMM + SwiGLU: two kernels (mok_gemm_bk, mok_act_fwd_swiglu) vs mok_gemm_gate_up_swiglu."""
     used = int(sched.seg_end[-1])
@@ -121,10 +127,7 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
         return cb.act_forward(cb.grouped_gemm(a, W13, sched, transpose_w=False), sched, "swiglu", None)
 
     t_split = median_ms_queued(split, reps)
-    say(f"{shape:<14} {'gate_up+act':<11} {'gemm_bk+act_fwd':<22} {t_split:8.3f} {flops / t_split / 1e9:7.1f} "
-        f"{1.0:8.2f}")
-    records.append(dict(shape=shape, gemm="gate_up+act", variant="gemm_bk+act_fwd", ms=t_split,
-                        tflops=flops / t_split / 1e9))
+    _fused_row(shape, "gate_up+act", "gemm_bk+act_fwd", t_split, t_split, flops, "", say, records)
     ok = True
     for label, pingpong in (("gate_up_swiglu fused", "0"), ("gate_up_swiglu_pp", "1")):
         os.environ["MOK_GEMM_PINGPONG"] = pingpong  # gate_up_act picks the kernel by it
@@ -133,10 +136,9 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
         bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
         ok &= bitwise
         t = median_ms_queued(lambda: cb.gate_up_act(a, W13, sched, "swiglu", None), reps)
-        say(f"{shape:<14} {'gate_up+act':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
-            f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'}")
-        records.append(dict(shape=shape, gemm="gate_up+act", variant=label, ms=t, tflops=flops / t / 1e9,
-                            bitwise_equal_default=bitwise))
+        _fused_row(shape, "gate_up+act", label, t, t_split, flops,
+                   "bitwise=split" if bitwise else "DIFFERS from split  FAIL", say, records,
+                   bitwise_equal_default=bitwise)
     os.environ["MOK_GEMM_PINGPONG"] = "0"
     return ok
 
@@ -157,10 +159,7 @@ def fused_dact(shape, p, dy_rows, W2, sched, flops, reps, say, records):
 
     dgu_s, wh_s, dw_s = split()
     t_split = median_ms_queued(split, reps)
-    say(f"{shape:<14} {'dgrad+dact':<11} {'gemm_bn_f32+act_bwd':<22} {t_split:8.3f} {flops / t_split / 1e9:7.1f} "
-        f"{1.0:8.2f}")
-    records.append(dict(shape=shape, gemm="dgrad+dact", variant="gemm_bn_f32+act_bwd", ms=t_split,
-                        tflops=flops / t_split / 1e9))
+    _fused_row(shape, "dgrad+dact", "gemm_bn_f32+act_bwd", t_split, t_split, flops, "", say, records)
     ok = True
     for label, pingpong in (("dact_swiglu fused", "0"), ("dact_swiglu_pp", "1")):
         os.environ["MOK_GEMM_PINGPONG"] = pingpong  # dgrad_act picks the kernel by it
@@ -170,10 +169,9 @@ def fused_dact(shape, p, dy_rows, W2, sched, flops, reps, say, records):
         dw_err = rel_err(dw_f[:used], dw_s[:used])
         ok &= bitwise and dw_err < 1e-5
         t = median_ms_queued(fused, reps)
-        say(f"{shape:<14} {'dgrad+dact':<11} {label:<22} {t:8.3f} {flops / t / 1e9:7.1f} {t_split / t:8.2f}  "
-            f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'} dw err {dw_err:.1e}")
-        records.append(dict(shape=shape, gemm="dgrad+dact", variant=label, ms=t, tflops=flops / t / 1e9,
-                            bitwise_equal_default=bitwise, dw_rel_err=dw_err))
+        _fused_row(shape, "dgrad+dact", label, t, t_split, flops,
+                   f"{'bitwise=split' if bitwise else 'DIFFERS from split  FAIL'} dw err {dw_err:.1e}", say, records,
+                   bitwise_equal_default=bitwise, dw_rel_err=dw_err)
     os.environ["MOK_GEMM_PINGPONG"] = "0"
     return ok
 
