@@ -5,7 +5,9 @@
 For mok_nn's forward (no grad) and forward+backward at EP = world size it prints: the wall
 time per step with the GPU in the loop, the time to *issue* one step (host only, the GPU
 kept busy beforehand by a long sleep kernel so no launch waits), and a cProfile table of
-the issuing by own (tottime) time: the Python functions that cost host time.
+the issuing by own (tottime) time: the Python functions that cost host time. Then the forward's
+host time up to the gate/up GEMM's launch (where the GPU waits for the host), with its cProfile
+table by cumulative time.
 """
 import cProfile
 import os
@@ -62,4 +64,49 @@ for name, step in steps:
         for (file, line, fname), (_, calls, own, cum, _) in rows[:45]:
             print(f"  {own / few * 1e6:11.1f} {cum / few * 1e6:11.1f} {calls / few:10.1f}  "
                   f"{fname} ({os.path.basename(file)}:{line})", flush=True)
+
+
+class _FirstGemm(Exception):
+    pass
+
+
+def _stop_at_gemm(*args, **kwargs):
+    raise _FirstGemm
+
+
+# The forward's host time up to the gate/up GEMM's launch: on an idle GPU (as the benchmark times it)
+# the GPU waits for the host until then. The first launch_gemm call raises, so the forward stops there
+# (on every rank alike; nothing runs after this, the half-done steps' data are not used).
+from mok_nn import cuda_backend  # noqa: E402
+
+fwd = dict(steps)["forward"]
+real_launch = cuda_backend.launch_gemm
+cuda_backend.launch_gemm = _stop_at_gemm
+pre = {}
+for mode in ("plain", "cprofile"):
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(int(1e9))
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    for _ in range(few):
+        if mode == "cprofile":
+            prof.enable()
+        try:
+            fwd()
+        except _FirstGemm:
+            pass
+        prof.disable()
+    pre[mode] = (time.perf_counter() - t0) / few * 1e3
+cuda_backend.launch_gemm = real_launch
+torch.cuda.synchronize()
+if rank == 0:
+    print(f"{shape} EP={world} forward up to the gate/up GEMM's launch: host {pre['plain']:.3f} ms "
+          f"({pre['cprofile']:.3f} under cProfile)", flush=True)
+    raw = pstats.Stats(prof).stats
+    rows = sorted(raw.items(), key=lambda kv: -kv[1][3])
+    print(f"  {'own us/step':>11} {'cum us/step':>11} {'calls/step':>10}  function (by cumulative time)", flush=True)
+    for (file, line, fname), (_, calls, own, cum, _) in rows[:45]:
+        print(f"  {own / few * 1e6:11.1f} {cum / few * 1e6:11.1f} {calls / few:10.1f}  "
+              f"{fname} ({os.path.basename(file)}:{line})", flush=True)
 dist.destroy_process_group()
