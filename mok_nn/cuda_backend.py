@@ -55,6 +55,7 @@ element as the cooperative kernels.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -580,11 +581,17 @@ def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
 # the experts
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; cached: the query costs the host ~20 us per call."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | None:
     """None where the CUDA path runs these inputs, else the reason it does not."""
     if not x.is_cuda:
         return "inputs are not on a CUDA device"
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
     if (major, minor) != (9, 0):
         return f"kernels are built for sm_90a, device is sm_{major}{minor}"
     for name, t in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):

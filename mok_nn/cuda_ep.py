@@ -366,13 +366,15 @@ class _GraphedSchedule:
         with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             eps = make_ep_schedule(ids_all, *self.args)
             outs = self._outputs(eps, dispatch_rank)
+            # (byte offset, bytes, dtype, shape, contiguous strides) of each output in the flat buffer;
+            # offsets are multiples of 16 bytes, so each output is an element offset of a dtype view
             self.layout, off = [], 0
             for t in outs:
                 nbytes = t.numel() * t.element_size()
-                self.layout.append((off, nbytes, t.dtype, tuple(t.shape)))
+                self.layout.append((off, nbytes, t.dtype, tuple(t.shape), torch.empty(t.shape, device="meta").stride()))
                 off += -(-nbytes // 16) * 16
             self.flat = torch.empty(off, dtype=torch.uint8, device=ids_all.device)
-            for (o, nb, _, _), t in zip(self.layout, outs):
+            for (o, nb, _, _, _), t in zip(self.layout, outs):
                 self.flat[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
         torch.cuda.current_stream(ids_all.device).wait_stream(side)
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
@@ -387,8 +389,13 @@ class _GraphedSchedule:
     def __call__(self, num_tokens: int) -> EPSchedule:
         self.graph.replay()
         flat = self.flat.clone()
-        f = {name: flat[o:o + nb].view(dt).view(shape)
-             for name, (o, nb, dt, shape) in zip(self.fields, self.layout)}
+        # one view per dtype and one as_strided per output (each torch op costs the host several us)
+        by_dtype, f = {}, {}
+        for name, (o, _, dt, shape, stride) in zip(self.fields, self.layout):
+            base = by_dtype.get(dt)
+            if base is None:
+                base = by_dtype[dt] = flat.view(dt)
+            f[name] = base.as_strided(shape, stride, o // base.element_size())
         top_k = f["slot_row"].numel() // f["pull_src"].numel()  # slots [P*Tc*k] per token row [P, Tc]
         pos = _cached("arange", num_tokens * top_k, self.flat.device).view(num_tokens, top_k)  # as make_ep_schedule
         sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
