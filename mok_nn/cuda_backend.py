@@ -49,7 +49,8 @@ activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
 MOK_GEMM_PINGPONG=1 runs the bf16 grouped GEMMs and the fused gate/up + activation and
 dgrad + dSwiGLU kernels as ping-pong kernels (mok_gemm_bk_pp, mok_gemm_bn_pp,
 mok_gemm_gate_up_<act>_pp, mok_gemm_dact_<act>_pp): each consumer warp group computes whole
-128 x 128 tiles, so one's epilogue runs beside the other's MMA. Same K order per output
+128 x 128 tiles, so one's epilogue runs beside the other's MMA; =cluster the same on 2-CTA
+clusters whose CTAs share A by TMA multicast (the _ppc kernels). Same K order per output
 element as the cooperative kernels.
 """
 
@@ -244,16 +245,17 @@ def _use_torch_act() -> bool:
     return os.environ.get("MOK_ACT", "") == "torch"
 
 
-def use_pingpong() -> bool:
-    """MOK_GEMM_PINGPONG=1: the ping-pong variants of the bf16 and fused-epilogue grouped GEMMs."""
-    mode = os.environ.get("MOK_GEMM_PINGPONG", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"MOK_GEMM_PINGPONG={mode!r}: expected 0 or 1")
-    return mode == "1"
+PINGPONG_MODES = ("0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first is the default
 
 
 def _pp_suffix() -> str:
-    return "_pp" if use_pingpong() else ""
+    """MOK_GEMM_PINGPONG: "0" (cooperative kernels), "1" (ping-pong: "_pp"), "cluster" (ping-pong on
+    2-CTA clusters sharing A: "_ppc") variants of the bf16 and fused-epilogue grouped GEMMs."""
+    mode = os.environ.get("MOK_GEMM_PINGPONG", "0")
+    if mode not in PINGPONG_MODES:
+        raise ValueError(f"MOK_GEMM_PINGPONG={mode!r}: expected one of {PINGPONG_MODES}")
+    return {"0": "", "1": "_pp", "cluster": "_ppc"}[mode]
+
 
 
 def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
@@ -353,8 +355,9 @@ def gemm_kernel(
     """
     if out_dtype == torch.float32:
         return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
-    if use_pingpong() if pingpong is None else pingpong:
-        return "mok_gemm_bn_pp" if transpose_w else "mok_gemm_bk_pp"
+    suffix = _pp_suffix() if pingpong is None else ("_pp" if pingpong else "")
+    if suffix:
+        return ("mok_gemm_bn" if transpose_w else "mok_gemm_bk") + suffix
     epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
     if epi not in ("split", "full", "auto"):
         raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")

@@ -92,13 +92,18 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, dact: str | None = None, pingpong: bool = False,
+        gather: bool = False, dact: str | None = None, pingpong: bool = False, cluster_n: int = 1,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
         # (module docstring); the plain, act and dact epilogues only.
         assert not pingpong or (tile_n == 128 and not gather), "ping-pong: 128 x 128 tiles per warp group"
         self.pingpong = pingpong
+        # cluster_n = 2 (ping-pong only): CTA pairs take column tiles 2q, 2q + 1 of one row tile and share
+        # its A by TMA multicast (each loads half of every A stage into both CTAs), which brings the
+        # ping-pong tile's L2 -> smem bytes per FLOP back to the cooperative kernel's.
+        assert cluster_n in (1, 2) and (cluster_n == 1 or pingpong)
+        self.cluster_n = cluster_n
         assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
         assert dact is None or not (full_epi or gather or act), "the dSwiGLU epilogue: split, TMA-loaded A"
         self.full_epi = full_epi
@@ -206,12 +211,18 @@ class VarlenMGroupedGemm:
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
         c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_buffers)
 
-        tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(a_smem, (None, None, 0)),
-            (bm, bk),
-        )
+        if cutlass.const_expr(self.cluster_n > 1):  # each CTA of a pair loads half of A into both
+            tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, cute.slice_(a_smem, (None, None, 0)),
+                (bm, bk), num_multicast=self.cluster_n,
+            )  # fmt: skip
+        else:
+            tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mA,
+                cute.slice_(a_smem, (None, None, 0)),
+                (bm, bk),
+            )
         # With act, B arrives as two (bn/2, bk) boxes per stage. K-major, the smem layout of
         # a (bn, bk) stage is two (bn/2, bk) layouts back to back (same swizzle), so half h of
         # stage s is stage 2s + h of the half-tile layout: one buffer, two views.
@@ -254,6 +265,10 @@ class VarlenMGroupedGemm:
         # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
+        if cutlass.const_expr(self.cluster_n > 1):  # column-tile pairs; CTA r of cluster c takes linear tile 2c + r
+            pairs = tiles_m * ((tiles_n + 1) // 2)
+            sched_params = utils.PersistentTileSchedulerParams((pairs * 2, 1, 1), (2, 1, 1))
+            grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // 2)
         if cutlass.const_expr(self.ready or self.done):  # the hooked variants run on num_ctas CTAs
             grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
         if cutlass.const_expr(not self.ready):  # placeholders: the readiness hook is compiled out
@@ -304,12 +319,22 @@ class VarlenMGroupedGemm:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
-            cluster=(1, 1, 1),
+            cluster=(self.cluster_n, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )
 
     def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
+        """Linear tile index -> (m_tile, n_tile) (_tile_coord_one); with cluster_n = 2, the column tiles make
+        (tiles_n + 1) // 2 pairs and CTA r of cluster c gets column 2 q + r of pair q (past the last
+        column tile when tiles_n is odd: that CTA computes, loads its half of A for its partner, and
+        stores nothing)."""
+        if cutlass.const_expr(self.cluster_n > 1):
+            m_tile, pair = self._tile_coord_one(linear // 2, tiles_m, (tiles_n + 1) // 2, group_m)
+            return m_tile, pair * 2 + linear % 2
+        return self._tile_coord_one(linear, tiles_m, tiles_n, group_m)
+
+    def _tile_coord_one(self, linear, tiles_m, tiles_n, group_m):
         """Linear tile index -> (m_tile, n_tile), row tiles fastest inside bands of group_m.
 
         group_m = 1: column tiles fastest, so a wave of persistent CTAs shares a few
@@ -655,9 +680,9 @@ class VarlenMGroupedGemm:
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.full_arrivals),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_n),
             tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
         )
 
         if cutlass.const_expr(self.dynamic):
@@ -688,6 +713,18 @@ class VarlenMGroupedGemm:
                 tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
             )
         k_tiles = cute.size(gA, mode=[3])
+        a_mask = None
+        if cutlass.const_expr(self.cluster_n > 1):
+            # each consumer warp releases a stage to both CTAs' producers (the pipeline picks the peer from
+            # cta_layout_vmnk; create() ended with a cluster sync); a full barrier expects all of A (half
+            # from each CTA) and this CTA's B
+            cta_layout = cute.make_layout((self.cluster_n, 1, 1))
+            cta_coord = cta_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+            a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_a, cta_coord[0], cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
 
         if wg_idx == 0:
             # ---------------- producer: TMA loads ----------------
@@ -725,7 +762,11 @@ class VarlenMGroupedGemm:
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
-                            cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                            if cutlass.const_expr(self.cluster_n > 1):
+                                cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                                          mcast_mask=a_mask)
+                            else:
+                                cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                             if cutlass.const_expr(self.act is not None):
                                 cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
                                 cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)], tma_bar_ptr=bar)
@@ -890,9 +931,9 @@ class VarlenMGroupedGemm:
 class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
     """The gate/up GEMM with the activation in its epilogue: writes gate_up and h = act(gate, up)."""
 
-    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False):
+    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False, cluster_n: int = 1):
         assert act in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
-        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act, pingpong=pingpong)
+        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act, pingpong=pingpong, cluster_n=cluster_n)
 
     @cute.jit
     def __call__(
@@ -917,9 +958,9 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
     Writes d gate_up and w*h (bf16) and dw_part[n, r] = sum over the columns of h-tile n of dh * h;
     I % tile_n == 0 (the gate and up blocks of a tile must not straddle I)."""
 
-    def __init__(self, dact: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False):
+    def __init__(self, dact: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False, cluster_n: int = 1):
         assert dact in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
-        super().__init__(tile_n=tile_n, num_sms=num_sms, dact=dact, pingpong=pingpong)
+        super().__init__(tile_n=tile_n, num_sms=num_sms, dact=dact, pingpong=pingpong, cluster_n=cluster_n)
 
     @cute.jit
     def __call__(

@@ -84,6 +84,7 @@ _SCHEDULE_ARGS = (
 
 def _gemm_spec(
     name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False, pingpong: bool = False,
+    cluster_n: int = 1,
 ) -> KernelSpec:
     # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
     # seg_end / seg_rows: padded segment ends and real rows per expert (tiles' padding halves skip the MMA).
@@ -92,7 +93,8 @@ def _gemm_spec(
         name=name,
         module="grouped_gemm",
         factory="VarlenMGroupedGemm",
-        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)) + ((("pingpong", True),) if pingpong else ()),
+        factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)) + ((("pingpong", True),) if pingpong else ())
+        + ((("cluster_n", cluster_n),) if cluster_n > 1 else ()),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
@@ -143,17 +145,23 @@ def _gemm_hook_spec(name: str, full_epi: bool, hook: str, dynamic: bool = False)
     return dataclasses.replace(base, factory=factory, args=base.args + extra)
 
 
-def _pingpong_kwargs(pingpong: bool) -> tuple:
-    return (("tile_n", PINGPONG_TILE_N), ("pingpong", True)) if pingpong else ()
+def _pingpong_kwargs(pingpong: bool, cluster_n: int = 1) -> tuple:
+    if not pingpong:
+        return ()
+    return (("tile_n", PINGPONG_TILE_N), ("pingpong", True)) + ((("cluster_n", cluster_n),) if cluster_n > 1 else ())
 
 
-def _gemm_act_spec(kind: str, pingpong: bool = False) -> KernelSpec:
+def _pp_suffix(pingpong: bool, cluster_n: int) -> str:
+    return ("_ppc" if cluster_n > 1 else "_pp") if pingpong else ""
+
+
+def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
     # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
     return KernelSpec(
-        name=f"mok_gemm_gate_up_{kind}" + ("_pp" if pingpong else ""),
+        name=f"mok_gemm_gate_up_{kind}" + _pp_suffix(pingpong, cluster_n),
         module="grouped_gemm",
         factory="VarlenMGroupedGemmAct",
-        factory_kwargs=(("act", kind),) + _pingpong_kwargs(pingpong),
+        factory_kwargs=(("act", kind),) + _pingpong_kwargs(pingpong, cluster_n),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(256, 8, 1)),
@@ -166,14 +174,14 @@ def _gemm_act_spec(kind: str, pingpong: bool = False) -> KernelSpec:
     )
 
 
-def _gemm_dact_spec(kind: str, pingpong: bool = False) -> KernelSpec:
+def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
     # dgrad of down with the activation backward in the epilogue: dy rows @ W2[e] -> d gate_up, w*h,
     # and per (column tile, row) partial top-k weight gradients. I % GEMM_TILE_N == 0.
     return KernelSpec(
-        name=f"mok_gemm_dact_{kind}" + ("_pp" if pingpong else ""),
+        name=f"mok_gemm_dact_{kind}" + _pp_suffix(pingpong, cluster_n),
         module="grouped_gemm",
         factory="VarlenMGroupedGemmDact",
-        factory_kwargs=(("dact", kind),) + _pingpong_kwargs(pingpong),
+        factory_kwargs=(("dact", kind),) + _pingpong_kwargs(pingpong, cluster_n),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(256, 8, 1)),
@@ -486,6 +494,14 @@ SPECS = (
     _gemm_act_spec("swiglu_oai", pingpong=True),
     _gemm_dact_spec("swiglu", pingpong=True),
     _gemm_dact_spec("swiglu_oai", pingpong=True),
+    # the same on 2-CTA clusters: column-tile pairs share A by TMA multicast (MOK_GEMM_PINGPONG=cluster);
+    # act / dact need an even count of column tiles, which I % 128 / I % 256 == 0 give
+    _gemm_spec("mok_gemm_bk_ppc", "k", PINGPONG_TILE_N, full_epi=True, pingpong=True, cluster_n=2),
+    _gemm_spec("mok_gemm_bn_ppc", "n", PINGPONG_TILE_N, full_epi=True, pingpong=True, cluster_n=2),
+    _gemm_act_spec("swiglu", pingpong=True, cluster_n=2),
+    _gemm_act_spec("swiglu_oai", pingpong=True, cluster_n=2),
+    _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),
+    _gemm_dact_spec("swiglu_oai", pingpong=True, cluster_n=2),
     # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
     # tests/gpu/bench_wgrad_variants.py). Lost on H200 and dropped: (256, 64, 2), (128, 64, 2);
     # lazy epilogues with 4 x 128x64 buffers, half a tile buffered (4 A/B stages), 128x128 tiles,

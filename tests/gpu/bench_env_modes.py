@@ -59,6 +59,8 @@ MODE_SETS = {
         "pp": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
         "pp_dact": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "fused"},
         "pp_fused": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "fused", "MOK_GEMM_DACT": "fused"},
+        "ppc": {"MOK_GEMM_PINGPONG": "cluster", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
+        "ppc_fused": {"MOK_GEMM_PINGPONG": "cluster", "MOK_GEMM_ACT": "fused", "MOK_GEMM_DACT": "fused"},
     },
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},

@@ -56,10 +56,10 @@ def gemms(p, sched):
     dy_rows = cb.gather_rows(p["dy"], sched)
     dgu = cb.gather_rows((torch.randn(T, 2 * inter, device="cuda", generator=g) * 0.1).to(bf), sched)
     return [
-        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp")),
-        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp")),
+        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_ppc")),
+        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_ppc")),
         ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32",)),
-        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_bn_pp")),
+        ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_bn_pp", "mok_gemm_bn_ppc")),
     ]
 
 
@@ -129,7 +129,7 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
     t_split = median_ms_queued(split, reps)
     _fused_row(shape, "gate_up+act", "gemm_bk+act_fwd", t_split, t_split, flops, "", say, records)
     ok = True
-    for label, pingpong in (("gate_up_swiglu fused", "0"), ("gate_up_swiglu_pp", "1")):
+    for label, pingpong in (("gate_up_swiglu fused", "0"), ("gate_up_swiglu_pp", "1"), ("gate_up_swiglu_ppc", "cluster")):
         os.environ["MOK_GEMM_PINGPONG"] = pingpong  # gate_up_act picks the kernel by it
         gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
         torch.cuda.synchronize()
@@ -161,7 +161,7 @@ def fused_dact(shape, p, dy_rows, W2, sched, flops, reps, say, records):
     t_split = median_ms_queued(split, reps)
     _fused_row(shape, "dgrad+dact", "gemm_bn_f32+act_bwd", t_split, t_split, flops, "", say, records)
     ok = True
-    for label, pingpong in (("dact_swiglu fused", "0"), ("dact_swiglu_pp", "1")):
+    for label, pingpong in (("dact_swiglu fused", "0"), ("dact_swiglu_pp", "1"), ("dact_swiglu_ppc", "cluster")):
         os.environ["MOK_GEMM_PINGPONG"] = pingpong  # dgrad_act picks the kernel by it
         dgu_f, wh_f, dw_f = fused()
         torch.cuda.synchronize()

@@ -58,10 +58,13 @@ GEMM_VARIANTS = [
     ("mok_gemm_bn_f32", True, torch.float32),
     ("mok_gemm_bk_pp", False, torch.bfloat16),
     ("mok_gemm_bn_pp", True, torch.bfloat16),
+    ("mok_gemm_bk_ppc", False, torch.bfloat16),
+    ("mok_gemm_bn_ppc", True, torch.bfloat16),
 ]
 # variants whose bits must equal the default's (same K order per output element)
 DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn",
-                "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn"}
+                "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn",
+                "mok_gemm_bk_ppc": "mok_gemm_bk", "mok_gemm_bn_ppc": "mok_gemm_bn"}
 
 
 def test_gemm_variants_listed():
@@ -497,7 +500,7 @@ ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-@pytest.mark.parametrize("pingpong", ["0", "1"])  # MOK_GEMM_PINGPONG: mok_gemm_gate_up_<act>[_pp]
+@pytest.mark.parametrize("pingpong", ["0", "1", "cluster"])  # MOK_GEMM_PINGPONG: mok_gemm_gate_up_<act>[_pp|_ppc]
 def test_gate_up_act_fused(lib, case, pingpong, monkeypatch):
     """mok_gemm_gate_up_<act>[_pp]: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
     from mok_nn import cuda_backend as cb
@@ -558,7 +561,7 @@ DACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", DACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-@pytest.mark.parametrize("suffix", ["", "_pp"])  # the cooperative and the ping-pong kernel
+@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc"])  # cooperative, ping-pong, ping-pong on 2-CTA clusters
 def test_dgrad_act_fused(lib, case, suffix):
     """mok_gemm_dact_<act>[_pp]: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>;
     the per-row d topk-weight close to theirs and to an fp64 oracle; all outputs poisoned, run twice."""
@@ -637,8 +640,9 @@ def test_dgrad_act_in_backward(lib, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (512, 2048, 768, 128, 8, "skew")])
-def test_pingpong_in_layer(lib, case, monkeypatch):
-    """MOK_GEMM_PINGPONG=1 with the fused epilogues (MOK_GEMM_ACT=fused, MOK_GEMM_DACT=fused) against the
+@pytest.mark.parametrize("mode", ["1", "cluster"])  # MOK_GEMM_PINGPONG
+def test_pingpong_in_layer(lib, case, mode, monkeypatch):
+    """MOK_GEMM_PINGPONG=1 / cluster with the fused epilogues (MOK_GEMM_ACT=fused, MOK_GEMM_DACT=fused) against the
     default path through experts_forward / experts_backward: y, dx and both weight gradients bitwise
     equal, d topk-weights within fp32 reordering (summed per 128 instead of 256 columns); run twice."""
     from mok_nn import cuda_backend as cb
@@ -658,7 +662,7 @@ def test_pingpong_in_layer(lib, case, monkeypatch):
 
     want = run()
     for var in ("MOK_GEMM_PINGPONG", "MOK_GEMM_ACT", "MOK_GEMM_DACT"):
-        monkeypatch.setenv(var, "1" if var == "MOK_GEMM_PINGPONG" else "fused")
+        monkeypatch.setenv(var, mode if var == "MOK_GEMM_PINGPONG" else "fused")
     got, again = run(), run()
     names = ("y", "dx", "d_gate_up_proj", "d_down_proj", "d_topk")
     for n, a, b in zip(names, got, again):
