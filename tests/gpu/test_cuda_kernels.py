@@ -640,8 +640,8 @@ def test_dgrad_act_in_backward(lib, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (512, 2048, 768, 128, 8, "skew")])
-@pytest.mark.parametrize("mode", ["1", "cluster"])  # MOK_GEMM_PINGPONG
-def test_pingpong_in_layer(lib, case, mode, monkeypatch):
+@pytest.mark.parametrize("pp_mode", ["1", "cluster"])  # MOK_GEMM_PINGPONG
+def test_pingpong_in_layer(lib, case, pp_mode, monkeypatch):
     """MOK_GEMM_PINGPONG=1 / cluster with the fused epilogues (MOK_GEMM_ACT=fused, MOK_GEMM_DACT=fused) against the
     default path through experts_forward / experts_backward: y, dx and both weight gradients bitwise
     equal, d topk-weights within fp32 reordering (summed per 128 instead of 256 columns); run twice."""
@@ -662,7 +662,7 @@ def test_pingpong_in_layer(lib, case, mode, monkeypatch):
 
     want = run()
     for var in ("MOK_GEMM_PINGPONG", "MOK_GEMM_ACT", "MOK_GEMM_DACT"):
-        monkeypatch.setenv(var, mode if var == "MOK_GEMM_PINGPONG" else "fused")
+        monkeypatch.setenv(var, pp_mode if var == "MOK_GEMM_PINGPONG" else "fused")
     got, again = run(), run()
     names = ("y", "dx", "d_gate_up_proj", "d_down_proj", "d_topk")
     for n, a, b in zip(names, got, again):
