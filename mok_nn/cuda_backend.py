@@ -7,18 +7,20 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   MOK_SCHEDULE=mc_pdl: overlapped launches, =single: the one-CTA mok_schedule,
                   =torch: torch ops); no host sync
   gather of x     torch index_select into the padded expert order
-  gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma)
+  gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); where H <= 2048 with
+                  the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
   activation      mok_act_fwd_<act> (one pass over gate_up)
-  down GEMM       mok_gemm_bk
+  down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below)
   combine         mok_combine  (fixed tree over expert groups, j ascending within a group; the
                   same tree as the EP path's per-rank partial sums: kernels/combine.py)
   dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
-                  MOK_GEMM_DACT=fused: both in one kernel, mok_gemm_dact_<act> (the dgrad GEMM
-                  with the activation backward in its epilogue; I % 256 == 0; same d gate_up
-                  and w*h bits, d topk-weight summed per 256 columns then pairwise_sum). Off by
-                  default: 8-14% slower than the two kernels on H200, as its epilogue math does
-                  not overlap the MMA (docs/kernels.md)
+                  Where H <= 4096 (MOK_GEMM_DACT=auto): both in one kernel, mok_gemm_dact_<act>_ppc
+                  (the dgrad GEMM with the activation backward in its epilogue, on the clustered
+                  ping-pong kernel whose epilogue runs beside the MMA; I % 256 == 0; same d gate_up
+                  and w*h bits, d topk-weight summed per 128 columns then pairwise_sum).
+                  MOK_GEMM_DACT=fused / split force one form (the cooperative fused kernel,
+                  mok_gemm_dact_<act> with MOK_GEMM_PINGPONG=0, is slower than the two kernels)
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
@@ -35,8 +37,8 @@ mok_gemm_bk_ef / mok_gemm_bn_ef), "split" (4 sub-tile buffers: mok_gemm_bk /
 mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
 H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
 bitwise. MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
-(mok_gemm_gate_up_<act>, I % 128 == 0, no gate/up bias; bitwise equal to the two
-kernels; not faster on H200, so off by default).
+(mok_gemm_gate_up_<act>[_ppc], I % 128 == 0, no gate/up bias; bitwise equal to the two
+kernels); auto (default): where the clustered ping-pong kernel runs it (H <= 2048).
 MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
 each expert row's token through the schedule (mok_gemm_bk[_ef]_gather, cp.async),
 so no permuted copy of x is made or saved for backward (the backward gathers x
@@ -46,12 +48,12 @@ dSwiGLU GEMM has no gather variant; the dy rows are still gathered for the weigh
 gradient of down_proj). Same bits as the permuted copy (with MOK_GEMM_DACT=split);
 off by default: on H200 the forward is 1-5% slower than with the copy, but the
 activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
-MOK_GEMM_PINGPONG=1 runs the bf16 grouped GEMMs and the fused gate/up + activation and
-dgrad + dSwiGLU kernels as ping-pong kernels (mok_gemm_bk_pp, mok_gemm_bn_pp,
-mok_gemm_gate_up_<act>_pp, mok_gemm_dact_<act>_pp): each consumer warp group computes whole
-128 x 128 tiles, so one's epilogue runs beside the other's MMA; =cluster the same on 2-CTA
-clusters whose CTAs share A by TMA multicast (the _ppc kernels). Same K order per output
-element as the cooperative kernels.
+MOK_GEMM_PINGPONG picks the form of the bf16 grouped GEMMs and of the fused gate/up + activation
+and dgrad + dSwiGLU kernels: "0" cooperative (both consumer warp groups on one 128 x 256 tile),
+"1" ping-pong (_pp: each consumer warp group computes whole 128 x 128 tiles, so one's epilogue
+runs beside the other's MMA), "cluster" ping-pong on 2-CTA clusters whose CTAs share A by TMA
+multicast (_ppc), "auto" (default) _ppc where K is short (PINGPONG_AUTO_MAX_K). Same K order per
+output element in every form: the same bits.
 """
 
 from __future__ import annotations
@@ -245,16 +247,39 @@ def _use_torch_act() -> bool:
     return os.environ.get("MOK_ACT", "") == "torch"
 
 
-PINGPONG_MODES = ("0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first is the default
+PINGPONG_MODES = ("auto", "0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first is the default
+# auto: the clustered ping-pong kernel (_ppc) where the reduction length K is at most this, per GEMM
+# kind, else the cooperative one. Measured on H200 call by call (docs/kernels.md, "..._v55"):
+# dgrad of down + dSwiGLU fused, K = H: qwen3 (2048) 0.50 vs 0.62 ms for the two kernels, mixtral
+# (4096) 3.45 vs 4.11, deepseek-v3 (7168) 4.59 vs 4.50; gate/up + SwiGLU fused, K = H: qwen3 0.70 vs
+# 0.75, mixtral 6.71 vs 6.75 (equal), deepseek-v3 11.5 vs 8.2; plain GEMMs: qwen3 down (K 768) 0.385
+# vs 0.409, every K >= 1536 equal or slower.
+PINGPONG_AUTO_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
 
 
-def _pp_suffix() -> str:
-    """MOK_GEMM_PINGPONG: "0" (cooperative kernels), "1" (ping-pong: "_pp"), "cluster" (ping-pong on
-    2-CTA clusters sharing A: "_ppc") variants of the bf16 and fused-epilogue grouped GEMMs."""
-    mode = os.environ.get("MOK_GEMM_PINGPONG", "0")
+def pingpong_suffix(kind: str, k: int) -> str:
+    """Suffix of the grouped GEMM variant for a GEMM of this kind ("gemm": plain bf16, "act": gate/up +
+    activation, "dact": dgrad of down + activation backward) and reduction length k, by
+    MOK_GEMM_PINGPONG: "" (cooperative), "_pp" (ping-pong), "_ppc" (ping-pong on 2-CTA clusters
+    sharing A). "auto" (default): _ppc where k <= PINGPONG_AUTO_MAX_K[kind]; "0", "1", "cluster": one
+    form everywhere."""
+    mode = os.environ.get("MOK_GEMM_PINGPONG", "") or "auto"
     if mode not in PINGPONG_MODES:
         raise ValueError(f"MOK_GEMM_PINGPONG={mode!r}: expected one of {PINGPONG_MODES}")
+    if mode == "auto":
+        return "_ppc" if k <= PINGPONG_AUTO_MAX_K[kind] else ""
     return {"0": "", "1": "_pp", "cluster": "_ppc"}[mode]
+
+
+def _fused_mode(var: str, kind: str, k: int) -> bool:
+    """MOK_GEMM_ACT / MOK_GEMM_DACT: "fused", "split", or "auto" (default): fused where the ping-pong
+    kernels run it (pingpong_suffix), as the cooperative fused kernels are slower than the two kernels."""
+    mode = os.environ.get(var, "") or "auto"
+    if mode not in ("auto", "fused", "split"):
+        raise ValueError(f"{var}={mode!r}: expected auto, fused or split")
+    if mode == "auto":
+        return pingpong_suffix(kind, k) != ""
+    return mode == "fused"
 
 
 
@@ -335,7 +360,7 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    name = f"mok_gemm_gate_up_{activation}" + _pp_suffix()
+    name = f"mok_gemm_gate_up_{activation}" + pingpong_suffix("act", a.shape[1])
     group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
@@ -355,7 +380,7 @@ def gemm_kernel(
     """
     if out_dtype == torch.float32:
         return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
-    suffix = _pp_suffix() if pingpong is None else ("_pp" if pingpong else "")
+    suffix = pingpong_suffix("gemm", k) if pingpong is None else ("_pp" if pingpong else "")
     if suffix:
         return ("mok_gemm_bn" if transpose_w else "mok_gemm_bk") + suffix
     epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
@@ -521,11 +546,15 @@ def fused_dact_supported(inter: int, activation: str) -> bool:
     return inter % GEMM_TILE_N == 0 and activation in SUPPORTED_ACTIVATIONS
 
 
-def _use_fused_dact(inter: int, activation: str) -> bool:
-    mode = os.environ.get("MOK_GEMM_DACT", "split")  # fused measured slower on H200 (docs/kernels.md)
-    if mode not in ("fused", "split"):
-        raise ValueError(f"MOK_GEMM_DACT={mode!r}: expected fused or split")
-    return mode == "fused" and not _use_torch_gemm() and not _use_torch_act() and fused_dact_supported(inter, activation)
+def _use_fused_dact(inter: int, activation: str, hidden: int) -> bool:
+    return (_fused_mode("MOK_GEMM_DACT", "dact", hidden) and not _use_torch_gemm() and not _use_torch_act()
+            and fused_dact_supported(inter, activation))
+
+
+def use_fused_act(inter: int, activation: str, has_bias: bool, hidden: int) -> bool:
+    """Whether the forward runs gate_up_act (MOK_GEMM_ACT; the gate/up GEMM with the activation in its epilogue)."""
+    return (_fused_mode("MOK_GEMM_ACT", "act", hidden) and not _use_torch_gemm() and not _use_torch_act()
+            and fused_act_supported(inter, activation, has_bias))
 
 
 def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -550,7 +579,7 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
                          f"{activation!r}")
     dgu = torch.empty_like(gate_up)
     wh = gate_up.new_empty(m, inter)
-    name = f"mok_gemm_dact_{activation}" + _pp_suffix()
+    name = f"mok_gemm_dact_{activation}" + pingpong_suffix("dact", dy_rows.shape[1])
     tile_n = tile_n_of(name)
     parts = torch.empty(inter // tile_n, m, dtype=torch.float32, device=gate_up.device)
     if m == 0:
@@ -568,7 +597,7 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
 def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: mok_gemm_bn_f32 +
     act_backward, or with MOK_GEMM_DACT=fused dgrad_act where it runs these."""
-    if _use_fused_dact(gate_up.shape[1] // 2, activation):
+    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]):
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
@@ -631,12 +660,7 @@ def experts_forward(
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
     gather = _use_gather()
-    fused = (
-        os.environ.get("MOK_GEMM_ACT", "split") == "fused"
-        and not _use_torch_gemm()
-        and not _use_torch_act()
-        and fused_act_supported(down_proj.shape[2], activation, gate_up_bias is not None)
-    )
+    fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1])
     # The SwiGLU-epilogue GEMM has no gather variant: it gets the permuted copy (not saved with gather).
     x_rows = None if gather and not fused else gather_rows(x.contiguous(), sched)
     if fused:

@@ -1101,7 +1101,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # op issued before the first GEMM delays the GPU, which waits for the host here)
     eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
-    x_rows = None
+    x_rows = h = None
     if fwd_mode(ws.config) == "overlap":
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
@@ -1119,7 +1119,11 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         else:
             if x_rows is None:
                 x_rows = tokens.index_select(0, sched.row_token)
-            gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+            if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
+                # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
+                gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
+            else:
+                gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     too_many = _too_many(bufs)  # between the two barriers (stream order), as _too_many requires
     # the routing of this step for the backward's per-rank d x sums: copied here, between the two
     # barriers, as a peer publishes its next call's ids into this section only after the second
@@ -1127,7 +1131,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if gate_up_bias is not None:
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
-    h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
+    if h is None:
+        h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
     overlap = combine_mode(ws.config, down_bias is not None) == "overlap"
     sums = "slot" if overlap else combine_sums(ws.num_experts, P, top_k)
     if overlap:

@@ -263,14 +263,14 @@ def test_overlapped_pairs_launch_the_waiting_kernel_last(monkeypatch):
         return [(e[0], e[1] if e[0] == "launch" else f"{e[1]}<-{e[2]}") for e in what]
 
     cuda_ep._dispatch_gate_up(ws, bufs, eps, w13)
-    gemm = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + "_ready"
+    gemm = cb.gemm_kernel(False, torch.bfloat16, k=hidden, pingpong=False) + "_ready"
     assert order(log) == [("wait", "comm<-main"), ("launch", "mok_ep_dispatch_rows"), ("launch", gemm),
                           ("wait", "main<-comm")]
     assert [e[2] for e in log if e[0] == "launch"] == ["comm", "main"]
 
     log.clear()
     cuda_ep._down_push(ws, bufs, eps, torch.zeros(cap, inter, dtype=torch.bfloat16), w2)
-    gemm = cb.gemm_kernel(False, torch.bfloat16, k=inter) + "_done"
+    gemm = cb.gemm_kernel(False, torch.bfloat16, k=inter, pingpong=False) + "_done"
     assert order(log) == [("wait", "comm<-main"), ("launch", gemm), ("launch", "mok_ep_push_rows"),
                           ("wait", "main<-comm")]
     assert [e[2] for e in log if e[0] == "launch"] == ["main", "comm"]
@@ -330,8 +330,8 @@ def test_ov_tiles_mode_launches(mode, monkeypatch):
         assert (s1, s2) == ("main", "main")
         ready_dyn = mode in ("dynamic", "dispatch")
         done_dyn = mode == "dynamic"
-        base1 = cb.gemm_kernel(False, torch.bfloat16, k=hidden) + "_ready"
-        base2 = cb.gemm_kernel(False, torch.bfloat16, k=inter) + "_done"
+        base1 = cb.gemm_kernel(False, torch.bfloat16, k=hidden, pingpong=False) + "_ready"
+        base2 = cb.gemm_kernel(False, torch.bfloat16, k=inter, pingpong=False) + "_done"
         assert g1 == base1 + ("_dyn" if ready_dyn else "")
         assert g2 == base2 + ("_dyn" if done_dyn else "")
         if ready_dyn:

@@ -49,12 +49,13 @@ class _DactLib(_FakeLib):
         a, b, dgu, wh, gu, w, parts, te, seg_end, seg_rows, limit, group_m = args
         assert len(args) == len(spec.args)
         inter = wh.shape[1]
-        assert parts.shape == (inter // registry.GEMM_TILE_N, gu.shape[0]) and parts.dtype == torch.float32
+        tile_n = registry.tile_n_of(name)
+        assert parts.shape == (inter // tile_n, gu.shape[0]) and parts.dtype == torch.float32
         dh = torch.zeros(gu.shape[0], inter, 1)
         _gemm(a[:, :, 0], b, dh, te)
         out_dgu, out_wh, prod = _act_bwd(gu[:, :, 0], dh[:, :, 0], w, self.activation, limit)
         dgu[:, :, 0].copy_(out_dgu), wh[:, :, 0].copy_(out_wh)
-        parts.copy_(prod.view(prod.shape[0], -1, registry.GEMM_TILE_N).sum(dim=2).T)
+        parts.copy_(prod.view(prod.shape[0], -1, tile_n).sum(dim=2).T)
 
 
 @pytest.fixture
@@ -71,6 +72,8 @@ def dact_lib(monkeypatch):
     for var in ("MOK_GEMM", "MOK_ACT", "MOK_GEMM_GATHER", "MOK_GEMM_GATHER_DY", "MOK_GEMM_ACT", "MOK_GEMM_DACT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MOK_GEMM_EPI", "split")
+    # the cooperative kernels: with the default (auto) these small shapes would take the ping-pong ones
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
     return make
 
 
@@ -90,7 +93,7 @@ def test_fused_dact_equals_split(dact_lib, monkeypatch, I, activation, limit, bi
     monkeypatch.delenv("MOK_GEMM_DACT", raising=False)
     lib.calls.clear()
     cb.experts_backward(dy, cb.experts_forward(x, ids, w, *args)[1], x, ids, w, *args)
-    assert f"mok_act_bwd_{activation}" in lib.calls, "the default is the split path (measured faster)"
+    assert f"mok_act_bwd_{activation}" in lib.calls, "with MOK_GEMM_PINGPONG=0 the default is the split path"
     split, calls_split = run("split")
     fused, calls_fused = run("fused")
     assert f"mok_gemm_dact_{activation}" in calls_fused and f"mok_act_bwd_{activation}" not in calls_fused
@@ -133,3 +136,35 @@ def test_pairwise_sum(n):
     perm = torch.randperm(300, generator=g)
     assert torch.equal(cb.pairwise_sum(parts[:, perm]), got[perm])
     assert torch.equal(cb.pairwise_sum(parts[:, 17:40].contiguous()), got[17:40])
+
+
+def test_pingpong_auto_rule(monkeypatch):
+    """MOK_GEMM_PINGPONG=auto (default): the clustered ping-pong kernels where K is at most
+    PINGPONG_AUTO_MAX_K of the GEMM kind, and MOK_GEMM_ACT / MOK_GEMM_DACT=auto fused exactly there;
+    the other modes pick one form everywhere; bad values are rejected."""
+    for var in ("MOK_GEMM_PINGPONG", "MOK_GEMM_ACT", "MOK_GEMM_DACT"):
+        monkeypatch.delenv(var, raising=False)
+    limits = cb.PINGPONG_AUTO_MAX_K
+    for kind, k_max in limits.items():
+        assert cb.pingpong_suffix(kind, k_max) == "_ppc" and cb.pingpong_suffix(kind, k_max + 8) == ""
+    # the benchmark shapes (H, I): qwen3 (2048, 768), mixtral (4096, 14336), deepseek-v3 (7168, 2048)
+    assert [cb._fused_mode("MOK_GEMM_DACT", "dact", h) for h in (2048, 4096, 7168)] == [True, True, False]
+    assert [cb._fused_mode("MOK_GEMM_ACT", "act", h) for h in (2048, 4096, 7168)] == [True, False, False]
+    assert cb.gemm_kernel(False, k=768) == "mok_gemm_bk_ppc" and cb.gemm_kernel(True, k=2048) != "mok_gemm_bn_ppc"
+    assert cb.gemm_kernel(False, k=768, pingpong=False) in ("mok_gemm_bk", "mok_gemm_bk_ef")
+    assert cb.gemm_kernel(False, torch.float32, k=768) == "mok_gemm_bn_f32"
+    for mode, suffix in (("0", ""), ("1", "_pp"), ("cluster", "_ppc")):
+        monkeypatch.setenv("MOK_GEMM_PINGPONG", mode)
+        assert cb.pingpong_suffix("gemm", 64) == suffix and cb.pingpong_suffix("dact", 99999) == suffix
+        assert cb._fused_mode("MOK_GEMM_DACT", "dact", 99999) == (suffix != "")
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
+    monkeypatch.setenv("MOK_GEMM_DACT", "fused")
+    assert cb._fused_mode("MOK_GEMM_DACT", "dact", 2048)
+    monkeypatch.delenv("MOK_GEMM_DACT")
+    for var, bad in (("MOK_GEMM_PINGPONG", "2"), ("MOK_GEMM_DACT", "maybe")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            cb._fused_mode("MOK_GEMM_DACT", "dact", 2048)
+        monkeypatch.delenv(var)
+    for name in [s.name for s in registry.SPECS if s.name.endswith(("_pp", "_ppc"))]:
+        assert registry.tile_n_of(name) == registry.PINGPONG_TILE_N

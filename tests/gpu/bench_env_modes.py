@@ -53,13 +53,11 @@ MODE_SETS = {
     },
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
-    # the ping-pong GEMMs (MOK_GEMM_PINGPONG), alone and with the fused activation epilogues they can hide
+    # the GEMM forms (MOK_GEMM_PINGPONG) with the fused activation epilogues: the auto default, the cooperative
+    # kernels with separate activation kernels (the default before the clustered ping-pong kernels), ppc everywhere
     "pingpong": {
+        "auto": {"MOK_GEMM_PINGPONG": "auto", "MOK_GEMM_ACT": "auto", "MOK_GEMM_DACT": "auto"},  # the default
         "coop": {"MOK_GEMM_PINGPONG": "0", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
-        "pp": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
-        "pp_dact": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "fused"},
-        "pp_fused": {"MOK_GEMM_PINGPONG": "1", "MOK_GEMM_ACT": "fused", "MOK_GEMM_DACT": "fused"},
-        "ppc": {"MOK_GEMM_PINGPONG": "cluster", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
         "ppc_fused": {"MOK_GEMM_PINGPONG": "cluster", "MOK_GEMM_ACT": "fused", "MOK_GEMM_DACT": "fused"},
     },
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
