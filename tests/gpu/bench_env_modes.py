@@ -93,18 +93,16 @@ MODE_SETS = {
 }
 
 
-def with_env(fn, env):
+def with_env(fn, env, keys):
+    """fn run with the mode's settings: env set, the other keys of its mode set unset. They stay so after
+    fn returns, because bench.measure calls y.backward() outside fn and the backward reads its settings
+    then; the next mode's call replaces them. (Before this, the settings were restored on return, so
+    every mode's backward ran under the process environment: backward-only settings were not applied.)"""
     def run(*args):
-        old = {k: os.environ.get(k) for k in env}
+        for k in keys:
+            os.environ.pop(k, None)
         os.environ.update(env)
-        try:
-            return fn(*args)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        return fn(*args)
     return run
 
 
@@ -132,7 +130,8 @@ def main():
         group = dist.group.WORLD
     mok = bench.mok_experts("cuda", group)
     modes = MODE_SETS[args.modes]
-    impls = {name: with_env(mok, env) for name, env in modes.items()}
+    keys = sorted({k for env in modes.values() for k in env})
+    impls = {name: with_env(mok, env, keys) for name, env in modes.items()}
     impls["baseline"] = bench.baseline_experts if world == 1 else bench.baseline_experts_ep(group)
     records, ok = [], True
     for shape in args.shapes.split(","):

@@ -100,7 +100,7 @@ def child(name):
         width, n_out = 1024, 512  # x rows (H) -> gate_up rows
         secs, eps, a_rows, w, tc, rank = _problem(torch, cuda_ep, width, n_out, tokens, E, K, seed=2)
     sched = eps.sched
-    gemm = cb.gemm_kernel(False, torch.bfloat16, k=width)
+    gemm = cb.gemm_kernel(False, torch.bfloat16, k=width, pingpong=False)
     n_tiles = sched.tile_expert.numel()
     tiles_n = -(-n_out // cb.GEMM_TILE_N)
     wt = w.permute(1, 2, 0)

@@ -157,7 +157,7 @@ def test_dispatch_beside_gemm(lib, comm_ctas):
     sched = eps.sched
     w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=3)
     ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    name = cb.gemm_kernel(False, torch.bfloat16, k=H)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=H, pingpong=False)
     cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
     used = _used_rows(sched)
     ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
@@ -221,7 +221,7 @@ def test_push_beside_gemm(lib, comm_ctas):
     secs, eps, h_rows, *_ = _setup(P, tokens, I, E, K, 1, seed=20 + comm_ctas)  # A rows of width I play h
     sched = eps.sched
     w = _gemm_inputs(sched.capacity, I, H, E // P, seed=4)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=I)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=I, pingpong=False)
     ref = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     cb.launch_gemm(name, h_rows, w.permute(1, 2, 0), ref, sched)
     tc = max(tokens)
@@ -423,7 +423,7 @@ def _dispatch_gemm_dyn_runs(lib, setup, H, N, E, comm_ctas, w_seed, epochs):
     sched = eps.sched
     w = _gemm_inputs(sched.capacity, H, N, E // 2, seed=w_seed)
     ref = torch.full((sched.capacity, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    name = cb.gemm_kernel(False, torch.bfloat16, k=H)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=H, pingpong=False)
     cb.launch_gemm(name, want, w.permute(1, 2, 0), ref, sched)
     used = _used_rows(sched)
     ready = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
@@ -492,7 +492,7 @@ def test_push_beside_gemm_dyn(lib, comm_ctas):
     secs, eps, h_rows, *_ = _setup(P, tokens, I, E, K, 1, seed=60 + comm_ctas)
     sched = eps.sched
     w = _gemm_inputs(sched.capacity, I, H, E // P, seed=4)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=I)
+    name = cb.gemm_kernel(False, torch.bfloat16, k=I, pingpong=False)
     ref = torch.full((sched.capacity, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     cb.launch_gemm(name, h_rows, w.permute(1, 2, 0), ref, sched)
     tc = max(tokens)

@@ -42,23 +42,28 @@ def test_layer_packed_equals_ctypes(opts):
     dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     lib = cb._lib()
     assert lib._packed, "MOK_LAUNCH=ctypes is set: this test compares the two paths"
-    calls = {"packed": 0, "ctypes": 0}
-    launch_ctypes = lib.launch_ctypes
+    calls = {"launch": 0, "ctypes": 0}
+    launch, launch_ctypes = lib.launch, lib.launch_ctypes
+
+    def counted(*a, **k):
+        calls["launch"] += 1
+        return launch(*a, **k)
 
     def counted_ctypes(*a, **k):
         calls["ctypes"] += 1
         return launch_ctypes(*a, **k)
 
     try:
-        lib.launch_ctypes = counted_ctypes  # the packed path falls back to it only for unusual arguments
+        lib.launch, lib.launch_ctypes = counted, counted_ctypes  # packed falls back to ctypes only for odd arguments
         packed = run_layer(fused, x, dy)
-        assert calls["ctypes"] == 0, "the packed path fell back to ctypes"
+        assert calls["ctypes"] == 0 and calls["launch"] > 5, ("the packed path fell back to ctypes", calls)
         lib._packed = False
+        calls["launch"] = 0
         via_ctypes = run_layer(fused, x, dy)
-        assert calls["ctypes"] > 10
+        assert calls["ctypes"] == calls["launch"], ("every launch through ctypes", calls)
     finally:
         lib._packed = True
-        del lib.launch_ctypes
+        del lib.launch, lib.launch_ctypes
     want = run_layer(ref, x, dy)
     for name, a, b, w in zip(GRAD_NAMES, packed, via_ctypes, want):
         assert torch.equal(a, b), f"{name}: packed and ctypes launches differ"
