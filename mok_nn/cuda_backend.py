@@ -66,7 +66,7 @@ import torch
 
 from .kernels.registry import COMBINE_LEAVES, combine_leaves
 from .kernels.registry import (
-    GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
+    GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
 )  # fmt: skip
 from .kernels import loader
 from .kernels.registry import GEMM_GATHER_KERNELS
@@ -271,6 +271,17 @@ def pingpong_suffix(kind: str, k: int) -> str:
     return {"0": "", "1": "_pp", "cluster": "_ppc"}[mode]
 
 
+def _fused_kernel(base: str, kind: str, k: int, tiles: int) -> str:
+    """Registry name of a fused-epilogue GEMM: base + pingpong_suffix. The clustered kernels (_ppc) pair
+    column tiles, and their epilogues write gate / up blocks by column: a last, unpaired tile would
+    write into other columns, so with an odd count of column tiles the unclustered _pp kernel runs
+    (I % 128 == 0 / I % 256 == 0, which fused_act_supported / fused_dact_supported require, keep it even)."""
+    suffix = pingpong_suffix(kind, k)
+    if suffix == "_ppc" and tiles % 2:
+        suffix = "_pp"
+    return base + suffix
+
+
 def _fused_mode(var: str, kind: str, k: int) -> bool:
     """MOK_GEMM_ACT / MOK_GEMM_DACT: "fused", "split", or "auto" (default): fused where the ping-pong
     kernels run it (pingpong_suffix), as the cooperative fused kernels are slower than the two kernels."""
@@ -360,7 +371,7 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    name = f"mok_gemm_gate_up_{activation}" + pingpong_suffix("act", a.shape[1])
+    name = _fused_kernel(f"mok_gemm_gate_up_{activation}", "act", a.shape[1], two_i // 2 // (PINGPONG_TILE_N // 2))
     group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
@@ -579,7 +590,7 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
                          f"{activation!r}")
     dgu = torch.empty_like(gate_up)
     wh = gate_up.new_empty(m, inter)
-    name = f"mok_gemm_dact_{activation}" + pingpong_suffix("dact", dy_rows.shape[1])
+    name = _fused_kernel(f"mok_gemm_dact_{activation}", "dact", dy_rows.shape[1], inter // PINGPONG_TILE_N)
     tile_n = tile_n_of(name)
     parts = torch.empty(inter // tile_n, m, dtype=torch.float32, device=gate_up.device)
     if m == 0:

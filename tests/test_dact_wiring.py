@@ -166,5 +166,10 @@ def test_pingpong_auto_rule(monkeypatch):
         with pytest.raises(ValueError, match=var):
             cb._fused_mode("MOK_GEMM_DACT", "dact", 2048)
         monkeypatch.delenv(var)
+    # an odd count of column tiles takes the unclustered kernel (the clustered epilogue would write past it)
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "cluster")
+    assert cb._fused_kernel("mok_gemm_dact_swiglu", "dact", 2048, 6) == "mok_gemm_dact_swiglu_ppc"
+    assert cb._fused_kernel("mok_gemm_dact_swiglu", "dact", 2048, 3) == "mok_gemm_dact_swiglu_pp"
+    monkeypatch.delenv("MOK_GEMM_PINGPONG")
     for name in [s.name for s in registry.SPECS if s.name.endswith(("_pp", "_ppc"))]:
         assert registry.tile_n_of(name) == registry.PINGPONG_TILE_N

@@ -929,7 +929,8 @@ class VarlenMGroupedGemm:
 
 
 class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
-    """The gate/up GEMM with the activation in its epilogue: writes gate_up and h = act(gate, up)."""
+    """The gate/up GEMM with the activation in its epilogue: writes gate_up and h = act(gate, up).
+    I % (tile_n / 2) == 0; on clusters (cluster_n = 2) I % tile_n == 0 (an even count of h tiles)."""
 
     def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False, cluster_n: int = 1):
         assert act in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
@@ -956,7 +957,8 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
     """The backward's dgrad of down with the activation backward in its epilogue (module docstring).
 
     Writes d gate_up and w*h (bf16) and dw_part[n, r] = sum over the columns of h-tile n of dh * h;
-    I % tile_n == 0 (the gate and up blocks of a tile must not straddle I)."""
+    I % tile_n == 0 (the gate and up blocks of a tile must not straddle I); on clusters (cluster_n = 2)
+    I % (2 tile_n) == 0: a last, unpaired column tile would write into other columns."""
 
     def __init__(self, dact: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False, cluster_n: int = 1):
         assert dact in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
