@@ -83,3 +83,38 @@ def test_measure_rotates_the_order(n_impls):
             assert sorted(r[pos] for r in rounds) == names  # and once in each position
     if n_impls == 2:
         assert timed[:4] == ["impl0", "impl1", "impl1", "impl0"]  # the A B, B A of the two-way benchmark
+
+
+def test_env_modes_settings_reach_the_backward(monkeypatch):
+    """tests/gpu/bench_env_modes.with_env: a mode's settings are in force during its call and stay so
+    afterwards, when bench.measure runs the backward (until this was so, every mode's backward ran under
+    the process environment); keys of the mode set that this mode does not name are unset."""
+    import importlib.util
+    import os
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "gpu" / "bench_env_modes.py"
+    spec = importlib.util.spec_from_file_location("bench_env_modes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    keys = ["MOK_TEST_A", "MOK_TEST_B"]
+    for k in keys:
+        monkeypatch.delenv(k, raising=False)
+    seen = []
+
+    def fn():
+        seen.append({k: os.environ.get(k) for k in keys})
+
+        class Out:
+            def backward(self):  # what bench.measure calls after fn returns
+                seen.append({k: os.environ.get(k) for k in keys})
+
+        return Out()
+
+    a = mod.with_env(fn, {"MOK_TEST_A": "1", "MOK_TEST_B": "x"}, keys)
+    b = mod.with_env(fn, {"MOK_TEST_A": "2"}, keys)
+    a().backward()
+    b().backward()
+    assert seen == [{"MOK_TEST_A": "1", "MOK_TEST_B": "x"}] * 2 + [{"MOK_TEST_A": "2", "MOK_TEST_B": None}] * 2
+    for k in keys:
+        monkeypatch.delenv(k, raising=False)

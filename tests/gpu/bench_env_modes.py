@@ -22,7 +22,10 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   wgrad: c2, defer, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
-The env variables are read at every call, so one process can switch between them.
+  epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
+  pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
+The env variables are read at every call, so one process can switch between them. A mode's settings
+stay set after its call returns (the backward runs after it, reading them), until the next mode's call.
 Prints one line per (shape, mode): fwd / bwd ms, TFLOP/s, the ratio to the baseline measured in
 the same alternation, peak and activation GB, and whether y and every gradient equal the first
 mode's bits. Writes bench_env_modes.json to $OUT. Exit status 1 if some mode's bits differ.
