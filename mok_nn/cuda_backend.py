@@ -257,15 +257,22 @@ PINGPONG_MODES = ("auto", "0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first i
 PINGPONG_AUTO_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
 
 
+def env_choice(var: str, choices: tuple, default: str) -> str:
+    """The setting in environment variable `var`: one of `choices`, `default` where unset or empty;
+    any other value raises ValueError naming the variable."""
+    mode = os.environ.get(var, "")
+    if mode and mode not in choices:
+        raise ValueError(f"{var}={mode!r}: expected one of {choices}")
+    return mode or default
+
+
 def pingpong_suffix(kind: str, k: int) -> str:
     """Suffix of the grouped GEMM variant for a GEMM of this kind ("gemm": plain bf16, "act": gate/up +
     activation, "dact": dgrad of down + activation backward) and reduction length k, by
     MOK_GEMM_PINGPONG: "" (cooperative), "_pp" (ping-pong), "_ppc" (ping-pong on 2-CTA clusters
     sharing A). "auto" (default): _ppc where k <= PINGPONG_AUTO_MAX_K[kind]; "0", "1", "cluster": one
     form everywhere."""
-    mode = os.environ.get("MOK_GEMM_PINGPONG", "") or "auto"
-    if mode not in PINGPONG_MODES:
-        raise ValueError(f"MOK_GEMM_PINGPONG={mode!r}: expected one of {PINGPONG_MODES}")
+    mode = env_choice("MOK_GEMM_PINGPONG", PINGPONG_MODES, PINGPONG_MODES[0])
     if mode == "auto":
         return "_ppc" if k <= PINGPONG_AUTO_MAX_K[kind] else ""
     return {"0": "", "1": "_pp", "cluster": "_ppc"}[mode]
@@ -285,9 +292,7 @@ def _fused_kernel(base: str, kind: str, k: int, tiles: int) -> str:
 def _fused_mode(var: str, kind: str, k: int) -> bool:
     """MOK_GEMM_ACT / MOK_GEMM_DACT: "fused", "split", or "auto" (default): fused where the ping-pong
     kernels run it (pingpong_suffix), as the cooperative fused kernels are slower than the two kernels."""
-    mode = os.environ.get(var, "") or "auto"
-    if mode not in ("auto", "fused", "split"):
-        raise ValueError(f"{var}={mode!r}: expected auto, fused or split")
+    mode = env_choice(var, ("auto", "fused", "split"), "auto")
     if mode == "auto":
         return pingpong_suffix(kind, k) != ""
     return mode == "fused"
@@ -382,16 +387,17 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
 
 
 def gemm_kernel(
-    transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0, pingpong: bool | None = None,
+    transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0, pingpong: bool = True,
 ) -> str:
     """Registry name of the grouped GEMM variant; epi "split", "full" or "auto" (MOK_GEMM_EPI).
 
-    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K. pingpong (default
-    MOK_GEMM_PINGPONG): the ping-pong kernel of a bf16 output, whatever epi says (it keeps the tile whole).
+    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K. pingpong: the ping-pong form of
+    a bf16 output where MOK_GEMM_PINGPONG picks one (pingpong_suffix), whatever epi says (it keeps the
+    tile whole); False: always a cooperative kernel (callers that append a hook or gather suffix).
     """
     if out_dtype == torch.float32:
         return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
-    suffix = pingpong_suffix("gemm", k) if pingpong is None else ("_pp" if pingpong else "")
+    suffix = pingpong_suffix("gemm", k) if pingpong else ""
     if suffix:
         return ("mok_gemm_bn" if transpose_w else "mok_gemm_bk") + suffix
     epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
@@ -557,15 +563,19 @@ def fused_dact_supported(inter: int, activation: str) -> bool:
     return inter % GEMM_TILE_N == 0 and activation in SUPPORTED_ACTIVATIONS
 
 
+def _use_fused(var: str, kind: str, hidden: int, supported: bool) -> bool:
+    """A fused-epilogue kernel runs: chosen by var (_fused_mode, checked first so that a bad value always
+    raises), the CuTe GEMM and act kernels in use (not MOK_GEMM / MOK_ACT=torch), the shapes supported."""
+    return _fused_mode(var, kind, hidden) and not _use_torch_gemm() and not _use_torch_act() and supported
+
+
 def _use_fused_dact(inter: int, activation: str, hidden: int) -> bool:
-    return (_fused_mode("MOK_GEMM_DACT", "dact", hidden) and not _use_torch_gemm() and not _use_torch_act()
-            and fused_dact_supported(inter, activation))
+    return _use_fused("MOK_GEMM_DACT", "dact", hidden, fused_dact_supported(inter, activation))
 
 
 def use_fused_act(inter: int, activation: str, has_bias: bool, hidden: int) -> bool:
     """Whether the forward runs gate_up_act (MOK_GEMM_ACT; the gate/up GEMM with the activation in its epilogue)."""
-    return (_fused_mode("MOK_GEMM_ACT", "act", hidden) and not _use_torch_gemm() and not _use_torch_act()
-            and fused_act_supported(inter, activation, has_bias))
+    return _use_fused("MOK_GEMM_ACT", "act", hidden, fused_act_supported(inter, activation, has_bias))
 
 
 def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:

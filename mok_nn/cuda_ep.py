@@ -106,15 +106,6 @@ class EPError(RuntimeError):
     pass
 
 
-def _env_choice(var: str, choices: tuple, default: str) -> str:
-    """The setting in environment variable `var`: one of `choices`, `default` where unset or empty;
-    any other value raises ValueError naming the variable."""
-    mode = os.environ.get(var, "")
-    if mode and mode not in choices:
-        raise ValueError(f"{var}={mode!r}: expected one of {choices}")
-    return mode or default
-
-
 # --------------------------------------------------------------------------
 # pure logic (CPU-testable)
 
@@ -464,7 +455,7 @@ def copy_mode() -> str:
     """MOK_EP_COPY: 'v2' (default: mok_ep_pull_peers / mok_ep_push_peers, one launch for every peer;
     mok_ep_copy_rows_v2 for single copies), 'v1' (mok_ep_copy_rows, one launch per peer) or 'torch'
     (torch indexing, a debugging aid that synchronises with the host)."""
-    return _env_choice("MOK_EP_COPY", COPY_MODES, COPY_MODES[0])
+    return cb.env_choice("MOK_EP_COPY", COPY_MODES, COPY_MODES[0])
 
 
 def dispatch_mode() -> str:
@@ -472,13 +463,13 @@ def dispatch_mode() -> str:
     mok_ep_pull_peers, then index_select into the GEMM's row order) or 'rows' (one
     mok_ep_dispatch_rows launch on every SM writes the GEMM's rows straight from the peers' sections,
     each remote token row crossing NVLink once; its plan comes from the schedule graph). Same rows."""
-    return _env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
+    return cb.env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
 
 
 def publish_mode() -> str:
     """MOK_EP_PUBLISH: 'kernel' (default: step 1 of the forward as one mok_ep_publish launch) or 'torch'
     (the torch ops it replaces, about 4 + 4P launches; the fallback and the test oracle)."""
-    return _env_choice("MOK_EP_PUBLISH", PUBLISH_MODES, PUBLISH_MODES[0])
+    return cb.env_choice("MOK_EP_PUBLISH", PUBLISH_MODES, PUBLISH_MODES[0])
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -514,7 +505,7 @@ def ov_tiles_mode() -> str:
     by atomic add, so CTAs that start when the comm kernel's SMs free up take the remaining tiles) or
     'dispatch' (dynamic for the dispatch pair only: the push runs until the down GEMM's end, and with
     that GEMM on every SM the push may only find SMs once the GEMM's CTAs leave)."""
-    return _env_choice("MOK_EP_OV_TILES", OV_TILES_MODES, OV_TILES_MODES[0])
+    return cb.env_choice("MOK_EP_OV_TILES", OV_TILES_MODES, OV_TILES_MODES[0])
 
 
 def _ov_gemm(ws, hook: str, comm_ctas: int, gemm_ctas: int, dev) -> tuple[str, int, tuple]:
@@ -541,7 +532,7 @@ def combine_mode(config, down_bias: bool) -> str:
     """'overlap' (push beside the down GEMM) or 'sequential' (push after it). Overlapped only in the
     overlapped forward and without a down-projection bias (added after the GEMM); MOK_EP_COMBINE
     =sequential turns it off."""
-    mode = _env_choice("MOK_EP_COMBINE", FWD_MODES, "overlap")
+    mode = cb.env_choice("MOK_EP_COMBINE", FWD_MODES, "overlap")
     if fwd_mode(config) != "overlap" or down_bias:
         return "sequential"
     return mode
@@ -562,7 +553,7 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = Fals
     weight gradients, MOK_EP_DX_PUSH=copy_engine; the slot rows would be pushed after them). Measured
     on 2 H200 (docs/ep.md): qwen3 / deepseek-v3 (k = 8) forward 6-7% faster with 'rank', mixtral
     (k = 2) backward 1% slower with 'rank' sent by the kernel."""
-    mode = _env_choice("MOK_EP_COMBINE_SUMS", COMBINE_SUMS_MODES, COMBINE_SUMS_MODES[0])
+    mode = cb.env_choice("MOK_EP_COMBINE_SUMS", COMBINE_SUMS_MODES, COMBINE_SUMS_MODES[0])
     if mode == "auto":
         mode = "rank" if top_k > 2 * ep_size or hidden else "slot"
     if mode == "rank" and cb.combine_leaves(num_experts) % ep_size:
@@ -578,7 +569,7 @@ def dx_push_mode() -> str:
     local staging block, then copied by the copy engines on a side stream while the weight gradients
     run, SymmBuffers.push_partials(copy_stream=...)) or 'kernel' (stored over NVLink by the summing
     kernel itself, in stream order after the weight gradients)."""
-    return _env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
+    return cb.env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
 
 
 def fwd_mode(config) -> str:
@@ -589,7 +580,7 @@ def fwd_mode(config) -> str:
     (since the launch-order fix of its cold-start deadlock, docs/ep.md "Overlapped forward:
     why it timed out"), but it is not faster yet, so it is opt-in.
     """
-    mode = _env_choice("MOK_EP_FWD", FWD_MODES, "sequential")
+    mode = cb.env_choice("MOK_EP_FWD", FWD_MODES, "sequential")
     if cb._use_torch_gemm():
         return "sequential"  # torch._grouped_mm has no readiness hook
     if mode == "overlap" and config.fwd_num_comm_sms > 0:
