@@ -118,3 +118,27 @@ def store_tile_split(
             store_pipe.producer_commit()
             store_pipe.producer_acquire()
         epi_barrier.arrive_and_wait()
+
+
+@cute.jit
+def store_tile_full(
+    r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, c_dtype: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC,
+    epi_layout, epi_tiles: cutlass.Constexpr, epi_barrier, warp_idx, buf_base=0, store_warp=4,
+):
+    """Store one output tile whole: every sub-tile into its own smem buffer (buf_base + e), then the TMA
+    stores, left in flight. The wait for them to have read smem comes at the start of the next call
+    (the full-tile epilogue: the stores overlap the next tile's mainloop)."""
+    if warp_idx == store_warp:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+    epi_barrier.arrive_and_wait()
+    for e in cutlass.range_constexpr(epi_tiles):
+        for v in cutlass.range_constexpr(rD_size):
+            rD[v] = tRS_acc[e * rD_size + v]
+        rD_out.store(rD.load().to(c_dtype))
+        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf_base + e)])
+    cute.arch.fence_proxy("async.shared", space="cta")
+    epi_barrier.arrive_and_wait()
+    if warp_idx == store_warp:
+        for e in cutlass.range_constexpr(epi_tiles):
+            cute.copy(tma_c, bSG_sC[(None, buf_base + e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+        cute.arch.cp_async_bulk_commit_group()

@@ -82,7 +82,9 @@ import cuda.bindings.driver as cuda
 
 from .readiness import signal_tile_done, wait_tile_ready
 from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
-from .gemm_consumer import epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_split
+from .gemm_consumer import (
+    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_full, store_tile_split,
+)
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -363,28 +365,6 @@ class VarlenMGroupedGemm:
         if cutlass.const_expr(m_subs == 1):
             return m_tile
         return m_tile * m_subs + ms
-
-    @cute.jit
-    def _epilogue_full(
-        self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, epi_layout,
-        epi_tiles: cutlass.Constexpr, epi_barrier, warp_idx, buf_base, store_warp,
-    ):
-        """The whole output tile into smem buffers buf_base.., then its TMA stores, left in flight: the wait
-        for them to have read smem comes at the start of this warp group's next epilogue."""
-        if warp_idx == store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        epi_barrier.arrive_and_wait()
-        for e in cutlass.range_constexpr(epi_tiles):
-            for v in cutlass.range_constexpr(rD_size):
-                rD[v] = tRS_acc[e * rD_size + v]
-            rD_out.store(rD.load().to(self.c_dtype))
-            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf_base + e)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi_barrier.arrive_and_wait()
-        if warp_idx == store_warp:
-            for e in cutlass.range_constexpr(epi_tiles):
-                cute.copy(tma_c, bSG_sC[(None, buf_base + e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
-            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _epilogue_act(
@@ -897,9 +877,9 @@ class VarlenMGroupedGemm:
                         )
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
                         if cutlass.const_expr(self.full_epi):
-                            self._epilogue_full(
-                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles,
-                                epi_barrier, warp_idx, buf_base, store_warp,
+                            store_tile_full(
+                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                                epi_tiles, epi_barrier, warp_idx, buf_base, store_warp,
                             )
                         elif cutlass.const_expr(self.act is not None):
                             self._epilogue_act(

@@ -199,6 +199,7 @@ def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> Ke
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
+    pingpong: bool = False,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -207,6 +208,7 @@ def _wgrad_spec(
     kwargs += (("lazy_epilogue", True),) if lazy else ()
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
+    kwargs += (("pingpong", True),) if pingpong else ()  # whole 128x128 tiles per consumer warp group
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -516,6 +518,10 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
+    # Ping-pong: each consumer warp group takes whole 128x128 tiles in turn, so one's epilogue runs
+    # beside the other's mainloop (wgrad_gemm.py); alone and on 2-CTA clusters sharing B.
+    _wgrad_spec("mok_gemm_wgrad_pp", PINGPONG_TILE_N, 32, 8, pingpong=True),
+    _wgrad_spec("mok_gemm_wgrad_ppc", PINGPONG_TILE_N, 32, 8, cluster_m=2, pingpong=True),
     # Lost and dropped: wider epilogue sub-tiles for _defer_c2, 128x64 x 4 and 128x128 x 2 (4 and 2
     # barriers a tile instead of 8): -2% to +13% (..._v38_wgrad_epi_width.txt).
     # Lost and dropped: 4-CTA clusters (B a quarter per CTA). Only 30 clusters of 4 are resident on

@@ -27,7 +27,9 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
-from .gemm_consumer import epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_split
+from .gemm_consumer import (
+    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_full, store_tile_split,
+)
 from .registry import TILE_M
 
 
@@ -53,6 +55,16 @@ class VarlenKGroupedGemm:
     it into both CTAs' shared memory (TMA multicast), and releases a stage to both producers. A
     third less L2 -> shared-memory traffic per tile; the loads, more than the MMA or the stores,
     bound these short-K GEMMs (deepseek-v3: the _defer kernel without MMA took 7.4 of 7.9 ms).
+
+    pingpong (tile_n = 128): each consumer warp group computes whole 128 x 128 tiles, the two taking
+    turns over the CTA's tiles, so one warp group's epilogue (registers -> smem, the part of the
+    epilogue that the lazy one still runs on the MMA warps) overlaps the other's mainloop. As in
+    grouped_gemm.py's ping-pong kernels: a warp group steps over the other's stages without waiting
+    on them, two mbarriers order the mainloops (also needed for correctness: without them a warp
+    group may wait a ring lap ahead, where a full barrier's phase parity cannot tell the laps apart),
+    and each warp group has its own epilogue buffers (the whole 128 x 128 tile, stored by TMA and
+    waited for at its next epilogue), named barrier and storing warp. Every output element is still
+    reduced by one warp group in ascending K order: bitwise the cooperative kernel's result.
     """
 
     def __init__(
@@ -64,8 +76,13 @@ class VarlenKGroupedGemm:
         diag: str = "",
         num_sms: int = 132,
         cluster_m: int = 1,
+        pingpong: bool = False,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
+        # pingpong: whole 128 x 128 tiles per consumer warp group, alternating (see the docstring); its
+        # epilogue buffers the whole tile (epi_stages sub-tiles of 64 x epi_n per warp group).
+        assert not pingpong or (tile_n == 128 and not lazy_epilogue and not diag)
+        self.pingpong = pingpong
         # cluster_m = 2: CTA pairs (a cluster) take row tiles 2p, 2p + 1 of the same (column tile, expert)
         # and share B: each loads half of every B stage and multicasts it to both (see the docstring).
         assert cluster_m in (1, 2)
@@ -82,7 +99,9 @@ class VarlenKGroupedGemm:
         assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
-        self.mma_atom_layout = (2, 1, 1)
+        # Two consumer warp groups split the 128 rows (64 each); ping-pong: one warp group's MMA covers
+        # all 128 rows (two m64 wgmma per k block).
+        self.mma_atom_layout = (1, 1, 1) if pingpong else (2, 1, 1)
         self.num_consumer_wg = 2
         self.threads_per_wg = 128
         self.num_threads = (1 + self.num_consumer_wg) * self.threads_per_wg
@@ -91,12 +110,20 @@ class VarlenKGroupedGemm:
         self.consumer_regs = 232
         self.epi_tile = (128, epi_n)
         self.epi_stages = epi_stages
+        self.epi_buffers = epi_stages
+        # Warps that release each A/B stage (per CTA): both consumer warp groups, or the tile's one.
+        self.stage_consumer_warps = self.num_consumer_wg * 4
+        if pingpong:
+            self.epi_tile = (64, epi_n)  # the sub-tiles of one 64-row MMA block (the accumulator's order)
+            self.epi_stages = 128 * tile_n // (64 * epi_n)  # the whole tile per warp group
+            self.epi_buffers = 2 * self.epi_stages
+            self.stage_consumer_warps = 4
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
         bm, bn, bk = self.tile_mnk
         ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_stages
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_buffers
         return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
 
     @cute.jit
@@ -131,7 +158,7 @@ class VarlenKGroupedGemm:
         self.ab_stages = self._stages(self.ab_dtype, self.c_dtype)
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
-        c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_stages)
+        c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_buffers)
 
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem, (None, None, 0)), (bm, bk)
@@ -169,6 +196,17 @@ class VarlenKGroupedGemm:
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
 
         self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.pingpong):
+            # + the two mainloop order barriers of the consumer warp groups (see the kernel)
+            @cute.struct
+            class SharedStoragePingPong:
+                ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+                order_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
+
+            self.shared_storage = SharedStoragePingPong
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, seg_end, seg_rows,
@@ -246,11 +284,19 @@ class VarlenKGroupedGemm:
         # picks the peers from cta_layout_vmnk), and a full barrier expects A plus both halves of B.
         # (create() ends with a cluster-wide sync: the barriers are initialised before a peer's
         # multicast or arrive can reach them.)
+        if cutlass.const_expr(self.pingpong):
+            # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
+            # mainloop and its 128 threads arrive on order_bars[1 - w] after it (grouped_gemm.py).
+            # Initialised here, fenced by the A/B pipeline's setup.
+            order_bars = storage.order_barriers.data_ptr()
+            if tidx == 0:
+                cute.arch.mbarrier_init(order_bars, self.threads_per_wg)
+                cute.arch.mbarrier_init(order_bars + 1, self.threads_per_wg)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_wg * 4 * self.cluster_m),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_m),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
         )
@@ -310,13 +356,27 @@ class VarlenKGroupedGemm:
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            # Cooperative: consumer threads 0-127 (warp group 1) hold rows 0-63 of every tile, 128-255
+            # rows 64-127, and warp 4 stores. Ping-pong: warp group w (1, 2) takes every other tile of
+            # this CTA whole, with its own smem buffers (buf_base..), named barrier (1 + w) and storing warp (4 w).
+            wg = wg_idx - 1
             ctid = tidx - self.threads_per_wg
+            store_warp = 4
+            buf_base = 0
+            epi_threads = self.num_consumer_threads
+            barrier_id = 1
+            if cutlass.const_expr(self.pingpong):
+                ctid = tidx % self.threads_per_wg
+                store_warp = wg_idx * 4
+                buf_base = wg * self.epi_stages
+                epi_threads = self.threads_per_wg
+                barrier_id = 1 + wg
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
 
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
                 tiled_mma, ctid, sC, acc, self.c_layout, self.c_dtype, self.acc_dtype
             )
-            epi_barrier, store_pipe = store_sync(self.num_consumer_threads, self.epi_stages)
+            epi_barrier, store_pipe = store_sync(epi_threads, self.epi_stages, barrier_id)
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -325,51 +385,88 @@ class VarlenKGroupedGemm:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
+            turn = cutlass.Int32(0)  # ping-pong: the warp group whose tile the next one is
+            # ping-pong: phase to wait for on order_bars[wg]; a fresh barrier passes parity 1 at once,
+            # so warp group 1 (wg 0) starts and warp group 2 waits for its first arrival
+            order_phase = 1 - wg
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 _, k_tiles = self._k_range(seg_end, seg_rows, expert)
-                acc.fill(0.0)
-                if k_tiles > 0:
-                    tiled_mma, acc, read_state, release_state = mma_mainloop(
-                        tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                        skip_mma=self.diag == "no_mma",
-                    )
-
-                bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
-                    gC[(None, None, m_tile, n_tile, expert)], self.epi_tile, tma_c, sC
-                )
-                if cutlass.const_expr(self.lazy_epilogue):
-                    # Stores of this tile are left in flight while the next tile's MMA runs;
-                    # a buffer is waited for only right before it is rewritten. One bulk group
-                    # per sub-tile, so "buffer b is free" = all but the newest groups have read smem.
-                    nbuf = self.epi_stages
-                    if warp_idx == 4:
-                        cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)  # buffer 0's last store
-                    epi_barrier.arrive_and_wait()
-                    for e in cutlass.range_constexpr(epi_tiles):
-                        for v in cutlass.range_constexpr(rD_size):
-                            rD[v] = tRS_acc[e * rD_size + v]
-                        rD_out.store(rD.load().to(self.c_dtype))
-                        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e % nbuf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        if cutlass.const_expr(e + 1 < epi_tiles):
-                            if warp_idx == 4:
-                                # buffer (e+1) % nbuf: its last store is older than the nbuf - 2
-                                # groups issued since (store e is not issued yet)
-                                cute.arch.cp_async_bulk_wait_group(nbuf - 2, read=True)
-                        epi_barrier.arrive_and_wait()
-                        if warp_idx == 4:
-                            if cutlass.const_expr(self.diag != "no_store"):
-                                cute.copy(
-                                    tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))]
-                                )
-                            cute.arch.cp_async_bulk_commit_group()
+                skip = cutlass.Int32(0)
+                if cutlass.const_expr(self.pingpong):
+                    if turn != wg:
+                        skip = cutlass.Int32(1)
+                    turn = 1 - turn
+                if skip == 1:
+                    # The other warp group's tile: step over its stages (it waits for and releases them).
+                    for k in range(k_tiles):
+                        read_state.advance()
+                        release_state.advance()
                 else:
-                    store_tile_split(
-                        r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
-                        epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx,
+                    acc.fill(0.0)
+                    if cutlass.const_expr(self.pingpong):
+                        cute.arch.mbarrier_wait(order_bars + wg, order_phase)
+                        order_phase = 1 - order_phase
+                    if k_tiles > 0:
+                        tiled_mma, acc, read_state, release_state = mma_mainloop(
+                            tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                            skip_mma=self.diag == "no_mma",
+                        )
+                    if cutlass.const_expr(self.pingpong):
+                        cute.arch.mbarrier_arrive(order_bars + (1 - wg))
+                    bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
+                        gC[(None, None, m_tile, n_tile, expert)], self.epi_tile, tma_c, sC
                     )
-                    epi_count = epi_count + epi_tiles
+                    if cutlass.const_expr(self.pingpong):
+                        store_tile_full(
+                            r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                            epi_tiles, epi_barrier, warp_idx, buf_base, store_warp,
+                        )
+                    else:
+                        epi_count = self._epilogue(
+                            r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles,
+                            epi_count, epi_barrier, store_pipe, warp_idx,
+                        )
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
+
+    @cute.jit
+    def _epilogue(
+        self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, epi_layout,
+        epi_tiles: cutlass.Constexpr, epi_count, epi_barrier, store_pipe, warp_idx,
+    ):
+        """The cooperative kernels' epilogue (lazy or split) of one tile; returns the new epi_count."""
+        if cutlass.const_expr(self.lazy_epilogue):
+            # Stores of this tile are left in flight while the next tile's MMA runs;
+            # a buffer is waited for only right before it is rewritten. One bulk group
+            # per sub-tile, so "buffer b is free" = all but the newest groups have read smem.
+            nbuf = self.epi_stages
+            if warp_idx == 4:
+                cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)  # buffer 0's last store
+            epi_barrier.arrive_and_wait()
+            for e in cutlass.range_constexpr(epi_tiles):
+                for v in cutlass.range_constexpr(rD_size):
+                    rD[v] = tRS_acc[e * rD_size + v]
+                rD_out.store(rD.load().to(self.c_dtype))
+                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e % nbuf)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if cutlass.const_expr(e + 1 < epi_tiles):
+                    if warp_idx == 4:
+                        # buffer (e+1) % nbuf: its last store is older than the nbuf - 2
+                        # groups issued since (store e is not issued yet)
+                        cute.arch.cp_async_bulk_wait_group(nbuf - 2, read=True)
+                epi_barrier.arrive_and_wait()
+                if warp_idx == 4:
+                    if cutlass.const_expr(self.diag != "no_store"):
+                        cute.copy(
+                            tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))]
+                        )
+                    cute.arch.cp_async_bulk_commit_group()
+        else:
+            store_tile_split(
+                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx,
+            )
+            epi_count = epi_count + epi_tiles
+        return epi_count

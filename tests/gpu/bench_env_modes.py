@@ -20,7 +20,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           by the copy engines, or stored by the summing kernel after them; EP only, per-rank sums)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
-  wgrad: c2, defer, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
+  wgrad: c2, ppc, pp, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
   pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
@@ -51,7 +51,8 @@ MODE_SETS = {
     # measurement's position bias next to the difference
     "wgrad": {
         "c2": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
-        "defer": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer"},
+        "ppc": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_ppc"},
+        "pp": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_pp"},
         "c2_again": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
     },
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
