@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from . import functional
+from . import distributed, functional
 from .functional import ExpertParams, Workspace
 
 
@@ -40,22 +40,70 @@ def _split_saved(saved):
     return [getattr(saved, n) for n in names], lambda tensors: cls(**others, **dict(zip(names, tensors)))
 
 
+def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, int]] | None:
+    """Token ranges [start, end) of the macrobatch passes (MoKConfig.macrobatch_size tokens each, the last
+    one shorter), or None where every token runs in one pass.
+
+    With expert parallelism every rank must run the same passes, so the ranks compare their token
+    counts (one all-reduce, a host synchronisation, only when macrobatch_size is set) and a mismatch
+    raises ValueError on every rank.
+    """
+    size = workspace.config.macrobatch_size
+    if size is None:
+        return None
+    if workspace.ep_size > 1:
+        lo, hi = distributed.token_count_range(num_tokens, workspace.ep_group, workspace.device)
+        if lo != hi:
+            raise ValueError(
+                f"MoKConfig.macrobatch_size is set, and with expert parallelism every rank must then pass the "
+                f"same number of tokens; this call has {lo} to {hi} tokens across the ranks"
+            )
+    if num_tokens <= size:
+        return None
+    return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
+
+
 class MoKFunction(torch.autograd.Function):
     """y = sum_j w_tj * expert_{ids_tj}(x_t), with gradients for x, w and the expert parameters.
 
     apply(x [T, H], topk_weights [T, k], gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I],
           gate_up_bias [E_l, 2I] | None, down_bias [E_l, H] | None, topk_ids [T, k] int64,
           workspace: functional.Workspace) -> y [T, H] in x.dtype
+
+    With MoKConfig.macrobatch_size set and more tokens than that, the tokens run in passes of that
+    many (macrobatch_passes), forward and backward, so the per-pass buffers (the EP workspace, the
+    rows of one pass) are sized by the pass: y, d x and d topk-weights equal the one-pass result
+    bitwise (every token's rows are computed alike); the parameter gradients are the sum over the
+    passes in pass order, each pass's added in bf16 (the CUDA weight-gradient kernel adds in its stores).
     """
 
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
                 workspace: Workspace):
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
+        passes = macrobatch_passes(x.shape[0], workspace)
         with autocast_off(x.device.type):
-            schedule = functional.build_schedule(topk_ids, workspace)
-            y, saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
-        saved_tensors, ctx.rebuild_saved = _split_saved(saved)
+            if passes is None:
+                schedule = functional.build_schedule(topk_ids, workspace)
+                y, saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
+                saved_passes = [saved]
+            else:
+                ys, saved_passes = [], []
+                for start, end in passes:
+                    ids = topk_ids[start:end]
+                    schedule = functional.build_schedule(ids, workspace)
+                    y_pass, saved = functional.forward(x[start:end], ids, topk_weights[start:end], params, schedule,
+                                                       workspace)
+                    ys.append(y_pass)
+                    saved_passes.append(saved)
+                y = torch.cat(ys)
+        saved_tensors, ctx.rebuild_saved, ctx.saved_counts = [], [], []
+        for saved in saved_passes:
+            tensors, rebuild = _split_saved(saved)
+            saved_tensors += tensors
+            ctx.rebuild_saved.append(rebuild)
+            ctx.saved_counts.append(len(tensors))
+        ctx.passes = passes
         ctx.workspace = workspace
         ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                               *saved_tensors)
@@ -66,8 +114,24 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *saved = ctx.saved_tensors
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
+        saved_passes, first = [], 0
+        for rebuild, count in zip(ctx.rebuild_saved, ctx.saved_counts):
+            saved_passes.append(rebuild(saved[first:first + count]))
+            first += count
+        grad_y = grad_y.contiguous()
         with autocast_off(grad_y.device.type):  # a backward called inside an autocast region
-            dx, d_topk, grads = functional.backward(
-                grad_y.contiguous(), ctx.rebuild_saved(saved), x, topk_ids, topk_weights, params, ctx.workspace
-            )
+            if ctx.passes is None:
+                dx, d_topk, grads = functional.backward(
+                    grad_y, saved_passes[0], x, topk_ids, topk_weights, params, ctx.workspace
+                )
+            else:
+                dxs, d_topks, grads = [], [], None
+                for (start, end), saved_pass in zip(ctx.passes, saved_passes):
+                    dx, d_topk, grads = functional.backward(
+                        grad_y[start:end], saved_pass, x[start:end], topk_ids[start:end], topk_weights[start:end],
+                        params, ctx.workspace, grads_into=grads,
+                    )
+                    dxs.append(dx)
+                    d_topks.append(d_topk)
+                dx, d_topk = torch.cat(dxs), torch.cat(d_topks)
         return dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None

@@ -26,13 +26,17 @@ class MoKConfig:
         multiple of the balanced load (tokens * top_k / ep_size, padded); a
         routing that overflows it is reported as an error, never truncated.
 
-    What the CUDA kernels read today: schedule_capacity_multiplier (expert
-    parallelism) and fwd_num_comm_sms (only the opt-in overlapped forward,
-    MOK_EP_FWD=overlap; docs/ep.md). The readiness unit of that forward is one
-    128-row GEMM tile, not minibatch_size, and every token runs in one pass.
-    bwd_num_comm_sms, minibatch_size and macrobatch_size are validated and kept
-    for the overlapped backward and the macrobatched passes, which do not exist
-    yet: setting them changes nothing now.
+    What is read today: macrobatch_size (every backend: MoKFunction runs the
+    tokens in passes of that many, forward and backward; y, d x and d topk-weights
+    keep their bits on the CUDA path, the expert gradients are summed over the
+    passes in bf16; with expert parallelism every rank must pass the same number
+    of tokens, checked by one all-reduce per call; not under torch.compile, whose
+    custom ops run one pass), schedule_capacity_multiplier (expert parallelism)
+    and fwd_num_comm_sms (only the opt-in overlapped forward, MOK_EP_FWD=overlap;
+    docs/ep.md). The readiness unit of that forward is one 128-row GEMM tile, not
+    minibatch_size. bwd_num_comm_sms and minibatch_size are validated and kept for
+    an overlapped backward and finer readiness units, which do not exist yet:
+    setting them changes nothing now.
     """
 
     fwd_num_comm_sms: int = 16

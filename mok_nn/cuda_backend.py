@@ -67,6 +67,7 @@ import torch
 from .kernels.registry import COMBINE_LEAVES, combine_leaves
 from .kernels.registry import (
     GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
+    WGRAD_ACC_KERNELS,
 )  # fmt: skip
 from .kernels import loader
 from .kernels.registry import GEMM_GATHER_KERNELS
@@ -430,24 +431,39 @@ def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(0, flat, ones)
 
 
-def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, counts: torch.Tensor) -> torch.Tensor:
+def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, counts: torch.Tensor,
+                into: torch.Tensor | None = None) -> torch.Tensor:
     """[E, Na, Nb] bf16: per expert e, a_rows[seg e]^T @ b_rows[seg e] (fp32 accumulation, rows ascending).
 
     a_rows [M_cap, Na], b_rows [M_cap, Nb] in schedule order with zero padding rows;
     counts [E] int32 real rows per expert (the kernel stops at the K tile holding the last one).
+    into: add the (bf16-rounded) result into this [E, Na, Nb] tensor and return it (macrobatch passes):
+    by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
+    no second gradient buffer), else computed apart and added (bf16 round of the sum either way).
     """
+    name = os.environ.get("MOK_WGRAD_KERNEL") or WGRAD_KERNEL
+    acc_name = WGRAD_ACC_KERNELS.get(name)
+    if into is not None and (_use_torch_wgrad() or acc_name is None or not _accumulates_in_place(into)):
+        return into.add_(weight_grad(a_rows, b_rows, sched, counts).to(into.dtype))
     if _use_torch_wgrad():
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
-    out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
-    name = os.environ.get("MOK_WGRAD_KERNEL") or WGRAD_KERNEL
     if name not in WGRAD_KERNELS:
         raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
+    if into is None:
+        out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
+    else:
+        out, name = into, acc_name
     _lib().launch(
         name, a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
         sched.seg_end, counts, wgrad_group_m(name, nb), stream=_stream(),
     )  # fmt: skip
     return out
+
+
+def _accumulates_in_place(t: torch.Tensor) -> bool:
+    """The accumulating kernel can add into t: a contiguous bf16 CUDA tensor (as the gradients it made)."""
+    return t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous()
 
 
 def wgrad_group_m(name: str, nb: int) -> int:
@@ -708,9 +724,10 @@ def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
 
 def experts_backward(
     grad_y, saved: CudaSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
-    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None,
+    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, grads_into=None,
 ):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads)."""
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads).
+    grads_into: a GroupedMLPGrads whose parameter gradients this call adds to (reference.add_param_grads)."""
     from . import reference
 
     sched, gate_up = saved.sched, saved.gate_up
@@ -735,16 +752,30 @@ def experts_backward(
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
     x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched)
-    wdt = gate_up_proj.dtype
     dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched)
-    d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
-    d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
+    grads = param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
+                        d_down_bias, grads_into)
     return dx, d_topk, grads
+
+
+def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_up_bias, d_down_bias, grads_into=None):
+    """GroupedMLPGrads of one backward: the weight gradients d down = dy_rows^T wh and d gate_up = dgu^T x_rows
+    per expert (over sched.seg_rows real rows), with the given bias gradients; grads_into: added to its
+    parameter gradients instead (the weight gradients by the accumulating kernel, weight_grad(into=))."""
+    from . import reference
+
+    if grads_into is None:
+        d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
+        d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
+        return reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
+    weight_grad(dy_rows, wh, sched, sched.seg_rows, into=grads_into.down_proj)
+    weight_grad(dgu, x_rows, sched, sched.seg_rows, into=grads_into.gate_up_proj)
+    biases = reference.GroupedMLPGrads(dx_rows, dw_rows, None, None, d_gate_up_bias, d_down_bias)
+    return reference.add_param_grads(grads_into, biases, weights=False)
 
 
 # --------------------------------------------------------------------------
@@ -805,11 +836,12 @@ def forward(x, topk_ids, topk_weights, params, schedule, workspace):
     )
 
 
-def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace):
+def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into=None):
     if workspace.ep_size > 1:
         from . import cuda_ep
 
-        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
+        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
     return experts_backward(
-        grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit
+        grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
+        grads_into,
     )

@@ -1275,9 +1275,7 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     main.wait_stream(comm)  # every row pushed before the barrier; out_rows / row_rank outlive the push
 
 
-def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
-    from . import reference
-
+def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grads_into=None):
     check_errors(ws, block=False)
     gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
     num_tokens, top_k = topk_ids.shape
@@ -1326,14 +1324,14 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
         dx_stream = _copy_stream(ws, dx_rows.device)
         bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, ids_all=saved.ids_all,
                            copy_stream=dx_stream)
-    wdt = gate_up_proj.dtype  # mok_gemm_wgrad as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm)
-    d_down = cb.weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
-    d_gate_up = cb.weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
     d_down_bias = None
     if down_bias is not None:
         wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
+    # the weight gradients as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm; grads_into: added to it)
+    grads = cb.param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
+                           d_down_bias, grads_into)
     # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
     # into this rank's row of the source's dwslots. The source reads only the slots this rank
     # computed (gather by owner below), so the others are left unwritten (no zero fill).
@@ -1366,5 +1364,4 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws):
     dw_src = bufs.local("dwslots")[:, :n * top_k].gather(0, owner)
     d_topk = _pad_nan(_poison(dw_src.view(n, top_k), bad).to(topk_weights.dtype), num_tokens)
     _record_errors(ws, flags, "backward")
-    grads = reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
     return dx, d_topk, grads

@@ -35,3 +35,14 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     return recv_counts
+
+
+def token_count_range(num_tokens: int, group, device) -> tuple[int, int]:
+    """(smallest, largest) token count of this call over the group's ranks: one all-reduce, read on the
+    host (a synchronisation). Macrobatching uses it: every rank must run the same passes."""
+    if group is None:
+        return num_tokens, num_tokens
+    t = torch.tensor([num_tokens, -num_tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi, neg_lo = t.tolist()
+    return -neg_lo, hi

@@ -139,11 +139,17 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     )
 
 
-def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace):
-    """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts)."""
+def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace,
+             grads_into=None):
+    """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts).
+
+    grads_into: the GroupedMLPGrads of an earlier backward (an earlier macrobatch pass); this call's
+    parameter gradients are added to its tensors in place (bf16 rounding of each sum) and it is returned
+    with this call's row gradients. The CUDA kernels add the weight gradients in their stores.
+    """
     if workspace.backend == "cuda":
-        return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace)
+        return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
     return reference.experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
-        workspace.precision,
+        workspace.precision, grads_into,
     )

@@ -31,6 +31,8 @@ dimension before the same fp32 math; see docs/mxfp8.md for the exact list.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +167,19 @@ class GroupedMLPGrads:
     down_proj: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+
+
+def add_param_grads(total: GroupedMLPGrads, g: GroupedMLPGrads, weights: bool = True) -> GroupedMLPGrads:
+    """total's parameter gradients += g's, in place and in their dtype (one rounding per add); the macrobatch
+    passes of one backward sum their gradients this way, in pass order. weights=False: the biases only (the
+    CUDA path adds the weight gradients in its kernel). Returns total's parameter gradients with g's row
+    gradients."""
+    names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias") if weights else ("gate_up_bias", "down_bias")
+    for name in names:
+        t, d = getattr(total, name), getattr(g, name)
+        if t is not None:
+            t.add_(d.to(t.dtype))
+    return dataclasses.replace(total, grad_rows=g.grad_rows, grad_weights=g.grad_weights)
 
 
 def grouped_mlp_backward(
@@ -311,12 +326,13 @@ def experts_forward(
 
 def experts_backward(
     grad_y, saved: ExpertsSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
-    down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16",
+    down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16", grads_into=None,
 ):
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts).
 
     x is not read here (saved.rows holds this rank's rows, which may come from
-    peers); it is part of the signature every backend shares.
+    peers); it is part of the signature every backend shares. grads_into: a GroupedMLPGrads
+    whose parameter gradients this call's are added to (add_param_grads), and returned.
     """
     num_tokens, top_k = topk_ids.shape
     plan = saved.plan
@@ -334,4 +350,6 @@ def experts_backward(
     d_topk = torch.empty_like(dw_back)
     d_topk[plan.order] = dw_back
     dx = sum_slots(dx_slots.view(num_tokens, top_k, dx_slots.shape[-1]), saved.rows.dtype)
+    if grads_into is not None:
+        grads = add_param_grads(grads_into, grads)
     return dx, d_topk.view(num_tokens, top_k), grads

@@ -36,7 +36,8 @@ def test_unknown_variant_is_a_clear_error(monkeypatch, name):
 
 
 @pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl not installed")
-@pytest.mark.parametrize("name", registry.WGRAD_KERNELS + registry.WGRAD_DIAG_KERNELS)
+@pytest.mark.parametrize("name", registry.WGRAD_KERNELS + registry.WGRAD_DIAG_KERNELS
+                         + tuple(registry.WGRAD_ACC_KERNELS.values()))
 def test_shared_memory_budget(name):
     """A/B stages left next to the epilogue buffers: at least 3, and everything fits in 227 KB."""
     from mok_nn.kernels.wgrad_gemm import VarlenKGroupedGemm
@@ -45,7 +46,10 @@ def test_shared_memory_budget(name):
     gemm = VarlenKGroupedGemm(**dict(registry.SPECS_BY_NAME[name].factory_kwargs))
     stages = gemm._stages(cutlass.BFloat16, cutlass.BFloat16)
     bm, bn, bk = gemm.tile_mnk
-    used = 1024 + stages * (bm + bn) * bk * 2 + gemm.epi_tile[0] * gemm.epi_tile[1] * 2 * gemm.epi_stages
+    # epi_buffers: every epilogue buffer (ping-pong: each warp group's epi_stages)
+    used = 1024 + stages * (bm + bn) * bk * 2 + gemm.epi_tile[0] * gemm.epi_tile[1] * 2 * gemm.epi_buffers
     assert stages >= 3 and used <= gemm.smem_bytes
+    if gemm.pingpong:  # the whole 128 x 128 tile buffered per warp group
+        assert gemm.epi_buffers == 2 * 128 * bn // (gemm.epi_tile[0] * gemm.epi_tile[1]) and stages == 5
     if gemm.lazy_epilogue and gemm.epi_tile[1] * gemm.epi_stages == bn:
         assert stages == (3 if bn == 256 else 6)  # whole tile buffered

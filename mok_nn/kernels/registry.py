@@ -199,7 +199,7 @@ def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> Ke
 
 def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
-    pingpong: bool = False,
+    pingpong: bool = False, accumulate: bool = False,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
@@ -209,6 +209,7 @@ def _wgrad_spec(
     kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
     kwargs += (("pingpong", True),) if pingpong else ()  # whole 128x128 tiles per consumer warp group
+    kwargs += (("accumulate", True),) if accumulate else ()  # C += the result (macrobatch passes)
     return KernelSpec(
         name=name,
         module="wgrad_gemm",
@@ -518,6 +519,9 @@ SPECS = (
     # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
     _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
+    # C += A^T B: the default kernel with its TMA stores adding into C (cp.reduce.async.bulk .add), so the
+    # weight gradients of macrobatch passes after the first add into the first one's (MoKConfig.macrobatch_size)
+    _wgrad_spec("mok_gemm_wgrad_defer_c2_acc", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2, accumulate=True),
     # Ping-pong: each consumer warp group takes whole 128x128 tiles in turn, so one's epilogue runs
     # beside the other's mainloop (wgrad_gemm.py); alone and on 2-CTA clusters sharing B.
     _wgrad_spec("mok_gemm_wgrad_pp", PINGPONG_TILE_N, 32, 8, pingpong=True),
@@ -545,7 +549,10 @@ SPECS = (
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
 WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
-WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS)
+# accumulating twins (C += A^T B): WGRAD_ACC_KERNELS[name] adds where `name` writes
+WGRAD_ACC_KERNELS = {s.name.removesuffix("_acc"): s.name for s in SPECS if dict(s.factory_kwargs).get("accumulate")}
+WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS
+                      and s.name not in WGRAD_ACC_KERNELS.values())
 GEMM_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemm")
 GEMM_GATHER_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemmGather")
 

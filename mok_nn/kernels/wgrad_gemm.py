@@ -15,7 +15,8 @@ stages, warp groups 1 and 2 run wgmma (64 rows each) and store bf16 through
 shared memory with TMA. The tile space is (m tile, n tile, expert), expert
 slowest, so a wave of CTAs works on one or two experts whose rows stay in L2.
 One CTA reduces the whole K range of a tile in ascending order: bitwise
-reproducible.
+reproducible. The accumulating variant (accumulate=True) adds the bf16 result into C
+instead of overwriting it (weight gradients summed over macrobatch passes).
 """
 
 from __future__ import annotations
@@ -77,12 +78,17 @@ class VarlenKGroupedGemm:
         num_sms: int = 132,
         cluster_m: int = 1,
         pingpong: bool = False,
+        accumulate: bool = False,
     ):
         assert tile_n in (128, 256) and tile_n % epi_n == 0
         # pingpong: whole 128 x 128 tiles per consumer warp group, alternating (see the docstring); its
         # epilogue buffers the whole tile (epi_stages sub-tiles of 64 x epi_n per warp group).
         assert not pingpong or (tile_n == 128 and not lazy_epilogue and not diag)
         self.pingpong = pingpong
+        # accumulate: C += the result (the TMA stores add in L2: cp.reduce.async.bulk .add, bf16 rounding),
+        # for weight gradients summed over macrobatch passes without a second gradient buffer. Each element
+        # still gets one add per launch (one CTA per tile): deterministic.
+        self.accumulate = accumulate
         # cluster_m = 2: CTA pairs (a cluster) take row tiles 2p, 2p + 1 of the same (column tile, expert)
         # and share B: each loads half of every B stage and multicasts it to both (see the docstring).
         assert cluster_m in (1, 2)
@@ -172,8 +178,11 @@ class VarlenKGroupedGemm:
             tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_smem, (None, None, 0)), (bn, bk)
             )
+        store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        if cutlass.const_expr(self.accumulate):
+            store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(c_smem, (None, None, 0)), self.epi_tile
+            store_op, mC, cute.slice_(c_smem, (None, None, 0)), self.epi_tile
         )
 
         gc = cute.zipped_divide(mC, tiler=(bm, bn))

@@ -376,6 +376,44 @@ def case_two_layers(name, H, I, E, K, T_by_rank):
         report(f"{name}: {sums} sums: layer A's bits unchanged by layer B's step in between", eq, detail)
 
 
+def case_macrobatch(name, H, I, E, K, T, size):
+    """MoKConfig.macrobatch_size at EP=P: y, d x and d topk-weights are the one-pass bits, the expert
+    gradients the per-pass gradients (separate one-pass calls) summed in pass order in bf16, the
+    symmetric workspace is sized by the pass, and token counts that differ across the ranks raise
+    ValueError on every rank."""
+    rank = dist.get_rank()
+    _, params = _expert_params(31, H, I, E)
+    x, dy, ids, w = _rank_inputs(rank + 90, T, H, E, K)
+    common = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device, dtype=x.dtype,
+                  backend="cuda", ep_group=dist.group.WORLD)
+    ws_one = functional.get_workspace(**common)
+    ws_mb = functional.get_workspace(config=MoKConfig(minibatch_size=128, macrobatch_size=size), **common)
+    one = _experts(ws_one, x, w, ids, dy, params)
+    got = _experts(ws_mb, x, w, ids, dy, params)
+    again = _experts(ws_mb, x, w, ids, dy, params)
+    parts = [_experts(ws_one, x[s:s + size], w[s:s + size], ids[s:s + size], dy[s:s + size], params)
+             for s in range(0, T, size)]
+    cuda_ep.check_errors(ws_one)
+    cuda_ep.check_errors(ws_mb)
+    report(f"{name}: bitwise reproducible", _diff(again, got)[1])
+    detail, eq = _diff({k: got[k] for k in ("y", "dx", "dw")}, {k: one[k] for k in ("y", "dx", "dw")})
+    report(f"{name}: y, d x, d topk-weights are the one-pass bits", eq, detail)
+    want = {k: parts[0][k] for k in ("dW13", "dW2")}
+    for part in parts[1:]:
+        want = {k: want[k] + part[k] for k in want}  # bf16 + bf16, one rounding per pass
+    detail, eq = _diff({k: got[k] for k in want}, want)
+    report(f"{name}: expert gradients are the per-pass sum ({len(parts)} passes)", eq, detail)
+    log(f"INFO  {name}: workspace {ws_mb.nbytes / 2**20:.1f} MiB with {size}-token passes, "
+        f"{ws_one.nbytes / 2**20:.1f} MiB for {T} tokens in one pass")
+    try:
+        n = T - rank  # the last rank one token short
+        _experts(ws_mb, x[:n], w[:n], ids[:n], dy[:n], params)
+        report(f"{name}: token counts differing across ranks raise ValueError", False, "no error")
+    except ValueError as err:
+        report(f"{name}: token counts differing across ranks raise ValueError", "same number of tokens" in str(err),
+               str(err)[:120])
+
+
 def _report_mode_runs(label, var, runs, ref):
     """One PASS/FAIL line per mode of runs {mode: [first run, repeats...]} (mode named `var=mode`, or
     as is without var): the first run has ref's first run's bits (y and every gradient), every repeat
@@ -585,6 +623,7 @@ def main():
     check("publish modes", lambda: case_publish_modes("publish modes", 2048, 256, 32, 8, [3000, 2001]))
     check("dispatch modes", lambda: case_dispatch_modes("dispatch modes", 2048, 256, 32, 8, [3000, 2001]))
     check("two layers", lambda: case_two_layers("two layers, one workspace", 1024, 256, 32, 8, [1500, 1201]))
+    check("macrobatch", lambda: case_macrobatch("macrobatch", 768, 256, 32, 8, 2500, 1024))
     check("overflow", case_overflow)
     check("growth", case_growth)
     check("shapes", case_shapes_differ)

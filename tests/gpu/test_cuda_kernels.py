@@ -271,6 +271,42 @@ def test_weight_grad_variant_equals_default(lib, case, kernel):
         assert rel_l2(outs[kernel][e], want) < BF16_TOL, e
 
 
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=["edges", "many_tiles"])
+def test_weight_grad_accumulates(lib, case, monkeypatch):
+    """weight_grad(into=): the accumulating kernel adds the bf16 result into `into` in its stores; every
+    element is bf16(into + the plain kernel's result), the add of two bf16 values rounded once."""
+    from mok_nn import cuda_backend as cb
+
+    rows_per_expert, Na, Nb = case
+    E = len(rows_per_expert)
+    g = torch.Generator(device="cuda").manual_seed(7 * E + Nb)
+    ids = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(rows_per_expert, device="cuda"))
+    ids = ids[torch.randperm(ids.numel(), device="cuda", generator=g)].unsqueeze(1)
+    T = ids.shape[0]
+    sched = cb.make_schedule(ids, E)
+    counts = cb.expert_row_counts(ids, E)
+    a = cb.gather_rows(torch.randn(T, Na, device="cuda", dtype=torch.bfloat16, generator=g), sched)
+    b = cb.gather_rows(torch.randn(T, Nb, device="cuda", dtype=torch.bfloat16, generator=g), sched)
+    monkeypatch.delenv("MOK_WGRAD_KERNEL", raising=False)
+    monkeypatch.delenv("MOK_WGRAD", raising=False)
+    plain = cb.weight_grad(a, b, sched, counts)
+    before = torch.randn(E, Na, Nb, device="cuda", generator=g).to(torch.bfloat16) * 8
+    want = (before.float() + plain.float()).to(torch.bfloat16)  # exact in fp32, then one rounding
+    outs = []
+    for _ in range(2):
+        into = before.clone()
+        got = cb.weight_grad(a, b, sched, counts, into=into)
+        torch.cuda.synchronize()
+        assert got is into, "weight_grad(into=) must return the tensor it added into"
+        outs.append(into)
+    assert torch.equal(outs[0], outs[1]), "not bitwise reproducible"
+    assert torch.equal(outs[0], want), f"{(outs[0] != want).sum().item()} elements differ from bf16(into + result)"
+    # a variant without an accumulating twin adds the same way outside the kernel
+    monkeypatch.setenv("MOK_WGRAD_KERNEL", "mok_gemm_wgrad")
+    assert "mok_gemm_wgrad" not in registry.WGRAD_ACC_KERNELS
+    assert torch.equal(cb.weight_grad(a, b, sched, counts, into=before.clone()), want)
+
+
 def _combine_problem(T, k, H, E, seed):
     """rows [T*k + 5, H] bf16, pos [T, k] (distinct rows), w [T, k] fp32, ids [T, k] (distinct experts per token)."""
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -41,3 +41,54 @@ def test_auto_picks_cuda():
     layer = MoKMoELayer(256, 128, 8, 2, device="cuda", backend="auto")
     x = torch.randn(16, 256, device="cuda").to(torch.bfloat16)
     assert layer._choose_backend(x) == "cuda"
+
+
+def _routed_cuda(x, ids, w, params, dy, config):
+    """MoKFunction on the CUDA path under `config`: y, d x, d topk-weights, d expert parameters."""
+    from mok_nn import functional
+    from mok_nn.autograd import MoKFunction
+
+    H, I = x.shape[1], params[1].shape[2]
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=params[0].shape[0],
+                                  top_k=ids.shape[1], device="cuda", backend="cuda", config=config)
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    ps = [p.clone().requires_grad_(True) for p in params]
+    y = MoKFunction.apply(x, w, *ps, None, None, ids, ws)
+    y.backward(dy)
+    return [y.detach(), x.grad, w.grad] + [p.grad for p in ps]
+
+
+@pytest.mark.parametrize("T,size", [(1000, 384), (777, 777 // 2 + 1)])
+def test_macrobatch_passes_keep_the_bits(T, size):
+    """MoKConfig.macrobatch_size on the kernels: y, d x and d topk-weights are the one-pass bits (every
+    row is computed alike); the expert gradients are the per-pass gradients (separate one-pass calls)
+    summed in pass order in bf16 (the accumulating weight-gradient kernel), and close to one pass."""
+    from mok_nn import MoKConfig
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    H, I, E, K = 512, 256, 16, 4
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device="cuda", generator=g).to(bf)
+    dy = torch.randn(T, H, device="cuda", generator=g).to(bf)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous()
+    w = torch.rand(T, K, device="cuda", generator=g).to(bf)
+    params = [(torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(bf),
+              (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(bf)]
+    one = _routed_cuda(x, ids, w, params, dy, MoKConfig())
+    cfg = MoKConfig(minibatch_size=128, macrobatch_size=size)
+    got = _routed_cuda(x, ids, w, params, dy, cfg)
+    again = _routed_cuda(x, ids, w, params, dy, cfg)
+    for i, (a, b) in enumerate(zip(got, again)):
+        assert torch.equal(a, b), f"output {i}: not bitwise reproducible"
+    for i, name in enumerate(("y", "d x", "d topk-weights")):
+        assert torch.equal(got[i], one[i]), f"{name}: not the one-pass bits"
+    parts = [_routed_cuda(x[s:s + size], ids[s:s + size], w[s:s + size], params, dy[s:s + size], MoKConfig())
+             for s in range(0, T, size)]
+    assert len(parts) >= 2
+    for i in (3, 4):
+        want = parts[0][i]
+        for p in parts[1:]:
+            want = want + p[i]  # bf16 + bf16, one rounding: what the kernel's adding stores give
+        assert torch.equal(got[i], want), f"expert gradient {i - 3}: not the per-pass sum"
+        assert _rel(got[i], one[i]) < 1e-2, (i, _rel(got[i], one[i]))
