@@ -100,8 +100,9 @@ def baseline_experts_ep(group):
 # mok_nn, as one autograd function over the experts
 
 
-def mok_experts(backend: str, group=None):
-    """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs)."""
+def mok_experts(backend: str, group=None, config=None):
+    """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs);
+    config: a MoKConfig (None: the default)."""
     from . import functional
     from .autograd import MoKFunction
     from .distributed import group_size_and_rank
@@ -111,7 +112,7 @@ def mok_experts(backend: str, group=None):
     def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
         ws = functional.get_workspace(
             hidden_size=x.shape[1], intermediate_size=down_proj.shape[2], num_experts=gate_up_proj.shape[0] * world,
-            top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend, ep_group=group,
+            top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend, ep_group=group, config=config,
         )  # fmt: skip
         return MoKFunction.apply(x, topk_weights, gate_up_proj, down_proj, None, None, topk_ids, ws)
 
