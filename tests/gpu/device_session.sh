@@ -19,6 +19,7 @@
 # MOK_EP_DISPATCH=rows, then pull vs rows side by side),
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
 # pingpong (ping-pong GEMM tests, call by call vs the cooperative kernels, the layer side by side),
+# macrobatch (MoKConfig.macrobatch_size: GPU tests, passes vs one pass at EP=1 and, with 2 GPUs, EP=2),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -97,6 +98,12 @@ for s in "$@"; do
         TAIL=5 step wgrad_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k weight_grad
         TAIL=20 step wgrad_clusters 200 python3 tests/gpu/bench_wgrad_variants.py --diag 0 --reps 20 \
             --kernels "${WGRAD_KERNELS:-mok_gemm_wgrad_defer_c2,mok_gemm_wgrad_defer}" ;;
+    macrobatch)  # MoKConfig.macrobatch_size: the GPU tests, then passes vs one pass (EP=1; EP=2 where 2 GPUs)
+        TAIL=5 step macrobatch_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "macrobatch or accumulates"
+        TAIL=12 step macrobatch_ep1 300 python3 tests/gpu/bench_macrobatch.py
+        if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+            TAIL=12 step macrobatch_ep2 300 torchrun --nproc_per_node 2 tests/gpu/bench_macrobatch.py
+        fi ;;
     envmodes)  # the layer under env settings side by side (tests/gpu/bench_env_modes.py; MODES=gather)
         TAIL=12 step env_modes_ep1 240 python3 tests/gpu/bench_env_modes.py --modes "${MODES:-gather}" ;;
     epenvmodes)
