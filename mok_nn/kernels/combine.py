@@ -183,14 +183,20 @@ class PartialPush:
                part_base: cute.Tensor, rank: cutlass.Int32, experts_per_rank: cutlass.Int32,
                experts_per_leaf: cutlass.Int32, weighted: cutlass.Int32, dst_row0: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        i, _, _ = cute.arch.block_idx()  # i = s*Tc + t
+        b, _, _ = cute.arch.block_idx()
+        ep_size = cute.size(ids_all, mode=[0])
         tc = cute.size(ids_all, mode=[1])
         top_k = cute.size(ids_all, mode=[2])
         num_rows = cute.size(rows, mode=[0])
         hidden = cute.size(rows, mode=[1])
         n_vec = hidden // VEC
-        s = cutlass.Int32(i) // tc
-        t = cutlass.Int32(i) - s * tc
+        # CTA b takes token t = b // P of source s = b % P: the sources interleave in launch order, so
+        # the stores to every peer (and the local ones) run side by side through the whole kernel, and
+        # both directions of each NVLink carry data at once (source-major order sent to one peer at a
+        # time: rank 1's nodes crossed during the first half of the grid, rank 0's during the second)
+        s = cutlass.Int32(b) % ep_size
+        t = cutlass.Int32(b) // ep_size
+        i = s * tc + t
         lo = rank * experts_per_rank
         # lane j of every warp holds slot j's row (-1 unless routed here; rows past the capacity: an
         # overflow, flagged), leaf and weight (top_k <= 32)
