@@ -30,8 +30,8 @@ class MoKConfig:
     tokens in passes of that many, forward and backward; y, d x and d topk-weights
     keep their bits on the CUDA path, the expert gradients are summed over the
     passes in bf16; with expert parallelism every rank must pass the same number
-    of tokens, checked by one all-reduce per call; not under torch.compile, whose
-    custom ops run one pass), schedule_capacity_multiplier (expert parallelism)
+    of tokens, checked by one all-reduce per call; under torch.compile one custom-op
+    call per pass, the expert gradients summed by autograd), schedule_capacity_multiplier (expert parallelism)
     and fwd_num_comm_sms (only the opt-in overlapped forward, MOK_EP_FWD=overlap;
     docs/ep.md). The readiness unit of that forward is one 128-row GEMM tile, not
     minibatch_size. bwd_num_comm_sms and minibatch_size are validated and kept for

@@ -307,11 +307,17 @@ class MoKMoELayer(nn.Module):
         e = self.experts
         if torch.compiler.is_compiling() and self.ep_size == 1 and self.precision == "bf16":
             # Under torch.compile the experts go through the custom ops, which Dynamo traces as
-            # opaque nodes (same formulas and bits as MoKFunction, tested).
-            y = ops.routed_experts(
-                x2d, topk_ids, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias,
-                self.activation, self.swiglu_limit, backend,
-            )
+            # opaque nodes (same formulas and bits as MoKFunction, tested). Macrobatch passes: one
+            # op call per pass (the expert gradients of the passes are then summed by autograd).
+            size = self.config.macrobatch_size
+            bounds = [(0, x2d.shape[0])]
+            if size is not None and x2d.shape[0] > size:
+                bounds = [(s, min(s + size, x2d.shape[0])) for s in range(0, x2d.shape[0], size)]
+            outs = [ops.routed_experts(
+                x2d[s:t], topk_ids[s:t], topk_weights[s:t], e.gate_up_proj, e.down_proj, e.gate_up_proj_bias,
+                e.down_proj_bias, self.activation, self.swiglu_limit, backend,
+            ) for s, t in bounds]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             workspace = functional.get_workspace(
                 hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
