@@ -83,7 +83,8 @@ import cuda.bindings.driver as cuda
 from .readiness import signal_tile_done, wait_tile_ready
 from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
 from .gemm_consumer import (
-    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_full, store_tile_split,
+    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, smem_storage, store_sync, store_tile_full,
+    store_tile_split,
 )
 from .registry import TILE_M
 from .swiglu import _act
@@ -280,14 +281,7 @@ class VarlenMGroupedGemm:
         if cutlass.const_expr(self.dact is not None):
             ready, ready_err = w_rows, dw_part
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem)
         if cutlass.const_expr(self.dynamic):
             # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
             @cute.struct
@@ -302,15 +296,8 @@ class VarlenMGroupedGemm:
             self.shared_storage = SharedStorageDyn
         if cutlass.const_expr(self.pingpong):
             # + the two mainloop order barriers of the consumer warp groups (see the kernel)
-            @cute.struct
-            class SharedStoragePingPong:
-                ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-                order_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
-
-            self.shared_storage = SharedStoragePingPong
+            self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
+                                               order_barriers=True)
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,

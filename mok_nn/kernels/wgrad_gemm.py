@@ -29,7 +29,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .gemm_consumer import (
-    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, store_sync, store_tile_full, store_tile_split,
+    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, smem_storage, store_sync, store_tile_full,
+    store_tile_split,
 )
 from .registry import TILE_M
 
@@ -197,25 +198,9 @@ class VarlenKGroupedGemm:
         )
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // self.cluster_m)
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
-
-        self.shared_storage = SharedStorage
-        if cutlass.const_expr(self.pingpong):
-            # + the two mainloop order barriers of the consumer warp groups (see the kernel)
-            @cute.struct
-            class SharedStoragePingPong:
-                ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-                order_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(c_smem)], 1024]
-
-            self.shared_storage = SharedStoragePingPong
+        # (ping-pong: + the two mainloop order barriers of the consumer warp groups, see the kernel)
+        self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
+                                           self.pingpong)
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, seg_end, seg_rows,

@@ -233,15 +233,14 @@ VARIANT_CASES = [  # rows per expert (top-1 routing, tokens shuffled), Na, Nb
 ]
 
 
-@pytest.mark.parametrize("kernel", [k for k in registry.WGRAD_KERNELS if k != "mok_gemm_wgrad"])
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=["edges", "many_tiles"])
-def test_weight_grad_variant_equals_default(lib, case, kernel):
-    """Every wgrad variant keeps the K order and the one bf16 rounding: bitwise equal to mok_gemm_wgrad."""
+def _variant_problem(case, seed_base):
+    """(ids, schedule, counts, A rows, B rows, generator) of a VARIANT_CASES case: top-1 routing with the
+    case's rows per expert, tokens shuffled, random bf16 rows in schedule order."""
     from mok_nn import cuda_backend as cb
 
     rows_per_expert, Na, Nb = case
     E = len(rows_per_expert)
-    g = torch.Generator(device="cuda").manual_seed(E * Na + Nb)
+    g = torch.Generator(device="cuda").manual_seed(E * Na + Nb + seed_base * 7919)
     ids = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(rows_per_expert, device="cuda"))
     ids = ids[torch.randperm(ids.numel(), device="cuda", generator=g)].unsqueeze(1)
     T = ids.shape[0]
@@ -249,6 +248,17 @@ def test_weight_grad_variant_equals_default(lib, case, kernel):
     counts = cb.expert_row_counts(ids, E)
     a = cb.gather_rows(torch.randn(T, Na, device="cuda", dtype=torch.bfloat16, generator=g), sched)
     b = cb.gather_rows(torch.randn(T, Nb, device="cuda", dtype=torch.bfloat16, generator=g), sched)
+    return ids, sched, counts, a, b, g
+
+
+@pytest.mark.parametrize("kernel", [k for k in registry.WGRAD_KERNELS if k != "mok_gemm_wgrad"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=["edges", "many_tiles"])
+def test_weight_grad_variant_equals_default(lib, case, kernel):
+    """Every wgrad variant keeps the K order and the one bf16 rounding: bitwise equal to mok_gemm_wgrad."""
+    from mok_nn import cuda_backend as cb
+
+    ids, sched, counts, a, b, _ = _variant_problem(case, seed_base=0)
+    E, Na, Nb = len(case[0]), case[1], case[2]
     outs = {}
     for name in ("mok_gemm_wgrad", kernel, kernel):
         out = torch.full((E, Na, Nb), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -277,16 +287,8 @@ def test_weight_grad_accumulates(lib, case, monkeypatch):
     element is bf16(into + the plain kernel's result), the add of two bf16 values rounded once."""
     from mok_nn import cuda_backend as cb
 
-    rows_per_expert, Na, Nb = case
-    E = len(rows_per_expert)
-    g = torch.Generator(device="cuda").manual_seed(7 * E + Nb)
-    ids = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(rows_per_expert, device="cuda"))
-    ids = ids[torch.randperm(ids.numel(), device="cuda", generator=g)].unsqueeze(1)
-    T = ids.shape[0]
-    sched = cb.make_schedule(ids, E)
-    counts = cb.expert_row_counts(ids, E)
-    a = cb.gather_rows(torch.randn(T, Na, device="cuda", dtype=torch.bfloat16, generator=g), sched)
-    b = cb.gather_rows(torch.randn(T, Nb, device="cuda", dtype=torch.bfloat16, generator=g), sched)
+    _, sched, counts, a, b, g = _variant_problem(case, seed_base=1)
+    E, Na, Nb = len(case[0]), case[1], case[2]
     monkeypatch.delenv("MOK_WGRAD_KERNEL", raising=False)
     monkeypatch.delenv("MOK_WGRAD", raising=False)
     plain = cb.weight_grad(a, b, sched, counts)
