@@ -321,10 +321,36 @@ def _stream() -> int:
     return _raw_stream(_get_device())
 
 
+GATHER_ROWS_MODES = ("torch", "kernel")
+GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows: CTAs of 8 warps per SM (tests/gpu/bench_gather_rows.py)
+
+
 def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """x rows in schedule order [M_cap, H]; padding rows are zero."""
-    x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return x_pad.index_select(0, sched.row_token)
+    """x rows in schedule order [M_cap, H]; padding rows (row_token = T) are zero."""
+    return take_rows(x, sched.row_token)
+
+
+def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) -> torch.Tensor:
+    """[len(idx), H]: row idx[r] of src, a zero row where idx[r] == src rows (the padding rows of a
+    schedule), or, has_zero_row, src's own last row (zero, as the EP tokens sections keep it) where
+    idx[r] points there. MOK_GATHER_ROWS: 'torch' (default: index_select, after a cat of a zero row
+    unless has_zero_row) or 'kernel' (mok_gather_rows: one launch, warp per row, no copy of src).
+    Same bits."""
+    if src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel" \
+            and src.dtype == torch.bfloat16 and src.shape[1] % 8 == 0 and src.stride(1) == 1:
+        out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+        if idx.shape[0]:
+            grid = max(1, min(-(-idx.shape[0] // 8), _num_sms(src.device) * GATHER_CTAS_PER_SM))
+            _lib().launch("mok_gather_rows", src, idx, out, grid, stream=_stream())
+        return out
+    if has_zero_row:
+        return src.index_select(0, idx)
+    return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):

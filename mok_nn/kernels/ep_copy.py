@@ -8,6 +8,8 @@ PullPeers:     dst[p*Tc + t] = section p [pull_src[p, t]] for pull_src[p, t] >= 
 PushPeers:     section row_rank[r] [row_slot[r]] = src[r] for row_rank[r] >= 0, where section
                p starts at dst_base[p] and its rows are contiguous (H elements): the combine
                push to every rank (own one included) in one launch.
+GatherRows:    dst[r] = src[idx[r]] where idx[r] < src rows, else a zero row: the GEMM's A rows
+               in schedule order (padding rows zero), the single-GPU gather (cuda_backend.gather_rows).
 
 Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
 (num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;
@@ -168,3 +170,55 @@ class PushPeers:
                     s_addr = src_base + cutlass.Int64(i) * src_stride
                     d_addr = dst_base[p] + row_slot[i] * row_bytes
             _copy_batch(s_addr, d_addr, ok, cutlass.min(mine - b, 32), n_vec, lane)
+
+
+@cute.jit
+def _gather_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, copy: cutlass.Boolean, count: cutlass.Int32,
+                  n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """The warp writes the rows its lanes 0..count-1 hold: a copy where `copy`, else a zero row."""
+    copy_i = cutlass.Int32(0)
+    if copy:
+        copy_i = cutlass.Int32(1)
+    for j in range(count):
+        d = cute.arch.shuffle_sync(d_addr, j)
+        if cute.arch.shuffle_sync(copy_i, j) != 0:
+            copy_row(cute.arch.shuffle_sync(s_addr, j), d, n_vec, lane, False)
+        else:
+            copy_row(d, d, n_vec, lane, True)
+
+
+class GatherRows:
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (R, H) bf16
+        idx: cute.Tensor,  # (M,) int64: row of src, or >= R for a zero row
+        dst: cute.Tensor,  # (M, H) bf16
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src, idx, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, idx: cute.Tensor, dst: cute.Tensor):
+        n = cute.size(idx, mode=[0])
+        num_src = cutlass.Int64(cute.size(src, mode=[0]))
+        n_vec = cute.size(dst, mode=[1]) // VEC
+        src_base = src.iterator.toint()
+        dst_base = dst.iterator.toint()
+        src_stride = cutlass.Int64(src.stride[0]) * 2  # bytes between rows
+        dst_stride = cutlass.Int64(dst.stride[0]) * 2
+        w, step, mine, lane = _warp_slice(n)
+        for b in range(0, mine, 32):
+            k = b + lane
+            s_addr = cutlass.Int64(0)
+            d_addr = cutlass.Int64(0)
+            copy = False
+            if k < mine:
+                i = w + k * step
+                t = idx[i]
+                d_addr = dst_base + cutlass.Int64(i) * dst_stride
+                if (t >= 0) & (t < num_src):
+                    copy = True
+                    s_addr = src_base + t * src_stride
+            _gather_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane)

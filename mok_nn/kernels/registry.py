@@ -432,7 +432,15 @@ def _ep_copy_specs() -> tuple:
         args=(dataclasses.replace(rows, name="src"), dataclasses.replace(base, name="dst_base"),
               dataclasses.replace(idx, name="row_rank"), dataclasses.replace(idx, name="row_slot"), grid),
     )
-    return copy, pull, push
+    gather = KernelSpec(
+        name="mok_gather_rows",  # dst[r] = src[idx[r]], zero where idx[r] >= src rows (the GEMM's A rows)
+        module="ep_copy",
+        factory="GatherRows",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="idx"),
+              dataclasses.replace(rows, name="dst"), grid),
+    )
+    return copy, pull, push, gather
 
 
 def _ep_publish_spec(w_dtype: str) -> KernelSpec:

@@ -708,3 +708,26 @@ def test_pingpong_in_layer(lib, case, pp_mode, monkeypatch):
     for n, a, b in zip(names[:4], got, want):
         assert torch.equal(a, b), f"{n} differs from the default path"
     assert rel_l2(got[4], want[4]) < 1e-5
+
+
+@pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
+def test_gather_rows_kernel(lib, T, H, M, monkeypatch):
+    """mok_gather_rows (MOK_GATHER_ROWS=kernel): row idx[r] of src, a zero row where idx[r] == T; the bits of
+    the torch path, every output row written (poisoned first), and the EP form (a zero last row in src)."""
+    from mok_nn import cuda_backend as cb
+
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    src = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, T + 1, (M,), device="cuda", generator=g)  # T: a padding row
+    idx[: min(M, 3)] = T
+    want = torch.cat([src, src.new_zeros(1, H)])[idx]
+    monkeypatch.setenv("MOK_GATHER_ROWS", "kernel")
+    got = cb.take_rows(src, idx)
+    assert torch.equal(got, want)
+    with_zero = torch.cat([src, src.new_zeros(1, H)])
+    assert torch.equal(cb.take_rows(with_zero, idx, has_zero_row=True), want)
+    poisoned = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cb._lib().launch("mok_gather_rows", src, idx, poisoned, 3, stream=torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(poisoned, want), "a small grid (grid-stride) must write every row too"
+    monkeypatch.setenv("MOK_GATHER_ROWS", "torch")
+    assert torch.equal(cb.take_rows(src, idx), want)
