@@ -21,7 +21,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   wgrad: c2, ppc, pp, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
-  gatherrows: torch, kernel (MOK_GATHER_ROWS: the x / d y row gathers by index_select or mok_gather_rows)
+  gatherrows: torch, kernel, torch_again, kernel_again (MOK_GATHER_ROWS: the x / d y row gathers by
+          index_select or mok_gather_rows)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
   pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
@@ -57,7 +58,9 @@ MODE_SETS = {
         "c2_again": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},
     },
     # the schedule-order row gathers (x rows, d y rows): torch cat + index_select, or mok_gather_rows
-    "gatherrows": {"torch": {"MOK_GATHER_ROWS": "torch"}, "kernel": {"MOK_GATHER_ROWS": "kernel"}},
+    # (each twice: the spread of the measurement beside the difference)
+    "gatherrows": {"torch": {"MOK_GATHER_ROWS": "torch"}, "kernel": {"MOK_GATHER_ROWS": "kernel"},
+                   "torch_again": {"MOK_GATHER_ROWS": "torch"}, "kernel_again": {"MOK_GATHER_ROWS": "kernel"}},
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
     # the GEMM forms (MOK_GEMM_PINGPONG) with the fused activation epilogues: the auto default, the cooperative
