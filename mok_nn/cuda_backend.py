@@ -321,8 +321,11 @@ def _stream() -> int:
     return _raw_stream(_get_device())
 
 
-GATHER_ROWS_MODES = ("torch", "kernel")
-GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows: CTAs of 8 warps per SM (tests/gpu/bench_gather_rows.py)
+# MOK_GATHER_ROWS (first: the default). mok_gather_rows measured faster call by call on H200
+# (docs/benchmarks/..._v65_gather_rows.txt: qwen3 0.133 vs 0.160 ms, mixtral 0.072 vs 0.109, deepseek-v3
+# 0.58 vs 0.64; the grid, 2-8 CTAs per SM, changes nothing) and in the qwen3 layer (..._v66_gatherrows_modes).
+GATHER_ROWS_MODES = ("kernel", "torch")
+GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows: CTAs of 8 warps per SM
 
 
 def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -333,9 +336,9 @@ def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
 def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) -> torch.Tensor:
     """[len(idx), H]: row idx[r] of src, a zero row where idx[r] == src rows (the padding rows of a
     schedule), or, has_zero_row, src's own last row (zero, as the EP tokens sections keep it) where
-    idx[r] points there. MOK_GATHER_ROWS: 'torch' (default: index_select, after a cat of a zero row
-    unless has_zero_row) or 'kernel' (mok_gather_rows: one launch, warp per row, no copy of src).
-    Same bits."""
+    idx[r] points there. MOK_GATHER_ROWS: 'kernel' (default on CUDA: mok_gather_rows, one launch, warp
+    per row, no copy of src) or 'torch' (index_select, after a cat of a zero row unless has_zero_row;
+    also on CPU). Same bits."""
     if src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel" \
             and src.dtype == torch.bfloat16 and src.shape[1] % 8 == 0 and src.stride(1) == 1:
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
