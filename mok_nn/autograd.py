@@ -45,19 +45,28 @@ def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, 
     one shorter), or None where every token runs in one pass.
 
     With expert parallelism every rank must run the same passes, so the ranks compare their token
-    counts (one all-reduce, a host synchronisation, only when macrobatch_size is set) and a mismatch
-    raises ValueError on every rank.
+    counts (one all-reduce, a host synchronisation, only when macrobatch_size is set): where some rank
+    needs passes, every rank must have the same count (else ValueError on every rank), and on the
+    CUDA path the workspace's token capacity is grown to a pass first (all ranks alike), so no pass
+    is flagged for exceeding it.
     """
     size = workspace.config.macrobatch_size
     if size is None:
         return None
     if workspace.ep_size > 1:
         lo, hi = distributed.token_count_range(num_tokens, workspace.ep_group, workspace.device)
+        if hi <= size:
+            return None  # one pass on every rank, whatever the counts
         if lo != hi:
             raise ValueError(
-                f"MoKConfig.macrobatch_size is set, and with expert parallelism every rank must then pass the "
-                f"same number of tokens; this call has {lo} to {hi} tokens across the ranks"
+                f"MoKConfig.macrobatch_size ({size}) splits this call into passes, and with expert parallelism "
+                f"every rank must then pass the same number of tokens; this call has {lo} to {hi} tokens "
+                f"across the ranks"
             )
+        if workspace.backend == "cuda":
+            from . import cuda_ep
+
+            cuda_ep.reserve_pass(workspace, size)
     if num_tokens <= size:
         return None
     return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
@@ -74,7 +83,8 @@ class MoKFunction(torch.autograd.Function):
     many (macrobatch_passes), forward and backward, so the per-pass buffers (the EP workspace, the
     rows of one pass) are sized by the pass: y, d x and d topk-weights equal the one-pass result
     bitwise (every token's rows are computed alike); the parameter gradients are the sum over the
-    passes in pass order, each pass's added in bf16 (the CUDA weight-gradient kernel adds in its stores).
+    passes in pass order, each pass's added in the parameters' dtype (the CUDA weight-gradient kernel
+    adds in its stores).
     """
 
     @staticmethod

@@ -1,8 +1,9 @@
 """MoKConfig: the tuning knobs of the fused kernel path.
 
-The knobs change speed and memory, never the function computed. The reference
-path accepts and validates them too, so a config can be written once and used
-on every backend.
+The knobs change speed and memory, never the function computed; macrobatch_size
+changes how the expert gradients are summed (per pass, then over the passes),
+so their last bits may differ from one pass. The reference path accepts and
+validates them too, so a config can be written once and used on every backend.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ class MoKConfig:
     What is read today: macrobatch_size (every backend: MoKFunction runs the
     tokens in passes of that many, forward and backward; y, d x and d topk-weights
     keep their bits on the CUDA path, the expert gradients are summed over the
-    passes in bf16; with expert parallelism every rank must pass the same number
-    of tokens, checked by one all-reduce per call; under torch.compile one custom-op
-    call per pass, the expert gradients summed by autograd), schedule_capacity_multiplier (expert parallelism)
+    passes in the parameters' dtype; with expert parallelism, where a call needs
+    passes every rank must pass the same number of tokens, checked by one
+    all-reduce per call; under torch.compile one custom-op call per pass, the
+    expert gradients summed by autograd in its own order: the eager bits for up to
+    two passes, within rounding for more), schedule_capacity_multiplier (expert parallelism)
     and fwd_num_comm_sms (only the opt-in overlapped forward, MOK_EP_FWD=overlap;
     docs/ep.md). The readiness unit of that forward is one 128-row GEMM tile, not
     minibatch_size. bwd_num_comm_sms and minibatch_size are validated and kept for
-    an overlapped backward and finer readiness units, which do not exist yet:
-    setting them changes nothing now.
+    an overlapped backward and a readiness unit other than the GEMM tile, which
+    do not exist yet: setting them changes nothing now.
     """
 
     fwd_num_comm_sms: int = 16

@@ -6,7 +6,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   schedule        mok_schedule_mc (per-chunk counts, one scan CTA, placement over many CTAs;
                   MOK_SCHEDULE=mc_pdl: overlapped launches, =single: the one-CTA mok_schedule,
                   =torch: torch ops); no host sync
-  gather of x     torch index_select into the padded expert order
+  gather of x     mok_gather_rows into the padded expert order (zero padding rows; MOK_GATHER_ROWS=torch:
+                  index_select)
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); where H <= 2048 with
                   the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
   activation      mok_act_fwd_<act> (one pass over gate_up)
@@ -24,7 +25,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
-                  2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL)
+                  2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); macrobatch passes after
+                  the first add into the first one's by its twin mok_gemm_wgrad_defer_c2_acc
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
@@ -340,7 +342,7 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) 
     per row, no copy of src) or 'torch' (index_select, after a cat of a zero row unless has_zero_row;
     also on CPU). Same bits."""
     if src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel" \
-            and src.dtype == torch.bfloat16 and src.shape[1] % 8 == 0 and src.stride(1) == 1:
+            and _rows_of_16_byte_vectors(src):
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
         if idx.shape[0]:
             grid = max(1, min(-(-idx.shape[0] // 8), _num_sms(src.device) * GATHER_CTAS_PER_SM))
@@ -349,6 +351,13 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) 
     if has_zero_row:
         return src.index_select(0, idx)
     return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
+
+
+def _rows_of_16_byte_vectors(t: torch.Tensor) -> bool:
+    """bf16 rows that mok_gather_rows copies in 16-byte vectors: H % 8 == 0, unit column stride, a row stride
+    of whole vectors and a 16-byte aligned start (a view at an odd offset takes the torch path)."""
+    return (t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] % 8 == 0 and t.stride(1) == 1
+            and (t.shape[0] <= 1 or t.stride(0) % 8 == 0) and t.data_ptr() % 16 == 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -945,6 +945,16 @@ def reserve_tokens(ws, num_tokens: int) -> int:
     return st["bufs"].tokens_cap
 
 
+def reserve_pass(ws, num_tokens: int) -> None:
+    """Before the macrobatch passes of one call (autograd.macrobatch_passes, on every rank alike): a
+    capacity below a pass grows to it now (collective: the capacity is the same on every rank, so
+    every rank takes this branch), instead of every pass being flagged and raising on one rank
+    before another. A workspace without a buffer yet gets it from its first pass."""
+    bufs = ws.ep_state.get("bufs")
+    if bufs is not None and bufs.tokens_cap < num_tokens:
+        reserve_tokens(ws, num_tokens)
+
+
 def _buffers(ws, num_tokens: int) -> SymmBuffers:
     st = ws.ep_state
     if st["bufs"] is None:

@@ -144,7 +144,7 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts).
 
     grads_into: the GroupedMLPGrads of an earlier backward (an earlier macrobatch pass); this call's
-    parameter gradients are added to its tensors in place (bf16 rounding of each sum) and it is returned
+    parameter gradients are added to its tensors in place (each sum rounded to their dtype) and it is returned
     with this call's row gradients. The CUDA kernels add the weight gradients in their stores.
     """
     if workspace.backend == "cuda":

@@ -308,7 +308,8 @@ class MoKMoELayer(nn.Module):
         if torch.compiler.is_compiling() and self.ep_size == 1 and self.precision == "bf16":
             # Under torch.compile the experts go through the custom ops, which Dynamo traces as
             # opaque nodes (same formulas and bits as MoKFunction, tested). Macrobatch passes: one
-            # op call per pass (the expert gradients of the passes are then summed by autograd).
+            # op call per pass, unrolled for the traced token count; autograd sums the passes'
+            # expert gradients in its own order (MoKFunction's bits for up to two passes).
             size = self.config.macrobatch_size
             bounds = [(0, x2d.shape[0])]
             if size is not None and x2d.shape[0] > size:

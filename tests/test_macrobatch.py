@@ -138,6 +138,12 @@ def _worker(rank, world, tmpdir):
             out["unequal_counts"] = None
         except ValueError as err:
             out["unequal_counts"] = str(err)
+        # counts that differ but need no passes anywhere: one pass on every rank, the one-pass result
+        one = _routed(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], MoKConfig(), dist.group.WORLD)
+        big = _routed(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], MoKConfig(minibatch_size=1, macrobatch_size=64),
+                      dist.group.WORLD)
+        out["unequal_one_pass"] = all(torch.equal(big[k], one[k]) for k in ("y", "x", "w")) and all(
+            torch.equal(a, b) for a, b in zip(big["params"], one["params"]))
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -156,3 +162,4 @@ def test_macrobatch_with_expert_parallelism(tmp_path):
         assert out["equal_counts"] == "ok", f"rank {r}: {out['equal_counts']}"
         assert out["unequal_counts"] is not None, f"rank {r}: token counts differing across ranks were accepted"
         assert "same number of tokens" in out["unequal_counts"] and "9 to 10" in out["unequal_counts"]
+        assert out["unequal_one_pass"], f"rank {r}: differing counts without passes must run as one pass"

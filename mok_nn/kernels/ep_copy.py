@@ -9,7 +9,8 @@ PushPeers:     section row_rank[r] [row_slot[r]] = src[r] for row_rank[r] >= 0, 
                p starts at dst_base[p] and its rows are contiguous (H elements): the combine
                push to every rank (own one included) in one launch.
 GatherRows:    dst[r] = src[idx[r]] where idx[r] < src rows, else a zero row: the GEMM's A rows
-               in schedule order (padding rows zero), the single-GPU gather (cuda_backend.gather_rows).
+               in schedule order (padding rows zero), from x at EP = 1 and from the tokens / dy
+               sections at EP > 1 (cuda_backend.take_rows).
 
 Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
 (num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;

@@ -11,8 +11,8 @@ past seg_rows[e] inside the segment are padding (zero), so rounding up adds
 nothing. An expert without rows gets an all-zero output tile.
 
 Structure as in grouped_gemm.py: warp group 0 issues TMA loads into a ring of
-stages, warp groups 1 and 2 run wgmma (64 rows each) and store bf16 through
-shared memory with TMA. The tile space is (m tile, n tile, expert), expert
+stages, warp groups 1 and 2 run wgmma (64 rows each; ping-pong: whole tiles in turn) and store bf16
+through shared memory with TMA. The tile space is (m tile, n tile, expert), expert
 slowest, so a wave of CTAs works on one or two experts whose rows stay in L2.
 One CTA reduces the whole K range of a tile in ascending order: bitwise
 reproducible. The accumulating variant (accumulate=True) adds the bf16 result into C

@@ -405,6 +405,17 @@ def case_macrobatch(name, H, I, E, K, T, size):
     report(f"{name}: expert gradients are the per-pass sum ({len(parts)} passes)", eq, detail)
     log(f"INFO  {name}: workspace {ws_mb.nbytes / 2**20:.1f} MiB with {size}-token passes, "
         f"{ws_one.nbytes / 2**20:.1f} MiB for {T} tokens in one pass")
+    report(f"{name}: the workspace holds one pass", ws_mb.ep_state["bufs"].tokens_cap == size,
+           f"capacity {ws_mb.ep_state['bufs'].tokens_cap}")
+    # a workspace first used with a batch smaller than a pass grows to a pass before the passes
+    # (cuda_ep.reserve_pass), instead of flagging each of them
+    ws_small = functional.get_workspace(config=MoKConfig(minibatch_size=64, macrobatch_size=size), **common)
+    _experts(ws_small, x[:size // 4], w[:size // 4], ids[:size // 4], dy[:size // 4], params)
+    grown = _experts(ws_small, x, w, ids, dy, params)
+    cuda_ep.check_errors(ws_small)
+    detail, eq = _diff(grown, got)
+    report(f"{name}: a smaller first batch, then passes: the capacity grows to a pass, same bits", eq
+           and ws_small.ep_state["bufs"].tokens_cap == size, detail)
     try:
         n = T - rank  # the last rank one token short
         _experts(ws_mb, x[:n], w[:n], ids[:n], dy[:n], params)

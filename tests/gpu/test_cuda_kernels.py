@@ -729,5 +729,10 @@ def test_gather_rows_kernel(lib, T, H, M, monkeypatch):
     poisoned = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16)
     cb._lib().launch("mok_gather_rows", src, idx, poisoned, 3, stream=torch.cuda.current_stream().cuda_stream)
     assert torch.equal(poisoned, want), "a small grid (grid-stride) must write every row too"
+    # a view at an odd element offset cannot be read in 16-byte vectors: the torch path, same rows
+    flat = torch.cat([src.new_zeros(1), src.reshape(-1)])
+    odd = flat[1:].view(T, H)
+    assert odd.data_ptr() % 16 != 0
+    assert torch.equal(cb.take_rows(odd, idx), want)
     monkeypatch.setenv("MOK_GATHER_ROWS", "torch")
     assert torch.equal(cb.take_rows(src, idx), want)
