@@ -43,6 +43,20 @@ def test_auto_picks_cuda():
     assert layer._choose_backend(x) == "cuda"
 
 
+def _routed_problem(T, seed, H=512, I=256, E=16, K=4):
+    """(x, d y, top-k ids, top-k weights, [W13, W2]): random bf16 inputs of the routed experts on the GPU,
+    K distinct experts per token."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device="cuda", generator=g).to(bf)
+    dy = torch.randn(T, H, device="cuda", generator=g).to(bf)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous()
+    w = torch.rand(T, K, device="cuda", generator=g).to(bf)
+    params = [(torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(bf),
+              (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(bf)]
+    return x, dy, ids, w, params
+
+
 def _routed_cuda(x, ids, w, params, dy, config):
     """MoKFunction on the CUDA path under `config`: y, d x, d topk-weights, d expert parameters."""
     from mok_nn import functional
@@ -66,15 +80,7 @@ def test_macrobatch_passes_keep_the_bits(T, size):
     summed in pass order in bf16 (the accumulating weight-gradient kernel), and close to one pass."""
     from mok_nn import MoKConfig
 
-    g = torch.Generator(device="cuda").manual_seed(T)
-    H, I, E, K = 512, 256, 16, 4
-    bf = torch.bfloat16
-    x = torch.randn(T, H, device="cuda", generator=g).to(bf)
-    dy = torch.randn(T, H, device="cuda", generator=g).to(bf)
-    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous()
-    w = torch.rand(T, K, device="cuda", generator=g).to(bf)
-    params = [(torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(bf),
-              (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(bf)]
+    x, dy, ids, w, params = _routed_problem(T, seed=T)
     one = _routed_cuda(x, ids, w, params, dy, MoKConfig())
     cfg = MoKConfig(minibatch_size=128, macrobatch_size=size)
     got = _routed_cuda(x, ids, w, params, dy, cfg)
@@ -99,15 +105,7 @@ def test_gather_rows_kernel_keeps_the_bits(monkeypatch):
     of the routed experts has the bits of the torch gathers."""
     from mok_nn import MoKConfig
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    T, H, I, E, K = 900, 512, 256, 16, 4
-    bf = torch.bfloat16
-    x = torch.randn(T, H, device="cuda", generator=g).to(bf)
-    dy = torch.randn(T, H, device="cuda", generator=g).to(bf)
-    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :K].contiguous()
-    w = torch.rand(T, K, device="cuda", generator=g).to(bf)
-    params = [(torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).to(bf),
-              (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).to(bf)]
+    x, dy, ids, w, params = _routed_problem(900, seed=5)
     runs = {}
     for mode in ("torch", "kernel"):
         monkeypatch.setenv("MOK_GATHER_ROWS", mode)
