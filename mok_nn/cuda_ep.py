@@ -99,6 +99,7 @@ OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
 DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
+PULL_MODES = ("needed", "all")  # MOK_EP_PULL; the first is the default
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
 
 
@@ -464,6 +465,14 @@ def dispatch_mode() -> str:
     mok_ep_dispatch_rows launch on every SM writes the GEMM's rows straight from the peers' sections,
     each remote token row crossing NVLink once; its plan comes from the schedule graph). Same rows."""
     return cb.env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
+
+
+def pull_mode() -> str:
+    """MOK_EP_PULL: 'needed' (default: the forward pulls the peers' token rows its experts need, once the
+    schedule is built) or 'all' (every peer token row, launched right after the first barrier, before
+    the schedule: the pull no longer waits for the host to issue the schedule). The rows the GEMMs read
+    are the same; 'all' moves the rows of tokens routed to no expert here too."""
+    return cb.env_choice("MOK_EP_PULL", PULL_MODES, PULL_MODES[0])
 
 
 def publish_mode() -> str:
@@ -1098,20 +1107,25 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     tokens = bufs.local("tokens")
     # 2.
     bufs.barrier()
+    fwd_overlap = fwd_mode(ws.config) == "overlap"
+    rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
+    pull_all = not fwd_overlap and not rows_dispatch and pull_mode() == "all"
+    if pull_all:  # 4. (MOK_EP_PULL=all) every peer token row, before the schedule
+        bufs.pull_rows("tokens", _pull_table(P, tc, r, x.device))
     # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
     # op issued before the first GEMM delays the GPU, which waits for the host here)
     eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
     x_rows = h = None
-    if fwd_mode(ws.config) == "overlap":
+    if fwd_overlap:
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
         # 4. dispatch: pull the needed token rows of each peer (MOK_EP_DISPATCH=rows: straight into the
         # GEMM's row order, _dispatch_rows)
-        if _dispatch_rows_here(x) and not cb._use_gather():
+        if rows_dispatch:
             x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
-        else:
+        elif not pull_all:
             bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)

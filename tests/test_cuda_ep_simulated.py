@@ -274,3 +274,19 @@ def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
     alone, interleaved = run(False), run(True)
     for r in range(P):
         assert [torch.equal(a, b) for a, b in zip(alone[r], interleaved[r])] == [True] * 5, r
+
+
+def test_pull_all_rows_gives_the_same_bits(cpu_kernels, monkeypatch):
+    """MOK_EP_PULL=all (every peer token row, before the schedule) and =needed (after it) feed the GEMMs
+    the same rows: every output of both ranks bitwise equal."""
+    g = torch.Generator().manual_seed(11)
+    problem = _problem(g, [9, 14], 32, 16, 8, 2, False, 0.0)
+    runs = {}
+    for mode in ("needed", "all"):
+        monkeypatch.setenv("MOK_EP_PULL", mode)
+        runs[mode] = _simulated_ep(2, *problem, "swiglu", None)
+    for got, want in zip(runs["all"], runs["needed"]):
+        y, dx, dw, grads = got
+        y2, dx2, dw2, grads2 = want
+        assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
+        assert torch.equal(grads.gate_up_proj, grads2.gate_up_proj) and torch.equal(grads.down_proj, grads2.down_proj)

@@ -13,6 +13,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epovdyn: seq, ov_static, ov_dynamic, ov_dyn_dispatch (MOK_EP_FWD=overlap with MOK_EP_OV_TILES=static /
           dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
+  eppull: needed, all, needed_again, all_again (MOK_EP_PULL: the forward's pull after or before the schedule; EP only)
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
   epsumsauto: auto, slot (MOK_EP_COMBINE_SUMS: the default choice against one row per slot everywhere; EP only)
@@ -70,6 +71,10 @@ MODE_SETS = {
         "coop": {"MOK_GEMM_PINGPONG": "0", "MOK_GEMM_ACT": "split", "MOK_GEMM_DACT": "split"},
         "ppc_fused": {"MOK_GEMM_PINGPONG": "cluster", "MOK_GEMM_ACT": "fused", "MOK_GEMM_DACT": "fused"},
     },
+    # EP only: the forward's pull of the needed peer rows after the schedule, or of every peer row before it
+    # (each twice: the spread beside the difference)
+    "eppull": {"needed": {"MOK_EP_PULL": "needed"}, "all": {"MOK_EP_PULL": "all"},
+               "needed_again": {"MOK_EP_PULL": "needed"}, "all_again": {"MOK_EP_PULL": "all"}},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
     # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one
