@@ -84,6 +84,7 @@ ranks in the same call provided they raised it at the same point (call
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -99,7 +100,9 @@ OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
 DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
-PULL_MODES = ("needed", "all")  # MOK_EP_PULL; the first is the default
+PULL_MODES = ("auto", "needed", "all")  # MOK_EP_PULL; the first is the default
+# auto: pull every row where at least this share of a peer's tokens has an expert here (uniform routing)
+PULL_ALL_MIN_SHARE = 0.9
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
 
 
@@ -467,12 +470,20 @@ def dispatch_mode() -> str:
     return cb.env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
 
 
-def pull_mode() -> str:
-    """MOK_EP_PULL: 'needed' (default: the forward pulls the peers' token rows its experts need, once the
-    schedule is built) or 'all' (every peer token row, launched right after the first barrier, before
-    the schedule: the pull no longer waits for the host to issue the schedule). The rows the GEMMs read
-    are the same; 'all' moves the rows of tokens routed to no expert here too."""
-    return cb.env_choice("MOK_EP_PULL", PULL_MODES, PULL_MODES[0])
+def pull_all(num_experts: int, ep_size: int, top_k: int) -> bool:
+    """Whether the forward pulls every peer token row right after the first barrier, before the
+    schedule (MOK_EP_PULL=all), or only the rows its experts need once the schedule is built (=needed).
+    The GEMMs read the same rows either way; 'all' also moves the rows of tokens routed to no expert
+    here, and its pull no longer waits for the host to issue the schedule. auto (default): 'all' where
+    a token has an expert on a given rank with probability >= PULL_ALL_MIN_SHARE under uniform routing
+    (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2, 0.996; mixtral 0.79). Measured at EP = 2
+    (docs/benchmarks/..._v72_eppull_modes.log, each mode twice): qwen3 forward 2.00 / 2.00 vs 2.12 / 2.07 ms;
+    mixtral and deepseek-v3 inside the spread."""
+    mode = cb.env_choice("MOK_EP_PULL", PULL_MODES, PULL_MODES[0])
+    if mode != "auto":
+        return mode == "all"
+    e_l = num_experts // ep_size
+    return 1 - math.comb(num_experts - e_l, top_k) / math.comb(num_experts, top_k) >= PULL_ALL_MIN_SHARE
 
 
 def publish_mode() -> str:
@@ -1109,8 +1120,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     fwd_overlap = fwd_mode(ws.config) == "overlap"
     rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
-    pull_all = not fwd_overlap and not rows_dispatch and pull_mode() == "all"
-    if pull_all:  # 4. (MOK_EP_PULL=all) every peer token row, before the schedule
+    pull_every_row = not fwd_overlap and not rows_dispatch and pull_all(ws.num_experts, P, top_k)
+    if pull_every_row:  # 4. (MOK_EP_PULL, pull_all) every peer token row, before the schedule
         bufs.pull_rows("tokens", _pull_table(P, tc, r, x.device))
     # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
     # op issued before the first GEMM delays the GPU, which waits for the host here)
@@ -1125,7 +1136,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         # GEMM's row order, _dispatch_rows)
         if rows_dispatch:
             x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
-        elif not pull_all:
+        elif not pull_every_row:
             bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)

@@ -290,3 +290,10 @@ def test_pull_all_rows_gives_the_same_bits(cpu_kernels, monkeypatch):
         y2, dx2, dw2, grads2 = want
         assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
         assert torch.equal(grads.gate_up_proj, grads2.gate_up_proj) and torch.equal(grads.down_proj, grads2.down_proj)
+
+
+def test_pull_all_rule():
+    """MOK_EP_PULL=auto pulls every row where nearly every token has an expert on each rank."""
+    assert cuda_ep.pull_all(128, 2, 8) and cuda_ep.pull_all(256, 2, 8)  # qwen3, deepseek-v3: 0.996
+    assert not cuda_ep.pull_all(8, 2, 2)  # mixtral: 0.79
+    assert not cuda_ep.pull_all(16, 8, 1)  # top-1 over 8 ranks: 0.125
