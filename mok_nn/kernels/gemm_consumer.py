@@ -25,6 +25,18 @@ def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_bar
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
+def consumer_roles(tidx, wg_idx, threads_per_wg, epi_stages, pingpong: bool):
+    """(wg, ctid, store_warp, buf_base, epi_threads, barrier_id) of a consumer thread (warp groups 1, 2).
+    Cooperative: the tiled MMA gives consumer threads 0-127 (warp group 1) rows 0-63 of every tile,
+    threads 128-255 (warp group 2) rows 64-127, warp 4 stores, one named barrier (1) over both groups.
+    Ping-pong: warp group w takes every other tile of the CTA whole, with its own smem buffers
+    (buf_base..), named barrier (1 + w) and storing warp (4 w)."""
+    wg = wg_idx - 1
+    if pingpong:
+        return wg, tidx % threads_per_wg, wg_idx * 4, wg * epi_stages, threads_per_wg, 1 + wg
+    return wg, tidx - threads_per_wg, 4, 0, 2 * threads_per_wg, 1
+
+
 def mma_operands(tiled_mma, ctid, sA, sB, gC, acc_dtype):
     """(A fragment, B fragment, accumulator, k-blocks per stage) of consumer thread ctid."""
     thr_mma = tiled_mma.get_slice(ctid)
@@ -34,6 +46,29 @@ def mma_operands(tiled_mma, ctid, sA, sB, gC, acc_dtype):
     tCrB = tiled_mma.make_fragment_B(tCsB)
     acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], acc_dtype)
     return tCrA, tCrB, acc, cute.size(tCrA, mode=[2])
+
+
+@cute.jit
+def pingpong_turn(turn, wg, pingpong: cutlass.Constexpr):
+    """(skip, turn): whether warp group wg (0, 1) leaves the next tile to the other one, and the turn
+    after it. Ping-pong warp groups take a CTA's tiles alternately (turn: whose tile the next is);
+    cooperative ones (pingpong False) share every tile. Rebind both (see mma_mainloop)."""
+    skip = cutlass.Int32(0)
+    if cutlass.const_expr(pingpong):
+        if turn != wg:
+            skip = cutlass.Int32(1)
+        turn = 1 - turn
+    return skip, turn
+
+
+@cute.jit
+def step_over(k_tiles, read_state, release_state):
+    """The other ping-pong warp group's tile: step over its k_tiles stages without waiting (it waits for
+    and releases them). Returns (read_state, release_state): rebind both."""
+    for k in range(k_tiles):
+        read_state.advance()
+        release_state.advance()
+    return read_state, release_state
 
 
 @cute.jit

@@ -83,8 +83,8 @@ import cuda.bindings.driver as cuda
 from .readiness import signal_tile_done, wait_tile_ready
 from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
 from .gemm_consumer import (
-    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, smem_storage, store_sync, store_tile_full,
-    store_tile_split,
+    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage, step_over, store_sync,
+    store_tile_full, store_tile_split,
 )
 from .registry import TILE_M
 from .swiglu import _act
@@ -747,24 +747,12 @@ class VarlenMGroupedGemm:
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            # Cooperative: the tiled MMA gives consumer threads 0-127 (warp group 1) rows 0-63 of every
-            # tile, threads 128-255 (warp group 2) rows 64-127, and warp 4 stores. Ping-pong: warp group
-            # w (1, 2) takes every other valid tile of this CTA whole, with its own smem buffers
-            # (buf_base..), named barrier (1 + w) and storing warp (4 w).
-            wg = wg_idx - 1
-            ctid = tidx - self.threads_per_wg
-            first_row = wg * (TILE_M // self.num_consumer_wg)
-            store_warp = 4
-            buf_base = 0
-            epi_threads = self.num_consumer_threads
-            barrier_id = 1
-            if cutlass.const_expr(self.pingpong):
-                ctid = tidx % self.threads_per_wg
-                first_row = 0
-                store_warp = wg_idx * 4
-                buf_base = wg * self.epi_stages
-                epi_threads = self.threads_per_wg
-                barrier_id = 1 + wg
+            # (consumer_roles: the rows, smem buffers, named barrier and storing warp of each warp group;
+            # ping-pong: every other valid tile of this CTA whole)
+            wg, ctid, store_warp, buf_base, epi_threads, barrier_id = consumer_roles(
+                tidx, wg_idx, self.threads_per_wg, self.epi_stages, self.pingpong
+            )
+            first_row = 0 if self.pingpong else wg * (TILE_M // self.num_consumer_wg)  # of this warp group's rows
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
@@ -813,16 +801,9 @@ class VarlenMGroupedGemm:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
                 if expert >= 0:
-                    skip = cutlass.Int32(0)
-                    if cutlass.const_expr(self.pingpong):
-                        if turn != wg:
-                            skip = cutlass.Int32(1)
-                        turn = 1 - turn
+                    skip, turn = pingpong_turn(turn, wg, self.pingpong)
                     if skip == 1:
-                        # The other warp group's tile: step over its stages (it waits for and releases them).
-                        for k in range(k_tiles):
-                            read_state.advance()
-                            release_state.advance()
+                        read_state, release_state = step_over(k_tiles, read_state, release_state)
                     else:
                         # Real rows in this tile (more than TILE_M before the segment's last tile).
                         rows = seg_rows[expert]

@@ -29,8 +29,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .gemm_consumer import (
-    epilogue_stores, epilogue_views, mma_mainloop, mma_operands, smem_storage, store_sync, store_tile_full,
-    store_tile_split,
+    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage, step_over, store_sync,
+    store_tile_full, store_tile_split,
 )
 from .registry import TILE_M
 
@@ -350,21 +350,9 @@ class VarlenKGroupedGemm:
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            # Cooperative: consumer threads 0-127 (warp group 1) hold rows 0-63 of every tile, 128-255
-            # rows 64-127, and warp 4 stores. Ping-pong: warp group w (1, 2) takes every other tile of
-            # this CTA whole, with its own smem buffers (buf_base..), named barrier (1 + w) and storing warp (4 w).
-            wg = wg_idx - 1
-            ctid = tidx - self.threads_per_wg
-            store_warp = 4
-            buf_base = 0
-            epi_threads = self.num_consumer_threads
-            barrier_id = 1
-            if cutlass.const_expr(self.pingpong):
-                ctid = tidx % self.threads_per_wg
-                store_warp = wg_idx * 4
-                buf_base = wg * self.epi_stages
-                epi_threads = self.threads_per_wg
-                barrier_id = 1 + wg
+            wg, ctid, store_warp, buf_base, epi_threads, barrier_id = consumer_roles(
+                tidx, wg_idx, self.threads_per_wg, self.epi_stages, self.pingpong
+            )
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
 
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
@@ -386,16 +374,9 @@ class VarlenKGroupedGemm:
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 _, k_tiles = self._k_range(seg_end, seg_rows, expert)
-                skip = cutlass.Int32(0)
-                if cutlass.const_expr(self.pingpong):
-                    if turn != wg:
-                        skip = cutlass.Int32(1)
-                    turn = 1 - turn
+                skip, turn = pingpong_turn(turn, wg, self.pingpong)
                 if skip == 1:
-                    # The other warp group's tile: step over its stages (it waits for and releases them).
-                    for k in range(k_tiles):
-                        read_state.advance()
-                        release_state.advance()
+                    read_state, release_state = step_over(k_tiles, read_state, release_state)
                 else:
                     acc.fill(0.0)
                     if cutlass.const_expr(self.pingpong):
