@@ -40,6 +40,17 @@ def _split_saved(saved):
     return [getattr(saved, n) for n in names], lambda tensors: cls(**others, **dict(zip(names, tensors)))
 
 
+def pass_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
+    """Token ranges [start, end) of passes of `size` tokens over num_tokens (the last one shorter)."""
+    return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
+
+
+def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """t's rows [start, end): t itself where that is all of them (a slice costs the host a view op, and
+    the one-pass call is host-bound at small shapes)."""
+    return t if start == 0 and end == t.shape[0] else t[start:end]
+
+
 def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, int]] | None:
     """Token ranges [start, end) of the macrobatch passes (MoKConfig.macrobatch_size tokens each, the last
     one shorter), or None where every token runs in one pass.
@@ -69,7 +80,7 @@ def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, 
             cuda_ep.reserve_pass(workspace, size)
     if num_tokens <= size:
         return None
-    return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
+    return pass_bounds(num_tokens, size)
 
 
 class MoKFunction(torch.autograd.Function):
@@ -91,22 +102,17 @@ class MoKFunction(torch.autograd.Function):
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
                 workspace: Workspace):
         params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
-        passes = macrobatch_passes(x.shape[0], workspace)
+        passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
+        ys, saved_passes = [], []
         with autocast_off(x.device.type):
-            if passes is None:
-                schedule = functional.build_schedule(topk_ids, workspace)
-                y, saved = functional.forward(x, topk_ids, topk_weights, params, schedule, workspace)
-                saved_passes = [saved]
-            else:
-                ys, saved_passes = [], []
-                for start, end in passes:
-                    ids = topk_ids[start:end]
-                    schedule = functional.build_schedule(ids, workspace)
-                    y_pass, saved = functional.forward(x[start:end], ids, topk_weights[start:end], params, schedule,
-                                                       workspace)
-                    ys.append(y_pass)
-                    saved_passes.append(saved)
-                y = torch.cat(ys)
+            for start, end in passes:
+                ids = _rows(topk_ids, start, end)
+                schedule = functional.build_schedule(ids, workspace)
+                y_pass, saved = functional.forward(_rows(x, start, end), ids, _rows(topk_weights, start, end), params,
+                                                   schedule, workspace)
+                ys.append(y_pass)
+                saved_passes.append(saved)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
         saved_tensors, ctx.rebuild_saved, ctx.saved_counts = [], [], []
         for saved in saved_passes:
             tensors, rebuild = _split_saved(saved)
@@ -129,19 +135,16 @@ class MoKFunction(torch.autograd.Function):
             saved_passes.append(rebuild(saved[first:first + count]))
             first += count
         grad_y = grad_y.contiguous()
+        dxs, d_topks, grads = [], [], None
         with autocast_off(grad_y.device.type):  # a backward called inside an autocast region
-            if ctx.passes is None:
+            for (start, end), saved_pass in zip(ctx.passes, saved_passes):
+                # later passes add their parameter gradients into the first one's (grads_into)
                 dx, d_topk, grads = functional.backward(
-                    grad_y, saved_passes[0], x, topk_ids, topk_weights, params, ctx.workspace
+                    _rows(grad_y, start, end), saved_pass, _rows(x, start, end), _rows(topk_ids, start, end),
+                    _rows(topk_weights, start, end), params, ctx.workspace, grads_into=grads,
                 )
-            else:
-                dxs, d_topks, grads = [], [], None
-                for (start, end), saved_pass in zip(ctx.passes, saved_passes):
-                    dx, d_topk, grads = functional.backward(
-                        grad_y[start:end], saved_pass, x[start:end], topk_ids[start:end], topk_weights[start:end],
-                        params, ctx.workspace, grads_into=grads,
-                    )
-                    dxs.append(dx)
-                    d_topks.append(d_topk)
-                dx, d_topk = torch.cat(dxs), torch.cat(d_topks)
+                dxs.append(dx)
+                d_topks.append(d_topk)
+        if len(dxs) > 1:
+            dx, d_topk = torch.cat(dxs), torch.cat(d_topks)
         return dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None

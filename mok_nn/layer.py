@@ -16,7 +16,7 @@ from torch import nn
 
 from . import router as routing
 from . import functional, ops
-from .autograd import MoKFunction, autocast_off
+from .autograd import MoKFunction, autocast_off, pass_bounds
 from .config import MoKConfig
 from .distributed import group_size_and_rank
 from .reference import ACTIVATIONS, compute_dtype
@@ -313,7 +313,7 @@ class MoKMoELayer(nn.Module):
             size = self.config.macrobatch_size
             bounds = [(0, x2d.shape[0])]
             if size is not None and x2d.shape[0] > size:
-                bounds = [(s, min(s + size, x2d.shape[0])) for s in range(0, x2d.shape[0], size)]
+                bounds = pass_bounds(x2d.shape[0], size)
             outs = [ops.routed_experts(
                 x2d[s:t], topk_ids[s:t], topk_weights[s:t], e.gate_up_proj, e.down_proj, e.gate_up_proj_bias,
                 e.down_proj_bias, self.activation, self.swiglu_limit, backend,
