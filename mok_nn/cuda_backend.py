@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.registry import COMBINE_LEAVES, combine_leaves
+from .kernels.registry import COMBINE_LEAVES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
     GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
     WGRAD_ACC_KERNELS,
@@ -342,10 +342,10 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) 
     per row, no copy of src) or 'torch' (index_select, after a cat of a zero row unless has_zero_row;
     also on CPU). Same bits."""
     if src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel" \
-            and _rows_of_16_byte_vectors(src):
+            and rows_of_16_byte_vectors(src):
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
         if idx.shape[0]:
-            grid = max(1, min(-(-idx.shape[0] // 8), _num_sms(src.device) * GATHER_CTAS_PER_SM))
+            grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
             _lib().launch("mok_gather_rows", src, idx, out, grid, stream=_stream())
         return out
     if has_zero_row:
@@ -353,7 +353,7 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) 
     return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
 
 
-def _rows_of_16_byte_vectors(t: torch.Tensor) -> bool:
+def rows_of_16_byte_vectors(t: torch.Tensor) -> bool:
     """bf16 rows that mok_gather_rows copies in 16-byte vectors: H % 8 == 0, unit column stride, a row stride
     of whole vectors and a 16-byte aligned start (a view at an odd offset takes the torch path)."""
     return (t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] % 8 == 0 and t.stride(1) == 1
@@ -361,8 +361,14 @@ def _rows_of_16_byte_vectors(t: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
+    """CTAs of a grid-stride row copy, warp per row (kernels/ep_copy.py: mok_gather_rows and the EP copies):
+    at most ctas_per_sm per SM, no more than one row per warp, at least one."""
+    return max(1, min(-(-num_rows // (EP_COPY_THREADS // 32)), sms * max(1, ctas_per_sm)))
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):

@@ -93,7 +93,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_backend as cb
-from .kernels.registry import EP_COPY_THREADS, TILE_M
+from .kernels.registry import TILE_M
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
@@ -500,7 +500,7 @@ def _on_cuda(t: torch.Tensor) -> bool:
 def publish_kernel(x: torch.Tensor, topk_weights: torch.Tensor) -> str | None:
     """The mok_ep_publish variant for these inputs, or None where it cannot take them: not on the GPU,
     or x's rows not 16-byte vectors (the torch ops then run)."""
-    if not _on_cuda(x) or x.stride(-1) != 1 or x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8):
+    if not _on_cuda(x) or not cb.rows_of_16_byte_vectors(x):
         return None
     return "mok_ep_publish_bf16w" if topk_weights.dtype == torch.bfloat16 else "mok_ep_publish"
 
@@ -510,8 +510,7 @@ def copy_grid(num_rows: int, num_sms: int, ctas_per_sm: int | None = None) -> in
     than one row per warp, at least one."""
     if ctas_per_sm is None:
         ctas_per_sm = int(os.environ.get("MOK_EP_COPY_CTAS_PER_SM", COPY_CTAS_PER_SM))
-    warps = EP_COPY_THREADS // 32
-    return max(1, min(-(-num_rows // warps), num_sms * max(1, ctas_per_sm)))
+    return cb.row_copy_grid(num_rows, num_sms, ctas_per_sm)
 
 
 def split_sms(num_sms: int, comm_sms: int) -> tuple[int, int]:
@@ -752,7 +751,7 @@ class SymmBuffers:
 
     def num_sms(self) -> int:
         if getattr(self, "_num_sms", None) is None:
-            self._num_sms = torch.cuda.get_device_properties(self.err.device).multi_processor_count
+            self._num_sms = cb.num_sms(self.err.device)
         return self._num_sms
 
     def _copy_grid(self, num_rows: int) -> int:
@@ -1194,7 +1193,7 @@ def _comm_setup(ws, dev):
     st = ws.ep_state
     if "comm_stream" not in st:
         st["comm_stream"] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs are placed first
-        st["num_sms"] = torch.cuda.get_device_properties(dev).multi_processor_count
+        st["num_sms"] = cb.num_sms(dev)
     comm_ctas, gemm_ctas = split_sms(st["num_sms"], ws.config.fwd_num_comm_sms)
     return st["comm_stream"], torch.cuda.current_stream(dev), comm_ctas, gemm_ctas
 

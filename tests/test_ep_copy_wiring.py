@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mok_nn import cuda_ep
+from mok_nn.kernels import registry
 from test_cuda_ep_simulated import _problem, _simulated_ep, install_stub_library
 
 
@@ -140,7 +141,7 @@ def test_copy_mode_rejects_unknown(monkeypatch):
 
 
 def test_copy_grid():
-    warps = cuda_ep.EP_COPY_THREADS // 32
+    warps = registry.EP_COPY_THREADS // 32  # warps per CTA of the row copies
     assert cuda_ep.copy_grid(0, 132, 4) == 1
     assert cuda_ep.copy_grid(1, 132, 4) == 1
     assert cuda_ep.copy_grid(warps + 1, 132, 4) == 2

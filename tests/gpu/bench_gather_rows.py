@@ -16,7 +16,6 @@ import torch
 
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
-from mok_nn.cuda_ep import copy_grid
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from layer_runs import median_ms_queued as median_ms  # noqa: E402
@@ -40,7 +39,7 @@ def main():
         t = median_ms(lambda: cb.gather_rows(x, sched), args.reps)
         lines.append(f"{shape:14s} torch cat + index_select   {t:7.3f} ms  {gb / t:5.2f} TB/s  ({want.shape[0]} rows)")
         for per_sm in map(int, args.ctas_per_sm.split(",")):
-            grid = copy_grid(want.shape[0], sms, per_sm)
+            grid = cb.row_copy_grid(want.shape[0], sms, per_sm)
             out = torch.full_like(want, float("nan"))
 
             def run():
