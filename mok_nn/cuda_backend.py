@@ -772,8 +772,6 @@ def experts_backward(
 ):
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads).
     grads_into: a GroupedMLPGrads whose parameter gradients this call adds to (reference.add_param_grads)."""
-    from . import reference
-
     sched, gate_up = saved.sched, saved.gate_up
     num_tokens, top_k = topk_ids.shape
     gy = grad_y.to(x.dtype).contiguous()

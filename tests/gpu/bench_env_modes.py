@@ -40,6 +40,7 @@ import sys
 
 import torch
 
+from layer_runs import torchrun_group
 from mok_nn import bench
 
 MODE_SETS = {
@@ -135,14 +136,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=15)
     args = ap.parse_args()
-    group, rank, world = None, 0, 1
-    if "RANK" in os.environ:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        group = dist.group.WORLD
+    group, rank, world = torchrun_group()
     mok = bench.mok_experts("cuda", group)
     modes = MODE_SETS[args.modes]
     keys = sorted({k for env in modes.values() for k in env})

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from layer_runs import torchrun_group
 from mok_nn import MoKConfig, bench, functional
 
 
@@ -29,12 +30,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    group, rank, world = None, 0, 1
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        group = dist.group.WORLD
+    group, rank, world = torchrun_group()
     out_dir = pathlib.Path(os.environ.get("OUT", "/tmp"))
     records, failed = [], False
     for shape in args.shapes.split(","):

@@ -89,18 +89,27 @@ def load_cpu_test(name):
     return mod
 
 
+def torchrun_group():
+    """(group, rank, world): under torchrun (RANK set) an NCCL process group over every rank, each on its
+    LOCAL_RANK's GPU; else (None, 0, 1)."""
+    if "RANK" not in os.environ:
+        return None, 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return dist.group.WORLD, rank, dist.get_world_size()
+
+
 def ep_steps(shape, tokens):
     """Under torchrun: NCCL process group, this rank's problem of mok_nn.bench at EP = world size, and
     (rank, world, [("forward", fwd), ("forward+backward", fwd_bwd)]) running mok_nn's routed experts."""
-    import torch.distributed as dist
-
     from mok_nn import bench
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group, rank, world = torchrun_group()
     p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
-    fn = bench.mok_experts("cuda", dist.group.WORLD)
+    fn = bench.mok_experts("cuda", group)
     leaves = bench._leaves(p)
     x, w, gu, dn = leaves
 
