@@ -83,8 +83,8 @@ import cuda.bindings.driver as cuda
 from .readiness import signal_tile_done, wait_tile_ready
 from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
 from .gemm_consumer import (
-    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage, step_over, store_sync,
-    store_tile_full, store_tile_split,
+    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
+    step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .registry import TILE_M
 from .swiglu import _act

@@ -29,8 +29,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
 from .gemm_consumer import (
-    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage, step_over, store_sync,
-    store_tile_full, store_tile_split,
+    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
+    step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .registry import TILE_M
 
@@ -112,7 +112,6 @@ class VarlenKGroupedGemm:
         self.num_consumer_wg = 2
         self.threads_per_wg = 128
         self.num_threads = (1 + self.num_consumer_wg) * self.threads_per_wg
-        self.num_consumer_threads = self.num_consumer_wg * self.threads_per_wg
         self.producer_regs = 40
         self.consumer_regs = 232
         self.epi_tile = (128, epi_n)
