@@ -39,8 +39,9 @@ WARPS = THREADS // 32
 
 @cute.jit
 def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolean, count: cutlass.Int32,
-                n_vec: cutlass.Int32, lane: cutlass.Int32):
-    """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok)."""
+                n_vec: cutlass.Int32, lane: cutlass.Int32, zero_rest: cutlass.Constexpr = False):
+    """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok); zero_rest:
+    and writes a zero row to the destination of every lane that is not ok (GatherRows)."""
     ok_i = cutlass.Int32(0)
     if ok:
         ok_i = cutlass.Int32(1)
@@ -49,6 +50,10 @@ def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolea
             s = cute.arch.shuffle_sync(s_addr, j)
             d = cute.arch.shuffle_sync(d_addr, j)
             copy_row(s, d, n_vec, lane, False)
+        else:
+            if cutlass.const_expr(zero_rest):
+                d = cute.arch.shuffle_sync(d_addr, j)
+                copy_row(d, d, n_vec, lane, True)
 
 
 @cute.jit
@@ -173,21 +178,6 @@ class PushPeers:
             _copy_batch(s_addr, d_addr, ok, cutlass.min(mine - b, 32), n_vec, lane)
 
 
-@cute.jit
-def _gather_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, copy: cutlass.Boolean, count: cutlass.Int32,
-                  n_vec: cutlass.Int32, lane: cutlass.Int32):
-    """The warp writes the rows its lanes 0..count-1 hold: a copy where `copy`, else a zero row."""
-    copy_i = cutlass.Int32(0)
-    if copy:
-        copy_i = cutlass.Int32(1)
-    for j in range(count):
-        d = cute.arch.shuffle_sync(d_addr, j)
-        if cute.arch.shuffle_sync(copy_i, j) != 0:
-            copy_row(cute.arch.shuffle_sync(s_addr, j), d, n_vec, lane, False)
-        else:
-            copy_row(d, d, n_vec, lane, True)
-
-
 class GatherRows:
     @cute.jit
     def __call__(
@@ -222,4 +212,4 @@ class GatherRows:
                 if (t >= 0) & (t < num_src):
                     copy = True
                     s_addr = src_base + t * src_stride
-            _gather_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane)
+            _copy_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane, zero_rest=True)
