@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward_backward, make_layer, random_x,
-                     single_thread)  # noqa: F401
+                     routed_experts, single_thread)  # noqa: F401
 
 I_EP = 16
 
@@ -41,28 +41,6 @@ CASES = {
 TOL = {F32: 1e-5, BF16: 2e-2}
 
 
-def _expert_params(layer):
-    e = layer.experts
-    return [p.detach().clone().requires_grad_(True) if p is not None else None
-            for p in (e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias)]
-
-
-def _routed_experts(layer, x, ids, w, dy, ep_group):
-    """MoKFunction alone, for a given routing: y, and d x, d w, d expert params."""
-    from mok_nn import functional
-    from mok_nn.autograd import MoKFunction
-
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I_EP, num_experts=E, top_k=K, ep_group=ep_group,
-                                  device="cpu", dtype=x.dtype, backend="reference", activation=OPTS["activation"],
-                                  swiglu_limit=OPTS["swiglu_limit"])
-    x = x.detach().clone().requires_grad_(True)
-    w = w.detach().clone().requires_grad_(True)
-    params = _expert_params(layer)
-    y = MoKFunction.apply(x, w, *params, ids, ws)
-    (y * dy).sum().backward()
-    return {"y": y.detach(), "x": x.grad, "w": w.grad, "params": [p.grad if p is not None else None for p in params]}
-
-
 def _worker(rank, world, tmpdir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
@@ -80,7 +58,7 @@ def _worker(rank, world, tmpdir):
         y, grads = layer_forward_backward(layer, x, dy)
         out = {"y": y, "grads": grads, "logits": layer.router_logits.detach(),
                "shapes": {k: tuple(v.shape) for k, v in layer.state_dict().items()},
-               "routed": _routed_experts(layer, x, data["ids"][rank], data["w"][rank], dy, dist.group.WORLD)}
+               "routed": routed_experts(layer, x, data["ids"][rank], data["w"][rank], dy, dist.group.WORLD)}
 
         # Experts not divisible by the EP size: a clear error naming the problem.
         try:
@@ -111,7 +89,7 @@ def ep_run(request, tmp_path_factory):
     logits = layer.router_logits.detach()
     ids, w = route(logits, K, OPTS["score_func"], OPTS["norm_topk_prob"], OPTS["n_group"], OPTS["topk_group"],
                    OPTS["routed_scaling_factor"], layer.router.e_score_correction_bias)[:2]
-    routed = _routed_experts(layer, x, ids, w, dy, None)
+    routed = routed_experts(layer, x, ids, w, dy)
     torch.save({"state": layer.state_dict(), "x": list(x.split(counts)), "dy": list(dy.split(counts)),
                 "ids": list(ids.split(counts)), "w": list(w.detach().split(counts)), "dtype": dtype},
                os.path.join(tmpdir, "inputs.pt"))

@@ -16,27 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import ACTIVATIONS, E, H, K, assert_close, make_layer, random_x, single_thread  # noqa: F401
+from helpers import (ACTIVATIONS, E, H, K, assert_close, make_layer, random_x, routed_experts,  # noqa: F401
+                     single_thread)
 from mok_nn import MoKConfig, functional
-from mok_nn.autograd import MoKFunction, macrobatch_passes
+from mok_nn.autograd import macrobatch_passes
 
 I_MB = 16
 OPTS = {"score_func": "softmax", "norm_topk_prob": True, **ACTIVATIONS["oai_limit"]}  # with expert biases
-
-
-def _routed(layer, x, ids, w, dy, config, ep_group=None):
-    """MoKFunction alone under `config`: y, d x, d w and the expert parameter gradients."""
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I_MB, num_experts=E, top_k=K, ep_group=ep_group,
-                                  device="cpu", dtype=x.dtype, backend="reference", activation=OPTS["activation"],
-                                  swiglu_limit=OPTS["swiglu_limit"], config=config)
-    e = layer.experts
-    params = [p.detach().clone().requires_grad_(True)
-              for p in (e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias)]
-    x = x.detach().clone().requires_grad_(True)
-    w = w.detach().clone().requires_grad_(True)
-    y = MoKFunction.apply(x, w, *params, ids, ws)
-    (y * dy).sum().backward()
-    return {"y": y.detach(), "x": x.grad, "w": w.grad, "params": [p.grad for p in params]}
 
 
 def _inputs(dtype, tokens, seed):
@@ -51,12 +37,13 @@ def _inputs(dtype, tokens, seed):
 
 def _check_against_passes(layer, x, ids, w, dy, size, ep_group=None):
     """Macrobatched vs separate one-pass calls on each pass's tokens (bitwise) vs one pass (close)."""
-    one = _routed(layer, x, ids, w, dy, MoKConfig(), ep_group)
+    one = routed_experts(layer, x, ids, w, dy, ep_group, config=MoKConfig())
     cfg = MoKConfig(minibatch_size=1, macrobatch_size=size)
-    got = _routed(layer, x, ids, w, dy, cfg, ep_group)
+    got = routed_experts(layer, x, ids, w, dy, ep_group, config=cfg)
     # the oracle: one-pass calls on each pass's tokens; outputs concatenated, parameter gradients summed
     # in pass order (in their dtype)
-    parts = [_routed(layer, x[s:s + size], ids[s:s + size], w[s:s + size], dy[s:s + size], MoKConfig(), ep_group)
+    parts = [routed_experts(layer, x[s:s + size], ids[s:s + size], w[s:s + size], dy[s:s + size], ep_group,
+                            config=MoKConfig())
              for s in range(0, x.shape[0], size)]
     tol = 2e-2 if x.dtype == torch.bfloat16 else 1e-5
     for name in ("y", "x", "w"):
@@ -70,7 +57,7 @@ def _check_against_passes(layer, x, ids, w, dy, size, ep_group=None):
     for i, (g, want, g_one) in enumerate(zip(got["params"], total, one["params"])):
         assert torch.equal(g, want), f"expert parameter {i}: not the per-pass sum"
         assert_close(g, g_one, tol, f"expert parameter {i} vs one pass")
-    again = _routed(layer, x, ids, w, dy, cfg, ep_group)
+    again = routed_experts(layer, x, ids, w, dy, ep_group, config=cfg)
     for name in ("y", "x", "w"):
         assert torch.equal(again[name], got[name]), f"{name} differs between two runs"
     assert all(torch.equal(a, b) for a, b in zip(again["params"], got["params"])), "gradients differ between runs"
@@ -133,15 +120,15 @@ def _worker(rank, world, tmpdir):
             out["equal_counts"] = f"failed: {err}"
         cut = x.shape[0] - rank  # rank 1 one token short
         try:
-            _routed(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], MoKConfig(minibatch_size=1, macrobatch_size=4),
-                    dist.group.WORLD)
+            routed_experts(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], dist.group.WORLD,
+                           config=MoKConfig(minibatch_size=1, macrobatch_size=4))
             out["unequal_counts"] = None
         except ValueError as err:
             out["unequal_counts"] = str(err)
         # counts that differ but need no passes anywhere: one pass on every rank, the one-pass result
-        one = _routed(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], MoKConfig(), dist.group.WORLD)
-        big = _routed(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], MoKConfig(minibatch_size=1, macrobatch_size=64),
-                      dist.group.WORLD)
+        one = routed_experts(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], dist.group.WORLD, config=MoKConfig())
+        big = routed_experts(layer, x[:cut], ids[:cut], w[:cut], dy[:cut], dist.group.WORLD,
+                             config=MoKConfig(minibatch_size=1, macrobatch_size=64))
         out["unequal_one_pass"] = all(torch.equal(big[k], one[k]) for k in ("y", "x", "w")) and all(
             torch.equal(a, b) for a, b in zip(big["params"], one["params"]))
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
