@@ -165,6 +165,16 @@ class EPSchedule:
     derive: object = field(default=None, repr=False)
     # (row_peer, row_src) of dispatch_plan where the schedule graph computed it (MOK_EP_DISPATCH=rows)
     dispatch: tuple | None = None
+    # Where the tensors are views of the schedule graph's output buffer (which its next replay rewrites):
+    # a callable returning this schedule on a copy of that buffer (see kept)
+    copy: object = field(default=None, repr=False)
+
+    def kept(self) -> "EPSchedule":
+        """This schedule on tensors of its own, for what outlives the forward (its backward): a copy of
+        the graph's buffer where the tensors are views of it, else self. Kernels issued before the next
+        replay (stream order) may read the views directly; only the saved schedule needs the copy, so
+        the forward takes it after its launches, not on the host path before its first GEMM."""
+        return self if self.copy is None else self.copy()
 
     def _derived(self, name: str) -> torch.Tensor:
         self.__dict__.update(self.derive())  # where functools.cached_property keeps its values
@@ -339,8 +349,9 @@ class _GraphedSchedule:
     """make_ep_schedule(ids_all, ...) for one buffer and shape, captured once as a CUDA graph.
 
     The graph reads the ids section in place (its address is part of the key) and writes every
-    output into one flat byte buffer; each call replays it and clones that buffer (one copy), so
-    schedules of earlier calls, still held for their backward, are never overwritten. The
+    output into one flat byte buffer. Each call replays it and returns views of that buffer, made
+    once; the forward keeps a copy for its backward (EPSchedule.kept: one clone, issued after the
+    forward's launches), so schedules of earlier calls are never overwritten. The
     constant tensors the captured ops read (the _CACHED and _TABLES entries) are kept alive here.
     Same kernels, same inputs: bitwise the eager make_ep_schedule.
     """
@@ -348,19 +359,33 @@ class _GraphedSchedule:
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
                "slot_row", "row_src", "row_slot", "overflow")
 
-    def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False):
+    def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False, pull=None):
         # with_dispatch: also dispatch_plan's (row_peer, row_src), for MOK_EP_DISPATCH=rows.
+        # pull: (kind, fn) to capture the forward's pull of the peers' token rows as well (ep_schedule):
+        # kind "all": fn() pulls every row, on a branch of the graph beside the schedule; "needed":
+        # fn(eps) pulls the rows of eps.pull_src after it. None: the graph is the schedule alone.
         self.fields = self._FIELDS + (("disp_peer", "disp_src") if with_dispatch else ())
         dispatch_rank = rank if with_dispatch else None
+        kind, fn = pull if pull is not None else (None, None)
         # The schedule depends on this rank's token count only through `pos` (an arange view, built per
         # call below), so one graph serves every count: captured with the capacity's count.
         self.args = (ids_all.shape[1], rank, e_l, capacity)
-        warm = make_ep_schedule(ids_all, *self.args)  # warm-up: modules loaded, tables and constants built
+        # warm-up: modules loaded, tables and constants built (the pull runs for real: this call needs it)
+        if kind == "all":
+            fn()
+        warm = make_ep_schedule(ids_all, *self.args)
         self._outputs(warm, dispatch_rank)
+        if kind == "needed":
+            fn(warm)
         side = torch.cuda.Stream(device=ids_all.device)
         side.wait_stream(torch.cuda.current_stream(ids_all.device))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
+            if kind == "all":
+                branch = torch.cuda.Stream(device=ids_all.device)
+                branch.wait_stream(side)
+                with torch.cuda.stream(branch):
+                    fn()
             eps = make_ep_schedule(ids_all, *self.args)
             outs = self._outputs(eps, dispatch_rank)
             # (byte offset, bytes, dtype, shape, contiguous strides) of each output in the flat buffer;
@@ -373,7 +398,12 @@ class _GraphedSchedule:
             self.flat = torch.empty(off, dtype=torch.uint8, device=ids_all.device)
             for (o, nb, _, _, _), t in zip(self.layout, outs):
                 self.flat[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
+            if kind == "needed":
+                fn(eps)
+            elif kind == "all":
+                side.wait_stream(branch)
         torch.cuda.current_stream(ids_all.device).wait_stream(side)
+        self.static = self._views(self.flat)  # every replay rewrites self.flat in place
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
 
     @classmethod
@@ -383,16 +413,18 @@ class _GraphedSchedule:
                 eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
         return outs + (list(dispatch_plan(eps, dispatch_rank)) if dispatch_rank is not None else [])
 
-    def __call__(self, num_tokens: int) -> EPSchedule:
-        self.graph.replay()
-        flat = self.flat.clone()
-        # one view per dtype and one as_strided per output (each torch op costs the host several us)
+    def _views(self, flat: torch.Tensor) -> dict:
+        """{field: tensor} over a flat buffer of self.layout: one view per dtype and one as_strided per
+        output (each torch op costs the host several us)."""
         by_dtype, f = {}, {}
         for name, (o, _, dt, shape, stride) in zip(self.fields, self.layout):
             base = by_dtype.get(dt)
             if base is None:
                 base = by_dtype[dt] = flat.view(dt)
             f[name] = base.as_strided(shape, stride, o // base.element_size())
+        return f
+
+    def _schedule(self, f: dict, num_tokens: int) -> EPSchedule:
         top_k = f["slot_row"].numel() // f["pull_src"].numel()  # slots [P*Tc*k] per token row [P, Tc]
         pos = _cached("arange", num_tokens * top_k, self.flat.device).view(num_tokens, top_k)  # as make_ep_schedule
         sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
@@ -402,20 +434,56 @@ class _GraphedSchedule:
         eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
         return eps
 
+    def __call__(self, num_tokens: int) -> EPSchedule:
+        """Replays the graph. The schedule's tensors are views of the graph's own buffer, made once
+        (self.static): valid until the next replay; EPSchedule.kept() copies them for the backward."""
+        self.graph.replay()
+        eps = self._schedule(self.static, num_tokens)
+        eps.copy = functools.partial(self._copy, num_tokens)
+        return eps
 
-def ep_schedule(ids_all, num_tokens, rank, e_l, capacity) -> EPSchedule:
-    """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager."""
-    if not (ids_all.is_cuda and use_schedule_graph()):
-        return make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
-    with_dispatch = dispatch_mode() == "rows"
-    key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
-           os.environ.get("MOK_SCHEDULE", ""), with_dispatch)
-    g = _SCHED_GRAPHS.get(key)
-    if g is None:
-        if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
-            _SCHED_GRAPHS.clear()
-        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, with_dispatch)
-    return g(num_tokens)
+    def _copy(self, num_tokens: int) -> EPSchedule:
+        """The schedule of the last replay on a copy of the graph's buffer (one clone)."""
+        return self._schedule(self._views(self.flat.clone()), num_tokens)
+
+
+def ep_schedule(bufs, num_tokens: int, e_l: int, capacity: int, pull: str | None = None) -> EPSchedule:
+    """make_ep_schedule over the ids section of bufs, replayed from a CUDA graph on CUDA
+    (use_schedule_graph), else eager; with the forward's pull (step 4) of the peers' token rows into the
+    local tokens section where pull is "all" (every row, beside the schedule) or "needed" (the rows of
+    the schedule's pull_src, after it). With the one-launch row copies (MOK_EP_COPY=v2, the default)
+    the graph does the pull too: one launch for both, where the host would issue two before the first
+    GEMM (each costs it tens of us while the GPU waits)."""
+    ids_all, rank = bufs.local("ids"), bufs.rank
+
+    def pull_every_row():
+        bufs.pull_rows("tokens", _pull_table(bufs.ep_size, bufs.tokens_cap, rank, ids_all.device))
+
+    def pull_needed(eps):
+        bufs.pull_rows("tokens", eps.pull_src)
+
+    fns = {"all": pull_every_row, "needed": pull_needed}
+    graphed = ids_all.is_cuda and use_schedule_graph()
+    captured = pull if graphed and copy_mode() == "v2" else None  # the other copy modes are not captured
+    if pull == "all" and captured is None:
+        pull_every_row()
+    if not graphed:
+        eps = make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
+    else:
+        with_dispatch = dispatch_mode() == "rows"
+        key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
+               os.environ.get("MOK_SCHEDULE", ""), with_dispatch, captured)
+        g = _SCHED_GRAPHS.get(key)
+        if g is None:
+            if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
+                _SCHED_GRAPHS.clear()
+            # (a captured pull reads bufs' address table: _recreate clears these graphs with the buffer)
+            g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, with_dispatch,
+                                                      (captured, fns[captured]) if captured else None)
+        eps = g(num_tokens)
+    if pull == "needed" and captured is None:
+        pull_needed(eps)
+    return eps
 
 
 def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1107,7 +1175,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
     num_tokens, top_k = topk_ids.shape
     bufs = _buffers(ws, num_tokens)
-    P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
+    P, tc = bufs.ep_size, bufs.tokens_cap
     e_l = ws.num_experts // P
     cap = schedule_capacity(tc, top_k, e_l, P, ws.config.schedule_capacity_multiplier)
     ws.ep_state["capacity"] = cap
@@ -1120,24 +1188,23 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     fwd_overlap = fwd_mode(ws.config) == "overlap"
     rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
-    pull_every_row = not fwd_overlap and not rows_dispatch and pull_all(ws.num_experts, P, top_k)
-    if pull_every_row:  # 4. (MOK_EP_PULL, pull_all) every peer token row, before the schedule
-        bufs.pull_rows("tokens", _pull_table(P, tc, r, x.device))
-    # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
-    # op issued before the first GEMM delays the GPU, which waits for the host here)
-    eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
+    # 4. dispatch by pull (not with the overlapped or the rows dispatch): every peer token row, beside the
+    # schedule (MOK_EP_PULL, pull_all), or the rows the local experts need, after it
+    pull = None
+    if not fwd_overlap and not rows_dispatch:
+        pull = "all" if pull_all(ws.num_experts, P, top_k) else "needed"
+    # 3. schedule from everyone's routing, with the pull (only what the GEMMs need before their launch:
+    # every torch op issued before the first GEMM delays the GPU, which waits for the host here)
+    eps = ep_schedule(bufs, n, e_l, cap, pull)
     sched = eps.sched
     x_rows = h = None
     if fwd_overlap:
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
-        # 4. dispatch: pull the needed token rows of each peer (MOK_EP_DISPATCH=rows: straight into the
-        # GEMM's row order, _dispatch_rows)
+        # 4. (MOK_EP_DISPATCH=rows) the peers' rows straight into the GEMM's row order
         if rows_dispatch:
             x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
-        elif not pull_every_row:
-            bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
         if cb._use_gather():
@@ -1184,7 +1251,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         y = _pad_nan(cb.combine(bufs.local("slots"), sched.pos, w_eff, topk_ids[:n], ws.num_experts, x.dtype),
                      num_tokens)
     _record_errors(ws, flags, "forward")
-    return y, EPSaved(eps, gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None,
+    # the schedule the backward reads, on tensors of its own (taken here, after the launches: see kept)
+    return y, EPSaved(eps.kept(), gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None,
                       ids_all)
 
 

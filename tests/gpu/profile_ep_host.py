@@ -70,18 +70,24 @@ class _FirstGemm(Exception):
     pass
 
 
-def _stop_at_gemm(*args, **kwargs):
-    raise _FirstGemm
-
-
-# The forward's host time up to the gate/up GEMM's launch: on an idle GPU (as the benchmark times it)
-# the GPU waits for the host until then. The first launch_gemm call raises, so the forward stops there
-# (on every rank alike; nothing runs after this, the half-done steps' data are not used).
+# The forward's host time up to its first GEMM launch (whichever kernel: plain, fused gate/up +
+# activation, gathering): on an idle GPU (as the benchmark times it) the GPU waits for the host until
+# then. KernelLibrary.launch raises for the first mok_gemm_* kernel, so the forward stops there (on
+# every rank alike; nothing runs after this, the half-done steps' data are not used).
 from mok_nn import cuda_backend  # noqa: E402
+from mok_nn.kernels import loader  # noqa: E402
 
 fwd = dict(steps)["forward"]
-real_launch = cuda_backend.launch_gemm
-cuda_backend.launch_gemm = _stop_at_gemm
+real_launch = loader.KernelLibrary.launch
+
+
+def _stop_at_gemm(self, name, *args, **kwargs):
+    if name.startswith("mok_gemm"):
+        raise _FirstGemm
+    return real_launch(self, name, *args, **kwargs)
+
+
+loader.KernelLibrary.launch = _stop_at_gemm
 pre = {}
 for mode in ("plain", "cprofile"):
     torch.cuda.synchronize()
@@ -98,10 +104,10 @@ for mode in ("plain", "cprofile"):
             pass
         prof.disable()
     pre[mode] = (time.perf_counter() - t0) / few * 1e3
-cuda_backend.launch_gemm = real_launch
+loader.KernelLibrary.launch = real_launch
 torch.cuda.synchronize()
 if rank == 0:
-    print(f"{shape} EP={world} forward up to the gate/up GEMM's launch: host {pre['plain']:.3f} ms "
+    print(f"{shape} EP={world} forward up to its first GEMM launch: host {pre['plain']:.3f} ms "
           f"({pre['cprofile']:.3f} under cProfile)", flush=True)
     raw = pstats.Stats(prof).stats
     rows = sorted(raw.items(), key=lambda kv: -kv[1][3])
@@ -109,4 +115,16 @@ if rank == 0:
     for (file, line, fname), (_, calls, own, cum, _) in rows[:45]:
         print(f"  {own / few * 1e6:11.1f} {cum / few * 1e6:11.1f} {calls / few:10.1f}  "
               f"{fname} ({os.path.basename(file)}:{line})", flush=True)
+    # where the time of the big ones goes (cumulative us per step of each callee)
+    for pattern in ("forward", "ep_schedule", "__call__", "publish", "pull_rows", "take_rows", "barrier"):
+        st = pstats.Stats(prof)
+        for (file, line, fname), (_, calls, own, cum, callers) in st.stats.items():
+            if fname != pattern or "mok_nn" not in file:
+                continue
+            print(f"  callees of {fname} ({os.path.basename(file)}:{line}), {cum / few * 1e6:.1f} us/step:", flush=True)
+            for (f2, l2, n2), v in st.stats.items():
+                c = v[4].get((file, line, fname))
+                if c:  # (prim calls, calls, own s, cum s) of this caller -> callee edge
+                    print(f"      {c[3] / few * 1e6:9.1f} us  x{c[1] / few:.0f}  {n2} ({os.path.basename(f2)}:{l2})",
+                          flush=True)
 dist.destroy_process_group()
