@@ -11,7 +11,7 @@
 # sequential vs overlapped dispatch, comm-SM sweep, kernel timeline), ovdiag (the overlapped
 # forward's cold-start diagnosis: one GPU, then EP=2 overlap checks and qwen3 overlap bench),
 # profile (kernel table + ncu of one GEMM), epprofile (EP kernel and host
-# time on rank 0), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
+# time on rank 0), eptimeline (EP forward: host issue vs GPU done per stage), ephost (EP host issue time + cProfile), launch (packed launch path: GPU test, host us, ephost with MOK_LAUNCH=ctypes), gatherdiag (gather GEMMs vs their TMA twins), envmodes / epenvmodes (env settings side by side),
 # epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
@@ -76,6 +76,10 @@ for s in "$@"; do
     epprofile)
         for sh in qwen3-30b-a3b deepseek-v3; do
             TAIL=0 step "profile_ep_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep.py "$sh"
+        done ;;
+    eptimeline)  # the EP forward as the benchmark times it: host issue vs GPU done per stage, every rank
+        for sh in qwen3-30b-a3b deepseek-v3; do
+            TAIL=40 step "ep_timeline_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/timeline_ep_forward.py "$sh"
         done ;;
     ephost)  # the EP path's host side: issue time vs wall, cProfile of the issuing (rank 0)
         TAIL=60 step ep_host_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py qwen3-30b-a3b ;;

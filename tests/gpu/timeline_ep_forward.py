@@ -1,0 +1,97 @@
+"""Diagnostic (not a test): where an EP forward timed as the benchmark times it (idle GPU, one
+synchronised call) waits, on every rank.
+
+    torchrun --nproc_per_node 2 tests/gpu/timeline_ep_forward.py [shape] [tokens]
+
+Each stage of cuda_ep.forward (publish, barrier, schedule + pull, gather, gate/up GEMM, ...) is wrapped:
+after it returns, the host time since the call began is noted and a CUDA event is recorded on the
+current stream (the GPU time at which the stage's work was done). Per stage it prints the median over
+the repetitions of: host us (issue done), GPU us (work done), both from the call's start. Where a
+stage's GPU time is close to its host time, the GPU waited for the host; a long GPU time behind a
+barrier is a wait for the peer. The events themselves cost a few us of host time each.
+"""
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import layer_runs  # the script's folder is on sys.path
+from mok_nn import cuda_backend as cb
+from mok_nn import cuda_ep
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
+tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
+rank, world, steps = layer_runs.ep_steps(shape, tokens)
+fwd = dict(steps)["forward"]
+
+marks = []  # (stage, host s, event) of the running call
+
+
+def _wrap(owner, name, stage):
+    real = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((stage, time.perf_counter(), ev))
+        return out
+
+    setattr(owner, name, wrapped)
+
+
+barrier_count = [0]
+for owner, name, stage in [
+    (cuda_ep.SymmBuffers, "publish", "publish"),
+    (cuda_ep.SymmBuffers, "barrier", "barrier"),
+    (cuda_ep, "ep_schedule", "schedule (+ pull)"),
+    (cb, "take_rows", "gather rows"),
+    (cb, "gate_up_act", "gate/up GEMM + act"),
+    (cb, "grouped_gemm", "grouped GEMM"),
+    (cb, "act_forward", "activation"),
+    (cuda_ep.SymmBuffers, "push_partials", "push partial sums"),
+    (cuda_ep.SymmBuffers, "push_rows", "push rows"),
+    (cuda_ep.SymmBuffers, "final_combine", "final combine"),
+    (cb, "combine", "combine"),
+]:
+    if hasattr(owner, name):
+        _wrap(owner, name, stage)
+
+for _ in range(5):
+    fwd()
+torch.cuda.synchronize()
+reps = 30
+rows = {}  # (index, stage) -> ([host us], [gpu us])
+ends = []
+for _ in range(reps):
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+    marks.clear()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    fwd()
+    end.record()
+    t_end = time.perf_counter()
+    end.synchronize()
+    ends.append((start.elapsed_time(end) * 1e3, (t_end - t0) * 1e6))
+    for i, (stage, t, ev) in enumerate(marks):
+        h, g = rows.setdefault((i, stage), ([], []))
+        h.append((t - t0) * 1e6)
+        g.append(start.elapsed_time(ev) * 1e3)
+
+lines = [f"rank {rank}: {shape} EP={world} forward, {reps} synchronised calls, medians "
+         f"(us from the call's start; GPU time of an event = its stage's work done)"]
+for (i, stage), (h, g) in sorted(rows.items()):
+    lines.append(f"  {stage:24s} host {statistics.median(h):8.1f}   GPU {statistics.median(g):8.1f}")
+lines.append(f"  {'call (end event)':24s} host {statistics.median(e[1] for e in ends):8.1f}   "
+             f"GPU {statistics.median(e[0] for e in ends):8.1f}")
+out = [None] * world
+dist.all_gather_object(out, "\n".join(lines))
+if rank == 0:
+    print("\n".join(out), flush=True)
+dist.destroy_process_group()
