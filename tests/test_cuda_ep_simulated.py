@@ -297,3 +297,64 @@ def test_pull_all_rule():
     assert cuda_ep.pull_all(128, 2, 8) and cuda_ep.pull_all(256, 2, 8)  # qwen3, deepseek-v3: 0.996
     assert not cuda_ep.pull_all(8, 2, 2)  # mixtral: 0.79
     assert not cuda_ep.pull_all(16, 8, 1)  # top-1 over 8 ranks: 0.125
+
+
+def _gather_kernel_semantics(src, idx, has_zero_row=False, out=None):
+    """mok_gather_rows' contract in torch: row idx[r] of src, a zero row where idx[r] >= src rows, out's row
+    left as it is where idx[r] < 0 (a fresh output starts as NaN, so an unwritten row shows)."""
+    if out is None:
+        out = torch.full((idx.shape[0], src.shape[1]), float("nan"), dtype=src.dtype)
+    copy, zero = (idx >= 0) & (idx < src.shape[0]), idx >= src.shape[0]
+    out[copy] = src[idx[copy]]
+    out[zero] = 0
+    return out
+
+
+def test_split_rows_partition_the_schedule():
+    """EPSchedule.split_rows: every row's token index in exactly one part, the local part holding the
+    rows of this rank's tokens and the padding rows, the other part the peers' tokens, -1 elsewhere."""
+    g = torch.Generator().manual_seed(5)
+    P, tc, K, e_l = 2, 12, 4, 4
+    ids = torch.randint(0, e_l * P, (P, tc, K), generator=g)
+    ids[1, 9:] = -1  # rank 1 has 9 tokens
+    for rank in range(P):
+        eps = cuda_ep.make_ep_schedule(ids, tc, rank, e_l, cuda_ep.schedule_capacity(tc, K, e_l, P, 2.0))
+        local_rows, remote_rows = eps.split_rows
+        row_token = eps.sched.row_token
+        remote = (row_token // tc != rank) & (row_token < P * tc)
+        assert remote.any() and (~remote).any()
+        assert torch.equal(torch.where(remote, remote_rows, local_rows), row_token)
+        assert bool((local_rows[remote] == -1).all()) and bool((remote_rows[~remote] == -1).all())
+
+
+def test_gather_beside_the_pull_gives_the_same_bits(cpu_kernels, monkeypatch):
+    """The GEMMs' rows gathered in two parts around the pull (take_rows_beside_pull: local rows beside the
+    pull, then the pulled ones) equal the one-part gather: every output of both ranks bitwise, with the
+    pull of every row and of the needed rows."""
+    g = torch.Generator().manual_seed(12)
+    problem = _problem(g, [10, 13], 32, 16, 8, 2, False, 0.0)
+    monkeypatch.setattr(cb, "take_rows", _gather_kernel_semantics)
+    modes = ("all", "needed")
+    want = {}
+    for mode in modes:
+        monkeypatch.setenv("MOK_EP_PULL", mode)
+        want[mode] = _simulated_ep(2, *problem, "swiglu", None)
+
+    parts = []
+
+    def pull_then_mark(ws, bufs, name, pull_src, beside):
+        bufs.pull_rows(name, pull_src)  # (on CPU done at once; the stream wait is _join)
+        return "pulled" if beside else None
+
+    monkeypatch.setattr(cuda_ep, "split_gather_applies", lambda section: True)
+    monkeypatch.setattr(cuda_ep, "_pull", pull_then_mark)
+    monkeypatch.setattr(cuda_ep, "_join", parts.append)
+    for mode in modes:
+        monkeypatch.setenv("MOK_EP_PULL", mode)
+        parts.clear()
+        got = _simulated_ep(2, *problem, "swiglu", None)
+        assert parts == ["pulled"] * 4, parts  # forward x rows and backward dy rows, on both ranks
+        for (y, dx, dw, grads), (y2, dx2, dw2, grads2) in zip(got, want[mode]):
+            assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
+            assert torch.equal(grads.gate_up_proj, grads2.gate_up_proj)
+            assert torch.equal(grads.down_proj, grads2.down_proj)

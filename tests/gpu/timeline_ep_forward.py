@@ -5,7 +5,8 @@ synchronised call) waits, on every rank.
 
 Each stage of cuda_ep.forward (publish, barrier, schedule + pull, gather, gate/up GEMM, ...) is wrapped:
 after it returns, the host time since the call began is noted and a CUDA event is recorded on the
-current stream (the GPU time at which the stage's work was done). Per stage it prints the median over
+current stream (the GPU time at which the stage's work was done); rows marked ">" are host times at
+the entry of a function (the layers above the first launch, and every kernel launch). Per stage it prints the median over
 the repetitions of: host us (issue done), GPU us (work done), both from the call's start. Where a
 stage's GPU time is close to its host time, the GPU waited for the host; a long GPU time behind a
 barrier is a wait for the peer. The events themselves cost a few us of host time each.
@@ -42,7 +43,31 @@ def _wrap(owner, name, stage):
     setattr(owner, name, wrapped)
 
 
-barrier_count = [0]
+def _enter(owner, name, stage):
+    """Host time at the call of owner.name (no event): where the host is before the first launch."""
+    real = owner.__dict__[name]
+    fn = real.__func__ if isinstance(real, staticmethod) else real
+
+    def wrapped(*args, **kwargs):
+        marks.append((stage, time.perf_counter(), None))
+        return fn(*args, **kwargs)
+
+    setattr(owner, name, staticmethod(wrapped) if isinstance(real, staticmethod) else wrapped)
+
+
+from mok_nn import autograd, functional  # noqa: E402
+from mok_nn.kernels import loader  # noqa: E402
+
+for owner, name, stage in [
+    (functional, "get_workspace", "> get_workspace"),
+    (autograd.MoKFunction, "forward", "> MoKFunction.forward"),
+    (functional, "forward", "> functional.forward"),
+    (cuda_ep, "forward", "> cuda_ep.forward"),
+    (cuda_ep.SymmBuffers, "publish", "> publish"),
+    (loader.KernelLibrary, "launch", "> a kernel launch"),
+]:
+    _enter(owner, name, stage)
+
 for owner, name, stage in [
     (cuda_ep.SymmBuffers, "publish", "publish"),
     (cuda_ep.SymmBuffers, "barrier", "barrier"),
@@ -82,12 +107,13 @@ for _ in range(reps):
     for i, (stage, t, ev) in enumerate(marks):
         h, g = rows.setdefault((i, stage), ([], []))
         h.append((t - t0) * 1e6)
-        g.append(start.elapsed_time(ev) * 1e3)
+        g.append(start.elapsed_time(ev) * 1e3 if ev is not None else float("nan"))
 
 lines = [f"rank {rank}: {shape} EP={world} forward, {reps} synchronised calls, medians "
          f"(us from the call's start; GPU time of an event = its stage's work done)"]
 for (i, stage), (h, g) in sorted(rows.items()):
-    lines.append(f"  {stage:24s} host {statistics.median(h):8.1f}   GPU {statistics.median(g):8.1f}")
+    gpu = f"GPU {statistics.median(g):8.1f}" if g[0] == g[0] else ""
+    lines.append(f"  {stage:24s} host {statistics.median(h):8.1f}   {gpu}")
 lines.append(f"  {'call (end event)':24s} host {statistics.median(e[1] for e in ends):8.1f}   "
              f"GPU {statistics.median(e[0] for e in ends):8.1f}")
 out = [None] * world
