@@ -1044,7 +1044,7 @@ def check_errors(ws, block: bool = True) -> None:
         elif not ev.query():
             keep.append((host, ev, what))
             continue
-        overflow, timeout, too_many, ov_timeout = (int(v) for v in host[:4])
+        overflow, timeout, too_many, ov_timeout = host[:4].tolist()  # (one call: 4 int() of elements cost ~4x)
         if overflow or timeout or too_many or ov_timeout:
             st["pending"] = []
             if too_many:
@@ -1248,8 +1248,10 @@ PULL_BESIDE_CTAS_PER_SM = 1
 
 def split_gather_applies(section: torch.Tensor) -> bool:
     """Whether the GEMM's rows are gathered from `section` in two parts around the pull (take_rows_beside_pull):
-    the gather kernel runs (cb.take_rows_kernel_applies) and the pull is the one-launch copy (MOK_EP_COPY=v2)."""
-    return copy_mode() == "v2" and cb.take_rows_kernel_applies(section)
+    MOK_EP_PULL_BESIDE (default 1; 0: the pull, then the gather, as before), the gather kernel runs
+    (cb.take_rows_kernel_applies) and the pull is the one-launch copy (MOK_EP_COPY=v2)."""
+    return (os.environ.get("MOK_EP_PULL_BESIDE", "1") != "0" and copy_mode() == "v2"
+            and cb.take_rows_kernel_applies(section))
 
 
 def _pull(ws, bufs: SymmBuffers, name: str, pull_src: torch.Tensor, beside: bool) -> torch.cuda.Stream | None:
