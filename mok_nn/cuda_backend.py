@@ -335,34 +335,22 @@ def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     return take_rows(x, sched.row_token)
 
 
-def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) -> torch.Tensor:
     """[len(idx), H]: row idx[r] of src, a zero row where idx[r] == src rows (the padding rows of a
     schedule), or, has_zero_row, src's own last row (zero, as the EP tokens sections keep it) where
     idx[r] points there. MOK_GATHER_ROWS: 'kernel' (default on CUDA: mok_gather_rows, one launch, warp
     per row, no copy of src) or 'torch' (index_select, after a cat of a zero row unless has_zero_row;
-    also on CPU). Same bits.
-
-    out (the kernel only, take_rows_kernel_applies): write into out, leaving its rows r with idx[r] < 0
-    as they are (a gather in parts, cuda_ep.take_rows_beside_pull)."""
-    if take_rows_kernel_applies(src):
-        if out is None:
-            out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+    also on CPU). Same bits."""
+    if src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel" \
+            and rows_of_16_byte_vectors(src):
+        out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
         if idx.shape[0]:
             grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
             _lib().launch("mok_gather_rows", src, idx, out, grid, stream=_stream())
         return out
-    if out is not None:
-        raise ValueError("take_rows(out=...) needs the gather kernel (take_rows_kernel_applies)")
     if has_zero_row:
         return src.index_select(0, idx)
     return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
-
-
-def take_rows_kernel_applies(src: torch.Tensor) -> bool:
-    """take_rows runs mok_gather_rows on src: on CUDA, MOK_GATHER_ROWS=kernel, rows of 16-byte vectors."""
-    return (src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel"
-            and rows_of_16_byte_vectors(src))
 
 
 def rows_of_16_byte_vectors(t: torch.Tensor) -> bool:

@@ -165,9 +165,6 @@ class EPSchedule:
     derive: object = field(default=None, repr=False)
     # (row_peer, row_src) of dispatch_plan where the schedule graph computed it (MOK_EP_DISPATCH=rows)
     dispatch: tuple | None = None
-    # (local_rows, remote_rows) [cap] int64: row_token where the row's token is this rank's (or the row is
-    # padding) / a peer's, -1 elsewhere: the gather in two parts, the first beside the pull (take_rows_beside_pull)
-    split_rows: tuple | None = None
     # Where the tensors are views of the schedule graph's output buffer (which its next replay rewrites):
     # a callable returning this schedule on a copy of that buffer (see kept)
     copy: object = field(default=None, repr=False)
@@ -318,10 +315,6 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 
     need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
     pull_src = torch.where(need, _pull_table(ep_size, tc, rank, dev), -1)
-    # the gather in two parts (take_rows_beside_pull): rows of local tokens and padding rows, -1 elsewhere;
-    # rows of the peers' tokens, -1 elsewhere
-    remote = (row_token // tc != rank) & (row_token < ep_size * tc)
-    split_rows = (torch.where(remote, -1, row_token), torch.where(remote, row_token, -1))
 
     def derive():  # what the GEMMs do not need (EPSchedule.derive)
         if spread:  # padded rows of every rank (this one first): ends of its buckets minus starts
@@ -335,7 +328,7 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
         src_of, slot_of = _slot_tables(ep_size, tc, top_k, dev)
         return {"row_src": src_of[row_gslot], "row_slot": slot_of[row_gslot], "overflow": overflow}
 
-    return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive, split_rows=split_rows)
+    return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive)
 
 
 # --------------------------------------------------------------------------
@@ -364,7 +357,7 @@ class _GraphedSchedule:
     """
 
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
-               "slot_row", "row_src", "row_slot", "overflow", "local_rows", "remote_rows")
+               "slot_row", "row_src", "row_slot", "overflow")
 
     def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False):
         # with_dispatch: also dispatch_plan's (row_peer, row_src), for MOK_EP_DISPATCH=rows.
@@ -399,7 +392,7 @@ class _GraphedSchedule:
     def _outputs(cls, eps, dispatch_rank=None):
         s = eps.sched
         outs = [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
-                eps.slot_row, eps.row_src, eps.row_slot, eps.overflow, *eps.split_rows]
+                eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
         return outs + (list(dispatch_plan(eps, dispatch_rank)) if dispatch_rank is not None else [])
 
     def _views(self, flat: torch.Tensor) -> dict:
@@ -419,8 +412,7 @@ class _GraphedSchedule:
         sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
                             padded_rows=f["padded_rows"])
         eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"],
-                         dispatch=(f["disp_peer"], f["disp_src"]) if "disp_peer" in f else None,
-                         split_rows=(f["local_rows"], f["remote_rows"]))
+                         dispatch=(f["disp_peer"], f["disp_src"]) if "disp_peer" in f else None)
         eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
         return eps
 
@@ -805,14 +797,13 @@ class SymmBuffers:
             cb._lib().launch("mok_ep_copy_rows_v2", src, src_idx, dst, dst_idx, self._copy_grid(src_idx.numel()),
                              stream=cb._stream())
 
-    def pull_rows(self, name: str, pull_src: torch.Tensor, ctas_per_sm: int | None = None) -> None:
+    def pull_rows(self, name: str, pull_src: torch.Tensor) -> None:
         """Row pull_src[p, t] (>= 0) of rank p's section `name` into row p*Tc + t of the local one,
-        for every peer p (pull_src [P, Tc]; the own rank's entries are -1). ctas_per_sm: the grid of the
-        one-launch copy (None: copy_grid's default)."""
+        for every peer p (pull_src [P, Tc]; the own rank's entries are -1)."""
         P, tc = self.ep_size, self.tokens_cap
         if copy_mode() == "v2":
             cb._lib().launch("mok_ep_pull_peers", self.section_addrs(name), pull_src, self.local(name),
-                             copy_grid(P * tc, self.num_sms(), ctas_per_sm), stream=cb._stream())
+                             self._copy_grid(P * tc), stream=cb._stream())
             return
         dst_rows = _cached("arange", P * tc, self.err.device).view(P, tc)
         for p in range(P):
@@ -1142,7 +1133,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
     num_tokens, top_k = topk_ids.shape
     bufs = _buffers(ws, num_tokens)
-    P, tc = bufs.ep_size, bufs.tokens_cap
+    P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
     e_l = ws.num_experts // P
     cap = schedule_capacity(tc, top_k, e_l, P, ws.config.schedule_capacity_multiplier)
     ws.ep_state["capacity"] = cap
@@ -1155,38 +1146,31 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     fwd_overlap = fwd_mode(ws.config) == "overlap"
     rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
-    # 4. dispatch by pull (not with the overlapped or the rows dispatch): every peer token row right after
-    # the barrier (MOK_EP_PULL, pull_all), or the rows the local experts need once the schedule is built;
-    # on a side stream where the gather of the GEMM's rows runs in two parts (split_gather_applies), so
-    # that its local part runs beside the pull
-    pull = None
-    if not fwd_overlap and not rows_dispatch:
-        pull = "all" if pull_all(ws.num_experts, P, top_k) else "needed"
-    beside = pull is not None and not cb._use_gather() and split_gather_applies(tokens)
-    pulling = None  # the side stream of the pull (beside), until the gather joins it
-    if pull == "all":
-        pulling = _pull(ws, bufs, "tokens", _pull_table(P, tc, bufs.rank, x.device), beside)
+    pull_every_row = not fwd_overlap and not rows_dispatch and pull_all(ws.num_experts, P, top_k)
+    if pull_every_row:  # 4. (MOK_EP_PULL, pull_all) every peer token row, before the schedule
+        bufs.pull_rows("tokens", _pull_table(P, tc, r, x.device))
     # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
     # op issued before the first GEMM delays the GPU, which waits for the host here)
-    eps = ep_schedule(bufs.local("ids"), n, bufs.rank, e_l, cap)
-    if pull == "needed":
-        pulling = _pull(ws, bufs, "tokens", eps.pull_src, beside)
+    eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
     sched = eps.sched
     x_rows = h = None
     if fwd_overlap:
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
-        # 4. (MOK_EP_DISPATCH=rows) the peers' rows straight into the GEMM's row order
+        # 4. dispatch: pull the needed token rows of each peer (MOK_EP_DISPATCH=rows: straight into the
+        # GEMM's row order, _dispatch_rows)
         if rows_dispatch:
             x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
+        elif not pull_every_row:
+            bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
         if cb._use_gather():
             gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
         else:
             if x_rows is None:
-                x_rows = take_rows_beside_pull(tokens, eps, pulling)
+                x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True)
             if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
                 # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
                 gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
@@ -1239,56 +1223,6 @@ def _comm_setup(ws, dev):
         st["num_sms"] = cb.num_sms(dev)
     comm_ctas, gemm_ctas = split_sms(st["num_sms"], ws.config.fwd_num_comm_sms)
     return st["comm_stream"], torch.cuda.current_stream(dev), comm_ctas, gemm_ctas
-
-
-# CTAs per SM of a pull beside the local part of the gather: a few rows per SM in flight keep the NVLink
-# busy (a pull is latency bound: 132 CTAs of 8 warps hold 4 MB in flight), the rest of the SM is the gather's
-PULL_BESIDE_CTAS_PER_SM = 1
-
-
-def split_gather_applies(section: torch.Tensor) -> bool:
-    """Whether the GEMM's rows are gathered from `section` in two parts around the pull (take_rows_beside_pull):
-    MOK_EP_PULL_BESIDE (default 1; 0: the pull, then the gather, as before), the gather kernel runs
-    (cb.take_rows_kernel_applies) and the pull is the one-launch copy (MOK_EP_COPY=v2)."""
-    return (os.environ.get("MOK_EP_PULL_BESIDE", "1") != "0" and copy_mode() == "v2"
-            and cb.take_rows_kernel_applies(section))
-
-
-def _pull(ws, bufs: SymmBuffers, name: str, pull_src: torch.Tensor, beside: bool) -> torch.cuda.Stream | None:
-    """bufs.pull_rows(name, pull_src), on the current stream (returns None), or, beside, on the workspace's
-    pull stream after the current stream's work so far (returns that stream: the caller joins it, as
-    take_rows_beside_pull does, before the pulled rows are read)."""
-    if not beside:
-        bufs.pull_rows(name, pull_src)
-        return None
-    dev = pull_src.device
-    st = ws.ep_state
-    if "pull_stream" not in st:
-        st["pull_stream"] = torch.cuda.Stream(device=dev)
-    side = st["pull_stream"]
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        bufs.pull_rows(name, pull_src, ctas_per_sm=PULL_BESIDE_CTAS_PER_SM)
-    return side
-
-
-def take_rows_beside_pull(section: torch.Tensor, eps: EPSchedule, pulling: torch.cuda.Stream | None) -> torch.Tensor:
-    """The GEMMs' rows [cap, H] from `section` (tokens or dy; row_token order, padding zero). Where `pulling`
-    carries the pull of the peers' rows (_pull), the rows of local tokens and the padding rows are gathered
-    first, beside that pull, then, once it is done, the peers' rows into the same rows tensor: the GPU
-    copies local rows while the NVLink moves the peers'. Same rows either way."""
-    if pulling is None:
-        return cb.take_rows(section, eps.sched.row_token, has_zero_row=True)
-    local_rows, remote_rows = eps.split_rows
-    rows = cb.take_rows(section, local_rows, has_zero_row=True)
-    _join(pulling)
-    cb.take_rows(section, remote_rows, has_zero_row=True, out=rows)
-    return rows
-
-
-def _join(side: torch.cuda.Stream) -> None:
-    """The current stream waits for the work issued so far on `side`."""
-    torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def _copy_stream(ws, dev) -> torch.cuda.Stream:
@@ -1433,11 +1367,10 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     else:
         if x_rows is None:
             bufs.pull_rows("tokens", eps.pull_src)
-        # the dy rows: the local ones gathered beside the pull of the peers' (take_rows_beside_pull)
-        pulling = _pull(ws, bufs, "dy", eps.pull_src, split_gather_applies(dy))
+        bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
             x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True)
-        dy_rows = take_rows_beside_pull(dy, eps, pulling)
+        dy_rows = cb.take_rows(dy, sched.row_token, has_zero_row=True)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)

@@ -8,10 +8,9 @@ PullPeers:     dst[p*Tc + t] = section p [pull_src[p, t]] for pull_src[p, t] >= 
 PushPeers:     section row_rank[r] [row_slot[r]] = src[r] for row_rank[r] >= 0, where section
                p starts at dst_base[p] and its rows are contiguous (H elements): the combine
                push to every rank (own one included) in one launch.
-GatherRows:    dst[r] = src[idx[r]] where 0 <= idx[r] < src rows, a zero row where idx[r] >= src
-               rows, dst[r] left as is where idx[r] < 0: the GEMM's A rows in schedule order
-               (padding rows zero), from x at EP = 1 and from the tokens / dy sections at EP > 1
-               (cuda_backend.take_rows; in two parts around the pull, cuda_ep.take_rows_beside_pull).
+GatherRows:    dst[r] = src[idx[r]] where idx[r] < src rows, else a zero row: the GEMM's A rows
+               in schedule order (padding rows zero), from x at EP = 1 and from the tokens / dy
+               sections at EP > 1 (cuda_backend.take_rows).
 
 Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
 (num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;
@@ -40,17 +39,12 @@ WARPS = THREADS // 32
 
 @cute.jit
 def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolean, count: cutlass.Int32,
-                n_vec: cutlass.Int32, lane: cutlass.Int32, zero_rest: cutlass.Constexpr = False,
-                zero: cutlass.Boolean = False):
+                n_vec: cutlass.Int32, lane: cutlass.Int32, zero_rest: cutlass.Constexpr = False):
     """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok); zero_rest:
-    and writes a zero row to the destination of every lane that is not ok but zero (GatherRows)."""
+    and writes a zero row to the destination of every lane that is not ok (GatherRows)."""
     ok_i = cutlass.Int32(0)
     if ok:
         ok_i = cutlass.Int32(1)
-    zero_i = cutlass.Int32(0)
-    if cutlass.const_expr(zero_rest):
-        if zero:
-            zero_i = cutlass.Int32(1)
     for j in range(count):
         if cute.arch.shuffle_sync(ok_i, j) != 0:
             s = cute.arch.shuffle_sync(s_addr, j)
@@ -58,9 +52,8 @@ def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolea
             copy_row(s, d, n_vec, lane, False)
         else:
             if cutlass.const_expr(zero_rest):
-                if cute.arch.shuffle_sync(zero_i, j) != 0:
-                    d = cute.arch.shuffle_sync(d_addr, j)
-                    copy_row(d, d, n_vec, lane, True)
+                d = cute.arch.shuffle_sync(d_addr, j)
+                copy_row(d, d, n_vec, lane, True)
 
 
 @cute.jit
@@ -190,7 +183,7 @@ class GatherRows:
     def __call__(
         self,
         src: cute.Tensor,  # (R, H) bf16
-        idx: cute.Tensor,  # (M,) int64: row of src, >= R for a zero row, < 0: dst row not written
+        idx: cute.Tensor,  # (M,) int64: row of src, or >= R for a zero row
         dst: cute.Tensor,  # (M, H) bf16
         num_ctas: cutlass.Int32,
         stream: cuda.CUstream,
@@ -212,7 +205,6 @@ class GatherRows:
             s_addr = cutlass.Int64(0)
             d_addr = cutlass.Int64(0)
             copy = False
-            zero = False
             if k < mine:
                 i = w + k * step
                 t = idx[i]
@@ -220,5 +212,4 @@ class GatherRows:
                 if (t >= 0) & (t < num_src):
                     copy = True
                     s_addr = src_base + t * src_stride
-                zero = t >= num_src
-            _copy_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane, zero_rest=True, zero=zero)
+            _copy_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane, zero_rest=True)

@@ -14,8 +14,6 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
   eppull: needed, all, needed_again, all_again (MOK_EP_PULL: the forward's pull after or before the schedule; EP only)
-  epbeside: beside, after, beside_again, after_again (MOK_EP_PULL_BESIDE: x / d y rows gathered in two parts
-            around the pull, or after it; EP only)
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
   epsumsauto: auto, slot (MOK_EP_COMBINE_SUMS: the default choice against one row per slot everywhere; EP only)
@@ -78,10 +76,6 @@ MODE_SETS = {
     # (each twice: the spread beside the difference)
     "eppull": {"needed": {"MOK_EP_PULL": "needed"}, "all": {"MOK_EP_PULL": "all"},
                "needed_again": {"MOK_EP_PULL": "needed"}, "all_again": {"MOK_EP_PULL": "all"}},
-    # EP only: the x / d y rows gathered in two parts around the pull (the local rows beside it), or after it
-    # (each twice: the spread beside the difference)
-    "epbeside": {"beside": {"MOK_EP_PULL_BESIDE": "1"}, "after": {"MOK_EP_PULL_BESIDE": "0"},
-                 "beside_again": {"MOK_EP_PULL_BESIDE": "1"}, "after_again": {"MOK_EP_PULL_BESIDE": "0"}},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
     # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one

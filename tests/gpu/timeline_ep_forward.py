@@ -67,7 +67,6 @@ for owner, name, stage in [
     (cb, "check_supported", "> check_supported"),
     (cuda_ep, "_buffers", "> _buffers"),
     (cuda_ep, "schedule_capacity", "> schedule_capacity"),
-    (cuda_ep, "_pull", "> _pull"),
     (cb, "use_fused_act", "> use_fused_act"),
     (cuda_ep.SymmBuffers, "publish", "> publish"),
     (loader.KernelLibrary, "launch", "> a kernel launch"),
