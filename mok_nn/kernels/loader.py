@@ -212,6 +212,12 @@ class _Plan:
     (natural C alignment, as `_struct_type`), an int32 / float scalar, the stream (a pointer).
     One `struct.pack_into` writes it all. The tensor checks run once per signature of the call
     (everything `check_tensor` reads, per tensor), not on every call.
+
+    `pack` is generated per kernel as straight-line code (`pack_source` holds it, from the first call): the same reads
+    of every tensor (shape, stride(), data_ptr(), dtype, is_cuda) and the same block, without the
+    loop, list building and per-argument branches of a generic packer, which cost about twice the
+    host time per launch (the EP forward waits for the host before its first GEMM; every us there
+    is an us of the step). The ctypes path (`KernelLibrary.launch_ctypes`) is its test oracle.
     """
 
     _MAX_SIGNATURES = 4096  # validated call signatures kept per kernel (then forgotten, re-checked)
@@ -244,36 +250,56 @@ class _Plan:
         self._struct = struct.Struct(fmt)
         assert self._struct.size == off
         self._buf_type = ctypes.c_char * off
-        self._offsets = tuple(offsets)
-        self._items = tuple(items)
+        self._offsets, self._items = tuple(offsets), tuple(items)
         self._valid = set()
 
     def pack(self, args, stream):
-        """(buffer, address of its `void *args[]`); the buffer must live until the launch returns."""
+        """(buffer, address of its `void *args[]`); the buffer must live until the launch returns.
+        The first call generates the kernel's packer (compiling it takes ~0.3 ms: only kernels that
+        run pay it), which then replaces this method on the instance."""
+        self.pack_source = self._source(self._offsets, self._items)
+        namespace = {"valid": self._valid, "validate": self._validate, "buf_type": self._buf_type,
+                     "addressof": ctypes.addressof, "pack_into": self._struct.pack_into}
+        exec(compile(self.pack_source, f"<mok_nn pack of {self.spec.name}>", "exec"), namespace)
+        self.pack = namespace["pack"]
+        return self.pack(args, stream)
+
+    def _source(self, offsets: list, items: list) -> str:
+        """The source of pack(args, stream) -> (buffer, address of its `void *args[]`); the buffer must
+        live until the launch returns. Argument i is a{i}; a tensor's shape, strides and data pointer are
+        s{i}, t{i}, p{i}; the signature key holds (dtype, shape, strides, is_cuda, pointer % align) per
+        tensor; the values follow the block's format (pointer array, then per argument its fields)."""
+        names = [f"a{i}" for i in range(self.nargs)]
+        lines = [f"    ({', '.join(names)},) = args"]
         key, vals = [], []
-        for t, item in zip(args, self._items):
+        for i, item in enumerate(items):
             if item is None:
-                vals.append(t)  # struct.error where ctypes would convert (floats for int32, ...)
+                vals.append(f"a{i}")  # struct.error where ctypes would convert (floats for int32, ...)
                 continue
             align, sm, tm = item
-            shape, stride, ptr = t.shape, t.stride(), t.data_ptr()
-            key.append((t.dtype, shape, stride, t.is_cuda, ptr % align))
-            vals.append(ptr)
-            vals.extend([shape[i] for i in sm])
-            vals.extend([stride[i] for i in tm])
-        vals.append(stream)
-        key = tuple(key)
-        if key not in self._valid:
-            for a, t in zip(self.spec.args, args):
-                if isinstance(a, registry.TensorArg):
-                    check_tensor(a, t, self.spec.name)
-            if len(self._valid) >= self._MAX_SIGNATURES:
-                self._valid.clear()
-            self._valid.add(key)
-        buf = self._buf_type()
-        base = ctypes.addressof(buf)
-        self._struct.pack_into(buf, 0, *[base + o for o in self._offsets], *vals)
-        return buf, base
+            lines.append(f"    s{i} = a{i}.shape; t{i} = a{i}.stride(); p{i} = a{i}.data_ptr()")
+            key.append(f"a{i}.dtype, s{i}, t{i}, a{i}.is_cuda, p{i} % {align}")
+            vals += [f"p{i}"] + [f"s{i}[{m}]" for m in sm] + [f"t{i}[{m}]" for m in tm]
+        vals.append("stream")
+        lines += [
+            f"    key = ({''.join(k + ', ' for k in key)})",
+            "    if key not in valid:",
+            "        validate(args, key)",
+            "    buf = buf_type()",
+            "    base = addressof(buf)",
+            f"    pack_into(buf, 0, {', '.join(f'base + {o}' for o in offsets)}, {', '.join(vals)})",
+            "    return buf, base",
+        ]
+        return "def pack(args, stream):\n" + "\n".join(lines) + "\n"
+
+    def _validate(self, args, key) -> None:
+        """check_tensor for every tensor argument of a new signature (raises on a bad one), then remember it."""
+        for a, t in zip(self.spec.args, args):
+            if isinstance(a, registry.TensorArg):
+                check_tensor(a, t, self.spec.name)
+        if len(self._valid) >= self._MAX_SIGNATURES:
+            self._valid.clear()
+        self._valid.add(key)
 
 
 _lock = threading.Lock()
