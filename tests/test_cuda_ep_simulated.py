@@ -198,13 +198,38 @@ def test_check_errors_too_many_tokens_sets_growth():
         def query(self):
             return True
 
-    st = {"pending": [(torch.tensor([0, 0, 9, 0], dtype=torch.int32), _Done(), "forward")],
+    # (flags, then the arrival marker _record_errors copies behind them)
+    st = {"pending": [(torch.tensor([0, 0, 9, 0, 1], dtype=torch.int32), _Done(), "forward")],
           "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())
     with pytest.raises(cuda_ep.EPError, match="9 tokens, above the workspace's token capacity 6"):
         cuda_ep.check_errors(ws)
     assert st["grow_to"] == 9 and st["pending"] == []
     cuda_ep.check_errors(ws)  # reported once
+
+
+def test_check_errors_waits_for_the_marker():
+    """The non-blocking poll reads the flags only once their arrival marker is set (no event query);
+    the blocking one waits for the event, after which the marker is there."""
+    class _Event:
+        def __init__(self, host):
+            self.host = host
+
+        def synchronize(self):
+            self.host[4] = 1  # the copies behind the event are done
+
+        def query(self):
+            raise AssertionError("the non-blocking poll must not query the event")
+
+    host = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int32)  # an overflow, marker not yet arrived
+    st = {"pending": [(host, _Event(host), "forward")], "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0),
+          "capacity": 128}
+    ws = SimpleNamespace(ep_state=st, config=MoKConfig())
+    cuda_ep.check_errors(ws, block=False)  # not arrived: kept, nothing raised
+    assert len(st["pending"]) == 1
+    with pytest.raises(cuda_ep.EPError, match="overflowed the expert buffers"):
+        cuda_ep.check_errors(ws, block=True)
+    assert st["pending"] == []
 
 
 @pytest.mark.parametrize("save_x_rows,sums", [("1", "rank"), ("0", "rank"), ("1", "slot")])
