@@ -87,8 +87,9 @@ def test_cuda_schedule_kernel_variants(mode, monkeypatch):
 def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypatch):
     """cuda_ep.ep_schedule (a CUDA graph replay) gives the eager make_ep_schedule's bits in every field,
     for new routings written into the same ids buffer (the graph reads it in place) and other token
-    counts of this rank (one graph for all), and a replay leaves the schedules of earlier calls
-    untouched (each call clones the graph's outputs)."""
+    counts of this rank (one graph for all). A call's schedule holds views of the graph's buffer, valid
+    until the next replay; its kept() copy (what the forward saves for its backward) is left untouched
+    by later replays, with the same bits."""
     monkeypatch.setenv("MOK_SCHEDULE", mode)
     monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "1")
     cuda_ep._SCHED_GRAPHS.clear()
@@ -107,9 +108,11 @@ def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypat
         for name in want:
             assert fields[name].dtype == want[name].dtype and torch.equal(fields[name], want[name]), (trial, name)
         assert torch.equal(got.sched.gemm_seg_rows(), cuda_ep.cb.padded_seg_rows(want["seg_end"])), trial
-        kept.append(({k: v.clone() for k, v in fields.items()}, got))
+        copy = got.kept()
+        assert copy is not got and copy.sched.row_token.data_ptr() != got.sched.row_token.data_ptr()
+        kept.append(({k: v.clone() for k, v in fields.items()}, copy))
     assert len(cuda_ep._SCHED_GRAPHS) == 1  # captured once, replayed after, whatever the token count
-    for trial, (snapshot, got) in enumerate(kept):  # later replays did not write into earlier results
-        fields = equiv._fields(got)
+    for trial, (snapshot, copy) in enumerate(kept):  # later replays did not write into the kept copies
+        fields = equiv._fields(copy)
         for name in snapshot:
             assert torch.equal(fields[name], snapshot[name]), (trial, name, "overwritten by a later replay")
