@@ -359,19 +359,33 @@ class _GraphedSchedule:
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
                "slot_row", "row_src", "row_slot", "overflow")
 
-    def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False):
+    def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False, pull=None):
         # with_dispatch: also dispatch_plan's (row_peer, row_src), for MOK_EP_DISPATCH=rows.
+        # pull: (kind, fn) to capture the forward's pull of the peers' token rows as well (ep_schedule):
+        # kind "all": fn() pulls every row, on a branch of the graph beside the schedule; "needed":
+        # fn(eps) pulls the rows of eps.pull_src after it. None: the graph is the schedule alone.
         self.fields = self._FIELDS + (("disp_peer", "disp_src") if with_dispatch else ())
         dispatch_rank = rank if with_dispatch else None
+        kind, fn = pull if pull is not None else (None, None)
         # The schedule depends on this rank's token count only through `pos` (an arange view, built per
         # call below), so one graph serves every count: captured with the capacity's count.
         self.args = (ids_all.shape[1], rank, e_l, capacity)
-        warm = make_ep_schedule(ids_all, *self.args)  # warm-up: modules loaded, tables and constants built
+        # warm-up: modules loaded, tables and constants built (the pull runs for real: this call needs it)
+        if kind == "all":
+            fn()
+        warm = make_ep_schedule(ids_all, *self.args)
         self._outputs(warm, dispatch_rank)
+        if kind == "needed":
+            fn(warm)
         side = torch.cuda.Stream(device=ids_all.device)
         side.wait_stream(torch.cuda.current_stream(ids_all.device))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
+            if kind == "all":
+                branch = torch.cuda.Stream(device=ids_all.device)
+                branch.wait_stream(side)
+                with torch.cuda.stream(branch):
+                    fn()
             eps = make_ep_schedule(ids_all, *self.args)
             outs = self._outputs(eps, dispatch_rank)
             # (byte offset, bytes, dtype, shape, contiguous strides) of each output in the flat buffer;
@@ -384,6 +398,10 @@ class _GraphedSchedule:
             self.flat = torch.empty(off, dtype=torch.uint8, device=ids_all.device)
             for (o, nb, _, _, _), t in zip(self.layout, outs):
                 self.flat[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
+            if kind == "needed":
+                fn(eps)
+            elif kind == "all":
+                side.wait_stream(branch)
         torch.cuda.current_stream(ids_all.device).wait_stream(side)
         self.static = self._views(self.flat)  # every replay rewrites self.flat in place
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
@@ -429,19 +447,37 @@ class _GraphedSchedule:
         return self._schedule(self._views(self.flat.clone()), num_tokens)
 
 
-def ep_schedule(ids_all, num_tokens, rank, e_l, capacity) -> EPSchedule:
-    """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager."""
-    if not (ids_all.is_cuda and use_schedule_graph()):
-        return make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
-    with_dispatch = dispatch_mode() == "rows"
-    key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
-           os.environ.get("MOK_SCHEDULE", ""), with_dispatch)
-    g = _SCHED_GRAPHS.get(key)
-    if g is None:
-        if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
-            _SCHED_GRAPHS.clear()
-        g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, with_dispatch)
-    return g(num_tokens)
+def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = None) -> EPSchedule:
+    """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager.
+
+    pull: (kind, fn), the forward's pull of the peers' token rows (step 4), issued with the schedule:
+    kind "all": fn() pulls every row (before the schedule; in the graph, on a branch beside it),
+    "needed": fn(eps) pulls the rows of the schedule's pull_src (after it). With the one-launch row
+    copies (MOK_EP_COPY=v2, the default) the graph captures the pull too: one launch for both where
+    the host would issue two, in the stretch where the GPU waits for it (docs/ep.md, eighth session).
+    The captured pull reads the buffer's addresses: the key holds the ids section's address, and
+    _recreate drops every graph with the buffer."""
+    kind, fn = pull if pull is not None else (None, None)
+    graphed = ids_all.is_cuda and use_schedule_graph()
+    captured = kind if graphed and copy_mode() == "v2" else None  # the other copy modes are not captured
+    if kind == "all" and captured is None:
+        fn()
+    if not graphed:
+        eps = make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
+    else:
+        with_dispatch = dispatch_mode() == "rows"
+        key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
+               os.environ.get("MOK_SCHEDULE", ""), with_dispatch, captured)
+        g = _SCHED_GRAPHS.get(key)
+        if g is None:
+            if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
+                _SCHED_GRAPHS.clear()
+            g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, with_dispatch,
+                                                      pull if captured else None)
+        eps = g(num_tokens)
+    if kind == "needed" and captured is None:
+        fn(eps)
+    return eps
 
 
 def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1139,7 +1175,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
     num_tokens, top_k = topk_ids.shape
     bufs = _buffers(ws, num_tokens)
-    P, r, tc = bufs.ep_size, bufs.rank, bufs.tokens_cap
+    P, tc = bufs.ep_size, bufs.tokens_cap
     e_l = ws.num_experts // P
     cap = schedule_capacity(tc, top_k, e_l, P, ws.config.schedule_capacity_multiplier)
     ws.ep_state["capacity"] = cap
@@ -1152,24 +1188,26 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     bufs.barrier()
     fwd_overlap = fwd_mode(ws.config) == "overlap"
     rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
-    pull_every_row = not fwd_overlap and not rows_dispatch and pull_all(ws.num_experts, P, top_k)
-    if pull_every_row:  # 4. (MOK_EP_PULL, pull_all) every peer token row, before the schedule
-        bufs.pull_rows("tokens", _pull_table(P, tc, r, x.device))
-    # 3. schedule from everyone's routing (only what the GEMMs need before their launch: every torch
-    # op issued before the first GEMM delays the GPU, which waits for the host here)
-    eps = ep_schedule(bufs.local("ids"), n, r, e_l, cap)
+    # 4. dispatch by pull (not with the overlapped or the rows dispatch): every peer token row, beside the
+    # schedule (MOK_EP_PULL, pull_all), or the rows the local experts need, after it
+    pull = None
+    if not fwd_overlap and not rows_dispatch:
+        if pull_all(ws.num_experts, P, top_k):
+            pull = ("all", lambda: bufs.pull_rows("tokens", _pull_table(P, tc, bufs.rank, x.device)))
+        else:
+            pull = ("needed", lambda eps: bufs.pull_rows("tokens", eps.pull_src))
+    # 3. schedule from everyone's routing, with the pull (only what the GEMMs need before their launch:
+    # every torch op issued before the first GEMM delays the GPU, which waits for the host here)
+    eps = ep_schedule(bufs.local("ids"), n, bufs.rank, e_l, cap, pull)
     sched = eps.sched
     x_rows = h = None
     if fwd_overlap:
         # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
         gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
     else:
-        # 4. dispatch: pull the needed token rows of each peer (MOK_EP_DISPATCH=rows: straight into the
-        # GEMM's row order, _dispatch_rows)
+        # 4. (MOK_EP_DISPATCH=rows) the peers' rows straight into the GEMM's row order
         if rows_dispatch:
             x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
-        elif not pull_every_row:
-            bufs.pull_rows("tokens", eps.pull_src)
         # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
         # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
         if cb._use_gather():
