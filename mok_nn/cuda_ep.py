@@ -761,23 +761,34 @@ class SymmBuffers:
             cache[names] = torch.stack([self.section_addrs(name) for name in names])
         return cache[names]
 
-    def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int) -> None:
+    def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
+                then_barrier: bool = False) -> None:
         """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
         (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
         rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
         (MOK_EP_PUBLISH=kernel, the default) or the torch ops (=torch, the oracle; also where the
-        kernel cannot take the inputs). Peer stores are plain: the barrier that follows fences them."""
+        kernel cannot take the inputs). Peer stores are plain: the barrier that follows fences them.
+
+        then_barrier: step 2 as well, the barrier(): at the end of the same launch (its last CTA signals
+        every peer and waits for them: one launch less on the host before the GPU can go on), or after
+        the torch ops."""
         name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
         if name is None:
             self.publish_torch(x, topk_ids, topk_weights, num_tokens)
+            if then_barrier:
+                self.barrier()
             return
         if topk_weights.dtype not in (torch.float32, torch.bfloat16):
             topk_weights = topk_weights.float()  # the bits copy_ into fp32 gives (fp16 exact, fp64 rounded)
         tc, k = self.tokens_cap, topk_ids.shape[1]
         warp_jobs = max(min(num_tokens, tc), -(-tc * k // 32))  # x rows (a warp each), id/weight elements (32 a warp)
+        epoch = self._next_epoch() if then_barrier else 0
+        if self.__dict__.get("_arrivals") is None:
+            self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.err.device)  # the kernel keeps it 0
         cb._lib().launch(name, x, topk_ids, topk_weights, self.local("tokens"),
                          self.section_table(("ids", "weights", "ntok")), self.rank, tc, num_tokens,
-                         self._copy_grid(warp_jobs), stream=cb._stream())
+                         self._copy_grid(warp_jobs), self.section_addrs("pad"), self.err, self._arrivals, epoch,
+                         self._timeout_us(), stream=cb._stream())
 
     def publish_torch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       num_tokens: int) -> None:
@@ -797,12 +808,20 @@ class SymmBuffers:
             self.peer(p, "weights")[w_own].view(n, top_k).copy_(w)  # fp32 by the copy (same bits as .float())
             self.peer(p, "ntok")[r:r + 1].fill_(num_tokens)
 
-    def barrier(self) -> None:
-        """Every rank reaches this point of its stream; unicast release/acquire with each peer."""
+    def _next_epoch(self) -> int:
+        """The epoch of the next barrier (they only grow: a pad slot is never reset)."""
         self.epoch += 1
         if self.epoch >= 2**31 - 1:
             raise EPError("symmetric-memory barrier epoch overflow; create a new workspace")
-        timeout_us = int(min(self.timeout_s * 1e6, 2**31 - 1))
+        return self.epoch
+
+    def _timeout_us(self) -> int:
+        return int(min(self.timeout_s * 1e6, 2**31 - 1))
+
+    def barrier(self) -> None:
+        """Every rank reaches this point of its stream; unicast release/acquire with each peer."""
+        self._next_epoch()
+        timeout_us = self._timeout_us()
         pad = self.local("pad")
         for p in range(self.ep_size):
             if p == self.rank:
@@ -1181,11 +1200,10 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     ws.ep_state["capacity"] = cap
     n = min(num_tokens, tc)  # above the capacity: the first tc tokens take part, the step is flagged
 
-    # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory)
-    bufs.publish(x, topk_ids, topk_weights, num_tokens)
+    # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory),
+    # 2. and the barrier (in the same launch where the publish kernel runs)
+    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True)
     tokens = bufs.local("tokens")
-    # 2.
-    bufs.barrier()
     fwd_overlap = fwd_mode(ws.config) == "overlap"
     rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
     # 4. dispatch by pull (not with the overlapped or the rows dispatch): every peer token row, beside the

@@ -80,9 +80,16 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
     _ThreadBuffers.push_rows = _kernel(cuda_ep.SymmBuffers.push_rows)
     _ThreadBuffers.push_partials = _kernel(cuda_ep.SymmBuffers.push_partials)
     _ThreadBuffers.final_combine = _kernel(cuda_ep.SymmBuffers.final_combine)
-    # step 1 of the forward as in the default MOK_EP_PUBLISH=kernel: one mok_ep_publish launch
-    _ThreadBuffers.publish = _kernel(cuda_ep.SymmBuffers.publish)
+    # steps 1 and 2 of the forward as in the default MOK_EP_PUBLISH=kernel: one mok_ep_publish launch,
+    # which ends with the barrier
     barrier_fn = _ThreadBuffers.barrier
+
+    def publish(self, x, ids, w, num_tokens, then_barrier=False):
+        cuda_ep.SymmBuffers.publish(self, x, ids, w, num_tokens)
+        if then_barrier:
+            barrier_fn(self)  # the simulated ranks' barrier, inside the launch
+
+    _ThreadBuffers.publish = _kernel(publish)
     _ThreadBuffers.barrier = lambda self: [_kernel(lambda: None)() for _ in range(P - 1)] and barrier_fn(self)
 
     g = torch.Generator().manual_seed(0)

@@ -31,17 +31,21 @@ class _StubLib:
     def __init__(self):
         self.launches = []
         self.sections = {}  # data_ptr -> the CPU section tensor at that address
+        self.by_pad = {}  # data_ptr of a rank's pad section -> its buffers (the barrier at the end)
+        self.barriers = []  # epochs of the barriers the launches ended with
         self._lock = threading.Lock()
 
     def launch(self, name, *args, stream):
         with self._lock:
             self.launches.append((threading.get_ident(), name))
         assert name in ("mok_ep_publish", "mok_ep_publish_bf16w"), f"unexpected launch {name}"
-        x, ids, w, tokens, table, rank, tc, num_tokens, grid = args
+        x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us = args
         assert (name == "mok_ep_publish_bf16w") == (w.dtype == torch.bfloat16)
         assert w.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
         assert table.dtype == torch.int64 and table.shape[0] == 3 and grid >= 1
-        assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid))
+        assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid, epoch, timeout_us))
+        assert pads.dtype == torch.int64 and pads.shape == (table.shape[1],) and timeout_us > 0
+        assert err.dtype == arrivals.dtype == torch.int32 and int(arrivals[0]) == 0 and epoch >= 0
         k = ids.shape[1]
         n = min(num_tokens, tc, x.shape[0])
         bits = _fp32_bits(w[:n])
@@ -58,12 +62,19 @@ class _StubLib:
             ntok_p[rank] = num_tokens
         for t in range(n):
             tokens[rank * tc + t] = x[t]
+        if epoch > 0:  # the barrier the launch ends with: the simulated ranks' thread barrier
+            bufs = self.by_pad[int(pads[rank])]
+            assert epoch == bufs.epoch and int(pads[rank]) == bufs.local("pad").data_ptr()
+            with self._lock:
+                self.barriers.append(epoch)
+            bufs._barrier.wait(timeout=60)
 
 
 def _register(lib, bufs):
     for views in bufs._views:
         for name in ("ids", "weights", "ntok"):
             lib.sections[views[name].data_ptr()] = views[name]
+    lib.by_pad[bufs.local("pad").data_ptr()] = bufs
 
 
 @pytest.fixture
@@ -104,6 +115,9 @@ def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens,
         names = [n for _, n in stub_publish.launches]
         want = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
         assert names == ([] if mode == "torch" else [want] * P), mode
+        # the kernel's launch ends with the forward's first barrier (every rank, one epoch each)
+        assert len(stub_publish.barriers) == (0 if mode == "torch" else P), mode
+        stub_publish.barriers.clear()
         assert len({tid for tid, _ in stub_publish.launches}) == len(names)  # one per rank (thread)
     for mode in ("kernel", None):
         for r in range(P):

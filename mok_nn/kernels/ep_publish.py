@@ -15,9 +15,18 @@ weights are moved as 32-bit words; bf16 weights (w_dtype="bf16") are widened by 
 does (exact, NaN payloads kept). Other dtypes are converted to fp32 by the caller first.
 
 Stores into peer memory are plain (weak) stores. They are made visible to the peers by the
-barrier that follows on the same stream (mok_ep_signal: fence.acq_rel.sys before its release
-store of the epoch, and the peer's acquire load): this kernel must be followed by that barrier
-before any peer reads ids / weights / ntok, as the torch ops were.
+barrier that follows (step 2 of the forward): with epoch > 0 this kernel ends with it itself,
+else the caller launches mok_ep_signal after it (fence.acq_rel.sys before its release store of
+the epoch, and the peer's acquire load); no peer may read ids / weights / ntok before, as with
+the torch ops.
+
+The barrier at the end (epoch > 0; the forward's step 2 without a launch of its own): every thread
+fences its stores (fence.acq_rel.sys, peer memory included), its CTA synchronises, and thread 0
+counts the CTA in arrivals[0] (atom.add.acq_rel.gpu). The CTA that counts last (every other CTA's
+stores are ordered before it) resets the counter for the next launch, then does what mok_ep_signal
+does, with every peer: epoch into this rank's slot of each peer's pad (st.release.sys, pads[p] + 4 *
+rank), then an acquire-spin on the peers' slots of its own pad (pads[rank] + 4 * p), bounded by
+timeout_us (err[0] = 1 after it: no hang).
 
 Work split over a fixed grid (num_ctas, chosen by the caller): first every thread takes the
 (t, j) elements i, i + G, ... (G threads; consecutive threads store consecutive elements, so a
@@ -33,6 +42,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
+from .ep_comm import signal_peer, wait_for_peer
 from .ep_overlap import VEC, copy_row
 from .registry import EP_COPY_THREADS as THREADS
 
@@ -62,14 +72,21 @@ class Publish:
         tokens_cap: cutlass.Int32,
         num_tokens: cutlass.Int32,
         num_ctas: cutlass.Int32,
+        pads: cute.Tensor,  # (P,) int64: every rank's pad section as mapped here (the barrier, epoch > 0)
+        err: cute.Tensor,  # (1,) int32: set to 1 when a peer does not signal within timeout_us
+        arrivals: cute.Tensor,  # (1,) int32: 0 before the launch (the last CTA leaves it 0 again)
+        epoch: cutlass.Int32,  # > 0: end with the barrier of this epoch; 0: no barrier
+        timeout_us: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(x, topk_ids, topk_weights, tokens, addrs, rank, tokens_cap, num_tokens).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(x, topk_ids, topk_weights, tokens, addrs, rank, tokens_cap, num_tokens, pads, err, arrivals,
+                    epoch, timeout_us).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, topk_ids: cute.Tensor, topk_weights: cute.Tensor, tokens: cute.Tensor,
-               addrs: cute.Tensor, rank: cutlass.Int32, tokens_cap: cutlass.Int32, num_tokens: cutlass.Int32):
+               addrs: cute.Tensor, rank: cutlass.Int32, tokens_cap: cutlass.Int32, num_tokens: cutlass.Int32,
+               pads: cute.Tensor, err: cute.Tensor, arrivals: cute.Tensor, epoch: cutlass.Int32,
+               timeout_us: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
@@ -118,3 +135,20 @@ class Publish:
         for t in range(w, n, n_warps):
             copy_row(x_base + cutlass.Int64(t) * x_stride, dst_base + (row0 + cutlass.Int64(t)) * dst_stride, n_vec,
                      lane, False)
+        # 4. (epoch > 0) the barrier: the last CTA to finish signals every peer and waits for them
+        if epoch > 0:
+            cute.arch.fence_acq_rel_sys()  # this thread's stores, peer memory included, before its CTA counts
+            cute.arch.sync_threads()
+            if tidx == 0:
+                count = cute.make_ptr(cutlass.Int32, arrivals.iterator.toint(), cute.AddressSpace.gmem,
+                                      assumed_align=4)
+                before = cute.arch.atomic_add(count, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+                if before == cutlass.Int32(n_ctas) - 1:  # every other CTA has counted: its stores are ordered
+                    arrivals[0] = cutlass.Int32(0)  # for the next launch (stream-ordered after this one)
+                    cute.arch.fence_acq_rel_sys()
+                    for p in range(P):
+                        if p != rank:
+                            signal_peer(pads[p] + cutlass.Int64(rank) * 4, epoch)
+                    for p in range(P):
+                        if p != rank:
+                            wait_for_peer(pads[rank] + cutlass.Int64(p) * 4, epoch, timeout_us, err)

@@ -444,8 +444,9 @@ def _ep_copy_specs() -> tuple:
 
 
 def _ep_publish_spec(w_dtype: str) -> KernelSpec:
-    # Step 1 of the EP forward in one launch (kernels/ep_publish.py): x rows into the local tokens
-    # section, ids / weights / token count into every rank's sections (addrs: [3, P] addresses).
+    # Steps 1 and 2 of the EP forward in one launch (kernels/ep_publish.py): x rows into the local tokens
+    # section, ids / weights / token count into every rank's sections (addrs: [3, P] addresses), then
+    # (epoch > 0) the barrier with every peer.
     return KernelSpec(
         name="mok_ep_publish" + ("" if w_dtype == "f32" else f"_{w_dtype}w"),
         module="ep_publish",
@@ -461,6 +462,13 @@ def _ep_publish_spec(w_dtype: str) -> KernelSpec:
             ScalarArg("tokens_cap", "i32"),
             ScalarArg("num_tokens", "i32"),
             ScalarArg("num_ctas", "i32"),
+            # step 2's barrier at the end of the launch (epoch > 0): every rank's pad section, the error
+            # flag, the CTA arrival counter (0 between launches)
+            TensorArg("pads", "i64", (DYN,), (1,), align=8),
+            TensorArg("err", "i32", (1,), (1,), align=4),
+            TensorArg("arrivals", "i32", (1,), (1,), align=4),
+            ScalarArg("epoch", "i32"),
+            ScalarArg("timeout_us", "i32"),
         ),
     )
 

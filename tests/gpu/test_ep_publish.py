@@ -80,14 +80,19 @@ def _bufs(raws, rank, tc, H, K):
     return cuda_ep.SymmBuffers(raws, rank, tc, H, K, torch.device("cuda"))
 
 
-def _launch(lib, bufs, x, ids, w, num_tokens, grid):
-    """mok_ep_publish directly on a given grid (SymmBuffers.publish picks the grid itself)."""
+def _launch(lib, bufs, x, ids, w, num_tokens, grid, epoch=0, timeout_us=1, arrivals=None, stream=None):
+    """mok_ep_publish directly on a given grid (SymmBuffers.publish picks the grid itself); epoch > 0:
+    ending with the barrier of that epoch (arrivals: the CTA counter, zero)."""
     name = cuda_ep.publish_kernel(x, w)
     assert name is not None
     if w.dtype not in (torch.float32, torch.bfloat16):
         w = w.float()
+    if arrivals is None:
+        arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = stream or torch.cuda.current_stream()
     lib.launch(name, x, ids, w, bufs.local("tokens"), bufs.section_table(TABLE), bufs.rank, bufs.tokens_cap,
-               num_tokens, grid, stream=torch.cuda.current_stream().cuda_stream)
+               num_tokens, grid, bufs.section_addrs("pad"), bufs.err, arrivals, epoch, timeout_us,
+               stream=stream.cuda_stream)
 
 
 def _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens):
@@ -160,3 +165,52 @@ def test_publish_full_size(lib, monkeypatch, H, K):
 def test_publish_no_tokens(lib, monkeypatch):
     """A rank with no tokens: ids all -1, the count 0, no row or weight written."""
     _case(lib, monkeypatch, 2, 0, 16, 0, 64, 4, torch.float32, "nan")
+
+
+@pytest.mark.parametrize("grid", [1, 3, 64])
+def test_publish_ends_with_the_barrier(lib, grid):
+    """epoch > 0 (the forward's steps 1 and 2 in one launch): two ranks of P = 2 simulated on two streams
+    of this GPU, launched one after the other, wait for each other at the end and both finish without
+    error; each one's epoch is in the other's pad slot, the CTA counters are back at 0, and every other
+    byte of both buffers is what the torch ops publish (the barrier writes nothing else)."""
+    P, tc, H, K, epoch = 2, 300, 1024, 6, 5
+    raws, ref = _raws(P, tc, H, K, "nan"), _raws(P, tc, H, K, "nan")
+    for buf in raws + ref:
+        _bufs([buf] * P, 0, tc, H, K).local("pad").zero_()  # a fresh workspace's pads are zero
+    inputs = [_inputs(n, H, K, torch.float32, False, seed=40 + r) for r, n in enumerate((300, 211))]
+    counters = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(P)]
+    streams = [torch.cuda.Stream() for _ in range(P)]
+    torch.cuda.synchronize()
+    bufs = [_bufs(raws, r, tc, H, K) for r in range(P)]
+    for r in range(P):
+        x, ids, w = inputs[r]
+        _launch(lib, bufs[r], x, ids, w, x.shape[0], grid, epoch, 10_000_000, counters[r], streams[r])
+    torch.cuda.synchronize()
+    for r in range(P):
+        x, ids, w = inputs[r]
+        _bufs(ref, r, tc, H, K).publish_torch(x, ids, w, x.shape[0])
+        assert int(bufs[r].err[0]) == 0, r
+        assert int(counters[r][0]) == 0, r  # reset by the last CTA for the next launch
+        assert int(bufs[r].local("pad")[1 - r]) == epoch, r  # the peer's signal
+        assert int(bufs[r].local("pad")[r]) == 0, r  # no rank signals itself
+    for r in range(P):
+        _bufs(ref, r, tc, H, K).local("pad")[1 - r] = epoch
+    torch.cuda.synchronize()
+    for r in range(P):
+        assert torch.equal(raws[r], ref[r]), r
+
+
+def test_publish_barrier_times_out_with_a_flag(lib):
+    """A peer that never signals: the launch ends after timeout_us with err[0] = 1 (no hang), the counter
+    back at 0, this rank's signal in the peer's pad all the same."""
+    P, tc, H, K = 2, 16, 64, 4
+    raws = _raws(P, tc, H, K, "7f")
+    for buf in raws:
+        _bufs([buf] * P, 0, tc, H, K).local("pad").zero_()
+    bufs = _bufs(raws, 1, tc, H, K)
+    x, ids, w = _inputs(16, H, K, torch.float32, False, seed=3)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _launch(lib, bufs, x, ids, w, 16, 3, epoch=1, timeout_us=2000, arrivals=counter)
+    torch.cuda.synchronize()
+    assert int(bufs.err[0]) == 1 and int(counter[0]) == 0
+    assert int(_bufs(raws, 0, tc, H, K).local("pad")[1]) == 1
