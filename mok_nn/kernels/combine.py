@@ -92,23 +92,35 @@ def _leaf_mask(row_l: cutlass.Int64, leaf_l: cutlass.Int32) -> cutlass.Int32:
     return cute.arch.warp_reduction(bit, lambda a, b: a | b)
 
 
+SLOTS_IN_FLIGHT = 8  # slots whose 16-byte chunks a thread loads before it adds them (divides 32)
+
+
 @cute.jit
 def _sum_slots(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, rows: cute.Tensor, c: cutlass.Int32,
                active: cutlass.Boolean, top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32,
                w_l: cutlass.Float32):
     """acc = the leaf sums of column chunk c over slots j = 0..top_k-1 in order; slot j's row, leaf and
     weight come from lane j by shuffle (every lane of the warp runs the shuffles; only active lanes,
-    those with a chunk, load and add; a row < 0 is a slot that does not count here)."""
+    those with a chunk, load and add; a row < 0 is a slot that does not count here, as are the lanes
+    j >= top_k, which hold row -1).
+
+    The chunks of SLOTS_IN_FLIGHT slots are loaded first, all in flight together, then added in
+    ascending j (frag holds them): a load per slot waited for before the next was issued left the
+    kernel latency bound (deepseek-v3: 0.55 ms for 1 GB, 1.9 TB/s). Same additions, same order."""
     acc.fill(0.0)
-    for j in cutlass.range(top_k, unroll=4):
-        r = cute.arch.shuffle_sync(row_l, j)
-        leaf = cute.arch.shuffle_sync(leaf_l, j)
-        wj = cute.arch.shuffle_sync(w_l, j)
-        if active & (r >= 0):
-            src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
-            cute.autovec_copy(src_v[(None, c)], frag)
-            vals.store(frag.load().to(cutlass.Float32))
-            _add_to_leaf(acc, leaf, vals, wj)
+    for j0 in range(0, top_k, SLOTS_IN_FLIGHT):
+        for u in cutlass.range_constexpr(SLOTS_IN_FLIGHT):
+            r = cute.arch.shuffle_sync(row_l, j0 + u)
+            if active & (r >= 0):
+                src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
+                cute.autovec_copy(src_v[(None, c)], frag[(None, u)])
+        for u in cutlass.range_constexpr(SLOTS_IN_FLIGHT):
+            r = cute.arch.shuffle_sync(row_l, j0 + u)
+            leaf = cute.arch.shuffle_sync(leaf_l, j0 + u)
+            wj = cute.arch.shuffle_sync(w_l, j0 + u)
+            if active & (r >= 0):
+                vals.store(frag[(None, u)].load().to(cutlass.Float32))
+                _add_to_leaf(acc, leaf, vals, wj)
 
 
 class Combine:
@@ -146,7 +158,7 @@ class Combine:
         mask = _leaf_mask(row_l, leaf_l)
         out_v = cute.zipped_divide(out[(t, None)], (VEC,))
         acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
-        frag = cute.make_rmem_tensor((VEC,), rows.element_type)
+        frag = cute.make_rmem_tensor((VEC, SLOTS_IN_FLIGHT), rows.element_type)
         vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
         for c0 in range(0, n_vec, THREADS):
@@ -219,7 +231,7 @@ class PartialPush:
                 cute.make_layout((VEC, n_vec)),
             )
             acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
-            frag = cute.make_rmem_tensor((VEC,), rows.element_type)
+            frag = cute.make_rmem_tensor((VEC, SLOTS_IN_FLIGHT), rows.element_type)
             vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             res = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             for c0 in range(0, n_vec, THREADS):
