@@ -335,7 +335,8 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 # the EP schedule as one CUDA graph replay
 
 
-_SCHED_GRAPHS: dict = {}  # (ids address, shapes, rank, E_l, capacity) -> _GraphedSchedule
+# (ids address, shapes, rank, E_l, capacity, device, MOK_SCHEDULE, with_dispatch, captured pull) -> _GraphedSchedule
+_SCHED_GRAPHS: dict = {}
 
 
 def use_schedule_graph() -> bool:
@@ -350,8 +351,10 @@ class _GraphedSchedule:
 
     The graph reads the ids section in place (its address is part of the key) and writes every
     output into one flat byte buffer. Each call replays it and returns views of that buffer, made
-    once; the forward keeps a copy for its backward (EPSchedule.kept: one clone, issued after the
-    forward's launches), so schedules of earlier calls are never overwritten. The
+    once: the next replay overwrites them, so what outlives the call takes EPSchedule.kept(), one
+    clone, issued after the forward's launches (the forward's saved schedule, which later replays
+    never touch). Forwards on one workspace must be issued in one stream order, as the symmetric
+    buffer's sections require anyway. The
     constant tensors the captured ops read (the _CACHED and _TABLES entries) are kept alive here.
     Same kernels, same inputs: bitwise the eager make_ep_schedule.
     """
@@ -438,12 +441,17 @@ class _GraphedSchedule:
         """Replays the graph. The schedule's tensors are views of the graph's own buffer, made once
         (self.static): valid until the next replay; EPSchedule.kept() copies them for the backward."""
         self.graph.replay()
+        self.replays = getattr(self, "replays", 0) + 1
         eps = self._schedule(self.static, num_tokens)
-        eps.copy = functools.partial(self._copy, num_tokens)
+        eps.copy = functools.partial(self._copy, num_tokens, self.replays)
         return eps
 
-    def _copy(self, num_tokens: int) -> EPSchedule:
-        """The schedule of the last replay on a copy of the graph's buffer (one clone)."""
+    def _copy(self, num_tokens: int, replay: int) -> EPSchedule:
+        """The schedule of replay number `replay` on a copy of the graph's buffer (one clone); only while
+        that replay is the last one (a later replay has overwritten the buffer)."""
+        if replay != self.replays:
+            raise RuntimeError("mok_nn: EPSchedule.kept() after a later replay of its schedule graph "
+                               "(the forward must take its copy before the next forward on the workspace)")
         return self._schedule(self._views(self.flat.clone()), num_tokens)
 
 
@@ -1091,12 +1099,13 @@ def check_errors(ws, block: bool = True) -> None:
     for host, ev, what in st["pending"]:
         if block:
             ev.synchronize()
-        values = host.tolist()
-        if values[4] != 1:  # the marker (_record_errors): the flags have not arrived yet
+        # the marker first (_record_errors), then the flags: the marker's copy starts after the flags'
+        # copy is done (one stream), so flags read after the marker are the step's
+        if int(host[4]) != 1:  # not arrived yet
             assert not block, "flags copied before the event they are recorded with"
             keep.append((host, ev, what))
             continue
-        overflow, timeout, too_many, ov_timeout = values[:4]
+        overflow, timeout, too_many, ov_timeout = host[:4].tolist()
         if overflow or timeout or too_many or ov_timeout:
             st["pending"] = []
             if too_many:

@@ -195,9 +195,6 @@ def test_check_errors_too_many_tokens_sets_growth():
         def synchronize(self):
             pass
 
-        def query(self):
-            return True
-
     # (flags, then the arrival marker _record_errors copies behind them)
     st = {"pending": [(torch.tensor([0, 0, 9, 0, 1], dtype=torch.int32), _Done(), "forward")],
           "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
@@ -322,3 +319,11 @@ def test_pull_all_rule():
     assert cuda_ep.pull_all(128, 2, 8) and cuda_ep.pull_all(256, 2, 8)  # qwen3, deepseek-v3: 0.996
     assert not cuda_ep.pull_all(8, 2, 2)  # mixtral: 0.79
     assert not cuda_ep.pull_all(16, 8, 1)  # top-1 over 8 ranks: 0.125
+
+
+def test_kept_copy_only_of_the_last_replay():
+    """EPSchedule.kept() of a graphed schedule copies the graph's buffer: refused once a later replay has
+    overwritten it (the schedule would be another call's)."""
+    stub = SimpleNamespace(replays=2)
+    with pytest.raises(RuntimeError, match="after a later replay"):
+        cuda_ep._GraphedSchedule._copy(stub, 5, 1)

@@ -26,8 +26,9 @@ counts the CTA in arrivals[0] (atom.add.acq_rel.gpu). The CTA that counts last (
 stores are ordered before it) resets the counter for the next launch, then does what mok_ep_signal
 does, with every peer: epoch into this rank's slot of each peer's pad (st.release.sys, pads[p] + 4 *
 rank), then an acquire-spin on the peers' slots of its own pad (pads[rank] + 4 * p), bounded by
-timeout_us (err[0] = 1 after it: no hang). A launch that does not finish (a device fault) leaves the
-counter off, and the next launch's barrier then times out: the flag and EPError, as for any lost signal.
+timeout_us (err[0] = 1 after it: no hang). Only a launch that does not finish could leave the counter
+off (a later launch's last CTA would then be miscounted); that is a device fault, after which the CUDA
+context runs nothing more.
 
 Work split over a fixed grid (num_ctas, chosen by the caller): first every thread takes the
 (t, j) elements i, i + G, ... (G threads; consecutive threads store consecutive elements, so a

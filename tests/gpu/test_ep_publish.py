@@ -10,6 +10,7 @@ auto grid CTAs, and a repeat gives the same bytes.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -180,11 +181,15 @@ def test_publish_ends_with_the_barrier(lib, grid):
     inputs = [_inputs(n, H, K, torch.float32, False, seed=40 + r) for r, n in enumerate((300, 211))]
     counters = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(P)]
     streams = [torch.cuda.Stream() for _ in range(P)]
-    torch.cuda.synchronize()
     bufs = [_bufs(raws, r, tc, H, K) for r in range(P)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())  # the zeroed pads, counters and error flags first
     for r in range(P):
         x, ids, w = inputs[r]
         _launch(lib, bufs[r], x, ids, w, x.shape[0], grid, epoch, 10_000_000, counters[r], streams[r])
+        if r == 0:  # rank 0's launch is done in us unless it waits at the barrier for rank 1's signal
+            time.sleep(0.05)
+            assert not streams[0].query(), "rank 0 did not wait for its peer"
     torch.cuda.synchronize()
     for r in range(P):
         x, ids, w = inputs[r]
@@ -210,6 +215,7 @@ def test_publish_barrier_times_out_with_a_flag(lib):
     bufs = _bufs(raws, 1, tc, H, K)
     x, ids, w = _inputs(16, H, K, torch.float32, False, seed=3)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
     _launch(lib, bufs, x, ids, w, 16, 3, epoch=1, timeout_us=2000, arrivals=counter)
     torch.cuda.synchronize()
     assert int(bufs.err[0]) == 1 and int(counter[0]) == 0
