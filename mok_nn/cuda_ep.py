@@ -111,6 +111,11 @@ class EPError(RuntimeError):
     pass
 
 
+def timeout_us(timeout_s: float) -> int:
+    """A wait bound of the EP kernels (int32 microseconds) from MOK_EP_TIMEOUT_S's seconds."""
+    return int(min(timeout_s * 1e6, 2**31 - 1))
+
+
 # --------------------------------------------------------------------------
 # pure logic (CPU-testable)
 
@@ -407,6 +412,7 @@ class _GraphedSchedule:
                 side.wait_stream(branch)
         torch.cuda.current_stream(ids_all.device).wait_stream(side)
         self.static = self._views(self.flat)  # every replay rewrites self.flat in place
+        self.replays = 0  # EPSchedule.kept() copies only the last replay's schedule
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
 
     @classmethod
@@ -441,7 +447,7 @@ class _GraphedSchedule:
         """Replays the graph. The schedule's tensors are views of the graph's own buffer, made once
         (self.static): valid until the next replay; EPSchedule.kept() copies them for the backward."""
         self.graph.replay()
-        self.replays = getattr(self, "replays", 0) + 1
+        self.replays += 1
         eps = self._schedule(self.static, num_tokens)
         eps.copy = functools.partial(self._copy, num_tokens, self.replays)
         return eps
@@ -726,6 +732,8 @@ class SymmBuffers:
         self._views = [{name: self._carve(b, name) for name in self._sections} for b in raws]
         self.err = torch.zeros(1, dtype=torch.int32, device=device)  # sticky: a peer never signalled
         self.epoch = 0
+        # CTAs of mok_ep_publish that have finished, for the barrier its last CTA runs (the kernel leaves it 0)
+        self.arrivals = torch.zeros(1, dtype=torch.int32, device=device)
 
     @classmethod
     def create(cls, group, tokens_cap: int, hidden: int, top_k: int, device, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -791,12 +799,10 @@ class SymmBuffers:
         tc, k = self.tokens_cap, topk_ids.shape[1]
         warp_jobs = max(min(num_tokens, tc), -(-tc * k // 32))  # x rows (a warp each), id/weight elements (32 a warp)
         epoch = self._next_epoch() if then_barrier else 0
-        if self.__dict__.get("_arrivals") is None:
-            self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.err.device)  # the kernel keeps it 0
         cb._lib().launch(name, x, topk_ids, topk_weights, self.local("tokens"),
                          self.section_table(("ids", "weights", "ntok")), self.rank, tc, num_tokens,
-                         self._copy_grid(warp_jobs), self.section_addrs("pad"), self.err, self._arrivals, epoch,
-                         self._timeout_us(), stream=cb._stream())
+                         self._copy_grid(warp_jobs), self.section_addrs("pad"), self.err, self.arrivals, epoch,
+                         timeout_us(self.timeout_s), stream=cb._stream())
 
     def publish_torch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       num_tokens: int) -> None:
@@ -823,19 +829,16 @@ class SymmBuffers:
             raise EPError("symmetric-memory barrier epoch overflow; create a new workspace")
         return self.epoch
 
-    def _timeout_us(self) -> int:
-        return int(min(self.timeout_s * 1e6, 2**31 - 1))
-
     def barrier(self) -> None:
         """Every rank reaches this point of its stream; unicast release/acquire with each peer."""
         self._next_epoch()
-        timeout_us = self._timeout_us()
+        wait_us = timeout_us(self.timeout_s)
         pad = self.local("pad")
         for p in range(self.ep_size):
             if p == self.rank:
                 continue
             peer_slot = self.peer(p, "pad")[self.rank:self.rank + 1]
-            cb._lib().launch("mok_ep_signal", peer_slot, pad[p:p + 1], self.err, self.epoch, timeout_us,
+            cb._lib().launch("mok_ep_signal", peer_slot, pad[p:p + 1], self.err, self.epoch, wait_us,
                              stream=cb._stream())
 
     def num_sms(self) -> int:
@@ -1333,9 +1336,9 @@ def _dispatch_rows(ws, bufs: SymmBuffers, eps: EPSchedule, section: str) -> torc
     rows = torch.empty(sched.capacity, bufs.hidden, dtype=torch.bfloat16, device=dev)
     # every CTA resident at once (a duplicate row waits for an earlier tile's flag): 2 of 512 threads per SM
     grid = max(1, min(n_tiles, 2 * bufs.num_sms()))
-    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    wait_us = timeout_us(bufs.timeout_s)
     cb._lib().launch("mok_ep_dispatch_rows", rows, bufs.section_addrs(section), row_peer, row_src,
-                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, timeout_us, grid, stream=cb._stream())
+                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, wait_us, grid, stream=cb._stream())
     return rows
 
 
@@ -1346,7 +1349,7 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     dev = gate_up_proj.device
     cap, hidden = sched.capacity, bufs.hidden
     ready, epoch = _ready_flags(ws, cap // TILE_M, dev)
-    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    wait_us = timeout_us(bufs.timeout_s)
     comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
 
     row_peer, row_src = eps.dispatch if eps.dispatch is not None else dispatch_plan(eps, bufs.rank)
@@ -1357,14 +1360,14 @@ def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torc
     # then costs time, never a deadlock (see _down_push).
     comm.wait_stream(main)
     cb._lib().launch("mok_ep_dispatch_rows", x_rows, bufs.section_addrs("tokens"), row_peer, row_src,
-                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, timeout_us, comm_ctas,
+                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, wait_us, comm_ctas,
                      stream=comm.cuda_stream)
     group_m = cb.gemm_group_m(gate_up.shape[1])
     suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
     name = cb.gemm_kernel(False, torch.bfloat16, k=hidden, pingpong=False) + suffix
     cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
                      sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, _ov_err(ws, bufs),
-                     epoch, timeout_us, grid, *extra, stream=main.cuda_stream)
+                     epoch, wait_us, grid, *extra, stream=main.cuda_stream)
     # The GEMM ends only after every tile was published; from here on the main stream also orders
     # after the whole dispatch (x_rows, row_peer, row_src may be freed and reused on main).
     main.wait_stream(comm)
@@ -1389,7 +1392,7 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
         st["done"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
     done = st["done"]
     done.zero_()  # counts of this GEMM only (the previous forward's push has finished: main waited)
-    timeout_us = int(min(bufs.timeout_s * 1e6, 2**31 - 1))
+    wait_us = timeout_us(bufs.timeout_s)
     comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
     out_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
     tiles_n = -(-hidden // cb.GEMM_TILE_N)
@@ -1403,7 +1406,7 @@ def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_pro
     # Static: its grid leaves comm_ctas SMs free, so the push still runs beside it. Dynamic: the push's
     # CTAs (high priority) take SMs as they free up; no deadlock, as a claimed tile never waits.
     cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
-                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, timeout_us, comm_ctas,
+                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, wait_us, comm_ctas,
                      stream=comm.cuda_stream)
     main.wait_stream(comm)  # every row pushed before the barrier; out_rows / row_rank outlive the push
 

@@ -257,14 +257,14 @@ class _Plan:
         """(buffer, address of its `void *args[]`); the buffer must live until the launch returns.
         The first call generates the kernel's packer (compiling it takes ~0.3 ms: only kernels that
         run pay it), which then replaces this method on the instance."""
-        self.pack_source = self._source(self._offsets, self._items)
+        self.pack_source = self._source()
         namespace = {"valid": self._valid, "validate": self._validate, "buf_type": self._buf_type,
                      "addressof": ctypes.addressof, "pack_into": self._struct.pack_into}
         exec(compile(self.pack_source, f"<mok_nn pack of {self.spec.name}>", "exec"), namespace)
         self.pack = namespace["pack"]
         return self.pack(args, stream)
 
-    def _source(self, offsets: list, items: list) -> str:
+    def _source(self) -> str:
         """The source of pack(args, stream) -> (buffer, address of its `void *args[]`); the buffer must
         live until the launch returns. Argument i is a{i}; a tensor's shape, strides and data pointer are
         s{i}, t{i}, p{i}; the signature key holds (dtype, shape, strides, is_cuda, pointer % align) per
@@ -272,7 +272,7 @@ class _Plan:
         names = [f"a{i}" for i in range(self.nargs)]
         lines = [f"    ({', '.join(names)},) = args"]
         key, vals = [], []
-        for i, item in enumerate(items):
+        for i, item in enumerate(self._items):
             if item is None:
                 vals.append(f"a{i}")  # struct.error where ctypes would convert (floats for int32, ...)
                 continue
@@ -287,7 +287,7 @@ class _Plan:
             "        validate(args, key)",
             "    buf = buf_type()",
             "    base = addressof(buf)",
-            f"    pack_into(buf, 0, {', '.join(f'base + {o}' for o in offsets)}, {', '.join(vals)})",
+            f"    pack_into(buf, 0, {', '.join(f'base + {o}' for o in self._offsets)}, {', '.join(vals)})",
             "    return buf, base",
         ]
         return "def pack(args, stream):\n" + "\n".join(lines) + "\n"
