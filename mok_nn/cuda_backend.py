@@ -326,25 +326,35 @@ def _stream() -> int:
 # MOK_GATHER_ROWS (first: the default). mok_gather_rows measured faster call by call on H200
 # (docs/benchmarks/..._v65_gather_rows.txt: qwen3 0.133 vs 0.160 ms, mixtral 0.072 vs 0.109, deepseek-v3
 # 0.58 vs 0.64; the grid, 2-8 CTAs per SM, changes nothing) and in the qwen3 layer (..._v66_gatherrows_modes).
-GATHER_ROWS_MODES = ("kernel", "torch")
-GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows: CTAs of 8 warps per SM
+GATHER_ROWS_MODES = ("kernel", "scatter", "torch")
+GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM
 
 
 def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """x rows in schedule order [M_cap, H]; padding rows (row_token = T) are zero."""
-    return take_rows(x, sched.row_token)
+    return take_rows(x, sched.row_token, slots=sched.pos)
 
 
-def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False) -> torch.Tensor:
+def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
+              slots: torch.Tensor | None = None) -> torch.Tensor:
     """[len(idx), H]: row idx[r] of src, a zero row where idx[r] == src rows (the padding rows of a
     schedule), or, has_zero_row, src's own last row (zero, as the EP tokens sections keep it) where
     idx[r] points there. MOK_GATHER_ROWS: 'kernel' (default on CUDA: mok_gather_rows, one launch, warp
-    per row, no copy of src) or 'torch' (index_select, after a cat of a zero row unless has_zero_row;
-    also on CPU). Same bits."""
-    if src.is_cuda and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "kernel" \
-            and rows_of_16_byte_vectors(src):
+    per row, no copy of src), 'scatter' (mok_scatter_rows: warp per src row, read once and stored to its
+    rows; needs slots [N, k], the row of each slot (u, j) of src row u, as Schedule.pos / EPSchedule.slot_row
+    give it; without them the gather kernel) or 'torch' (index_select, after a cat of a zero row unless
+    has_zero_row; also on CPU). Same bits."""
+    mode = env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0])
+    if src.is_cuda and mode != "torch" and rows_of_16_byte_vectors(src):
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
-        if idx.shape[0]:
+        if not idx.shape[0]:
+            return out
+        if mode == "scatter" and slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
+            slots = slots.contiguous()
+            units = slots.shape[0] + -(-idx.shape[0] // 32)  # src rows, then batches of 32 rows to zero
+            grid = row_copy_grid(units, num_sms(src.device), GATHER_CTAS_PER_SM)
+            _lib().launch("mok_scatter_rows", src, slots, idx, out, grid, stream=_stream())
+        else:
             grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
             _lib().launch("mok_gather_rows", src, idx, out, grid, stream=_stream())
         return out

@@ -181,6 +181,13 @@ class EPSchedule:
         the forward takes it after its launches, not on the host path before its first GEMM."""
         return self if self.copy is None else self.copy()
 
+    def token_slots(self) -> torch.Tensor | None:
+        """slot_row as [P*Tc, k]: the rows of each token row of the tokens / dy sections (row s*Tc + t), as
+        cb.take_rows' scatter form reads them; None where slot_row is not known."""
+        if self.slot_row is None:
+            return None
+        return self.slot_row.view(self.pull_src.numel(), -1)
+
     def _derived(self, name: str) -> torch.Tensor:
         self.__dict__.update(self.derive())  # where functools.cached_property keeps its values
         return self.__dict__[name]
@@ -1244,7 +1251,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
             gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
         else:
             if x_rows is None:
-                x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True)
+                x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots())
             if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
                 # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
                 gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
@@ -1443,8 +1450,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
             bufs.pull_rows("tokens", eps.pull_src)
         bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
-            x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True)
-        dy_rows = cb.take_rows(dy, sched.row_token, has_zero_row=True)
+            x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots())
+        dy_rows = cb.take_rows(dy, sched.row_token, has_zero_row=True, slots=eps.token_slots())
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)

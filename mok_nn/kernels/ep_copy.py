@@ -11,6 +11,11 @@ PushPeers:     section row_rank[r] [row_slot[r]] = src[r] for row_rank[r] >= 0, 
 GatherRows:    dst[r] = src[idx[r]] where idx[r] < src rows, else a zero row: the GEMM's A rows
                in schedule order (padding rows zero), from x at EP = 1 and from the tokens / dy
                sections at EP > 1 (cuda_backend.take_rows).
+ScatterRows:   the same rows as GatherRows, walked from the source side: warp per source row u, which
+               it reads once and stores to each of its slots' rows slot_row[u, j] (those whose
+               row_src is u); then zero rows where row_src is not a source row. A source row used by
+               k' slots is read once instead of k' times, which matters where src does not fit in L2
+               (the EP tokens sections: P*Tc rows).
 
 Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
 (num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;
@@ -31,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from .ep_overlap import VEC, copy_row
+from .ep_overlap import UNROLL, VEC, copy_row
 from .registry import EP_COPY_THREADS as THREADS
 
 WARPS = THREADS // 32
@@ -213,3 +218,97 @@ class GatherRows:
                     copy = True
                     s_addr = src_base + t * src_stride
             _copy_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane, zero_rest=True)
+
+
+@cute.jit
+def _scatter_row(s_addr: cutlass.Int64, d_base: cutlass.Int64, d_stride: cutlass.Int64, d_row: cutlass.Int64,
+                 ok_i: cutlass.Int32, top_k: cutlass.Int32, n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """The warp reads the row at s_addr once and stores it to row d_row of every lane j < top_k with
+    ok_i = 1 (row d_base + d_row * d_stride), UNROLL 16-byte vectors per lane in flight at a time."""
+    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
+    src = cute.make_tensor(
+        cute.make_ptr(cutlass.BFloat16, s_addr, cute.AddressSpace.gmem, assumed_align=16),
+        cute.make_layout((VEC, n_vec)),
+    )
+    for c0 in range(lane, n_vec, 32 * UNROLL):
+        for u in cutlass.range_constexpr(UNROLL):
+            c = c0 + 32 * u
+            if c < n_vec:
+                cute.autovec_copy(src[(None, c)], frag[(None, u)])
+        for j in range(top_k):
+            if cute.arch.shuffle_sync(ok_i, j) != 0:
+                d = d_base + cute.arch.shuffle_sync(d_row, j) * d_stride
+                dst = cute.make_tensor(
+                    cute.make_ptr(cutlass.BFloat16, d, cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_layout((VEC, n_vec)),
+                )
+                for u in cutlass.range_constexpr(UNROLL):
+                    c = c0 + 32 * u
+                    if c < n_vec:
+                        cute.autovec_copy(frag[(None, u)], dst[(None, c)])
+
+
+class ScatterRows:
+    """dst[r] = src[row_src[r]] where 0 <= row_src[r] < N, else a zero row (GatherRows' result), given
+    slot_row [N, k]: the dst row of each slot (u, j), where row_src of that row is u (other values: the
+    slot has no row here). Work units: the N source rows (warp per row, read once, stored to each of its
+    rows), then batches of 32 dst rows (zero rows). Every dst row is written once (row_src names one
+    source row per row, and the schedule gives it by exactly one slot)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (R, H) bf16, R >= N
+        slot_row: cute.Tensor,  # (N, k) int64: dst row of slot (u, j), or a value past dst
+        row_src: cute.Tensor,  # (M,) int64: src row of dst row r; outside [0, N): a zero row
+        dst: cute.Tensor,  # (M, H) bf16
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src, slot_row, row_src, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
+                                                        stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, slot_row: cute.Tensor, row_src: cute.Tensor, dst: cute.Tensor):
+        n_src = cute.size(slot_row, mode=[0])
+        top_k = cute.size(slot_row, mode=[1])
+        m = cute.size(row_src, mode=[0])
+        n_vec = cute.size(dst, mode=[1]) // VEC
+        src_base = src.iterator.toint()
+        dst_base = dst.iterator.toint()
+        src_stride = cutlass.Int64(src.stride[0]) * 2  # bytes between rows
+        dst_stride = cutlass.Int64(dst.stride[0]) * 2
+        w, step, mine, lane = _warp_slice(n_src + (m + 31) // 32)
+        for b in range(mine):
+            unit = w + b * step
+            if unit < n_src:
+                # lane j < k: slot j's row, kept where that row really takes this source row
+                d_row = cutlass.Int64(0)
+                ok_i = cutlass.Int32(0)
+                if lane < top_k:
+                    r = slot_row[(unit, lane)]
+                    if (r >= 0) & (r < m):
+                        if row_src[r] == unit:
+                            d_row = r
+                            ok_i = cutlass.Int32(1)
+                count = cutlass.Int32(0)
+                for j in range(top_k):
+                    count = count + cute.arch.shuffle_sync(ok_i, j)
+                if count > 0:  # a row with no slot here is not read
+                    _scatter_row(src_base + cutlass.Int64(unit) * src_stride, dst_base, dst_stride, d_row, ok_i,
+                                 top_k, n_vec, lane)
+            else:
+                # 32 dst rows, lane l checking row first + l; then the warp zero-fills those without a source
+                first = (unit - n_src) * 32
+                r = first + lane
+                d_addr = cutlass.Int64(0)
+                pad_i = cutlass.Int32(0)
+                if r < m:
+                    t = row_src[r]
+                    if (t < 0) | (t >= cutlass.Int64(n_src)):
+                        pad_i = cutlass.Int32(1)
+                        d_addr = dst_base + cutlass.Int64(r) * dst_stride
+                for j in range(cutlass.min(m - first, 32)):
+                    if cute.arch.shuffle_sync(pad_i, j) != 0:
+                        d = cute.arch.shuffle_sync(d_addr, j)
+                        copy_row(d, d, n_vec, lane, True)

@@ -440,7 +440,16 @@ def _ep_copy_specs() -> tuple:
         args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="idx"),
               dataclasses.replace(rows, name="dst"), grid),
     )
-    return copy, pull, push, gather
+    scatter = KernelSpec(
+        name="mok_scatter_rows",  # mok_gather_rows' rows walked from the source side: each src row read once
+        module="ep_copy",
+        factory="ScatterRows",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"),
+              TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+              dataclasses.replace(idx, name="row_src"), dataclasses.replace(rows, name="dst"), grid),
+    )
+    return copy, pull, push, gather, scatter
 
 
 def _ep_publish_spec(w_dtype: str) -> KernelSpec:

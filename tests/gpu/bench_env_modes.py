@@ -24,6 +24,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   wgrad: c2, ppc, pp, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   gatherrows: torch, kernel, torch_again, kernel_again (MOK_GATHER_ROWS: the x / d y row gathers by
           index_select or mok_gather_rows)
+  scatter: gather, scatter, gather_again, scatter_again (MOK_GATHER_ROWS=kernel / scatter: mok_gather_rows or
+          mok_scatter_rows)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
   pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
@@ -63,6 +65,9 @@ MODE_SETS = {
     # (each twice: the spread of the measurement beside the difference)
     "gatherrows": {"torch": {"MOK_GATHER_ROWS": "torch"}, "kernel": {"MOK_GATHER_ROWS": "kernel"},
                    "torch_again": {"MOK_GATHER_ROWS": "torch"}, "kernel_again": {"MOK_GATHER_ROWS": "kernel"}},
+    # the gather kernel against mok_scatter_rows (the same rows from the source side), each twice
+    "scatter": {"gather": {"MOK_GATHER_ROWS": "kernel"}, "scatter": {"MOK_GATHER_ROWS": "scatter"},
+                "gather_again": {"MOK_GATHER_ROWS": "kernel"}, "scatter_again": {"MOK_GATHER_ROWS": "scatter"}},
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
     # the GEMM forms (MOK_GEMM_PINGPONG) with the fused activation epilogues: the auto default, the cooperative

@@ -20,6 +20,7 @@
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
 # pingpong (ping-pong GEMM tests, call by call vs the cooperative kernels, the layer side by side),
 # macrobatch (MoKConfig.macrobatch_size: GPU tests, passes vs one pass at EP=1 and, with 2 GPUs, EP=2),
+# scatter (mok_scatter_rows: tests, call by call, EP checks with it),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -126,6 +127,13 @@ for s in "$@"; do
         TAIL=8 step ep_publish_bench_ep1 120 python3 tests/gpu/bench_ep_publish.py
         TAIL=8 step ep_publish_bench_ep2 150 torchrun --nproc_per_node 2 tests/gpu/bench_ep_publish.py
         TAIL=12 step env_modes_eppublish 240 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes eppublish ;;
+    scatter)  # mok_scatter_rows (MOK_GATHER_ROWS=scatter): its GPU tests, call by call vs the gather, the EP checks with it
+        TAIL=5 step scatter_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py \
+            tests/gpu/test_cuda_layer.py -k "scatter or gather_rows"
+        TAIL=40 step bench_gather_rows 200 python3 tests/gpu/bench_gather_rows.py --ctas-per-sm 4,8
+        if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+            MOK_GATHER_ROWS=scatter TAIL=8 step ep_checks_scatter 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
+        fi ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

@@ -736,3 +736,47 @@ def test_gather_rows_kernel(lib, T, H, M, monkeypatch):
     assert torch.equal(cb.take_rows(odd, idx), want)
     monkeypatch.setenv("MOK_GATHER_ROWS", "torch")
     assert torch.equal(cb.take_rows(src, idx), want)
+
+
+@pytest.mark.parametrize("T,H,k,E,mode", [(1, 8, 1, 4, "uniform"), (333, 200, 4, 16, "uniform"),
+                                          (4097, 2048, 8, 128, "uniform"), (64, 7168, 8, 256, "uniform"),
+                                          (500, 1024, 2, 8, "one_expert"), (300, 384, 6, 32, "skew")])
+def test_scatter_rows_kernel(lib, T, H, k, E, mode, monkeypatch):
+    """mok_scatter_rows (MOK_GATHER_ROWS=scatter): from the source side, the rows of a real schedule, the bits
+    of index_select with a zero row (every row poisoned first, also with a grid of 3 CTAs); and the EP form:
+    a source with more rows than tokens, slots whose row belongs to another source or lies past the rows
+    (another rank's expert, a capacity cut), padding rows naming the zero row or anything out of range."""
+    from mok_nn import cuda_backend as cb
+
+    ids, _ = _routing(T, k, E, mode, seed=T + H)
+    sched = cb.make_schedule(ids, E)
+    g = torch.Generator(device="cuda").manual_seed(T * H)
+    src = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    want = torch.cat([src, src.new_zeros(1, H)])[sched.row_token]
+    monkeypatch.setenv("MOK_GATHER_ROWS", "scatter")
+    got = cb.gather_rows(src, sched)
+    assert torch.equal(got, want)
+    stream = torch.cuda.current_stream().cuda_stream
+    poisoned = torch.full_like(want, float("nan"))
+    cb._lib().launch("mok_scatter_rows", src, sched.pos.contiguous(), sched.row_token, poisoned, 3, stream=stream)
+    assert torch.equal(poisoned, want), "a small grid (grid-stride) must write every row too"
+    # EP form: src has one more row (zero, as the EP sections keep it); the last 128 rows are cut off (a
+    # smaller capacity: slots past them have no row); padding rows name the zero row, -1 or 10**9; and each
+    # source gets one more slot naming a row of another source (or past the end), which it must not write
+    m = max(1, sched.row_token.shape[0] - 128)
+    row_src = sched.row_token[:m].clone()
+    pad = (row_src == T).nonzero().flatten()
+    row_src[pad] = torch.tensor([T, -1, 10**9], device="cuda")[torch.arange(pad.numel(), device="cuda") % 3]
+    foreign = sched.pos[(torch.arange(T, device="cuda") + 1) % T, 0] if T > 1 else torch.full((1,), 10**9,
+                                                                                           device="cuda")
+    slots = torch.cat([sched.pos, foreign[:, None]], dim=1)
+    with_zero = torch.cat([src, src.new_zeros(1, H)])
+    want_ep = with_zero[torch.where((row_src >= 0) & (row_src < T), row_src, T)]
+    for grid in (3, 64):
+        out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        cb._lib().launch("mok_scatter_rows", with_zero, slots, row_src, out, grid, stream=stream)
+        assert torch.equal(out, want_ep), grid
+    assert torch.equal(cb.take_rows(with_zero, row_src, has_zero_row=True, slots=slots), want_ep)
+    monkeypatch.setenv("MOK_GATHER_ROWS", "kernel")  # the gather kernel on the same rows (its zero row: T)
+    assert torch.equal(cb.take_rows(with_zero, torch.where((row_src >= 0) & (row_src < T), row_src, T),
+                                    has_zero_row=True), want_ep)

@@ -101,14 +101,15 @@ def test_macrobatch_passes_keep_the_bits(T, size):
 
 
 def test_gather_rows_kernel_keeps_the_bits(monkeypatch):
-    """MOK_GATHER_ROWS=kernel (mok_gather_rows for the x and d y row gathers): every output and gradient
-    of the routed experts has the bits of the torch gathers."""
+    """MOK_GATHER_ROWS=kernel / scatter (mok_gather_rows / mok_scatter_rows for the x and d y row gathers):
+    every output and gradient of the routed experts has the bits of the torch gathers."""
     from mok_nn import MoKConfig
 
     x, dy, ids, w, params = _routed_problem(900, seed=5)
     runs = {}
-    for mode in ("torch", "kernel"):
+    for mode in ("torch", "kernel", "scatter"):
         monkeypatch.setenv("MOK_GATHER_ROWS", mode)
         runs[mode] = _routed_cuda(x, ids, w, params, dy, MoKConfig())
-    for i, (a, b) in enumerate(zip(runs["kernel"], runs["torch"])):
-        assert torch.equal(a, b), f"output {i} differs"
+    for mode in ("kernel", "scatter"):
+        for i, (a, b) in enumerate(zip(runs[mode], runs["torch"])):
+            assert torch.equal(a, b), f"{mode}: output {i} differs"
