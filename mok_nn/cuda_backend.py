@@ -330,37 +330,52 @@ GATHER_ROWS_MODES = ("kernel", "scatter", "torch")
 GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM
 
 
-def gather_rows(x: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """x rows in schedule order [M_cap, H]; padding rows (row_token = T) are zero."""
-    return take_rows(x, sched.row_token, slots=sched.pos)
+def gather_rows(x: torch.Tensor, sched: Schedule, skip_tail: bool = False) -> torch.Tensor:
+    """x rows in schedule order [M_cap, H]; padding rows (row_token = T) are zero. skip_tail: the rows of
+    the tiles past the last segment are left unwritten (see take_rows)."""
+    return take_rows(x, sched.row_token, slots=sched.pos, tile_expert=sched.tile_expert if skip_tail else None)
 
 
 def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
-              slots: torch.Tensor | None = None) -> torch.Tensor:
+              slots: torch.Tensor | None = None, tile_expert: torch.Tensor | None = None) -> torch.Tensor:
     """[len(idx), H]: row idx[r] of src, a zero row where idx[r] == src rows (the padding rows of a
     schedule), or, has_zero_row, src's own last row (zero, as the EP tokens sections keep it) where
-    idx[r] points there. MOK_GATHER_ROWS: 'kernel' (default on CUDA: mok_gather_rows, one launch, warp
-    per row, no copy of src), 'scatter' (mok_scatter_rows: warp per src row, read once and stored to its
-    rows; needs slots [N, k], the row of each slot (u, j) of src row u, as Schedule.pos / EPSchedule.slot_row
-    give it; without them the gather kernel) or 'torch' (index_select, after a cat of a zero row unless
-    has_zero_row; also on CPU). Same bits."""
+    idx[r] points there.
+
+    tile_expert (a schedule's, one entry per TILE_M rows): the kernels leave the rows of tiles with
+    tile_expert < 0 (past the last segment) unwritten. Only for rows that nothing but the GEMMs and the
+    weight gradients read (both stop at the last segment): at EP > 1 with the default capacity these
+    are about half the rows, zero-filled for nothing otherwise. The torch path writes them anyway.
+
+    MOK_GATHER_ROWS: 'kernel' (default on CUDA: mok_gather_rows, one launch, warp per row, no copy of
+    src), 'scatter' (mok_scatter_rows: warp per src row, read once and stored to its rows; needs slots
+    [N, k], the row of each slot (u, j) of src row u, as Schedule.pos / EPSchedule.token_slots give it;
+    without them the gather kernel) or 'torch' (index_select, after a cat of a zero row unless
+    has_zero_row; also on CPU). Same bits in every written row."""
     mode = env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0])
     if src.is_cuda and mode != "torch" and rows_of_16_byte_vectors(src):
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
         if not idx.shape[0]:
             return out
+        tiles = tile_expert if tile_expert is not None else _cached_zero_tile(src.device)
         if mode == "scatter" and slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
             slots = slots.contiguous()
             units = slots.shape[0] + -(-idx.shape[0] // 32)  # src rows, then batches of 32 rows to zero
             grid = row_copy_grid(units, num_sms(src.device), GATHER_CTAS_PER_SM)
-            _lib().launch("mok_scatter_rows", src, slots, idx, out, grid, stream=_stream())
+            _lib().launch("mok_scatter_rows", src, slots, idx, tiles, out, grid, stream=_stream())
         else:
             grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
-            _lib().launch("mok_gather_rows", src, idx, out, grid, stream=_stream())
+            _lib().launch("mok_gather_rows", src, idx, tiles, out, grid, stream=_stream())
         return out
     if has_zero_row:
         return src.index_select(0, idx)
     return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_zero_tile(device: torch.device) -> torch.Tensor:
+    """A one-entry tile_expert table [0]: the gather kernels then write every row."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def rows_of_16_byte_vectors(t: torch.Tensor) -> bool:
@@ -753,7 +768,8 @@ def experts_forward(
     gather = _use_gather()
     fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1])
     # The SwiGLU-epilogue GEMM has no gather variant: it gets the permuted copy (not saved with gather).
-    x_rows = None if gather and not fused else gather_rows(x.contiguous(), sched)
+    # (x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten)
+    x_rows = None if gather and not fused else gather_rows(x.contiguous(), sched, skip_tail=True)
     if fused:
         gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
     else:
@@ -787,7 +803,9 @@ def experts_backward(
     gy = grad_y.to(x.dtype).contiguous()
     gather_dy = _use_gather("MOK_GEMM_GATHER_DY")
     # with gather_dy, the dy rows are gathered only where they are needed (less memory alive at once)
-    dy_rows = None if gather_dy else gather_rows(gy, sched)  # zero on padding rows
+    # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows
+    dy_skip = down_bias is None
+    dy_rows = None if gather_dy else gather_rows(gy, sched, dy_skip)
     w_rows = row_weights(sched, topk_weights)
     if gather_dy:  # (the fused dSwiGLU GEMM has no gather variant)
         dh_raw = grouped_gemm_gather(gy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
@@ -795,7 +813,7 @@ def experts_backward(
     else:
         dgu, wh, dw_rows = dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     if down_bias is not None:
-        dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched)
+        dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, dy_skip)
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
     w_rows = w_rows.unsqueeze(1)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
@@ -803,8 +821,8 @@ def experts_backward(
     dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
-    x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched)
-    dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched)
+    x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
+    dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, dy_skip)
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)

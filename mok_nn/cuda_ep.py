@@ -1251,7 +1251,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
             gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
         else:
             if x_rows is None:
-                x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots())
+                x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots(),
+                                      tile_expert=sched.tile_expert)  # (read by GEMMs only: no tail)
             if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
                 # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
                 gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
@@ -1450,8 +1451,11 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
             bufs.pull_rows("tokens", eps.pull_src)
         bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
-            x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots())
-        dy_rows = cb.take_rows(dy, sched.row_token, has_zero_row=True, slots=eps.token_slots())
+            x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots(),
+                                  tile_expert=sched.tile_expert)
+        # (the tail past the last segment unwritten unless the down bias sums the rows)
+        dy_rows = cb.take_rows(dy, sched.row_token, has_zero_row=True, slots=eps.token_slots(),
+                               tile_expert=sched.tile_expert if down_bias is None else None)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)

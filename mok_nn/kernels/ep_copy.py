@@ -10,7 +10,9 @@ PushPeers:     section row_rank[r] [row_slot[r]] = src[r] for row_rank[r] >= 0, 
                push to every rank (own one included) in one launch.
 GatherRows:    dst[r] = src[idx[r]] where idx[r] < src rows, else a zero row: the GEMM's A rows
                in schedule order (padding rows zero), from x at EP = 1 and from the tokens / dy
-               sections at EP > 1 (cuda_backend.take_rows).
+               sections at EP > 1 (cuda_backend.take_rows). Rows of the tiles past the last segment
+               (tile_expert < 0; the GEMMs skip them) are not written: at EP = 2 with the default
+               capacity (2x the balanced load) they are about half the rows.
 ScatterRows:   the same rows as GatherRows, walked from the source side: warp per source row u, which
                it reads once and stores to each of its slots' rows slot_row[u, j] (those whose
                row_src is u); then zero rows where row_src is not a source row. A source row used by
@@ -38,27 +40,51 @@ import cuda.bindings.driver as cuda
 
 from .ep_overlap import UNROLL, VEC, copy_row
 from .registry import EP_COPY_THREADS as THREADS
+from .registry import TILE_M
 
 WARPS = THREADS // 32
 
 
 @cute.jit
 def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolean, count: cutlass.Int32,
-                n_vec: cutlass.Int32, lane: cutlass.Int32, zero_rest: cutlass.Constexpr = False):
-    """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok); zero_rest:
-    and writes a zero row to the destination of every lane that is not ok (GatherRows)."""
-    ok_i = cutlass.Int32(0)
+                n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok)."""
+    act = cutlass.Int32(0)
     if ok:
-        ok_i = cutlass.Int32(1)
+        act = cutlass.Int32(COPY)
+    _act_batch(s_addr, d_addr, act, count, n_vec, lane)
+
+
+SKIP, COPY, ZERO = 0, 1, 2  # what a warp does with the row one of its lanes holds (_act_batch)
+
+
+@cute.jit
+def _act_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, act: cutlass.Int32, count: cutlass.Int32,
+               n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """For each lane j < count in turn, the warp copies its row (act COPY: src / dst address), zero-fills its
+    dst row (ZERO) or does nothing (SKIP)."""
     for j in range(count):
-        if cute.arch.shuffle_sync(ok_i, j) != 0:
+        a = cute.arch.shuffle_sync(act, j)
+        if a == COPY:
             s = cute.arch.shuffle_sync(s_addr, j)
             d = cute.arch.shuffle_sync(d_addr, j)
             copy_row(s, d, n_vec, lane, False)
         else:
-            if cutlass.const_expr(zero_rest):
+            if a == ZERO:
                 d = cute.arch.shuffle_sync(d_addr, j)
                 copy_row(d, d, n_vec, lane, True)
+
+
+@cute.jit
+def _live_row(r: cutlass.Int32, tile_expert: cute.Tensor) -> cutlass.Boolean:
+    """False for a row of a tile past the last segment (tile_expert < 0, where the table covers the row):
+    the GEMMs skip those tiles, so the gathers leave their rows unwritten."""
+    t = r // TILE_M
+    live = True
+    if t < cute.size(tile_expert, mode=[0]):
+        if tile_expert[t] < 0:
+            live = False
+    return live
 
 
 @cute.jit
@@ -189,14 +215,15 @@ class GatherRows:
         self,
         src: cute.Tensor,  # (R, H) bf16
         idx: cute.Tensor,  # (M,) int64: row of src, or >= R for a zero row
+        tile_expert: cute.Tensor,  # (n,) int32: rows of tiles t < n with tile_expert[t] < 0 are not written
         dst: cute.Tensor,  # (M, H) bf16
         num_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(src, idx, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(src, idx, tile_expert, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, src: cute.Tensor, idx: cute.Tensor, dst: cute.Tensor):
+    def kernel(self, src: cute.Tensor, idx: cute.Tensor, tile_expert: cute.Tensor, dst: cute.Tensor):
         n = cute.size(idx, mode=[0])
         num_src = cutlass.Int64(cute.size(src, mode=[0]))
         n_vec = cute.size(dst, mode=[1]) // VEC
@@ -209,16 +236,17 @@ class GatherRows:
             k = b + lane
             s_addr = cutlass.Int64(0)
             d_addr = cutlass.Int64(0)
-            copy = False
+            act = cutlass.Int32(SKIP)
             if k < mine:
                 i = w + k * step
-                t = idx[i]
-                d_addr = dst_base + cutlass.Int64(i) * dst_stride
-                if (t >= 0) & (t < num_src):
-                    copy = True
-                    s_addr = src_base + t * src_stride
-            _copy_batch(s_addr, d_addr, copy, cutlass.min(mine - b, 32), n_vec, lane, zero_rest=True)
-
+                if _live_row(i, tile_expert):
+                    act = cutlass.Int32(ZERO)
+                    t = idx[i]
+                    d_addr = dst_base + cutlass.Int64(i) * dst_stride
+                    if (t >= 0) & (t < num_src):
+                        act = cutlass.Int32(COPY)
+                        s_addr = src_base + t * src_stride
+            _act_batch(s_addr, d_addr, act, cutlass.min(mine - b, 32), n_vec, lane)
 
 @cute.jit
 def _scatter_row(s_addr: cutlass.Int64, d_base: cutlass.Int64, d_stride: cutlass.Int64, d_row: cutlass.Int64,
@@ -230,9 +258,9 @@ def _scatter_row(s_addr: cutlass.Int64, d_base: cutlass.Int64, d_stride: cutlass
         cute.make_ptr(cutlass.BFloat16, s_addr, cute.AddressSpace.gmem, assumed_align=16),
         cute.make_layout((VEC, n_vec)),
     )
-    for c0 in range(lane, n_vec, 32 * UNROLL):
+    for c0 in range(0, n_vec, 32 * UNROLL):  # every lane takes every step: the shuffles below need the whole warp
         for u in cutlass.range_constexpr(UNROLL):
-            c = c0 + 32 * u
+            c = c0 + lane + 32 * u
             if c < n_vec:
                 cute.autovec_copy(src[(None, c)], frag[(None, u)])
         for j in range(top_k):
@@ -243,13 +271,14 @@ def _scatter_row(s_addr: cutlass.Int64, d_base: cutlass.Int64, d_stride: cutlass
                     cute.make_layout((VEC, n_vec)),
                 )
                 for u in cutlass.range_constexpr(UNROLL):
-                    c = c0 + 32 * u
+                    c = c0 + lane + 32 * u
                     if c < n_vec:
                         cute.autovec_copy(frag[(None, u)], dst[(None, c)])
 
 
 class ScatterRows:
-    """dst[r] = src[row_src[r]] where 0 <= row_src[r] < N, else a zero row (GatherRows' result), given
+    """dst[r] = src[row_src[r]] where 0 <= row_src[r] < N, else a zero row (GatherRows' result, rows of tiles
+    past the last segment also left unwritten), given
     slot_row [N, k]: the dst row of each slot (u, j), where row_src of that row is u (other values: the
     slot has no row here). Work units: the N source rows (warp per row, read once, stored to each of its
     rows), then batches of 32 dst rows (zero rows). Every dst row is written once (row_src names one
@@ -261,15 +290,17 @@ class ScatterRows:
         src: cute.Tensor,  # (R, H) bf16, R >= N
         slot_row: cute.Tensor,  # (N, k) int64: dst row of slot (u, j), or a value past dst
         row_src: cute.Tensor,  # (M,) int64: src row of dst row r; outside [0, N): a zero row
+        tile_expert: cute.Tensor,  # (n,) int32: rows of tiles t < n with tile_expert[t] < 0 are not written
         dst: cute.Tensor,  # (M, H) bf16
         num_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(src, slot_row, row_src, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
-                                                        stream=stream)
+        self.kernel(src, slot_row, row_src, tile_expert, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
+                                                                     stream=stream)
 
     @cute.kernel
-    def kernel(self, src: cute.Tensor, slot_row: cute.Tensor, row_src: cute.Tensor, dst: cute.Tensor):
+    def kernel(self, src: cute.Tensor, slot_row: cute.Tensor, row_src: cute.Tensor, tile_expert: cute.Tensor,
+               dst: cute.Tensor):
         n_src = cute.size(slot_row, mode=[0])
         top_k = cute.size(slot_row, mode=[1])
         m = cute.size(row_src, mode=[0])
@@ -302,13 +333,11 @@ class ScatterRows:
                 first = (unit - n_src) * 32
                 r = first + lane
                 d_addr = cutlass.Int64(0)
-                pad_i = cutlass.Int32(0)
+                act = cutlass.Int32(SKIP)
                 if r < m:
-                    t = row_src[r]
-                    if (t < 0) | (t >= cutlass.Int64(n_src)):
-                        pad_i = cutlass.Int32(1)
-                        d_addr = dst_base + cutlass.Int64(r) * dst_stride
-                for j in range(cutlass.min(m - first, 32)):
-                    if cute.arch.shuffle_sync(pad_i, j) != 0:
-                        d = cute.arch.shuffle_sync(d_addr, j)
-                        copy_row(d, d, n_vec, lane, True)
+                    if _live_row(r, tile_expert):
+                        t = row_src[r]
+                        if (t < 0) | (t >= cutlass.Int64(n_src)):
+                            act = cutlass.Int32(ZERO)
+                            d_addr = dst_base + cutlass.Int64(r) * dst_stride
+                _act_batch(d_addr, d_addr, act, cutlass.min(m - first, 32), n_vec, lane)

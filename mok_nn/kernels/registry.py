@@ -407,6 +407,7 @@ def _ep_copy_specs() -> tuple:
     idx = TensorArg("idx", "i64", (DYN,), (1,), align=8)
     base = TensorArg("base", "i64", (DYN,), (1,), align=8)
     grid = ScalarArg("num_ctas", "i32")
+    tiles = TensorArg("tile_expert", "i32", (DYN,), (1,), align=4)  # the gathers skip rows of tiles < 0
     copy = KernelSpec(
         name="mok_ep_copy_rows_v2",  # drop-in for mok_ep_copy_rows: (src, src_idx, dst, dst_idx)
         module="ep_copy",
@@ -437,7 +438,7 @@ def _ep_copy_specs() -> tuple:
         module="ep_copy",
         factory="GatherRows",
         factory_kwargs=(),
-        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="idx"),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="idx"), tiles,
               dataclasses.replace(rows, name="dst"), grid),
     )
     scatter = KernelSpec(
@@ -447,7 +448,7 @@ def _ep_copy_specs() -> tuple:
         factory_kwargs=(),
         args=(dataclasses.replace(rows, name="src"),
               TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
-              dataclasses.replace(idx, name="row_src"), dataclasses.replace(rows, name="dst"), grid),
+              dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
     )
     return copy, pull, push, gather, scatter
 

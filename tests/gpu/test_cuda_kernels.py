@@ -727,7 +727,8 @@ def test_gather_rows_kernel(lib, T, H, M, monkeypatch):
     with_zero = torch.cat([src, src.new_zeros(1, H)])
     assert torch.equal(cb.take_rows(with_zero, idx, has_zero_row=True), want)
     poisoned = torch.full((M, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cb._lib().launch("mok_gather_rows", src, idx, poisoned, 3, stream=torch.cuda.current_stream().cuda_stream)
+    all_rows = torch.zeros(1, dtype=torch.int32, device="cuda")  # a tile table that skips no row
+    cb._lib().launch("mok_gather_rows", src, idx, all_rows, poisoned, 3, stream=torch.cuda.current_stream().cuda_stream)
     assert torch.equal(poisoned, want), "a small grid (grid-stride) must write every row too"
     # a view at an odd element offset cannot be read in 16-byte vectors: the torch path, same rows
     flat = torch.cat([src.new_zeros(1), src.reshape(-1)])
@@ -743,9 +744,10 @@ def test_gather_rows_kernel(lib, T, H, M, monkeypatch):
                                           (500, 1024, 2, 8, "one_expert"), (300, 384, 6, 32, "skew")])
 def test_scatter_rows_kernel(lib, T, H, k, E, mode, monkeypatch):
     """mok_scatter_rows (MOK_GATHER_ROWS=scatter): from the source side, the rows of a real schedule, the bits
-    of index_select with a zero row (every row poisoned first, also with a grid of 3 CTAs); and the EP form:
-    a source with more rows than tokens, slots whose row belongs to another source or lies past the rows
-    (another rank's expert, a capacity cut), padding rows naming the zero row or anything out of range."""
+    of index_select with a zero row (every row poisoned first, also with a grid of 3 CTAs); with the schedule's
+    tile table (skip_tail, both gather kernels) the rows past the last segment untouched; and the EP form: a
+    source with a zero row last, slots naming another source's row or a row past a capacity cut (not
+    written by that source), padding rows naming the zero row or anything out of range."""
     from mok_nn import cuda_backend as cb
 
     ids, _ = _routing(T, k, E, mode, seed=T + H)
@@ -758,8 +760,23 @@ def test_scatter_rows_kernel(lib, T, H, k, E, mode, monkeypatch):
     assert torch.equal(got, want)
     stream = torch.cuda.current_stream().cuda_stream
     poisoned = torch.full_like(want, float("nan"))
-    cb._lib().launch("mok_scatter_rows", src, sched.pos.contiguous(), sched.row_token, poisoned, 3, stream=stream)
+    all_rows = torch.zeros(1, dtype=torch.int32, device="cuda")  # a tile table that skips no row
+    cb._lib().launch("mok_scatter_rows", src, sched.pos.contiguous(), sched.row_token, all_rows, poisoned, 3,
+                     stream=stream)
     assert torch.equal(poisoned, want), "a small grid (grid-stride) must write every row too"
+    # skip_tail: the rows of tiles past the last segment stay as they were (poison), the others as before
+    tail = (sched.tile_expert < 0).repeat_interleave(128)
+    for mode in ("scatter", "kernel"):
+        monkeypatch.setenv("MOK_GATHER_ROWS", mode)
+        got = cb.gather_rows(src, sched, skip_tail=True)
+        assert torch.equal(got[~tail], want[~tail]), mode
+        probe = torch.full_like(want, float("nan"))
+        name, args = (("mok_scatter_rows", (src, sched.pos, sched.row_token)) if mode == "scatter"
+                      else ("mok_gather_rows", (src, sched.row_token)))
+        cb._lib().launch(name, *args, sched.tile_expert, probe, 3, stream=stream)
+        assert torch.equal(probe[~tail], want[~tail]), mode
+        assert probe[tail].isnan().all(), f"{mode}: a row past the last segment was written"
+    monkeypatch.setenv("MOK_GATHER_ROWS", "scatter")
     # EP form: src has one more row (zero, as the EP sections keep it); the last 128 rows are cut off (a
     # smaller capacity: slots past them have no row); padding rows name the zero row, -1 or 10**9; and each
     # source gets one more slot naming a row of another source (or past the end), which it must not write
@@ -774,7 +791,7 @@ def test_scatter_rows_kernel(lib, T, H, k, E, mode, monkeypatch):
     want_ep = with_zero[torch.where((row_src >= 0) & (row_src < T), row_src, T)]
     for grid in (3, 64):
         out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        cb._lib().launch("mok_scatter_rows", with_zero, slots, row_src, out, grid, stream=stream)
+        cb._lib().launch("mok_scatter_rows", with_zero, slots, row_src, all_rows, out, grid, stream=stream)
         assert torch.equal(out, want_ep), grid
     assert torch.equal(cb.take_rows(with_zero, row_src, has_zero_row=True, slots=slots), want_ep)
     monkeypatch.setenv("MOK_GATHER_ROWS", "kernel")  # the gather kernel on the same rows (its zero row: T)
