@@ -6,8 +6,9 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   schedule        mok_schedule_mc (per-chunk counts, one scan CTA, placement over many CTAs;
                   MOK_SCHEDULE=mc_pdl: overlapped launches, =single: the one-CTA mok_schedule,
                   =torch: torch ops); no host sync
-  gather of x     mok_gather_rows into the padded expert order (zero padding rows; MOK_GATHER_ROWS=torch:
-                  index_select)
+  gather of x     mok_scatter_rows into the padded expert order (each x row read once, stored to its
+                  slots' rows; zero padding rows; rows past the last segment not written;
+                  MOK_GATHER_ROWS=kernel: mok_gather_rows, warp per row; =torch: index_select)
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); where H <= 2048 with
                   the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
   activation      mok_act_fwd_<act> (one pass over gate_up)
@@ -323,11 +324,13 @@ def _stream() -> int:
     return _raw_stream(_get_device())
 
 
-# MOK_GATHER_ROWS (first: the default). mok_gather_rows measured faster call by call on H200
-# (docs/benchmarks/..._v65_gather_rows.txt: qwen3 0.133 vs 0.160 ms, mixtral 0.072 vs 0.109, deepseek-v3
-# 0.58 vs 0.64; the grid, 2-8 CTAs per SM, changes nothing) and in the qwen3 layer (..._v66_gatherrows_modes).
-GATHER_ROWS_MODES = ("kernel", "scatter", "torch")
-GATHER_CTAS_PER_SM = 4  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM
+# MOK_GATHER_ROWS (first: the default). mok_gather_rows ("kernel") measured faster than index_select call by
+# call on H200 (docs/benchmarks/..._v65_gather_rows.txt) and in the qwen3 layer (..._v66_gatherrows_modes);
+# mok_scatter_rows faster than it (..._v89_gather_rows_276e9aa.txt, the layer's rows, 8 CTAs per SM: qwen3
+# 0.099 vs 0.126 ms at EP = 1, deepseek-v3 0.379 vs 0.519; EP = 2, whose source does not fit in L2, 0.107 vs
+# ~0.12 and 0.375 vs 0.495; mixtral 0.070 vs 0.071) and in the EP = 2 layer forward (..._v89_scatter_modes).
+GATHER_ROWS_MODES = ("scatter", "kernel", "torch")
+GATHER_CTAS_PER_SM = 8  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM (8 <= 4 in v89)
 
 
 def gather_rows(x: torch.Tensor, sched: Schedule, skip_tail: bool = False) -> torch.Tensor:
@@ -347,10 +350,10 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
     weight gradients read (both stop at the last segment): at EP > 1 with the default capacity these
     are about half the rows, zero-filled for nothing otherwise. The torch path writes them anyway.
 
-    MOK_GATHER_ROWS: 'kernel' (default on CUDA: mok_gather_rows, one launch, warp per row, no copy of
-    src), 'scatter' (mok_scatter_rows: warp per src row, read once and stored to its rows; needs slots
-    [N, k], the row of each slot (u, j) of src row u, as Schedule.pos / EPSchedule.token_slots give it;
-    without them the gather kernel) or 'torch' (index_select, after a cat of a zero row unless
+    MOK_GATHER_ROWS: 'scatter' (default on CUDA: mok_scatter_rows, warp per src row, read once and stored
+    to each of its rows, then the zero rows; needs slots [N, k], the row of each slot (u, j) of src row u,
+    as Schedule.pos / EPSchedule.token_slots give it; without them, or k > 32, the gather kernel), 'kernel'
+    (mok_gather_rows: warp per dst row) or 'torch' (index_select, after a cat of a zero row unless
     has_zero_row; also on CPU). Same bits in every written row."""
     mode = env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0])
     if src.is_cuda and mode != "torch" and rows_of_16_byte_vectors(src):

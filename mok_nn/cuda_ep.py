@@ -32,8 +32,8 @@ Forward (no host synchronisation; every peer write is a unicast store):
   4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
      mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once (where nearly
      every token is needed, pull_all / MOK_EP_PULL: every row, issued before step 3);
-     the GEMM then gathers its rows from the local tokens section (mok_gather_rows; MOK_EP_DISPATCH=rows,
-     opt-in, measured slower: one mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
+     the GEMM then gathers its rows from the local tokens section (cb.take_rows: mok_scatter_rows, each
+     section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
   6. combine push. Where k > 2P (combine_sums; P must divide the combine's 8-leaf tree of expert
      groups, kernels/combine.py): mok_ep_partial_push sums, for every token of every source, the
