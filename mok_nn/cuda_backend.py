@@ -399,19 +399,14 @@ def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
     return max(1, min(-(-num_rows // (EP_COPY_THREADS // 32)), sms * max(1, ctas_per_sm)))
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16,
-                 out: torch.Tensor | None = None):
-    """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N]).
-    out: the [M, N] output to write (the kernels: only the row tiles with sched.tile_expert >= 0, so two
-    launches whose tile tables split the tiles fill one output; not with MOK_GEMM=torch)."""
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
+    """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N])."""
     m = a.shape[0]
     if _use_torch_gemm():
-        assert out is None, "grouped_gemm(out=...) runs on the kernels only"
         wt = w if transpose_w else w.transpose(1, 2)
         return torch._grouped_mm(a, wt, offs=sched.seg_end).to(out_dtype)
     n = w.shape[2] if transpose_w else w.shape[1]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if transpose_w:  # B[n, k, e] = W[e, k, n]: N-major
         b = w.permute(2, 1, 0)
     else:  # B[n, k, e] = W[e, n, k]: K-major

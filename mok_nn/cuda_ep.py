@@ -84,7 +84,6 @@ ranks in the same call provided they raised it at the same point (call
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -159,8 +158,6 @@ class EPSchedule:
         this rank's row where the slot is routed here (>= cap where the capacity cut it), else a row
         after all of this rank's (dispatch_plan; None where built otherwise).
     dispatch: (row_peer, row_src) of dispatch_plan, where the schedule graph computed it (MOK_EP_DISPATCH=rows).
-    tile_split: (first, last) [cap / TILE_M] int32: tile_expert where the tile holds some other rank's rows
-        (first) or only this rank's (last), -1 elsewhere.
     """
 
     sched: cb.Schedule
@@ -173,10 +170,6 @@ class EPSchedule:
     derive: object = field(default=None, repr=False)
     # (row_peer, row_src) of dispatch_plan where the schedule graph computed it (MOK_EP_DISPATCH=rows)
     dispatch: tuple | None = None
-    # (first, last): sched.tile_expert split in two, -1 outside each part: the row tiles holding some other
-    # rank's rows, and the rest (only this rank's rows); the forward's down GEMM runs them as two launches
-    # (y_push_mode "split")
-    tile_split: tuple | None = None
     # Where the tensors are views of the schedule graph's output buffer (which its next replay rewrites):
     # a callable returning this schedule on a copy of that buffer (see kept)
     copy: object = field(default=None, repr=False)
@@ -334,10 +327,6 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
 
     need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
     pull_src = torch.where(need, _pull_table(ep_size, tc, rank, dev), -1)
-    # the row tiles holding some other rank's rows (padding rows: row_token // Tc == P, nobody's)
-    src = row_token // tc
-    foreign = ((src != rank) & (src < ep_size)).view(-1, TILE_M).any(dim=1)
-    tile_split = (torch.where(foreign, tile_expert, -1), torch.where(foreign, -1, tile_expert))
 
     def derive():  # what the GEMMs do not need (EPSchedule.derive)
         if spread:  # padded rows of every rank (this one first): ends of its buckets minus starts
@@ -351,7 +340,7 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
         src_of, slot_of = _slot_tables(ep_size, tc, top_k, dev)
         return {"row_src": src_of[row_gslot], "row_slot": slot_of[row_gslot], "overflow": overflow}
 
-    return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive, tile_split=tile_split)
+    return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive)
 
 
 # --------------------------------------------------------------------------
@@ -383,7 +372,7 @@ class _GraphedSchedule:
     """
 
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
-               "slot_row", "row_src", "row_slot", "overflow", "tile_first", "tile_last")
+               "slot_row", "row_src", "row_slot", "overflow")
 
     def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False, pull=None):
         # with_dispatch: also dispatch_plan's (row_peer, row_src), for MOK_EP_DISPATCH=rows.
@@ -437,7 +426,7 @@ class _GraphedSchedule:
     def _outputs(cls, eps, dispatch_rank=None):
         s = eps.sched
         outs = [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
-                eps.slot_row, eps.row_src, eps.row_slot, eps.overflow, *eps.tile_split]
+                eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
         return outs + (list(dispatch_plan(eps, dispatch_rank)) if dispatch_rank is not None else [])
 
     def _views(self, flat: torch.Tensor) -> dict:
@@ -457,8 +446,7 @@ class _GraphedSchedule:
         sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
                             padded_rows=f["padded_rows"])
         eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"],
-                         dispatch=(f["disp_peer"], f["disp_src"]) if "disp_peer" in f else None,
-                         tile_split=(f["tile_first"], f["tile_last"]))
+                         dispatch=(f["disp_peer"], f["disp_src"]) if "disp_peer" in f else None)
         eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
         return eps
 
@@ -676,18 +664,6 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = Fals
     return mode
 
 
-Y_PUSH_MODES = ("kernel", "split")  # MOK_EP_Y_PUSH; the first is the default
-
-
-def y_push_mode() -> str:
-    """How the forward's per-rank y sums (combine_sums 'rank') reach their sources: 'kernel' (default: one
-    down GEMM, then mok_ep_partial_push stores every node over NVLink) or 'split' (the down GEMM as two
-    launches, EPSchedule.tile_split: first the row tiles holding other ranks' rows; then those ranks' nodes
-    summed into a local staging block, sent by the copy engines on a side stream while the second launch
-    computes the tiles of this rank's own rows; then the own nodes). Same rows, same sums: same bits."""
-    return cb.env_choice("MOK_EP_Y_PUSH", Y_PUSH_MODES, Y_PUSH_MODES[0])
-
-
 DX_PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH; the first is the default
 
 
@@ -765,7 +741,6 @@ class SymmBuffers:
         self.epoch = 0
         # CTAs of mok_ep_publish that have finished, for the barrier its last CTA runs (the kernel leaves it 0)
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-        self._own_base = None  # _own_partials_base, built on first use
 
     @classmethod
     def create(cls, group, tokens_cap: int, hidden: int, top_k: int, device, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -923,8 +898,7 @@ class SymmBuffers:
             self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
 
     def push_partials(self, rows: torch.Tensor, eps: "EPSchedule", num_experts: int, weighted: bool,
-                      ids_all: torch.Tensor | None = None, copy_stream: torch.cuda.Stream | None = None,
-                      sources: str = "all") -> None:
+                      ids_all: torch.Tensor | None = None, copy_stream: torch.cuda.Stream | None = None) -> None:
         """Into every source s's partials[rank, t]: this rank's node of token (s, t)'s combine tree,
         from the rows of its slots routed here (times the all-gathered top-k weight if weighted);
         tokens without a slot here get nothing (the source knows it from its ids).
@@ -936,10 +910,7 @@ class SymmBuffers:
         (its own ones straight into its own partials section), and copy_stream sends each block whole
         to its source (one copy each: the GPU's copy engines, no SMs), so the current stream goes on
         at once; the caller waits for copy_stream before the barrier. Rows of tokens without a slot
-        here travel too but are never read.
-        sources: 'all', or the nodes of the other ranks' tokens only ('others', with copy_stream) or of
-        this rank's own ('own', without): the forward's split down GEMM (y_push_mode) computes each part
-        once the rows it reads are done."""
+        here travel too but are never read."""
         assert eps.slot_row is not None, "the per-rank sums need EPSchedule.slot_row"
         ids_all = self.local("ids") if ids_all is None else ids_all
         args = (rows, eps.slot_row, self.local("weights"), ids_all)
@@ -949,20 +920,16 @@ class SymmBuffers:
                 self.peer(s, "partials")[self.rank][present] = node[present]
             return
         if copy_stream is None:
-            assert sources in ("all", "own"), sources
-            bases = self.section_addrs("partials") if sources == "all" else self._own_partials_base()
-            cb._lib().launch("mok_ep_partial_push", *args, bases, *scalars, self.rank * self.tokens_cap,
-                             stream=cb._stream())
+            cb._lib().launch("mok_ep_partial_push", *args, self.section_addrs("partials"), *scalars,
+                             self.rank * self.tokens_cap, stream=cb._stream())
             return
-        assert sources in ("all", "others"), sources
         P, r, tc, dev = self.ep_size, self.rank, self.tokens_cap, rows.device
         block = tc * self.hidden * 4  # bytes of one source's nodes
         staging = torch.empty(P - 1, tc, self.hidden, dtype=torch.float32, device=dev)
-        # source s < r -> staging block s, s > r -> block s - 1, s == r -> own partials[r] (row 0 of it;
-        # 0, i.e. not computed, with sources='others')
+        # source s < r -> staging block s, s > r -> block s - 1, s == r -> own partials[r] (row 0 of it)
         src = _cached("arange", P, dev)
-        own = self.local("partials")[r].data_ptr() if sources == "all" else 0
-        bases = torch.where(src == r, own, staging.data_ptr() + (src - (src > r).long()) * block)
+        bases = torch.where(src == r, self.local("partials")[r].data_ptr(),
+                            staging.data_ptr() + (src - (src > r).long()) * block)
         cb._lib().launch("mok_ep_partial_push", *args, bases, *scalars, 0, stream=cb._stream())
         copy_stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(copy_stream):
@@ -970,13 +937,6 @@ class SymmBuffers:
                 if s != r:
                     self.peer(s, "partials")[r].copy_(staging[s - (s > r)], non_blocking=True)
         staging.record_stream(copy_stream)
-
-    def _own_partials_base(self) -> torch.Tensor:
-        """[P] int64: section_addrs("partials") with 0 (skip) for every rank but this one (built once)."""
-        if self._own_base is None:
-            addrs = self.section_addrs("partials")
-            self._own_base = torch.where(_cached("arange", self.ep_size, addrs.device) == self.rank, addrs, 0)
-        return self._own_base
 
     def final_combine(self, topk_ids: torch.Tensor, flags: torch.Tensor, num_experts: int, out_dtype) -> torch.Tensor:
         """out[t] = the top of token t's combine tree over the ranks' nodes in partials[:, t]; NaN rows
@@ -1312,18 +1272,6 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     if overlap:
         # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
         _down_push(ws, bufs, eps, h, down_proj)
-    elif sums == "rank" and down_bias is None and h.is_cuda and y_push_mode() == "split" and not cb._use_torch_gemm():
-        # 5c. + 6. the down GEMM's row tiles holding other ranks' rows first; those ranks' nodes summed into a
-        # local staging block and sent by the copy engines while the down GEMM's other tiles run; then the
-        # own tokens' nodes (local)
-        first, last = eps.tile_split
-        out_rows = torch.empty(h.shape[0], down_proj.shape[1], dtype=h.dtype, device=h.device)
-        cb.grouped_gemm(h, down_proj, dataclasses.replace(sched, tile_expert=first), transpose_w=False, out=out_rows)
-        y_stream = _copy_stream(ws, h.device)
-        bufs.push_partials(out_rows, eps, ws.num_experts, weighted=True, copy_stream=y_stream, sources="others")
-        cb.grouped_gemm(h, down_proj, dataclasses.replace(sched, tile_expert=last), transpose_w=False, out=out_rows)
-        bufs.push_partials(out_rows, eps, ws.num_experts, weighted=True, sources="own")
-        torch.cuda.current_stream(h.device).wait_stream(y_stream)
     else:
         out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
         if down_bias is not None:

@@ -178,8 +178,7 @@ class PartialPush:
         slot_row: cute.Tensor,  # (P*Tc*k,) int64: row of global slot (s*Tc + t)*k + j (valid where routed here)
         w_all: cute.Tensor,  # (>= P*Tc*k,) fp32: the all-gathered top-k weights (read only if weighted)
         ids_all: cute.Tensor,  # (P, Tc, k) int64: the all-gathered top-k ids (-1 past a rank's tokens)
-        part_base: cute.Tensor,  # (P,) int64: address of every rank's partials section [P, Tc, H] fp32 (0: skip
-        # that source's tokens)
+        part_base: cute.Tensor,  # (P,) int64: address of every rank's partials section [P, Tc, H] fp32
         rank: cutlass.Int32,
         experts_per_rank: cutlass.Int32,
         experts_per_leaf: cutlass.Int32,
@@ -225,8 +224,6 @@ class PartialPush:
                 if weighted != 0:
                     w_l = w_all[slot]
         mask = _leaf_mask(row_l, leaf_l)
-        if part_base[s] == 0:  # this launch does not compute source s's nodes (SymmBuffers.push_partials)
-            mask = cutlass.Int32(0)
         if mask != 0:
             dst = cute.make_tensor(
                 cute.make_ptr(cutlass.Float32, part_base[s] + (cutlass.Int64(dst_row0) + t) * hidden * 4,

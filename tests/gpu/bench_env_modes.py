@@ -24,8 +24,6 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   wgrad: c2, ppc, pp, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   gatherrows: torch, kernel, torch_again, kernel_again (MOK_GATHER_ROWS: the x / d y row gathers by
           index_select or mok_gather_rows)
-  ypush: kernel, split, kernel_again, split_again (MOK_EP_Y_PUSH: the EP forward's y sums after one down GEMM
-          or beside its split second launch; EP=2 only)
   scatter: gather, scatter, gather_again, scatter_again (MOK_GATHER_ROWS=kernel / scatter: mok_gather_rows or
           mok_scatter_rows)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
@@ -67,10 +65,6 @@ MODE_SETS = {
     # (each twice: the spread of the measurement beside the difference)
     "gatherrows": {"torch": {"MOK_GATHER_ROWS": "torch"}, "kernel": {"MOK_GATHER_ROWS": "kernel"},
                    "torch_again": {"MOK_GATHER_ROWS": "torch"}, "kernel_again": {"MOK_GATHER_ROWS": "kernel"}},
-    # the EP forward's per-rank y sums: one down GEMM then the NVLink stores, or the split down GEMM with the
-    # other ranks' nodes sent by the copy engines beside its second launch (MOK_EP_Y_PUSH), each twice
-    "ypush": {"kernel": {"MOK_EP_Y_PUSH": "kernel"}, "split": {"MOK_EP_Y_PUSH": "split"},
-              "kernel_again": {"MOK_EP_Y_PUSH": "kernel"}, "split_again": {"MOK_EP_Y_PUSH": "split"}},
     # the gather kernel against mok_scatter_rows (the same rows from the source side), each twice
     "scatter": {"gather": {"MOK_GATHER_ROWS": "kernel"}, "scatter": {"MOK_GATHER_ROWS": "scatter"},
                 "gather_again": {"MOK_GATHER_ROWS": "kernel"}, "scatter_again": {"MOK_GATHER_ROWS": "scatter"}},

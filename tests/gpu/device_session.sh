@@ -20,7 +20,7 @@
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
 # pingpong (ping-pong GEMM tests, call by call vs the cooperative kernels, the layer side by side),
 # macrobatch (MoKConfig.macrobatch_size: GPU tests, passes vs one pass at EP=1 and, with 2 GPUs, EP=2),
-# scatter (mok_scatter_rows: tests, call by call, EP checks with it), ypush (MOK_EP_Y_PUSH=split: EP checks, side by side),
+# scatter (mok_scatter_rows: tests, call by call, EP checks with it),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -134,9 +134,6 @@ for s in "$@"; do
         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
             MOK_GATHER_ROWS=scatter TAIL=8 step ep_checks_scatter 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
         fi ;;
-    ypush)  # the EP forward's y sums beside the split down GEMM (MOK_EP_Y_PUSH=split): EP checks, side by side
-        MOK_EP_Y_PUSH=split TAIL=8 step ep_checks_ypush_split 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
-        TAIL=16 step env_modes_ypush 300 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes ypush ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

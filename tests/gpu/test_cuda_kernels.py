@@ -338,8 +338,8 @@ def test_combine(lib, T, k, H, E):
 def test_partial_push_many_sources(lib, weighted):
     """The EP form with P sources at once: sources with fewer tokens than Tc (ids -1 past them), one
     slot cut by the capacity (slot_row >= the rows: skipped, as a zero weight would add nothing), each
-    virtual rank's nodes stored per source (part_base[s]) at rows rank * Tc + t, in two launches (a zero
-    part_base[s] skips source s); every source's final sum is bitwise mok_combine over its own slots."""
+    virtual rank's nodes stored per source (part_base[s]) at rows rank * Tc + t; every source's
+    final sum is bitwise mok_combine over its own slots."""
     from mok_nn import cuda_backend as cb
 
     P, tc, k, H, E = 2, 96, 8, 264, 64
@@ -357,14 +357,7 @@ def test_partial_push_many_sources(lib, weighted):
     base = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     for q in range(P):  # virtual expert rank q holds experts [q E/P, (q + 1) E/P)
-        # in two launches (the split forward's): a zero base skips that source, so source 0's nodes stay
-        # poisoned after the first; the second computes them alone
-        not_0 = torch.where(torch.arange(P, device="cuda") == 0, 0, base)
-        only_0 = torch.where(torch.arange(P, device="cuda") == 0, base, 0)
-        cb._lib().launch("mok_ep_partial_push", rows, slot_row, w_all, ids_all, not_0, q, E // P,
-                         cb.experts_per_leaf(E), weighted, q * tc, stream=stream)
-        assert parts[0][q].isnan().all(), "a source with a zero base was written"
-        cb._lib().launch("mok_ep_partial_push", rows, slot_row, w_all, ids_all, only_0, q, E // P,
+        cb._lib().launch("mok_ep_partial_push", rows, slot_row, w_all, ids_all, base, q, E // P,
                          cb.experts_per_leaf(E), weighted, q * tc, stream=stream)
     flags = torch.zeros(4, dtype=torch.int32, device="cuda")
     for s_, n in enumerate(counts):
