@@ -31,7 +31,7 @@ Forward (no host synchronisation; every peer write is a unicast store):
      MoKConfig.schedule_capacity_multiplier
   4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
      mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once (where nearly
-     every token is needed, pull_all / MOK_EP_PULL: every row, issued before step 3);
+     every token is needed, token_rows_mode / MOK_EP_PULL: every row, pushed by each rank in step 1);
      the GEMM then gathers its rows from the local tokens section (cb.take_rows: mok_scatter_rows, each
      section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
@@ -101,7 +101,7 @@ OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
 DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
-PULL_MODES = ("auto", "needed", "all")  # MOK_EP_PULL; the first is the default
+PULL_MODES = ("auto", "needed", "all", "push")  # MOK_EP_PULL; the first is the default
 # auto: pull every row where at least this share of a peer's tokens has an expert here (uniform routing)
 PULL_ALL_MIN_SHARE = 0.9
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
@@ -554,20 +554,23 @@ def dispatch_mode() -> str:
     return cb.env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
 
 
-def pull_all(num_experts: int, ep_size: int, top_k: int) -> bool:
-    """Whether the forward pulls every peer token row right after the first barrier, before the
-    schedule (MOK_EP_PULL=all), or only the rows its experts need once the schedule is built (=needed).
-    The GEMMs read the same rows either way; 'all' also moves the rows of tokens routed to no expert
-    here, and its pull no longer waits for the host to issue the schedule. auto (default): 'all' where
-    a token has an expert on a given rank with probability >= PULL_ALL_MIN_SHARE under uniform routing
-    (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2, 0.996; mixtral 0.79). Measured at EP = 2
-    (docs/benchmarks/..._v72_eppull_modes.log, each mode twice): qwen3 forward 2.00 / 2.00 vs 2.12 / 2.07 ms;
-    mixtral and deepseek-v3 inside the spread."""
+def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
+    """How the forward's peer token rows reach the local tokens section (MOK_EP_PULL):
+    'push' (each rank stores its rows into every rank's section in step 1, by the publish launch itself,
+    before the barrier), 'all' (every peer row pulled right after the barrier, beside the schedule) or
+    'needed' (only the rows the local experts need, pulled once the schedule is built). The GEMMs read
+    the same rows in all three; 'push' and 'all' also move the rows of tokens routed to no expert here.
+    auto (default): 'push' where a token has an expert on a given rank with probability >=
+    PULL_ALL_MIN_SHARE under uniform routing (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2,
+    0.996; mixtral 0.79), else 'needed'. Measured at EP = 2: 'all' against 'needed'
+    (docs/benchmarks/..._v72_eppull_modes.log): qwen3 forward 2.00 / 2.00 vs 2.12 / 2.07 ms; 'push' against
+    'all': docs/ep.md (ninth session)."""
     mode = cb.env_choice("MOK_EP_PULL", PULL_MODES, PULL_MODES[0])
     if mode != "auto":
-        return mode == "all"
+        return mode
     e_l = num_experts // ep_size
-    return 1 - math.comb(num_experts - e_l, top_k) / math.comb(num_experts, top_k) >= PULL_ALL_MIN_SHARE
+    share = 1 - math.comb(num_experts - e_l, top_k) / math.comb(num_experts, top_k)
+    return "push" if share >= PULL_ALL_MIN_SHARE else "needed"
 
 
 def publish_mode() -> str:
@@ -785,7 +788,7 @@ class SymmBuffers:
         return cache[names]
 
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
-                then_barrier: bool = False) -> None:
+                then_barrier: bool = False, push_rows: bool = False) -> None:
         """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
         (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
         rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
@@ -794,10 +797,13 @@ class SymmBuffers:
 
         then_barrier: step 2 as well, the barrier(): at the end of the same launch (its last CTA signals
         every peer and waits for them: one launch less on the host before the GPU can go on), or after
-        the torch ops."""
+        the torch ops.
+        push_rows: x[:n] into this rank's rows of every rank's tokens section (own included), which is
+        what a pull of every row (token_rows_mode) by each peer after the barrier would give; stored by the
+        same launch, so no pull waits for the host to issue it."""
         name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
         if name is None:
-            self.publish_torch(x, topk_ids, topk_weights, num_tokens)
+            self.publish_torch(x, topk_ids, topk_weights, num_tokens, push_rows)
             if then_barrier:
                 self.barrier()
             return
@@ -809,14 +815,19 @@ class SymmBuffers:
         cb._lib().launch(name, x, topk_ids, topk_weights, self.local("tokens"),
                          self.section_table(("ids", "weights", "ntok")), self.rank, tc, num_tokens,
                          self._copy_grid(warp_jobs), self.section_addrs("pad"), self.err, self.arrivals, epoch,
-                         timeout_us(self.timeout_s), stream=cb._stream())
+                         timeout_us(self.timeout_s), self.section_addrs("tokens"), int(push_rows),
+                         stream=cb._stream())
 
     def publish_torch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      num_tokens: int) -> None:
-        """publish with torch ops (about 4 + 4P launches)."""
+                      num_tokens: int, push_rows: bool = False) -> None:
+        """publish with torch ops (about 4 + 4P launches; push_rows: P - 1 more)."""
         P, r, tc, top_k = self.ep_size, self.rank, self.tokens_cap, topk_ids.shape[1]
         n = min(num_tokens, tc)
         self.local("tokens")[r * tc:r * tc + n].copy_(x[:n])
+        if push_rows:
+            for p in range(P):
+                if p != r:
+                    self.peer(p, "tokens")[r * tc:r * tc + n].copy_(x[:n])
         own_ids = self.local("ids")[r]  # own row first, then copied to the peers from there
         own_ids[:n].copy_(topk_ids[:n])
         if n < tc:
@@ -1219,20 +1230,21 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     ws.ep_state["capacity"] = cap
     n = min(num_tokens, tc)  # above the capacity: the first tc tokens take part, the step is flagged
 
-    # 1. own rows local; ids, weights and token count to every rank (unicast stores into peer memory),
-    # 2. and the barrier (in the same launch where the publish kernel runs)
-    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True)
-    tokens = bufs.local("tokens")
     fwd_overlap = fwd_mode(ws.config) == "overlap"
     rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
-    # 4. dispatch by pull (not with the overlapped or the rows dispatch): every peer token row, beside the
-    # schedule (MOK_EP_PULL, pull_all), or the rows the local experts need, after it
+    # 4. dispatch (not with the overlapped or the rows dispatch; token_rows_mode): where every peer needs
+    # nearly every row, each rank pushes its rows to every peer in step 1 (or, MOK_EP_PULL=all, they are
+    # pulled after the barrier, beside the schedule); else the rows the local experts need, after the schedule
+    dispatch = None if fwd_overlap or rows_dispatch else token_rows_mode(ws.num_experts, P, top_k)
+    # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
+    # into peer memory), 2. and the barrier (in the same launch where the publish kernel runs)
+    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True, push_rows=dispatch == "push")
+    tokens = bufs.local("tokens")
     pull = None
-    if not fwd_overlap and not rows_dispatch:
-        if pull_all(ws.num_experts, P, top_k):
-            pull = ("all", lambda: bufs.pull_rows("tokens", _pull_table(P, tc, bufs.rank, x.device)))
-        else:
-            pull = ("needed", lambda eps: bufs.pull_rows("tokens", eps.pull_src))
+    if dispatch == "all":
+        pull = ("all", lambda: bufs.pull_rows("tokens", _pull_table(P, tc, bufs.rank, x.device)))
+    elif dispatch == "needed":
+        pull = ("needed", lambda eps: bufs.pull_rows("tokens", eps.pull_src))
     # 3. schedule from everyone's routing, with the pull (only what the GEMMs need before their launch:
     # every torch op issued before the first GEMM delays the GPU, which waits for the host here)
     eps = ep_schedule(bufs.local("ids"), n, bufs.rank, e_l, cap, pull)

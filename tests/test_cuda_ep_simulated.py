@@ -298,27 +298,33 @@ def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
         assert [torch.equal(a, b) for a, b in zip(alone[r], interleaved[r])] == [True] * 5, r
 
 
-def test_pull_all_rows_gives_the_same_bits(cpu_kernels, monkeypatch):
-    """MOK_EP_PULL=all (every peer token row, before the schedule) and =needed (after it) feed the GEMMs
-    the same rows: every output of both ranks bitwise equal."""
+def test_token_rows_modes_give_the_same_bits(cpu_kernels, monkeypatch):
+    """MOK_EP_PULL=push (every rank's rows stored into every rank's tokens section by its publish), =all
+    (every peer token row pulled, before the schedule) and =needed (after it) feed the GEMMs the same rows:
+    every output of both ranks bitwise equal."""
     g = torch.Generator().manual_seed(11)
     problem = _problem(g, [9, 14], 32, 16, 8, 2, False, 0.0)
     runs = {}
-    for mode in ("needed", "all"):
+    for mode in ("needed", "all", "push"):
         monkeypatch.setenv("MOK_EP_PULL", mode)
         runs[mode] = _simulated_ep(2, *problem, "swiglu", None)
-    for got, want in zip(runs["all"], runs["needed"]):
-        y, dx, dw, grads = got
-        y2, dx2, dw2, grads2 = want
-        assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
-        assert torch.equal(grads.gate_up_proj, grads2.gate_up_proj) and torch.equal(grads.down_proj, grads2.down_proj)
+    for mode in ("all", "push"):
+        for got, want in zip(runs[mode], runs["needed"]):
+            y, dx, dw, grads = got
+            y2, dx2, dw2, grads2 = want
+            assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2), mode
+            assert torch.equal(grads.gate_up_proj, grads2.gate_up_proj), mode
+            assert torch.equal(grads.down_proj, grads2.down_proj), mode
 
 
-def test_pull_all_rule():
-    """MOK_EP_PULL=auto pulls every row where nearly every token has an expert on each rank."""
-    assert cuda_ep.pull_all(128, 2, 8) and cuda_ep.pull_all(256, 2, 8)  # qwen3, deepseek-v3: 0.996
-    assert not cuda_ep.pull_all(8, 2, 2)  # mixtral: 0.79
-    assert not cuda_ep.pull_all(16, 8, 1)  # top-1 over 8 ranks: 0.125
+def test_token_rows_rule(monkeypatch):
+    """MOK_EP_PULL=auto pushes every row where nearly every token has an expert on each rank."""
+    monkeypatch.delenv("MOK_EP_PULL", raising=False)
+    assert cuda_ep.token_rows_mode(128, 2, 8) == cuda_ep.token_rows_mode(256, 2, 8) == "push"  # 0.996
+    assert cuda_ep.token_rows_mode(8, 2, 2) == "needed"  # mixtral: 0.79
+    assert cuda_ep.token_rows_mode(16, 8, 1) == "needed"  # top-1 over 8 ranks: 0.125
+    monkeypatch.setenv("MOK_EP_PULL", "all")
+    assert cuda_ep.token_rows_mode(8, 2, 2) == "all"
 
 
 def test_kept_copy_only_of_the_last_replay():

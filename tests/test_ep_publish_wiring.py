@@ -39,13 +39,15 @@ class _StubLib:
         with self._lock:
             self.launches.append((threading.get_ident(), name))
         assert name in ("mok_ep_publish", "mok_ep_publish_bf16w"), f"unexpected launch {name}"
-        x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us = args
+        x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us, tokens_all, push = args
         assert (name == "mok_ep_publish_bf16w") == (w.dtype == torch.bfloat16)
         assert w.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
         assert table.dtype == torch.int64 and table.shape[0] == 3 and grid >= 1
         assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid, epoch, timeout_us))
         assert pads.dtype == torch.int64 and pads.shape == (table.shape[1],) and timeout_us > 0
         assert err.dtype == arrivals.dtype == torch.int32 and int(arrivals[0]) == 0 and epoch >= 0
+        assert tokens_all.dtype == torch.int64 and tokens_all.shape == pads.shape and push in (0, 1)
+        assert int(tokens_all[rank]) == tokens.data_ptr()
         k = ids.shape[1]
         n = min(num_tokens, tc, x.shape[0])
         bits = _fp32_bits(w[:n])
@@ -60,8 +62,9 @@ class _StubLib:
                     if t < n:
                         w_p[e] = bits[t * k + j]
             ntok_p[rank] = num_tokens
-        for t in range(n):
-            tokens[rank * tc + t] = x[t]
+        for dst in [self.sections[int(a)] for a in tokens_all] if push else [tokens]:  # push: every rank's
+            for t in range(n):
+                dst[rank * tc + t] = x[t]
         if epoch > 0:  # the barrier the launch ends with: the simulated ranks' thread barrier
             bufs = self.by_pad[int(pads[rank])]
             assert epoch == bufs.epoch and int(pads[rank]) == bufs.local("pad").data_ptr()
@@ -72,7 +75,7 @@ class _StubLib:
 
 def _register(lib, bufs):
     for views in bufs._views:
-        for name in ("ids", "weights", "ntok"):
+        for name in ("ids", "weights", "ntok", "tokens"):
             lib.sections[views[name].data_ptr()] = views[name]
     lib.by_pad[bufs.local("pad").data_ptr()] = bufs
 
@@ -97,11 +100,14 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
+@pytest.mark.parametrize("rows", ["needed", "push"])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens, wdtype):
+def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens, wdtype, rows):
     """The whole simulated EP step: one mok_ep_publish per rank and forward (none in the backward,
-    none in torch mode), and every output / gradient the same bits in all modes."""
+    none in torch mode), and every output / gradient the same bits in all modes; the token rows pulled
+    after the schedule or pushed by the publish (MOK_EP_PULL=push)."""
+    monkeypatch.setenv("MOK_EP_PULL", rows)
     P = len(tokens)
     H, I, E, K = 64, 32, 4 * P, 2
     got = {}
@@ -150,13 +156,15 @@ def _special_weights(g, T, K, dtype):
     return w
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("P,rank", [(2, 0), (2, 1), (3, 2), (4, 1)])
 @pytest.mark.parametrize("tc,num_tokens", [(9, 9), (9, 4), (9, 13), (6, 0)])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, num_tokens, wdtype):
+def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, num_tokens, wdtype, push):
     """SymmBuffers.publish in torch mode and the stand-in of the kernel's contract write the same
     bytes into every rank's buffer (n == Tc, n < Tc, more tokens than Tc, no tokens; weights of
-    each float dtype, with -0.0 / inf / NaN / denormals / values that round to fp32)."""
+    each float dtype, with -0.0 / inf / NaN / denormals / values that round to fp32); push: the rows
+    into every rank's tokens section too (and, where there are rows, not only into the own one)."""
     H, K = 16, 3
     g = torch.Generator().manual_seed(P * 100 + tc * 10 + num_tokens)
     x = torch.randn(num_tokens, H, generator=g).bfloat16()
@@ -168,7 +176,11 @@ def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, n
         stub_publish.launches.clear()
         raws = _poisoned_raws(P, tc, H, K, seed=3)
         bufs = cuda_ep.SymmBuffers(raws, rank, tc, H, K, torch.device("cpu"))
-        bufs.publish(x, ids, w, num_tokens)
+        bufs.publish(x, ids, w, num_tokens, push_rows=push)
+        if push and min(num_tokens, tc):
+            peer = (rank + 1) % P
+            got = bufs.peer(peer, "tokens")[rank * tc:rank * tc + min(num_tokens, tc)]
+            assert torch.equal(got.view(torch.int16), x[:tc].view(torch.int16)), mode
         kname = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
         assert [n for _, n in stub_publish.launches] == ([] if mode == "torch" else [kname])
         out[mode] = raws

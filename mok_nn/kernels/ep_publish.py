@@ -3,7 +3,10 @@
 Publish (rank r, token capacity Tc, n = min(num_tokens, Tc), K = top-k), for every rank p
 (own rank included; addrs[0/1/2][p] = rank p's ids / weights / ntok section as mapped here):
 
-  tokens[r*Tc + t]                  = x[t]                  t < n   (local rows, 16-byte vectors)
+  tokens[r*Tc + t]                  = x[t]                  t < n   (local rows, 16-byte vectors; push = 1:
+                                                                      row r*Tc + t of every rank's tokens
+                                                                      section, tokens_all[p], the pull's work
+                                                                      done here, as stores to the peers)
   ids_p[(r*Tc + t)*K + j]           = topk_ids[t, j]        t < n
                                     = -1                    n <= t < Tc
   weights_p[(r*Tc + t)*K + j]       = fp32(topk_weights[t, j])   t < n
@@ -45,7 +48,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from .ep_comm import signal_peer, wait_for_peer
-from .ep_overlap import VEC, copy_row
+from .ep_overlap import UNROLL, VEC, copy_row
 from .registry import EP_COPY_THREADS as THREADS
 
 WARPS = THREADS // 32
@@ -55,6 +58,30 @@ def _gmem(dtype, addr, n, align: int):
     """A flat (n,) tensor of dtype at a raw global address (traced inline into the kernel)."""
     return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align),
                             cute.make_layout((n,)))
+
+
+@cute.jit
+def _copy_row_to_all(src_addr: cutlass.Int64, bases: cute.Tensor, off: cutlass.Int64, P: cutlass.Int32,
+                     n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """One warp reads the row at src_addr once and stores it at byte offset off of every bases[p], UNROLL
+    16-byte vectors per lane in flight at a time."""
+    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
+    src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, src_addr, cute.AddressSpace.gmem, assumed_align=16),
+                           cute.make_layout((VEC, n_vec)))
+    for c0 in range(0, n_vec, 32 * UNROLL):
+        for u in cutlass.range_constexpr(UNROLL):
+            c = c0 + lane + 32 * u
+            if c < n_vec:
+                cute.autovec_copy(src[(None, c)], frag[(None, u)])
+        for p in range(P):
+            dst = cute.make_tensor(
+                cute.make_ptr(cutlass.BFloat16, bases[p] + off, cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((VEC, n_vec)),
+            )
+            for u in cutlass.range_constexpr(UNROLL):
+                c = c0 + lane + 32 * u
+                if c < n_vec:
+                    cute.autovec_copy(frag[(None, u)], dst[(None, c)])
 
 
 class Publish:
@@ -79,16 +106,19 @@ class Publish:
         arrivals: cute.Tensor,  # (1,) int32: 0 before the launch (the last CTA leaves it 0 again)
         epoch: cutlass.Int32,  # > 0: end with the barrier of this epoch; 0: no barrier
         timeout_us: cutlass.Int32,
+        tokens_all: cute.Tensor,  # (P,) int64: every rank's tokens section as mapped here (read if push)
+        push: cutlass.Int32,  # 1: the x rows into every rank's tokens section (own included), 0: local only
         stream: cuda.CUstream,
     ):
         self.kernel(x, topk_ids, topk_weights, tokens, addrs, rank, tokens_cap, num_tokens, pads, err, arrivals,
-                    epoch, timeout_us).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+                    epoch, timeout_us, tokens_all, push).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
+                                                                 stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, topk_ids: cute.Tensor, topk_weights: cute.Tensor, tokens: cute.Tensor,
                addrs: cute.Tensor, rank: cutlass.Int32, tokens_cap: cutlass.Int32, num_tokens: cutlass.Int32,
                pads: cute.Tensor, err: cute.Tensor, arrivals: cute.Tensor, epoch: cutlass.Int32,
-               timeout_us: cutlass.Int32):
+               timeout_us: cutlass.Int32, tokens_all: cute.Tensor, push: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
@@ -124,7 +154,7 @@ class Publish:
             for p in range(cutlass.Int32(tidx), P, THREADS):
                 ntok_p = _gmem(cutlass.Int32, addrs[(2, p)], rank + 1, 4)
                 ntok_p[rank] = num_tokens
-        # 3. own token rows into the local tokens section, warp per row
+        # 3. own token rows into the local tokens section (push: into every rank's), warp per row
         lane = cutlass.Int32(tidx) % 32
         w = tid // 32
         n_warps = n_threads // 32
@@ -135,8 +165,12 @@ class Publish:
         dst_stride = cutlass.Int64(tokens.stride[0]) * 2
         row0 = cutlass.Int64(rank) * cutlass.Int64(tokens_cap)
         for t in range(w, n, n_warps):
-            copy_row(x_base + cutlass.Int64(t) * x_stride, dst_base + (row0 + cutlass.Int64(t)) * dst_stride, n_vec,
-                     lane, False)
+            src = x_base + cutlass.Int64(t) * x_stride
+            off = (row0 + cutlass.Int64(t)) * dst_stride
+            if push != 0:
+                _copy_row_to_all(src, tokens_all, off, P, n_vec, lane)
+            else:
+                copy_row(src, dst_base + off, n_vec, lane, False)
         # 4. (epoch > 0) the barrier: the last CTA to finish signals every peer and waits for them
         if epoch > 0:
             cute.arch.fence_acq_rel_sys()  # this thread's stores, peer memory included, before its CTA counts

@@ -479,6 +479,9 @@ def _ep_publish_spec(w_dtype: str) -> KernelSpec:
             TensorArg("arrivals", "i32", (1,), (1,), align=4),
             ScalarArg("epoch", "i32"),
             ScalarArg("timeout_us", "i32"),
+            # push = 1: the x rows into every rank's tokens section (tokens_all), the pull's work
+            TensorArg("tokens_all", "i64", (DYN,), (1,), align=8),
+            ScalarArg("push", "i32"),
         ),
     )
 

@@ -14,6 +14,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
   eppull: needed, all, needed_again, all_again (MOK_EP_PULL: the forward's pull after or before the schedule; EP only)
+  eppush: all, push, all_again, push_again (MOK_EP_PULL: every token row pulled after the barrier, or pushed by
+          the publish launch before it; EP only)
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
   epsums: rank, slot (MOK_EP_COMBINE_SUMS: combine / d x pre-reduced per rank or one row per slot; EP only)
   epsumsauto: auto, slot (MOK_EP_COMBINE_SUMS: the default choice against one row per slot everywhere; EP only)
@@ -81,6 +83,9 @@ MODE_SETS = {
     # (each twice: the spread beside the difference)
     "eppull": {"needed": {"MOK_EP_PULL": "needed"}, "all": {"MOK_EP_PULL": "all"},
                "needed_again": {"MOK_EP_PULL": "needed"}, "all_again": {"MOK_EP_PULL": "all"}},
+    # the forward's token rows pushed by the publish launch, or every row pulled after the barrier
+    "eppush": {"all": {"MOK_EP_PULL": "all"}, "push": {"MOK_EP_PULL": "push"},
+               "all_again": {"MOK_EP_PULL": "all"}, "push_again": {"MOK_EP_PULL": "push"}},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
     # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one

@@ -81,9 +81,10 @@ def _bufs(raws, rank, tc, H, K):
     return cuda_ep.SymmBuffers(raws, rank, tc, H, K, torch.device("cuda"))
 
 
-def _launch(lib, bufs, x, ids, w, num_tokens, grid, epoch=0, timeout_us=1, arrivals=None, stream=None):
+def _launch(lib, bufs, x, ids, w, num_tokens, grid, epoch=0, timeout_us=1, arrivals=None, stream=None, push=False):
     """mok_ep_publish directly on a given grid (SymmBuffers.publish picks the grid itself); epoch > 0:
-    ending with the barrier of that epoch (arrivals: the CTA counter, zero)."""
+    ending with the barrier of that epoch (arrivals: the CTA counter, zero); push: the rows into every
+    rank's tokens section."""
     name = cuda_ep.publish_kernel(x, w)
     assert name is not None
     if w.dtype not in (torch.float32, torch.bfloat16):
@@ -93,16 +94,17 @@ def _launch(lib, bufs, x, ids, w, num_tokens, grid, epoch=0, timeout_us=1, arriv
     stream = stream or torch.cuda.current_stream()
     lib.launch(name, x, ids, w, bufs.local("tokens"), bufs.section_table(TABLE), bufs.rank, bufs.tokens_cap,
                num_tokens, grid, bufs.section_addrs("pad"), bufs.err, arrivals, epoch, timeout_us,
-               stream=stream.cuda_stream)
+               bufs.section_addrs("tokens"), int(push), stream=stream.cuda_stream)
 
 
-def _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens):
+def _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens, push=False):
     """The published values, read back from every rank's buffer."""
     n = min(num_tokens, tc)
     P = len(raws)
     bufs = _bufs(raws, rank, tc, H, K)
-    tok = bufs.local("tokens")[rank * tc:rank * tc + n]
-    assert torch.equal(tok.view(torch.int16), x[:n].contiguous().view(torch.int16))
+    for p in range(P) if push else [rank]:
+        tok = bufs.peer(p, "tokens")[rank * tc:rank * tc + n]
+        assert torch.equal(tok.view(torch.int16), x[:n].contiguous().view(torch.int16)), p
     want_w = _fp32_bits(w[:n]).flatten()
     for p in range(P):
         ids_p = bufs.peer(p, "ids")[rank]
@@ -113,29 +115,30 @@ def _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens):
         assert int(bufs.peer(p, "ntok")[rank]) == num_tokens, p
 
 
-def _case(lib, monkeypatch, P, rank, tc, num_tokens, H, K, wdtype, poison, strided=False, grids=("auto",)):
+def _case(lib, monkeypatch, P, rank, tc, num_tokens, H, K, wdtype, poison, strided=False, grids=("auto",),
+          push=False):
     x, ids, w = _inputs(num_tokens, H, K, wdtype, strided, seed=P * 1000 + tc + num_tokens + H)
     ref = _raws(P, tc, H, K, poison)
-    _bufs(ref, rank, tc, H, K).publish_torch(x, ids, w, num_tokens)
+    _bufs(ref, rank, tc, H, K).publish_torch(x, ids, w, num_tokens, push_rows=push)
     fresh = _raws(P, tc, H, K, poison)
     torch.cuda.synchronize()
     for p in range(P):
         assert not torch.equal(ref[p], fresh[p]), p  # every rank got something
     del fresh
-    _check_sections(ref, rank, tc, H, K, x, ids, w, num_tokens)  # the oracle itself
+    _check_sections(ref, rank, tc, H, K, x, ids, w, num_tokens, push)  # the oracle itself
     monkeypatch.setenv("MOK_EP_PUBLISH", "kernel")
     for grid in grids:
         for _ in range(2):  # a repeat: the same bytes
             raws = _raws(P, tc, H, K, poison)
             bufs = _bufs(raws, rank, tc, H, K)
             if grid == "auto":
-                bufs.publish(x, ids, w, num_tokens)  # the layer's call (its grid)
+                bufs.publish(x, ids, w, num_tokens, push_rows=push)  # the layer's call (its grid)
             else:
-                _launch(lib, bufs, x, ids, w, num_tokens, grid)
+                _launch(lib, bufs, x, ids, w, num_tokens, grid, push=push)
             torch.cuda.synchronize()
             for p in range(P):
                 assert torch.equal(raws[p], ref[p]), (grid, p)
-            _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens)
+            _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens, push)
 
 
 @pytest.mark.parametrize("H", [8, 2048, 7168])
@@ -147,20 +150,23 @@ def test_publish_equals_torch(lib, monkeypatch, H, P, rank, tc, num_tokens, wdty
     _case(lib, monkeypatch, P, rank, tc, num_tokens, H, 8, wdtype, poison)
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("strided", [False, True])
-def test_publish_grids_dtypes_strides(lib, monkeypatch, wdtype, strided):
+def test_publish_grids_dtypes_strides(lib, monkeypatch, wdtype, strided, push):
     """Grids of 1 and 3 CTAs (each CTA walks many rows / elements) and the auto grid; fp16 / fp64
-    weights (converted to fp32 by the caller first); inputs that are column windows."""
+    weights (converted to fp32 by the caller first); inputs that are column windows; push: the rows into
+    every rank's tokens section (rows of 1000 columns: a partial last chunk of 16-byte vectors)."""
     _case(lib, monkeypatch, 3, 1, 300, 211, 1000 if not strided else 2048, 6, wdtype, "nan", strided,
-          grids=(1, 3, "auto"))
+          grids=(1, 3, "auto"), push=push)
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("H,K", [(7168, 8), (2048, 8)])
-def test_publish_full_size(lib, monkeypatch, H, K):
+def test_publish_full_size(lib, monkeypatch, H, K, push):
     """The benchmark size: 8192 tokens per rank, EP = 2, both ranks' sides."""
     for rank in (0, 1):
-        _case(lib, monkeypatch, 2, rank, 8192, 8192, H, K, torch.float32, "7f")
+        _case(lib, monkeypatch, 2, rank, 8192, 8192, H, K, torch.float32, "7f", push=push)
 
 
 def test_publish_no_tokens(lib, monkeypatch):
