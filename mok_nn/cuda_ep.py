@@ -570,7 +570,9 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
         return mode
     e_l = num_experts // ep_size
     share = 1 - math.comb(num_experts - e_l, top_k) / math.comb(num_experts, top_k)
-    return "push" if share >= PULL_ALL_MIN_SHARE else "needed"
+    if share < PULL_ALL_MIN_SHARE:
+        return "needed"
+    return "push" if ep_size <= 32 else "all"  # (the push holds one rank per lane of a warp)
 
 
 def publish_mode() -> str:
@@ -801,6 +803,8 @@ class SymmBuffers:
         push_rows: x[:n] into this rank's rows of every rank's tokens section (own included), which is
         what a pull of every row (token_rows_mode) by each peer after the barrier would give; stored by the
         same launch, so no pull waits for the host to issue it."""
+        if push_rows and self.ep_size > 32:  # the kernel's warps hold one rank's address per lane
+            raise ValueError(f"mok_nn expert parallelism: push_rows takes at most 32 ranks, not {self.ep_size}")
         name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
         if name is None:
             self.publish_torch(x, topk_ids, topk_weights, num_tokens, push_rows)

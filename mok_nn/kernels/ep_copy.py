@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from .ep_overlap import UNROLL, VEC, copy_row
+from .ep_overlap import VEC, copy_row, copy_row_to_lanes
 from .registry import EP_COPY_THREADS as THREADS
 from .registry import TILE_M
 
@@ -88,6 +88,14 @@ def _live_row(r: cutlass.Int32, tile_expert: cute.Tensor) -> cutlass.Boolean:
 
 
 @cute.jit
+def _rows_geometry(src: cute.Tensor, dst: cute.Tensor):
+    """(16-byte vectors per row, src address, bytes between src rows, dst address, bytes between dst rows)
+    of two bf16 row tensors."""
+    return (cute.size(dst, mode=[1]) // VEC, src.iterator.toint(), cutlass.Int64(src.stride[0]) * 2,
+            dst.iterator.toint(), cutlass.Int64(dst.stride[0]) * 2)
+
+
+@cute.jit
 def _warp_slice(n: cutlass.Int32):
     """(this warp's first row, rows per grid step W, number of rows this warp copies, lane)."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -117,11 +125,7 @@ class CopyRowsGrid:
     @cute.kernel
     def kernel(self, src: cute.Tensor, src_idx: cute.Tensor, dst: cute.Tensor, dst_idx: cute.Tensor):
         n = cute.size(src_idx, mode=[0])
-        n_vec = cute.size(dst, mode=[1]) // VEC
-        src_base = src.iterator.toint()
-        dst_base = dst.iterator.toint()
-        src_stride = cutlass.Int64(src.stride[0]) * 2  # bytes between rows
-        dst_stride = cutlass.Int64(dst.stride[0]) * 2
+        n_vec, src_base, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
         w, step, mine, lane = _warp_slice(n)
         for b in range(0, mine, 32):
             k = b + lane
@@ -226,11 +230,7 @@ class GatherRows:
     def kernel(self, src: cute.Tensor, idx: cute.Tensor, tile_expert: cute.Tensor, dst: cute.Tensor):
         n = cute.size(idx, mode=[0])
         num_src = cutlass.Int64(cute.size(src, mode=[0]))
-        n_vec = cute.size(dst, mode=[1]) // VEC
-        src_base = src.iterator.toint()
-        dst_base = dst.iterator.toint()
-        src_stride = cutlass.Int64(src.stride[0]) * 2  # bytes between rows
-        dst_stride = cutlass.Int64(dst.stride[0]) * 2
+        n_vec, src_base, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
         w, step, mine, lane = _warp_slice(n)
         for b in range(0, mine, 32):
             k = b + lane
@@ -247,34 +247,6 @@ class GatherRows:
                         act = cutlass.Int32(COPY)
                         s_addr = src_base + t * src_stride
             _act_batch(s_addr, d_addr, act, cutlass.min(mine - b, 32), n_vec, lane)
-
-@cute.jit
-def _scatter_row(s_addr: cutlass.Int64, d_base: cutlass.Int64, d_stride: cutlass.Int64, d_row: cutlass.Int64,
-                 ok_i: cutlass.Int32, top_k: cutlass.Int32, n_vec: cutlass.Int32, lane: cutlass.Int32):
-    """The warp reads the row at s_addr once and stores it to row d_row of every lane j < top_k with
-    ok_i = 1 (row d_base + d_row * d_stride), UNROLL 16-byte vectors per lane in flight at a time."""
-    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
-    src = cute.make_tensor(
-        cute.make_ptr(cutlass.BFloat16, s_addr, cute.AddressSpace.gmem, assumed_align=16),
-        cute.make_layout((VEC, n_vec)),
-    )
-    for c0 in range(0, n_vec, 32 * UNROLL):  # every lane takes every step: the shuffles below need the whole warp
-        for u in cutlass.range_constexpr(UNROLL):
-            c = c0 + lane + 32 * u
-            if c < n_vec:
-                cute.autovec_copy(src[(None, c)], frag[(None, u)])
-        for j in range(top_k):
-            if cute.arch.shuffle_sync(ok_i, j) != 0:
-                d = d_base + cute.arch.shuffle_sync(d_row, j) * d_stride
-                dst = cute.make_tensor(
-                    cute.make_ptr(cutlass.BFloat16, d, cute.AddressSpace.gmem, assumed_align=16),
-                    cute.make_layout((VEC, n_vec)),
-                )
-                for u in cutlass.range_constexpr(UNROLL):
-                    c = c0 + lane + 32 * u
-                    if c < n_vec:
-                        cute.autovec_copy(frag[(None, u)], dst[(None, c)])
-
 
 class ScatterRows:
     """dst[r] = src[row_src[r]] where 0 <= row_src[r] < N, else a zero row (GatherRows' result, rows of tiles
@@ -304,30 +276,25 @@ class ScatterRows:
         n_src = cute.size(slot_row, mode=[0])
         top_k = cute.size(slot_row, mode=[1])
         m = cute.size(row_src, mode=[0])
-        n_vec = cute.size(dst, mode=[1]) // VEC
-        src_base = src.iterator.toint()
-        dst_base = dst.iterator.toint()
-        src_stride = cutlass.Int64(src.stride[0]) * 2  # bytes between rows
-        dst_stride = cutlass.Int64(dst.stride[0]) * 2
+        n_vec, src_base, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
         w, step, mine, lane = _warp_slice(n_src + (m + 31) // 32)
         for b in range(mine):
             unit = w + b * step
             if unit < n_src:
                 # lane j < k: slot j's row, kept where that row really takes this source row
-                d_row = cutlass.Int64(0)
+                d_addr = cutlass.Int64(0)
                 ok_i = cutlass.Int32(0)
                 if lane < top_k:
                     r = slot_row[(unit, lane)]
                     if (r >= 0) & (r < m):
                         if row_src[r] == unit:
-                            d_row = r
+                            d_addr = dst_base + r * dst_stride
                             ok_i = cutlass.Int32(1)
                 count = cutlass.Int32(0)
                 for j in range(top_k):
                     count = count + cute.arch.shuffle_sync(ok_i, j)
                 if count > 0:  # a row with no slot here is not read
-                    _scatter_row(src_base + cutlass.Int64(unit) * src_stride, dst_base, dst_stride, d_row, ok_i,
-                                 top_k, n_vec, lane)
+                    copy_row_to_lanes(src_base + cutlass.Int64(unit) * src_stride, d_addr, ok_i, top_k, n_vec, lane)
             else:
                 # 32 dst rows, lane l checking row first + l; then the warp zero-fills those without a source
                 first = (unit - n_src) * 32

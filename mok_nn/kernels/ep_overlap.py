@@ -78,6 +78,32 @@ def copy_row(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, n_vec: cutlass.In
                 cute.autovec_copy(frag[(None, u)], dst[(None, c)])
 
 
+@cute.jit
+def copy_row_to_lanes(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, ok_i: cutlass.Int32, count: cutlass.Int32,
+                      n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """One warp reads the row at src_addr once and stores it to dst_addr of every lane j < count with ok_i = 1
+    (the whole warp calls it: the addresses come by shuffle), UNROLL 16-byte loads per lane in flight."""
+    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
+    src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, src_addr, cute.AddressSpace.gmem, assumed_align=16),
+                           cute.make_layout((VEC, n_vec)))
+    for c0 in range(0, n_vec, 32 * UNROLL):  # every lane takes every step (the shuffles need the whole warp)
+        for u in cutlass.range_constexpr(UNROLL):
+            c = c0 + lane + 32 * u
+            if c < n_vec:
+                cute.autovec_copy(src[(None, c)], frag[(None, u)])
+        for j in range(count):
+            if cute.arch.shuffle_sync(ok_i, j) != 0:
+                dst = cute.make_tensor(
+                    cute.make_ptr(cutlass.BFloat16, cute.arch.shuffle_sync(dst_addr, j), cute.AddressSpace.gmem,
+                                  assumed_align=16),
+                    cute.make_layout((VEC, n_vec)),
+                )
+                for u in cutlass.range_constexpr(UNROLL):
+                    c = c0 + lane + 32 * u
+                    if c < n_vec:
+                        cute.autovec_copy(frag[(None, u)], dst[(None, c)])
+
+
 class DispatchRows:
     @cute.jit
     def __call__(

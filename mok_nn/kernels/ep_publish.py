@@ -48,7 +48,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from .ep_comm import signal_peer, wait_for_peer
-from .ep_overlap import UNROLL, VEC, copy_row
+from .ep_overlap import VEC, copy_row, copy_row_to_lanes
 from .registry import EP_COPY_THREADS as THREADS
 
 WARPS = THREADS // 32
@@ -58,30 +58,6 @@ def _gmem(dtype, addr, n, align: int):
     """A flat (n,) tensor of dtype at a raw global address (traced inline into the kernel)."""
     return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align),
                             cute.make_layout((n,)))
-
-
-@cute.jit
-def _copy_row_to_all(src_addr: cutlass.Int64, bases: cute.Tensor, off: cutlass.Int64, P: cutlass.Int32,
-                     n_vec: cutlass.Int32, lane: cutlass.Int32):
-    """One warp reads the row at src_addr once and stores it at byte offset off of every bases[p], UNROLL
-    16-byte vectors per lane in flight at a time."""
-    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
-    src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, src_addr, cute.AddressSpace.gmem, assumed_align=16),
-                           cute.make_layout((VEC, n_vec)))
-    for c0 in range(0, n_vec, 32 * UNROLL):
-        for u in cutlass.range_constexpr(UNROLL):
-            c = c0 + lane + 32 * u
-            if c < n_vec:
-                cute.autovec_copy(src[(None, c)], frag[(None, u)])
-        for p in range(P):
-            dst = cute.make_tensor(
-                cute.make_ptr(cutlass.BFloat16, bases[p] + off, cute.AddressSpace.gmem, assumed_align=16),
-                cute.make_layout((VEC, n_vec)),
-            )
-            for u in cutlass.range_constexpr(UNROLL):
-                c = c0 + lane + 32 * u
-                if c < n_vec:
-                    cute.autovec_copy(frag[(None, u)], dst[(None, c)])
 
 
 class Publish:
@@ -164,11 +140,17 @@ class Publish:
         x_stride = cutlass.Int64(x.stride[0]) * 2  # bytes between rows
         dst_stride = cutlass.Int64(tokens.stride[0]) * 2
         row0 = cutlass.Int64(rank) * cutlass.Int64(tokens_cap)
+        to_rank = cutlass.Int64(0)  # push: lane p < P holds rank p's tokens section (+ the row's offset below)
+        push_ok = cutlass.Int32(0)
+        if push != 0:
+            if lane < P:
+                to_rank = tokens_all[lane]
+                push_ok = cutlass.Int32(1)
         for t in range(w, n, n_warps):
             src = x_base + cutlass.Int64(t) * x_stride
             off = (row0 + cutlass.Int64(t)) * dst_stride
-            if push != 0:
-                _copy_row_to_all(src, tokens_all, off, P, n_vec, lane)
+            if push != 0:  # lane p < P holds rank p's row (P <= 32: SymmBuffers.publish)
+                copy_row_to_lanes(src, to_rank + off, push_ok, P, n_vec, lane)
             else:
                 copy_row(src, dst_base + off, n_vec, lane, False)
         # 4. (epoch > 0) the barrier: the last CTA to finish signals every peer and waits for them
