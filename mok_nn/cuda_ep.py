@@ -1109,7 +1109,9 @@ def _record_errors(ws, flags: torch.Tensor, what: str) -> None:
     host[-1:].copy_(_cached("ones", 1, flags.device, flags.dtype), non_blocking=True)
     ev = torch.cuda.Event()
     ev.record()
-    ws.ep_state["pending"].append((host, ev, what))
+    # check_errors reads it through a numpy view of the same memory: a tensor index and int() cost the
+    # host ~10 us each there, before the next call's first launch
+    ws.ep_state["pending"].append((host.numpy(), ev, what))
 
 
 def check_errors(ws, block: bool = True) -> None:
@@ -1126,11 +1128,11 @@ def check_errors(ws, block: bool = True) -> None:
             ev.synchronize()
         # the marker first (_record_errors), then the flags: the marker's copy starts after the flags'
         # copy is done (one stream), so flags read after the marker are the step's
-        if int(host[4]) != 1:  # not arrived yet
+        if host[4] != 1:  # not arrived yet (host: a numpy view of the pinned flags)
             assert not block, "flags copied before the event they are recorded with"
             keep.append((host, ev, what))
             continue
-        overflow, timeout, too_many, ov_timeout = host[:4].tolist()
+        overflow, timeout, too_many, ov_timeout = (int(v) for v in host[:4])
         if overflow or timeout or too_many or ov_timeout:
             st["pending"] = []
             if too_many:

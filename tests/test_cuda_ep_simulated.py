@@ -196,7 +196,7 @@ def test_check_errors_too_many_tokens_sets_growth():
             pass
 
     # (flags, then the arrival marker _record_errors copies behind them)
-    st = {"pending": [(torch.tensor([0, 0, 9, 0, 1], dtype=torch.int32), _Done(), "forward")],
+    st = {"pending": [(torch.tensor([0, 0, 9, 0, 1], dtype=torch.int32).numpy(), _Done(), "forward")],
           "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())
     with pytest.raises(cuda_ep.EPError, match="9 tokens, above the workspace's token capacity 6"):
@@ -219,7 +219,7 @@ def test_check_errors_waits_for_the_marker():
             raise AssertionError("the non-blocking poll must not query the event")
 
     host = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int32)  # an overflow, marker not yet arrived
-    st = {"pending": [(host, _Event(host), "forward")], "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0),
+    st = {"pending": [(host.numpy(), _Event(host), "forward")],  # (_record_errors keeps a numpy view) "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0),
           "capacity": 128}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())
     cuda_ep.check_errors(ws, block=False)  # not arrived: kept, nothing raised
