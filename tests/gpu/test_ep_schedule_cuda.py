@@ -116,3 +116,50 @@ def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypat
         fields = equiv._fields(copy)
         for name in snapshot:
             assert torch.equal(fields[name], snapshot[name]), (trial, name, "overwritten by a later replay")
+
+
+@pytest.mark.parametrize("kind", ["all", "needed"])
+def test_graphed_schedule_captures_the_pull(kind, monkeypatch):
+    """The forward's pull captured in the schedule graph (ep_schedule(..., pull=(kind, fn)), MOK_EP_COPY=v2):
+    two ranks simulated on one GPU (their buffers local tensors, each peer's tokens section filled with fresh
+    rows before every call, the pulled rows poisoned), three replays of one graph with new routings and rows.
+    After each call the local section holds every peer row ('all') or exactly the rows the schedule's pull_src
+    names ('needed', the rest still NaN), read from the peer's section as it was at that replay; and the
+    schedule has the eager make_ep_schedule's bits."""
+    monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "1")
+    monkeypatch.setenv("MOK_EP_COPY", "v2")
+    cuda_ep._SCHED_GRAPHS.clear()
+    P, tc, k, e_l, H, rank = 2, 300, 4, 8, 64, 1
+    dev = torch.device("cuda")
+    _, nbytes = cuda_ep.buffer_layout(P, tc, H, k)
+    raws = [torch.zeros(nbytes, dtype=torch.uint8, device=dev) for _ in range(P)]
+    bufs = cuda_ep.SymmBuffers(raws, rank, tc, H, k, dev)
+    cap = cuda_ep.schedule_capacity(tc, k, e_l, P, 2.0)
+    if kind == "all":
+        pull = ("all", lambda: bufs.pull_rows("tokens", cuda_ep._pull_table(P, tc, rank, dev)))
+    else:
+        pull = ("needed", lambda eps: bufs.pull_rows("tokens", eps.pull_src))
+    gen = torch.Generator().manual_seed(31)
+    local = bufs.local("tokens")
+    for trial in range(3):
+        ids_all, tokens = equiv._random_ids(gen, P, tc, k, e_l * P)
+        while tokens[1 - rank] == 0:  # the peer must have rows to pull
+            ids_all, tokens = equiv._random_ids(gen, P, tc, k, e_l * P)
+        bufs.local("ids").copy_(ids_all)
+        rows = [torch.randn(tc, H, generator=gen).to(torch.bfloat16).to(dev) for _ in range(P)]
+        for p in range(P):  # each rank's own rows in its own section (its publish)
+            bufs.peer(p, "tokens")[p * tc:(p + 1) * tc].copy_(rows[p])
+        peer = 1 - rank
+        local[peer * tc:(peer + 1) * tc].fill_(float("nan"))  # what the pull must write
+        eps = cuda_ep.ep_schedule(bufs.local("ids"), tokens[rank], rank, e_l, cap, pull)
+        torch.cuda.synchronize()
+        want = equiv._fields(cuda_ep.make_ep_schedule(bufs.local("ids"), tokens[rank], rank, e_l, cap))
+        got = equiv._fields(eps)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (trial, name)
+        pulled = local[peer * tc:(peer + 1) * tc]
+        need = eps.pull_src[peer] >= 0 if kind == "needed" else torch.ones(tc, dtype=torch.bool, device=dev)
+        assert 0 < int(need.sum()), trial
+        assert torch.equal(pulled[need].view(torch.int16), rows[peer][need].view(torch.int16)), trial
+        assert pulled[~need].isnan().all(), (trial, "a row the schedule does not need was pulled")
+    assert len(cuda_ep._SCHED_GRAPHS) == 1  # one graph, replayed
