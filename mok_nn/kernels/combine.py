@@ -279,7 +279,6 @@ class FinalCombine:
             mask = mask | (cutlass.Int32(1) << (q * leaves_per_rank))
         out_v = cute.zipped_divide(out[(t, None)], (VEC,))
         acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
-        frag = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
         for c in range(tidx, n_vec, THREADS):
             acc.fill(0.0)
@@ -287,8 +286,9 @@ class FinalCombine:
                 if (mask >> l) & 1 != 0:
                     q = l // leaves_per_rank
                     src_v = cute.zipped_divide(parts[(q, t, None)], (VEC,))
-                    cute.autovec_copy(src_v[(None, c)], frag)
-                    acc[(None, l)].store(frag.load())
+                    # straight into the leaf's registers: the ranks' loads are in flight together (through
+                    # one staging fragment each waited for the one before)
+                    cute.autovec_copy(src_v[(None, c)], acc[(None, l)])
             _tree(acc, mask)
             if bad != 0:
                 acc.fill(float("nan"))
