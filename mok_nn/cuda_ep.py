@@ -286,8 +286,11 @@ def _pull_table(ep_size: int, tc: int, rank: int, dev) -> torch.Tensor:
     return _table(("pull", ep_size, tc, rank, torch.device(dev)), build)
 
 
+EP_SCHED_OUTPUTS_MODES = ("kernel", "torch")  # MOK_EP_SCHED_OUTPUTS; the first is the default on CUDA
+
+
 def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
-                     capacity: int) -> EPSchedule:
+                     capacity: int, out: dict | None = None) -> EPSchedule:
     """This rank's rows from the all-gathered ids [P, Tc, k] (-1 = no token), by the single-GPU
     schedule (cb.make_schedule: one kernel on CUDA, count -> pad -> prefix sum, no atomics).
 
@@ -297,6 +300,10 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     token, j), and pads each bucket to the tile: its first `capacity` rows up to the end of this
     rank's buckets are exactly this rank's rows. With spread buckets the same segment ends give
     every rank's padded load (an overflow anywhere is known everywhere, from the same ids).
+
+    On CUDA the outputs derived from the bucket schedule come from one mok_ep_schedule_outputs launch
+    (kernels/ep_schedule.py; MOK_EP_SCHED_OUTPUTS=torch: the torch ops, its oracle), written into
+    out[name] where given (tensors of the outputs' shapes: the schedule graph's buffer).
     """
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
@@ -309,6 +316,19 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     key = _bucket_table(num_experts, rank, e_l, spread, dev)[flat]  # (index -1 wraps to the last entry)
     full_cap = max(cb.schedule_capacity(n, 1, buckets), capacity)  # also holds the other buckets
     full = cb.make_schedule(key.view(n, 1), buckets, full_cap)
+    pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
+    if ids_all.is_cuda and cb.env_choice("MOK_EP_SCHED_OUTPUTS", EP_SCHED_OUTPUTS_MODES,
+                                         EP_SCHED_OUTPUTS_MODES[0]) == "kernel":
+        o = _outputs_kernel(full, key, rank, e_l, capacity, ep_size, tc, top_k, spread, out or {})
+        sched = cb.Schedule(pos, o["row_token"], o["tile_expert"], o["seg_end"], o["seg_rows"],
+                            padded_rows=o["padded_rows"])
+        load = o["load"]
+
+        def derive():  # (the kernel wrote row_src and row_slot already)
+            return {"row_src": o["row_src"], "row_slot": o["row_slot"],
+                    "overflow": (load > capacity).any() if spread else _overflow_by_count(flat, ep_size, e_l, capacity)}
+
+        return EPSchedule(sched, o["row_gslot"], o["pull_src"], full.pos.view(n), derive)
 
     zero = _cached("arange", 1, dev, torch.int32)
     bounds = torch.cat([zero, full.seg_end])  # [buckets + 1]: bucket b holds rows bounds[b] .. bounds[b + 1]
@@ -322,7 +342,6 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     row_token = row_gslot // top_k  # s*Tc + t; padding: n // k = P*Tc, the zero row
     te = full.tile_expert[:capacity // TILE_M]
     tile_expert = torch.where(te < e_l, te, -1)  # other buckets: past this rank's segments
-    pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
     sched = cb.Schedule(pos, row_token, tile_expert, seg_end, seg_rows)
 
     need = (key < e_l).view(ep_size, tc, top_k).any(dim=2)
@@ -332,15 +351,47 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
         if spread:  # padded rows of every rank (this one first): ends of its buckets minus starts
             load = bounds[e_l:num_experts + 1:e_l] - bounds[0:num_experts:e_l]
             overflow = (load > capacity).any()
-        else:  # every expert's count (+ TILE_M - 1 to round up), -1 slots in the extra entry E
-            cnt = torch.full((num_experts + 1,), TILE_M - 1, dtype=torch.int64, device=dev)
-            cnt.scatter_add_(0, flat % (num_experts + 1), _cached("ones", n, dev))
-            tiles = (cnt[:num_experts] // TILE_M).view(ep_size, e_l).sum(dim=1)
-            overflow = (tiles > capacity // TILE_M).any()
+        else:
+            overflow = _overflow_by_count(flat, ep_size, e_l, capacity)
         src_of, slot_of = _slot_tables(ep_size, tc, top_k, dev)
         return {"row_src": src_of[row_gslot], "row_slot": slot_of[row_gslot], "overflow": overflow}
 
     return EPSchedule(sched, row_gslot, pull_src, full.pos.view(n), derive)
+
+
+def _overflow_by_count(flat: torch.Tensor, ep_size: int, e_l: int, capacity: int) -> torch.Tensor:
+    """[] bool: some rank's padded rows exceed the capacity, from every expert's count (+ TILE_M - 1 to round
+    up; the -1 slots in the extra entry E): where the other ranks' experts share one bucket."""
+    num_experts = ep_size * e_l
+    cnt = torch.full((num_experts + 1,), TILE_M - 1, dtype=torch.int64, device=flat.device)
+    cnt.scatter_add_(0, flat % (num_experts + 1), _cached("ones", flat.numel(), flat.device))
+    tiles = (cnt[:num_experts] // TILE_M).view(ep_size, e_l).sum(dim=1)
+    return (tiles > capacity // TILE_M).any()
+
+
+def _outputs_kernel(full, key, rank, e_l, capacity, ep_size, tc, top_k, spread, out: dict) -> dict:
+    """make_ep_schedule's derived outputs by one mok_ep_schedule_outputs launch, into out[name] where given."""
+    dev = key.device
+
+    def take(name, shape, dtype):
+        t = out.get(name)
+        if t is None:
+            return torch.empty(shape, dtype=dtype, device=dev)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous(), name
+        return t
+
+    i64, i32 = torch.int64, torch.int32
+    o = {name: take(name, (capacity,), i64) for name in ("row_token", "row_gslot", "row_src", "row_slot")}
+    o["tile_expert"] = take("tile_expert", (capacity // TILE_M,), i32)
+    o.update({name: take(name, (e_l,), i32) for name in ("seg_end", "seg_rows", "padded_rows")})
+    o["pull_src"] = take("pull_src", (ep_size, tc), i64)
+    o["load"] = torch.empty(ep_size if spread else 1, dtype=i32, device=dev)  # (bucket ends of every rank: spread)
+    grid = max(1, min(-(-max(capacity, ep_size * tc) // 256), 4 * cb.num_sms(dev)))
+    cb._lib().launch("mok_ep_schedule_outputs", full.row_token, full.tile_expert, full.seg_end, full.seg_rows,
+                     key, o["row_token"], o["row_gslot"], o["row_src"], o["row_slot"], o["tile_expert"],
+                     o["seg_end"], o["seg_rows"], o["padded_rows"], o["pull_src"].view(-1), o["load"], rank, top_k,
+                     tc, grid, stream=cb._stream())
+    return o
 
 
 # --------------------------------------------------------------------------
@@ -389,7 +440,13 @@ class _GraphedSchedule:
         if kind == "all":
             fn()
         warm = make_ep_schedule(ids_all, *self.args)
-        self._outputs(warm, dispatch_rank)
+        # (byte offset, bytes, dtype, shape, contiguous strides) of each output in the flat buffer;
+        # offsets are multiples of 16 bytes, so each output is an element offset of a dtype view
+        self.layout, off = [], 0
+        for t in self._outputs(warm, dispatch_rank):
+            nbytes = t.numel() * t.element_size()
+            self.layout.append((off, nbytes, t.dtype, tuple(t.shape), torch.empty(t.shape, device="meta").stride()))
+            off += -(-nbytes // 16) * 16
         if kind == "needed":
             fn(warm)
         side = torch.cuda.Stream(device=ids_all.device)
@@ -401,24 +458,19 @@ class _GraphedSchedule:
                 branch.wait_stream(side)
                 with torch.cuda.stream(branch):
                     fn()
-            eps = make_ep_schedule(ids_all, *self.args)
-            outs = self._outputs(eps, dispatch_rank)
-            # (byte offset, bytes, dtype, shape, contiguous strides) of each output in the flat buffer;
-            # offsets are multiples of 16 bytes, so each output is an element offset of a dtype view
-            self.layout, off = [], 0
-            for t in outs:
-                nbytes = t.numel() * t.element_size()
-                self.layout.append((off, nbytes, t.dtype, tuple(t.shape), torch.empty(t.shape, device="meta").stride()))
-                off += -(-nbytes // 16) * 16
             self.flat = torch.empty(off, dtype=torch.uint8, device=ids_all.device)
-            for (o, nb, _, _, _), t in zip(self.layout, outs):
-                self.flat[o:o + nb].view(t.dtype).view(t.shape).copy_(t)
+            views = self._views(self.flat)
+            # the outputs mok_ep_schedule_outputs writes land in the buffer itself; the others are copied
+            eps = make_ep_schedule(ids_all, *self.args, out=views)
+            for name, t in zip(self.fields, self._outputs(eps, dispatch_rank)):
+                if t.data_ptr() != views[name].data_ptr():
+                    views[name].copy_(t)
             if kind == "needed":
                 fn(eps)
             elif kind == "all":
                 side.wait_stream(branch)
         torch.cuda.current_stream(ids_all.device).wait_stream(side)
-        self.static = self._views(self.flat)  # every replay rewrites self.flat in place
+        self.static = views  # every replay rewrites self.flat in place
         self.replays = 0  # EPSchedule.kept() copies only the last replay's schedule
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
 

@@ -333,6 +333,30 @@ def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> Kerne
     )
 
 
+def _ep_schedule_outputs_spec() -> KernelSpec:
+    # cuda_ep.make_ep_schedule's outputs from its bucket schedule in one launch (kernels/ep_schedule.py)
+    i64 = TensorArg("t", "i64", (DYN,), (1,), align=8)
+    i32 = TensorArg("t", "i32", (DYN,), (1,), align=4)
+    return KernelSpec(
+        name="mok_ep_schedule_outputs",
+        module="ep_schedule",
+        factory="EPScheduleOutputs",
+        factory_kwargs=(),
+        args=(
+            *(dataclasses.replace(i64 if n in ("f_row_token", "key") else i32, name=n)
+              for n in ("f_row_token", "f_tile_expert", "f_seg_end", "f_seg_rows", "key")),
+            *(dataclasses.replace(i64, name=n) for n in ("row_token", "row_gslot", "row_src", "row_slot")),
+            *(dataclasses.replace(i32, name=n) for n in ("tile_expert", "seg_end", "seg_rows", "padded_rows")),
+            dataclasses.replace(i64, name="pull_src"),
+            dataclasses.replace(i32, name="load"),
+            ScalarArg("rank", "i32"),
+            ScalarArg("top_k", "i32"),
+            ScalarArg("tokens_cap", "i32"),
+            ScalarArg("num_ctas", "i32"),
+        ),
+    )
+
+
 def _ep_specs() -> tuple:
     # Expert-parallel row movement and the peer barrier (kernels/ep_comm.py).
     copy = KernelSpec(
@@ -574,6 +598,7 @@ SPECS = (
     *_ep_copy_specs(),
     _ep_publish_spec("f32"),  # mok_ep_publish: fp32 top-k weights (the router's)
     _ep_publish_spec("bf16"),  # mok_ep_publish_bf16w: bf16 top-k weights, widened exactly
+    _ep_schedule_outputs_spec(),  # mok_ep_schedule_outputs: make_ep_schedule's derived outputs, one launch
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}

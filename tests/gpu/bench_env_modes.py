@@ -14,6 +14,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           dynamic / dispatch; EP only)
   epsched: graph, eager (MOK_EP_SCHED_GRAPH; EP only)
   eppull: needed, all, needed_again, all_again (MOK_EP_PULL: the forward's pull after or before the schedule; EP only)
+  epschedout: torch, kernel, torch_again, kernel_again (MOK_EP_SCHED_OUTPUTS: the EP schedule's outputs by the
+          torch ops or one kernel; EP only)
   eppush: all, push, all_again, push_again (MOK_EP_PULL: every token row pulled after the barrier, or pushed by
           the publish launch before it; EP only)
   epsavex: keep, pull (MOK_EP_SAVE_X_ROWS; EP only)
@@ -83,6 +85,9 @@ MODE_SETS = {
     # (each twice: the spread beside the difference)
     "eppull": {"needed": {"MOK_EP_PULL": "needed"}, "all": {"MOK_EP_PULL": "all"},
                "needed_again": {"MOK_EP_PULL": "needed"}, "all_again": {"MOK_EP_PULL": "all"}},
+    # the EP schedule's derived outputs by one mok_ep_schedule_outputs launch, or by the torch ops (in its graph)
+    "epschedout": {"torch": {"MOK_EP_SCHED_OUTPUTS": "torch"}, "kernel": {"MOK_EP_SCHED_OUTPUTS": "kernel"},
+                   "torch_again": {"MOK_EP_SCHED_OUTPUTS": "torch"}, "kernel_again": {"MOK_EP_SCHED_OUTPUTS": "kernel"}},
     # the forward's token rows pushed by the publish launch, or every row pulled after the barrier
     "eppush": {"all": {"MOK_EP_PULL": "all"}, "push": {"MOK_EP_PULL": "push"},
                "all_again": {"MOK_EP_PULL": "all"}, "push_again": {"MOK_EP_PULL": "push"}},

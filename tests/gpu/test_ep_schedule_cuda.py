@@ -20,11 +20,17 @@ overlap = layer_runs.load_cpu_test("test_cuda_ep_overlap")
 
 
 def _check(ids_all, tokens, e_l, cap, where):
+    """The CUDA make_ep_schedule (its outputs by mok_ep_schedule_outputs, the default, and by the torch ops)
+    against the two oracles on the GPU and itself on the CPU."""
     ep_size, tc, _ = ids_all.shape
     ids_gpu = ids_all.cuda()
     for rank in range(ep_size):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MOK_EP_SCHED_OUTPUTS", "torch")
+            by_torch = equiv._fields(cuda_ep.make_ep_schedule(ids_gpu, tokens[rank], rank, e_l, cap))
         eps = cuda_ep.make_ep_schedule(ids_gpu, tokens[rank], rank, e_l, cap)
         new = equiv._fields(eps)
+        equiv._assert_same(by_torch, new, (where, rank, "kernel vs torch outputs"))
         cpu = equiv._fields(cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap))
         oracles = {"sorted": equiv._make_ep_schedule_sorted, "old": equiv._make_ep_schedule_old}
         for label, fn in oracles.items():
@@ -83,8 +89,8 @@ def test_cuda_schedule_kernel_variants(mode, monkeypatch):
     (8, 1024, 8, 64, 2.0),   # E = 512: the shared other-rank bucket
     (2, 2, 1, 64, 2.0),      # n < E_l
 ])
-@pytest.mark.parametrize("mode", ["", "torch"])
-def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypatch):
+@pytest.mark.parametrize("mode,outputs", [("", "kernel"), ("torch", "kernel"), ("", "torch")])
+def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, outputs, monkeypatch):
     """cuda_ep.ep_schedule (a CUDA graph replay) gives the eager make_ep_schedule's bits in every field,
     for new routings written into the same ids buffer (the graph reads it in place) and other token
     counts of this rank (one graph for all). A call's schedule holds views of the graph's buffer, valid
@@ -92,6 +98,7 @@ def test_graphed_schedule_bitwise(ep_size, tc, top_k, e_l, mult, mode, monkeypat
     by later replays, with the same bits."""
     monkeypatch.setenv("MOK_SCHEDULE", mode)
     monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "1")
+    monkeypatch.setenv("MOK_EP_SCHED_OUTPUTS", outputs)  # the graph's outputs written in place / copied in
     cuda_ep._SCHED_GRAPHS.clear()
     gen = torch.Generator().manual_seed(tc + 7 * ep_size)
     cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, mult)
