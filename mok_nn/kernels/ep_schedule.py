@@ -16,8 +16,9 @@ bucket of global slot g (n = P*Tc*k slots), cap this rank's capacity, E_l its ex
   seg_rows[e] = min(max(cap - bounds[e], 0), F.seg_rows[e])
   padded_rows[e] = seg_end[e] - seg_end[e - 1] (seg_end[-1] = 0)
   pull_src[u] = u if some key[u*k + j] < E_l and u // Tc != rank, else -1   u = s*Tc + t < P*Tc
-  load[q] = bounds[(q + 1) E_l] - bounds[q E_l]              q < P (every rank's padded rows, with
-                                                             one bucket per expert: the overflow test)
+  load[q] = bounds[(q + 1) E_l] - bounds[q E_l]              q < len(load): P with one bucket per expert
+                                                             (every rank's padded rows: the overflow
+                                                             test), else 1 (unused)
 
 Work split: every thread of a fixed grid takes indices tid, tid + G, ... of each output in turn.
 Integer arithmetic only: the result does not depend on the grid.
@@ -74,7 +75,7 @@ class EPScheduleOutputs:
         step = cutlass.Int32(n_ctas) * THREADS
         cap = cute.size(row_token, mode=[0])
         e_l = cute.size(seg_end, mode=[0])
-        ep_size = cute.size(load, mode=[0])
+        ep_size = cute.size(pull_src, mode=[0]) // tokens_cap  # (load has one entry without spread buckets)
         n = cutlass.Int64(cute.size(key, mode=[0]))
         per_src = cutlass.Int64(tokens_cap) * cutlass.Int64(top_k)  # slots of one source rank
         local_end = cutlass.Int32(f_seg_end[e_l - 1])  # bounds[E_l]: rows past it are other buckets'
@@ -119,8 +120,8 @@ class EPScheduleOutputs:
             if need & (u // tokens_cap != rank):
                 v = cutlass.Int64(u)
             pull_src[u] = v
-        # every rank's padded rows (its buckets q E_l .. (q + 1) E_l - 1)
-        for q in range(tid, ep_size, step):
+        # every rank's padded rows (its buckets q E_l .. (q + 1) E_l - 1; spread buckets only: else one entry)
+        for q in range(tid, cute.size(load, mode=[0]), step):
             lo = cutlass.Int32(0)
             if q > 0:
                 lo = cutlass.Int32(f_seg_end[q * e_l - 1])
