@@ -22,11 +22,13 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
-  1. copy x into own tokens rows; store own ids / weights / token count into every rank's ids /
-     weights / ntok (SymmBuffers.publish: one mok_ep_publish launch; MOK_EP_PUBLISH=torch: torch ops)
-  2. barrier (mok_ep_signal with each peer)
+  1. copy x into own tokens rows (push: into every rank's); store own ids / weights / token count into
+     every rank's ids / weights / ntok (SymmBuffers.publish: one mok_ep_publish launch; MOK_EP_PUBLISH=torch:
+     torch ops)
+  2. barrier (at the end of the mok_ep_publish launch; else mok_ep_signal with each peer)
   3. schedule of the local experts from all ranks' ids (the single-GPU schedule kernel over
-     relabelled experts, then torch ops; make_ep_schedule): rows ordered by (local expert,
+     relabelled experts, then mok_ep_schedule_outputs; make_ep_schedule, replayed as a CUDA graph):
+     rows ordered by (local expert,
      source rank, token, j), each expert padded to the GEMM tile, capacity from
      MoKConfig.schedule_capacity_multiplier
   4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
@@ -403,9 +405,10 @@ _SCHED_GRAPHS: dict = {}
 
 
 def use_schedule_graph() -> bool:
-    """MOK_EP_SCHED_GRAPH (default 1): make_ep_schedule's ~25 small GPU ops replayed as one CUDA
-    graph. The forward issues them between its first barrier and its first GEMM, where the GPU
-    waits for the host (25-40 us per torch op on the H200 hosts); the replay costs one launch."""
+    """MOK_EP_SCHED_GRAPH (default 1): make_ep_schedule's launches (the bucket schedule, its outputs'
+    kernel and ~5 small torch ops) replayed as one CUDA graph. The forward issues them between its first
+    barrier and its first GEMM, where the GPU waits for the host (25-40 us per launch on the H200 hosts);
+    the replay costs one launch."""
     return os.environ.get("MOK_EP_SCHED_GRAPH", "1") != "0"
 
 
