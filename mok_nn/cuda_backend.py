@@ -808,7 +808,7 @@ def experts_backward(
     # with gather_dy, the dy rows are gathered only where they are needed (less memory alive at once)
     # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows
     dy_skip = down_bias is None
-    dy_rows = None if gather_dy else gather_rows(gy, sched, dy_skip)
+    dy_rows = None if gather_dy else gather_rows(gy, sched, skip_tail=dy_skip)
     w_rows = row_weights(sched, topk_weights)
     if gather_dy:  # (the fused dSwiGLU GEMM has no gather variant)
         dh_raw = grouped_gemm_gather(gy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
@@ -816,7 +816,7 @@ def experts_backward(
     else:
         dgu, wh, dw_rows = dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     if down_bias is not None:
-        dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, dy_skip)
+        dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, skip_tail=dy_skip)
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
     w_rows = w_rows.unsqueeze(1)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
@@ -825,7 +825,7 @@ def experts_backward(
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
     x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
-    dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, dy_skip)
+    dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, skip_tail=dy_skip)
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)

@@ -28,14 +28,14 @@ Forward (no host synchronisation; every peer write is a unicast store):
   2. barrier (at the end of the mok_ep_publish launch; else mok_ep_signal with each peer)
   3. schedule of the local experts from all ranks' ids (the single-GPU schedule kernel over
      relabelled experts, then mok_ep_schedule_outputs; make_ep_schedule, replayed as a CUDA graph):
-     rows ordered by (local expert,
-     source rank, token, j), each expert padded to the GEMM tile, capacity from
-     MoKConfig.schedule_capacity_multiplier
+     rows ordered by (local expert, source rank, token, j), each expert padded to the GEMM tile,
+     capacity from MoKConfig.schedule_capacity_multiplier
   4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
      mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once (where nearly
      every token is needed, token_rows_mode / MOK_EP_PULL: every row, pushed by each rank in step 1);
-     the GEMM then gathers its rows from the local tokens section (cb.take_rows: mok_scatter_rows, each
-     section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
+     the GEMM then gathers its rows from the local tokens section (EPSchedule.gather_rows:
+     mok_scatter_rows, each section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one
+     mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
   6. combine push. Where k > 2P (combine_sums; P must divide the combine's 8-leaf tree of expert
      groups, kernels/combine.py): mok_ep_partial_push sums, for every token of every source, the
@@ -95,7 +95,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_backend as cb
-from .kernels.registry import TILE_M
+from .kernels.registry import EP_SCHED_THREADS, TILE_M
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
@@ -189,6 +189,13 @@ class EPSchedule:
         if self.slot_row is None:
             return None
         return self.slot_row.view(self.pull_src.numel(), -1)
+
+    def gather_rows(self, section: torch.Tensor, skip_tail: bool = True) -> torch.Tensor:
+        """The rows of a tokens / dy section ([P*Tc + 1, H], a zero row last) in this schedule's row order,
+        as cb.gather_rows gives them at EP = 1; skip_tail: the rows past the last segment unwritten (what only
+        the GEMMs and the weight gradients read)."""
+        return cb.take_rows(section, self.sched.row_token, has_zero_row=True, slots=self.token_slots(),
+                            tile_expert=self.sched.tile_expert if skip_tail else None)
 
     def _derived(self, name: str) -> torch.Tensor:
         self.__dict__.update(self.derive())  # where functools.cached_property keeps its values
@@ -327,8 +334,8 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
         load = o["load"]
 
         def derive():  # (the kernel wrote row_src and row_slot already)
-            return {"row_src": o["row_src"], "row_slot": o["row_slot"],
-                    "overflow": (load > capacity).any() if spread else _overflow_by_count(flat, ep_size, e_l, capacity)}
+            overflow = (load > capacity).any() if spread else _overflow_by_count(flat, ep_size, e_l, capacity)
+            return {"row_src": o["row_src"], "row_slot": o["row_slot"], "overflow": overflow}
 
         return EPSchedule(sched, o["row_gslot"], o["pull_src"], full.pos.view(n), derive)
 
@@ -388,7 +395,7 @@ def _outputs_kernel(full, key, rank, e_l, capacity, ep_size, tc, top_k, spread, 
     o.update({name: take(name, (e_l,), i32) for name in ("seg_end", "seg_rows", "padded_rows")})
     o["pull_src"] = take("pull_src", (ep_size, tc), i64)
     o["load"] = torch.empty(ep_size if spread else 1, dtype=i32, device=dev)  # (bucket ends of every rank: spread)
-    grid = max(1, min(-(-max(capacity, ep_size * tc) // 256), 4 * cb.num_sms(dev)))
+    grid = max(1, min(-(-max(capacity, ep_size * tc) // EP_SCHED_THREADS), 4 * cb.num_sms(dev)))
     cb._lib().launch("mok_ep_schedule_outputs", full.row_token, full.tile_expert, full.seg_end, full.seg_rows,
                      key, o["row_token"], o["row_gslot"], o["row_src"], o["row_slot"], o["tile_expert"],
                      o["seg_end"], o["seg_rows"], o["padded_rows"], o["pull_src"].view(-1), o["load"], rank, top_k,
@@ -1324,8 +1331,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
             gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
         else:
             if x_rows is None:
-                x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots(),
-                                      tile_expert=sched.tile_expert)  # (read by GEMMs only: no tail)
+                x_rows = eps.gather_rows(tokens)
             if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
                 # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
                 gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
@@ -1524,11 +1530,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
             bufs.pull_rows("tokens", eps.pull_src)
         bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
-            x_rows = cb.take_rows(tokens, sched.row_token, has_zero_row=True, slots=eps.token_slots(),
-                                  tile_expert=sched.tile_expert)
-        # (the tail past the last segment unwritten unless the down bias sums the rows)
-        dy_rows = cb.take_rows(dy, sched.row_token, has_zero_row=True, slots=eps.token_slots(),
-                               tile_expert=sched.tile_expert if down_bias is None else None)
+            x_rows = eps.gather_rows(tokens)
+        dy_rows = eps.gather_rows(dy, skip_tail=down_bias is None)  # (the down bias sums every row)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)

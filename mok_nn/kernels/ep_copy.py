@@ -43,19 +43,17 @@ from .registry import EP_COPY_THREADS as THREADS
 from .registry import TILE_M
 
 WARPS = THREADS // 32
+SKIP, COPY, ZERO = 0, 1, 2  # what a warp does with the row one of its lanes holds (_act_batch)
 
 
 @cute.jit
 def _copy_batch(s_addr: cutlass.Int64, d_addr: cutlass.Int64, ok: cutlass.Boolean, count: cutlass.Int32,
                 n_vec: cutlass.Int32, lane: cutlass.Int32):
     """The warp copies the rows its lanes 0..count-1 hold (lane j: src / dst address, ok)."""
-    act = cutlass.Int32(0)
+    act = cutlass.Int32(SKIP)
     if ok:
         act = cutlass.Int32(COPY)
     _act_batch(s_addr, d_addr, act, count, n_vec, lane)
-
-
-SKIP, COPY, ZERO = 0, 1, 2  # what a warp does with the row one of its lanes holds (_act_batch)
 
 
 @cute.jit

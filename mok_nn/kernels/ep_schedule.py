@@ -30,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-THREADS = 256
+from .registry import EP_SCHED_THREADS as THREADS
 
 
 class EPScheduleOutputs:

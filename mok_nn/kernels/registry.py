@@ -25,6 +25,7 @@ SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernels' shared-memo
 SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a multiple of 32 slots per warp
 SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
 EP_COPY_THREADS = 256  # threads per CTA of the grid-stride row copies (ep_copy.py); a warp copies whole rows
+EP_SCHED_THREADS = 256  # threads per CTA of mok_ep_schedule_outputs (ep_schedule.py)
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
