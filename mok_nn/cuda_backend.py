@@ -69,8 +69,8 @@ import torch
 
 from .kernels.registry import COMBINE_LEAVES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
-    GEMM_TILE_N, PAIR_ROWS, PAIR_SHIFT, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS,
-    TILE_M, WGRAD_KERNELS, tile_n_of, WGRAD_ACC_KERNELS,
+    GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
+    WGRAD_ACC_KERNELS,
 )  # fmt: skip
 from .kernels import loader
 from .kernels.registry import GEMM_GATHER_KERNELS
@@ -106,7 +106,6 @@ class Schedule:
     seg_end: torch.Tensor
     seg_rows: torch.Tensor
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
-    pair: bool = False  # segments padded to PAIR_ROWS: row tiles may hold two experts (the *_pair GEMMs)
     # gemm_seg_rows, computed once: every GEMM of a forward+backward takes it (3 torch ops each time
     # otherwise, host time the GPU can wait for)
     padded_rows: torch.Tensor | None = field(default=None, repr=False)
@@ -130,8 +129,9 @@ class Schedule:
         """[M_cap] int64 expert of each row; E for rows past the last segment."""
         if self.row_expert is not None:
             return self.row_expert
-        rows = torch.arange(self.capacity, device=self.seg_end.device, dtype=torch.int32)
-        return torch.searchsorted(self.seg_end, rows, right=True)
+        te = self.tile_expert.long()
+        te = torch.where(te < 0, self.num_experts, te)
+        return te.repeat_interleave(TILE_M)
 
 
 def padded_seg_rows(seg_end: torch.Tensor) -> torch.Tensor:
@@ -200,15 +200,8 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
     return make_schedule_torch(topk_ids, num_experts, cap)
 
 
-def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
-                        pad_rows: int = TILE_M) -> Schedule:
-    """The same schedule from torch ops (CPU, or more experts than the kernel holds).
-
-    pad_rows = PAIR_ROWS: segments padded to 64 rows, so a row tile may hold two experts' rows (pair
-    tiles, encoded in tile_expert as gemm_consumer.tile_experts reads them; the *_pair GEMMs).
-    """
-    if pad_rows not in (TILE_M, PAIR_ROWS):
-        raise ValueError(f"pad_rows={pad_rows}: {TILE_M} or {PAIR_ROWS}")
+def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
+    """The same schedule from torch ops (CPU, or more experts than the kernel holds)."""
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
@@ -216,7 +209,7 @@ def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int 
     cap = _checked_capacity(num_tokens, top_k, num_experts, capacity)
     # scatter_add_ of ints, not bincount: bincount reads min/max back to the host.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + (pad_rows - 1)) // pad_rows * pad_rows
+    padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
     seg_end = torch.cumsum(padded, 0)
     seg_start = seg_end - padded
     cnt_start = torch.cumsum(counts, 0) - counts
@@ -230,14 +223,9 @@ def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int 
     row_token[row] = order // top_k
     tile_start = torch.arange(0, cap, TILE_M, device=dev)
     te = torch.searchsorted(seg_end, tile_start, right=True)
-    tile_expert = torch.where(te < num_experts, te, -1)
-    if pad_rows == PAIR_ROWS:
-        # the upper half's expert; past the last segment it stays the lower one's (zero rows either way)
-        hi = torch.searchsorted(seg_end, tile_start + PAIR_ROWS, right=True)
-        pair = (tile_expert >= 0) & (hi < num_experts) & (hi != te)
-        tile_expert = torch.where(pair, te + ((hi + 1) << PAIR_SHIFT), tile_expert)
-    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert.to(torch.int32), seg_end.to(torch.int32),
-                    counts.to(torch.int32), pair=pad_rows == PAIR_ROWS)
+    tile_expert = torch.where(te < num_experts, te, -1).to(torch.int32)
+    return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end.to(torch.int32),
+                    counts.to(torch.int32))
 
 
 def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,6 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
-from .registry import PAIR_SHIFT
-
 
 def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_barriers: bool = False):
     """The shared-memory struct of a GEMM kernel: the A/B ring's full and empty barriers, (ping-pong) the
@@ -103,64 +101,6 @@ def mma_mainloop(
     cute.nvgpu.warpgroup.wait_group(0)
     ab_pipe.consumer_release(release_state)
     release_state.advance()
-    return tiled_mma, acc, read_state, release_state
-
-
-@cute.jit
-def tile_experts(code, pair: cutlass.Constexpr):
-    """(expert of the tile's rows 0-63, expert of rows 64-127) from a schedule's tile_expert entry.
-    Without pair tiles the entry is the one expert of the whole tile (negative: a tile past the last
-    segment). With them (schedule padded to PAIR_ROWS) a tile whose halves belong to two experts
-    holds lo + (hi + 1) << PAIR_SHIFT; any other tile its one expert, as before."""
-    lo = code
-    hi = code
-    if cutlass.const_expr(pair):
-        if code >= 0:
-            lo = code & ((1 << PAIR_SHIFT) - 1)
-            hi = lo
-            if (code >> PAIR_SHIFT) != 0:
-                hi = (code >> PAIR_SHIFT) - 1
-    return lo, hi
-
-
-@cute.jit
-def mma_mainloop_pair(
-    tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
-    pair_tile, wg,
-):
-    """mma_mainloop for the GEMMs with pair tiles. In a pair tile (pair_tile = 1) every k step takes two
-    stages: the first holds A and the lower expert's B, the second the upper expert's B only; warp
-    group wg = 0 (rows 0-63) multiplies by the first B, wg = 1 (rows 64-127) by the second. Both warp
-    groups wait on and release both stages. Same wgmma per output row as a tile of one expert: the
-    same bits. The caller's ring needs 4 stages: 2 of this k step, 2 of the one still in flight."""
-    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-    cute.nvgpu.warpgroup.fence()
-    for k in range(k_tiles):
-        ab_pipe.consumer_wait(read_state)
-        a_stage = read_state.index
-        b_stage = read_state.index
-        if pair_tile == 1:
-            read_state.advance()
-            ab_pipe.consumer_wait(read_state)
-            if wg == 1:
-                b_stage = read_state.index
-        for kb in cutlass.range_constexpr(k_blocks):
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, a_stage)], tCrB[(None, None, kb, b_stage)], acc)
-        cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(1)
-        if k > 0:  # the previous k step's stages
-            ab_pipe.consumer_release(release_state)
-            release_state.advance()
-            if pair_tile == 1:
-                ab_pipe.consumer_release(release_state)
-                release_state.advance()
-        read_state.advance()
-    cute.nvgpu.warpgroup.wait_group(0)
-    ab_pipe.consumer_release(release_state)
-    release_state.advance()
-    if pair_tile == 1:
-        ab_pipe.consumer_release(release_state)
-        release_state.advance()
     return tiled_mma, acc, read_state, release_state
 
 

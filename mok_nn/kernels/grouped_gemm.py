@@ -83,8 +83,8 @@ import cuda.bindings.driver as cuda
 from .readiness import signal_tile_done, wait_tile_ready
 from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
 from .gemm_consumer import (
-    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_mainloop_pair, mma_operands, pingpong_turn,
-    smem_storage, step_over, store_sync, store_tile_full, store_tile_split, tile_experts,
+    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
+    step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .registry import TILE_M
 from .swiglu import _act
@@ -96,15 +96,8 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         gather: bool = False, dact: str | None = None, pingpong: bool = False, cluster_n: int = 1,
-        pair: bool = False,
     ):
         assert tile_n in (128, 256)
-        # pair: the schedule pads segments to PAIR_ROWS (64) rows, so a row tile may hold the last 64 rows
-        # of one expert and the first 64 of the next (a "pair tile", module docstring). Cooperative,
-        # TMA-loaded A, plain or split epilogue only.
-        assert not pair or not (pingpong or gather or full_epi or act or dact or cluster_n > 1), \
-            "pair tiles: the cooperative split-epilogue GEMM"
-        self.pair = pair
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
         # (module docstring); the plain, act and dact epilogues only.
         assert not pingpong or (tile_n == 128 and not gather), "ping-pong: 128 x 128 tiles per warp group"
@@ -154,15 +147,9 @@ class VarlenMGroupedGemm:
 
     def _stages(self, ab_dtype, c_dtype) -> int:
         bm, bn, bk = self.tile_mnk
-        if self.pair and c_dtype.width == 32:
-            # a pair tile's k step holds two stages, and the one before it two more: at least 4 stages,
-            # which an fp32 epilogue leaves only with 2 buffers (not 4)
-            self.epi_stages = self.epi_buffers = 2
         ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_buffers
-        stages = (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
-        assert not self.pair or stages >= 4, "pair tiles need 4 A/B stages (2 per k step, 2 in flight)"
-        return stages
+        return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
 
     @cute.jit
     def __call__(
@@ -643,9 +630,8 @@ class VarlenMGroupedGemm:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
-        b_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
         if cutlass.const_expr(self.gather):
-            tx_bytes = b_bytes  # A: cp.async
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))  # A: cp.async
         if cutlass.const_expr(self.pingpong):
             # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
             # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
@@ -732,7 +718,7 @@ class VarlenMGroupedGemm:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
                     m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                    expert, expert_hi = tile_experts(tile_expert[m_tile], self.pair)
+                    expert = tile_expert[m_tile]
                     if expert >= 0:
                         if cutlass.const_expr(self.ready):
                             wait_tile_ready(ready, m_tile, epoch, timeout_us, ready_err)
@@ -755,15 +741,6 @@ class VarlenMGroupedGemm:
                                 cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(state)
                             state.advance()
-                            if cutlass.const_expr(self.pair):
-                                if expert_hi != expert:
-                                    # pair tile: the next stage gets the upper 64 rows' expert's B only
-                                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                                    ab_pipe.sync_object_full.arrive_and_expect_tx(state.index, b_bytes)
-                                    bar = ab_pipe.producer_get_barrier(state)
-                                    cute.copy(tma_b, tBgB[(None, n_tile, None, expert_hi)][(None, k)], tBsB[(None, state.index)],
-                                              tma_bar_ptr=bar)
-                                    state.advance()
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
@@ -822,7 +799,7 @@ class VarlenMGroupedGemm:
             order_phase = 1 - wg
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                expert, expert_hi = tile_experts(tile_expert[m_tile], self.pair)
+                expert = tile_expert[m_tile]
                 if expert >= 0:
                     skip, turn = pingpong_turn(turn, wg, self.pingpong)
                     if skip == 1:
@@ -843,16 +820,7 @@ class VarlenMGroupedGemm:
                         if cutlass.const_expr(self.pingpong):
                             cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                             order_phase = 1 - order_phase
-                        if cutlass.const_expr(self.pair):
-                            # pair tiles: segments are not TILE_M multiples, so no skip test (never taken)
-                            pair_tile = cutlass.Int32(0)
-                            if expert_hi != expert:
-                                pair_tile = cutlass.Int32(1)
-                            tiled_mma, acc, read_state, release_state = mma_mainloop_pair(
-                                tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                                pair_tile, wg,
-                            )
-                        elif real_rows > first_row:
+                        if real_rows > first_row:
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
                                 self.gather,

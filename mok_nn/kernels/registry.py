@@ -19,10 +19,6 @@ LIB_NAME = "libmok_kernels.so"
 MANIFEST = "manifest.json"
 BUILD_COMMAND = "python -m mok_nn.kernels.build --arch {arch} --out {out}"
 TILE_M = 128  # rows per GEMM tile; the schedule pads each expert's segment to it
-# Pair tiles (schedule padded to PAIR_ROWS): a row tile may hold the last PAIR_ROWS rows of one expert and
-# the first of the next; its tile_expert entry is lo + (hi + 1) << PAIR_SHIFT (gemm_consumer.tile_experts)
-PAIR_ROWS = 64
-PAIR_SHIFT = 16
 GEMM_TILE_N = 256  # output columns per GEMM tile
 PINGPONG_TILE_N = 128  # output columns per tile of the ping-pong GEMMs (each consumer warp group: 128 x 128)
 SCHEDULE_MAX_EXPERTS = 512  # experts per rank the schedule kernels' shared-memory tables hold
@@ -89,7 +85,7 @@ _SCHEDULE_ARGS = (
 
 def _gemm_spec(
     name: str, b_major: str, tile_n: int, c_dtype: str = "bf16", full_epi: bool = False, pingpong: bool = False,
-    cluster_n: int = 1, pair: bool = False,
+    cluster_n: int = 1,
 ) -> KernelSpec:
     # A (M, K, 1) K-major; B (N, K, E) K- or N-major; C (M, N, 1) N-major.
     # seg_end / seg_rows: padded segment ends and real rows per expert (tiles' padding halves skip the MMA).
@@ -99,7 +95,7 @@ def _gemm_spec(
         module="grouped_gemm",
         factory="VarlenMGroupedGemm",
         factory_kwargs=(("tile_n", tile_n), ("full_epi", full_epi)) + ((("pingpong", True),) if pingpong else ())
-        + ((("cluster_n", cluster_n),) if cluster_n > 1 else ()) + ((("pair", True),) if pair else ()),
+        + ((("cluster_n", cluster_n),) if cluster_n > 1 else ()),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
@@ -519,10 +515,6 @@ SPECS = (
     _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
     _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
     _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
-    # the same three on schedules with pair tiles (segments padded to PAIR_ROWS; MOK_PAIR_TILES)
-    _gemm_spec("mok_gemm_bk_pair", "k", GEMM_TILE_N, pair=True),
-    _gemm_spec("mok_gemm_bn_pair", "n", GEMM_TILE_N, pair=True),
-    _gemm_spec("mok_gemm_bn_f32_pair", "n", GEMM_TILE_N, "f32", pair=True),
     # the same with the whole output tile in smem (stores overlap the next tile's mainloop);
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
