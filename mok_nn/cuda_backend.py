@@ -187,8 +187,9 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
         tile_expert = torch.empty(cap // TILE_M, dtype=torch.int32, device=dev)
         seg_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
         seg_rows = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        padded_rows = torch.empty(num_experts, dtype=torch.int32, device=dev)
         ids = topk_ids.reshape(-1).contiguous()
-        outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows)
+        outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows)
         name = SCHEDULE_KERNELS[mode]
         if name == "mok_schedule":
             _lib().launch(name, *outs, top_k, stream=_stream())
@@ -196,7 +197,8 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
             chunk, chunks = schedule_chunk(n)
             scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
             _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
-        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows)
+        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
+                        padded_rows=padded_rows)
     return make_schedule_torch(topk_ids, num_experts, cap)
 
 

@@ -327,6 +327,7 @@ def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> Kerne
             TensorArg("pos", "i64", (DYN,), (1,), align=8),
             TensorArg("row_token", "i64", (DYN,), (1,), align=8),
             *_SCHEDULE_ARGS,
+            TensorArg("padded_rows", "i32", (DYN,), (1,), align=4),  # seg_rows rounded up to TILE_M
             *((TensorArg("scratch", "i32", (DYN,), (1,), align=4),) if multi else ()),
             ScalarArg("top_k", "i32"),
             *((ScalarArg("chunk", "i32"),) if multi else ()),

@@ -63,10 +63,11 @@ class Schedule:
         tile_expert: cute.Tensor,  # (M_cap / TILE_M,) int32 out
         seg_end: cute.Tensor,  # (E,) int32 out
         seg_rows: cute.Tensor,  # (E,) int32 out
+        padded_rows: cute.Tensor,  # (E,) int32 out: seg_rows rounded up to TILE_M
         top_k: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(ids, pos, row_token, tile_expert, seg_end, seg_rows, top_k).launch(
+        self.kernel(ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, top_k).launch(
             grid=[1, 1, 1], block=[WARPS * 32, 1, 1], stream=stream
         )
 
@@ -79,6 +80,7 @@ class Schedule:
         tile_expert: cute.Tensor,
         seg_end: cute.Tensor,
         seg_rows: cute.Tensor,
+        padded_rows: cute.Tensor,
         top_k: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -134,7 +136,9 @@ class Schedule:
             for e in range(num_experts):
                 t = seg[e]
                 seg[e] = start
-                start = start + (t + TILE_M - 1) // TILE_M * TILE_M
+                padded = (t + TILE_M - 1) // TILE_M * TILE_M
+                padded_rows[e] = padded
+                start = start + padded
                 seg_end[e] = start
             seg[MAX_EXPERTS] = start
         cute.arch.sync_threads()
@@ -204,7 +208,7 @@ class ScheduleMultiCta:
                The same grid fills row_token with T (padding rows keep it).
     B. scan    one CTA: per expert, exclusive prefix over chunks (threads split
                the chunks into groups, group sums then group offsets);
-               seg_rows[e] = total; pad to TILE_M and prefix-sum over experts
+               seg_rows[e] = total; pad to TILE_M (padded_rows[e]) and prefix-sum over experts
                (warp shuffles) -> seg_end; scratch[c*E + e] becomes the row of
                chunk c's first slot of e; tile_expert by binary search over
                seg_end (= searchsorted(seg_end, tile start, right=True), -1 past E).
@@ -232,6 +236,7 @@ class ScheduleMultiCta:
         tile_expert: cute.Tensor,  # (M_cap / TILE_M,) int32 out
         seg_end: cute.Tensor,  # (E,) int32 out
         seg_rows: cute.Tensor,  # (E,) int32 out
+        padded_rows: cute.Tensor,  # (E,) int32 out: seg_rows rounded up to TILE_M
         scratch: cute.Tensor,  # (C * E,) int32 workspace
         top_k: cutlass.Int32,
         chunk: cutlass.Int32,  # slots per chunk, a multiple of MC_WARPS * 32
@@ -241,7 +246,7 @@ class ScheduleMultiCta:
         self.count_kernel(ids, row_token, scratch, seg_end, top_k, chunk).launch(
             grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream
         )
-        self.scan_kernel(scratch, tile_expert, seg_end, seg_rows).launch(
+        self.scan_kernel(scratch, tile_expert, seg_end, seg_rows, padded_rows).launch(
             grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream, use_pdl=self.pdl
         )
         self.place_kernel(ids, pos, row_token, scratch, seg_end, top_k, chunk).launch(
@@ -296,7 +301,7 @@ class ScheduleMultiCta:
             scratch[c * num_experts + e] = total
 
     @cute.kernel
-    def scan_kernel(self, scratch, tile_expert, seg_end, seg_rows):
+    def scan_kernel(self, scratch, tile_expert, seg_end, seg_rows, padded_rows):
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
         warp = tidx // 32
@@ -354,6 +359,7 @@ class ScheduleMultiCta:
             for w in range(warp):
                 incl = incl + warp_sum[w]
             seg_end[tidx] = incl
+            padded_rows[tidx] = padded
             ends[tidx] = incl
             starts[tidx] = incl - padded
         cute.arch.sync_threads()

@@ -52,6 +52,7 @@ def _run_kernel(lib, name, ids, num_experts, poison):
         "tile_expert": torch.full((cap // cb.TILE_M,), poison, dtype=torch.int32, device=dev),
         "seg_end": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
         "seg_rows": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
+        "padded_rows": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
     }
     args = (ids.reshape(-1), *out.values())
     if name != "mok_schedule":  # the multi-CTA variants
@@ -91,6 +92,9 @@ def test_schedule_kernel_exact(lib, name, T, k, E, mode):
         assert first[f].dtype == getattr(want, f).dtype, f
         assert torch.equal(first[f], getattr(want, f)), (f, mode)
         assert torch.equal(first[f], second[f]), f
+    # each segment's size (the GEMMs' seg_rows), from the torch schedule's segment ends
+    assert torch.equal(first["padded_rows"], cb.padded_seg_rows(want.seg_end))
+    assert torch.equal(first["padded_rows"], second["padded_rows"])
 
 
 @pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl"])
@@ -108,6 +112,7 @@ def test_schedule_kernel_random_shapes(lib, name):
         got = _run_kernel(lib, name, ids, E, poison=-3)
         for f in FIELDS:
             assert torch.equal(got[f], getattr(want, f)), (f, T, k, E)
+        assert torch.equal(got["padded_rows"], cb.padded_seg_rows(want.seg_end)), (T, k, E)
 
 
 @pytest.mark.parametrize("setting,kind", [("", "mc"), ("mc_pdl", "mc_pdl"), ("single", "single"), ("torch", "torch")])
