@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from mok_nn import bench
 
@@ -38,9 +38,10 @@ for _ in range(3):
 torch.cuda.synchronize()
 reps = 3
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    for _ in range(reps):
-        step()
-        torch.cuda.synchronize()  # steps apart: each one's first kernel marks its start
+    for i in range(reps):
+        with record_function(f"mok_step_{i}"):  # the last step's kernels: those launched inside its range
+            step()
+        torch.cuda.synchronize()  # as the benchmark: each call starts on an idle GPU
 path = os.path.join(tempfile.mkdtemp(), "trace.json")
 prof.export_chrome_trace(path)
 with open(path) as f:
@@ -50,20 +51,14 @@ launch_ts = {}
 for e in trace:
     if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
         launch_ts[e["args"]["correlation"]] = e["ts"]
+last = max(e["ts"] for e in trace if e.get("name") == f"mok_step_{reps - 1}")
 kernels = sorted((e for e in trace if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-# split into steps at idle periods longer than 1 ms (the synchronize between steps)
-steps, cur = [], []
-for k in kernels:
-    if cur and k["ts"] - (cur[-1]["ts"] + cur[-1]["dur"]) > 1000:
-        steps.append(cur)
-        cur = []
-    cur.append(k)
-steps.append(cur)
-one = steps[-1]
+one = [k for k in kernels if launch_ts.get(k["args"].get("correlation"), 0) >= last]
 t0 = one[0]["ts"]
 end = one[0]["ts"]
 idle_host = idle_other = 0.0
-print(f"{shape}: step {len(steps)} of {len(steps)}, {len(one)} kernels")
+print(f"{shape}: the last of {reps} steps, {len(one)} kernels; its first kernel started "
+      f"{t0 - last:.1f} us after the step's call")
 print(f"{'start':>9} {'dur':>9} {'gap':>7} {'lag':>8}  kernel (us)")
 for k in one:
     gap = max(0.0, k["ts"] - end)
