@@ -79,6 +79,13 @@ from .kernels.registry import GEMM_GATHER_KERNELS
 # Fastest over the three benchmark shapes on H200, all variants bitwise equal
 # (docs/benchmarks/2026-11-30_h200_ep1_v26_wgrad_cluster*.txt: 21.2 ms vs 22.4-23.3 for the others).
 WGRAD_KERNEL = "mok_gemm_wgrad_defer_c2"
+# Except where the experts have few rows and the output few columns (deepseek-v3's d down at EP = 1: 256 rows
+# per expert, I = 2048 columns): there the ping-pong kernel, whose epilogue runs beside the other warp group's
+# short mainloop, measured 4.12 vs 4.36 ms and 3.87 vs 4.15 (..._v70_wgrad_pp.txt, ..._v61_wgrad_pp.txt);
+# qwen3's d down (512 rows per expert) and every d gate_up are slower with it. Same bits (tests/gpu).
+WGRAD_SHORT_KERNEL = "mok_gemm_wgrad_pp"
+WGRAD_SHORT_MAX_ROWS = 256  # mean routed rows per expert, at most
+WGRAD_SHORT_MAX_COLS = 2048  # output columns (b_rows' width), at most
 # Longest reduction for which the full-tile epilogue GEMM variants win on H200
 # (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
 GEMM_FULL_EPI_MAX_K = 8192
@@ -515,7 +522,7 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
     no second gradient buffer), else computed apart and added (bf16 round of the sum either way).
     """
-    name = os.environ.get("MOK_WGRAD_KERNEL") or WGRAD_KERNEL
+    name = os.environ.get("MOK_WGRAD_KERNEL") or wgrad_kernel(sched, b_rows.shape[1], into is not None)
     acc_name = WGRAD_ACC_KERNELS.get(name)
     if into is not None and (_use_torch_wgrad() or acc_name is None or not _accumulates_in_place(into)):
         return into.add_(weight_grad(a_rows, b_rows, sched, counts).to(into.dtype))
@@ -533,6 +540,16 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
         sched.seg_end, counts, wgrad_group_m(name, nb), stream=_stream(),
     )  # fmt: skip
     return out
+
+
+def wgrad_kernel(sched: Schedule, cols: int, accumulate: bool = False) -> str:
+    """The default weight-gradient kernel for a schedule and cols output columns: WGRAD_SHORT_KERNEL where
+    the mean routed rows per expert (slots / experts: known on the host) and cols are small, else
+    WGRAD_KERNEL; always WGRAD_KERNEL when accumulating (macrobatch passes: its twin adds in its stores)."""
+    rows = sched.pos.numel() / max(1, sched.num_experts)
+    if not accumulate and rows <= WGRAD_SHORT_MAX_ROWS and cols <= WGRAD_SHORT_MAX_COLS:
+        return WGRAD_SHORT_KERNEL
+    return WGRAD_KERNEL
 
 
 def _accumulates_in_place(t: torch.Tensor) -> bool:

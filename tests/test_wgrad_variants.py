@@ -23,6 +23,24 @@ def test_default_variant_is_registered_and_unchanged():
     assert registry.WGRAD_DIAG_KERNELS and not set(registry.WGRAD_DIAG_KERNELS) & set(registry.WGRAD_KERNELS)
 
 
+@pytest.mark.parametrize("tokens,top_k,experts,cols,accumulate,want", [
+    (8192, 8, 256, 2048, False, "short"),  # deepseek-v3 d down at EP = 1: 256 rows per expert
+    (8192, 8, 256, 7168, False, "default"),  # its d gate_up: 7168 columns
+    (8192, 8, 128, 768, False, "default"),  # qwen3 d down: 512 rows per expert
+    (8192, 2, 8, 14336, False, "default"),  # mixtral
+    (8192, 8, 256, 2048, True, "default"),  # macrobatch passes: the accumulating kernel
+    (100, 2, 8, 64, False, "short"),  # few rows per expert, few columns
+])
+def test_default_wgrad_kernel_by_rows_and_columns(tokens, top_k, experts, cols, accumulate, want):
+    g = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    sched = cb.make_schedule_torch(ids, experts)
+    got = cb.wgrad_kernel(sched, cols, accumulate)
+    assert got == {"short": cb.WGRAD_SHORT_KERNEL, "default": cb.WGRAD_KERNEL}[want]
+    assert got in registry.WGRAD_KERNELS
+    assert cb.WGRAD_SHORT_KERNEL not in registry.WGRAD_ACC_KERNELS  # why accumulating passes keep the default
+
+
 @pytest.mark.parametrize("name", ["mok_gemm_bk", "mok_wgrad_diag_no_mma"])
 def test_unknown_variant_is_a_clear_error(monkeypatch, name):
     ids = torch.tensor([[0], [1], [1]])
