@@ -2,6 +2,7 @@
 synchronised call) waits, on every rank.
 
     torchrun --nproc_per_node 2 tests/gpu/timeline_ep_forward.py [shape] [tokens]
+    torchrun --nproc_per_node 1 tests/gpu/timeline_ep_forward.py [shape] [tokens]   (EP = 1: cuda_backend)
 
 Each stage of cuda_ep.forward (publish, barrier, schedule + pull, gather, gate/up GEMM, ...) is wrapped:
 after it returns, the host time since the call began is noted and a CUDA event is recorded on the
@@ -65,6 +66,8 @@ for owner, name, stage in [
     (cuda_ep, "forward", "> cuda_ep.forward"),
     (cuda_ep, "check_errors", "> check_errors"),
     (cb, "check_supported", "> check_supported"),
+    (cb, "experts_forward", "> experts_forward"),  # EP = 1 (torchrun --nproc_per_node 1)
+    (cb, "make_schedule", "> make_schedule"),
     (cuda_ep, "_buffers", "> _buffers"),
     (cuda_ep, "schedule_capacity", "> schedule_capacity"),
     (cb, "use_fused_act", "> use_fused_act"),
@@ -77,6 +80,7 @@ for owner, name, stage in [
     (cuda_ep.SymmBuffers, "publish", "publish"),
     (cuda_ep.SymmBuffers, "barrier", "barrier"),
     (cuda_ep, "ep_schedule", "schedule (+ pull)"),
+    (cb, "make_schedule", "schedule"),
     (cb, "take_rows", "gather rows"),
     (cb, "gate_up_act", "gate/up GEMM + act"),
     (cb, "grouped_gemm", "grouped GEMM"),
