@@ -106,10 +106,10 @@ class MoKFunction(torch.autograd.Function):
         ys, saved_passes = [], []
         with autocast_off(x.device.type):
             for start, end in passes:
-                ids = _rows(topk_ids, start, end)
-                schedule = functional.build_schedule(ids, workspace)
-                y_pass, saved = functional.forward(_rows(x, start, end), ids, _rows(topk_weights, start, end), params,
-                                                   schedule, workspace)
+                ids, xs = _rows(topk_ids, start, end), _rows(x, start, end)
+                schedule = functional.build_schedule(ids, workspace, xs)
+                y_pass, saved = functional.forward(xs, ids, _rows(topk_weights, start, end), params, schedule,
+                                                   workspace)
                 ys.append(y_pass)
                 saved_passes.append(saved)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)

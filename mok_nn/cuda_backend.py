@@ -113,6 +113,9 @@ class Schedule:
     seg_end: torch.Tensor
     seg_rows: torch.Tensor
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
+    # (x, x_rows): x gathered in schedule order by the call that made the schedule (make_schedule(gather_x=x));
+    # taken once (take_gathered), so the schedule does not keep x_rows alive after the forward
+    gathered: tuple | None = field(default=None, repr=False)
     # gemm_seg_rows, computed once: every GEMM of a forward+backward takes it (3 torch ops each time
     # otherwise, host time the GPU can wait for)
     padded_rows: torch.Tensor | None = field(default=None, repr=False)
@@ -123,6 +126,12 @@ class Schedule:
         if self.padded_rows is None:
             self.padded_rows = padded_seg_rows(self.seg_end)
         return self.padded_rows
+
+    def take_gathered(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x_rows (= gather_rows(x, self, skip_tail=True)) where make_schedule gathered this very x, else None;
+        forgets them either way."""
+        gathered, self.gathered = self.gathered, None
+        return gathered[1] if gathered is not None and gathered[0] is x else None
 
     @property
     def capacity(self) -> int:
@@ -172,7 +181,8 @@ def _checked_capacity(num_tokens: int, top_k: int, num_experts: int, capacity: i
     return capacity
 
 
-def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
+def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
+                  gather_x: torch.Tensor | None = None) -> Schedule:
     """Count -> pad -> prefix sum on the device, no host sync.
 
     On CUDA: mok_schedule_mc (multi-CTA); MOK_SCHEDULE=mc_pdl: the same with
@@ -180,6 +190,9 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
     make_schedule_torch exactly. MOK_SCHEDULE=torch, CPU tensors or more than
     SCHEDULE_MAX_EXPERTS experts: make_schedule_torch. capacity: rows of the
     schedule (default the worst case, schedule_capacity; more only adds padding rows).
+    gather_x [T, H]: also gather x in schedule order from the same host call where the default kernels run
+    (mok_schedule_gather: mok_schedule_mc + mok_scatter_rows); the schedule holds the rows until
+    take_gathered(x) takes them. Elsewhere nothing is gathered (take_gathered gives None).
     """
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
@@ -198,15 +211,31 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
         ids = topk_ids.reshape(-1).contiguous()
         outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows)
         name = SCHEDULE_KERNELS[mode]
+        sched = Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
+                         padded_rows=padded_rows)
         if name == "mok_schedule":
             _lib().launch(name, *outs, top_k, stream=_stream())
+            return sched
+        chunk, chunks = schedule_chunk(n)
+        scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
+        if gather_x is not None and name == "mok_schedule_mc" and _gathers_with_schedule(gather_x, num_tokens, top_k):
+            x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
+            grid = row_copy_grid(num_tokens + -(-cap // 32), num_sms(dev), GATHER_CTAS_PER_SM)  # as take_rows
+            _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows, grid,
+                          stream=_stream())
+            sched.gathered = (gather_x, x_rows)
         else:
-            chunk, chunks = schedule_chunk(n)
-            scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
             _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
-        return Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
-                        padded_rows=padded_rows)
+        return sched
     return make_schedule_torch(topk_ids, num_experts, cap)
+
+
+def _gathers_with_schedule(x: torch.Tensor, num_tokens: int, top_k: int) -> bool:
+    """Whether make_schedule can gather x in the schedule's call: what take_rows would run is mok_scatter_rows
+    (MOK_GATHER_ROWS=scatter, the default; bf16 rows of 16-byte vectors on CUDA; k <= 32) on x's tokens."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == num_tokens > 0 and top_k <= 32
+            and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "scatter"
+            and rows_of_16_byte_vectors(x))
 
 
 def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
@@ -791,7 +820,9 @@ def experts_forward(
     fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1])
     # The SwiGLU-epilogue GEMM has no gather variant: it gets the permuted copy (not saved with gather).
     # (x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten)
-    x_rows = None if gather and not fused else gather_rows(x.contiguous(), sched, skip_tail=True)
+    x_rows = sched.take_gathered(x)  # gathered by the schedule's call (build_schedule), or None
+    if x_rows is None and not (gather and not fused):
+        x_rows = gather_rows(x.contiguous(), sched, skip_tail=True)
     if fused:
         gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
     else:
@@ -910,12 +941,14 @@ def init_workspace(ws) -> None:
         cuda_ep.init_workspace(ws)
 
 
-def build_schedule(topk_ids: torch.Tensor, workspace) -> Schedule | None:
+def build_schedule(topk_ids: torch.Tensor, workspace, x: torch.Tensor | None = None) -> Schedule | None:
     # With EP the schedule needs every rank's routing; cuda_ep.forward builds it after the
     # all-gather it shares with the token exchange.
     if workspace.ep_size > 1:
         return None
-    return make_schedule(topk_ids, workspace.num_experts)
+    # x (the forward's tokens): gathered in schedule order by the same host call, unless the gate/up GEMM
+    # reads x itself (MOK_GEMM_GATHER=1)
+    return make_schedule(topk_ids, workspace.num_experts, gather_x=None if _use_gather() else x)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, workspace):

@@ -122,10 +122,11 @@ def release_workspaces(ep_group=None) -> int:
     return len(keys)
 
 
-def build_schedule(topk_ids: torch.Tensor, workspace: Workspace):
-    """Which rows each rank computes, grouped by expert, from the routing."""
+def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor | None = None):
+    """Which rows each rank computes, grouped by expert, from the routing. x: the tokens the next forward
+    call takes (the CUDA backend may gather them in schedule order with the schedule; optional)."""
     if workspace.backend == "cuda":
-        return _cuda_backend().build_schedule(topk_ids, workspace)
+        return _cuda_backend().build_schedule(topk_ids, workspace, x)
     return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group)
 
 

@@ -96,3 +96,17 @@ def test_schedule_larger_capacity():
     for bad in (base.capacity - TILE_M, base.capacity + 1):
         with pytest.raises(ValueError, match="capacity"):
             make_schedule(ids, 8, bad)
+
+
+def test_take_gathered_gives_the_rows_of_that_very_x_once():
+    from mok_nn import cuda_backend as cb
+
+    ids = torch.randint(0, 4, (10, 2), generator=torch.Generator().manual_seed(3))
+    s = cb.make_schedule_torch(ids, 4)
+    assert s.gathered is None and s.take_gathered(torch.zeros(1)) is None  # the torch schedule gathers nothing
+    x = torch.randn(10, 8)
+    rows = cb.gather_rows(x, s)
+    s.gathered = (x, rows)
+    assert s.take_gathered(x.clone()) is None and s.gathered is None  # equal values, another tensor: not taken
+    s.gathered = (x, rows)
+    assert s.take_gathered(x) is rows and s.gathered is None and s.take_gathered(x) is None

@@ -335,6 +335,16 @@ def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> Kerne
     )
 
 
+def _schedule_gather_spec() -> KernelSpec:
+    # mok_schedule_mc's arguments, then the forward's x gather by it (ScatterRows): x, pos as (T, k), x_rows, grid
+    mc = _schedule_spec("mok_schedule_mc", "ScheduleMultiCta")
+    rows = TensorArg("x", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8))
+    return dataclasses.replace(mc, name="mok_schedule_gather", factory="ScheduleGather", args=(
+        *mc.args, rows, TensorArg("slots", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+        dataclasses.replace(rows, name="x_rows"), ScalarArg("num_ctas", "i32"),
+    ))
+
+
 def _ep_schedule_outputs_spec() -> KernelSpec:
     # cuda_ep.make_ep_schedule's outputs from its bucket schedule in one launch (kernels/ep_schedule.py)
     i64 = TensorArg("t", "i64", (DYN,), (1,), align=8)
@@ -594,6 +604,7 @@ SPECS = (
     _schedule_spec("mok_schedule", "Schedule"),  # one CTA (MOK_SCHEDULE=single)
     _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),  # the default
     _schedule_spec("mok_schedule_mc_pdl", "ScheduleMultiCta", (("pdl", True),)),  # launches overlap (MOK_SCHEDULE=mc_pdl)
+    _schedule_gather_spec(),  # mok_schedule_mc + the forward's x gather, one host call (EP = 1 forward)
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
     *_ep_specs(),

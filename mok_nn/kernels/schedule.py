@@ -437,3 +437,40 @@ class ScheduleMultiCta:
                 if rank == total - 1:
                     cnt[(warp, e)] = cnt[(warp, e)] + total
             cute.arch.sync_warp()
+
+
+# --------------------------------------------------------------------------
+# schedule + the forward's x gather in one exported call
+
+
+class ScheduleGather:
+    """ScheduleMultiCta, then ep_copy.ScatterRows of x by the schedule just made (x_rows [M_cap, H], rows of
+    tiles past the last segment unwritten), from one host call: the gather is queued right behind the
+    schedule. Launched as two host calls, the EP = 1 forward's GPU waited ~60 us for the host between them
+    (the Python of the forward in between; docs/benchmarks/..._v106_gaps_qwen3_88f0ac1.txt). Same kernels,
+    same order: the same outputs as make_schedule then gather_rows."""
+
+    @cute.jit
+    def __call__(
+        self,
+        ids: cute.Tensor,  # (N,) int64 flat expert ids, N = T*k
+        pos: cute.Tensor,  # (N,) int64 out
+        row_token: cute.Tensor,  # (M_cap,) int64 out
+        tile_expert: cute.Tensor,  # (M_cap / TILE_M,) int32 out
+        seg_end: cute.Tensor,  # (E,) int32 out
+        seg_rows: cute.Tensor,  # (E,) int32 out
+        padded_rows: cute.Tensor,  # (E,) int32 out
+        scratch: cute.Tensor,  # (C * E,) int32 workspace
+        top_k: cutlass.Int32,
+        chunk: cutlass.Int32,
+        x: cute.Tensor,  # (T, H) bf16: the tokens
+        slots: cute.Tensor,  # (T, k) int64: pos again, as the scatter reads it (the same memory)
+        x_rows: cute.Tensor,  # (M_cap, H) bf16 out
+        num_ctas: cutlass.Int32,  # the scatter's grid (cuda_backend.row_copy_grid)
+        stream: cuda.CUstream,
+    ):
+        from .ep_copy import ScatterRows  # ep_copy imports nothing from here; imported late to keep it so
+
+        ScheduleMultiCta()(ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, scratch, top_k, chunk,
+                           stream)
+        ScatterRows()(x, slots, row_token, tile_expert, x_rows, num_ctas, stream)

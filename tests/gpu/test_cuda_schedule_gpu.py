@@ -142,3 +142,43 @@ def test_schedule_no_host_sync(lib):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(sched.seg_rows, cb.make_schedule_torch(ids, 128).seg_rows)
+
+
+@pytest.mark.parametrize("T,k,E,mode", [(1, 1, 8, "random"), (333, 8, 128, "sparse"), (8192, 8, 256, "random"),
+                                        (4096, 2, 8, "hot"), (8191, 8, 128, "all_one")])
+def test_schedule_gather_equals_schedule_then_gather(lib, T, k, E, mode):
+    # mok_schedule_gather (make_schedule(gather_x=x)): the schedule of mok_schedule_mc, and x rows in
+    # schedule order as gather_rows gives them, against make_schedule_torch and an index_select oracle
+    from mok_nn import cuda_backend as cb
+
+    ids = _ids(T, k, E, mode, seed=T + 17 * E)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, 200, device="cuda", generator=g).to(torch.bfloat16)
+    want = cb.make_schedule_torch(ids, E)
+    for rep in range(2):
+        got = cb.make_schedule(ids, E, gather_x=x)
+        assert got.gathered is not None  # the fused call ran
+        assert got.take_gathered(x.clone()) is None and got.gathered is None  # another tensor: not its rows
+        got = cb.make_schedule(ids, E, gather_x=x)
+        rows = got.take_gathered(x)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(want, f)), (f, rep)
+        live = int((got.tile_expert >= 0).sum()) * cb.TILE_M  # rows of tiles past the last segment: unwritten
+        oracle = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, want.row_token[:live])
+        assert torch.equal(rows[:live], oracle), rep
+        assert torch.equal(rows[:live], cb.gather_rows(x, got, skip_tail=True)[:live])
+
+
+def test_schedule_gather_only_where_the_scatter_runs(lib, monkeypatch):
+    from mok_nn import cuda_backend as cb
+
+    ids = _ids(64, 2, 8, "random", seed=5)
+    x = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("MOK_GATHER_ROWS", "kernel")
+    assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
+    monkeypatch.setenv("MOK_GATHER_ROWS", "scatter")
+    monkeypatch.setenv("MOK_SCHEDULE", "single")
+    assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
+    monkeypatch.delenv("MOK_SCHEDULE")
+    assert cb.make_schedule(ids, 8, gather_x=x[:, 1:]).gathered is None  # rows not 16-byte aligned
+    assert cb.make_schedule(ids, 8, gather_x=x).gathered is not None
