@@ -232,8 +232,9 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
 
 def _gathers_with_schedule(x: torch.Tensor, num_tokens: int, top_k: int) -> bool:
     """Whether make_schedule can gather x in the schedule's call: what take_rows would run is mok_scatter_rows
-    (MOK_GATHER_ROWS=scatter, the default; bf16 rows of 16-byte vectors on CUDA; k <= 32) on x's tokens."""
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == num_tokens > 0 and top_k <= 32
+    (MOK_GATHER_ROWS=scatter, the default; bf16 rows of 16-byte vectors on CUDA; k <= 32) on x's tokens.
+    MOK_SCHEDULE_GATHER=0: never (the gather gets its own launch, as before; the same bits)."""
+    return (os.environ.get("MOK_SCHEDULE_GATHER", "1") != "0" and x.is_cuda and x.dim() == 2 and x.shape[0] == num_tokens > 0 and top_k <= 32
             and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "scatter"
             and rows_of_16_byte_vectors(x))
 

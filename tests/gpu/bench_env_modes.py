@@ -26,6 +26,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   wgrad: c2, ppc, pp, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
+  schedgather: fused, split, fused_again, split_again (MOK_SCHEDULE_GATHER: the EP = 1 forward's x gather
+          launched by the schedule's host call, or on its own)
   wgradrule: rule, c2, rule_again, c2_again (the default choice per weight gradient, cuda_backend.wgrad_kernel,
           against mok_gemm_wgrad_defer_c2 everywhere)
   gatherrows: torch, kernel, torch_again, kernel_again (MOK_GATHER_ROWS: the x / d y row gathers by
@@ -62,6 +64,13 @@ MODE_SETS = {
     # the weight-gradient kernel in the layer; the default twice (first and last) to show the
     # measurement's position bias next to the difference
     # the default rule (the ping-pong kernel for deepseek-v3's d down, cuda_backend.wgrad_kernel) vs _defer_c2 everywhere
+    # the EP = 1 forward's x gather launched by the schedule's host call, or by its own (MOK_SCHEDULE_GATHER=0)
+    "schedgather": {
+        "fused": {},
+        "split": {"MOK_SCHEDULE_GATHER": "0"},
+        "fused_again": {},
+        "split_again": {"MOK_SCHEDULE_GATHER": "0"},
+    },
     "wgradrule": {
         "rule": {},
         "c2": {"MOK_WGRAD_KERNEL": "mok_gemm_wgrad_defer_c2"},

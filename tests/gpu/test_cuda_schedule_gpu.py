@@ -181,4 +181,7 @@ def test_schedule_gather_only_where_the_scatter_runs(lib, monkeypatch):
     assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
     monkeypatch.delenv("MOK_SCHEDULE")
     assert cb.make_schedule(ids, 8, gather_x=x[:, 1:]).gathered is None  # rows not 16-byte aligned
+    monkeypatch.setenv("MOK_SCHEDULE_GATHER", "0")
+    assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
+    monkeypatch.delenv("MOK_SCHEDULE_GATHER")
     assert cb.make_schedule(ids, 8, gather_x=x).gathered is not None
