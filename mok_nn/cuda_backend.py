@@ -8,7 +8,9 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   =torch: torch ops); no host sync
   gather of x     mok_scatter_rows into the padded expert order (each x row read once, stored to its
                   slots' rows; zero padding rows; rows past the last segment not written;
-                  MOK_GATHER_ROWS=kernel: mok_gather_rows, warp per row; =torch: index_select)
+                  MOK_GATHER_ROWS=kernel: mok_gather_rows, warp per row; =torch: index_select);
+                  in the forward launched by the schedule's host call (mok_schedule_gather,
+                  make_schedule(gather_x=); MOK_SCHEDULE_GATHER=0: its own launch)
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); where H <= 2048 with
                   the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
   activation      mok_act_fwd_<act> (one pass over gate_up)
@@ -26,8 +28,9 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   dgrad gate/up   mok_gemm_bn
   reverse combine mok_combine (w = 1)
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
-                  2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); macrobatch passes after
-                  the first add into the first one's by its twin mok_gemm_wgrad_defer_c2_acc
+                  2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); mok_gemm_wgrad_pp where
+                  experts have few rows and the output few columns (wgrad_kernel); macrobatch passes
+                  after the first add into the first one's by its twin mok_gemm_wgrad_defer_c2_acc
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
