@@ -5,10 +5,9 @@
 For a few kernels of the qwen3-30b-a3b forward (loader.launch: packing + the exported wrapper, which also
 builds TMA descriptors for the GEMMs) and, for scale, a torch op and a bare torch.empty.
 """
-import time
-
 import torch
 
+import layer_runs  # the script's folder is on sys.path
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
 
@@ -32,12 +31,4 @@ calls = {
 }
 for name, fn in calls.items():
     fn()
-    torch.cuda.synchronize()
-    reps = 200
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the launches below only queue
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    dt = (time.perf_counter() - t0) / reps * 1e6
-    torch.cuda.synchronize()
-    print(f"{name:<28} {dt:7.1f} us host per call", flush=True)
+    print(f"{name:<28} {layer_runs.host_ms_busy(fn, 200) * 1e3:7.1f} us host per call", flush=True)

@@ -6,6 +6,7 @@ import os
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 
@@ -77,6 +78,19 @@ def median_ms_queued(fn, reps, warmup=3):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def host_ms_busy(fn, reps):
+    """Host ms per fn() call while the GPU is busy (a long torch.cuda._sleep first), so the launches only
+    queue: the host's own issue time, not a wait for the GPU."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    return dt
+
+
 def load_cpu_test(name):
     """A module of tests/ (the CPU tests) by file name, e.g. an oracle kept there; the CPU test modules
     import each other by name, so tests/ goes on sys.path."""
@@ -102,13 +116,12 @@ def torchrun_group():
     return dist.group.WORLD, rank, dist.get_world_size()
 
 
-def ep_steps(shape, tokens):
-    """Under torchrun: NCCL process group, this rank's problem of mok_nn.bench at EP = world size, and
-    (rank, world, [("forward", fwd), ("forward+backward", fwd_bwd)]) running mok_nn's routed experts."""
+def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0):
+    """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's routed experts on the problem of
+    mok_nn.bench (this rank's part at EP = ep_size), as the benchmark times them (gradients reset first)."""
     from mok_nn import bench
 
-    group, rank, world = torchrun_group()
-    p = bench.make_problem(shape, tokens, "cuda", ep_size=world, ep_rank=rank)
+    p = bench.make_problem(shape, tokens, "cuda", ep_size=ep_size, ep_rank=ep_rank)
     fn = bench.mok_experts("cuda", group)
     leaves = bench._leaves(p)
     x, w, gu, dn = leaves
@@ -123,4 +136,10 @@ def ep_steps(shape, tokens):
         y = fn(x, p["ids"], w, gu, dn)
         y.backward(p["dy"])
 
-    return rank, world, [("forward", fwd), ("forward+backward", fwd_bwd)]
+    return [("forward", fwd), ("forward+backward", fwd_bwd)]
+
+
+def ep_steps(shape, tokens):
+    """Under torchrun: NCCL process group, and (rank, world, bench_steps at EP = world size)."""
+    group, rank, world = torchrun_group()
+    return rank, world, bench_steps(shape, tokens, group, world, rank)

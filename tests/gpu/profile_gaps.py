@@ -16,22 +16,11 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from mok_nn import bench
+import layer_runs  # the script's folder is on sys.path
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "deepseek-v3"
 tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-p = bench.make_problem(shape, tokens, "cuda")
-fn = bench.mok_experts("cuda")
-leaves = bench._leaves(p)
-x, w, gu, dn = leaves
-
-
-def step():
-    for t in leaves:
-        t.grad = None
-    y = fn(x, p["ids"], w, gu, dn)
-    y.backward(p["dy"])
-
+step = dict(layer_runs.bench_steps(shape, tokens))["forward+backward"]
 
 for _ in range(3):
     step()
