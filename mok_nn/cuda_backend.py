@@ -119,8 +119,8 @@ class Schedule:
     # (x, x_rows): x gathered in schedule order by the call that made the schedule (make_schedule(gather_x=x));
     # taken once (take_gathered), so the schedule does not keep x_rows alive after the forward
     gathered: tuple | None = field(default=None, repr=False)
-    # gemm_seg_rows, computed once: every GEMM of a forward+backward takes it (3 torch ops each time
-    # otherwise, host time the GPU can wait for)
+    # gemm_seg_rows: written by the schedule kernels (make_schedule), else computed once on first use; every
+    # GEMM of a forward+backward takes it (3 torch ops each time otherwise, host time the GPU can wait for)
     padded_rows: torch.Tensor | None = field(default=None, repr=False)
 
     def gemm_seg_rows(self) -> torch.Tensor:
@@ -237,9 +237,9 @@ def _gathers_with_schedule(x: torch.Tensor, num_tokens: int, top_k: int) -> bool
     """Whether make_schedule can gather x in the schedule's call: what take_rows would run is mok_scatter_rows
     (MOK_GATHER_ROWS=scatter, the default; bf16 rows of 16-byte vectors on CUDA; k <= 32) on x's tokens.
     MOK_SCHEDULE_GATHER=0: never (the gather gets its own launch, as before; the same bits)."""
-    return (os.environ.get("MOK_SCHEDULE_GATHER", "1") != "0" and x.is_cuda and x.dim() == 2 and x.shape[0] == num_tokens > 0 and top_k <= 32
-            and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "scatter"
-            and rows_of_16_byte_vectors(x))
+    return (os.environ.get("MOK_SCHEDULE_GATHER", "1") != "0" and x.is_cuda and x.dim() == 2
+            and x.shape[0] == num_tokens > 0 and top_k <= 32 and rows_of_16_byte_vectors(x)
+            and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "scatter")
 
 
 def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
