@@ -221,11 +221,10 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
             return sched
         chunk, chunks = schedule_chunk(n)
         scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
-        if gather_x is not None and name == "mok_schedule_mc" and _gathers_with_schedule(gather_x, num_tokens, top_k):
+        if gather_x is not None and name == "mok_schedule_mc" and _gathers_with_schedule(gather_x, sched.pos):
             x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
-            grid = row_copy_grid(num_tokens + -(-cap // 32), num_sms(dev), GATHER_CTAS_PER_SM)  # as take_rows
-            _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows, grid,
-                          stream=_stream())
+            _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
+                          _scatter_rows_grid(num_tokens, cap, dev), stream=_stream())
             sched.gathered = (gather_x, x_rows)
         else:
             _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
@@ -233,13 +232,12 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
     return make_schedule_torch(topk_ids, num_experts, cap)
 
 
-def _gathers_with_schedule(x: torch.Tensor, num_tokens: int, top_k: int) -> bool:
-    """Whether make_schedule can gather x in the schedule's call: what take_rows would run is mok_scatter_rows
-    (MOK_GATHER_ROWS=scatter, the default; bf16 rows of 16-byte vectors on CUDA; k <= 32) on x's tokens.
+def _gathers_with_schedule(x: torch.Tensor, pos: torch.Tensor) -> bool:
+    """Whether make_schedule can gather x in the schedule's call: x holds the schedule's tokens (pos [T, k])
+    and take_rows would run mok_scatter_rows on them (_gather_rows_kernel).
     MOK_SCHEDULE_GATHER=0: never (the gather gets its own launch, as before; the same bits)."""
-    return (os.environ.get("MOK_SCHEDULE_GATHER", "1") != "0" and x.is_cuda and x.dim() == 2
-            and x.shape[0] == num_tokens > 0 and top_k <= 32 and rows_of_16_byte_vectors(x)
-            and env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0]) == "scatter")
+    return (os.environ.get("MOK_SCHEDULE_GATHER", "1") != "0" and x.dim() == 2 and x.shape[0] == pos.shape[0] > 0
+            and _gather_rows_kernel(x, pos) == "mok_scatter_rows")
 
 
 def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
@@ -397,24 +395,40 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
     as Schedule.pos / EPSchedule.token_slots give it; without them, or k > 32, the gather kernel), 'kernel'
     (mok_gather_rows: warp per dst row) or 'torch' (index_select, after a cat of a zero row unless
     has_zero_row; also on CPU). Same bits in every written row."""
-    mode = env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0])
-    if src.is_cuda and mode != "torch" and rows_of_16_byte_vectors(src):
+    name = _gather_rows_kernel(src, slots)
+    if name is not None:
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
         if not idx.shape[0]:
             return out
         tiles = tile_expert if tile_expert is not None else _cached_zero_tile(src.device)
-        if mode == "scatter" and slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
-            slots = slots.contiguous()
-            units = slots.shape[0] + -(-idx.shape[0] // 32)  # src rows, then batches of 32 rows to zero
-            grid = row_copy_grid(units, num_sms(src.device), GATHER_CTAS_PER_SM)
-            _lib().launch("mok_scatter_rows", src, slots, idx, tiles, out, grid, stream=_stream())
+        if name == "mok_scatter_rows":
+            grid = _scatter_rows_grid(slots.shape[0], idx.shape[0], src.device)
+            _lib().launch(name, src, slots.contiguous(), idx, tiles, out, grid, stream=_stream())
         else:
             grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
-            _lib().launch("mok_gather_rows", src, idx, tiles, out, grid, stream=_stream())
+            _lib().launch(name, src, idx, tiles, out, grid, stream=_stream())
         return out
     if has_zero_row:
         return src.index_select(0, idx)
     return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
+
+
+def _gather_rows_kernel(src: torch.Tensor, slots: torch.Tensor | None) -> str | None:
+    """The kernel take_rows runs on src (MOK_GATHER_ROWS): mok_scatter_rows where slots [N, k] are given,
+    k <= 32 and N <= src rows, else mok_gather_rows; None where index_select runs (=torch, CPU, or rows
+    that are not 16-byte vectors)."""
+    mode = env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0])
+    if not (src.is_cuda and mode != "torch" and rows_of_16_byte_vectors(src)):
+        return None
+    if mode == "scatter" and slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
+        return "mok_scatter_rows"
+    return "mok_gather_rows"
+
+
+def _scatter_rows_grid(num_src: int, num_rows: int, device: torch.device) -> int:
+    """CTAs of mok_scatter_rows: its work units are the num_src source rows, then batches of 32 of the
+    num_rows dst rows (the zero rows)."""
+    return row_copy_grid(num_src + -(-num_rows // 32), num_sms(device), GATHER_CTAS_PER_SM)
 
 
 @functools.lru_cache(maxsize=None)

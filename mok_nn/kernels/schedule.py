@@ -30,6 +30,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
+from .ep_copy import ScatterRows
 from .registry import SCHEDULE_MAX_EXPERTS as MAX_EXPERTS
 from .registry import SCHEDULE_MC_WARPS as MC_WARPS
 from .registry import TILE_M
@@ -469,8 +470,6 @@ class ScheduleGather:
         num_ctas: cutlass.Int32,  # the scatter's grid (cuda_backend.row_copy_grid)
         stream: cuda.CUstream,
     ):
-        from .ep_copy import ScatterRows  # ep_copy imports nothing from here; imported late to keep it so
-
         ScheduleMultiCta()(ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, scratch, top_k, chunk,
                            stream)
         ScatterRows()(x, slots, row_token, tile_expert, x_rows, num_ctas, stream)
