@@ -505,7 +505,10 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    name = _fused_kernel(f"mok_gemm_gate_up_{activation}", "act", a.shape[1], two_i // 2 // (PINGPONG_TILE_N // 2))
+    base = f"mok_gemm_gate_up_{activation}"
+    name = _fused_kernel(base, "act", a.shape[1], two_i // 2 // (PINGPONG_TILE_N // 2))
+    if name == base and _full_epilogue(a.shape[1]):  # the cooperative kernel: whole tile in smem (_ef)
+        name += "_ef"
     group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
@@ -529,13 +532,19 @@ def gemm_kernel(
     suffix = pingpong_suffix("gemm", k) if pingpong else ""
     if suffix:
         return ("mok_gemm_bn" if transpose_w else "mok_gemm_bk") + suffix
+    name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
+    return name + "_ef" if _full_epilogue(k, epi) else name
+
+
+def _full_epilogue(k: int, epi: str | None = None) -> bool:
+    """Whether a cooperative bf16 GEMM of reduction length k keeps its whole output tile in smem (the _ef
+    kernels): epi, else MOK_GEMM_EPI, "split", "full" or "auto" (full where k <= GEMM_FULL_EPI_MAX_K)."""
     epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
     if epi not in ("split", "full", "auto"):
         raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")
     if epi == "auto":
-        epi = "full" if k <= GEMM_FULL_EPI_MAX_K else "split"
-    name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
-    return name + "_ef" if epi == "full" else name
+        return k <= GEMM_FULL_EPI_MAX_K
+    return epi == "full"
 
 
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:

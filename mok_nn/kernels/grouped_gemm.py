@@ -38,7 +38,10 @@ loads B as two 128-row halves, gate rows n*128.. and up rows I + n*128.., so
 the accumulator holds matching gate (columns 0-127) and up (128-255) values.
 The epilogue stores both into gate_up (columns n*128.. and I + n*128..) and
 h = act(gate, up) from the bf16-rounded values with the formulas of
-swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives.
+swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives. With
+full_epi (cooperative only) the whole gate/up tile sits in smem and its stores,
+then h's, overlap the next tile's mainloop (_epilogue_act_full); without it the
+12 sub-tiles rotate through 4 buffers, each waiting for the store 4 back.
 
 dSwiGLU epilogue (dact="swiglu" / "swiglu_oai", class VarlenMGroupedGemmDact; the backward's
 dgrad of down: A = dy rows, B = down_proj N-major, I % 256 == 0): the accumulator is
@@ -107,7 +110,7 @@ class VarlenMGroupedGemm:
         # ping-pong tile's L2 -> smem bytes per FLOP back to the cooperative kernel's.
         assert cluster_n in (1, 2) and (cluster_n == 1 or pingpong)
         self.cluster_n = cluster_n
-        assert act is None or not full_epi, "the SwiGLU epilogue uses the split epilogue"
+        assert act is None or not (full_epi and pingpong), "the ping-pong SwiGLU epilogue is split"
         assert dact is None or not (full_epi or gather or act), "the dSwiGLU epilogue: split, TMA-loaded A"
         self.full_epi = full_epi
         self.act = act
@@ -398,6 +401,64 @@ class VarlenMGroupedGemm:
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _epilogue_act_full(
+        self, mC, mH, tma_c, tma_h, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, rU, rG_out, rU_out,
+        rD_size: cutlass.Constexpr, bSG_sC, m_tile, n_tile, limit, epi_barrier, warp_idx, store_warp,
+        n_sub: cutlass.Constexpr,
+    ):
+        """SwiGLU epilogue with the whole gate/up tile in smem (full_epi, cooperative): the n_sub gate/up
+        sub-tiles go into buffers 0..n_sub-1 and out by TMA in two bulk groups (gate, then up); h, computed
+        from the bf16-rounded values meanwhile, goes into buffers 0..n_sub/2-1 once the gate group has read
+        them. Nothing is waited for at the end: the next tile's epilogue first waits for all of this tile's
+        stores to have read smem (as store_tile_full), so the stores overlap the next mainloop. Same values
+        and destinations as _epilogue_act: the same bits."""
+        hn = n_sub // 2
+        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
+        if warp_idx == store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        epi_barrier.arrive_and_wait()
+        for e in cutlass.range_constexpr(n_sub):
+            for v in cutlass.range_constexpr(rD_size):
+                rD[v] = tRS_acc[e * rD_size + v]
+            rD_out.store(rD.load().to(self.c_dtype))
+            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if warp_idx == store_warp:
+            for c in cutlass.range_constexpr(hn):
+                cute.copy(tma_c, bSG_sC[(None, c)], bSG_gCa[(None, (m_tile, n_tile * hn + c))])
+            cute.arch.cp_async_bulk_commit_group()
+            for c in cutlass.range_constexpr(hn):
+                cute.copy(tma_c, bSG_sC[(None, hn + c)], bSG_gCa[(None, (m_tile, up_block + n_tile * hn + c))])
+            cute.arch.cp_async_bulk_commit_group()
+        # h from the bf16-rounded gate/up, as mok_act_fwd reads them from gate_up (registers only, so it
+        # runs while the gate stores read their buffers)
+        r_h = []
+        for c in cutlass.range_constexpr(hn):
+            for v in cutlass.range_constexpr(rD_size):
+                rD[v] = tRS_acc[c * rD_size + v]
+                rU[v] = tRS_acc[(c + hn) * rD_size + v]
+            rG_out.store(rD.load().to(self.c_dtype))
+            rU_out.store(rU.load().to(self.c_dtype))
+            for v in cutlass.range_constexpr(rD_size):
+                hv, _, _ = _act(self.act, rG_out[v].to(cutlass.Float32), rU_out[v].to(cutlass.Float32), limit)
+                rD[v] = hv
+            r_hc = cute.make_rmem_tensor(rD.shape, self.c_dtype)
+            r_hc.store(rD.load().to(self.c_dtype))
+            r_h.append(r_hc)
+        if warp_idx == store_warp:
+            cute.arch.cp_async_bulk_wait_group(1, read=True)  # the gate group has read buffers 0..hn-1
+        epi_barrier.arrive_and_wait()
+        for c in cutlass.range_constexpr(hn):
+            cute.copy(r2s, r_h[c], tRS_sC[(None, None, None, c)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if warp_idx == store_warp:
+            for c in cutlass.range_constexpr(hn):
+                cute.copy(tma_h, bSG_sH[(None, c)], bSG_gH[(None, (m_tile, n_tile * hn + c))])
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _epilogue_dact(
@@ -844,7 +905,12 @@ class VarlenMGroupedGemm:
                             gC[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
                         )
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
-                        if cutlass.const_expr(self.full_epi):
+                        if cutlass.const_expr(self.full_epi and self.act is not None):
+                            self._epilogue_act_full(
+                                mC, mH, tma_c, tma_h, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, rU, rG_out, rU_out, rD_size,
+                                bSG_sC, m_tile, n_tile, limit, epi_barrier, warp_idx, store_warp, n_sub,
+                            )
+                        elif cutlass.const_expr(self.full_epi):
                             store_tile_full(
                                 r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
                                 epi_tiles, epi_barrier, warp_idx, buf_base, store_warp,
@@ -880,9 +946,11 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
     """The gate/up GEMM with the activation in its epilogue: writes gate_up and h = act(gate, up).
     I % (tile_n / 2) == 0; on clusters (cluster_n = 2) I % tile_n == 0 (an even count of h tiles)."""
 
-    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False, cluster_n: int = 1):
+    def __init__(self, act: str, tile_n: int = 256, num_sms: int = 132, pingpong: bool = False, cluster_n: int = 1,
+                 full_epi: bool = False):
         assert act in ("swiglu", "swiglu_oai") and tile_n == (128 if pingpong else 256)
-        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act, pingpong=pingpong, cluster_n=cluster_n)
+        super().__init__(tile_n=tile_n, num_sms=num_sms, act=act, pingpong=pingpong, cluster_n=cluster_n,
+                         full_epi=full_epi)
 
     @cute.jit
     def __call__(

@@ -156,13 +156,15 @@ def _pp_suffix(pingpong: bool, cluster_n: int) -> str:
     return ("_ppc" if cluster_n > 1 else "_pp") if pingpong else ""
 
 
-def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
+def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1, full_epi: bool = False) -> KernelSpec:
     # gate/up GEMM with the activation in the epilogue: writes gate_up (M, 2I) and h (M, I).
+    # full_epi (cooperative only): the whole gate/up tile in smem, suffix _ef as the plain GEMMs.
     return KernelSpec(
-        name=f"mok_gemm_gate_up_{kind}" + _pp_suffix(pingpong, cluster_n),
+        name=f"mok_gemm_gate_up_{kind}" + _pp_suffix(pingpong, cluster_n) + ("_ef" if full_epi else ""),
         module="grouped_gemm",
         factory="VarlenMGroupedGemmAct",
-        factory_kwargs=(("act", kind),) + _pingpong_kwargs(pingpong, cluster_n),
+        factory_kwargs=(("act", kind),) + _pingpong_kwargs(pingpong, cluster_n)
+        + ((("full_epi", True),) if full_epi else ()),
         args=(
             TensorArg("a", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
             TensorArg("b", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(256, 8, 1)),
@@ -548,6 +550,9 @@ SPECS = (
     # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
     _gemm_act_spec("swiglu"),
     _gemm_act_spec("swiglu_oai"),
+    # the same with the whole gate/up tile in smem, its stores beside the next tile's mainloop (MOK_GEMM_EPI)
+    _gemm_act_spec("swiglu", full_epi=True),
+    _gemm_act_spec("swiglu_oai", full_epi=True),
     _gemm_dact_spec("swiglu"),  # dgrad of down + dSwiGLU + d topk-weight partials (MOK_GEMM_DACT)
     _gemm_dact_spec("swiglu_oai"),
     # ping-pong: each consumer warp group computes whole 128 x 128 tiles, its epilogue beside the other's

@@ -17,7 +17,7 @@ rows only. Checks: every variant's rows [0, seg_end[-1]) bitwise equal to the
 default (split epilogue); routed rows within bf16 tolerance of
 torch._grouped_mm. Prints a table, writes gemm_variants.json and .txt to $OUT.
 Also (where I % 128 == 0) the forward's gate/up GEMM + SwiGLU as two kernels
-vs the fused mok_gemm_gate_up_swiglu and its ping-pong twin (_pp) ("speedup" there =
+vs the fused mok_gemm_gate_up_swiglu (_ef: whole tile in smem, and split) and its ping-pong twins ("speedup" there =
 two-kernel time / this), and (I % 256 == 0) the backward's dgrad of down + activation
 backward as two kernels vs mok_gemm_dact_swiglu and mok_gemm_dact_swiglu_pp.
 Gather: gate_up (x) and dgrad_down (dy) as index_select (cb.gather_rows) + the TMA
@@ -129,8 +129,10 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
     t_split = median_ms_queued(split, reps)
     _fused_row(shape, "gate_up+act", "gemm_bk+act_fwd", t_split, t_split, flops, "", say, records)
     ok = True
-    for label, pingpong in (("gate_up_swiglu fused", "0"), ("gate_up_swiglu_pp", "1"), ("gate_up_swiglu_ppc", "cluster")):
-        os.environ["MOK_GEMM_PINGPONG"] = pingpong  # gate_up_act picks the kernel by it
+    for label, pingpong, epi in (("gate_up_swiglu_ef", "0", "full"), ("gate_up_swiglu split", "0", "split"),
+                                 ("gate_up_swiglu_pp", "1", "auto"), ("gate_up_swiglu_ppc", "cluster", "auto")):
+        os.environ["MOK_GEMM_PINGPONG"] = pingpong  # gate_up_act picks the kernel by them
+        os.environ["MOK_GEMM_EPI"] = epi
         gu_f, h_f = cb.gate_up_act(a, W13, sched, "swiglu", None)
         torch.cuda.synchronize()
         bitwise = torch.equal(gu_f[:used], gate_up[:used]) and torch.equal(h_f[:used], h[:used])
@@ -140,6 +142,7 @@ def fused_act(shape, a, W13, sched, gate_up, flops, reps, say, records):
                    "bitwise=split" if bitwise else "DIFFERS from split  FAIL", say, records,
                    bitwise_equal_default=bitwise)
     os.environ["MOK_GEMM_PINGPONG"] = "0"
+    os.environ.pop("MOK_GEMM_EPI")
     return ok
 
 

@@ -15,6 +15,7 @@
 # epgather (EP checks with MOK_GEMM_GATHER=1), epcopy (EP row copies v1 vs v2), gather (MOK_GEMM_GATHER tests, timings, layer),
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
+# actepi (gate/up + SwiGLU with the whole tile in smem: tests, call by call, the layer with MOK_GEMM_ACT fused / split),
 # epslot / eprank (EP checks with MOK_EP_COMBINE_SUMS=slot / rank), epdispatch (EP checks with
 # MOK_EP_DISPATCH=rows, then pull vs rows side by side),
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
@@ -96,6 +97,10 @@ for s in "$@"; do
             -k "grouped_gemm or act_fused or pingpong or experts_vs_reference"
         TAIL=60 step pp_gemms 240 python3 tests/gpu/bench_gemm_variants.py --no-gather
         TAIL=16 step pp_modes 300 python3 tests/gpu/bench_env_modes.py --modes pingpong ;;
+    actepi)  # the fused gate/up + SwiGLU with the whole tile in smem (_ef): its tests, call by call, the layer side by side
+        TAIL=6 step actepi_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k "act_fused or act_in_forward"
+        TAIL=20 step actepi_gemms 200 python3 tests/gpu/bench_gemm_variants.py --gemms gate_up --no-gather
+        TAIL=12 step actepi_modes 300 python3 tests/gpu/bench_env_modes.py --modes act ;;
     dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
         TAIL=20 step dact_gemms 150 python3 tests/gpu/bench_gemm_variants.py --gemms dgrad_down ;;
     wgrad)  # weight-gradient kernels: resident clusters per cluster size, the wgrad GPU tests, the variants call by call

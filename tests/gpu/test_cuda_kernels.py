@@ -534,13 +534,17 @@ ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
     (300, 1, 3, 128, 256, "one_expert", "swiglu_oai", 7.0),
     (1, 1, 4, 256, 128, "random", "swiglu_oai", None),
     (512, 8, 128, 2048, 768, "random", "swiglu", None),  # qwen3-30b-a3b, reduced T
+    (96, 2, 8, 4096, 14336, "random", "swiglu", None),  # mixtral-8x7b: 56 h tiles (raster bands of 8 rows)
 ]
+# MOK_GEMM_PINGPONG, MOK_GEMM_EPI -> mok_gemm_gate_up_<act>_ef, mok_gemm_gate_up_<act>, _pp, _ppc
+ACT_VARIANTS = {"coop_full": ("0", "full"), "coop_split": ("0", "split"), "pp": ("1", "auto"),
+                "ppc": ("cluster", "auto")}
 
 
 @pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-@pytest.mark.parametrize("pingpong", ["0", "1", "cluster"])  # MOK_GEMM_PINGPONG: mok_gemm_gate_up_<act>[_pp|_ppc]
-def test_gate_up_act_fused(lib, case, pingpong, monkeypatch):
-    """mok_gemm_gate_up_<act>[_pp]: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
+@pytest.mark.parametrize("variant", list(ACT_VARIANTS))
+def test_gate_up_act_fused(lib, case, variant, monkeypatch):
+    """mok_gemm_gate_up_<act>[_ef|_pp|_ppc]: gate_up and h bitwise equal to mok_gemm_bk + mok_act_fwd_<act>."""
     from mok_nn import cuda_backend as cb
     from mok_nn import reference
 
@@ -553,7 +557,9 @@ def test_gate_up_act_fused(lib, case, pingpong, monkeypatch):
     used = int(sched.seg_end[-1])
     gu_ref = cb.grouped_gemm(a, W13, sched, transpose_w=False)
     h_ref = cb.act_forward(gu_ref, sched, act, limit)
+    pingpong, epi = ACT_VARIANTS[variant]
     monkeypatch.setenv("MOK_GEMM_PINGPONG", pingpong)
+    monkeypatch.setenv("MOK_GEMM_EPI", epi)
     outs = []
     for _ in range(2):
         gu, h = cb.gate_up_act(a, W13, sched, act, limit)
