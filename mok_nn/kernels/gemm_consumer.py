@@ -13,13 +13,17 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 
 
-def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_barriers: bool = False):
+def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_barriers: bool = False,
+                 epi_barriers: bool = False):
     """The shared-memory struct of a GEMM kernel: the A/B ring's full and empty barriers, (ping-pong) the
-    two mainloop order barriers of the consumer warp groups, then the A, B and epilogue buffers.
+    two mainloop order barriers of the consumer warp groups, (epi_barriers) the full and empty barriers of
+    an epilogue handed to other warps, then the A, B and epilogue buffers.
     (Built from an annotation dict of DSL types: this module's annotations are strings.)"""
     fields = {"ab_barriers": cute.struct.MemRange[cutlass.Int64, ab_stages * 2]}
     if order_barriers:
         fields["order_barriers"] = cute.struct.MemRange[cutlass.Int64, 2]
+    if epi_barriers:
+        fields["epi_barriers"] = cute.struct.MemRange[cutlass.Int64, 2]
     for name, dtype, layout in (("sA", ab_dtype, a_smem), ("sB", ab_dtype, b_smem), ("sC", c_dtype, c_smem)):
         fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))

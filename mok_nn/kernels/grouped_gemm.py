@@ -39,9 +39,11 @@ the accumulator holds matching gate (columns 0-127) and up (128-255) values.
 The epilogue stores both into gate_up (columns n*128.. and I + n*128..) and
 h = act(gate, up) from the bf16-rounded values with the formulas of
 swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives. With
-full_epi (cooperative only) the whole gate/up tile sits in smem and its stores,
-then h's, overlap the next tile's mainloop (_epilogue_act_full); without it the
-12 sub-tiles rotate through 4 buffers, each waiting for the store 4 back.
+full_epi (cooperative only) the consumers only put the whole gate/up tile into
+smem and go on to the next mainloop; the producer warp group's idle warps 1-3
+store it, compute h from it and store h (_act_handoff, _act_helper, two
+mbarriers between them). Without it the consumers store 12 sub-tiles through 4
+rotating buffers and compute h themselves while the tensor cores wait.
 
 dSwiGLU epilogue (dact="swiglu" / "swiglu_oai", class VarlenMGroupedGemmDact; the backward's
 dgrad of down: A = dy rows, B = down_proj N-major, I % 256 == 0): the accumulator is
@@ -115,6 +117,9 @@ class VarlenMGroupedGemm:
         self.full_epi = full_epi
         self.act = act
         self.dact = dact  # VarlenMGroupedGemmDact: the backward's activation in the dgrad-of-down epilogue
+        # SwiGLU with the whole tile in smem: the consumers hand the gate/up tile to the producer warp group's
+        # idle warps 1-3, which store it and compute and store h beside the next mainloop (_act_helper)
+        self.act_helper = act is not None and full_epi
         self.gather = gather
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
@@ -284,7 +289,8 @@ class VarlenMGroupedGemm:
         if cutlass.const_expr(self.dact is not None):
             ready, ready_err = w_rows, dw_part
 
-        self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem)
+        self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
+                                           epi_barriers=self.act_helper)
         if cutlass.const_expr(self.dynamic):
             # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
             @cute.struct
@@ -343,12 +349,13 @@ class VarlenMGroupedGemm:
 
     def _gate_up_h_stores(self, mC, mH, tma_c, tma_h, sC):
         """TMA store views of the SwiGLU epilogues (act, dact), by 32-column block of the whole outputs:
-        (gate_up blocks, smem buffers as h's source, h blocks, the first up block of gate_up = I / 32)."""
+        (smem buffers as gate_up's source, gate_up blocks, smem buffers as h's source, h blocks, the first up block
+        of gate_up = I / 32)."""
         gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
         gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
-        _, bSG_gCa = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa)
+        bSG_sCa, bSG_gCa = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa)
         bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa)
-        return bSG_gCa, bSG_sH, bSG_gH, cute.size(mH, mode=[1]) // self.epi_tile[1]
+        return bSG_sCa, bSG_gCa, bSG_sH, bSG_gH, cute.size(mH, mode=[1]) // self.epi_tile[1]
 
     def _row_block(self, m_tile, ms, m_subs):
         """Row block (of epi_tile[0] rows) of sub-tile row ms of row tile m_tile, in whole-output views."""
@@ -367,7 +374,7 @@ class VarlenMGroupedGemm:
         blocks of the whole outputs: gate_up block n hn + c / I/32 + n hn + c, h n hn + c."""
         hn = n_sub // 2
         epi_tiles = m_subs * n_sub
-        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
+        _, bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
         for e in cutlass.range_constexpr(epi_tiles + epi_tiles // 2):
             if cutlass.const_expr(e < epi_tiles):
                 ms, c = e // n_sub, e % n_sub
@@ -403,62 +410,75 @@ class VarlenMGroupedGemm:
             epi_barrier.arrive_and_wait()
 
     @cute.jit
-    def _epilogue_act_full(
-        self, mC, mH, tma_c, tma_h, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, rU, rG_out, rU_out,
-        rD_size: cutlass.Constexpr, bSG_sC, m_tile, n_tile, limit, epi_barrier, warp_idx, store_warp,
-        n_sub: cutlass.Constexpr,
-    ):
-        """SwiGLU epilogue with the whole gate/up tile in smem (full_epi, cooperative): the n_sub gate/up
-        sub-tiles go into buffers 0..n_sub-1 and out by TMA in two bulk groups (gate, then up); h, computed
-        from the bf16-rounded values meanwhile, goes into buffers 0..n_sub/2-1 once the gate group has read
-        them. Nothing is waited for at the end: the next tile's epilogue first waits for all of this tile's
-        stores to have read smem (as store_tile_full), so the stores overlap the next mainloop. Same values
-        and destinations as _epilogue_act: the same bits."""
-        hn = n_sub // 2
-        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
-        if warp_idx == store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        epi_barrier.arrive_and_wait()
-        for e in cutlass.range_constexpr(n_sub):
+    def _act_handoff(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, epi_tiles: cutlass.Constexpr,
+                     epi_bars, empty_phase):
+        """Consumer side of the SwiGLU epilogue with the whole tile in smem (full_epi, cooperative): wait until the
+        helper warps have sent the previous tile (epi_bars[1]), put the gate/up sub-tiles into buffers 0..epi_tiles-1
+        and hand them over (epi_bars[0]); the stores and h are the helpers' (_act_helper). Returns the next
+        empty_phase (rebind it)."""
+        cute.arch.mbarrier_wait(epi_bars + 1, empty_phase)
+        for e in cutlass.range_constexpr(epi_tiles):
             for v in cutlass.range_constexpr(rD_size):
                 rD[v] = tRS_acc[e * rD_size + v]
             rD_out.store(rD.load().to(self.c_dtype))
             cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi_barrier.arrive_and_wait()
-        if warp_idx == store_warp:
-            for c in cutlass.range_constexpr(hn):
-                cute.copy(tma_c, bSG_sC[(None, c)], bSG_gCa[(None, (m_tile, n_tile * hn + c))])
-            cute.arch.cp_async_bulk_commit_group()
-            for c in cutlass.range_constexpr(hn):
-                cute.copy(tma_c, bSG_sC[(None, hn + c)], bSG_gCa[(None, (m_tile, up_block + n_tile * hn + c))])
-            cute.arch.cp_async_bulk_commit_group()
-        # h from the bf16-rounded gate/up, as mok_act_fwd reads them from gate_up (registers only, so it
-        # runs while the gate stores read their buffers)
-        r_h = []
-        for c in cutlass.range_constexpr(hn):
-            for v in cutlass.range_constexpr(rD_size):
-                rD[v] = tRS_acc[c * rD_size + v]
-                rU[v] = tRS_acc[(c + hn) * rD_size + v]
-            rG_out.store(rD.load().to(self.c_dtype))
-            rU_out.store(rU.load().to(self.c_dtype))
-            for v in cutlass.range_constexpr(rD_size):
-                hv, _, _ = _act(self.act, rG_out[v].to(cutlass.Float32), rU_out[v].to(cutlass.Float32), limit)
-                rD[v] = hv
-            r_hc = cute.make_rmem_tensor(rD.shape, self.c_dtype)
-            r_hc.store(rD.load().to(self.c_dtype))
-            r_h.append(r_hc)
-        if warp_idx == store_warp:
-            cute.arch.cp_async_bulk_wait_group(1, read=True)  # the gate group has read buffers 0..hn-1
-        epi_barrier.arrive_and_wait()
-        for c in cutlass.range_constexpr(hn):
-            cute.copy(r2s, r_h[c], tRS_sC[(None, None, None, c)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi_barrier.arrive_and_wait()
-        if warp_idx == store_warp:
-            for c in cutlass.range_constexpr(hn):
-                cute.copy(tma_h, bSG_sH[(None, c)], bSG_gH[(None, (m_tile, n_tile * hn + c))])
-            cute.arch.cp_async_bulk_commit_group()
+        cute.arch.fence_proxy("async.shared", space="cta")  # the helpers' TMA stores read these buffers
+        cute.arch.mbarrier_arrive(epi_bars)
+        return 1 - empty_phase
+
+    @cute.jit
+    def _act_helper(self, mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n, group_m,
+                    limit, tidx):
+        """The SwiGLU epilogue's stores and math on the producer warp group's idle warps 1-3 (full_epi,
+        cooperative), beside the consumers' next mainloop. Per valid tile of the CTA's schedule: wait for the
+        consumers' gate/up sub-tiles (epi_bars[0]), send them by TMA (gate group, then up group), compute
+        h = act(gate, up) element by element from the bf16 values in smem (as mok_act_fwd reads them from
+        gate_up) into the gate buffers once the gate group has read them, send h, and once every store has
+        read smem, free the buffers (epi_bars[1]). Same values and destinations as _epilogue_act: same bits."""
+        n_sub = self.tile_mnk[1] // self.epi_tile[1]
+        hn = n_sub // 2
+        sub = self.epi_tile[0] * self.epi_tile[1]
+        helpers = self.threads_per_wg - 32
+        htid = tidx - 32
+        helper_bar = pipeline.NamedBarrier(barrier_id=3, num_threads=helpers)
+        bSG_sCa, bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        full_phase = cutlass.Int32(0)
+        while work.is_valid_tile:
+            m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            if tile_expert[m_tile] >= 0:
+                cute.arch.mbarrier_wait(epi_bars, full_phase)
+                full_phase = 1 - full_phase
+                if htid == 0:
+                    for c in cutlass.range_constexpr(hn):
+                        cute.copy(tma_c, bSG_sCa[(None, c)], bSG_gCa[(None, (m_tile, n_tile * hn + c))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    for c in cutlass.range_constexpr(hn):
+                        cute.copy(tma_c, bSG_sCa[(None, hn + c)], bSG_gCa[(None, (m_tile, up_block + n_tile * hn + c))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # the gate group has read buffers 0..hn-1
+                helper_bar.arrive_and_wait()
+                for i in cutlass.range(htid, hn * sub, helpers):
+                    c = i // sub
+                    r = i % sub // self.epi_tile[1]
+                    col = i % self.epi_tile[1]
+                    g = sC[(r, col, c)].to(cutlass.Float32)
+                    u = sC[(r, col, c + hn)].to(cutlass.Float32)
+                    hv, _, _ = _act(self.act, g, u, limit)
+                    sC[(r, col, c)] = hv.to(self.c_dtype)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                helper_bar.arrive_and_wait()
+                if htid == 0:
+                    for c in cutlass.range_constexpr(hn):
+                        cute.copy(tma_h, bSG_sH[(None, c)], bSG_gH[(None, (m_tile, n_tile * hn + c))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.mbarrier_arrive(epi_bars + 1)
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        if htid == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _epilogue_dact(
@@ -473,7 +493,7 @@ class VarlenMGroupedGemm:
         (column block c of sub-tile row ms): d gate -> gate_up block n n_sub + c, d up -> I/32 + n n_sub + c,
         wh -> block n n_sub + c. rows[ms]: this thread's two rows in sub-tile row ms (v1 = 0, 1)."""
         epi_tiles = m_subs * n_sub
-        bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
+        _, bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
         w_of = [(w_rows[m_tile * TILE_M + r0], w_rows[m_tile * TILE_M + r1]) for r0, r1 in rows]
         part = [[cutlass.Float32(0.0), cutlass.Float32(0.0)] for _ in range(m_subs)]
         for e in cutlass.range_constexpr(epi_tiles):
@@ -703,6 +723,13 @@ class VarlenMGroupedGemm:
             if tidx == 0:
                 cute.arch.mbarrier_init(order_bars, self.threads_per_wg)
                 cute.arch.mbarrier_init(order_bars + 1, self.threads_per_wg)
+        if cutlass.const_expr(self.act_helper):
+            # epi_bars[0]: the consumers' gate/up tile is in smem (every consumer thread arrives); epi_bars[1]: the
+            # helper warps' stores have read it (their storing thread arrives). Fenced by the A/B pipeline's setup.
+            epi_bars = storage.epi_barriers.data_ptr()
+            if tidx == 0:
+                cute.arch.mbarrier_init(epi_bars, self.num_consumer_threads)
+                cute.arch.mbarrier_init(epi_bars + 1, 1)
         # Consumers release a stage once per warp (8 consumer warps; ping-pong: the 4 of the tile's warp group).
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
@@ -805,6 +832,10 @@ class VarlenMGroupedGemm:
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
+            if cutlass.const_expr(self.act_helper):
+                if warp_idx > 0:
+                    self._act_helper(mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n,
+                                     group_m, limit, tidx)
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -858,6 +889,7 @@ class VarlenMGroupedGemm:
             # ping-pong: phase to wait for on order_bars[wg]; a fresh barrier passes parity 1 at once,
             # so warp group 1 (wg 0) starts and warp group 2 waits for its first arrival
             order_phase = 1 - wg
+            empty_phase = cutlass.Int32(1)  # act_helper: a fresh epi_bars[1] passes parity 1 at once
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
@@ -905,10 +937,9 @@ class VarlenMGroupedGemm:
                             gC[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
                         )
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
-                        if cutlass.const_expr(self.full_epi and self.act is not None):
-                            self._epilogue_act_full(
-                                mC, mH, tma_c, tma_h, sC, r2s, tRS_acc, tRS_sC, rD, rD_out, rU, rG_out, rU_out, rD_size,
-                                bSG_sC, m_tile, n_tile, limit, epi_barrier, warp_idx, store_warp, n_sub,
+                        if cutlass.const_expr(self.act_helper):
+                            empty_phase = self._act_handoff(
+                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, epi_tiles, epi_bars, empty_phase
                             )
                         elif cutlass.const_expr(self.full_epi):
                             store_tile_full(

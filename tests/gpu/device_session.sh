@@ -98,7 +98,7 @@ for s in "$@"; do
         TAIL=60 step pp_gemms 240 python3 tests/gpu/bench_gemm_variants.py --no-gather
         TAIL=16 step pp_modes 300 python3 tests/gpu/bench_env_modes.py --modes pingpong ;;
     actepi)  # the fused gate/up + SwiGLU with the whole tile in smem (_ef): its tests, call by call, the layer side by side
-        TAIL=6 step actepi_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k "act_fused or act_in_forward"
+        TAIL=6 step actepi_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k "act_fused or act_in_forward"
         TAIL=20 step actepi_gemms 200 python3 tests/gpu/bench_gemm_variants.py --gemms gate_up --no-gather
         TAIL=12 step actepi_modes 300 python3 tests/gpu/bench_env_modes.py --modes act ;;
     dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
