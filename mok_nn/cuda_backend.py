@@ -335,10 +335,12 @@ def _fused_kernel(base: str, kind: str, k: int, tiles: int) -> str:
 
 def _fused_mode(var: str, kind: str, k: int) -> bool:
     """MOK_GEMM_ACT / MOK_GEMM_DACT: "fused", "split", or "auto" (default): fused where the ping-pong
-    kernels run it (pingpong_suffix), as the cooperative fused kernels are slower than the two kernels."""
+    kernels run it (pingpong_suffix), and the gate/up + activation also where the cooperative kernel keeps
+    its whole tile in smem (_full_epilogue: mok_gemm_gate_up_<act>_ef, whose helper warps hide the
+    activation). The other cooperative fused kernels are slower than the two kernels."""
     mode = env_choice(var, ("auto", "fused", "split"), "auto")
     if mode == "auto":
-        return pingpong_suffix(kind, k) != ""
+        return pingpong_suffix(kind, k) != "" or (kind == "act" and _full_epilogue(k))
     return mode == "fused"
 
 

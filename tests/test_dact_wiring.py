@@ -149,7 +149,11 @@ def test_pingpong_auto_rule(monkeypatch):
         assert cb.pingpong_suffix(kind, k_max) == "_ppc" and cb.pingpong_suffix(kind, k_max + 8) == ""
     # the benchmark shapes (H, I): qwen3 (2048, 768), mixtral (4096, 14336), deepseek-v3 (7168, 2048)
     assert [cb._fused_mode("MOK_GEMM_DACT", "dact", h) for h in (2048, 4096, 7168)] == [True, True, False]
-    assert [cb._fused_mode("MOK_GEMM_ACT", "act", h) for h in (2048, 4096, 7168)] == [True, False, False]
+    # the gate/up + activation: also on the cooperative kernel with the whole tile in smem (K <= 8192), not past it
+    assert [cb._fused_mode("MOK_GEMM_ACT", "act", h) for h in (2048, 4096, 7168, 8200)] == [True, True, True, False]
+    monkeypatch.setenv("MOK_GEMM_EPI", "split")
+    assert [cb._fused_mode("MOK_GEMM_ACT", "act", h) for h in (2048, 4096)] == [True, False]
+    monkeypatch.delenv("MOK_GEMM_EPI")
     assert cb.gemm_kernel(False, k=768) == "mok_gemm_bk_ppc" and cb.gemm_kernel(True, k=2048) != "mok_gemm_bn_ppc"
     assert cb.gemm_kernel(False, k=768, pingpong=False) in ("mok_gemm_bk", "mok_gemm_bk_ef")
     assert cb.gemm_kernel(False, torch.float32, k=768) == "mok_gemm_bn_f32"

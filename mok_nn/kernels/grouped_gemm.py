@@ -432,12 +432,18 @@ class VarlenMGroupedGemm:
         """The SwiGLU epilogue's stores and math on the producer warp group's idle warps 1-3 (full_epi,
         cooperative), beside the consumers' next mainloop. Per valid tile of the CTA's schedule: wait for the
         consumers' gate/up sub-tiles (epi_bars[0]), send them by TMA (gate group, then up group), compute
-        h = act(gate, up) element by element from the bf16 values in smem (as mok_act_fwd reads them from
+        h = act(gate, up) by 16-byte pieces from the bf16 values in smem (as mok_act_fwd reads them from
         gate_up) into the gate buffers once the gate group has read them, send h, and once every store has
         read smem, free the buffers (epi_bars[1]). Same values and destinations as _epilogue_act: same bits."""
         n_sub = self.tile_mnk[1] // self.epi_tile[1]
         hn = n_sub // 2
-        sub = self.epi_tile[0] * self.epi_tile[1]
+        vec = 8  # bf16 elements per 16-byte piece
+        row_pieces = self.epi_tile[1] // vec
+        pieces = self.epi_tile[0] * row_pieces  # per buffer
+        f_g = cute.make_rmem_tensor((vec,), self.c_dtype)
+        f_u = cute.make_rmem_tensor((vec,), self.c_dtype)
+        f_h = cute.make_rmem_tensor((vec,), cutlass.Float32)
+        f_hq = cute.make_rmem_tensor((vec,), self.c_dtype)
         helpers = self.threads_per_wg - 32
         htid = tidx - 32
         helper_bar = pipeline.NamedBarrier(barrier_id=3, num_threads=helpers)
@@ -459,14 +465,20 @@ class VarlenMGroupedGemm:
                     cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(1, read=True)  # the gate group has read buffers 0..hn-1
                 helper_bar.arrive_and_wait()
-                for i in cutlass.range(htid, hn * sub, helpers):
-                    c = i // sub
-                    r = i % sub // self.epi_tile[1]
-                    col = i % self.epi_tile[1]
-                    g = sC[(r, col, c)].to(cutlass.Float32)
-                    u = sC[(r, col, c + hn)].to(cutlass.Float32)
-                    hv, _, _ = _act(self.act, g, u, limit)
-                    sC[(r, col, c)] = hv.to(self.c_dtype)
+                # 16-byte pieces of rows (vec elements), thread-strided: piece i is row r, piece q of buffer c
+                for i in cutlass.range(htid, hn * pieces, helpers):
+                    c = i // pieces
+                    r = i % pieces // row_pieces
+                    q = i % row_pieces
+                    g_v = cute.zipped_divide(sC[(r, None, c)], (vec,))
+                    u_v = cute.zipped_divide(sC[(r, None, c + hn)], (vec,))
+                    cute.autovec_copy(g_v[(None, q)], f_g)
+                    cute.autovec_copy(u_v[(None, q)], f_u)
+                    for v in cutlass.range_constexpr(vec):
+                        hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
+                        f_h[v] = hv
+                    f_hq.store(f_h.load().to(self.c_dtype))
+                    cute.autovec_copy(f_hq, g_v[(None, q)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 helper_bar.arrive_and_wait()
                 if htid == 0:
