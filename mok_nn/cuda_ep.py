@@ -731,6 +731,19 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = Fals
     return mode
 
 
+DOWN_PUSH_MODES = ("kernel", "gemm")  # MOK_EP_DOWN_PUSH; the first is the default
+
+
+def down_push(h: torch.Tensor, down_bias: bool) -> bool:
+    """Whether the sequential forward's down GEMM sends its rows itself (MOK_EP_DOWN_PUSH=gemm): its idle
+    producer warps store each finished tile's rows into their source ranks' slots section while the next
+    tiles are computed (cb.grouped_gemm_push), then the slot-form combine runs; 'kernel' (default): the
+    GEMM, then the push of combine_sums' form. Not with a down-projection bias (added after the GEMM), the
+    torch copies (MOK_EP_COPY=torch) or off the GPU. Same bits either way (the slot rows, as EP = 1)."""
+    mode = cb.env_choice("MOK_EP_DOWN_PUSH", DOWN_PUSH_MODES, DOWN_PUSH_MODES[0])
+    return mode == "gemm" and not down_bias and _on_cuda(h) and copy_mode() != "torch" and h.shape[1] % 8 == 0
+
+
 DX_PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH; the first is the default
 
 
@@ -1347,10 +1360,14 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     if h is None:
         h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
     overlap = combine_mode(ws.config, down_bias is not None) == "overlap"
-    sums = "slot" if overlap else combine_sums(ws.num_experts, P, top_k)
+    gemm_push = not overlap and down_push(h, down_bias is not None)
+    sums = "slot" if overlap or gemm_push else combine_sums(ws.num_experts, P, top_k)
     if overlap:
         # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
         _down_push(ws, bufs, eps, h, down_proj)
+    elif gemm_push:
+        # 5c. + 6. down GEMM whose idle producer warps send each row to its source's slots as tiles finish
+        cb.grouped_gemm_push(h, down_proj, sched, bufs.section_addrs("slots"), eps.row_src, eps.row_slot)
     else:
         out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
         if down_bias is not None:

@@ -41,7 +41,7 @@ h = act(gate, up) from the bf16-rounded values with the formulas of
 swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives. With
 full_epi (cooperative only) the consumers only put the whole gate/up tile into
 smem and go on to the next mainloop; the producer warp group's idle warps 1-3
-store it, compute h from it and store h (_act_handoff, _act_helper, two
+store it, compute h from it and store h (_tile_handoff, _act_helper, two
 mbarriers between them). Without it the consumers store 12 sub-tiles through 4
 rotating buffers and compute h themselves while the tensor cores wait.
 
@@ -101,6 +101,7 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         gather: bool = False, dact: str | None = None, pingpong: bool = False, cluster_n: int = 1,
+        push: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -117,9 +118,14 @@ class VarlenMGroupedGemm:
         self.full_epi = full_epi
         self.act = act
         self.dact = dact  # VarlenMGroupedGemmDact: the backward's activation in the dgrad-of-down epilogue
-        # SwiGLU with the whole tile in smem: the consumers hand the gate/up tile to the producer warp group's
-        # idle warps 1-3, which store it and compute and store h beside the next mainloop (_act_helper)
-        self.act_helper = act is not None and full_epi
+        # push (VarlenMGroupedGemmPush): each output row goes straight to its destination row of some rank's
+        # section (row_rank / row_slot / dst_base, e.g. the EP combine's slots) instead of the output
+        assert not push or (full_epi and not (pingpong or gather or act or dact)), "push: the cooperative _ef kernel"
+        self.push = push
+        # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
+        # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
+        # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
+        self.epi_helper = (act is not None and full_epi) or push
         self.gather = gather
         self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
         self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
@@ -176,7 +182,7 @@ class VarlenMGroupedGemm:
     @cute.jit
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, row_idx=None,
                 ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None, tile_counter=None,
-                gate_up=None, w_rows=None, dw_part=None):
+                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
 
         gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), row_idx [M] the x row
@@ -187,6 +193,7 @@ class VarlenMGroupedGemm:
         (unused by the TMA-only hooked variants), so the other variants' kernels keep their parameters.
         gate_up / w_rows / dw_part (dact): the forward's gate_up, each row's top-k weight and the
         per-column-tile partial d topk-weights, passed in the row_idx / ready / ready_err slots.
+        dst_base / row_rank / row_slot (push): the destinations of the rows, in the ready_err / row_idx / ready slots.
         """
         mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
         if cutlass.const_expr(not self.gather):
@@ -195,6 +202,8 @@ class VarlenMGroupedGemm:
                 row_idx = tile_counter
             if cutlass.const_expr(self.dact is not None):
                 row_idx = gate_up
+            if cutlass.const_expr(self.push):
+                row_idx = row_rank
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -272,6 +281,10 @@ class VarlenMGroupedGemm:
         else:
             gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
+        if cutlass.const_expr(self.push):  # mC is A (shape carrier of the unused TMA store): tiles over (M, N of B)
+            n_out = cute.size(mB, mode=[0])
+            tiles_n = (n_out + bn - 1) // bn
+            epoch = n_out  # the helpers' row width, in the unused epoch slot
         # The scheduler hands out linear tile indices; _tile_coord maps them to
         # (m, n) in bands of group_m row tiles (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
@@ -283,14 +296,18 @@ class VarlenMGroupedGemm:
         if cutlass.const_expr(self.ready or self.done):  # the hooked variants run on num_ctas CTAs
             grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
         if cutlass.const_expr(not self.ready):  # placeholders: the readiness hook is compiled out
-            ready_err, epoch, timeout_us = tile_expert, cutlass.Int32(0), cutlass.Int32(0)
+            ready_err, timeout_us = tile_expert, cutlass.Int32(0)
+            if cutlass.const_expr(not self.push):
+                epoch = cutlass.Int32(0)
             if cutlass.const_expr(not self.done):
                 ready = tile_expert
         if cutlass.const_expr(self.dact is not None):
             ready, ready_err = w_rows, dw_part
+        if cutlass.const_expr(self.push):
+            ready, ready_err = row_slot, dst_base
 
         self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
-                                           epi_barriers=self.act_helper)
+                                           epi_barriers=self.epi_helper)
         if cutlass.const_expr(self.dynamic):
             # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
             @cute.struct
@@ -410,12 +427,12 @@ class VarlenMGroupedGemm:
             epi_barrier.arrive_and_wait()
 
     @cute.jit
-    def _act_handoff(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, epi_tiles: cutlass.Constexpr,
+    def _tile_handoff(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, epi_tiles: cutlass.Constexpr,
                      epi_bars, empty_phase):
-        """Consumer side of the SwiGLU epilogue with the whole tile in smem (full_epi, cooperative): wait until the
-        helper warps have sent the previous tile (epi_bars[1]), put the gate/up sub-tiles into buffers 0..epi_tiles-1
-        and hand them over (epi_bars[0]); the stores and h are the helpers' (_act_helper). Returns the next
-        empty_phase (rebind it)."""
+        """Consumer side of an epilogue done by helper warps (epi_helper: the cooperative kernel with the whole
+        tile in smem): wait until the helpers have sent the previous tile (epi_bars[1]), put the output sub-tiles
+        into buffers 0..epi_tiles-1 and hand them over (epi_bars[0]); the stores are the helpers' (_act_helper,
+        _push_helper). Returns the next empty_phase (rebind it)."""
         cute.arch.mbarrier_wait(epi_bars + 1, empty_phase)
         for e in cutlass.range_constexpr(epi_tiles):
             for v in cutlass.range_constexpr(rD_size):
@@ -491,6 +508,49 @@ class VarlenMGroupedGemm:
             work = sched.get_current_work()
         if htid == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _push_helper(self, sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n, group_m, row_rank, row_slot,
+                     dst_base, n_cols, tidx):
+        """The epilogue of the push kernel on the producer warp group's idle warps 1-3, beside the consumers' next
+        mainloop: per valid tile of the CTA's schedule, wait for the output tile in smem (epi_bars[0]), store each
+        row's columns to row row_slot[r] of the section at dst_base[row_rank[r]] (row_rank < 0: not sent; rows of
+        n_cols), one warp per tile row in 16-byte pieces, then free the buffers (epi_bars[1]). The values are
+        the tile the TMA stores of the _ef kernel send: the same bits."""
+        vec = 8  # bf16 elements per 16-byte piece
+        row_pieces = self.tile_mnk[1] // vec
+        buf_pieces = self.epi_tile[1] // vec
+        helpers = self.threads_per_wg - 32
+        htid = tidx - 32
+        helper_bar = pipeline.NamedBarrier(barrier_id=3, num_threads=helpers)
+        row_bytes = cutlass.Int64(n_cols) * (self.c_dtype.width // 8)
+        frag = cute.make_rmem_tensor((vec,), self.c_dtype)
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        full_phase = cutlass.Int32(0)
+        while work.is_valid_tile:
+            m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            if tile_expert[m_tile] >= 0:
+                cute.arch.mbarrier_wait(epi_bars, full_phase)
+                full_phase = 1 - full_phase
+                for i in cutlass.range(htid, TILE_M * row_pieces, helpers):
+                    r = i // row_pieces
+                    q = i % row_pieces
+                    col = n_tile * self.tile_mnk[1] + q * vec
+                    row = m_tile * TILE_M + r
+                    p = row_rank[row]
+                    if (p >= 0) & (col < n_cols):
+                        s_v = cute.zipped_divide(sC[(r, None, q // buf_pieces)], (vec,))
+                        cute.autovec_copy(s_v[(None, q % buf_pieces)], frag)
+                        addr = dst_base[p] + row_slot[row] * row_bytes + cutlass.Int64(col) * (self.c_dtype.width // 8)
+                        dst = cute.make_tensor(cute.make_ptr(self.c_dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
+                                               cute.make_layout((vec,)))
+                        cute.autovec_copy(frag, dst)
+                helper_bar.arrive_and_wait()  # every helper has read the buffers
+                if htid == 0:
+                    cute.arch.mbarrier_arrive(epi_bars + 1)
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
 
     @cute.jit
     def _epilogue_dact(
@@ -735,8 +795,8 @@ class VarlenMGroupedGemm:
             if tidx == 0:
                 cute.arch.mbarrier_init(order_bars, self.threads_per_wg)
                 cute.arch.mbarrier_init(order_bars + 1, self.threads_per_wg)
-        if cutlass.const_expr(self.act_helper):
-            # epi_bars[0]: the consumers' gate/up tile is in smem (every consumer thread arrives); epi_bars[1]: the
+        if cutlass.const_expr(self.epi_helper):
+            # epi_bars[0]: the consumers' output tile is in smem (every consumer thread arrives); epi_bars[1]: the
             # helper warps' stores have read it (their storing thread arrives). Fenced by the A/B pipeline's setup.
             epi_bars = storage.epi_barriers.data_ptr()
             if tidx == 0:
@@ -844,10 +904,14 @@ class VarlenMGroupedGemm:
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
-            if cutlass.const_expr(self.act_helper):
+            if cutlass.const_expr(self.epi_helper):
                 if warp_idx > 0:
-                    self._act_helper(mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n,
-                                     group_m, limit, tidx)
+                    if cutlass.const_expr(self.push):
+                        self._push_helper(sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n, group_m,
+                                          row_idx, ready, ready_err, epoch, tidx)
+                    else:
+                        self._act_helper(mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, sched_params, tiles_m,
+                                         tiles_n, group_m, limit, tidx)
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -901,7 +965,7 @@ class VarlenMGroupedGemm:
             # ping-pong: phase to wait for on order_bars[wg]; a fresh barrier passes parity 1 at once,
             # so warp group 1 (wg 0) starts and warp group 2 waits for its first arrival
             order_phase = 1 - wg
-            empty_phase = cutlass.Int32(1)  # act_helper: a fresh epi_bars[1] passes parity 1 at once
+            empty_phase = cutlass.Int32(1)  # epi_helper: a fresh epi_bars[1] passes parity 1 at once
             while work.is_valid_tile:
                 m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 expert = tile_expert[m_tile]
@@ -949,8 +1013,8 @@ class VarlenMGroupedGemm:
                             gC[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
                         )
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
-                        if cutlass.const_expr(self.act_helper):
-                            empty_phase = self._act_handoff(
+                        if cutlass.const_expr(self.epi_helper):
+                            empty_phase = self._tile_handoff(
                                 r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, epi_tiles, epi_bars, empty_phase
                             )
                         elif cutlass.const_expr(self.full_epi):
@@ -1042,6 +1106,35 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
     ):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream,
                      gate_up=gate_up, w_rows=w_rows, dw_part=dw_part)
+
+
+class VarlenMGroupedGemmPush(VarlenMGroupedGemm):
+    """mok_gemm_bk_ef whose rows go to their destinations instead of C: row r of the result (C's width N)
+    into row row_slot[r] of the section at address dst_base[row_rank[r]] (row_rank < 0: not stored), by the
+    producer warp group's idle warps beside the next mainloop (_push_helper; plain stores, to a peer's memory
+    where the address is one). There is no C: the rows are B's N wide (A stands in for C's unused TMA store
+    descriptor). The EP forward's down GEMM sends each slot's row to its source rank's slots section this way
+    while it computes the next tiles."""
+
+    def __init__(self, tile_n: int = 256, num_sms: int = 132):
+        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=True, push=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major
+        mB: cute.Tensor,  # (N, K, E) K-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        dst_base: cute.Tensor,  # (P,) int64: address of each destination section (rows of N)
+        row_rank: cute.Tensor,  # (M,) int64: destination of row r, -1: none
+        row_slot: cute.Tensor,  # (M,) int64: row of that section
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mA, mA, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     dst_base=dst_base, row_rank=row_rank, row_slot=row_slot)
 
 
 class VarlenMGroupedGemmGather(VarlenMGroupedGemm):

@@ -16,6 +16,7 @@
 # eppublish (mok_ep_publish: one-GPU tests, publish timings EP=1/EP=2, the EP=2 layer kernel vs torch),
 # dact (dgrad of down + activation backward: two kernels vs mok_gemm_dact, call by call),
 # actepi (gate/up + SwiGLU with the whole tile in smem: tests, call by call, the layer with MOK_GEMM_ACT fused / split),
+# downpush (EP checks with the down GEMM sending its rows itself, then MOK_EP_DOWN_PUSH kernel / gemm side by side),
 # epslot / eprank (EP checks with MOK_EP_COMBINE_SUMS=slot / rank), epdispatch (EP checks with
 # MOK_EP_DISPATCH=rows, then pull vs rows side by side),
 # wgrad (resident clusters per cluster size, weight-gradient GPU tests, variants call by call),
@@ -101,6 +102,9 @@ for s in "$@"; do
         TAIL=6 step actepi_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py -k "act_fused or act_in_forward"
         TAIL=20 step actepi_gemms 200 python3 tests/gpu/bench_gemm_variants.py --gemms gate_up --no-gather
         TAIL=12 step actepi_modes 300 python3 tests/gpu/bench_env_modes.py --modes act ;;
+    downpush)  # the EP down GEMM sending its rows itself (MOK_EP_DOWN_PUSH=gemm): EP checks, then side by side
+        TAIL=12 step ep_checks_downpush 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
+        TAIL=12 step downpush_modes 300 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes epdownpush ;;
     dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
         TAIL=20 step dact_gemms 150 python3 tests/gpu/bench_gemm_variants.py --gemms dgrad_down ;;
     wgrad)  # weight-gradient kernels: resident clusters per cluster size, the wgrad GPU tests, the variants call by call

@@ -347,6 +347,41 @@ def case_dispatch_modes(name, H, I, E, K, T_by_rank):
     _report_mode_runs(name, "MOK_EP_DISPATCH", runs, "pull, MOK_EP_SAVE_X_ROWS=1")
 
 
+def case_down_push_modes(name, H, I, E, K, T_by_rank):
+    """Fixed routing: the down GEMM sending its rows to the sources' slots itself (MOK_EP_DOWN_PUSH=gemm), the
+    GEMM then the combine push (kernel, the default: per-rank sums where k > 2P) and the GEMM then slot rows
+    (MOK_EP_COMBINE_SUMS=slot): the same bits (y and all gradients), each run twice, the slots poisoned
+    before each run (every slot row a token reads must be written in the run)."""
+    rank = dist.get_rank()
+    _, local = _expert_params(19, H, I, E)
+    x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
+                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    runs = {}
+    for label, env in (("kernel", {}), ("kernel, slot sums", {"MOK_EP_COMBINE_SUMS": "slot"}),
+                       ("gemm", {"MOK_EP_DOWN_PUSH": "gemm"})):
+        os.environ.update(env)
+        try:
+            runs[label] = []
+            for _ in range(2):
+                _poison_slots(ws)
+                runs[label].append(_experts(ws, x, w, ids, dy, local))
+        finally:
+            for var in env:
+                del os.environ[var]
+        cuda_ep.check_errors(ws)
+    _report_mode_runs(name, None, runs, "kernel")
+
+
+def _poison_slots(ws):
+    """NaN into this rank's slots section (where the forward's slot rows land), if the buffer exists yet."""
+    bufs = ws.ep_state.get("bufs")
+    if bufs is not None:
+        bufs.local("slots").fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
 def case_two_layers(name, H, I, E, K, T_by_rank):
     """Two layers with the same shapes share one workspace: forward A, forward B, backward B, backward
     A (as in training) gives A the bits of forward A, backward A alone (y and every gradient), for the
@@ -633,6 +668,9 @@ def main():
     check("copy modes", lambda: case_copy_modes("copy modes", 2048, 256, 32, 8, [3000, 2001]))
     check("publish modes", lambda: case_publish_modes("publish modes", 2048, 256, 32, 8, [3000, 2001]))
     check("dispatch modes", lambda: case_dispatch_modes("dispatch modes", 2048, 256, 32, 8, [3000, 2001]))
+    check("down push modes", lambda: case_down_push_modes("down push modes", 2048, 256, 32, 8, [3000, 2001]))
+    check("down push 384", lambda: case_down_push_modes("down push modes, H 384, 257/1 tokens", 384, 192, 16, 4,
+                                                        [257, 1]))
     check("two layers", lambda: case_two_layers("two layers, one workspace", 1024, 256, 32, 8, [1500, 1201]))
     check("macrobatch", lambda: case_macrobatch("macrobatch", 768, 256, 32, 8, 2500, 1024))
     check("overflow", case_overflow)
