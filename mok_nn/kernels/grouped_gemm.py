@@ -515,15 +515,21 @@ class VarlenMGroupedGemm:
         """The epilogue of the push kernel on the producer warp group's idle warps 1-3, beside the consumers' next
         mainloop: per valid tile of the CTA's schedule, wait for the output tile in smem (epi_bars[0]), store each
         row's columns to row row_slot[r] of the section at dst_base[row_rank[r]] (row_rank < 0: not sent; rows of
-        n_cols), one warp per tile row in 16-byte pieces, then free the buffers (epi_bars[1]). The values are
-        the tile the TMA stores of the _ef kernel send: the same bits."""
+        n_cols), then free the buffers (epi_bars[1]). Helper warp w takes tile rows w, w + 3, ..., lane l the
+        16-byte piece l of each (a 256-column row is 32 pieces); the rows' destinations are loaded before the
+        wait, lane l holding those of the warp's rows l and l + 32, and reach the other lanes by shuffle. The
+        values are the tile the TMA stores of the _ef kernel send: the same bits."""
         vec = 8  # bf16 elements per 16-byte piece
-        row_pieces = self.tile_mnk[1] // vec
         buf_pieces = self.epi_tile[1] // vec
-        helpers = self.threads_per_wg - 32
+        helper_warps = self.threads_per_wg // 32 - 1
         htid = tidx - 32
-        helper_bar = pipeline.NamedBarrier(barrier_id=3, num_threads=helpers)
-        row_bytes = cutlass.Int64(n_cols) * (self.c_dtype.width // 8)
+        wi = htid // 32
+        lane = htid % 32
+        helper_bar = pipeline.NamedBarrier(barrier_id=3, num_threads=helper_warps * 32)
+        elem_bytes = self.c_dtype.width // 8
+        row_bytes = cutlass.Int64(n_cols) * elem_bytes
+        my_rows = (TILE_M - wi + helper_warps - 1) // helper_warps
+        col = lane * vec  # of this lane's piece, within the tile
         frag = cute.make_rmem_tensor((vec,), self.c_dtype)
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
@@ -531,18 +537,30 @@ class VarlenMGroupedGemm:
         while work.is_valid_tile:
             m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
             if tile_expert[m_tile] >= 0:
+                first = m_tile * TILE_M + wi
+                rk0, sl0, rk1, sl1 = cutlass.Int64(-1), cutlass.Int64(0), cutlass.Int64(-1), cutlass.Int64(0)
+                if lane < my_rows:
+                    rk0 = row_rank[first + helper_warps * lane]
+                    sl0 = row_slot[first + helper_warps * lane]
+                if lane + 32 < my_rows:
+                    rk1 = row_rank[first + helper_warps * (lane + 32)]
+                    sl1 = row_slot[first + helper_warps * (lane + 32)]
+                c = n_tile * self.tile_mnk[1] + col
                 cute.arch.mbarrier_wait(epi_bars, full_phase)
                 full_phase = 1 - full_phase
-                for i in cutlass.range(htid, TILE_M * row_pieces, helpers):
-                    r = i // row_pieces
-                    q = i % row_pieces
-                    col = n_tile * self.tile_mnk[1] + q * vec
-                    row = m_tile * TILE_M + r
-                    p = row_rank[row]
-                    if (p >= 0) & (col < n_cols):
-                        s_v = cute.zipped_divide(sC[(r, None, q // buf_pieces)], (vec,))
-                        cute.autovec_copy(s_v[(None, q % buf_pieces)], frag)
-                        addr = dst_base[p] + row_slot[row] * row_bytes + cutlass.Int64(col) * (self.c_dtype.width // 8)
+                for t in range(my_rows):
+                    p0 = cute.arch.shuffle_sync(rk0, t % 32)
+                    p1 = cute.arch.shuffle_sync(rk1, t % 32)
+                    q0 = cute.arch.shuffle_sync(sl0, t % 32)
+                    q1 = cute.arch.shuffle_sync(sl1, t % 32)
+                    p, q = p0, q0
+                    if t >= 32:
+                        p, q = p1, q1
+                    if (p >= 0) & (c < n_cols):
+                        r = wi + helper_warps * t
+                        s_v = cute.zipped_divide(sC[(r, None, lane // buf_pieces)], (vec,))
+                        cute.autovec_copy(s_v[(None, lane % buf_pieces)], frag)
+                        addr = dst_base[p] + q * row_bytes + cutlass.Int64(c) * elem_bytes
                         dst = cute.make_tensor(cute.make_ptr(self.c_dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
                                                cute.make_layout((vec,)))
                         cute.autovec_copy(frag, dst)
@@ -1117,6 +1135,7 @@ class VarlenMGroupedGemmPush(VarlenMGroupedGemm):
     while it computes the next tiles."""
 
     def __init__(self, tile_n: int = 256, num_sms: int = 132):
+        assert tile_n == 256, "_push_helper: a lane per 16-byte piece of a 256-column tile row"
         super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=True, push=True)
 
     @cute.jit
