@@ -37,6 +37,10 @@ Forward (no host synchronisation; every peer write is a unicast store):
      mok_scatter_rows, each section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one
      mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
+  5c + 6. by default (MOK_EP_DOWN_PUSH=gemm, down_push) the down GEMM sends its rows itself:
+     mok_gemm_bk_ef_push's idle producer warps store each finished tile's rows into slots[t*k + j]
+     of their source rank while the next tiles are computed, and step 8 is mok_combine over the
+     slots. MOK_EP_DOWN_PUSH=kernel: the down GEMM, then the combine push of step 6:
   6. combine push. Where k > 2P (combine_sums; P must divide the combine's 8-leaf tree of expert
      groups, kernels/combine.py): mok_ep_partial_push sums, for every token of every source, the
      slots routed here into this rank's node of the tree and stores it (fp32, one row per token
@@ -731,17 +735,20 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = Fals
     return mode
 
 
-DOWN_PUSH_MODES = ("kernel", "gemm")  # MOK_EP_DOWN_PUSH; the first is the default
+# MOK_EP_DOWN_PUSH; the first is the default. Side by side on 2 H200 (docs/ep.md, eleventh session), forward
+# gemm vs kernel: qwen3 1.611 vs 1.686 ms, mixtral 9.65 vs 9.84, deepseek-v3 11.03 vs 11.17 (same bits).
+DOWN_PUSH_MODES = ("gemm", "kernel")
 
 
 def down_push(h: torch.Tensor, down_bias: bool) -> bool:
-    """Whether the sequential forward's down GEMM sends its rows itself (MOK_EP_DOWN_PUSH=gemm): its idle
-    producer warps store each finished tile's rows into their source ranks' slots section while the next
-    tiles are computed (cb.grouped_gemm_push), then the slot-form combine runs; 'kernel' (default): the
-    GEMM, then the push of combine_sums' form. Not with a down-projection bias (added after the GEMM), the
-    torch copies (MOK_EP_COPY=torch) or off the GPU. Same bits either way (the slot rows, as EP = 1)."""
+    """Whether the sequential forward's down GEMM sends its rows itself (MOK_EP_DOWN_PUSH=gemm, the default):
+    its idle producer warps store each finished tile's rows into their source ranks' slots section while the
+    next tiles are computed (cb.grouped_gemm_push), then the slot-form combine runs; 'kernel': the GEMM, then
+    the push of combine_sums' form. Not with a down-projection bias (added after the GEMM), the torch
+    copies or GEMMs (MOK_EP_COPY / MOK_GEMM=torch) or off the GPU. Same bits either way (the slot rows, as
+    EP = 1)."""
     mode = cb.env_choice("MOK_EP_DOWN_PUSH", DOWN_PUSH_MODES, DOWN_PUSH_MODES[0])
-    return mode == "gemm" and not down_bias and _on_cuda(h) and copy_mode() != "torch" and h.shape[1] % 8 == 0
+    return mode == "gemm" and not down_bias and _on_cuda(h) and copy_mode() != "torch" and not cb._use_torch_gemm()
 
 
 DX_PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH; the first is the default

@@ -62,6 +62,15 @@ class _StubLib:
             for s, (node, present) in enumerate(cuda_ep.partial_sums_torch(rows, slot_row, w_all, ids_all, rank, e_l,
                                                                             epl, weighted)):
                 self.sections[int(base[s])][rank][present] = node[present]
+        elif name == "mok_gemm_bk_ef_push":
+            # the down GEMM's rows (as grouped_gemm's torch path computes them) to their destinations
+            a, b, tile_expert, seg_end, seg_rows, group_m, base, row_rank, row_slot = args
+            assert a.dim() == 3 and b.dim() == 3 and row_rank.dtype == torch.int64 and row_slot.dtype == torch.int64
+            assert row_rank.shape[0] == row_slot.shape[0] == a.shape[0]
+            rows = torch._grouped_mm(a[..., 0], b.permute(2, 1, 0), offs=seg_end).to(a.dtype)
+            for r, (p, d) in enumerate(zip(row_rank.tolist(), row_slot.tolist())):
+                if p >= 0:
+                    self._at(base[p], rows)[d] = rows[r]
         elif name == "mok_combine_final":
             parts, ids, flags, out, e_l, epl = args
             out.copy_(cuda_ep.final_combine_torch(parts, ids, flags, e_l, epl))
@@ -130,6 +139,35 @@ def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
             for a, b in [(y, y0), (dx, dx0), (dw, dw0), (grads.gate_up_proj, grads0.gate_up_proj),
                          (grads.down_proj, grads0.down_proj)]:
                 assert torch.equal(_bits(a), _bits(b)), (mode, r)
+
+
+@pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
+def test_down_push_wiring(stub_copies, monkeypatch, tokens):
+    """MOK_EP_DOWN_PUSH=gemm: the down GEMM (mok_gemm_bk_ef_push, here the stub's torch GEMM + scatter) sends
+    each row to its source's slots instead of the GEMM and mok_ep_push_peers: one launch per rank and forward,
+    no push after it, and the same bits as the GEMM then the slot push."""
+    P = len(tokens)
+    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "slot")
+    monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
+    ref = _run(monkeypatch, None, seed=11 + P, tokens=tokens)
+    stub_copies.launches.clear()
+    monkeypatch.setattr(cuda_ep, "down_push", lambda h, down_bias: True)  # the stub takes CPU tensors
+    got = _run(monkeypatch, None, seed=11 + P, tokens=tokens)
+    names = [n for _, n in stub_copies.launches]
+    # per rank: the forward's push GEMM; the backward's d x slot push (the forward's slot push is gone)
+    assert names.count("mok_gemm_bk_ef_push") == P and names.count("mok_ep_push_peers") == P
+    for r in range(P):
+        for a, b in zip(got[r][:3] + (got[r][3].gate_up_proj, got[r][3].down_proj),
+                        ref[r][:3] + (ref[r][3].gate_up_proj, ref[r][3].down_proj)):
+            assert torch.equal(_bits(a), _bits(b)), r
+
+
+def test_down_push_mode(monkeypatch):
+    monkeypatch.setenv("MOK_EP_DOWN_PUSH", "sideways")
+    with pytest.raises(ValueError, match="MOK_EP_DOWN_PUSH='sideways'"):
+        cuda_ep.down_push(torch.zeros(2, 8), False)
+    monkeypatch.delenv("MOK_EP_DOWN_PUSH")
+    assert not cuda_ep.down_push(torch.zeros(2, 8), False)  # off the GPU: never
 
 
 def test_copy_mode_rejects_unknown(monkeypatch):

@@ -348,8 +348,8 @@ def case_dispatch_modes(name, H, I, E, K, T_by_rank):
 
 
 def case_down_push_modes(name, H, I, E, K, T_by_rank):
-    """Fixed routing: the down GEMM sending its rows to the sources' slots itself (MOK_EP_DOWN_PUSH=gemm), the
-    GEMM then the combine push (kernel, the default: per-rank sums where k > 2P) and the GEMM then slot rows
+    """Fixed routing: the down GEMM sending its rows to the sources' slots itself (MOK_EP_DOWN_PUSH=gemm, the
+    default), the GEMM then the combine push (kernel: per-rank sums where k > 2P) and the GEMM then slot rows
     (MOK_EP_COMBINE_SUMS=slot): the same bits (y and all gradients), each run twice, the slots poisoned
     before each run (every slot row a token reads must be written in the run)."""
     rank = dist.get_rank()
@@ -358,7 +358,8 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
     runs = {}
-    for label, env in (("kernel", {}), ("kernel, slot sums", {"MOK_EP_COMBINE_SUMS": "slot"}),
+    for label, env in (("kernel", {"MOK_EP_DOWN_PUSH": "kernel"}),
+                       ("kernel, slot sums", {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_COMBINE_SUMS": "slot"}),
                        ("gemm", {"MOK_EP_DOWN_PUSH": "gemm"})):
         os.environ.update(env)
         try:
