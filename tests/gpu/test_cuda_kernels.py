@@ -175,6 +175,49 @@ def test_grouped_gemm_backend_epi(lib, epi, monkeypatch):
     assert torch.equal(got[:used], want[:used]) and torch.equal(got_t[:used], want_t[:used])
 
 
+PUSH_CASES = [  # tokens, k, E, N (output columns), K, routing
+    (300, 2, 8, 256, 128, "random"),
+    (257, 4, 16, 384, 192, "skew"),  # a last column tile past N, empty experts
+    (1, 1, 4, 512, 256, "random"),
+    (2048, 8, 32, 2048, 768, "random"),  # qwen3-like down GEMM
+]
+
+
+@pytest.mark.parametrize("case", PUSH_CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}N{c[3]}K{c[4]}-{c[5]}")
+def test_grouped_gemm_push(lib, case):
+    """mok_gemm_bk_ef_push (cb.grouped_gemm_push): row r of the GEMM lands in row slot[r] of destination rank[r]
+    (two destination tensors standing in for two ranks' sections, poisoned with NaN; padding rows sent nowhere):
+    bitwise grouped_gemm's rows, every other destination row untouched, the same on a repeat."""
+    from mok_nn import cuda_backend as cb
+
+    T, k, E, N, K, mode = case
+    ids, _ = _routing(T, k, E, mode, seed=T + N)
+    sched = cb.make_schedule(ids, E)
+    a = cb.gather_rows(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), sched)
+    W = (torch.randn(E, N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    want = cb.grouped_gemm(a, W, sched, transpose_w=False)
+    M = sched.capacity
+    g = torch.Generator(device="cuda").manual_seed(T)
+    real = sched.row_token < T
+    rank = torch.where(real, torch.randint(0, 2, (M,), device="cuda", generator=g), -1)
+    slot = torch.randperm(M, device="cuda", generator=g)  # distinct destination rows
+    outs = []
+    for _ in range(2):
+        secs = [torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        base = torch.tensor([t.data_ptr() for t in secs], dtype=torch.int64, device="cuda")
+        cb.grouped_gemm_push(a, W, sched, base, rank, slot)
+        torch.cuda.synchronize()
+        outs.append(secs)
+    for p in range(2):
+        sel = rank == p
+        assert torch.equal(outs[0][p][slot[sel]], want[sel]), f"rank {p}: rows differ from grouped_gemm"
+        untouched = torch.ones(M, dtype=torch.bool, device="cuda")
+        untouched[slot[sel]] = False
+        assert torch.isnan(outs[0][p][untouched]).all(), f"rank {p}: rows written that were not sent there"
+        assert torch.equal(outs[0][p].view(torch.int16), outs[1][p].view(torch.int16)), "not reproducible"
+    assert int(real.sum()) == T * k
+
+
 WGRAD_CASES = [  # tokens, k, E, Na, Nb, routing
     (256, 2, 8, 512, 256, "random"),
     (1, 1, 4, 256, 128, "random"),
