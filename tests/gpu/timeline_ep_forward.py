@@ -84,6 +84,7 @@ for owner, name, stage in [
     (cb, "take_rows", "gather rows"),
     (cb, "gate_up_act", "gate/up GEMM + act"),
     (cb, "grouped_gemm", "grouped GEMM"),
+    (cb, "grouped_gemm_push", "down GEMM + row push"),
     (cb, "act_forward", "activation"),
     (cuda_ep.SymmBuffers, "push_partials", "push partial sums"),
     (cuda_ep.SymmBuffers, "push_rows", "push rows"),
