@@ -474,17 +474,20 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
 
 
 def grouped_gemm_push(a: torch.Tensor, w: torch.Tensor, sched: Schedule, dst_base: torch.Tensor,
-                      row_rank: torch.Tensor, row_slot: torch.Tensor) -> None:
-    """The rows of grouped_gemm(a, w, sched, transpose_w=False) (bf16, W [E, N, K]) sent instead of returned:
-    row r into row row_slot[r] of the section at address dst_base[row_rank[r]] (row_rank < 0: nowhere), by
-    mok_gemm_bk_ef_push, whose idle producer warps store each finished tile's rows while the next tiles are
-    computed (a peer's memory where dst_base holds its address). Same values as grouped_gemm's rows."""
-    n = w.shape[1]
+                      row_rank: torch.Tensor, row_slot: torch.Tensor, transpose_w: bool = False) -> None:
+    """The rows of grouped_gemm(a, w, sched, transpose_w) (bf16) sent instead of returned: row r into row
+    row_slot[r] of the section at address dst_base[row_rank[r]] (row_rank < 0: nowhere), by
+    mok_gemm_bk_ef_push / mok_gemm_bn_ef_push, whose idle producer warps store each finished tile's rows while
+    the next tiles are computed (a peer's memory where dst_base holds its address). Same values as
+    grouped_gemm's rows."""
+    n = w.shape[2] if transpose_w else w.shape[1]
     if n % 8 or a.shape[0] != row_rank.shape[0] or a.shape[0] != row_slot.shape[0]:
         raise ValueError(f"grouped_gemm_push: rows of N % 8 == 0 and one destination per row, got N = {n}, "
                          f"{a.shape[0]} rows, {row_rank.shape[0]} / {row_slot.shape[0]} destinations")
-    _lib().launch("mok_gemm_bk_ef_push", a.unsqueeze(-1), w.permute(1, 2, 0), sched.tile_expert, sched.seg_end,
-                  sched.gemm_seg_rows(), gemm_group_m(n), dst_base, row_rank, row_slot, stream=_stream())
+    b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
+    name = "mok_gemm_bn_ef_push" if transpose_w else "mok_gemm_bk_ef_push"
+    _lib().launch(name, a.unsqueeze(-1), b, sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), gemm_group_m(n),
+                  dst_base, row_rank, row_slot, stream=_stream())
 
 
 def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):

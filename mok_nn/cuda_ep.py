@@ -740,6 +740,12 @@ def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = Fals
 DOWN_PUSH_MODES = ("gemm", "kernel")
 
 
+def _gemm_push_ok(a: torch.Tensor) -> bool:
+    """The push GEMMs (cb.grouped_gemm_push) can run on these rows: on the GPU, with the kernel GEMMs and
+    copies (not MOK_GEMM / MOK_EP_COPY=torch)."""
+    return _on_cuda(a) and copy_mode() != "torch" and not cb._use_torch_gemm()
+
+
 def down_push(h: torch.Tensor, down_bias: bool) -> bool:
     """Whether the sequential forward's down GEMM sends its rows itself (MOK_EP_DOWN_PUSH=gemm, the default):
     its idle producer warps store each finished tile's rows into their source ranks' slots section while the
@@ -748,17 +754,19 @@ def down_push(h: torch.Tensor, down_bias: bool) -> bool:
     copies or GEMMs (MOK_EP_COPY / MOK_GEMM=torch) or off the GPU. Same bits either way (the slot rows, as
     EP = 1)."""
     mode = cb.env_choice("MOK_EP_DOWN_PUSH", DOWN_PUSH_MODES, DOWN_PUSH_MODES[0])
-    return mode == "gemm" and not down_bias and _on_cuda(h) and copy_mode() != "torch" and not cb._use_torch_gemm()
+    return mode == "gemm" and not down_bias and _gemm_push_ok(h)
 
 
-DX_PUSH_MODES = ("copy_engine", "kernel")  # MOK_EP_DX_PUSH; the first is the default
+DX_PUSH_MODES = ("copy_engine", "kernel", "gemm")  # MOK_EP_DX_PUSH; the first is the default
 
 
 def dx_push_mode() -> str:
-    """How the backward's per-rank d x sums reach their sources: 'copy_engine' (default: summed into a
-    local staging block, then copied by the copy engines on a side stream while the weight gradients
-    run, SymmBuffers.push_partials(copy_stream=...)) or 'kernel' (stored over NVLink by the summing
-    kernel itself, in stream order after the weight gradients)."""
+    """How the backward's d x reaches its sources: 'copy_engine' (default: per-rank sums into a local staging
+    block, then copied by the copy engines on a side stream while the weight gradients run,
+    SymmBuffers.push_partials(copy_stream=...)), 'kernel' (the sums stored over NVLink by the summing kernel
+    itself, in stream order after the weight gradients) or 'gemm' (the dgrad of gate/up sends each d x row to
+    its source's dxslots itself, as the forward's down GEMM does its rows, down_push; then the slot-form
+    combine; where down_push's conditions hold, else 'copy_engine')."""
     return cb.env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
 
 
@@ -1561,11 +1569,19 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
                                          ws.swiglu_limit)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
-    dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
-    # 5a. (per-rank sums, MOK_EP_DX_PUSH=copy_engine) d x sums now, sent by the copy engines while the
-    # weight gradients below run on every SM
-    copy_engine = dx_rows.is_cuda and dx_push_mode() == "copy_engine"
-    sums = combine_sums(ws.num_experts, P, top_k, hidden=copy_engine)
+    dx_mode = dx_push_mode()
+    dx_rows = None
+    if dx_mode == "gemm" and _gemm_push_ok(dgu):
+        # 4b + 5. (MOK_EP_DX_PUSH=gemm) the dgrad of gate/up sends each d x row to its source's dxslots as tiles finish
+        sums = "slot"
+        cb.grouped_gemm_push(dgu, gate_up_proj, sched, bufs.section_addrs("dxslots"), eps.row_src, eps.row_slot,
+                             transpose_w=True)
+    else:
+        dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
+        # 5a. (per-rank sums, MOK_EP_DX_PUSH=copy_engine) d x sums now, sent by the copy engines while the
+        # weight gradients below run on every SM
+        copy_engine = dx_rows.is_cuda and dx_mode in ("copy_engine", "gemm")
+        sums = combine_sums(ws.num_experts, P, top_k, hidden=copy_engine)
     dx_stream = None
     if sums == "rank" and copy_engine:
         dx_stream = _copy_stream(ws, dx_rows.device)
@@ -1589,7 +1605,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     dw_dense = dw_rows.new_empty(n_slots + dw_rows.numel()).scatter_(0, idx, dw_rows)
     dw_dense = dw_dense[:n_slots].view(P, tc * top_k)
     if sums == "slot":
-        bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
+        if dx_rows is not None:  # (else the dgrad GEMM sent them)
+            bufs.push_rows(dx_rows, "dxslots", eps.row_src, eps.row_slot)
     elif dx_stream is None:
         bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, ids_all=saved.ids_all)
     for p in range(P):

@@ -62,8 +62,9 @@ class _StubLib:
             for s, (node, present) in enumerate(cuda_ep.partial_sums_torch(rows, slot_row, w_all, ids_all, rank, e_l,
                                                                             epl, weighted)):
                 self.sections[int(base[s])][rank][present] = node[present]
-        elif name == "mok_gemm_bk_ef_push":
-            # the down GEMM's rows (as grouped_gemm's torch path computes them) to their destinations
+        elif name in ("mok_gemm_bk_ef_push", "mok_gemm_bn_ef_push"):
+            # the GEMM's rows (as grouped_gemm's torch path computes them) to their destinations; b is [N, K, E]
+            # either way (K-major: W [E, N, K] permuted; N-major: W [E, K, N] permuted), W[e] as [K, N] below
             a, b, tile_expert, seg_end, seg_rows, group_m, base, row_rank, row_slot = args
             assert a.dim() == 3 and b.dim() == 3 and row_rank.dtype == torch.int64 and row_slot.dtype == torch.int64
             assert row_rank.shape[0] == row_slot.shape[0] == a.shape[0]
@@ -141,33 +142,45 @@ def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
                 assert torch.equal(_bits(a), _bits(b)), (mode, r)
 
 
+@pytest.mark.parametrize("modes", [("gemm", "kernel"), ("kernel", "gemm"), ("gemm", "gemm")])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
-def test_down_push_wiring(stub_copies, monkeypatch, tokens):
-    """MOK_EP_DOWN_PUSH=gemm: the down GEMM (mok_gemm_bk_ef_push, here the stub's torch GEMM + scatter) sends
-    each row to its source's slots instead of the GEMM and mok_ep_push_peers: one launch per rank and forward,
-    no push after it, and the same bits as the GEMM then the slot push."""
+def test_push_gemm_wiring(stub_copies, monkeypatch, tokens, modes):
+    """MOK_EP_DOWN_PUSH / MOK_EP_DX_PUSH=gemm: the forward's down GEMM (mok_gemm_bk_ef_push) and the backward's
+    dgrad of gate/up (mok_gemm_bn_ef_push), here the stub's torch GEMM + scatter, send each row to its source's
+    slots / dxslots instead of the GEMM and mok_ep_push_peers: one launch per rank and pass, no push after it,
+    and the same bits as the GEMMs then the slot pushes."""
     P = len(tokens)
+    down, dx = modes
     monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "slot")
     monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
+    monkeypatch.setenv("MOK_EP_DX_PUSH", "kernel")
     ref = _run(monkeypatch, None, seed=11 + P, tokens=tokens)
     stub_copies.launches.clear()
-    monkeypatch.setattr(cuda_ep, "down_push", lambda h, down_bias: True)  # the stub takes CPU tensors
+    monkeypatch.setattr(cuda_ep, "_gemm_push_ok", lambda a: True)  # the stub takes CPU tensors
+    monkeypatch.setenv("MOK_EP_DOWN_PUSH", down)
+    monkeypatch.setenv("MOK_EP_DX_PUSH", dx)
     got = _run(monkeypatch, None, seed=11 + P, tokens=tokens)
     names = [n for _, n in stub_copies.launches]
-    # per rank: the forward's push GEMM; the backward's d x slot push (the forward's slot push is gone)
-    assert names.count("mok_gemm_bk_ef_push") == P and names.count("mok_ep_push_peers") == P
+    assert names.count("mok_gemm_bk_ef_push") == (P if down == "gemm" else 0)
+    assert names.count("mok_gemm_bn_ef_push") == (P if dx == "gemm" else 0)
+    assert names.count("mok_ep_push_peers") == (down == "kernel") * P + (dx == "kernel") * P
     for r in range(P):
         for a, b in zip(got[r][:3] + (got[r][3].gate_up_proj, got[r][3].down_proj),
                         ref[r][:3] + (ref[r][3].gate_up_proj, ref[r][3].down_proj)):
             assert torch.equal(_bits(a), _bits(b)), r
 
 
-def test_down_push_mode(monkeypatch):
+def test_push_gemm_modes(monkeypatch):
     monkeypatch.setenv("MOK_EP_DOWN_PUSH", "sideways")
     with pytest.raises(ValueError, match="MOK_EP_DOWN_PUSH='sideways'"):
         cuda_ep.down_push(torch.zeros(2, 8), False)
     monkeypatch.delenv("MOK_EP_DOWN_PUSH")
     assert not cuda_ep.down_push(torch.zeros(2, 8), False)  # off the GPU: never
+    monkeypatch.setattr(cuda_ep, "_gemm_push_ok", lambda a: True)
+    assert cuda_ep.down_push(torch.zeros(2, 8), False) and not cuda_ep.down_push(torch.zeros(2, 8), True)  # bias
+    monkeypatch.setenv("MOK_EP_DX_PUSH", "nowhere")
+    with pytest.raises(ValueError, match="MOK_EP_DX_PUSH='nowhere'"):
+        cuda_ep.dx_push_mode()
 
 
 def test_copy_mode_rejects_unknown(monkeypatch):

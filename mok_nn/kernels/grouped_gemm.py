@@ -1127,12 +1127,12 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
 
 
 class VarlenMGroupedGemmPush(VarlenMGroupedGemm):
-    """mok_gemm_bk_ef whose rows go to their destinations instead of C: row r of the result (C's width N)
+    """mok_gemm_bk_ef / mok_gemm_bn_ef whose rows go to their destinations instead of C: row r of the result (C's width N)
     into row row_slot[r] of the section at address dst_base[row_rank[r]] (row_rank < 0: not stored), by the
     producer warp group's idle warps beside the next mainloop (_push_helper; plain stores, to a peer's memory
     where the address is one). There is no C: the rows are B's N wide (A stands in for C's unused TMA store
     descriptor). The EP forward's down GEMM sends each slot's row to its source rank's slots section this way
-    while it computes the next tiles."""
+    while it computes the next tiles, and the backward's dgrad of gate/up each d x row to the dxslots."""
 
     def __init__(self, tile_n: int = 256, num_sms: int = 132):
         assert tile_n == 256, "_push_helper: a lane per 16-byte piece of a 256-column tile row"
@@ -1142,7 +1142,7 @@ class VarlenMGroupedGemmPush(VarlenMGroupedGemm):
     def __call__(
         self,
         mA: cute.Tensor,  # (M, K, 1) K-major
-        mB: cute.Tensor,  # (N, K, E) K-major
+        mB: cute.Tensor,  # (N, K, E) K- or N-major
         tile_expert: cute.Tensor,
         seg_end: cute.Tensor,
         seg_rows: cute.Tensor,

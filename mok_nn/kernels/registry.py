@@ -106,10 +106,10 @@ def _gemm_spec(
     )
 
 
-def _gemm_push_spec(name: str) -> KernelSpec:
-    # mok_gemm_bk_ef whose rows go to row row_slot[r] of the section at dst_base[row_rank[r]] (the EP combine's
-    # slots of each source rank) instead of an output C (no C argument).
-    base = _gemm_spec(name, "k", GEMM_TILE_N, full_epi=True)
+def _gemm_push_spec(name: str, b_major: str) -> KernelSpec:
+    # mok_gemm_bk_ef / bn_ef whose rows go to row row_slot[r] of the section at dst_base[row_rank[r]] (the EP
+    # combine's slots of each source rank, forward and backward) instead of an output C (no C argument).
+    base = _gemm_spec(name, b_major, GEMM_TILE_N, full_epi=True)
     idx = TensorArg("idx", "i64", (DYN,), (1,), align=8)
     extra = (TensorArg("dst_base", "i64", (DYN,), (1,), align=8), dataclasses.replace(idx, name="row_rank"),
              dataclasses.replace(idx, name="row_slot"))
@@ -551,8 +551,10 @@ SPECS = (
     # the overlapped EP forward (cuda_ep): gate/up GEMM whose A row tiles wait for the dispatch, and
     # down GEMM that counts finished tiles for the combine push
     _gemm_hook_spec("mok_gemm_bk_ready", full_epi=False, hook="ready"),
-    # the EP forward's down GEMM sending each row to its source rank's slots beside the next tiles (MOK_EP_DOWN_PUSH)
-    _gemm_push_spec("mok_gemm_bk_ef_push"),
+    # the EP forward's down GEMM sending each row to its source rank's slots beside the next tiles (MOK_EP_DOWN_PUSH),
+    # and the backward's dgrad of gate/up sending d x rows (MOK_EP_DX_PUSH=gemm)
+    _gemm_push_spec("mok_gemm_bk_ef_push", "k"),
+    _gemm_push_spec("mok_gemm_bn_ef_push", "n"),
     _gemm_hook_spec("mok_gemm_bk_ef_ready", full_epi=True, hook="ready"),
     _gemm_hook_spec("mok_gemm_bk_done", full_epi=False, hook="done"),
     _gemm_hook_spec("mok_gemm_bk_ef_done", full_epi=True, hook="done"),

@@ -104,7 +104,7 @@ for s in "$@"; do
         TAIL=12 step actepi_modes 300 python3 tests/gpu/bench_env_modes.py --modes act ;;
     downpush)  # the EP down GEMM sending its rows itself (MOK_EP_DOWN_PUSH=gemm): EP checks, then side by side
         TAIL=12 step ep_checks_downpush 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
-        TAIL=12 step downpush_modes 300 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes epdownpush ;;
+        TAIL=12 step downpush_modes 300 torchrun --nproc_per_node 2 tests/gpu/bench_env_modes.py --modes "${MODES:-epdownpush}" ;;
     dact)  # the dgrad of down + activation backward: two kernels vs mok_gemm_dact (call by call)
         TAIL=20 step dact_gemms 150 python3 tests/gpu/bench_gemm_variants.py --gemms dgrad_down ;;
     wgrad)  # weight-gradient kernels: resident clusters per cluster size, the wgrad GPU tests, the variants call by call

@@ -350,17 +350,20 @@ def case_dispatch_modes(name, H, I, E, K, T_by_rank):
 def case_down_push_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: the down GEMM sending its rows to the sources' slots itself (MOK_EP_DOWN_PUSH=gemm, the
     default), the GEMM then the combine push (kernel: per-rank sums where k > 2P) and the GEMM then slot rows
-    (MOK_EP_COMBINE_SUMS=slot): the same bits (y and all gradients), each run twice, the slots poisoned
-    before each run (every slot row a token reads must be written in the run)."""
+    (MOK_EP_COMBINE_SUMS=slot), each with the backward's d x as per-rank sums by the copy engines or sent by
+    the dgrad GEMM itself (MOK_EP_DX_PUSH=gemm): the same bits (y and all gradients), each run twice, the
+    slots and d x slots poisoned before each run (every row a token reads must be written in the run)."""
     rank = dist.get_rank()
     _, local = _expert_params(19, H, I, E)
     x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
     runs = {}
-    for label, env in (("kernel", {"MOK_EP_DOWN_PUSH": "kernel"}),
-                       ("kernel, slot sums", {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_COMBINE_SUMS": "slot"}),
-                       ("gemm", {"MOK_EP_DOWN_PUSH": "gemm"})):
+    kernel = {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_DX_PUSH": "copy_engine"}
+    for label, env in (("kernel", kernel), ("kernel, slot sums", {**kernel, "MOK_EP_COMBINE_SUMS": "slot"}),
+                       ("gemm", {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "copy_engine"}),
+                       ("gemm, d x gemm", {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "gemm"}),
+                       ("kernel, d x gemm", {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_DX_PUSH": "gemm"})):
         os.environ.update(env)
         try:
             runs[label] = []
@@ -375,10 +378,11 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
 
 
 def _poison_slots(ws):
-    """NaN into this rank's slots section (where the forward's slot rows land), if the buffer exists yet."""
+    """NaN into this rank's slots and d x slots sections (where the slot rows land), if the buffer exists yet."""
     bufs = ws.ep_state.get("bufs")
     if bufs is not None:
         bufs.local("slots").fill_(float("nan"))
+        bufs.local("dxslots").fill_(float("nan"))
     torch.cuda.synchronize()
     dist.barrier()
 

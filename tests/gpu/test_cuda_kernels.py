@@ -184,10 +184,11 @@ PUSH_CASES = [  # tokens, k, E, N (output columns), K, routing
 
 
 @pytest.mark.parametrize("case", PUSH_CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}N{c[3]}K{c[4]}-{c[5]}")
-def test_grouped_gemm_push(lib, case):
-    """mok_gemm_bk_ef_push (cb.grouped_gemm_push): row r of the GEMM lands in row slot[r] of destination rank[r]
-    (two destination tensors standing in for two ranks' sections, poisoned with NaN; padding rows sent nowhere):
-    bitwise grouped_gemm's rows, every other destination row untouched, the same on a repeat."""
+@pytest.mark.parametrize("transpose_w", [False, True])  # mok_gemm_bk_ef_push / mok_gemm_bn_ef_push
+def test_grouped_gemm_push(lib, case, transpose_w):
+    """mok_gemm_b{k,n}_ef_push (cb.grouped_gemm_push): row r of the GEMM lands in row slot[r] of destination
+    rank[r] (two destination tensors standing in for two ranks' sections, poisoned with NaN; padding rows sent
+    nowhere): bitwise grouped_gemm's rows, every other destination row untouched, the same on a repeat."""
     from mok_nn import cuda_backend as cb
 
     T, k, E, N, K, mode = case
@@ -195,7 +196,9 @@ def test_grouped_gemm_push(lib, case):
     sched = cb.make_schedule(ids, E)
     a = cb.gather_rows(torch.randn(T, K, device="cuda", dtype=torch.bfloat16), sched)
     W = (torch.randn(E, N, K, device="cuda") / K**0.5).to(torch.bfloat16)
-    want = cb.grouped_gemm(a, W, sched, transpose_w=False)
+    if transpose_w:
+        W = W.transpose(1, 2).contiguous()  # [E, K, N], read N-major
+    want = cb.grouped_gemm(a, W, sched, transpose_w=transpose_w)
     M = sched.capacity
     g = torch.Generator(device="cuda").manual_seed(T)
     real = sched.row_token < T
@@ -205,7 +208,7 @@ def test_grouped_gemm_push(lib, case):
     for _ in range(2):
         secs = [torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         base = torch.tensor([t.data_ptr() for t in secs], dtype=torch.int64, device="cuda")
-        cb.grouped_gemm_push(a, W, sched, base, rank, slot)
+        cb.grouped_gemm_push(a, W, sched, base, rank, slot, transpose_w=transpose_w)
         torch.cuda.synchronize()
         outs.append(secs)
     for p in range(2):
