@@ -37,8 +37,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
   epdownpush: kernel, gemm (MOK_EP_DOWN_PUSH: the down GEMM sending its rows itself; EP only)
-  epdxpushgemm: copy_engine, gemm (MOK_EP_DX_PUSH: d x as per-rank sums by the copy engines, or rows sent by
-          the dgrad GEMM itself; EP only)
+  epdxpushgemm: copy_engine, gemm, each twice (MOK_EP_DX_PUSH: d x as per-rank sums by the copy engines, or rows
+          sent by the dgrad GEMM itself; EP only)
   pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
 The env variables are read at every call, so one process can switch between them. A mode's settings
 stay set after its call returns (the backward runs after it, reading them), until the next mode's call.
@@ -128,7 +128,8 @@ MODE_SETS = {
     # launch writing the GEMM's rows straight from the peers' sections
     "epdispatch": {"pull": {"MOK_EP_DISPATCH": "pull"}, "rows": {"MOK_EP_DISPATCH": "rows"}},
     "epdownpush": {"kernel": {"MOK_EP_DOWN_PUSH": "kernel"}, "gemm": {"MOK_EP_DOWN_PUSH": "gemm"}},
-    "epdxpushgemm": {"copy_engine": {"MOK_EP_DX_PUSH": "copy_engine"}, "gemm": {"MOK_EP_DX_PUSH": "gemm"}},
+    "epdxpushgemm": {"copy_engine": {"MOK_EP_DX_PUSH": "copy_engine"}, "gemm": {"MOK_EP_DX_PUSH": "gemm"},
+                     "copy_engine_again": {"MOK_EP_DX_PUSH": "copy_engine"}, "gemm_again": {"MOK_EP_DX_PUSH": "gemm"}},
     # EP only: the forward's x rows kept for the backward, or pulled and gathered again there
     "epsavex": {"keep": {"MOK_EP_SAVE_X_ROWS": "1"}, "pull": {"MOK_EP_SAVE_X_ROWS": "0"}},
     # the overlapped forward (dispatch beside the gate/up GEMM, push beside the down GEMM)
