@@ -757,17 +757,26 @@ def down_push(h: torch.Tensor, down_bias: bool) -> bool:
     return mode == "gemm" and not down_bias and _gemm_push_ok(h)
 
 
-DX_PUSH_MODES = ("copy_engine", "kernel", "gemm")  # MOK_EP_DX_PUSH; the first is the default
+DX_PUSH_MODES = ("auto", "copy_engine", "kernel", "gemm")  # MOK_EP_DX_PUSH; the first is the default
+# auto: 'gemm' where the rows are at most this wide, else 'copy_engine'. Side by side on 2 H200, each mode twice
+# (docs/ep.md, eleventh session): qwen3 (H 2048) backward 2.536 / 2.519 ms with gemm against 2.648 / 2.594;
+# mixtral (4096) 18.88 / 19.37 against 18.16 / 19.23 and deepseek-v3 (7168) 23.87 / 23.98 against 21.71 / 24.55:
+# not faster there.
+DX_PUSH_GEMM_MAX_H = 2048
 
 
-def dx_push_mode() -> str:
-    """How the backward's d x reaches its sources: 'copy_engine' (default: per-rank sums into a local staging
-    block, then copied by the copy engines on a side stream while the weight gradients run,
+def dx_push_mode(hidden: int) -> str:
+    """How the backward's d x (rows of `hidden` columns) reaches its sources: 'copy_engine' (per-rank sums into
+    a local staging block, then copied by the copy engines on a side stream while the weight gradients run,
     SymmBuffers.push_partials(copy_stream=...)), 'kernel' (the sums stored over NVLink by the summing kernel
     itself, in stream order after the weight gradients) or 'gemm' (the dgrad of gate/up sends each d x row to
     its source's dxslots itself, as the forward's down GEMM does its rows, down_push; then the slot-form
-    combine; where down_push's conditions hold, else 'copy_engine')."""
-    return cb.env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
+    combine; where _gemm_push_ok holds, else 'copy_engine'). 'auto' (default): 'gemm' where hidden <=
+    DX_PUSH_GEMM_MAX_H, else 'copy_engine'. The same bits in every mode."""
+    mode = cb.env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
+    if mode == "auto":
+        return "gemm" if hidden <= DX_PUSH_GEMM_MAX_H else "copy_engine"
+    return mode
 
 
 def fwd_mode(config) -> str:
@@ -1569,7 +1578,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
                                          ws.swiglu_limit)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
-    dx_mode = dx_push_mode()
+    dx_mode = dx_push_mode(x.shape[1])
     dx_rows = None
     if dx_mode == "gemm" and _gemm_push_ok(dgu):
         # 4b + 5. (MOK_EP_DX_PUSH=gemm) the dgrad of gate/up sends each d x row to its source's dxslots as tiles finish

@@ -178,9 +178,14 @@ def test_push_gemm_modes(monkeypatch):
     assert not cuda_ep.down_push(torch.zeros(2, 8), False)  # off the GPU: never
     monkeypatch.setattr(cuda_ep, "_gemm_push_ok", lambda a: True)
     assert cuda_ep.down_push(torch.zeros(2, 8), False) and not cuda_ep.down_push(torch.zeros(2, 8), True)  # bias
+    monkeypatch.delenv("MOK_EP_DX_PUSH", raising=False)
+    limit = cuda_ep.DX_PUSH_GEMM_MAX_H
+    assert cuda_ep.dx_push_mode(limit) == "gemm" and cuda_ep.dx_push_mode(limit + 8) == "copy_engine"
+    monkeypatch.setenv("MOK_EP_DX_PUSH", "kernel")
+    assert cuda_ep.dx_push_mode(8) == "kernel"
     monkeypatch.setenv("MOK_EP_DX_PUSH", "nowhere")
     with pytest.raises(ValueError, match="MOK_EP_DX_PUSH='nowhere'"):
-        cuda_ep.dx_push_mode()
+        cuda_ep.dx_push_mode(8)
 
 
 def test_copy_mode_rejects_unknown(monkeypatch):
