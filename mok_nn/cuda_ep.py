@@ -63,7 +63,8 @@ column tiles are stored. Same rows, same GEMM tiles and K order, same slots: bit
 sequential path's results. MOK_EP_OV_TILES=dynamic (ov_tiles_mode): both GEMMs are the _dyn
 variants on every SM, tiles claimed by atomic add, so the comm SMs join the GEMM once free.
 Backward mirrors it: d y rows pulled (and x rows, where the forward kept none:
-save_x_rows), dgrad + dSwiGLU + weight gradients locally, d x rows and d w
+save_x_rows), dgrad + dSwiGLU + weight gradients locally (where H <= 2048, dx_push_mode,
+the dgrad of gate/up sends its d x rows to the sources' dxslots itself), d x rows and d w
 pushed to the source (per-rank d x sums, staged locally and sent by the copy engines on a side
 stream while the weight gradients run, MOK_EP_DX_PUSH; where P divides the tree's leaves, also for
 k <= 2P since those bytes are hidden; else slot rows), barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
