@@ -108,7 +108,7 @@ OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
 DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
-PULL_MODES = ("auto", "needed", "all", "push")  # MOK_EP_PULL; the first is the default
+PULL_MODES = ("auto", "needed", "all", "push", "copy_engine")  # MOK_EP_PULL; the first is the default
 # auto: pull every row where at least this share of a peer's tokens has an expert here (uniform routing)
 PULL_ALL_MIN_SHARE = 0.9
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
@@ -624,9 +624,12 @@ def dispatch_mode() -> str:
 def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     """How the forward's peer token rows reach the local tokens section (MOK_EP_PULL):
     'push' (each rank stores its rows into every rank's section in step 1, by the publish launch itself,
-    before the barrier), 'all' (every peer row pulled right after the barrier, beside the schedule) or
-    'needed' (only the rows the local experts need, pulled once the schedule is built). The GEMMs read
-    the same rows in all three; 'push' and 'all' also move the rows of tokens routed to no expert here.
+    before the barrier), 'copy_engine' (the same rows copied by the copy engines on a side stream, issued
+    first thing in the forward, so they cross NVLink while the host prepares the rest; the publish launch
+    waits for them before its barrier: SymmBuffers.send_rows), 'all' (every peer row pulled right after the
+    barrier, beside the schedule) or 'needed' (only the rows the local experts need, pulled once the schedule
+    is built). The GEMMs read the same rows in all four; all but 'needed' also move the rows of tokens routed
+    to no expert here.
     auto (default): 'push' where a token has an expert on a given rank with probability >=
     PULL_ALL_MIN_SHARE under uniform routing (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2,
     0.996; mixtral 0.79), else 'needed'. Measured at EP = 2: 'all' against 'needed'
@@ -889,8 +892,21 @@ class SymmBuffers:
             cache[names] = torch.stack([self.section_addrs(name) for name in names])
         return cache[names]
 
+    def send_rows(self, x: torch.Tensor, n: int, stream: torch.cuda.Stream) -> torch.cuda.Stream:
+        """x[:n] into this rank's rows of every peer's tokens section, one copy_ per peer on `stream` (the copy
+        engines), ordered after everything issued so far on the current stream (the previous step's barriers:
+        no peer still reads its section). Returns the stream, for publish(after=) to wait on before the barrier
+        that tells the peers the rows are there."""
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        r, tc = self.rank, self.tokens_cap
+        with torch.cuda.stream(stream):
+            for p in range(self.ep_size):
+                if p != r:
+                    self.peer(p, "tokens")[r * tc:r * tc + n].copy_(x[:n])
+        return stream
+
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
-                then_barrier: bool = False, push_rows: bool = False) -> None:
+                then_barrier: bool = False, push_rows: bool = False, after: torch.cuda.Stream | None = None) -> None:
         """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
         (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
         rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
@@ -902,7 +918,10 @@ class SymmBuffers:
         the torch ops.
         push_rows: x[:n] into this rank's rows of every rank's tokens section (own included), which is
         what a pull of every row (token_rows_mode) by each peer after the barrier would give; stored by the
-        same launch, so no pull waits for the host to issue it."""
+        same launch, so no pull waits for the host to issue it.
+        after: a stream (send_rows') the launch waits for first."""
+        if after is not None:
+            torch.cuda.current_stream(x.device).wait_stream(after)
         if push_rows and self.ep_size > 32:  # the kernel's warps hold one rank's address per lane
             raise ValueError(f"mok_nn expert parallelism: push_rows takes at most 32 ranks, not {self.ep_size}")
         name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
@@ -1342,9 +1361,13 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # nearly every row, each rank pushes its rows to every peer in step 1 (or, MOK_EP_PULL=all, they are
     # pulled after the barrier, beside the schedule); else the rows the local experts need, after the schedule
     dispatch = None if fwd_overlap or rows_dispatch else token_rows_mode(ws.num_experts, P, top_k)
+    if dispatch == "copy_engine" and not _on_cuda(x):
+        dispatch = "push"  # (the same rows; a side stream needs the GPU)
+    # the rows to every peer first, by the copy engines, while the host prepares the publish
+    sent = bufs.send_rows(x, n, _copy_stream(ws, x.device)) if dispatch == "copy_engine" else None
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
     # into peer memory), 2. and the barrier (in the same launch where the publish kernel runs)
-    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True, push_rows=dispatch == "push")
+    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True, push_rows=dispatch == "push", after=sent)
     tokens = bufs.local("tokens")
     pull = None
     if dispatch == "all":

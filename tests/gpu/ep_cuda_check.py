@@ -377,6 +377,33 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
     _report_mode_runs(name, None, runs, "kernel")
 
 
+def case_token_rows_modes(name, H, I, E, K, T_by_rank):
+    """Fixed routing: the forward's token rows pulled where needed, pulled whole after the barrier, pushed by
+    the publish launch, or copied by the copy engines first (MOK_EP_PULL=needed / all / push / copy_engine): the
+    same bits (y and all gradients), each run twice, every tokens section poisoned before each run."""
+    rank = dist.get_rank()
+    _, local = _expert_params(23, H, I, E)
+    x, dy, ids, w = _rank_inputs(rank + 60, T_by_rank[rank], H, E, K)
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
+                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    runs = {}
+    for mode in ("needed", "all", "push", "copy_engine"):
+        os.environ["MOK_EP_PULL"] = mode
+        try:
+            runs[mode] = []
+            for _ in range(2):
+                bufs = ws.ep_state.get("bufs")
+                if bufs is not None:
+                    bufs.local("tokens").fill_(float("nan"))
+                torch.cuda.synchronize()
+                dist.barrier()
+                runs[mode].append(_experts(ws, x, w, ids, dy, local))
+        finally:
+            del os.environ["MOK_EP_PULL"]
+        cuda_ep.check_errors(ws)
+    _report_mode_runs(name, "MOK_EP_PULL", runs, "needed")
+
+
 def _poison_slots(ws):
     """NaN into this rank's slots and d x slots sections (where the slot rows land), if the buffer exists yet."""
     bufs = ws.ep_state.get("bufs")
@@ -673,6 +700,7 @@ def main():
     check("copy modes", lambda: case_copy_modes("copy modes", 2048, 256, 32, 8, [3000, 2001]))
     check("publish modes", lambda: case_publish_modes("publish modes", 2048, 256, 32, 8, [3000, 2001]))
     check("dispatch modes", lambda: case_dispatch_modes("dispatch modes", 2048, 256, 32, 8, [3000, 2001]))
+    check("token rows modes", lambda: case_token_rows_modes("token rows modes", 2048, 256, 32, 8, [3000, 2001]))
     check("down push modes", lambda: case_down_push_modes("down push modes", 2048, 256, 32, 8, [3000, 2001]))
     check("down push 384", lambda: case_down_push_modes("down push modes, H 384, 257/1 tokens", 384, 192, 16, 4,
                                                         [257, 1]))
