@@ -625,8 +625,8 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     """How the forward's peer token rows reach the local tokens section (MOK_EP_PULL):
     'push' (each rank stores its rows into every rank's section in step 1, by the publish launch itself,
     before the barrier), 'copy_engine' (the same rows copied by the copy engines on a side stream, issued
-    first thing in the forward, so they cross NVLink while the host prepares the rest; the publish launch
-    waits for them before its barrier: SymmBuffers.send_rows), 'all' (every peer row pulled right after the
+    before the publish, which runs beside them; the barrier, its own launch then, waits for them:
+    SymmBuffers.send_rows), 'all' (every peer row pulled right after the
     barrier, beside the schedule) or 'needed' (only the rows the local experts need, pulled once the schedule
     is built). The GEMMs read the same rows in all four; all but 'needed' also move the rows of tokens routed
     to no expert here.
@@ -895,8 +895,8 @@ class SymmBuffers:
     def send_rows(self, x: torch.Tensor, n: int, stream: torch.cuda.Stream) -> torch.cuda.Stream:
         """x[:n] into this rank's rows of every peer's tokens section, one copy_ per peer on `stream` (the copy
         engines), ordered after everything issued so far on the current stream (the previous step's barriers:
-        no peer still reads its section). Returns the stream, for publish(after=) to wait on before the barrier
-        that tells the peers the rows are there."""
+        no peer still reads its section). Returns the stream, for the current stream to wait on before the
+        barrier that tells the peers the rows are there."""
         stream.wait_stream(torch.cuda.current_stream(x.device))
         r, tc = self.rank, self.tokens_cap
         with torch.cuda.stream(stream):
@@ -906,7 +906,7 @@ class SymmBuffers:
         return stream
 
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
-                then_barrier: bool = False, push_rows: bool = False, after: torch.cuda.Stream | None = None) -> None:
+                then_barrier: bool = False, push_rows: bool = False) -> None:
         """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
         (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
         rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
@@ -918,10 +918,7 @@ class SymmBuffers:
         the torch ops.
         push_rows: x[:n] into this rank's rows of every rank's tokens section (own included), which is
         what a pull of every row (token_rows_mode) by each peer after the barrier would give; stored by the
-        same launch, so no pull waits for the host to issue it.
-        after: a stream (send_rows') the launch waits for first."""
-        if after is not None:
-            torch.cuda.current_stream(x.device).wait_stream(after)
+        same launch, so no pull waits for the host to issue it."""
         if push_rows and self.ep_size > 32:  # the kernel's warps hold one rank's address per lane
             raise ValueError(f"mok_nn expert parallelism: push_rows takes at most 32 ranks, not {self.ep_size}")
         name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
@@ -1366,8 +1363,12 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # the rows to every peer first, by the copy engines, while the host prepares the publish
     sent = bufs.send_rows(x, n, _copy_stream(ws, x.device)) if dispatch == "copy_engine" else None
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
-    # into peer memory), 2. and the barrier (in the same launch where the publish kernel runs)
-    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True, push_rows=dispatch == "push", after=sent)
+    # into peer memory), 2. and the barrier (in the same launch where the publish kernel runs; after the copy
+    # engines' rows: its own launch, so that the publish runs beside the copies)
+    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=sent is None, push_rows=dispatch == "push")
+    if sent is not None:
+        torch.cuda.current_stream(x.device).wait_stream(sent)
+        bufs.barrier()
     tokens = bufs.local("tokens")
     pull = None
     if dispatch == "all":
