@@ -1604,7 +1604,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
     dx_mode = dx_push_mode(x.shape[1])
-    dx_rows = None
+    dx_rows = None  # (stays None where the dgrad GEMM sends the rows: the returned grads' grad_rows too)
+    copy_engine = False
     if dx_mode == "gemm" and _gemm_push_ok(dgu):
         # 4b + 5. (MOK_EP_DX_PUSH=gemm) the dgrad of gate/up sends each d x row to its source's dxslots as tiles finish
         sums = "slot"

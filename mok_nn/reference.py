@@ -161,7 +161,7 @@ def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, dow
 
 @dataclass
 class GroupedMLPGrads:
-    grad_rows: torch.Tensor  # [N, H] d loss / d input row
+    grad_rows: torch.Tensor | None  # [N, H] d loss / d input row (None where the CUDA EP path sent them away)
     grad_weights: torch.Tensor  # [N], d loss / d top-k weight of each row (row_weights.dtype)
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
