@@ -370,7 +370,8 @@ class VarlenMGroupedGemm:
         of gate_up = I / 32)."""
         gCa = cute.zipped_divide(mC[(None, None, 0)], self.epi_tile)
         gHa = cute.zipped_divide(mH[(None, None, 0)], self.epi_tile)
-        bSG_sCa, bSG_gCa = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gCa)
+        bSG_sCa, bSG_gCa = cute.nvgpu.cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                                            gCa)
         bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(tma_h, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gHa)
         return bSG_sCa, bSG_gCa, bSG_sH, bSG_gH, cute.size(mH, mode=[1]) // self.epi_tile[1]
 
@@ -561,8 +562,8 @@ class VarlenMGroupedGemm:
                         s_v = cute.zipped_divide(sC[(r, None, lane // buf_pieces)], (vec,))
                         cute.autovec_copy(s_v[(None, lane % buf_pieces)], frag)
                         addr = dst_base[p] + q * row_bytes + cutlass.Int64(c) * elem_bytes
-                        dst = cute.make_tensor(cute.make_ptr(self.c_dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
-                                               cute.make_layout((vec,)))
+                        dst_ptr = cute.make_ptr(self.c_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+                        dst = cute.make_tensor(dst_ptr, cute.make_layout((vec,)))
                         cute.autovec_copy(frag, dst)
                 helper_bar.arrive_and_wait()  # every helper has read the buffers
                 if htid == 0:
@@ -1127,8 +1128,8 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
 
 
 class VarlenMGroupedGemmPush(VarlenMGroupedGemm):
-    """mok_gemm_bk_ef / mok_gemm_bn_ef whose rows go to their destinations instead of C: row r of the result (C's width N)
-    into row row_slot[r] of the section at address dst_base[row_rank[r]] (row_rank < 0: not stored), by the
+    """mok_gemm_bk_ef / mok_gemm_bn_ef whose rows go to their destinations instead of C: row r of the result
+    (B's N wide) into row row_slot[r] of the section at address dst_base[row_rank[r]] (row_rank < 0: not stored), by the
     producer warp group's idle warps beside the next mainloop (_push_helper; plain stores, to a peer's memory
     where the address is one). There is no C: the rows are B's N wide (A stands in for C's unused TMA store
     descriptor). The EP forward's down GEMM sends each slot's row to its source rank's slots section this way
