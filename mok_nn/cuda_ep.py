@@ -645,6 +645,21 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     return "push" if ep_size <= 32 else "all"  # (the push holds one rank per lane of a warp)
 
 
+DY_ROWS_MODES = ("auto", "push", "pull")  # MOK_EP_DY_ROWS; the first is the default
+
+
+def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
+    """How the backward's d y rows reach the peers (MOK_EP_DY_ROWS): 'push' (each rank copies its rows into its
+    part of every peer's dy section before the barrier: one copy_ per peer, no pull after it) or 'pull' (its own
+    section only, then each peer pulls the rows it needs after the barrier). 'auto' (default): 'push' where the
+    forward's token rows go to every rank (token_rows_mode 'push' or 'copy_engine': nearly every row is needed),
+    else 'pull'. The same rows either way."""
+    mode = cb.env_choice("MOK_EP_DY_ROWS", DY_ROWS_MODES, DY_ROWS_MODES[0])
+    if mode == "auto":
+        return "push" if token_rows_mode(num_experts, ep_size, top_k) in ("push", "copy_engine") else "pull"
+    return mode
+
+
 def publish_mode() -> str:
     """MOK_EP_PUBLISH: 'kernel' (default: step 1 of the forward as one mok_ep_publish launch) or 'torch'
     (the torch ops it replaces, about 4 + 4P launches; the fallback and the test oracle)."""
@@ -1583,6 +1598,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     if x_rows is None:
         tokens[r * tc:r * tc + n].copy_(x[:n])
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
+    # (dy_rows_mode 'push': into every peer's section as well, before the barrier, so no pull follows it; a peer
+    # reads its section only between the barriers of a step, so the rows written here cannot be in use)
+    dy_push = dy_rows_mode(ws.num_experts, P, top_k) == "push" and not _dispatch_rows_here(grad_y)
+    if dy_push:
+        for p in range(P):
+            if p != r:
+                bufs.peer(p, "dy")[r * tc:r * tc + n].copy_(grad_y[:n])
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
     # 3. reverse combine: pull the needed dy (and x) rows of each peer (MOK_EP_DISPATCH=rows: straight
@@ -1594,7 +1616,8 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     else:
         if x_rows is None:
             bufs.pull_rows("tokens", eps.pull_src)
-        bufs.pull_rows("dy", eps.pull_src)
+        if not dy_push:
+            bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
             x_rows = eps.gather_rows(tokens)
         dy_rows = eps.gather_rows(dy, skip_tail=down_bias is None)  # (the down bias sums every row)

@@ -170,6 +170,26 @@ def test_push_gemm_wiring(stub_copies, monkeypatch, tokens, modes):
             assert torch.equal(_bits(a), _bits(b)), r
 
 
+@pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
+def test_dy_rows_push_wiring(stub_copies, monkeypatch, tokens):
+    """MOK_EP_DY_ROWS=push: each rank copies its d y rows into every peer's dy section before the backward's
+    barrier and nothing pulls them after it: one pull launch per rank fewer (the forward's stays), same bits."""
+    P = len(tokens)
+    got = {}
+    for mode in ("pull", "push"):
+        monkeypatch.setenv("MOK_EP_DY_ROWS", mode)
+        stub_copies.launches.clear()
+        got[mode] = _run(monkeypatch, None, seed=17 + P, tokens=tokens)
+        pulls = [n for _, n in stub_copies.launches].count("mok_ep_pull_peers")
+        assert pulls == (2 * P if mode == "pull" else P), (mode, pulls)
+    for r in range(P):
+        a, b = got["push"][r], got["pull"][r]
+        for u, v in zip(a[:3] + (a[3].gate_up_proj, a[3].down_proj), b[:3] + (b[3].gate_up_proj, b[3].down_proj)):
+            assert torch.equal(_bits(u), _bits(v)), r
+    monkeypatch.delenv("MOK_EP_DY_ROWS")
+    assert cuda_ep.dy_rows_mode(128, 2, 8) == "push" and cuda_ep.dy_rows_mode(8, 2, 2) == "pull"  # qwen3, mixtral
+
+
 def test_push_gemm_modes(monkeypatch):
     monkeypatch.setenv("MOK_EP_DOWN_PUSH", "sideways")
     with pytest.raises(ValueError, match="MOK_EP_DOWN_PUSH='sideways'"):

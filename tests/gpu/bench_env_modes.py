@@ -36,6 +36,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           mok_scatter_rows)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
+  epdyrows: pull, push, each twice (MOK_EP_DY_ROWS: the backward's d y rows pulled after its barrier or pushed
+          before it; EP only)
   eprowsce: auto, push, copy_engine (MOK_EP_PULL: the forward's token rows by the publish kernel or by the copy
           engines issued first; EP only)
   epdownpush: kernel, gemm (MOK_EP_DOWN_PUSH: the down GEMM sending its rows itself; EP only)
@@ -129,6 +131,8 @@ MODE_SETS = {
     # EP only: the dispatch as pull into the tokens / dy section + index_select, or one mok_ep_dispatch_rows
     # launch writing the GEMM's rows straight from the peers' sections
     "epdispatch": {"pull": {"MOK_EP_DISPATCH": "pull"}, "rows": {"MOK_EP_DISPATCH": "rows"}},
+    "epdyrows": {"pull": {"MOK_EP_DY_ROWS": "pull"}, "push": {"MOK_EP_DY_ROWS": "push"},
+                 "pull_again": {"MOK_EP_DY_ROWS": "pull"}, "push_again": {"MOK_EP_DY_ROWS": "push"}},
     "eprowsce": {"auto": {"MOK_EP_PULL": "auto"}, "push": {"MOK_EP_PULL": "push"},
                  "copy_engine": {"MOK_EP_PULL": "copy_engine"}},
     "epdownpush": {"kernel": {"MOK_EP_DOWN_PUSH": "kernel"}, "gemm": {"MOK_EP_DOWN_PUSH": "gemm"}},

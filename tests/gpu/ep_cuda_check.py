@@ -380,28 +380,32 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
 def case_token_rows_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: the forward's token rows pulled where needed, pulled whole after the barrier, pushed by
     the publish launch, or copied by the copy engines first (MOK_EP_PULL=needed / all / push / copy_engine): the
-    same bits (y and all gradients), each run twice, every tokens section poisoned before each run."""
+    same bits (y and all gradients), with the backward's d y rows pulled or pushed (MOK_EP_DY_ROWS), each run
+    twice, every tokens and dy section poisoned before each run."""
     rank = dist.get_rank()
     _, local = _expert_params(23, H, I, E)
     x, dy, ids, w = _rank_inputs(rank + 60, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
     runs = {}
-    for mode in ("needed", "all", "push", "copy_engine"):
-        os.environ["MOK_EP_PULL"] = mode
+    # (the backward's d y rows pulled in the first, pushed before its barrier in the others: MOK_EP_DY_ROWS)
+    for mode, dy_rows in (("needed", "pull"), ("all", "push"), ("push", "push"), ("copy_engine", "pull")):
+        os.environ["MOK_EP_PULL"], os.environ["MOK_EP_DY_ROWS"] = mode, dy_rows
+        label = f"{mode}, MOK_EP_DY_ROWS={dy_rows}"
         try:
-            runs[mode] = []
+            runs[label] = []
             for _ in range(2):
                 bufs = ws.ep_state.get("bufs")
                 if bufs is not None:
                     bufs.local("tokens").fill_(float("nan"))
+                    bufs.local("dy").fill_(float("nan"))
                 torch.cuda.synchronize()
                 dist.barrier()
-                runs[mode].append(_experts(ws, x, w, ids, dy, local))
+                runs[label].append(_experts(ws, x, w, ids, dy, local))
         finally:
-            del os.environ["MOK_EP_PULL"]
+            del os.environ["MOK_EP_PULL"], os.environ["MOK_EP_DY_ROWS"]
         cuda_ep.check_errors(ws)
-    _report_mode_runs(name, "MOK_EP_PULL", runs, "needed")
+    _report_mode_runs(name, "MOK_EP_PULL", runs, "needed, MOK_EP_DY_ROWS=pull")
 
 
 def _poison_slots(ws):
