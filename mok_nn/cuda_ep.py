@@ -913,12 +913,16 @@ class SymmBuffers:
         no peer still reads its section). Returns the stream, for the current stream to wait on before the
         barrier that tells the peers the rows are there."""
         stream.wait_stream(torch.cuda.current_stream(x.device))
-        r, tc = self.rank, self.tokens_cap
         with torch.cuda.stream(stream):
-            for p in range(self.ep_size):
-                if p != r:
-                    self.peer(p, "tokens")[r * tc:r * tc + n].copy_(x[:n])
+            self.copy_to_peers("tokens", x, n)
         return stream
+
+    def copy_to_peers(self, name: str, rows: torch.Tensor, n: int) -> None:
+        """rows[:n] into this rank's rows (rank * Tc ..) of every peer's section `name`, one copy_ per peer."""
+        r, tc = self.rank, self.tokens_cap
+        for p in range(self.ep_size):
+            if p != r:
+                self.peer(p, name)[r * tc:r * tc + n].copy_(rows[:n])
 
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
                 then_barrier: bool = False, push_rows: bool = False) -> None:
@@ -960,9 +964,7 @@ class SymmBuffers:
         n = min(num_tokens, tc)
         self.local("tokens")[r * tc:r * tc + n].copy_(x[:n])
         if push_rows:
-            for p in range(P):
-                if p != r:
-                    self.peer(p, "tokens")[r * tc:r * tc + n].copy_(x[:n])
+            self.copy_to_peers("tokens", x, n)
         own_ids = self.local("ids")[r]  # own row first, then copied to the peers from there
         own_ids[:n].copy_(topk_ids[:n])
         if n < tc:
@@ -1602,9 +1604,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     # reads its section only between the barriers of a step, so the rows written here cannot be in use)
     dy_push = dy_rows_mode(ws.num_experts, P, top_k) == "push" and not _dispatch_rows_here(grad_y)
     if dy_push:
-        for p in range(P):
-            if p != r:
-                bufs.peer(p, "dy")[r * tc:r * tc + n].copy_(grad_y[:n])
+        bufs.copy_to_peers("dy", grad_y, n)
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
     # 3. reverse combine: pull the needed dy (and x) rows of each peer (MOK_EP_DISPATCH=rows: straight

@@ -316,14 +316,7 @@ def case_copy_modes(name, H, I, E, K, T_by_rank):
     x, dy, ids, w = _rank_inputs(rank, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
-    runs = {}
-    for mode in ("v1", "v2", "torch"):
-        os.environ["MOK_EP_COPY"] = mode
-        try:
-            runs[mode] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
-        finally:
-            del os.environ["MOK_EP_COPY"]
-        cuda_ep.check_errors(ws)
+    runs = _runs_by_env(ws, x, w, ids, dy, local, {mode: {"MOK_EP_COPY": mode} for mode in ("v1", "v2", "torch")})
     _report_mode_runs(name, "MOK_EP_COPY", runs, "v1")
 
 
@@ -336,14 +329,9 @@ def case_dispatch_modes(name, H, I, E, K, T_by_rank):
     x, dy, ids, w = _rank_inputs(rank + 40, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
-    runs = {}
-    for mode, save_x in (("pull", "1"), ("rows", "1"), ("rows", "0")):
-        os.environ["MOK_EP_DISPATCH"], os.environ["MOK_EP_SAVE_X_ROWS"] = mode, save_x
-        try:
-            runs[f"{mode}, MOK_EP_SAVE_X_ROWS={save_x}"] = [_experts(ws, x, w, ids, dy, local) for _ in range(2)]
-        finally:
-            del os.environ["MOK_EP_DISPATCH"], os.environ["MOK_EP_SAVE_X_ROWS"]
-        cuda_ep.check_errors(ws)
+    envs = {f"{mode}, MOK_EP_SAVE_X_ROWS={save_x}": {"MOK_EP_DISPATCH": mode, "MOK_EP_SAVE_X_ROWS": save_x}
+            for mode, save_x in (("pull", "1"), ("rows", "1"), ("rows", "0"))}
+    runs = _runs_by_env(ws, x, w, ids, dy, local, envs)
     _report_mode_runs(name, "MOK_EP_DISPATCH", runs, "pull, MOK_EP_SAVE_X_ROWS=1")
 
 
@@ -358,22 +346,12 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
     x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
-    runs = {}
     kernel = {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_DX_PUSH": "copy_engine"}
-    for label, env in (("kernel", kernel), ("kernel, slot sums", {**kernel, "MOK_EP_COMBINE_SUMS": "slot"}),
-                       ("gemm", {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "copy_engine"}),
-                       ("gemm, d x gemm", {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "gemm"}),
-                       ("kernel, d x gemm", {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_DX_PUSH": "gemm"})):
-        os.environ.update(env)
-        try:
-            runs[label] = []
-            for _ in range(2):
-                _poison_slots(ws)
-                runs[label].append(_experts(ws, x, w, ids, dy, local))
-        finally:
-            for var in env:
-                del os.environ[var]
-        cuda_ep.check_errors(ws)
+    envs = {"kernel": kernel, "kernel, slot sums": {**kernel, "MOK_EP_COMBINE_SUMS": "slot"},
+            "gemm": {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "copy_engine"},
+            "gemm, d x gemm": {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "gemm"},
+            "kernel, d x gemm": {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_DX_PUSH": "gemm"}}
+    runs = _runs_by_env(ws, x, w, ids, dy, local, envs, poison=("slots", "dxslots"))
     _report_mode_runs(name, None, runs, "kernel")
 
 
@@ -387,35 +365,39 @@ def case_token_rows_modes(name, H, I, E, K, T_by_rank):
     x, dy, ids, w = _rank_inputs(rank + 60, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
                                   dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
-    runs = {}
     # (the backward's d y rows pulled in the first, pushed before its barrier in the others: MOK_EP_DY_ROWS)
-    for mode, dy_rows in (("needed", "pull"), ("all", "push"), ("push", "push"), ("copy_engine", "pull")):
-        os.environ["MOK_EP_PULL"], os.environ["MOK_EP_DY_ROWS"] = mode, dy_rows
-        label = f"{mode}, MOK_EP_DY_ROWS={dy_rows}"
-        try:
-            runs[label] = []
-            for _ in range(2):
-                bufs = ws.ep_state.get("bufs")
-                if bufs is not None:
-                    bufs.local("tokens").fill_(float("nan"))
-                    bufs.local("dy").fill_(float("nan"))
-                torch.cuda.synchronize()
-                dist.barrier()
-                runs[label].append(_experts(ws, x, w, ids, dy, local))
-        finally:
-            del os.environ["MOK_EP_PULL"], os.environ["MOK_EP_DY_ROWS"]
-        cuda_ep.check_errors(ws)
+    envs = {f"{mode}, MOK_EP_DY_ROWS={dy_rows}": {"MOK_EP_PULL": mode, "MOK_EP_DY_ROWS": dy_rows}
+            for mode, dy_rows in (("needed", "pull"), ("all", "push"), ("push", "push"), ("copy_engine", "pull"))}
+    runs = _runs_by_env(ws, x, w, ids, dy, local, envs, poison=("tokens", "dy"))
     _report_mode_runs(name, "MOK_EP_PULL", runs, "needed, MOK_EP_DY_ROWS=pull")
 
 
-def _poison_slots(ws):
-    """NaN into this rank's slots and d x slots sections (where the slot rows land), if the buffer exists yet."""
-    bufs = ws.ep_state.get("bufs")
-    if bufs is not None:
-        bufs.local("slots").fill_(float("nan"))
-        bufs.local("dxslots").fill_(float("nan"))
-    torch.cuda.synchronize()
-    dist.barrier()
+def _runs_by_env(ws, x, w, ids, dy, local, envs, poison=()):
+    """{label: [two runs of _experts]} with each label's environment settings {var: value} set for its runs
+    (then put back), the sections named in `poison` of this rank's buffer filled with NaN before each run
+    (every row a run reads there must be written in it), check_errors after each label."""
+    runs = {}
+    for label, env in envs.items():
+        saved = {var: os.environ.get(var) for var in env}
+        os.environ.update(env)
+        try:
+            runs[label] = []
+            for _ in range(2):
+                if poison:
+                    bufs = ws.ep_state.get("bufs")  # (none before the workspace's first call)
+                    for section in poison if bufs is not None else ():
+                        bufs.local(section).fill_(float("nan"))
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                runs[label].append(_experts(ws, x, w, ids, dy, local))
+        finally:
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+        cuda_ep.check_errors(ws)
+    return runs
 
 
 def case_two_layers(name, H, I, E, K, T_by_rank):
