@@ -130,6 +130,14 @@ class Schedule:
             self.padded_rows = padded_seg_rows(self.seg_end)
         return self.padded_rows
 
+    def seg_rows_for(self, kernel: str) -> torch.Tensor:
+        """[E] int32 seg_rows for grouped GEMM `kernel`: the real rows for the ping-pong kernels (_pp, _ppc)
+        where MOK_GEMM_HALF_TILES is on (half_tiles: a tile whose rows past the first 64 are all padding
+        runs one 64-row MMA block), else the padded sizes (gemm_seg_rows). Same bits either way."""
+        if half_tiles() and kernel.endswith(("_pp", "_ppc")):
+            return self.seg_rows
+        return self.gemm_seg_rows()
+
     def take_gathered(self, x: torch.Tensor) -> torch.Tensor | None:
         """x_rows (= gather_rows(x, self, skip_tail=True)) where make_schedule gathered this very x, else None;
         forgets them either way."""
@@ -299,6 +307,14 @@ PINGPONG_MODES = ("auto", "0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first i
 # 0.75, mixtral 6.71 vs 6.75 (equal), deepseek-v3 11.5 vs 8.2; plain GEMMs: qwen3 down (K 768) 0.385
 # vs 0.409, every K >= 1536 equal or slower.
 PINGPONG_AUTO_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
+
+
+def half_tiles() -> bool:
+    """MOK_GEMM_HALF_TILES ("1", the default, or "0"): the ping-pong GEMMs (a warp group computes a whole
+    128-row tile as two 64-row MMA blocks) skip the second block of a tile whose rows past the first 64
+    are all padding (the last tile of an expert with at most 64 rows in it). Same bits: the skipped
+    block's accumulators keep the zeros that the zero padding rows would give."""
+    return env_choice("MOK_GEMM_HALF_TILES", ("1", "0"), "1") == "1"
 
 
 def env_choice(var: str, choices: tuple, default: str) -> str:
@@ -532,7 +548,7 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
         name, a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
-        h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
+        h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name), limit, group_m, stream=_stream(),
     )  # fmt: skip
     return gate_up, h
 
@@ -569,7 +585,7 @@ def _full_epilogue(k: int, epi: str | None = None) -> bool:
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]."""
     _lib().launch(
-        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
+        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name),
         gemm_group_m(out.shape[1], tile_n_of(name)), stream=_stream(),
     )  # fmt: skip
 
@@ -792,7 +808,7 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
     _lib().launch(
         name, dy_rows.unsqueeze(-1), down_proj.permute(2, 1, 0), dgu.unsqueeze(-1),
         wh.unsqueeze(-1), gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end,
-        sched.gemm_seg_rows(), limit, group_m, stream=_stream(),
+        sched.seg_rows_for(name), limit, group_m, stream=_stream(),
     )  # fmt: skip
     return dgu, wh, pairwise_sum(parts)
 

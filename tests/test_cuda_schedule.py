@@ -110,3 +110,22 @@ def test_take_gathered_gives_the_rows_of_that_very_x_once():
     assert s.take_gathered(x.clone()) is None and s.gathered is None  # equal values, another tensor: not taken
     s.gathered = (x, rows)
     assert s.take_gathered(x) is rows and s.gathered is None and s.take_gathered(x) is None
+
+
+def test_seg_rows_for_half_tiles(monkeypatch):
+    """The ping-pong kernels get the routed rows (half tiles, MOK_GEMM_HALF_TILES=1, the default), every other
+    kernel and the switch off the padded sizes; a bad setting is an error naming the variable."""
+    ids, _ = _routing(300, 2, 8, torch.Generator().manual_seed(3))
+    s = make_schedule(ids, 8)
+    padded = s.gemm_seg_rows()
+    assert not torch.equal(s.seg_rows, padded)  # some expert's last tile is not full
+    monkeypatch.delenv("MOK_GEMM_HALF_TILES", raising=False)
+    for name in ("mok_gemm_bk_ppc", "mok_gemm_bn_pp", "mok_gemm_gate_up_swiglu_ppc", "mok_gemm_dact_swiglu_ppc"):
+        assert s.seg_rows_for(name) is s.seg_rows, name
+    for name in ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_gate_up_swiglu_ef", "mok_gemm_bk_ef_push"):
+        assert s.seg_rows_for(name) is padded, name
+    monkeypatch.setenv("MOK_GEMM_HALF_TILES", "0")
+    assert s.seg_rows_for("mok_gemm_bk_ppc") is padded
+    monkeypatch.setenv("MOK_GEMM_HALF_TILES", "yes")
+    with pytest.raises(ValueError, match="MOK_GEMM_HALF_TILES"):
+        s.seg_rows_for("mok_gemm_bk_ppc")

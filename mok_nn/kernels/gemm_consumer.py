@@ -79,10 +79,14 @@ def step_over(k_tiles, read_state, release_state):
 def mma_mainloop(
     tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
     proxy_fence: cutlass.Constexpr = False, skip_mma: cutlass.Constexpr = False,
+    first_m_only: cutlass.Constexpr = False,
 ):
     """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
     releasing it once the next stage's wgmma batch is in flight. proxy_fence: A arrived by cp.async
     (generic proxy), wgmma reads it through the async proxy. skip_mma: diagnostics (loads only).
+    first_m_only: only the first 64-row MMA block of the tile (ping-pong: the rows past it are all
+    padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.
+    The first block's wgmmas are the same instructions in the same order: its results keep their bits.
     Returns (tiled_mma, acc, read_state, release_state): rebind all four (the tracer threads values
     through staged control flow only as plain local variables, not through a helper's updates)."""
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -93,7 +97,11 @@ def mma_mainloop(
             cute.arch.fence_proxy("async.shared", space="cta")
         for kb in cutlass.range_constexpr(k_blocks):
             coord = (None, None, kb, read_state.index)
-            if cutlass.const_expr(not skip_mma):
+            if cutlass.const_expr(first_m_only):
+                a = tCrA[coord]
+                d = _first_m_block(acc)
+                cute.gemm(tiled_mma, d, _first_m_block(a), tCrB[coord], d)
+            elif cutlass.const_expr(not skip_mma):
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
         cute.nvgpu.warpgroup.commit_group()
         # Keep one wgmma batch in flight; release the stage before it.
@@ -106,6 +114,14 @@ def mma_mainloop(
     ab_pipe.consumer_release(release_state)
     release_state.advance()
     return tiled_mma, acc, read_state, release_state
+
+
+def _first_m_block(t):
+    """t (V, M[, N]) as (V, 1[, N]): its first MMA block along M (the same storage, the M mode cut to one)."""
+    lay = cute.append(cute.select(t.layout, mode=[0]), cute.make_layout(1))
+    if cute.rank(t) == 3:
+        lay = cute.append(lay, cute.select(t.layout, mode=[2]))
+    return cute.make_tensor(t.iterator, lay)
 
 
 def epilogue_stores(tiled_mma, ctid, sC, acc, c_layout, c_dtype, acc_dtype):

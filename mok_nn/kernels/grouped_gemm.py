@@ -1008,7 +1008,21 @@ class VarlenMGroupedGemm:
                         if cutlass.const_expr(self.pingpong):
                             cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                             order_phase = 1 - order_phase
-                        if real_rows > first_row:
+                        if cutlass.const_expr(self.pingpong):
+                            # a warp group's whole tile: where its rows past the first 64 are all padding
+                            # (callers that pass the real seg_rows: cuda_backend.seg_rows_for), only the
+                            # first 64-row MMA block runs (half_tiles)
+                            if real_rows > TILE_M // 2:
+                                tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                    tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                                    self.gather,
+                                )
+                            else:
+                                tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                    tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                                    self.gather, first_m_only=True,
+                                )
+                        elif real_rows > first_row:
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
                                 self.gather,

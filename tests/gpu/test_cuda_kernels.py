@@ -71,12 +71,14 @@ def test_gemm_variants_listed():
     assert {v[0] for v in GEMM_VARIANTS} == set(registry.GEMM_KERNELS)
 
 
-def _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m):
-    """One launch into a NaN-poisoned output, with the seg_rows the callers pass (padded sizes)."""
+def _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m, real_rows=False):
+    """One launch into a NaN-poisoned output, with the seg_rows the callers pass: the padded sizes, or with
+    real_rows the routed rows (what Schedule.seg_rows_for gives the ping-pong kernels: half tiles)."""
     out = torch.full((a.shape[0], W.shape[2] if transpose_w else W.shape[1]), float("nan"), device="cuda",
                      dtype=out_dtype)
     b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
-    lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
+    seg_rows = sched.seg_rows if real_rows else sched.gemm_seg_rows()
+    lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, seg_rows,
                group_m, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return out
@@ -125,11 +127,18 @@ def test_grouped_gemm(lib, case, name, transpose_w, out_dtype, group_m):
 EDGE_COUNTS = [1, 63, 0, 64, 65, 127, 128, 129, 200]  # rows per expert around the 64-row halves of a tile
 
 
-@pytest.mark.parametrize("name,transpose_w,out_dtype", GEMM_VARIANTS, ids=[v[0] for v in GEMM_VARIANTS])
-def test_grouped_gemm_tail_rows(lib, name, transpose_w, out_dtype):
+TAIL_RUNS = [(v, False) for v in GEMM_VARIANTS] + [(v, True) for v in GEMM_VARIANTS if "_pp" in v[0]]
+
+
+@pytest.mark.parametrize("variant,real_rows", TAIL_RUNS,
+                         ids=[v[0] + ("-half_tiles" if r else "") for v, r in TAIL_RUNS])
+def test_grouped_gemm_tail_rows(lib, variant, real_rows):
     """Experts whose last tile is 1, 63, 64, 65, 127, 128 or 1 (129) rows full: padding rows
-    store exact zeros, real rows match fp64, bits equal the default."""
+    store exact zeros, real rows match fp64, bits equal the default. real_rows: the ping-pong kernels
+    given the routed rows as seg_rows, so the tiles with at most 64 rows run one 64-row MMA block."""
     from mok_nn import cuda_backend as cb
+
+    name, transpose_w, out_dtype = variant
 
     E, N, K = len(EDGE_COUNTS), 512, 320
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -141,7 +150,7 @@ def test_grouped_gemm_tail_rows(lib, name, transpose_w, out_dtype):
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=g)
     a = cb.gather_rows(x, sched)
     W = (torch.randn((E, K, N) if transpose_w else (E, N, K), device="cuda", generator=g) / K**0.5).to(torch.bfloat16)
-    outs = [_run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, 1) for _ in range(2)]
+    outs = [_run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, 1, real_rows) for _ in range(2)]
     used = int(sched.seg_end[-1])
     assert torch.equal(outs[0][:used], outs[1][:used]), "not bitwise reproducible"
     pos = sched.pos.reshape(-1)
@@ -651,7 +660,8 @@ DACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", DACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc"])  # cooperative, ping-pong, ping-pong on 2-CTA clusters
+@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc", "_ppc-half_tiles"])  # cooperative, ping-pong, on 2-CTA
+# clusters; half_tiles: given the routed rows as seg_rows (Schedule.seg_rows_for), one MMA block where <= 64 rows
 def test_dgrad_act_fused(lib, case, suffix):
     """mok_gemm_dact_<act>[_pp]: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>;
     the per-row d topk-weight close to theirs and to an fp64 oracle; all outputs poisoned, run twice."""
@@ -669,7 +679,9 @@ def test_dgrad_act_fused(lib, case, suffix):
     dy_rows = cb.gather_rows(dy, sched)
     w_rows = cb.row_weights(sched, w)
     m, used = sched.capacity, int(sched.seg_end[-1])
+    suffix, _, half = suffix.partition("-")
     name = f"mok_gemm_dact_{act}{suffix}"
+    seg_rows = sched.seg_rows if half else sched.gemm_seg_rows()
     tile_n = registry.tile_n_of(name)
     tiles_n = I // tile_n
     runs = []
@@ -679,7 +691,7 @@ def test_dgrad_act_fused(lib, case, suffix):
         parts = torch.full((tiles_n, m), float("nan"), device="cuda")
         lib.launch(
             name, dy_rows.unsqueeze(-1), W2.permute(2, 1, 0), dgu.unsqueeze(-1), wh.unsqueeze(-1),
-            gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(),
+            gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, seg_rows,
             float("inf") if limit is None else limit, cb.gemm_group_m(I, tile_n),
             stream=torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
@@ -760,6 +772,39 @@ def test_pingpong_in_layer(lib, case, pp_mode, monkeypatch):
     for n, a, b in zip(names[:4], got, want):
         assert torch.equal(a, b), f"{n} differs from the default path"
     assert rel_l2(got[4], want[4]) < 1e-5
+
+
+@pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (512, 2048, 768, 128, 8, "skew")])
+def test_half_tiles_in_layer(lib, case, monkeypatch):
+    """MOK_GEMM_HALF_TILES=1 (default) vs 0 through experts_forward / experts_backward with the ping-pong
+    kernels (qwen3's: fused gate/up + SwiGLU, down, fused dSwiGLU): y, dx, d topk-weights and both weight
+    gradients bitwise equal; the case has experts whose last tile holds at most 64 rows."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k, mode = case
+    ids, w = _routing(T, k, E, mode, seed=T + 2 * I)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "cluster")
+    for var in ("MOK_GEMM_ACT", "MOK_GEMM_DACT"):
+        monkeypatch.setenv(var, "fused")
+    sched = cb.make_schedule(ids, E)
+    tail = sched.seg_rows % 128
+    assert bool(((tail > 0) & (tail <= 64)).any()), "no half tile in this case"
+
+    def run(half):
+        monkeypatch.setenv("MOK_GEMM_HALF_TILES", half)
+        y, saved = cb.experts_forward(x, ids, w, W13, W2)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2)
+        torch.cuda.synchronize()
+        return y, dx, dtk, g.gate_up_proj, g.down_proj
+
+    want, got, again = run("0"), run("1"), run("1")
+    for n, a, b, c in zip(("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj"), got, again, want):
+        assert torch.equal(a, b), f"{n} not bitwise reproducible"
+        assert torch.equal(a, c), f"{n} differs without half tiles"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
