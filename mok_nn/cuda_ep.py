@@ -1245,6 +1245,9 @@ def _record_errors(ws, flags: torch.Tensor, what: str) -> None:
     # check_errors reads it through a numpy view of the same memory: a tensor index and int() cost the
     # host ~10 us each there, before the next call's first launch
     ws.ep_state["pending"].append((host.numpy(), ev, what))
+    # the steps check_errors found done, freed here, after this step's launches: freeing an event and a
+    # pinned block costs the host driver calls, which at the start of the next call would delay its first launch
+    ws.ep_state.get("retired", []).clear()
 
 
 def check_errors(ws, block: bool = True) -> None:
@@ -1266,6 +1269,7 @@ def check_errors(ws, block: bool = True) -> None:
             keep.append((host, ev, what))
             continue
         overflow, timeout, too_many, ov_timeout = (int(v) for v in host[:4])
+        st.setdefault("retired", []).append((host, ev))  # freed after the caller's launches (_record_errors)
         if overflow or timeout or too_many or ov_timeout:
             st["pending"] = []
             if too_many:

@@ -333,3 +333,19 @@ def test_kept_copy_only_of_the_last_replay():
     stub = SimpleNamespace(replays=2)
     with pytest.raises(RuntimeError, match="after a later replay"):
         cuda_ep._GraphedSchedule._copy(stub, 5, 1)
+
+
+def test_check_errors_keeps_finished_steps_until_the_next_record():
+    """A finished step's pinned flags and event are not freed by the poll at the start of a call (freeing
+    them costs driver calls before the call's first launch) but kept in 'retired', which the next
+    _record_errors, after the call's launches, clears."""
+    class _Event:
+        def synchronize(self):
+            pass
+
+    host = torch.tensor([0, 0, 0, 0, 1], dtype=torch.int32).numpy()  # no error, marker arrived
+    ev = _Event()
+    st = {"pending": [(host, ev, "forward")]}
+    ws = SimpleNamespace(ep_state=st, config=MoKConfig())
+    cuda_ep.check_errors(ws, block=False)
+    assert st["pending"] == [] and len(st["retired"]) == 1 and st["retired"][0][1] is ev
