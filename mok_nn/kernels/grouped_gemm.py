@@ -17,13 +17,16 @@ persistent schedule of (m-tile, n-tile) pairs, so no inter-role queue is needed
 beyond the stage ring. Every output element is written once by one CTA with a
 fixed K order: results are bitwise reproducible.
 
-seg_end / seg_rows: each expert's padded segment end and its rows. A consumer
-warp group whose 64 rows all lie past seg_rows issues no wgmma for that tile (it
-still waits on and releases every stage, and stores its zero accumulator). The
-callers pass the padded segment sizes as seg_rows (Schedule.gemm_seg_rows), so no
-warp group skips: skipping the padding halves ("tail skip") measured slower on
-H200 everywhere and its switch was removed (docs/kernels.md). The branch itself
-stays, as taking it out changes the code of every GEMM variant.
+seg_end / seg_rows: each expert's padded segment end and its rows. A cooperative
+consumer warp group whose 64 rows all lie past seg_rows issues no wgmma for that
+tile (it still waits on and releases every stage, and stores its zero accumulator).
+The callers pass the cooperative kernels the padded segment sizes as seg_rows
+(Schedule.seg_rows_for), so none skips: skipping the padding halves ("tail skip")
+measured slower on H200 everywhere and its switch was removed (docs/kernels.md);
+the branch stays, as taking it out changes the code of every GEMM variant. The
+ping-pong kernels get the routed rows (MOK_GEMM_HALF_TILES=1): a warp group whose
+tile has at most 64 of them runs the first 64-row MMA block only ("half tiles",
+mma_mainloop's first_m_only; the same bits, a little faster at qwen3).
 
 Full-tile epilogue (full_epi=True, bf16 output): the shared-memory epilogue
 buffer holds the whole output tile, so the consumers write all of it, issue the
