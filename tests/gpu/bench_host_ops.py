@@ -4,11 +4,9 @@
 
 Each operation runs many times with the GPU busy (torch.cuda._sleep), so the figures are the host's own
 time per operation (median of batches, us)."""
-import statistics
-import time
-
-import numpy as np
 import torch
+
+from layer_runs import host_us_per_call  # the script's folder is on sys.path
 
 dev = torch.device("cuda")
 buf64 = torch.empty(1 << 20, dtype=torch.int64, device=dev)
@@ -17,16 +15,6 @@ big = torch.empty(1 << 16, 2048, dtype=torch.bfloat16, device=dev)
 pinned = torch.zeros(5, dtype=torch.int64, pin_memory=True)
 host_np = pinned.numpy()
 ids = torch.randint(0, 128, (8192, 8), device=dev)
-
-
-def per_op(fn, n=200, batches=7):
-    out = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(out)
 
 
 ops = {
@@ -51,5 +39,5 @@ ops = {
 torch.cuda.synchronize()
 torch.cuda._sleep(2_000_000_000)
 for name, fn in ops.items():
-    print(f"{name:40s} {per_op(fn):7.2f} us", flush=True)
+    print(f"{name:40s} {host_us_per_call(fn):7.2f} us", flush=True)
 torch.cuda.synchronize()

@@ -4,11 +4,11 @@ its allocations, the argument packing of mok_schedule_gather, and the launch.
 
     python tests/gpu/diag_schedule_host.py [shape]
 """
-import statistics
 import sys
-import time
 
 import torch
+
+from layer_runs import host_us_per_call  # the script's folder is on sys.path
 
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
@@ -18,16 +18,6 @@ p = bench.make_problem(shape, 8192, "cuda")
 x, ids = p["x"], p["ids"]
 E = p["gate_up_proj"].shape[0]
 lib = cb._lib()
-
-
-def per_call(fn, n=200, batches=7):
-    out = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(out)
 
 
 T, k = ids.shape
@@ -64,5 +54,5 @@ rows = {
     "_stream()": cb._stream,
 }
 for name, fn in rows.items():
-    print(f"{name:36s} {per_call(fn, n=50):7.2f} us", flush=True)
+    print(f"{name:36s} {host_us_per_call(fn, calls=50):7.2f} us", flush=True)
 torch.cuda.synchronize()

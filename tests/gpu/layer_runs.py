@@ -91,6 +91,18 @@ def host_ms_busy(fn, reps):
     return dt
 
 
+def host_us_per_call(fn, calls=200, batches=7):
+    """Median over `batches` of the host time per call of fn (us), each batch `calls` calls in a row; for host-only
+    costs (keep the GPU busy, torch.cuda._sleep, where fn launches work)."""
+    out = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(out)
+
+
 def load_cpu_test(name):
     """A module of tests/ (the CPU tests) by file name, e.g. an oracle kept there; the CPU test modules
     import each other by name, so tests/ goes on sys.path."""
