@@ -3,8 +3,9 @@
     ncu --launch-skip 2 --launch-count 1 -k regex:VarlenMGroupedGemm --section SpeedOfLight \\
         python tests/gpu/ncu_gemm.py deepseek-v3 gate_up
 
-gemm: gate_up (x_rows @ W13^T), down (h @ W2^T), dgrad_gu (dgu @ W13). MOK_GEMM_EPI picks
-the variant as in the layer. Three launches: two to warm up, one to profile.
+gemm: gate_up (x_rows @ W13^T), gate_up_act (the same with the activation in its epilogue, cb.gate_up_act),
+down (h @ W2^T), dgrad_gu (dgu @ W13). MOK_GEMM_EPI / MOK_GEMM_PINGPONG pick the variant as in the layer.
+Three launches: two to warm up, one to profile.
 """
 import sys
 
@@ -19,6 +20,11 @@ p = bench.make_problem(shape, 8192, "cuda")
 W13, W2 = p["gate_up_proj"], p["down_proj"]
 sched = cb.make_schedule(p["ids"], W13.shape[0])
 rows = cb.gather_rows(p["x"], sched)
+if gemm == "gate_up_act":
+    for _ in range(3):
+        cb.gate_up_act(rows, W13, sched, "swiglu", None)
+    torch.cuda.synchronize()
+    raise SystemExit(print(f"{shape} gate_up_act: rows {rows.shape[0]}, done"))
 if gemm == "gate_up":
     a, w, transpose = rows, W13, False
 elif gemm == "down":
