@@ -4,6 +4,8 @@
 
 Each operation runs many times with the GPU busy (torch.cuda._sleep), so the figures are the host's own
 time per operation (median of batches, us)."""
+import time
+
 import torch
 
 from layer_runs import host_us_per_call  # the script's folder is on sys.path
@@ -41,3 +43,26 @@ torch.cuda._sleep(2_000_000_000)
 for name, fn in ops.items():
     print(f"{name:40s} {host_us_per_call(fn):7.2f} us", flush=True)
 torch.cuda.synchronize()
+
+# What cuda_ep._record_errors makes per EP step, and what freeing it costs once the step is done (check_errors
+# used to free it at the start of the next call, before its first launch; _record_errors now does, after them)
+flags = torch.zeros(4, dtype=torch.int32, device=dev)
+one = torch.ones(1, dtype=torch.int32, device=dev)
+
+
+def record():
+    host = torch.zeros(5, dtype=torch.int32, pin_memory=True)
+    host[:-1].copy_(flags, non_blocking=True)
+    host[-1:].copy_(one, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host.numpy(), ev
+
+
+print(f"{'record a step (pinned zeros, 2 copies, event)':40s} {host_us_per_call(record, calls=50):7.2f} us", flush=True)
+steps = [record() for _ in range(2000)]
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(len(steps)):
+    steps.pop()
+print(f"{'free a finished step':40s} {(time.perf_counter() - t0) / 2000 * 1e6:7.2f} us", flush=True)
