@@ -133,7 +133,9 @@ class Schedule:
     def seg_rows_for(self, kernel: str) -> torch.Tensor:
         """[E] int32 seg_rows for grouped GEMM `kernel`: the real rows for the ping-pong kernels (_pp, _ppc)
         where MOK_GEMM_HALF_TILES is on (half_tiles: a tile whose rows past the first 64 are all padding
-        runs one 64-row MMA block), else the padded sizes (gemm_seg_rows). Same bits either way."""
+        runs one 64-row MMA block), else the padded sizes (gemm_seg_rows). Same bits either way in every row
+        that is read (the real rows; padding rows too where A's padding rows are zero, i.e. unless a gate/up
+        bias made h's padding rows act(bias): the down GEMM's padding rows, which nothing reads, then differ)."""
         if half_tiles() and kernel.endswith(("_pp", "_ppc")):
             return self.seg_rows
         return self.gemm_seg_rows()
@@ -312,8 +314,8 @@ PINGPONG_AUTO_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
 def half_tiles() -> bool:
     """MOK_GEMM_HALF_TILES ("1", the default, or "0"): the ping-pong GEMMs (a warp group computes a whole
     128-row tile as two 64-row MMA blocks) skip the second block of a tile whose rows past the first 64
-    are all padding (the last tile of an expert with at most 64 rows in it). Same bits: the skipped
-    block's accumulators keep the zeros that the zero padding rows would give."""
+    are all padding (the last tile of an expert with at most 64 rows in it). Same bits in the rows that are
+    read: the skipped block's accumulators keep the zeros that zero padding rows of A give (Schedule.seg_rows_for)."""
     return env_choice("MOK_GEMM_HALF_TILES", ("1", "0"), "1") == "1"
 
 

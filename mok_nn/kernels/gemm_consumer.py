@@ -87,6 +87,7 @@ def mma_mainloop(
     first_m_only: only the first 64-row MMA block of the tile (ping-pong: the rows past it are all
     padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.
     The first block's wgmmas are the same instructions in the same order: its results keep their bits.
+    (It takes precedence over skip_mma, a diagnostic no caller combines with it.)
     Returns (tiled_mma, acc, read_state, release_state): rebind all four (the tracer threads values
     through staged control flow only as plain local variables, not through a helper's updates)."""
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)

@@ -162,7 +162,7 @@ def test_grouped_gemm_tail_rows(lib, variant, real_rows):
     assert torch.all(outs[0][:used][pad] == 0), "padding rows not zero"
     if name in DEFAULT_GEMM:
         ref_bits = _run_gemm(lib, DEFAULT_GEMM[name], a, W, transpose_w, out_dtype, sched, 1)
-        assert torch.equal(outs[0][:used], ref_bits[:used]), f"{name} differs from the default"
+        assert torch.equal(_bits(outs[0][:used]), _bits(ref_bits[:used])), f"{name} differs from the default"
 
 
 @pytest.mark.parametrize("epi", ["split", "full"])
@@ -660,7 +660,7 @@ DACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", DACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc", "_ppc-half_tiles"])  # cooperative, ping-pong, on 2-CTA
+@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc", "_pp-half_tiles", "_ppc-half_tiles"])  # cooperative, ping-pong, on 2-CTA
 # clusters; half_tiles: given the routed rows as seg_rows (Schedule.seg_rows_for), one MMA block where <= 64 rows
 def test_dgrad_act_fused(lib, case, suffix):
     """mok_gemm_dact_<act>[_pp]: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>;
@@ -774,19 +774,29 @@ def test_pingpong_in_layer(lib, case, pp_mode, monkeypatch):
     assert rel_l2(got[4], want[4]) < 1e-5
 
 
-@pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (512, 2048, 768, 128, 8, "skew")])
+def _bits(t):
+    """t's raw bits (so that -0.0 and +0.0 differ, which torch.equal does not see)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random", False), (512, 2048, 768, 128, 8, "skew", False),
+                                  (300, 256, 512, 8, 2, "random", True)])
 def test_half_tiles_in_layer(lib, case, monkeypatch):
     """MOK_GEMM_HALF_TILES=1 (default) vs 0 through experts_forward / experts_backward with the ping-pong
-    kernels (qwen3's: fused gate/up + SwiGLU, down, fused dSwiGLU): y, dx, d topk-weights and both weight
-    gradients bitwise equal; the case has experts whose last tile holds at most 64 rows."""
+    kernels (qwen3's: fused gate/up + SwiGLU, down, fused dSwiGLU): y, dx, d topk-weights and the weight
+    (and bias) gradients bit for bit equal; the case has experts whose last tile holds at most 64 rows.
+    With biases the gate/up activation runs unfused, so h's padding rows are act(bias), not zero: the down
+    GEMM's padding rows then differ, and nothing that is read may."""
     from mok_nn import cuda_backend as cb
 
-    T, H, I, E, k, mode = case
+    T, H, I, E, k, mode, bias = case
     ids, w = _routing(T, k, E, mode, seed=T + 2 * I)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
     W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    b13 = (torch.randn(E, 2 * I, device="cuda") / 4).to(torch.bfloat16) if bias else None
+    b2 = (torch.randn(E, H, device="cuda") / 4).to(torch.bfloat16) if bias else None
     monkeypatch.setenv("MOK_GEMM_PINGPONG", "cluster")
     for var in ("MOK_GEMM_ACT", "MOK_GEMM_DACT"):
         monkeypatch.setenv(var, "fused")
@@ -796,15 +806,17 @@ def test_half_tiles_in_layer(lib, case, monkeypatch):
 
     def run(half):
         monkeypatch.setenv("MOK_GEMM_HALF_TILES", half)
-        y, saved = cb.experts_forward(x, ids, w, W13, W2)
-        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2)
+        y, saved = cb.experts_forward(x, ids, w, W13, W2, b13, b2)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2, b13, b2)
         torch.cuda.synchronize()
-        return y, dx, dtk, g.gate_up_proj, g.down_proj
+        out = [y, dx, dtk, g.gate_up_proj, g.down_proj]
+        return out + ([g.gate_up_bias, g.down_bias] if bias else [])
 
     want, got, again = run("0"), run("1"), run("1")
-    for n, a, b, c in zip(("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj"), got, again, want):
-        assert torch.equal(a, b), f"{n} not bitwise reproducible"
-        assert torch.equal(a, c), f"{n} differs without half tiles"
+    names = ("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias")
+    for n, a, b, c in zip(names, got, again, want):
+        assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
+        assert torch.equal(_bits(a), _bits(c)), f"{n} differs without half tiles"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
