@@ -23,6 +23,7 @@
 # pingpong (ping-pong GEMM tests, call by call vs the cooperative kernels, the layer side by side),
 # macrobatch (MoKConfig.macrobatch_size: GPU tests, passes vs one pass at EP=1 and, with 2 GPUs, EP=2),
 # scatter (mok_scatter_rows: tests, call by call, EP checks with it),
+# hostdiag (EP=1 host side: qwen3 timeline, single-op and make_schedule host costs, the alternation penalty),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -84,6 +85,12 @@ for s in "$@"; do
         for sh in qwen3-30b-a3b deepseek-v3; do
             TAIL=40 step "ep_timeline_$sh" 120 torchrun --nproc_per_node 2 tests/gpu/timeline_ep_forward.py "$sh"
         done ;;
+    hostdiag)  # EP = 1 host side: the qwen3 timeline (one rank), host cost of single ops and of make_schedule,
+        # the benchmark's alternation penalty
+        TAIL=25 step ep1_timeline_qwen3 120 torchrun --nproc_per_node 1 tests/gpu/timeline_ep_forward.py qwen3-30b-a3b
+        TAIL=25 step host_ops 60 python3 tests/gpu/bench_host_ops.py
+        TAIL=10 step schedule_host 60 python3 tests/gpu/diag_schedule_host.py
+        TAIL=6 step alternation 120 python3 tests/gpu/diag_bench_alternation.py ;;
     ephost)  # the EP path's host side: issue time vs wall, cProfile of the issuing (rank 0)
         TAIL=60 step ep_host_qwen3 120 torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py qwen3-30b-a3b ;;
     launch)  # packed kernel launches: same bits as the ctypes path, host us per launch, EP host issue with the old path
