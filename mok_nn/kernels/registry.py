@@ -292,7 +292,8 @@ def _combine_specs() -> tuple:
             ScalarArg("experts_per_leaf", "i32"),
         ),
     )
-    return local, partial, final
+    wide = dataclasses.replace(local, name="mok_combine_t256", factory_kwargs=(("threads", 256),))  # experiment
+    return local, wide, partial, final
 
 
 def _act_specs(kind: str) -> tuple:
