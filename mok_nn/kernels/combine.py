@@ -124,9 +124,6 @@ def _sum_slots(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, rows: cut
 
 
 class Combine:
-    def __init__(self, threads: int = THREADS):
-        self.threads = threads  # per CTA (one token): the columns' 16-byte chunks are walked threads at a time
-
     @cute.jit
     def __call__(
         self,
@@ -140,7 +137,7 @@ class Combine:
     ):
         num_tokens = cute.size(out, mode=[0])
         self.kernel(rows, pos, w, ids, out, experts_per_leaf).launch(
-            grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream
+            grid=[num_tokens, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -164,7 +161,7 @@ class Combine:
         frag = cute.make_rmem_tensor((VEC, SLOTS_IN_FLIGHT), rows.element_type)
         vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
-        for c0 in range(0, n_vec, self.threads):
+        for c0 in range(0, n_vec, THREADS):
             c = c0 + cutlass.Int32(tidx)
             _sum_slots(acc, frag, vals, rows, c, c < n_vec, top_k, row_l, leaf_l, w_l)
             if c < n_vec:

@@ -292,8 +292,7 @@ def _combine_specs() -> tuple:
             ScalarArg("experts_per_leaf", "i32"),
         ),
     )
-    wide = dataclasses.replace(local, name="mok_combine_t256", factory_kwargs=(("threads", 256),))  # experiment
-    return local, wide, partial, final
+    return local, partial, final
 
 
 def _act_specs(kind: str) -> tuple:
