@@ -308,14 +308,21 @@ def _gate_up_claimers(ws, I):
     return int(ctr[0].item()) - tiles
 
 
+def _fixed_case(params_seed, inputs_offset, H, I, E, K, T_by_rank):
+    """The set-up of a mode case: (workspace, this rank's expert params, x, dy, ids, w), the expert params from
+    params_seed, this rank's inputs from rank + inputs_offset."""
+    rank = dist.get_rank()
+    _, local = _expert_params(params_seed, H, I, E)
+    x, dy, ids, w = _rank_inputs(rank + inputs_offset, T_by_rank[rank], H, E, K)
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
+                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    return ws, local, x, dy, ids, w
+
+
 def case_copy_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: the row copies MOK_EP_COPY=v2 (default: one launch for every peer), v1 (one
     mok_ep_copy_rows per peer) and torch give the same bits (y and all gradients), each run twice."""
-    rank = dist.get_rank()
-    _, local = _expert_params(13, H, I, E)
-    x, dy, ids, w = _rank_inputs(rank, T_by_rank[rank], H, E, K)
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
-                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    ws, local, x, dy, ids, w = _fixed_case(13, 0, H, I, E, K, T_by_rank)
     runs = _runs_by_env(ws, x, w, ids, dy, local, {mode: {"MOK_EP_COPY": mode} for mode in ("v1", "v2", "torch")})
     _report_mode_runs(name, "MOK_EP_COPY", runs, "v1")
 
@@ -324,11 +331,7 @@ def case_dispatch_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: the dispatch as pull + index_select (MOK_EP_DISPATCH=pull, the default) and as one
     mok_ep_dispatch_rows launch (rows), the backward pulling x again (MOK_EP_SAVE_X_ROWS=0) or not: the
     same bits (y and all gradients), each run twice."""
-    rank = dist.get_rank()
-    _, local = _expert_params(17, H, I, E)
-    x, dy, ids, w = _rank_inputs(rank + 40, T_by_rank[rank], H, E, K)
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
-                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    ws, local, x, dy, ids, w = _fixed_case(17, 40, H, I, E, K, T_by_rank)
     envs = {f"{mode}, MOK_EP_SAVE_X_ROWS={save_x}": {"MOK_EP_DISPATCH": mode, "MOK_EP_SAVE_X_ROWS": save_x}
             for mode, save_x in (("pull", "1"), ("rows", "1"), ("rows", "0"))}
     runs = _runs_by_env(ws, x, w, ids, dy, local, envs)
@@ -341,11 +344,7 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
     (MOK_EP_COMBINE_SUMS=slot), each with the backward's d x as per-rank sums by the copy engines or sent by
     the dgrad GEMM itself (MOK_EP_DX_PUSH=gemm): the same bits (y and all gradients), each run twice, the
     slots and d x slots poisoned before each run (every row a token reads must be written in the run)."""
-    rank = dist.get_rank()
-    _, local = _expert_params(19, H, I, E)
-    x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
-                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    ws, local, x, dy, ids, w = _fixed_case(19, 50, H, I, E, K, T_by_rank)
     kernel = {"MOK_EP_DOWN_PUSH": "kernel", "MOK_EP_DX_PUSH": "copy_engine"}
     envs = {"kernel": kernel, "kernel, slot sums": {**kernel, "MOK_EP_COMBINE_SUMS": "slot"},
             "gemm": {"MOK_EP_DOWN_PUSH": "gemm", "MOK_EP_DX_PUSH": "copy_engine"},
@@ -360,11 +359,7 @@ def case_token_rows_modes(name, H, I, E, K, T_by_rank):
     the publish launch, or copied by the copy engines first (MOK_EP_PULL=needed / all / push / copy_engine): the
     same bits (y and all gradients), with the backward's d y rows pulled or pushed (MOK_EP_DY_ROWS), each run
     twice, every tokens and dy section poisoned before each run."""
-    rank = dist.get_rank()
-    _, local = _expert_params(23, H, I, E)
-    x, dy, ids, w = _rank_inputs(rank + 60, T_by_rank[rank], H, E, K)
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
-                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    ws, local, x, dy, ids, w = _fixed_case(23, 60, H, I, E, K, T_by_rank)
     # (the backward's d y rows pulled in the first, pushed before its barrier in the others: MOK_EP_DY_ROWS)
     envs = {f"{mode}, MOK_EP_DY_ROWS={dy_rows}": {"MOK_EP_PULL": mode, "MOK_EP_DY_ROWS": dy_rows}
             for mode, dy_rows in (("needed", "pull"), ("all", "push"), ("push", "push"), ("copy_engine", "pull"))}
@@ -517,11 +512,7 @@ def case_publish_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: step 1 of the forward as one mok_ep_publish launch (MOK_EP_PUBLISH=kernel, the
     default) and as torch ops give the same bits (y and all gradients), fp32 and bf16 top-k weights,
     the published sections poisoned before each run, each mode run twice."""
-    rank = dist.get_rank()
-    _, local = _expert_params(17, H, I, E)
-    x, dy, ids, w = _rank_inputs(rank + 50, T_by_rank[rank], H, E, K)  # not the inputs of other cases
-    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=x.device,
-                                  dtype=x.dtype, backend="cuda", ep_group=dist.group.WORLD)
+    ws, local, x, dy, ids, w = _fixed_case(17, 50, H, I, E, K, T_by_rank)  # not the inputs of other cases
     for wdt in (torch.float32, torch.bfloat16):
         wt = w.to(wdt)
         runs = {}
