@@ -108,7 +108,7 @@ OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
 DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
 PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
-PULL_MODES = ("auto", "needed", "all", "push", "copy_engine")  # MOK_EP_PULL; the first is the default
+PULL_MODES = ("auto", "needed", "all", "push", "copy_engine", "scatter")  # MOK_EP_PULL; the first is the default
 # auto: pull every row where at least this share of a peer's tokens has an expert here (uniform routing)
 PULL_ALL_MIN_SHARE = 0.9
 COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
@@ -628,8 +628,10 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     before the publish, which runs beside them; the barrier, its own launch then, waits for them:
     SymmBuffers.send_rows), 'all' (every peer row pulled right after the
     barrier, beside the schedule) or 'needed' (only the rows the local experts need, pulled once the schedule
-    is built). The GEMMs read the same rows in all four; all but 'needed' also move the rows of tokens routed
-    to no expert here.
+    is built) or 'scatter' (no row moves before the barrier: the gather into the GEMM's row order reads each
+    peer row it needs from that peer's own section over NVLink, once, mok_scatter_rows_peers; on the GPU
+    only, else 'push': scatter_from_ranks). The GEMMs read the same rows in all five; 'push', 'copy_engine'
+    and 'all' also move the rows of tokens routed to no expert here.
     auto (default): 'push' where a token has an expert on a given rank with probability >=
     PULL_ALL_MIN_SHARE under uniform routing (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2,
     0.996; mixtral 0.79), else 'needed'. Measured at EP = 2: 'all' against 'needed'
@@ -645,13 +647,14 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     return "push" if ep_size <= 32 else "all"  # (the push holds one rank per lane of a warp)
 
 
-DY_ROWS_MODES = ("auto", "push", "pull")  # MOK_EP_DY_ROWS; the first is the default
+DY_ROWS_MODES = ("auto", "push", "pull", "scatter")  # MOK_EP_DY_ROWS; the first is the default
 
 
 def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     """How the backward's d y rows reach the peers (MOK_EP_DY_ROWS): 'push' (each rank copies its rows into its
-    part of every peer's dy section before the barrier: one copy_ per peer, no pull after it) or 'pull' (its own
-    section only, then each peer pulls the rows it needs after the barrier). 'auto' (default): 'push' where the
+    part of every peer's dy section before the barrier: one copy_ per peer, no pull after it), 'pull' (its own
+    section only, then each peer pulls the rows it needs after the barrier) or 'scatter' (its own section only;
+    each peer's gather reads the rows it needs from there over NVLink: scatter_from_ranks). 'auto' (default): 'push' where the
     forward's token rows go to every rank (token_rows_mode 'push' or 'copy_engine': nearly every row is needed),
     else 'pull'. The same rows either way."""
     mode = cb.env_choice("MOK_EP_DY_ROWS", DY_ROWS_MODES, DY_ROWS_MODES[0])
@@ -1381,6 +1384,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     dispatch = None if fwd_overlap or rows_dispatch else token_rows_mode(ws.num_experts, P, top_k)
     if dispatch == "copy_engine" and not _on_cuda(x):
         dispatch = "push"  # (the same rows; a side stream needs the GPU)
+    if dispatch == "scatter" and not scatter_from_ranks_ok(x, top_k):
+        dispatch = "push"  # (the same rows, moved before the barrier)
     # the rows to every peer first, by the copy engines, while the host prepares the publish
     sent = bufs.send_rows(x, n, _copy_stream(ws, x.device)) if dispatch == "copy_engine" else None
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
@@ -1414,7 +1419,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
             gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
         else:
             if x_rows is None:
-                x_rows = eps.gather_rows(tokens)
+                x_rows = scatter_from_ranks(bufs, eps, "tokens") if dispatch == "scatter" else eps.gather_rows(tokens)
             if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
                 # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
                 gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
@@ -1496,6 +1501,30 @@ def _ready_flags(ws, n_tiles: int, dev) -> tuple[torch.Tensor, int]:
 def _dispatch_rows_here(t: torch.Tensor) -> bool:
     """MOK_EP_DISPATCH=rows applies: CUDA tensors and the kernel copies (not the MOK_EP_COPY=torch aid)."""
     return dispatch_mode() == "rows" and _on_cuda(t) and copy_mode() != "torch"
+
+
+def scatter_from_ranks_ok(rows: torch.Tensor, top_k: int) -> bool:
+    """mok_scatter_rows_peers can take these rows (MOK_EP_PULL / MOK_EP_DY_ROWS 'scatter'): on the GPU, rows of
+    16-byte vectors, k <= 32 (a lane per slot)."""
+    return _on_cuda(rows) and cb.rows_of_16_byte_vectors(rows) and top_k <= 32
+
+
+def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_tail: bool = True) -> torch.Tensor:
+    """eps.gather_rows of `section` ("tokens" or "dy") where each rank's rows are only in that rank's own
+    section (nothing was pushed or pulled): one mok_scatter_rows_peers launch reads token row t of rank p from
+    rank p's section (over NVLink for a peer), once, and stores it to each of its rows here. Returns
+    [capacity, H]; the same rows as gather_rows over a section holding every rank's rows. A peer writes its own
+    rows again only in its next step's publish (or backward), after this step's second barrier, which this
+    rank reaches only after this launch."""
+    local = bufs.local(section)
+    slots = eps.token_slots()
+    out = torch.empty(eps.sched.row_token.shape[0], local.shape[1], dtype=local.dtype, device=local.device)
+    tiles = eps.sched.tile_expert if skip_tail else cb._cached_zero_tile(local.device)
+    # (as cb._scatter_rows_grid: the source rows, then batches of 32 rows to zero-fill)
+    grid = cb.row_copy_grid(slots.shape[0] + -(-out.shape[0] // 32), bufs.num_sms(), cb.GATHER_CTAS_PER_SM)
+    cb._lib().launch("mok_scatter_rows_peers", local, bufs.section_addrs(section), slots, eps.sched.row_token, tiles,
+                     out, grid, stream=cb._stream())
+    return out
 
 
 def _dispatch_rows(ws, bufs: SymmBuffers, eps: EPSchedule, section: str) -> torch.Tensor:
@@ -1606,7 +1635,10 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
     # (dy_rows_mode 'push': into every peer's section as well, before the barrier, so no pull follows it; a peer
     # reads its section only between the barriers of a step, so the rows written here cannot be in use)
-    dy_push = dy_rows_mode(ws.num_experts, P, top_k) == "push" and not _dispatch_rows_here(grad_y)
+    dy_mode = dy_rows_mode(ws.num_experts, P, top_k)
+    if dy_mode == "scatter" and not scatter_from_ranks_ok(grad_y, top_k):
+        dy_mode = "push"
+    dy_push = dy_mode == "push" and not _dispatch_rows_here(grad_y)
     if dy_push:
         bufs.copy_to_peers("dy", grad_y, n)
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
@@ -1620,11 +1652,15 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     else:
         if x_rows is None:
             bufs.pull_rows("tokens", eps.pull_src)
-        if not dy_push:
+        if not dy_push and dy_mode != "scatter":
             bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
             x_rows = eps.gather_rows(tokens)
-        dy_rows = eps.gather_rows(dy, skip_tail=down_bias is None)  # (the down bias sums every row)
+        skip_tail = down_bias is None  # (the down bias sums every row)
+        if dy_mode == "scatter":
+            dy_rows = scatter_from_ranks(bufs, eps, "dy", skip_tail)
+        else:
+            dy_rows = eps.gather_rows(dy, skip_tail=skip_tail)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)

@@ -38,6 +38,8 @@ class _StubLib:
     def launch(self, name, *args, stream):
         with self._lock:
             self.launches.append((threading.get_ident(), name))
+        if name == "mok_scatter_rows_peers":
+            return self._scatter_rows_peers(*args)
         assert name in ("mok_ep_publish", "mok_ep_publish_bf16w"), f"unexpected launch {name}"
         x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us, tokens_all, push = args
         assert (name == "mok_ep_publish_bf16w") == (w.dtype == torch.bfloat16)
@@ -73,9 +75,28 @@ class _StubLib:
             bufs._barrier.wait(timeout=60)
 
 
+    def _scatter_rows_peers(self, local, base, slots, row_src, tiles, out, grid):
+        """mok_scatter_rows_peers by its contract (kernels/ep_copy.py): row r of out is source row u =
+        row_src[r] read from rank u // Tc's own section (by the address in base), a zero row where u is no
+        source row; rows of tiles with tile_expert < 0 are not written."""
+        P = base.shape[0]
+        n_src = slots.shape[0]
+        tc = n_src // P
+        assert n_src == P * tc and grid >= 1 and local.data_ptr() in [int(a) for a in base]
+        for r in range(out.shape[0]):
+            t = r // 128
+            if t < tiles.shape[0] and int(tiles[t]) < 0:
+                continue
+            u = int(row_src[r])
+            if 0 <= u < n_src:
+                out[r] = self.sections[int(base[u // tc])][u]
+            else:
+                out[r] = 0
+
+
 def _register(lib, bufs):
     for views in bufs._views:
-        for name in ("ids", "weights", "ntok", "tokens"):
+        for name in ("ids", "weights", "ntok", "tokens", "dy"):
             lib.sections[views[name].data_ptr()] = views[name]
     lib.by_pad[bufs.local("pad").data_ptr()] = bufs
 
@@ -100,14 +121,16 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
-@pytest.mark.parametrize("rows", ["needed", "push"])
+@pytest.mark.parametrize("rows", ["needed", "push", "scatter"])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens, wdtype, rows):
     """The whole simulated EP step: one mok_ep_publish per rank and forward (none in the backward,
     none in torch mode), and every output / gradient the same bits in all modes; the token rows pulled
-    after the schedule or pushed by the publish (MOK_EP_PULL=push)."""
+    after the schedule, pushed by the publish (MOK_EP_PULL=push) or read from the peers' own sections by the
+    gather (scatter, with the backward's d y rows too: the stub carries out mok_scatter_rows_peers)."""
     monkeypatch.setenv("MOK_EP_PULL", rows)
+    monkeypatch.setenv("MOK_EP_DY_ROWS", "scatter" if rows == "scatter" else "auto")
     P = len(tokens)
     H, I, E, K = 64, 32, 4 * P, 2
     got = {}
@@ -118,13 +141,17 @@ def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens,
         W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, False, 0.0)
         ws_ = [w.to(wdtype) for w in ws_]
         got[mode] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
-        names = [n for _, n in stub_publish.launches]
+        scatters = [n for _, n in stub_publish.launches if n == "mok_scatter_rows_peers"]
+        names = [n for _, n in stub_publish.launches if n != "mok_scatter_rows_peers"]
         want = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
         assert names == ([] if mode == "torch" else [want] * P), mode
+        # scatter: the forward's x rows and the backward's d y rows, one launch each per rank
+        assert len(scatters) == (2 * P if rows == "scatter" else 0), mode
         # the kernel's launch ends with the forward's first barrier (every rank, one epoch each)
         assert len(stub_publish.barriers) == (0 if mode == "torch" else P), mode
         stub_publish.barriers.clear()
-        assert len({tid for tid, _ in stub_publish.launches}) == len(names)  # one per rank (thread)
+        # one publish per rank (thread)
+        assert len({tid for tid, n in stub_publish.launches if n != "mok_scatter_rows_peers"}) == len(names)
     for mode in ("kernel", None):
         for r in range(P):
             for a, b in zip(got[mode][r][:3], got["torch"][r][:3]):
@@ -212,3 +239,26 @@ def test_publish_mode_rejects_unknown(monkeypatch):
         cuda_ep.publish_mode()
     monkeypatch.delenv("MOK_EP_PUBLISH")
     assert cuda_ep.publish_mode() == "kernel"
+
+
+@pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
+def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens):
+    """MOK_EP_PULL=scatter with MOK_EP_DY_ROWS=scatter (nothing moved before the barriers; the gathers read
+    each rank's rows from its own section, by the stub's mok_scatter_rows_peers) against the rows pushed
+    before the barriers (push / push): every output and gradient the same bits."""
+    P = len(tokens)
+    H, I, E, K = 64, 32, 4 * P, 2
+    got = {}
+    for rows in ("push", "scatter"):
+        monkeypatch.setenv("MOK_EP_PULL", rows)
+        monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
+        g = torch.Generator().manual_seed(11 + P)
+        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, True, 0.5)
+        got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+    assert any(n == "mok_scatter_rows_peers" for _, n in stub_publish.launches)
+    for r in range(P):
+        for a, b in zip(got["scatter"][r][:3], got["push"][r][:3]):
+            assert torch.equal(_bits(a), _bits(b)), r
+        ga, gb = got["scatter"][r][3], got["push"][r][3]
+        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+            assert torch.equal(_bits(getattr(ga, name)), _bits(getattr(gb, name))), (r, name)

@@ -18,6 +18,9 @@ ScatterRows:   the same rows as GatherRows, walked from the source side: warp pe
                row_src is u); then zero rows where row_src is not a source row. A source row used by
                k' slots is read once instead of k' times, which matters where src does not fit in L2
                (the EP tokens sections: P*Tc rows).
+ScatterRowsPeers: ScatterRows reading source row p*Tc + t from rank p's own section (over NVLink for a
+               peer): the EP forward's dispatch and gather in one launch (MOK_EP_PULL=scatter), each
+               peer row that some row here takes crossing NVLink once.
 
 Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
 (num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;
@@ -272,37 +275,98 @@ class ScatterRows:
     def kernel(self, src: cute.Tensor, slot_row: cute.Tensor, row_src: cute.Tensor, tile_expert: cute.Tensor,
                dst: cute.Tensor):
         n_src = cute.size(slot_row, mode=[0])
-        top_k = cute.size(slot_row, mode=[1])
         m = cute.size(row_src, mode=[0])
         n_vec, src_base, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
         w, step, mine, lane = _warp_slice(n_src + (m + 31) // 32)
         for b in range(mine):
             unit = w + b * step
             if unit < n_src:
-                # lane j < k: slot j's row, kept where that row really takes this source row
-                d_addr = cutlass.Int64(0)
-                ok_i = cutlass.Int32(0)
-                if lane < top_k:
-                    r = slot_row[(unit, lane)]
-                    if (r >= 0) & (r < m):
-                        if row_src[r] == unit:
-                            d_addr = dst_base + r * dst_stride
-                            ok_i = cutlass.Int32(1)
-                count = cutlass.Int32(0)
-                for j in range(top_k):
-                    count = count + cute.arch.shuffle_sync(ok_i, j)
-                if count > 0:  # a row with no slot here is not read
-                    copy_row_to_lanes(src_base + cutlass.Int64(unit) * src_stride, d_addr, ok_i, top_k, n_vec, lane)
+                _scatter_source_row(unit, src_base + cutlass.Int64(unit) * src_stride, slot_row, row_src, dst_base,
+                                    dst_stride, n_vec, lane)
             else:
-                # 32 dst rows, lane l checking row first + l; then the warp zero-fills those without a source
-                first = (unit - n_src) * 32
-                r = first + lane
-                d_addr = cutlass.Int64(0)
-                act = cutlass.Int32(SKIP)
-                if r < m:
-                    if _live_row(r, tile_expert):
-                        t = row_src[r]
-                        if (t < 0) | (t >= cutlass.Int64(n_src)):
-                            act = cutlass.Int32(ZERO)
-                            d_addr = dst_base + cutlass.Int64(r) * dst_stride
-                _act_batch(d_addr, d_addr, act, cutlass.min(m - first, 32), n_vec, lane)
+                _zero_rows_batch((unit - n_src) * 32, n_src, row_src, tile_expert, dst_base, dst_stride, n_vec, lane)
+
+
+class ScatterRowsPeers:
+    """ScatterRows over every rank's tokens (or dy) section as mapped on this GPU: source row u = p*Tc + t
+    is read from rank p's own section (src_base[p] + u * row stride; each rank keeps its own rows at rows
+    p*Tc.. of its section, and the row stride is the same in every rank's section), so a peer's token row
+    crosses NVLink once, straight into this rank's GEMM rows, and only where some row here takes it: the
+    rows need not be pushed into the local section before the barrier. Work units interleave the ranks
+    (unit i: rank i % P, token i // P) so that the NVLink reads run beside the local ones, not after them.
+    The same rows as ScatterRows over a section holding every rank's rows."""
+
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (R, H) bf16: this rank's section (its row stride is every rank's)
+        src_base: cute.Tensor,  # (P,) int64: address of each rank's section on this GPU
+        slot_row: cute.Tensor,  # (P*Tc, k) int64: dst row of slot (u, j), or a value past dst
+        row_src: cute.Tensor,  # (M,) int64: src row of dst row r; outside [0, P*Tc): a zero row
+        tile_expert: cute.Tensor,  # (n,) int32: rows of tiles t < n with tile_expert[t] < 0 are not written
+        dst: cute.Tensor,  # (M, H) bf16
+        num_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src, src_base, slot_row, row_src, tile_expert, dst).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, src_base: cute.Tensor, slot_row: cute.Tensor, row_src: cute.Tensor,
+               tile_expert: cute.Tensor, dst: cute.Tensor):
+        n_src = cute.size(slot_row, mode=[0])
+        n_ranks = cute.size(src_base, mode=[0])
+        tc = n_src // n_ranks
+        m = cute.size(row_src, mode=[0])
+        n_vec, _, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
+        w, step, mine, lane = _warp_slice(n_src + (m + 31) // 32)
+        for b in range(mine):
+            i = w + b * step
+            if i < n_src:
+                p = i % n_ranks
+                unit = p * tc + i // n_ranks
+                _scatter_source_row(unit, src_base[p] + cutlass.Int64(unit) * src_stride, slot_row, row_src,
+                                    dst_base, dst_stride, n_vec, lane)
+            else:
+                _zero_rows_batch((i - n_src) * 32, n_src, row_src, tile_expert, dst_base, dst_stride, n_vec, lane)
+
+
+@cute.jit
+def _scatter_source_row(unit: cutlass.Int32, s_addr: cutlass.Int64, slot_row: cute.Tensor, row_src: cute.Tensor,
+                        dst_base: cutlass.Int64, dst_stride: cutlass.Int64, n_vec: cutlass.Int32,
+                        lane: cutlass.Int32):
+    """The warp reads source row `unit` (at s_addr) once, if any of its slots' rows takes it, and stores it to
+    each of those rows (lane j < k: slot j's row, kept where that row's row_src really is this unit)."""
+    top_k = cute.size(slot_row, mode=[1])
+    m = cute.size(row_src, mode=[0])
+    d_addr = cutlass.Int64(0)
+    ok_i = cutlass.Int32(0)
+    if lane < top_k:
+        r = slot_row[(unit, lane)]
+        if (r >= 0) & (r < m):
+            if row_src[r] == unit:
+                d_addr = dst_base + r * dst_stride
+                ok_i = cutlass.Int32(1)
+    count = cutlass.Int32(0)
+    for j in range(top_k):
+        count = count + cute.arch.shuffle_sync(ok_i, j)
+    if count > 0:  # a row with no slot here is not read
+        copy_row_to_lanes(s_addr, d_addr, ok_i, top_k, n_vec, lane)
+
+
+@cute.jit
+def _zero_rows_batch(first: cutlass.Int32, n_src: cutlass.Int32, row_src: cute.Tensor, tile_expert: cute.Tensor,
+                     dst_base: cutlass.Int64, dst_stride: cutlass.Int64, n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """dst rows first .. first + 31, lane l checking row first + l: the warp zero-fills those without a
+    source row (row_src outside [0, n_src)), leaving the rows of tiles past the last segment unwritten."""
+    m = cute.size(row_src, mode=[0])
+    r = first + lane
+    d_addr = cutlass.Int64(0)
+    act = cutlass.Int32(SKIP)
+    if r < m:
+        if _live_row(r, tile_expert):
+            t = row_src[r]
+            if (t < 0) | (t >= cutlass.Int64(n_src)):
+                act = cutlass.Int32(ZERO)
+                d_addr = dst_base + cutlass.Int64(r) * dst_stride
+    _act_batch(d_addr, d_addr, act, cutlass.min(m - first, 32), n_vec, lane)

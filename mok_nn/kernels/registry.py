@@ -500,7 +500,16 @@ def _ep_copy_specs() -> tuple:
               TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
               dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
     )
-    return copy, pull, push, gather, scatter
+    scatter_peers = KernelSpec(
+        name="mok_scatter_rows_peers",  # mok_scatter_rows reading source row p*Tc + t from rank p's section
+        module="ep_copy",
+        factory="ScatterRowsPeers",
+        factory_kwargs=(),
+        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(base, name="src_base"),
+              TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+              dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
+    )
+    return copy, pull, push, gather, scatter, scatter_peers
 
 
 def _ep_publish_spec(w_dtype: str) -> KernelSpec:

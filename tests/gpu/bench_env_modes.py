@@ -36,6 +36,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           mok_scatter_rows)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
+  epscatter: auto, scatter, each twice (MOK_EP_PULL and MOK_EP_DY_ROWS: the default, or the peers' rows read from
+          their own sections by the gather, mok_scatter_rows_peers; EP only)
   epdyrows: pull, push, each twice (MOK_EP_DY_ROWS: the backward's d y rows pulled after its barrier or pushed
           before it; EP only)
   eprowsce: auto, push, copy_engine (MOK_EP_PULL: the forward's token rows by the publish kernel or by the copy
@@ -121,6 +123,12 @@ MODE_SETS = {
     # the forward's token rows pushed by the publish launch, or every row pulled after the barrier
     "eppush": {"all": {"MOK_EP_PULL": "all"}, "push": {"MOK_EP_PULL": "push"},
                "all_again": {"MOK_EP_PULL": "all"}, "push_again": {"MOK_EP_PULL": "push"}},
+    # EP only: the token and d y rows moved before the barrier (auto: pushed for qwen3 / deepseek-v3, pulled
+    # after the schedule for mixtral), or read from the peers' own sections by the gather (scatter)
+    "epscatter": {"auto": {"MOK_EP_PULL": "auto", "MOK_EP_DY_ROWS": "auto"},
+                  "scatter": {"MOK_EP_PULL": "scatter", "MOK_EP_DY_ROWS": "scatter"},
+                  "auto_again": {"MOK_EP_PULL": "auto", "MOK_EP_DY_ROWS": "auto"},
+                  "scatter_again": {"MOK_EP_PULL": "scatter", "MOK_EP_DY_ROWS": "scatter"}},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
     # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one

@@ -356,13 +356,17 @@ def case_down_push_modes(name, H, I, E, K, T_by_rank):
 
 def case_token_rows_modes(name, H, I, E, K, T_by_rank):
     """Fixed routing: the forward's token rows pulled where needed, pulled whole after the barrier, pushed by
-    the publish launch, or copied by the copy engines first (MOK_EP_PULL=needed / all / push / copy_engine): the
-    same bits (y and all gradients), with the backward's d y rows pulled or pushed (MOK_EP_DY_ROWS), each run
+    the publish launch, copied by the copy engines first, or read from each peer's own section by the gather
+    (MOK_EP_PULL=needed / all / push / copy_engine / scatter): the same bits (y and all gradients), with the backward's d y rows pulled or pushed (MOK_EP_DY_ROWS), each run
     twice, every tokens and dy section poisoned before each run."""
     ws, local, x, dy, ids, w = _fixed_case(23, 60, H, I, E, K, T_by_rank)
     # (the backward's d y rows pulled in the first, pushed before its barrier in the others: MOK_EP_DY_ROWS)
     envs = {f"{mode}, MOK_EP_DY_ROWS={dy_rows}": {"MOK_EP_PULL": mode, "MOK_EP_DY_ROWS": dy_rows}
-            for mode, dy_rows in (("needed", "pull"), ("all", "push"), ("push", "push"), ("copy_engine", "pull"))}
+            for mode, dy_rows in (("needed", "pull"), ("all", "push"), ("push", "push"), ("copy_engine", "pull"),
+                                  ("scatter", "scatter"), ("scatter", "push"))}
+    # the peers' rows read from their own sections, and the backward pulling x again
+    envs["scatter, MOK_EP_DY_ROWS=scatter, MOK_EP_SAVE_X_ROWS=0"] = {
+        "MOK_EP_PULL": "scatter", "MOK_EP_DY_ROWS": "scatter", "MOK_EP_SAVE_X_ROWS": "0"}
     runs = _runs_by_env(ws, x, w, ids, dy, local, envs, poison=("tokens", "dy"))
     _report_mode_runs(name, "MOK_EP_PULL", runs, "needed, MOK_EP_DY_ROWS=pull")
 

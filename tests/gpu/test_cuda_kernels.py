@@ -906,3 +906,44 @@ def test_scatter_rows_kernel(lib, T, H, k, E, mode, monkeypatch):
     monkeypatch.setenv("MOK_GATHER_ROWS", "kernel")  # the gather kernel on the same rows (its zero row: T)
     assert torch.equal(cb.take_rows(with_zero, torch.where((row_src >= 0) & (row_src < T), row_src, T),
                                     has_zero_row=True), want_ep)
+
+
+@pytest.mark.parametrize("P,tc,H,k,E", [(2, 333, 200, 4, 16), (2, 4096, 2048, 8, 128), (3, 64, 7168, 8, 24),
+                                        (4, 1, 8, 1, 4)])
+def test_scatter_rows_peers_kernel(lib, P, tc, H, k, E):
+    """mok_scatter_rows_peers (MOK_EP_PULL=scatter): P sections on this GPU stand for the ranks' sections, each
+    holding only its own rows p*Tc.. (every other row NaN, so a row read from the wrong section shows); the
+    rows of a real schedule over the P*Tc token rows equal index_select over the rows put together (every
+    output row poisoned first; grids of 3 and 64 CTAs); slots past a capacity cut are not written; with the
+    tile table the rows past the last segment stay untouched."""
+    from mok_nn import cuda_backend as cb
+
+    n = P * tc
+    ids, _ = _routing(n, k, E, "uniform", seed=n + H)
+    sched = cb.make_schedule(ids, E)
+    g = torch.Generator(device="cuda").manual_seed(n * H + P)
+    rows = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    sections = []
+    for p in range(P):
+        s = torch.full((n + 1, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        s[p * tc:(p + 1) * tc] = rows[p * tc:(p + 1) * tc]
+        s[n] = 0  # the sections' zero row (unused here: padding rows are zero-filled)
+        sections.append(s)
+    base = torch.tensor([s.data_ptr() for s in sections], dtype=torch.int64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    all_rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    m = max(1, sched.row_token.shape[0] - 128)  # a capacity cut: the slots of the last rows are not written
+    row_src = sched.row_token[:m]
+    want = torch.cat([rows, rows.new_zeros(1, H)])[row_src]
+    for local in (0, P - 1):  # the "local" section only lends its row stride
+        for grid in (3, 64):
+            out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+            cb._lib().launch("mok_scatter_rows_peers", sections[local], base, sched.pos.contiguous(), row_src,
+                             all_rows, out, grid, stream=stream)
+            assert torch.equal(out, want), (local, grid)
+    tail = (sched.tile_expert < 0).repeat_interleave(128)[:m]
+    probe = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cb._lib().launch("mok_scatter_rows_peers", sections[0], base, sched.pos.contiguous(), row_src,
+                     sched.tile_expert, probe, 5, stream=stream)
+    assert torch.equal(probe[~tail], want[~tail])
+    assert probe[tail].isnan().all(), "a row past the last segment was written"
