@@ -35,7 +35,9 @@ Forward (no host synchronisation; every peer write is a unicast store):
      every token is needed, token_rows_mode / MOK_EP_PULL: every row, pushed by each rank in step 1);
      the GEMM then gathers its rows from the local tokens section (EPSchedule.gather_rows:
      mok_scatter_rows, each section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one
-     mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections)
+     mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections). MOK_EP_PULL=scatter:
+     no row moves in steps 1-2; the gather reads each peer row it needs from the peer's own section,
+     once, over NVLink (scatter_from_ranks: mok_scatter_rows_peers)
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
   5c + 6. by default (MOK_EP_DOWN_PUSH=gemm, down_push) the down GEMM sends its rows itself:
      mok_gemm_bk_ef_push's idle producer warps store each finished tile's rows into slots[t*k + j]
