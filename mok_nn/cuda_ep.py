@@ -1386,8 +1386,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     dispatch = None if fwd_overlap or rows_dispatch else token_rows_mode(ws.num_experts, P, top_k)
     if dispatch == "copy_engine" and not _on_cuda(x):
         dispatch = "push"  # (the same rows; a side stream needs the GPU)
-    if dispatch == "scatter" and not scatter_from_ranks_ok(x, top_k):
-        dispatch = "push"  # (the same rows, moved before the barrier)
+    if dispatch == "scatter" and (cb._use_gather() or not scatter_from_ranks_ok(x, top_k)):
+        dispatch = "push"  # (the same rows, moved before the barrier; the gathering GEMM reads the local section)
     # the rows to every peer first, by the copy engines, while the host prepares the publish
     sent = bufs.send_rows(x, n, _copy_stream(ws, x.device)) if dispatch == "copy_engine" else None
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
