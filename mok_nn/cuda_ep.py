@@ -656,7 +656,8 @@ def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     """How the backward's d y rows reach the peers (MOK_EP_DY_ROWS): 'push' (each rank copies its rows into its
     part of every peer's dy section before the barrier: one copy_ per peer, no pull after it), 'pull' (its own
     section only, then each peer pulls the rows it needs after the barrier) or 'scatter' (its own section only;
-    each peer's gather reads the rows it needs from there over NVLink: scatter_from_ranks). 'auto' (default): 'push' where the
+    each peer's gather reads the rows it needs from there over NVLink: scatter_from_ranks; also the x rows where
+    the forward kept none, MOK_EP_SAVE_X_ROWS=0). 'auto' (default): 'push' where the
     forward's token rows go to every rank (token_rows_mode 'push' or 'copy_engine': nearly every row is needed),
     else 'pull'. The same rows either way."""
     mode = cb.env_choice("MOK_EP_DY_ROWS", DY_ROWS_MODES, DY_ROWS_MODES[0])
@@ -1652,12 +1653,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
             x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
         dy_rows = _dispatch_rows(ws, bufs, eps, "dy")
     else:
-        if x_rows is None:
+        # (dy_mode 'scatter': the x rows too, where the forward kept none, read from the peers' own sections)
+        if x_rows is None and dy_mode != "scatter":
             bufs.pull_rows("tokens", eps.pull_src)
         if not dy_push and dy_mode != "scatter":
             bufs.pull_rows("dy", eps.pull_src)
         if x_rows is None:
-            x_rows = eps.gather_rows(tokens)
+            x_rows = scatter_from_ranks(bufs, eps, "tokens") if dy_mode == "scatter" else eps.gather_rows(tokens)
         skip_tail = down_bias is None  # (the down bias sums every row)
         if dy_mode == "scatter":
             dy_rows = scatter_from_ranks(bufs, eps, "dy", skip_tail)

@@ -241,11 +241,14 @@ def test_publish_mode_rejects_unknown(monkeypatch):
     assert cuda_ep.publish_mode() == "kernel"
 
 
+@pytest.mark.parametrize("save_x", ["1", "0"])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
-def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens):
+def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens, save_x):
     """MOK_EP_PULL=scatter with MOK_EP_DY_ROWS=scatter (nothing moved before the barriers; the gathers read
-    each rank's rows from its own section, by the stub's mok_scatter_rows_peers) against the rows pushed
-    before the barriers (push / push): every output and gradient the same bits."""
+    each rank's rows from its own section, by the stub's mok_scatter_rows_peers; MOK_EP_SAVE_X_ROWS=0: the
+    backward's x rows as well) against the rows pushed before the barriers (push / push): every output and
+    gradient the same bits."""
+    monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x)
     P = len(tokens)
     H, I, E, K = 64, 32, 4 * P, 2
     got = {}
@@ -255,7 +258,8 @@ def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens):
         g = torch.Generator().manual_seed(11 + P)
         W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, True, 0.5)
         got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
-    assert any(n == "mok_scatter_rows_peers" for _, n in stub_publish.launches)
+    scatters = sum(n == "mok_scatter_rows_peers" for _, n in stub_publish.launches)
+    assert scatters == P * (2 if save_x == "1" else 3)  # x and d y rows (and x again in the backward)
     for r in range(P):
         for a, b in zip(got["scatter"][r][:3], got["push"][r][:3]):
             assert torch.equal(_bits(a), _bits(b)), r
