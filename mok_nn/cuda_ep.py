@@ -1522,6 +1522,8 @@ def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_ta
     local = bufs.local(section)
     slots = eps.token_slots()
     out = torch.empty(eps.sched.row_token.shape[0], local.shape[1], dtype=local.dtype, device=local.device)
+    if not out.shape[0]:
+        return out
     tiles = eps.sched.tile_expert if skip_tail else cb._cached_zero_tile(local.device)
     # (as cb._scatter_rows_grid: the source rows, then batches of 32 rows to zero-fill)
     grid = cb.row_copy_grid(slots.shape[0] + -(-out.shape[0] // 32), bufs.num_sms(), cb.GATHER_CTAS_PER_SM)
