@@ -1388,7 +1388,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     if dispatch == "copy_engine" and not _on_cuda(x):
         dispatch = "push"  # (the same rows; a side stream needs the GPU)
     if dispatch == "scatter" and (cb._use_gather() or not scatter_from_ranks_ok(x, top_k)):
-        dispatch = "push"  # (the same rows, moved before the barrier; the gathering GEMM reads the local section)
+        # (the same rows, moved before the barrier; the gathering GEMM reads the local section)
+        dispatch = "push" if P <= 32 else "all"
     # the rows to every peer first, by the copy engines, while the host prepares the publish
     sent = bufs.send_rows(x, n, _copy_stream(ws, x.device)) if dispatch == "copy_engine" else None
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
@@ -1507,9 +1508,11 @@ def _dispatch_rows_here(t: torch.Tensor) -> bool:
 
 
 def scatter_from_ranks_ok(rows: torch.Tensor, top_k: int) -> bool:
-    """mok_scatter_rows_peers can take these rows (MOK_EP_PULL / MOK_EP_DY_ROWS 'scatter'): on the GPU, rows of
-    16-byte vectors, k <= 32 (a lane per slot)."""
-    return _on_cuda(rows) and cb.rows_of_16_byte_vectors(rows) and top_k <= 32
+    """mok_scatter_rows_peers can run (MOK_EP_PULL / MOK_EP_DY_ROWS 'scatter'): on the GPU, bf16 rows of 16-byte
+    vectors (H % 8 == 0), k <= 32 (a lane per slot). Only facts every rank shares: a rank that fell back to
+    pushing while a peer scattered would read rows that peer never sent (the kernel reads the sections,
+    never `rows` itself, so its layout does not matter)."""
+    return _on_cuda(rows) and rows.dtype == torch.bfloat16 and rows.shape[-1] % 8 == 0 and top_k <= 32
 
 
 def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_tail: bool = True) -> torch.Tensor:
@@ -1521,6 +1524,7 @@ def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_ta
     rank reaches only after this launch."""
     local = bufs.local(section)
     slots = eps.token_slots()
+    assert slots.shape[0] == bufs.ep_size * bufs.tokens_cap  # the kernel's units: P*Tc source rows
     out = torch.empty(eps.sched.row_token.shape[0], local.shape[1], dtype=local.dtype, device=local.device)
     if not out.shape[0]:
         return out

@@ -76,21 +76,21 @@ class _StubLib:
 
 
     def _scatter_rows_peers(self, local, base, slots, row_src, tiles, out, grid):
-        """mok_scatter_rows_peers by its contract (kernels/ep_copy.py): row r of out is source row u =
-        row_src[r] read from rank u // Tc's own section (by the address in base), a zero row where u is no
-        source row; rows of tiles with tile_expert < 0 are not written."""
+        """mok_scatter_rows_peers by its contract (kernels/ep_copy.py), from the source side as the kernel
+        walks it: source row u (read from rank u // Tc's own section, by the address in base) is stored to the
+        rows slots[u, j] whose row_src is u; then the rows whose row_src is no source row are zero-filled,
+        except those of tiles with tile_expert < 0."""
         P = base.shape[0]
-        n_src = slots.shape[0]
+        n_src, m = slots.shape[0], out.shape[0]
         tc = n_src // P
         assert n_src == P * tc and grid >= 1 and local.data_ptr() in [int(a) for a in base]
-        for r in range(out.shape[0]):
+        for u in range(n_src):
+            for r in slots[u].tolist():
+                if 0 <= r < m and int(row_src[r]) == u:
+                    out[r] = self.sections[int(base[u // tc])][u]
+        for r in range(m):
             t = r // 128
-            if t < tiles.shape[0] and int(tiles[t]) < 0:
-                continue
-            u = int(row_src[r])
-            if 0 <= u < n_src:
-                out[r] = self.sections[int(base[u // tc])][u]
-            else:
+            if (t >= tiles.shape[0] or int(tiles[t]) >= 0) and not 0 <= int(row_src[r]) < n_src:
                 out[r] = 0
 
 
@@ -266,3 +266,28 @@ def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens, save_
         ga, gb = got["scatter"][r][3], got["push"][r][3]
         for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
             assert torch.equal(_bits(getattr(ga, name)), _bits(getattr(gb, name))), (r, name)
+
+
+def test_scatter_mode_same_on_every_rank(stub_publish, monkeypatch):
+    """Whether a rank scatters (reads the peers' rows from their sections) or pushes its rows must not depend on
+    what differs between ranks, such as the layout of its x: here rank 1's x is a column-major view (same values;
+    not rows of 16-byte vectors, so its publish takes the torch ops). Under MOK_EP_PULL=scatter both ranks must
+    still scatter, else one would read rows the other never sent: the same bits as push / push."""
+    tokens = [37, 20]
+    P = len(tokens)
+    H, I, E, K = 64, 32, 4 * P, 2
+    got = {}
+    for rows in ("push", "scatter"):
+        monkeypatch.setenv("MOK_EP_PULL", rows)
+        monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
+        g = torch.Generator().manual_seed(5)
+        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, False, 0.0)
+        xs[1] = xs[1].t().contiguous().t()
+        assert xs[1].stride(1) != 1
+        stub_publish.launches.clear()
+        got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+        scatters = [tid for tid, n in stub_publish.launches if n == "mok_scatter_rows_peers"]
+        assert len(set(scatters)) == (P if rows == "scatter" else 0), rows  # every rank scatters, or none
+    for r in range(P):
+        for a, b in zip(got["scatter"][r][:3], got["push"][r][:3]):
+            assert torch.equal(_bits(a), _bits(b)), r
