@@ -241,6 +241,35 @@ def test_publish_mode_rejects_unknown(monkeypatch):
     assert cuda_ep.publish_mode() == "kernel"
 
 
+def _push_and_scatter_runs(lib, monkeypatch, tokens, seed, bias, change_inputs=lambda xs: None):
+    """{"push": ..., "scatter": ...}: the simulated EP step (_simulated_ep) with the token and d y rows pushed
+    before the barriers or read from the peers' sections (MOK_EP_PULL = MOK_EP_DY_ROWS), on the same problem
+    (change_inputs may alter its xs first), and per mode the threads that launched mok_scatter_rows_peers and
+    how often."""
+    P = len(tokens)
+    H, I, E, K = 64, 32, 4 * P, 2
+    got, scatters = {}, {}
+    for rows in ("push", "scatter"):
+        monkeypatch.setenv("MOK_EP_PULL", rows)
+        monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
+        g = torch.Generator().manual_seed(seed)
+        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, 0.5 if bias else 0.0)
+        change_inputs(xs)
+        lib.launches.clear()
+        got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+        scatters[rows] = [tid for tid, n in lib.launches if n == "mok_scatter_rows_peers"]
+    return got, scatters
+
+
+def _assert_same_bits(a_runs, b_runs, grads=True):
+    for r, (a, b) in enumerate(zip(a_runs, b_runs)):
+        for u, v in zip(a[:3], b[:3]):
+            assert torch.equal(_bits(u), _bits(v)), r
+        if grads:
+            for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+                assert torch.equal(_bits(getattr(a[3], name)), _bits(getattr(b[3], name))), (r, name)
+
+
 @pytest.mark.parametrize("save_x", ["1", "0"])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens, save_x):
@@ -249,23 +278,11 @@ def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens, save_
     backward's x rows as well) against the rows pushed before the barriers (push / push): every output and
     gradient the same bits."""
     monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x)
-    P = len(tokens)
-    H, I, E, K = 64, 32, 4 * P, 2
-    got = {}
-    for rows in ("push", "scatter"):
-        monkeypatch.setenv("MOK_EP_PULL", rows)
-        monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
-        g = torch.Generator().manual_seed(11 + P)
-        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, True, 0.5)
-        got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
-    scatters = sum(n == "mok_scatter_rows_peers" for _, n in stub_publish.launches)
-    assert scatters == P * (2 if save_x == "1" else 3)  # x and d y rows (and x again in the backward)
-    for r in range(P):
-        for a, b in zip(got["scatter"][r][:3], got["push"][r][:3]):
-            assert torch.equal(_bits(a), _bits(b)), r
-        ga, gb = got["scatter"][r][3], got["push"][r][3]
-        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
-            assert torch.equal(_bits(getattr(ga, name)), _bits(getattr(gb, name))), (r, name)
+    got, scatters = _push_and_scatter_runs(stub_publish, monkeypatch, tokens, 11 + len(tokens), bias=True)
+    assert not scatters["push"]
+    # x and d y rows (and x again in the backward)
+    assert len(scatters["scatter"]) == len(tokens) * (2 if save_x == "1" else 3)
+    _assert_same_bits(got["scatter"], got["push"])
 
 
 def test_scatter_mode_same_on_every_rank(stub_publish, monkeypatch):
@@ -273,21 +290,11 @@ def test_scatter_mode_same_on_every_rank(stub_publish, monkeypatch):
     what differs between ranks, such as the layout of its x: here rank 1's x is a column-major view (same values;
     not rows of 16-byte vectors, so its publish takes the torch ops). Under MOK_EP_PULL=scatter both ranks must
     still scatter, else one would read rows the other never sent: the same bits as push / push."""
-    tokens = [37, 20]
-    P = len(tokens)
-    H, I, E, K = 64, 32, 4 * P, 2
-    got = {}
-    for rows in ("push", "scatter"):
-        monkeypatch.setenv("MOK_EP_PULL", rows)
-        monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
-        g = torch.Generator().manual_seed(5)
-        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, False, 0.0)
+    def column_major_x1(xs):
         xs[1] = xs[1].t().contiguous().t()
         assert xs[1].stride(1) != 1
-        stub_publish.launches.clear()
-        got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
-        scatters = [tid for tid, n in stub_publish.launches if n == "mok_scatter_rows_peers"]
-        assert len(set(scatters)) == (P if rows == "scatter" else 0), rows  # every rank scatters, or none
-    for r in range(P):
-        for a, b in zip(got["scatter"][r][:3], got["push"][r][:3]):
-            assert torch.equal(_bits(a), _bits(b)), r
+
+    got, scatters = _push_and_scatter_runs(stub_publish, monkeypatch, [37, 20], 5, bias=False,
+                                           change_inputs=column_major_x1)
+    assert not scatters["push"] and len(set(scatters["scatter"])) == 2  # every rank scatters, or none
+    _assert_same_bits(got["scatter"], got["push"], grads=False)
