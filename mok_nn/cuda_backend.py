@@ -234,7 +234,7 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
         if gather_x is not None and name == "mok_schedule_mc" and _gathers_with_schedule(gather_x, sched.pos):
             x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
             _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
-                          _scatter_rows_grid(num_tokens, cap, dev), stream=_stream())
+                          _scatter_rows_grid(num_tokens, cap, num_sms(dev)), stream=_stream())
             sched.gathered = (gather_x, x_rows)
         else:
             _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
@@ -422,7 +422,7 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
             return out
         tiles = tile_expert if tile_expert is not None else _cached_zero_tile(src.device)
         if name == "mok_scatter_rows":
-            grid = _scatter_rows_grid(slots.shape[0], idx.shape[0], src.device)
+            grid = _scatter_rows_grid(slots.shape[0], idx.shape[0], num_sms(src.device))
             _lib().launch(name, src, slots.contiguous(), idx, tiles, out, grid, stream=_stream())
         else:
             grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
@@ -445,10 +445,10 @@ def _gather_rows_kernel(src: torch.Tensor, slots: torch.Tensor | None) -> str | 
     return "mok_gather_rows"
 
 
-def _scatter_rows_grid(num_src: int, num_rows: int, device: torch.device) -> int:
-    """CTAs of mok_scatter_rows: its work units are the num_src source rows, then batches of 32 of the
-    num_rows dst rows (the zero rows)."""
-    return row_copy_grid(num_src + -(-num_rows // 32), num_sms(device), GATHER_CTAS_PER_SM)
+def _scatter_rows_grid(num_src: int, num_rows: int, sms: int) -> int:
+    """CTAs of mok_scatter_rows (and mok_scatter_rows_peers) on a GPU of `sms` SMs: its work units are the
+    num_src source rows, then batches of 32 of the num_rows dst rows (the zero rows)."""
+    return row_copy_grid(num_src + -(-num_rows // 32), sms, GATHER_CTAS_PER_SM)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1529,8 +1529,7 @@ def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_ta
     if not out.shape[0]:
         return out
     tiles = eps.sched.tile_expert if skip_tail else cb._cached_zero_tile(local.device)
-    # (as cb._scatter_rows_grid: the source rows, then batches of 32 rows to zero-fill)
-    grid = cb.row_copy_grid(slots.shape[0] + -(-out.shape[0] // 32), bufs.num_sms(), cb.GATHER_CTAS_PER_SM)
+    grid = cb._scatter_rows_grid(slots.shape[0], out.shape[0], bufs.num_sms())
     cb._lib().launch("mok_scatter_rows_peers", local, bufs.section_addrs(section), slots, eps.sched.row_token, tiles,
                      out, grid, stream=cb._stream())
     return out

@@ -458,6 +458,7 @@ def _ep_copy_specs() -> tuple:
     base = TensorArg("base", "i64", (DYN,), (1,), align=8)
     grid = ScalarArg("num_ctas", "i32")
     tiles = TensorArg("tile_expert", "i32", (DYN,), (1,), align=4)  # the gathers skip rows of tiles < 0
+    slot_row = TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1)  # the scatters' (N, k)
     copy = KernelSpec(
         name="mok_ep_copy_rows_v2",  # drop-in for mok_ep_copy_rows: (src, src_idx, dst, dst_idx)
         module="ep_copy",
@@ -497,7 +498,7 @@ def _ep_copy_specs() -> tuple:
         factory="ScatterRows",
         factory_kwargs=(),
         args=(dataclasses.replace(rows, name="src"),
-              TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+              slot_row,
               dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
     )
     scatter_peers = KernelSpec(
@@ -506,7 +507,7 @@ def _ep_copy_specs() -> tuple:
         factory="ScatterRowsPeers",
         factory_kwargs=(),
         args=(dataclasses.replace(rows, name="src"), dataclasses.replace(base, name="src_base"),
-              TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
+              slot_row,
               dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
     )
     return copy, pull, push, gather, scatter, scatter_peers

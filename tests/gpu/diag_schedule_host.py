@@ -38,7 +38,7 @@ def allocs():
 o = allocs()
 flat = ids.reshape(-1).contiguous()
 pos2 = o[0].view(T, k)
-args = (flat, o[0], o[1], o[2], o[3], o[4], o[5], o[6], k, chunk, x, pos2, o[7], cb._scatter_rows_grid(T, cap, dev))
+args = (flat, o[0], o[1], o[2], o[3], o[4], o[5], o[6], k, chunk, x, pos2, o[7], cb._scatter_rows_grid(T, cap, cb.num_sms(dev)))
 plan = lib._plans["mok_schedule_gather"]
 plan.pack(args, cb._stream())
 torch.cuda.synchronize()
@@ -50,7 +50,7 @@ rows = {
     "launch of mok_schedule_gather": lambda: lib.launch("mok_schedule_gather", *args, stream=cb._stream()),
     "ids.reshape(-1).contiguous()": lambda: ids.reshape(-1).contiguous(),
     "_gathers_with_schedule": lambda: cb._gathers_with_schedule(x, pos2),
-    "_scatter_rows_grid": lambda: cb._scatter_rows_grid(T, cap, dev),
+    "_scatter_rows_grid": lambda: cb._scatter_rows_grid(T, cap, cb.num_sms(dev)),
     "_stream()": cb._stream,
 }
 for name, fn in rows.items():
