@@ -292,7 +292,8 @@ def _combine_specs() -> tuple:
             ScalarArg("experts_per_leaf", "i32"),
         ),
     )
-    return local, partial, final
+    one_chunk = dataclasses.replace(local, name="mok_combine_1chunk", factory_kwargs=(("batch_chunks", False),))
+    return local, one_chunk, partial, final  # one_chunk: an experiment's baseline (tests/gpu/bench_combine_chunks.py)
 
 
 def _act_specs(kind: str) -> tuple:
