@@ -15,7 +15,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below)
-  combine         mok_combine  (fixed tree over expert groups, j ascending within a group; the
+  combine         mok_combine, mok_combine_k2 where top_k = 2 (fixed tree over expert groups, j ascending
+                  within a group; the
                   same tree as the EP path's per-rank partial sums: kernels/combine.py)
   dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
@@ -678,7 +679,9 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ids: t
         raise ValueError("combine kernel takes bf16 rows and output with hidden % 8 == 0")
     if pos.shape[1] > MAX_TOP_K:
         raise ValueError(f"combine kernel takes at most {MAX_TOP_K} slots per token, not {pos.shape[1]}")
-    _lib().launch("mok_combine", rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
+    # top-2 (mixtral): the kernel compiled for two slots keeps more loads in flight (same bits)
+    name = "mok_combine_k2" if pos.shape[1] == 2 else "mok_combine"
+    _lib().launch(name, rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
                   stream=_stream())
     return out
 

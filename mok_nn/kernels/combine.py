@@ -19,8 +19,8 @@ leaf, so the result never depends on timing either.
 
 Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte loads; lane j of every
 warp loads slot j's row index, leaf and weight once and the loop over j takes them by shuffle, so
-no index load sits in the column loop; top_k <= 32; a thread keeps SLOTS_IN_FLIGHT 16-byte loads in
-flight, from several of its column chunks where top_k is smaller):
+no index load sits in the column loop; top_k <= 32; Combine(top_k=2), `mok_combine_k2`, is the same
+for exactly two slots per token, with four column chunks' loads in flight per thread instead of two):
   Combine       the whole tree on one GPU: the forward combine (rows = down-projection outputs,
                 w = top-k weights) and the backward's reverse combine into d x (w = 1); also the
                 source side of the EP path that pushes one row per slot
@@ -126,46 +126,43 @@ def _sum_slots(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, rows: cut
 
 @cute.jit
 def _sum_chunks(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cute.Tensor, rows: cute.Tensor,
-                out_v: cute.Tensor, c0: cutlass.Int32, per: cutlass.Int32, n_vec: cutlass.Int32,
-                top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32, w_l: cutlass.Float32,
-                mask: cutlass.Int32):
-    """Combine's loop body where top_k <= SLOTS_IN_FLIGHT: the `per` = SLOTS_IN_FLIGHT // top_k column
-    chunks c0 + i * THREADS (i < per) of this thread at once. Load u (of SLOTS_IN_FLIGHT) is slot
-    u % top_k of chunk u // top_k: all in flight together, then each chunk is summed exactly as
-    _sum_slots does (zeroed, slots in ascending j, its tree) and stored: the same bits. Why: with one
-    chunk at a time a top-2 token (mixtral) had 2 loads in flight per thread, and the kernel waited on
-    memory latency (1.7 TB/s)."""
+                out_v: cute.Tensor, c: cutlass.Int32, n_vec: cutlass.Int32, top_k: cutlass.Constexpr,
+                row_l: cutlass.Int64, leaf_l: cutlass.Int32, w_l: cutlass.Float32, mask: cutlass.Int32):
+    """Combine's loop body for a top_k known when compiling (dividing SLOTS_IN_FLIGHT): this thread's
+    column chunks c + i * THREADS, i < SLOTS_IN_FLIGHT // top_k, at once. Load u is slot u % top_k of
+    chunk u // top_k, all in flight together; then each chunk is summed exactly as _sum_slots does
+    (zeroed, slots in ascending j, its tree) and stored: the same bits. Why: with one chunk at a
+    time a top-2 token (mixtral) had 2 loads in flight per thread, and the kernel waited on memory
+    latency (1.7 TB/s against 2.9 at top-8)."""
     for u in cutlass.range_constexpr(SLOTS_IN_FLIGHT):
-        i = u // top_k
-        c = c0 + i * THREADS
-        r = cute.arch.shuffle_sync(row_l, u - i * top_k)
-        if (i < per) & (c < n_vec) & (r >= 0):
+        r = cute.arch.shuffle_sync(row_l, u % top_k)
+        cu = c + (u // top_k) * THREADS
+        if (cu < n_vec) & (r >= 0):
             src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
-            cute.autovec_copy(src_v[(None, c)], frag[(None, u)])
-    for u in cutlass.range_constexpr(SLOTS_IN_FLIGHT):
-        i = u // top_k
-        j = u - i * top_k
-        c = c0 + i * THREADS
-        r = cute.arch.shuffle_sync(row_l, j)
-        leaf = cute.arch.shuffle_sync(leaf_l, j)
-        wj = cute.arch.shuffle_sync(w_l, j)
-        if j == 0:
-            acc.fill(0.0)
-        live = (i < per) & (c < n_vec)
-        if live & (r >= 0):
-            vals.store(frag[(None, u)].load().to(cutlass.Float32))
-            _add_to_leaf(acc, leaf, vals, wj)
-        if live & (j == top_k - 1):
+            cute.autovec_copy(src_v[(None, cu)], frag[(None, u)])
+    for i in cutlass.range_constexpr(SLOTS_IN_FLIGHT // top_k):
+        cu = c + i * THREADS
+        acc.fill(0.0)
+        for j in cutlass.range_constexpr(top_k):
+            r = cute.arch.shuffle_sync(row_l, j)
+            leaf = cute.arch.shuffle_sync(leaf_l, j)
+            wj = cute.arch.shuffle_sync(w_l, j)
+            if (cu < n_vec) & (r >= 0):
+                vals.store(frag[(None, i * top_k + j)].load().to(cutlass.Float32))
+                _add_to_leaf(acc, leaf, vals, wj)
+        if cu < n_vec:
             _tree(acc, mask)
             res.store(acc[(None, 0)].load().to(res.element_type))
-            cute.autovec_copy(res, out_v[(None, c)])
+            cute.autovec_copy(res, out_v[(None, cu)])
 
 
 class Combine:
-    def __init__(self, batch_chunks: bool = True):
-        # False: one column chunk at a time for every top_k (the kernel before the fourteenth session; an
-        # experiment's baseline, same bits)
-        self.batch_chunks = batch_chunks
+    def __init__(self, top_k: int = 0):
+        # 0: any top_k <= 32, one column chunk at a time; 2: exactly two slots per token, several chunks at once
+        # (_sum_chunks). A general several-chunk loop with top_k known only at run time was tried: 168 instead
+        # of 126 registers and every shape slower (qwen3 0.19 vs 0.10 ms, mixtral 0.126 vs 0.117).
+        assert top_k in (0, 2)
+        self.top_k = top_k
 
     @cute.jit
     def __call__(
@@ -204,10 +201,9 @@ class Combine:
         frag = cute.make_rmem_tensor((VEC, SLOTS_IN_FLIGHT), rows.element_type)
         vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
-        if (top_k <= SLOTS_IN_FLIGHT) & cutlass.Boolean(self.batch_chunks):
-            per = SLOTS_IN_FLIGHT // top_k
-            for c0 in range(0, n_vec, THREADS * per):
-                _sum_chunks(acc, frag, vals, res, rows, out_v, c0 + cutlass.Int32(tidx), per, n_vec, top_k, row_l,
+        if cutlass.const_expr(self.top_k != 0):
+            for c0 in range(0, n_vec, THREADS * (SLOTS_IN_FLIGHT // self.top_k)):
+                _sum_chunks(acc, frag, vals, res, rows, out_v, c0 + cutlass.Int32(tidx), n_vec, self.top_k, row_l,
                             leaf_l, w_l, mask)
         else:
             for c0 in range(0, n_vec, THREADS):

@@ -292,8 +292,8 @@ def _combine_specs() -> tuple:
             ScalarArg("experts_per_leaf", "i32"),
         ),
     )
-    one_chunk = dataclasses.replace(local, name="mok_combine_1chunk", factory_kwargs=(("batch_chunks", False),))
-    return local, one_chunk, partial, final  # one_chunk: an experiment's baseline (tests/gpu/bench_combine_chunks.py)
+    top2 = dataclasses.replace(local, name="mok_combine_k2", factory_kwargs=(("top_k", 2),))  # pos [T, 2] only
+    return local, top2, partial, final
 
 
 def _act_specs(kind: str) -> tuple:
