@@ -16,8 +16,7 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below)
   combine         mok_combine, mok_combine_k2 where top_k = 2 (fixed tree over expert groups, j ascending
-                  within a group; the
-                  same tree as the EP path's per-rank partial sums: kernels/combine.py)
+                  within a group; the same tree as the EP path's per-rank partial sums: kernels/combine.py)
   dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
                   Where H <= 4096 (MOK_GEMM_DACT=auto): both in one kernel, mok_gemm_dact_<act>_ppc
