@@ -1644,7 +1644,9 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     # (dy_rows_mode 'push': into every peer's section as well, before the barrier, so no pull follows it; a peer
     # reads its section only between the barriers of a step, so the rows written here cannot be in use)
     dy_mode = dy_rows_mode(ws.num_experts, P, top_k)
-    if dy_mode == "scatter" and not scatter_from_ranks_ok(grad_y, top_k):
+    # (asked of the dy section the kernel reads, bf16 on every rank, not of grad_y: a direct caller of this
+    # function may pass another dtype on one rank only, and that rank alone would then push)
+    if dy_mode == "scatter" and not scatter_from_ranks_ok(dy, top_k):
         dy_mode = "push"
     dy_push = dy_mode == "push" and not _dispatch_rows_here(grad_y)
     if dy_push:

@@ -241,11 +241,11 @@ def test_publish_mode_rejects_unknown(monkeypatch):
     assert cuda_ep.publish_mode() == "kernel"
 
 
-def _push_and_scatter_runs(lib, monkeypatch, tokens, seed, bias, change_inputs=lambda xs: None):
+def _push_and_scatter_runs(lib, monkeypatch, tokens, seed, bias, change_inputs=lambda xs, dys: None):
     """{"push": ..., "scatter": ...}: the simulated EP step (_simulated_ep) with the token and d y rows pushed
     before the barriers or read from the peers' sections (MOK_EP_PULL = MOK_EP_DY_ROWS), on the same problem
-    (change_inputs may alter its xs first), and per mode the threads that launched mok_scatter_rows_peers and
-    how often."""
+    (change_inputs may alter its xs and dys first), and per mode the threads that launched
+    mok_scatter_rows_peers and how often."""
     P = len(tokens)
     H, I, E, K = 64, 32, 4 * P, 2
     got, scatters = {}, {}
@@ -254,7 +254,7 @@ def _push_and_scatter_runs(lib, monkeypatch, tokens, seed, bias, change_inputs=l
         monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
         g = torch.Generator().manual_seed(seed)
         W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, 0.5 if bias else 0.0)
-        change_inputs(xs)
+        change_inputs(xs, dys)
         lib.launches.clear()
         got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
         scatters[rows] = [tid for tid, n in lib.launches if n == "mok_scatter_rows_peers"]
@@ -267,7 +267,9 @@ def _assert_same_bits(a_runs, b_runs, grads=True):
             assert torch.equal(_bits(u), _bits(v)), r
         if grads:
             for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
-                assert torch.equal(_bits(getattr(a[3], name)), _bits(getattr(b[3], name))), (r, name)
+                u, v = getattr(a[3], name), getattr(b[3], name)
+                assert (u is None) == (v is None), (r, name)
+                assert u is None or torch.equal(_bits(u), _bits(v)), (r, name)
 
 
 @pytest.mark.parametrize("save_x", ["1", "0"])
@@ -290,7 +292,7 @@ def test_scatter_mode_same_on_every_rank(stub_publish, monkeypatch):
     what differs between ranks, such as the layout of its x: here rank 1's x is a column-major view (same values;
     not rows of 16-byte vectors, so its publish takes the torch ops). Under MOK_EP_PULL=scatter both ranks must
     still scatter, else one would read rows the other never sent: the same bits as push / push."""
-    def column_major_x1(xs):
+    def column_major_x1(xs, dys):
         xs[1] = xs[1].t().contiguous().t()
         assert xs[1].stride(1) != 1
 
@@ -298,3 +300,18 @@ def test_scatter_mode_same_on_every_rank(stub_publish, monkeypatch):
                                            change_inputs=column_major_x1)
     assert not scatters["push"] and len(set(scatters["scatter"])) == 2  # every rank scatters, or none
     _assert_same_bits(got["scatter"], got["push"], grads=False)
+
+
+def test_scatter_mode_same_for_any_dy_dtype(stub_publish, monkeypatch):
+    """The same for the backward: rank 1 is handed its d y as fp32 (same values; a direct caller of
+    cuda_ep.backward may do so, autograd never does). The d y section the kernel reads is bf16 on every rank, so
+    both ranks must still scatter their d y rows (the first rule asked grad_y's dtype: rank 1 pushed, rank 0
+    scattered, and rank 1 then gathered rows rank 0 never sent)."""
+    def fp32_dy1(xs, dys):
+        dys[1] = dys[1].float()
+
+    got, scatters = _push_and_scatter_runs(stub_publish, monkeypatch, [37, 20], 9, bias=False,
+                                           change_inputs=fp32_dy1)
+    assert not scatters["push"] and len(set(scatters["scatter"])) == 2
+    assert len(scatters["scatter"]) == 2 * 2  # x rows and d y rows on both ranks
+    _assert_same_bits(got["scatter"], got["push"])

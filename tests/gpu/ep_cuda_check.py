@@ -403,7 +403,9 @@ def case_two_layers(name, H, I, E, K, T_by_rank):
     """Two layers with the same shapes share one workspace: forward A, forward B, backward B, backward
     A (as in training) gives A the bits of forward A, backward A alone (y and every gradient), for the
     per-rank d x sums (MOK_EP_COMBINE_SUMS=rank: they read the forward's copy of the routing, not the
-    ids section B's forward overwrote) and for slot rows."""
+    ids section B's forward overwrote) and for slot rows; also with the rows read from the peers' own sections
+    and no x rows kept (MOK_EP_PULL = MOK_EP_DY_ROWS = scatter, MOK_EP_SAVE_X_ROWS=0), where A's backward must
+    publish its x again: B's forward overwrote the tokens sections."""
     rank = dist.get_rank()
     _, pa = _expert_params(21, H, I, E)
     _, pb = _expert_params(22, H, I, E)
@@ -411,8 +413,10 @@ def case_two_layers(name, H, I, E, K, T_by_rank):
     xb, dyb, idb, wb = _rank_inputs(rank + 80, T_by_rank[rank], H, E, K)
     ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device=xa.device,
                                   dtype=xa.dtype, backend="cuda", ep_group=dist.group.WORLD)
-    for sums in ("rank", "slot"):
-        os.environ["MOK_EP_COMBINE_SUMS"] = sums
+    scatter = {"MOK_EP_PULL": "scatter", "MOK_EP_DY_ROWS": "scatter", "MOK_EP_SAVE_X_ROWS": "0"}
+    for sums, env in (("rank", {}), ("slot", {}), ("rank", scatter)):
+        env = {"MOK_EP_COMBINE_SUMS": sums, **env}
+        os.environ.update(env)
         try:
             alone = _experts(ws, xa, wa, ida, dya, pa)
             xa_, wa_ = xa.clone().requires_grad_(), wa.clone().requires_grad_()
@@ -422,10 +426,12 @@ def case_two_layers(name, H, I, E, K, T_by_rank):
             ya.backward(dya)
             inter = {"y": ya.detach(), "dx": xa_.grad, "dw": wa_.grad, "dW13": psa[0].grad, "dW2": psa[1].grad}
         finally:
-            del os.environ["MOK_EP_COMBINE_SUMS"]
+            for k in env:
+                del os.environ[k]
         cuda_ep.check_errors(ws)
         detail, eq = _diff(inter, alone)
-        report(f"{name}: {sums} sums: layer A's bits unchanged by layer B's step in between", eq, detail)
+        what = " (scatter rows, no x rows kept)" if len(env) > 1 else ""
+        report(f"{name}: {sums} sums{what}: layer A's bits unchanged by layer B's step in between", eq, detail)
 
 
 def case_macrobatch(name, H, I, E, K, T, size):
