@@ -40,6 +40,8 @@ import cuda.bindings.driver as cuda
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cutlass.experimental.primitives import nvvm_wrapper as nv  # cp.async
+
 from .registry import COMBINE_LEAVES as LEAVES  # the largest EP degree whose partial sums keep the EP = 1 bits
 
 VEC = 8
@@ -156,13 +158,56 @@ def _sum_chunks(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cut
             cute.autovec_copy(res, out_v[(None, cu)])
 
 
+STAGED_ENTRIES = 16  # 16-byte chunks per thread that Combine(staged=True) keeps in flight (top_k <= 16)
+
+
+@cute.jit
+def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cute.Tensor, buf: cute.Tensor,
+                rows: cute.Tensor, out_v: cute.Tensor, c: cutlass.Int32, per: cutlass.Int32, n_vec: cutlass.Int32,
+                top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32, w_l: cutlass.Float32,
+                mask: cutlass.Int32):
+    """Combine(staged=True)'s loop body: this thread's column chunks c + i * THREADS, i < per
+    (= STAGED_ENTRIES // top_k), every slot's 16 bytes of them copied by cp.async into the thread's own entries
+    of buf (entry i * top_k + j), all in flight together without holding registers; then each chunk is summed
+    exactly as _sum_slots does (zeroed, slots in ascending j, its tree) and stored: the same bits. The entries
+    are the thread's own, so its cp.async wait is the only synchronisation."""
+    tidx, _, _ = cute.arch.thread_idx()
+    for i in range(per):
+        ci = c + i * THREADS
+        for j in range(top_k):
+            r = cute.arch.shuffle_sync(row_l, j)
+            if (ci < n_vec) & (r >= 0):
+                src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
+                nv.cp_async_shared_global(buf[(None, tidx, i * top_k + j)].iterator, src_v[(None, ci)].iterator, 16,
+                                          nv.LoadCacheModifier.CG)
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    for i in range(per):
+        ci = c + i * THREADS
+        acc.fill(0.0)
+        for j in range(top_k):
+            r = cute.arch.shuffle_sync(row_l, j)
+            leaf = cute.arch.shuffle_sync(leaf_l, j)
+            wj = cute.arch.shuffle_sync(w_l, j)
+            if (ci < n_vec) & (r >= 0):
+                cute.autovec_copy(buf[(None, tidx, i * top_k + j)], frag)
+                vals.store(frag.load().to(cutlass.Float32))
+                _add_to_leaf(acc, leaf, vals, wj)
+        if ci < n_vec:
+            _tree(acc, mask)
+            res.store(acc[(None, 0)].load().to(res.element_type))
+            cute.autovec_copy(res, out_v[(None, ci)])
+
+
 class Combine:
-    def __init__(self, top_k: int = 0):
+    def __init__(self, top_k: int = 0, staged: bool = False):
         # 0: any top_k <= 32, one column chunk at a time; 2: exactly two slots per token, several chunks at once
         # (_sum_chunks). A general several-chunk loop with top_k known only at run time was tried: 168 instead
         # of 126 registers and every shape slower (qwen3 0.19 vs 0.10 ms, mixtral 0.126 vs 0.117).
-        assert top_k in (0, 2)
+        # staged: top_k <= STAGED_ENTRIES, the loads in flight staged in shared memory by cp.async (_sum_staged)
+        assert top_k in (0, 2) and not (staged and top_k)
         self.top_k = top_k
+        self.staged = staged
 
     @cute.jit
     def __call__(
@@ -201,7 +246,17 @@ class Combine:
         frag = cute.make_rmem_tensor((VEC, SLOTS_IN_FLIGHT), rows.element_type)
         vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
-        if cutlass.const_expr(self.top_k != 0):
+        if cutlass.const_expr(self.staged):
+            smem = cutlass.utils.SmemAllocator()
+            # entry-major: at one entry the threads' 16-byte pieces are consecutive (no bank conflicts)
+            buf = smem.allocate_tensor(rows.element_type, cute.make_layout(
+                (VEC, THREADS, STAGED_ENTRIES), stride=(1, VEC, VEC * THREADS)), 16)
+            one = cute.make_rmem_tensor((VEC,), rows.element_type)
+            per = STAGED_ENTRIES // top_k
+            for c0 in range(0, n_vec, THREADS * per):
+                _sum_staged(acc, one, vals, res, buf, rows, out_v, c0 + cutlass.Int32(tidx), per, n_vec, top_k, row_l,
+                            leaf_l, w_l, mask)
+        elif cutlass.const_expr(self.top_k != 0):
             for c0 in range(0, n_vec, THREADS * (SLOTS_IN_FLIGHT // self.top_k)):
                 _sum_chunks(acc, frag, vals, res, rows, out_v, c0 + cutlass.Int32(tidx), n_vec, self.top_k, row_l,
                             leaf_l, w_l, mask)

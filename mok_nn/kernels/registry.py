@@ -293,7 +293,8 @@ def _combine_specs() -> tuple:
         ),
     )
     top2 = dataclasses.replace(local, name="mok_combine_k2", factory_kwargs=(("top_k", 2),))  # pos [T, 2] only
-    return local, top2, partial, final
+    staged = dataclasses.replace(local, name="mok_combine_cp", factory_kwargs=(("staged", True),))  # top_k <= 16
+    return local, top2, staged, partial, final
 
 
 def _act_specs(kind: str) -> tuple:
