@@ -51,7 +51,10 @@ Without a config the format comes from the tensors: ``*_scale_inv`` ->
 ``fp8-block``; uint8 ``*_scale`` next to FP8 data -> ``mxfp8``. An FP8 tensor
 without a scale, a scale without data, a scale of the wrong dtype or shape, or
 an unsupported quantisation config raises ``CheckpointFormatError`` naming the
-tensor (or the config entry).
+tensor (or the config entry). So does a tensor ``X`` next to a scale
+``X_scale`` / ``X_scale_inv`` that is not quantised data of the format
+(float8_e4m3fn; uint8 E4M3 bytes in the MX formats), e.g. float8_e5m2, bf16
+or fp32 values: such a scale is never dropped or passed on unused.
 """
 
 from __future__ import annotations
@@ -195,6 +198,30 @@ def detect_format(tensors_or_path, config=None, metadata=None) -> str:
     return _format_from_tensors(tensors)
 
 
+_SCALE_SUFFIXES = ("_scale", "_scale_inv")
+
+
+def _check_scaled_data(tensors: Mapping, fmt: str) -> None:
+    """Every tensor ``X`` next to a scale ``X_scale`` / ``X_scale_inv`` must be quantised data of ``fmt``
+    (float8_e4m3fn; uint8 E4M3 bytes in the MX formats): raw values next to a scale would otherwise be
+    loaded as they are, their scale dropped or passed on unused."""
+    allowed = (_FP8, torch.uint8) if fmt in _MX_FORMATS else (_FP8,)
+    bad = []
+    for name, t in tensors.items():
+        scales = [name + s for s in _SCALE_SUFFIXES if name + s in tensors]
+        if scales and (fmt == FORMAT_UNQUANTIZED or t.dtype not in allowed):
+            bad.append(f"tensor {name!r} has dtype {t.dtype} next to its scale {scales[0]!r}")
+    if not bad:
+        return
+    if fmt == FORMAT_UNQUANTIZED:
+        why = ("quantised data (float8_e4m3fn, or uint8 E4M3 bytes with a uint8 E8M0 scale); "
+               "the checkpoint has none, so it reads as unquantized")
+    else:
+        want = "float8_e4m3fn, or uint8 holding E4M3 bytes" if fmt in _MX_FORMATS else "float8_e4m3fn"
+        why = f"the quantised data of the {fmt} format ({want})"
+    raise CheckpointFormatError("; ".join(bad) + f": a tensor with a scale must hold {why}")
+
+
 # ----------------------------------------------------------------------------- conversion
 
 
@@ -234,16 +261,18 @@ def _block_size_from_config(qc: Mapping | None) -> int:
 def _load_mx(tensors: Mapping, fmt: str, metadata: Mapping, qc) -> dict:
     layout = json.loads(metadata.get("mxfp8", "{}")) if fmt == FORMAT_MOK else {}
     default_bs = _block_size_from_config(qc)
-    names = _data_names(tensors)
-    out = {}
+    # FP8 data, and every tensor with a `_scale` (its dtype checked by _check_scaled_data)
+    names = [n for n, t in tensors.items() if t.dtype == _FP8 or n + "_scale" in tensors]
+    out, used = {}, set()
     for name in names:
         if name + "_scale" not in tensors:
             raise CheckpointFormatError(f"FP8 tensor {name!r} has no scale tensor {name + '_scale'!r}")
         info = layout.get(name, {})
         scale = _as_e8m0(name + "_scale", tensors[name + "_scale"])
         out[name] = _mx_tensor(name, tensors[name], scale, info.get("axis", -1), info.get("block_size", default_bs))
+        used.update((name, name + "_scale"))
     for name, t in tensors.items():
-        if name in out or (name.endswith("_scale") and name[: -len("_scale")] in out):
+        if name in used:
             continue
         if name.endswith("_scale") and t.dtype in _E8M0_DTYPES:
             raise CheckpointFormatError(f"scale tensor {name!r} has no FP8 data tensor {name[:-len('_scale')]!r}")
@@ -274,8 +303,8 @@ def dequantize_block_fp8(data: torch.Tensor, scale_inv: torch.Tensor, block: tup
 
 def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
     configured = (qc or {}).get("weight_block_size")
-    out = {}
-    for name in _data_names(tensors):
+    out, used = {}, set()
+    for name in [n for n, t in tensors.items() if t.dtype == _FP8 or n + "_scale_inv" in tensors]:
         sname = name + "_scale_inv"
         if sname not in tensors:
             raise CheckpointFormatError(f"FP8 tensor {name!r} has no scale tensor {sname!r}")
@@ -295,8 +324,9 @@ def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
         if fmt == FORMAT_FP8_UE8M0 and not torch.equal(q.dequantize(torch.float32), w):
             raise CheckpointFormatError(f"tensor {name!r}: ue8m0 block FP8 did not convert losslessly to MXFP8")
         out[name] = q
+        used.update((name, sname))
     for name, t in tensors.items():
-        if name in out or (name.endswith("_scale_inv") and name[: -len("_scale_inv")] in out):
+        if name in used:
             continue
         if name.endswith("_scale_inv"):
             raise CheckpointFormatError(f"scale tensor {name!r} has no FP8 data tensor {name[:-len('_scale_inv')]!r}")
@@ -316,6 +346,7 @@ def load_mxfp8_tensors(path_or_dir, config=None, scale_mode: str = "rceil") -> d
         tensors, metadata, file_config = read_safetensors(path_or_dir)
         config = config if config is not None else file_config
     fmt = detect_format(tensors, config, metadata)
+    _check_scaled_data(tensors, fmt)
     qc = quantization_config(config)
     if fmt in _MX_FORMATS:
         return _load_mx(tensors, fmt, metadata, qc)
@@ -454,7 +485,13 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
     ``precision="mxfp8"`` layer computes its forward on exactly the checkpoint's weights.
     """
     if isinstance(tensors_or_path, Mapping) and any(isinstance(t, MXFP8Tensor) for t in tensors_or_path.values()):
-        tensors = tensors_or_path
+        tensors = tensors_or_path          # already read: no raw data may still sit next to its scale
+        raw = [n for n, t in tensors.items() if isinstance(t, torch.Tensor)
+               and any(n + s in tensors for s in _SCALE_SUFFIXES)]
+        if raw:
+            raise CheckpointFormatError(
+                f"tensor {raw[0]!r} (dtype {tensors[raw[0]].dtype}) sits next to its scale tensor in a dict of "
+                "MXFP8Tensors: read the raw checkpoint with load_mxfp8_tensors, or give an MXFP8Tensor")
     else:
         tensors = load_mxfp8_tensors(tensors_or_path, config)
     gu, dn = expert_weights(tensors, prefix)

@@ -1,6 +1,7 @@
 """Checkpoint I/O: round trips for every supported format, built here from scratch."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -272,6 +273,67 @@ def test_errors_name_the_tensor(tmp_path):
     with pytest.raises(ck.CheckpointFormatError, match="bad.weight"):
         ck.load_mxfp8_tensors({"bad.weight": bad_k, "bad.weight_scale_inv": torch.ones(1, 1)},
                               {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+
+
+@pytest.mark.parametrize("bad_dtype", [torch.float8_e5m2, torch.float32, torch.bfloat16])
+def test_scaled_tensor_of_wrong_dtype_raises(tmp_path, bad_dtype):
+    """A tensor with a scale partner must be quantised data of the format (float8_e4m3fn, or uint8 E4M3
+    bytes in the MX formats): any other dtype raises naming the tensor and its dtype, whatever the format
+    detected, instead of passing the raw values on with the scale dropped or ignored."""
+    from mok_nn import MoKMoELayer
+
+    gu, dn = _experts_fp32()
+    qgu, qdn = quantize(gu), quantize(dn * 100)
+    bad = qdn.data.to(bad_dtype)
+    dn_name = PREFIX + "experts.down_proj"
+    mixed = {PREFIX + "experts.gate_up_proj": qgu.data, PREFIX + "experts.gate_up_proj_scale": qgu.scale,
+             dn_name: bad, dn_name + "_scale": qdn.scale}       # one good tensor: format "mxfp8"
+    all_bad = {PREFIX + "experts.gate_up_proj": qgu.data.to(bad_dtype), PREFIX + "experts.gate_up_proj_scale":
+               qgu.scale, dn_name: bad, dn_name + "_scale": qdn.scale}   # no e4m3 at all: "unquantized"
+    dtype_re = str(bad_dtype).replace(".", r"\.")
+    for tensors, config in ((mixed, None), (mixed, CT_CONFIG), (all_bad, None)):
+        with pytest.raises(ck.CheckpointFormatError, match=rf"{dn_name}'.*{dtype_re}"):
+            ck.load_mxfp8_tensors(tensors, config)
+    layer = MoKMoELayer(H, I, E, 2, dtype=torch.float32)
+    before = [p.detach().clone() for p in layer.experts.parameters()]
+    with pytest.raises(ck.CheckpointFormatError, match=rf"{dn_name}'.*{dtype_re}"):
+        ck.load_experts_into_layer(layer, mixed, prefix=PREFIX)
+    assert all(torch.equal(p, b) for p, b in zip(layer.experts.parameters(), before))
+    # the same from a file in our own format (metadata says mok_nn.mxfp8)
+    d = _write(tmp_path / "mok", mixed, metadata={"format": "mok_nn.mxfp8"})
+    with pytest.raises(ck.CheckpointFormatError, match=rf"{dn_name}'.*{dtype_re}"):
+        ck.load_mxfp8_tensors(d)
+    # ModelOpt config: uint8 data is accepted there, other dtypes are not
+    mo_cfg = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "MXFP8"}}
+    mo = {PREFIX + "experts.w13_weight": qgu.data.view(torch.uint8), PREFIX + "experts.w13_weight_scale": qgu.scale,
+          PREFIX + "experts.w2_weight": bad, PREFIX + "experts.w2_weight_scale": qdn.scale}
+    with pytest.raises(ck.CheckpointFormatError, match=rf"w2_weight'.*{dtype_re}"):
+        ck.load_mxfp8_tensors(mo, mo_cfg)
+    # block FP8: the data of a _scale_inv must be float8_e4m3fn (uint8 included)
+    bq, bs, _ = _block_fp8(dn, (128, 128), True, 9)
+    for wrong in (bq.to(bad_dtype), bq.view(torch.uint8)):
+        blk = {PREFIX + "experts.gate_up_proj": _block_fp8(gu, (128, 128), True, 10)[0],
+               PREFIX + "experts.gate_up_proj_scale_inv": _block_fp8(gu, (128, 128), True, 10)[1],
+               dn_name: wrong, dn_name + "_scale_inv": bs}
+        with pytest.raises(ck.CheckpointFormatError, match=rf"{dn_name}'.*{re.escape(str(wrong.dtype))}"):
+            ck.load_mxfp8_tensors(blk)
+    with pytest.raises(ck.CheckpointFormatError, match=rf"{dn_name}'.*{dtype_re}"):
+        ck.load_mxfp8_tensors({dn_name: bad, dn_name + "_scale_inv": bs})    # detected "unquantized"
+
+
+def test_scale_of_uint8_data_is_never_dropped():
+    """uint8 data whose scale is not E8M0 is not silently passed through raw with its scale dropped."""
+    q = quantize(torch.randn(64, 64))
+    w = "m.experts.0.gate_proj.weight"
+    other = {"m.experts.0.up_proj.weight": q.data, "m.experts.0.up_proj.weight_scale": q.scale}
+    with pytest.raises(ck.CheckpointFormatError, match=w + "_scale"):
+        ck.load_mxfp8_tensors({**other, w: q.data.view(torch.uint8), w + "_scale": q.scale.float()})
+    # a dict that already holds MXFP8Tensors is not re-read: raw data next to its scale there raises too
+    loaded = {"experts.gate_up_proj": quantize(torch.randn(E, 2 * I, H)), "experts.down_proj": q.data,
+              "experts.down_proj_scale": q.scale}
+    from mok_nn import MoKMoELayer
+    with pytest.raises(ck.CheckpointFormatError, match="experts.down_proj'"):
+        ck.load_experts_into_layer(MoKMoELayer(H, I, E, 2, dtype=torch.float32), loaded)
 
 
 def test_example_script(tmp_path, capsys):

@@ -6,6 +6,7 @@ differ in summation order), plus state-dict round trips and bad input."""
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -417,6 +418,30 @@ def test_mxfp8_checkpoint_with_fused_w13_names(tmp_path):
     assert hf.load_mxfp8_checkpoint(dst, path) == ([], [])
     ids = _inputs()
     assert torch.equal(dst(ids).logits, src(ids).logits)
+
+
+def test_mxfp8_checkpoint_with_scaled_data_of_wrong_dtype_raises(tmp_path):
+    """An expert tensor stored next to its scale but not as float8_e4m3fn (here the FP8 values
+    as fp32) raises naming it and its dtype, also with strict=True, and leaves the model unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mok_nn import checkpoint
+
+    src = _patched(_mx_model("mixtral"), precision="mxfp8")
+    path = tmp_path / "model.safetensors"
+    hf.save_mxfp8_checkpoint(src, path)
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {n: f.get_tensor(n) for n in f.keys()}
+    name = sorted(n for n in tensors if n + "_scale" in tensors)[-1]
+    tensors[name] = tensors[name].float()
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=meta)
+    dst = _patched(_mx_model("mixtral", seed=5), precision="mxfp8")
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(checkpoint.CheckpointFormatError, match=rf"{re.escape(name)}'.*torch\.float32"):
+        hf.load_mxfp8_checkpoint(dst, bad, strict=True)
+    assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
 
 
 def test_mxfp8_checkpoint_mismatch_raises(tmp_path):
