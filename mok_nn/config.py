@@ -33,8 +33,10 @@ class MoKConfig:
     passes in the parameters' dtype; with expert parallelism, where a call needs
     passes every rank must pass the same number of tokens, checked by one
     all-reduce per call; under torch.compile one custom-op call per pass, the
-    expert gradients summed by autograd in its own order: the eager bits for up to
-    two passes, within rounding for more), schedule_capacity_multiplier (expert parallelism)
+    expert gradients summed by autograd in its own order: with backend="aot_eager"
+    the eager bits for up to two passes, within rounding for more; inductor also
+    reorders the torch ops around the custom ops, so there it is within rounding
+    anyway), schedule_capacity_multiplier (expert parallelism)
     and fwd_num_comm_sms (only the opt-in overlapped forward, MOK_EP_FWD=overlap;
     docs/ep.md). The readiness unit of that forward is one 128-row GEMM tile, not
     minibatch_size. bwd_num_comm_sms and minibatch_size are validated and kept for
