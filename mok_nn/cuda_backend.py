@@ -15,8 +15,9 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below)
-  combine         mok_combine, mok_combine_k2 where top_k = 2 (fixed tree over expert groups, j ascending
-                  within a group; the same tree as the EP path's per-rank partial sums: kernels/combine.py)
+  combine         mok_combine_cp (top_k <= 16), mok_combine_k2 (top_k = 2), mok_combine (fixed tree over expert
+                  groups, j ascending within a group; the same tree as the EP path's per-rank partial sums:
+                  kernels/combine.py)
   dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
                   Where H <= 4096 (MOK_GEMM_DACT=auto): both in one kernel, mok_gemm_dact_<act>_ppc
@@ -26,7 +27,7 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   MOK_GEMM_DACT=fused / split force one form (the cooperative fused kernel,
                   mok_gemm_dact_<act> with MOK_GEMM_PINGPONG=0, is slower than the two kernels)
   dgrad gate/up   mok_gemm_bn
-  reverse combine mok_combine (w = 1)
+  reverse combine the combine kernels (w = 1)
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
                   2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); mok_gemm_wgrad_pp where
                   experts have few rows and the output few columns (wgrad_kernel); macrobatch passes
@@ -70,7 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.registry import COMBINE_LEAVES, EP_COPY_THREADS, combine_leaves
+from .kernels.registry import COMBINE_LEAVES, COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
     GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
     WGRAD_ACC_KERNELS,
@@ -678,8 +679,11 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ids: t
         raise ValueError("combine kernel takes bf16 rows and output with hidden % 8 == 0")
     if pos.shape[1] > MAX_TOP_K:
         raise ValueError(f"combine kernel takes at most {MAX_TOP_K} slots per token, not {pos.shape[1]}")
-    # top-2 (mixtral): the kernel compiled for two slots keeps more loads in flight (same bits)
-    name = "mok_combine_k2" if pos.shape[1] == 2 else "mok_combine"
+    # The same bits from each (kernels/combine.py); call by call on H200 (docs/kernels.md, v148-v149): top-2
+    # (mixtral) 0.091 ms with the kernel compiled for two slots, 0.102 staged, 0.117 plain; top-8 staged
+    # qwen3 0.097 vs 0.104, deepseek-v3 0.288 vs 0.308.
+    k = pos.shape[1]
+    name = "mok_combine_k2" if k == 2 else "mok_combine_cp" if k <= COMBINE_STAGED_ENTRIES else "mok_combine"
     _lib().launch(name, rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
                   stream=_stream())
     return out

@@ -42,6 +42,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cutlass.experimental.primitives import nvvm_wrapper as nv  # cp.async
 
+from .registry import COMBINE_STAGED_ENTRIES as STAGED_ENTRIES  # top_k <= this for Combine(staged=True)
 from .registry import COMBINE_LEAVES as LEAVES  # the largest EP degree whose partial sums keep the EP = 1 bits
 
 VEC = 8
@@ -158,28 +159,18 @@ def _sum_chunks(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cut
             cute.autovec_copy(res, out_v[(None, cu)])
 
 
-STAGED_ENTRIES = 16  # 16-byte chunks per thread that Combine(staged=True) keeps in flight (top_k <= 16)
-STAGED_CTAS = 3 * 132  # Combine(staged=True)'s persistent grid: 3 CTAs of 64 KB shared memory per H200 SM
 
 
 @cute.jit
-def _slot_lanes(pos: cute.Tensor, ids: cute.Tensor, w: cute.Tensor, t: cutlass.Int32, top_k: cutlass.Int32,
-                experts_per_leaf: cutlass.Int32):
-    """Lane j of every warp: slot j's row, leaf and weight of token t (row -1 past top_k)."""
-    j = cutlass.Int32(cute.arch.thread_idx()[0]) % 32
-    row_l, leaf_l, w_l = cutlass.Int64(-1), cutlass.Int32(0), cutlass.Float32(0.0)
-    if j < top_k:
-        row_l = pos[(t, j)]
-        leaf_l = cutlass.Int32(ids[(t, j)] // experts_per_leaf)
-        w_l = w[(t, j)]
-    return row_l, leaf_l, w_l
-
-
-@cute.jit
-def _stage_chunks(buf: cute.Tensor, stage: cutlass.Int32, rows: cute.Tensor, c: cutlass.Int32, per: cutlass.Int32,
-                  n_vec: cutlass.Int32, top_k: cutlass.Int32, row_l: cutlass.Int64):
-    """Issue the cp.async copies of this thread's column chunks c + i * THREADS, i < per, of every slot into
-    its own entries i * top_k + j of buf's stage (no registers held while they fly)."""
+def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cute.Tensor, buf: cute.Tensor,
+                rows: cute.Tensor, out_v: cute.Tensor, c: cutlass.Int32, per: cutlass.Int32, n_vec: cutlass.Int32,
+                top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32, w_l: cutlass.Float32,
+                mask: cutlass.Int32):
+    """Combine(staged=True)'s loop body: this thread's column chunks c + i * THREADS, i < per
+    (= STAGED_ENTRIES // top_k), every slot's 16 bytes of them copied by cp.async into the thread's own entries
+    of buf (entry i * top_k + j), all in flight together without holding registers; then each chunk is summed
+    exactly as _sum_slots does (zeroed, slots in ascending j, its tree) and stored: the same bits. The entries
+    are the thread's own, so its cp.async wait is the only synchronisation."""
     tidx, _, _ = cute.arch.thread_idx()
     for i in range(per):
         ci = c + i * THREADS
@@ -187,18 +178,10 @@ def _stage_chunks(buf: cute.Tensor, stage: cutlass.Int32, rows: cute.Tensor, c: 
             r = cute.arch.shuffle_sync(row_l, j)
             if (ci < n_vec) & (r >= 0):
                 src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
-                nv.cp_async_shared_global(buf[(None, tidx, i * top_k + j, stage)].iterator,
-                                          src_v[(None, ci)].iterator, 16, nv.LoadCacheModifier.CG)
-
-
-@cute.jit
-def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cute.Tensor, buf: cute.Tensor,
-                stage: cutlass.Int32, out_v: cute.Tensor, c: cutlass.Int32, per: cutlass.Int32,
-                n_vec: cutlass.Int32, top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32,
-                w_l: cutlass.Float32, mask: cutlass.Int32):
-    """The staged chunks summed exactly as _sum_slots does (zeroed, slots in ascending j, the tree) and
-    stored: the same bits as Combine's other loops."""
-    tidx, _, _ = cute.arch.thread_idx()
+                nv.cp_async_shared_global(buf[(None, tidx, i * top_k + j)].iterator, src_v[(None, ci)].iterator, 16,
+                                          nv.LoadCacheModifier.CG)
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
     for i in range(per):
         ci = c + i * THREADS
         acc.fill(0.0)
@@ -207,7 +190,7 @@ def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cut
             leaf = cute.arch.shuffle_sync(leaf_l, j)
             wj = cute.arch.shuffle_sync(w_l, j)
             if (ci < n_vec) & (r >= 0):
-                cute.autovec_copy(buf[(None, tidx, i * top_k + j, stage)], frag)
+                cute.autovec_copy(buf[(None, tidx, i * top_k + j)], frag)
                 vals.store(frag.load().to(cutlass.Float32))
                 _add_to_leaf(acc, leaf, vals, wj)
         if ci < n_vec:
@@ -218,10 +201,12 @@ def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cut
 
 class Combine:
     def __init__(self, top_k: int = 0, staged: bool = False):
-        # 0: any top_k <= 32, one column chunk at a time; 2: exactly two slots per token, several chunks at once
-        # (_sum_chunks). A general several-chunk loop with top_k known only at run time was tried: 168 instead
-        # of 126 registers and every shape slower (qwen3 0.19 vs 0.10 ms, mixtral 0.126 vs 0.117).
-        # staged: top_k <= STAGED_ENTRIES, the loads in flight staged in shared memory by cp.async (_sum_staged)
+        # Three loops, same additions in the same order, so the same bits (which one runs: cuda_backend.combine).
+        # 0: any top_k <= 32, one column chunk at a time (_sum_slots); top_k = 2: compiled for two slots per
+        # token, four chunks' loads in flight (_sum_chunks); staged: top_k <= STAGED_ENTRIES, the loads staged in
+        # shared memory by cp.async (_sum_staged). Measured and dropped (docs/kernels.md): a several-chunk loop with
+        # top_k known only at run time (168 instead of 126 registers, every shape slower) and a persistent staged
+        # kernel with two stages (3 CTAs per SM; slower than both).
         assert top_k in (0, 2) and not (staged and top_k)
         self.top_k = top_k
         self.staged = staged
@@ -238,11 +223,8 @@ class Combine:
         stream: cuda.CUstream,
     ):
         num_tokens = cute.size(out, mode=[0])
-        grid = num_tokens
-        if cutlass.const_expr(self.staged):
-            grid = cutlass.min(num_tokens, STAGED_CTAS)
         self.kernel(rows, pos, w, ids, out, experts_per_leaf).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[num_tokens, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -254,7 +236,12 @@ class Combine:
         top_k = cute.size(pos, mode=[1])
         n_vec = hidden // VEC
         # lane j of every warp holds slot j's row, leaf and weight (top_k <= 32)
-        row_l, leaf_l, w_l = _slot_lanes(pos, ids, w, cutlass.Int32(t), top_k, experts_per_leaf)
+        j = cutlass.Int32(tidx) % 32
+        row_l, leaf_l, w_l = cutlass.Int64(-1), cutlass.Int32(0), cutlass.Float32(0.0)
+        if j < top_k:
+            row_l = pos[(t, j)]
+            leaf_l = cutlass.Int32(ids[(t, j)] // experts_per_leaf)
+            w_l = w[(t, j)]
         mask = _leaf_mask(row_l, leaf_l)
         out_v = cute.zipped_divide(out[(t, None)], (VEC,))
         acc = cute.make_rmem_tensor((VEC, LEAVES), cutlass.Float32)
@@ -262,41 +249,15 @@ class Combine:
         vals = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         res = cute.make_rmem_tensor((VEC,), out.element_type)
         if cutlass.const_expr(self.staged):
-            # Persistent: CTA b takes tokens b, b + G, ... (G = the grid), each in batches of `per` column chunks
-            # per thread (items); item q + 1's copies (and, at a new token, its slot lanes) are issued before item
-            # q is summed, into the other of two shared-memory stages: the loads of the next item fly while this
-            # one is added up. A thread's entries are its own, so its cp.async waits are the only synchronisation.
             smem = cutlass.utils.SmemAllocator()
             # entry-major: at one entry the threads' 16-byte pieces are consecutive (no bank conflicts)
             buf = smem.allocate_tensor(rows.element_type, cute.make_layout(
-                (VEC, THREADS, STAGED_ENTRIES, 2), stride=(1, VEC, VEC * THREADS, VEC * THREADS * STAGED_ENTRIES)),
-                16)
+                (VEC, THREADS, STAGED_ENTRIES), stride=(1, VEC, VEC * THREADS)), 16)
             one = cute.make_rmem_tensor((VEC,), rows.element_type)
-            num_tokens = cute.size(out, mode=[0])
-            grid = cute.arch.grid_dim()[0]
             per = STAGED_ENTRIES // top_k
-            span = THREADS * per
-            batches = (n_vec + span - 1) // span
-            items = (num_tokens - t + grid - 1) // grid * batches
-            _stage_chunks(buf, 0, rows, cutlass.Int32(tidx), per, n_vec, top_k, row_l)
-            cute.arch.cp_async_commit_group()
-            for q in range(items):
-                tq = t + q // batches * grid
-                c = q % batches * span + cutlass.Int32(tidx)
-                n_row, n_leaf, n_w, n_mask = row_l, leaf_l, w_l, mask
-                if q + 1 < items:
-                    if (q + 1) % batches == 0:
-                        n_row, n_leaf, n_w = _slot_lanes(pos, ids, w, tq + grid, top_k, experts_per_leaf)
-                        n_mask = _leaf_mask(n_row, n_leaf)
-                    _stage_chunks(buf, (q + 1) % 2, rows, (q + 1) % batches * span + cutlass.Int32(tidx), per, n_vec,
-                                  top_k, n_row)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(1)
-                else:
-                    cute.arch.cp_async_wait_group(0)
-                tq_v = cute.zipped_divide(out[(tq, None)], (VEC,))
-                _sum_staged(acc, one, vals, res, buf, q % 2, tq_v, c, per, n_vec, top_k, row_l, leaf_l, w_l, mask)
-                row_l, leaf_l, w_l, mask = n_row, n_leaf, n_w, n_mask
+            for c0 in range(0, n_vec, THREADS * per):
+                _sum_staged(acc, one, vals, res, buf, rows, out_v, c0 + cutlass.Int32(tidx), per, n_vec, top_k, row_l,
+                            leaf_l, w_l, mask)
         elif cutlass.const_expr(self.top_k != 0):
             for c0 in range(0, n_vec, THREADS * (SLOTS_IN_FLIGHT // self.top_k)):
                 _sum_chunks(acc, frag, vals, res, rows, out_v, c0 + cutlass.Int32(tidx), n_vec, self.top_k, row_l,

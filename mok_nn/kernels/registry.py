@@ -30,6 +30,8 @@ ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
 COMBINE_LEAVES = 8
+# mok_combine_cp stages this many 16-byte chunks per thread in shared memory: it takes top_k <= this
+COMBINE_STAGED_ENTRIES = 16
 
 
 def combine_leaves(num_experts: int) -> int:

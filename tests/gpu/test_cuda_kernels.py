@@ -389,6 +389,35 @@ def test_combine(lib, T, k, H, E):
     assert rel_l2(ys[0], cb.combine_torch(rows, pos, w, ids, E, torch.float32)) < 5e-3
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 8, 16])
+def test_combine_kernels_same_bits(lib, k):
+    """The three combine loops (mok_combine: one column chunk at a time; mok_combine_k2: top_k = 2 only;
+    mok_combine_cp: loads staged by cp.async, top_k <= 16) add the same terms in the same order: the same
+    bits, for token counts below and above a thread's chunk batch, several batches per token (H past
+    128 * 16 / k * 8 columns), and slots left out (pos -1). Outputs NaN-poisoned first."""
+    from mok_nn import cuda_backend as cb
+
+    g = torch.Generator(device="cuda").manual_seed(100 + k)
+    names = ["mok_combine", "mok_combine_cp"] + (["mok_combine_k2"] if k == 2 else [])
+    for T, H in [(1, 8), (5, 1032), (397, 7168), (2000, 2048)]:
+        E = 32
+        R = T * k + 3
+        rows = torch.randn(R, H, device="cuda", generator=g).to(torch.bfloat16)
+        pos = torch.randperm(R, device="cuda", generator=g)[: T * k].view(T, k).contiguous()
+        pos[torch.rand(T, k, device="cuda", generator=g) < 0.1] = -1
+        w = torch.rand(T, k, device="cuda", generator=g)
+        ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :k].contiguous()
+        outs = []
+        for name in names:
+            out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+            cb._lib().launch(name, rows, pos, w, ids, out, cb.experts_per_leaf(E), stream=cb._stream())
+            outs.append(out)
+        ref = (rows.double()[pos.clamp(min=0)] * (w.double() * (pos >= 0))[..., None]).sum(1)
+        assert rel_l2(outs[0], ref) < 5e-3, (T, H)
+        for name, out in zip(names[1:], outs[1:]):
+            assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16)), (name, T, H)
+
+
 @pytest.mark.parametrize("weighted", [1, 0])
 def test_partial_push_many_sources(lib, weighted):
     """The EP form with P sources at once: sources with fewer tokens than Tc (ids -1 past them), one
