@@ -118,7 +118,9 @@ def mok_layer_kwargs(cfg) -> dict[str, Any]:
     """MoKMoELayer arguments computing the same function as a Megatron MoE layer
     of this TransformerConfig (router included), for a standalone layer or a
     checkpoint conversion.  Raises MegatronConfigError where Megatron's routing
-    has no MoKMoELayer equivalent."""
+    or shared expert has no MoKMoELayer equivalent (a shared expert with biases,
+    or with an activation other than plain SwiGLU: Megatron's shared expert uses
+    the config's activation, offset and clamp, MoKMoELayer's is silu(g) * u)."""
     check_config(cfg)
     problems = []
     num_experts, top_k = int(cfg.num_moe_experts), int(cfg.moe_router_topk)
@@ -162,8 +164,15 @@ def mok_layer_kwargs(cfg) -> dict[str, Any]:
         problems.append("add_bias_linear with a shared expert (MoKMoELayer's shared expert has no biases)")
     activation, limit = expert_activation(cfg)
     kw.update(activation=activation, swiglu_limit=limit)
+    if shared and (activation != "swiglu" or limit is not None):
+        # Megatron's SharedExpertMLP applies the config's activation, glu_linear_offset and
+        # activation_func_clamp_value like the routed experts; MoKMoELayer's shared expert is plain silu(g) * u
+        problems.append(
+            f"a shared expert with activation_func={_fn_name(_get(cfg, 'activation_func'))}, glu_linear_offset="
+            f"{_get(cfg, 'glu_linear_offset', 0.0)}, activation_func_clamp_value={limit} (Megatron's shared expert "
+            "uses them too; MoKMoELayer's shared expert is plain silu(gate) * up without clamp)")
     if problems:
-        raise MegatronConfigError("no MoKMoELayer equivalent for this Megatron router config:\n  "
+        raise MegatronConfigError("no MoKMoELayer equivalent for this Megatron MoE config:\n  "
                                   + "\n  ".join(problems))
     return kw
 

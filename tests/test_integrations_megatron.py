@@ -40,8 +40,8 @@ CONFIGS = {
     "deepseek_v3_like": _cfg(moe_router_score_function="sigmoid", moe_router_topk=4, moe_router_num_groups=4,
                              moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
                              moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=IS),
-    "qwen2_like_shared_gate": _cfg(moe_shared_expert_intermediate_size=IS, moe_shared_expert_gate=True,
-                                   activation_func_clamp_value=3.0),
+    "qwen2_like_shared_gate": _cfg(moe_shared_expert_intermediate_size=IS, moe_shared_expert_gate=True),
+    "silu_clamped": _cfg(activation_func_clamp_value=3.0),
     "gpt_oss_like": _cfg(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=1.5,
                          add_bias_linear=True),
 }
@@ -109,20 +109,21 @@ def _megatron_reference(cfg, sd, layout, x):
                else f"experts.local_experts.{i}.linear_fc{fc}.{kind}")
         return sd.get(key, 0)
 
+    def glu(h):  # Megatron's MLP activation, routed and shared experts alike
+        gate, up = h.chunk(2, dim=-1)
+        if cfg.activation_func_clamp_value is not None:
+            c = cfg.activation_func_clamp_value
+            gate, up = gate.clamp(max=c), up.clamp(-c, c)
+        return cfg.activation_func(gate) * (up + cfg.glu_linear_offset)
+
     y = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(k):
             e = int(ids[t, j])
-            h = w(e, 1, "weight") @ x[t] + w(e, 1, "bias")
-            gate, up = h.chunk(2)
-            if cfg.activation_func_clamp_value is not None:
-                c = cfg.activation_func_clamp_value
-                gate, up = gate.clamp(max=c), up.clamp(-c, c)
-            a = cfg.activation_func(gate) * (up + cfg.glu_linear_offset)
+            a = glu(w(e, 1, "weight") @ x[t] + w(e, 1, "bias"))
             y[t] += probs[t, j] * (w(e, 2, "weight") @ a + w(e, 2, "bias"))
     if cfg.moe_shared_expert_intermediate_size:
-        g, u = (x @ sd["shared_experts.linear_fc1.weight"].T).chunk(2, dim=-1)
-        s = (F.silu(g) * u) @ sd["shared_experts.linear_fc2.weight"].T
+        s = glu(x @ sd["shared_experts.linear_fc1.weight"].T) @ sd["shared_experts.linear_fc2.weight"].T
         if cfg.moe_shared_expert_gate:
             s = s * torch.sigmoid(x @ sd["shared_experts.gate_weight"].T)
         y = y + s
@@ -188,6 +189,22 @@ def test_unsupported_configs_raise(change, message):
         mg.check_config(cfg)
     with pytest.raises(mg.MegatronConfigError, match=message):
         mg.mok_layer_kwargs(cfg)
+
+
+@pytest.mark.parametrize("activation", [
+    dict(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0),   # swiglu_oai
+    dict(activation_func_clamp_value=7.0),                                                        # clamped silu
+])
+def test_shared_expert_with_other_activation_raises(activation):
+    """Megatron's shared expert uses the config's activation, offset and clamp; MoKMoELayer's is plain
+    SwiGLU: a standalone layer would compute another function there. Without a shared expert the same
+    activation translates (the routed experts have it)."""
+    cfg = _cfg(moe_shared_expert_intermediate_size=IS, **activation)
+    mg.check_config(cfg)          # MoKMegatronMoELayer keeps Megatron's own shared expert
+    with pytest.raises(mg.MegatronConfigError, match="shared expert.*clamp"):
+        mg.mok_layer_kwargs(cfg)
+    kw = mg.mok_layer_kwargs(_cfg(**activation))
+    assert kw["swiglu_limit"] == 7.0 and "shared_intermediate_size" not in kw
 
 
 @pytest.mark.parametrize("change, message", [
