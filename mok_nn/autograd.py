@@ -92,10 +92,12 @@ class MoKFunction(torch.autograd.Function):
 
     With MoKConfig.macrobatch_size set and more tokens than that, the tokens run in passes of that
     many (macrobatch_passes), forward and backward, so the per-pass buffers (the EP workspace, the
-    rows of one pass) are sized by the pass: y, d x and d topk-weights equal the one-pass result
-    bitwise (every token's rows are computed alike); the parameter gradients are the sum over the
-    passes in pass order, each pass's added in the parameters' dtype (the CUDA weight-gradient kernel
-    adds in its stores).
+    rows of one pass) are sized by the pass. y, d x and d topk-weights are bitwise those of separate
+    calls on each pass's tokens, concatenated; on the CUDA path they also equal the one-pass result
+    bitwise (every token's rows are computed alike), on the reference path only within rounding (BLAS
+    may round a row differently for another row count; tests/test_macrobatch.py). The parameter
+    gradients are the sum over the passes in pass order, each pass's added in the parameters' dtype
+    (the CUDA weight-gradient kernel adds in its stores).
     """
 
     @staticmethod
