@@ -682,8 +682,11 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ids: t
     # The same bits from each (kernels/combine.py); call by call on H200 (docs/kernels.md, v148-v149): top-2
     # (mixtral) 0.091 ms with the kernel compiled for two slots, 0.102 staged, 0.117 plain; top-8 staged
     # qwen3 0.097 vs 0.104, deepseek-v3 0.288 vs 0.308.
+    # MOK_COMBINE=plain: mok_combine everywhere (the kernel before the fourteenth session; for side-by-side runs)
     k = pos.shape[1]
     name = "mok_combine_k2" if k == 2 else "mok_combine_cp" if k <= COMBINE_STAGED_ENTRIES else "mok_combine"
+    if env_choice("MOK_COMBINE", ("auto", "plain"), "auto") == "plain":
+        name = "mok_combine"
     _lib().launch(name, rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
                   stream=_stream())
     return out
