@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 
 import torch
 from torch import nn
@@ -103,8 +104,28 @@ def _require(condition: bool, message: str, exc=ValueError) -> None:
         raise exc(message)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _as_int(name: str, value, minimum: int, hint: str = "") -> int:
+    """An integral number (int, numpy integer: anything with __index__, bools excluded) >= minimum, as int."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        result = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int{hint}, got {value!r} ({type(value).__name__})") from None
+    bound = "positive" if minimum == 1 else f">= {minimum}"
+    _require(result >= minimum, f"{name} must be {bound}{hint}, got {result}")
+    return result
+
+
+def _as_bool(name: str, value) -> bool:
+    """A bool (or numpy bool); other truthy values ("no", 1, None) are rejected, not guessed."""
+    t = type(value)
+    if isinstance(value, bool) or (t.__module__ == "numpy" and t.__name__ in ("bool_", "bool")):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r} ({t.__name__})")
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class MoKMoELayer(nn.Module):
@@ -148,29 +169,43 @@ class MoKMoELayer(nn.Module):
         z_loss_coef: float = 0.0,
     ):
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
-                            ("num_experts", num_experts), ("top_k", top_k)):
-            _require(_is_int(value) and value > 0, f"{name} must be a positive int, got {value!r}")
+        hidden_size = _as_int("hidden_size", hidden_size, 1)
+        intermediate_size = _as_int("intermediate_size", intermediate_size, 1)
+        num_experts = _as_int("num_experts", num_experts, 1)
+        top_k = _as_int("top_k", top_k, 1)
+        shared_intermediate_size = _as_int("shared_intermediate_size", shared_intermediate_size, 0,
+                                           " (0 for no shared expert)")
+        norm_topk_prob = _as_bool("norm_topk_prob", norm_topk_prob)
+        use_expert_bias = _as_bool("use_expert_bias", use_expert_bias)
+        shared_expert_gate = _as_bool("shared_expert_gate", shared_expert_gate)
+        expert_proj_bias = _as_bool("expert_proj_bias", expert_proj_bias)
+        router_bias = _as_bool("router_bias", router_bias)
+        if isinstance(routed_scaling_factor, (bool, str, bytes)):
+            raise TypeError(f"routed_scaling_factor must be a number, got {routed_scaling_factor!r}")
+        try:
+            routed_scaling_factor = float(routed_scaling_factor)
+        except (TypeError, ValueError):
+            raise TypeError(f"routed_scaling_factor must be a number, got {routed_scaling_factor!r}") from None
+        _require(math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0,
+                 f"routed_scaling_factor must be a finite positive number, got {routed_scaling_factor}")
         _require(top_k <= num_experts, f"top_k ({top_k}) must be <= num_experts ({num_experts})")
         _require(score_func in routing.SCORE_FUNCS, f"score_func must be one of {routing.SCORE_FUNCS}, got {score_func!r}")
         _require(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         _require((n_group is None) == (topk_group is None), "n_group and topk_group must be given together")
         if n_group is not None:
-            _require(_is_int(n_group) and _is_int(topk_group),
-                     f"n_group ({n_group!r}) and topk_group ({topk_group!r}) must be ints")
+            n_group, topk_group = _as_int("n_group", n_group, 1), _as_int("topk_group", topk_group, 1)
             _require(n_group > 0 and num_experts % n_group == 0,
                      f"num_experts ({num_experts}) must be divisible by n_group ({n_group})")
             _require(0 < topk_group <= n_group, f"topk_group ({topk_group}) must be in [1, n_group={n_group}]")
             _require(top_k <= topk_group * (num_experts // n_group),
                      f"top_k ({top_k}) exceeds the experts in topk_group={topk_group} groups")
         _require(swiglu_limit is None or swiglu_limit > 0, f"swiglu_limit must be positive, got {swiglu_limit}")
-        _require(shared_intermediate_size >= 0, "shared_intermediate_size must be >= 0")
         _require(not shared_expert_gate or shared_intermediate_size > 0,
                  "shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
         _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
         _require(backend in BACKENDS, f"backend must be one of {BACKENDS}, got {backend!r}")
-        _require(isinstance(dtype, torch.dtype) and dtype.is_floating_point,
-                 f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        _require(isinstance(dtype, torch.dtype) and dtype in DTYPES,
+                 f"dtype must be a torch.dtype among {', '.join(str(d) for d in DTYPES)}, got {dtype!r}")
         if precision == "mxfp8":
             _require(hidden_size % 32 == 0 and intermediate_size % 32 == 0,
                      f"precision='mxfp8' needs hidden_size ({hidden_size}) and intermediate_size "

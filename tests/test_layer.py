@@ -440,6 +440,61 @@ def test_non_int_sizes_rejected_at_construction(kw, word):
         MoKMoELayer(**args)
 
 
+@pytest.mark.parametrize("kw,exc,word", [
+    (dict(shared_intermediate_size=1.5), TypeError, "shared_intermediate_size"),
+    (dict(shared_intermediate_size=None), TypeError, "shared_intermediate_size"),
+    (dict(shared_intermediate_size=-4), ValueError, "shared_intermediate_size"),
+    (dict(routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=0.0), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=-2.5), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor"),
+    (dict(routed_scaling_factor="2.5"), TypeError, "routed_scaling_factor"),
+    (dict(norm_topk_prob="no"), TypeError, "norm_topk_prob"),
+    (dict(norm_topk_prob=None), TypeError, "norm_topk_prob"),
+    (dict(norm_topk_prob=1), TypeError, "norm_topk_prob"),
+    (dict(shared_intermediate_size=8, shared_expert_gate="no"), TypeError, "shared_expert_gate"),
+    (dict(use_expert_bias="yes"), TypeError, "use_expert_bias"),
+    (dict(expert_proj_bias=0), TypeError, "expert_proj_bias"),
+    (dict(router_bias="False"), TypeError, "router_bias"),
+    (dict(hidden_size=32.0), TypeError, "hidden_size"),
+    (dict(dtype=torch.float8_e4m3fn), ValueError, "dtype"),
+    (dict(dtype=torch.float8_e5m2), ValueError, "dtype"),
+    (dict(dtype=torch.complex64), ValueError, "dtype"),
+])
+def test_bad_constructor_arguments_name_the_argument(kw, exc, word):
+    """Each bad argument raises at construction, naming it, instead of failing deep inside
+    (shared_intermediate_size, float8 dtypes) or being accepted (non-positive or NaN scaling,
+    truthy non-bools)."""
+    from mok_nn import MoKMoELayer
+
+    args = dict(hidden_size=H, intermediate_size=8, num_experts=E, top_k=2, backend="reference",
+                dtype=torch.float32)
+    args.update(kw)
+    with pytest.raises(exc, match=word):
+        MoKMoELayer(**args)
+
+
+def test_numpy_integers_and_floats_are_accepted():
+    """Integral numbers (operator.index: numpy integers) are sizes like ints; the layer built from
+    them is the one built from Python numbers (same parameters and outputs), its sizes plain ints."""
+    import numpy as np
+
+    opts = dict(score_func="sigmoid", norm_topk_prob=np.bool_(True), shared_intermediate_size=np.int32(8),
+                shared_expert_gate=True, use_expert_bias=True)
+    plain = dict(opts, norm_topk_prob=True, shared_intermediate_size=8)
+    a = make_layer(opts, dtype=torch.float32, seed=5, hidden=np.int64(H), inter=np.int64(8), experts=np.int16(E),
+                   top_k=np.int64(2), n_group=np.int64(2), topk_group=np.int8(1), routed_scaling_factor=np.float32(2.5))
+    b = make_layer(plain, dtype=torch.float32, seed=5, hidden=H, inter=8, experts=E, top_k=2, n_group=2,
+                   topk_group=1, routed_scaling_factor=2.5)
+    for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
+        assert type(getattr(a, name)) is int and getattr(a, name) == getattr(b, name), name
+    assert a.norm_topk_prob is True and a.routed_scaling_factor == 2.5
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    x = random_x((T, H), torch.float32, 6)
+    assert torch.equal(a(x), b(x))
+
+
 def test_mxfp8_with_a_non_dtype_names_the_dtype_problem():
     from mok_nn import MoKMoELayer
 
