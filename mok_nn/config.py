@@ -20,9 +20,10 @@ class MoKConfig:
         parallelism); the rest run the grouped GEMMs. 0 is allowed only
         without expert parallelism.
     minibatch_size: tokens per readiness unit; sets the granularity at which
-        communication and compute overlap.
+        communication and compute overlap (not read yet, see below).
     macrobatch_size: tokens processed per kernel pass; bounds workspace memory.
-        None means all tokens in one pass.
+        None means all tokens in one pass. Independent of minibatch_size (which
+        is not read), so it may be smaller, e.g. MoKConfig(macrobatch_size=512).
     schedule_capacity_multiplier: capacity of each rank's expert buffers as a
         multiple of the balanced load (tokens * top_k / ep_size, padded); a
         routing that overflows it is reported as an error, never truncated.
@@ -66,11 +67,6 @@ class MoKConfig:
                 raise TypeError("MoKConfig.macrobatch_size must be an int or None")
             if self.macrobatch_size <= 0:
                 raise ValueError(f"MoKConfig.macrobatch_size must be positive, got {self.macrobatch_size}")
-            if self.macrobatch_size < self.minibatch_size:
-                raise ValueError(
-                    f"MoKConfig.macrobatch_size ({self.macrobatch_size}) must be >= "
-                    f"minibatch_size ({self.minibatch_size})"
-                )
         mult = self.schedule_capacity_multiplier
         if isinstance(mult, bool) or not isinstance(mult, (int, float)):
             raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number")

@@ -160,6 +160,28 @@ def test_default_config_is_valid():
     MoKConfig()
 
 
+def test_macrobatch_below_the_default_minibatch_is_accepted():
+    """minibatch_size is not read anywhere (MoKConfig docstring), so it does not bound macrobatch_size:
+    MoKConfig(macrobatch_size=4) with the default minibatch_size runs passes of 4 tokens exactly as with
+    minibatch_size=1 (bitwise), close to the float64 oracle."""
+    from helpers import assert_close, layer_forward_backward, oracle_forward_backward
+    from mok_nn import MoKConfig
+
+    assert MoKConfig(macrobatch_size=512).minibatch_size == 1024
+    cfg = MoKConfig(macrobatch_size=4)
+    layer = _layer(torch.float64, config=cfg)
+    ref = _layer(torch.float64, config=MoKConfig(minibatch_size=1, macrobatch_size=4))
+    x, dy = random_x((11, H), torch.float64, 3), random_x((11, H), torch.float64, 4)
+    y, grads = layer_forward_backward(layer, x, dy)
+    y_ref, grads_ref = layer_forward_backward(ref, x, dy)
+    assert torch.equal(y, y_ref) and grads.keys() == grads_ref.keys()
+    assert all(torch.equal(grads[k], grads_ref[k]) for k in grads)
+    res, grads_or = oracle_forward_backward(layer, OPTS, x, dy)
+    assert_close(y, res.y, 1e-12, "y")
+    for k in grads:
+        assert_close(grads[k], grads_or[k], 1e-12, k)
+
+
 @pytest.mark.parametrize("field", ["fwd_num_comm_sms", "bwd_num_comm_sms"])
 def test_zero_comm_sms_only_without_expert_parallelism(field, monkeypatch):
     """MoKConfig: 0 communication SMs is allowed only without expert parallelism."""
