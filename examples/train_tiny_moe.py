@@ -75,10 +75,18 @@ def make_batch(generator, batch, half, vocab, device):
     return seq.to(device)
 
 
+def _on_tty() -> bool:
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
+
+
 def progress(step, steps, loss, tok_per_s, width=30):
+    """On a terminal one bar redrawn in place (carriage return); elsewhere (a log file, a pipe) a line
+    per update."""
     filled = int(width * step / steps)
     bar = "#" * filled + "." * (width - filled)
-    sys.stdout.write(f"\r  [{bar}] step {step:4d}/{steps}  loss {loss:.4f}  {tok_per_s:8.0f} tok/s")
+    line = f"  [{bar}] step {step:4d}/{steps}  loss {loss:.4f}  {tok_per_s:8.0f} tok/s"
+    sys.stdout.write("\r" + line if _on_tty() else line + "\n")
     sys.stdout.flush()
 
 
@@ -104,8 +112,8 @@ def train(args, device, verbose=True):
         tokens_seen += seq.numel()
         if verbose and (step % 5 == 0 or step == args.steps):
             progress(step, args.steps, sum(losses[-5:]) / len(losses[-5:]), tokens_seen / (time.perf_counter() - start))
-    if verbose:
-        sys.stdout.write("\n")
+    if verbose and _on_tty():
+        sys.stdout.write("\n")  # end the redrawn bar's line
     return losses, tokens_seen / (time.perf_counter() - start)
 
 
