@@ -656,7 +656,8 @@ def _on_sms(spec: KernelSpec, sms: int) -> KernelSpec:
     return dataclasses.replace(spec, name=f"{spec.name}_sm{sms}", factory_kwargs=spec.factory_kwargs + (("num_sms", sms),))
 
 
-SPECS += tuple(_on_sms(s, 66) for s in SPECS if s.name in ("mok_gemm_bn_ef", "mok_gemm_wgrad_defer_c2", "mok_gemm_wgrad_pp"))
+SPECS += tuple(_on_sms(s, 66) for s in SPECS if s.name in (
+    "mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_wgrad_defer_c2", "mok_gemm_wgrad_pp"))
 SPECS_BY_NAME = {s.name: s for s in SPECS}
 WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
 # accumulating twins (C += A^T B): WGRAD_ACC_KERNELS[name] adds where `name` writes

@@ -57,10 +57,22 @@ def wgu(suffix=""):
     return wgrad(wgu_name + suffix, dgu, x_rows)
 
 
+print(f"  CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}", flush=True)
+
+
+def bits(t):
+    return t.view(torch.int16).clone()
+
+
 for label, fn in (("dgrad", dgrad), ("d down", wd), ("d gate_up", wgu)):
     full = median_ms_queued(fn, 10)
     half = median_ms_queued(lambda: fn("_sm66"), 10)
-    print(f"  {label:10s} 132 SMs {full:7.3f} ms   66 SMs {half:7.3f} ms   ({half / full:.2f}x)", flush=True)
+    a = fn()
+    a = bits(dx if a is None else a)
+    b = fn("_sm66")
+    b = bits(dx if b is None else b)
+    print(f"  {label:10s} 132 SMs {full:7.3f} ms   66 SMs {half:7.3f} ms   ({half / full:.2f}x)  same bits: "
+          f"{torch.equal(a, b)}", flush=True)
 
 
 def sequential():
@@ -92,5 +104,17 @@ torch.cuda.synchronize()
 dx.fill_(float("nan"))
 got = side_by_side()
 torch.cuda.synchronize()
-same = all(torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(want, (dx, *got)))
-print(f"  same bits: {same}", flush=True)
+same = [torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(want, (dx, *got))]
+print(f"  same bits (dx, d down, d gate_up): {same}", flush=True)
+# the side stream's kernels alone, while the main stream idles: do two streams overlap here at all?
+main = torch.cuda.current_stream()
+t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+side.wait_stream(main)
+t0.record()
+dgrad("_sm66")
+with torch.cuda.stream(side):
+    wd("_sm66")
+main.wait_stream(side)
+t1.record()
+torch.cuda.synchronize()
+print(f"  dgrad_sm66 beside d down_sm66 once: {t0.elapsed_time(t1):7.3f} ms", flush=True)
