@@ -649,15 +649,6 @@ SPECS = (
     _ep_schedule_outputs_spec(),  # mok_ep_schedule_outputs: make_ep_schedule's derived outputs, one launch
 )
 
-
-def _on_sms(spec: KernelSpec, sms: int) -> KernelSpec:
-    # an experiment's variant: the persistent grid sized for `sms` SMs (tests/gpu/diag_backward_split.py: two
-    # independent GEMMs of the backward side by side, each on half the SMs)
-    return dataclasses.replace(spec, name=f"{spec.name}_sm{sms}", factory_kwargs=spec.factory_kwargs + (("num_sms", sms),))
-
-
-SPECS += tuple(_on_sms(s, 66) for s in SPECS if s.name in (
-    "mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_wgrad_defer_c2", "mok_gemm_wgrad_pp"))
 SPECS_BY_NAME = {s.name: s for s in SPECS}
 WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
 # accumulating twins (C += A^T B): WGRAD_ACC_KERNELS[name] adds where `name` writes
