@@ -4,7 +4,8 @@
         python tests/gpu/ncu_gemm.py deepseek-v3 gate_up
 
 gemm: gate_up (x_rows @ W13^T), gate_up_act (the same with the activation in its epilogue, cb.gate_up_act),
-down (h @ W2^T), dgrad_gu (dgu @ W13). MOK_GEMM_EPI / MOK_GEMM_PINGPONG pick the variant as in the layer.
+down (h @ W2^T), dgrad_gu (dgu @ W13), dact (the dgrad of down with the activation
+backward, cb.dgrad_down_act). MOK_GEMM_EPI / MOK_GEMM_PINGPONG pick the variant as in the layer.
 Three launches: two to warm up, one to profile.
 """
 import sys
@@ -25,6 +26,14 @@ if gemm == "gate_up_act":
         cb.gate_up_act(rows, W13, sched, "swiglu", None)
     torch.cuda.synchronize()
     raise SystemExit(print(f"{shape} gate_up_act: rows {rows.shape[0]}, done"))
+if gemm == "dact":  # the dgrad of down with the activation backward (fused where the layer fuses it)
+    gu = torch.randn(rows.shape[0], W13.shape[1], device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(rows.shape[0], W2.shape[1], device="cuda", dtype=torch.bfloat16)
+    w_rows = torch.rand(rows.shape[0], device="cuda")
+    for _ in range(3):
+        cb.dgrad_down_act(dy, W2, gu, w_rows, sched, "swiglu", None)
+    torch.cuda.synchronize()
+    raise SystemExit(print(f"{shape} dact: rows {rows.shape[0]}, done"))
 if gemm == "gate_up":
     a, w, transpose = rows, W13, False
 elif gemm == "down":
