@@ -18,6 +18,7 @@ from mok_nn import cuda_backend as cb
 from mok_nn import cuda_ep, reference
 from mok_nn.config import MoKConfig
 from mok_nn.functional import ExpertParams
+from mok_nn.kernels import loader
 
 
 class _ThreadBuffers(cuda_ep.SymmBuffers):
@@ -40,12 +41,29 @@ def patch_cpu_kernels(monkeypatch):
     monkeypatch.setattr(cuda_ep, "_record_errors", lambda ws, flags, what: ws.ep_state["seen"].append(flags))
 
 
+class SpecChecked:
+    """A CPU stub library whose every launch is first checked against the kernel's registry spec
+    (loader.check_launch_args: argument count, dtypes, ranks, fixed extents and strides, alignment, scalar
+    kinds), as the real library's launch checks them, so the host wiring cannot pass the stub what the
+    kernel would reject."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def launch(self, name, *args, stream):
+        loader.check_launch_args(name, args, on_device=False)
+        return self.lib.launch(name, *args, stream=stream)
+
+    def __getattr__(self, attr):
+        return getattr(self.lib, attr)
+
+
 def install_stub_library(monkeypatch, lib, on_buffers):
     """patch_cpu_kernels, plus `lib` (a stub carrying out some kernels' contracts on CPU tensors) as
     the kernel library; on_buffers(bufs) runs for every new symmetric buffer (to register its sections
     with the stub by address)."""
     patch_cpu_kernels(monkeypatch)
-    monkeypatch.setattr(cb, "_lib", lambda: lib)
+    monkeypatch.setattr(cb, "_lib", lambda: SpecChecked(lib))
     monkeypatch.setattr(cb, "_stream", lambda: 0)
     real_init = cuda_ep.SymmBuffers.__init__
 

@@ -14,6 +14,7 @@ from mok_nn import cuda_backend as cb
 from mok_nn import reference
 from mok_nn.kernels import registry
 
+from test_cuda_ep_simulated import SpecChecked
 from test_gather_wiring import _FakeLib, _gemm, random_problem
 
 
@@ -62,7 +63,7 @@ class _DactLib(_FakeLib):
 def dact_lib(monkeypatch):
     def make(activation):
         lib = _DactLib(activation)
-        monkeypatch.setattr(cb, "_lib", lambda: lib)
+        monkeypatch.setattr(cb, "_lib", lambda: SpecChecked(lib))
         return lib
 
     monkeypatch.setattr(cb, "_stream", lambda: 0)

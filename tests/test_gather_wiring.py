@@ -14,6 +14,8 @@ from mok_nn import cuda_backend as cb
 from mok_nn import reference
 from mok_nn.kernels import registry
 
+from test_cuda_ep_simulated import SpecChecked
+
 _DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
@@ -69,7 +71,7 @@ def random_problem(T, H, I, E, K, bias, seed):
 @pytest.fixture
 def fake_lib(monkeypatch):
     lib = _FakeLib()
-    monkeypatch.setattr(cb, "_lib", lambda: lib)
+    monkeypatch.setattr(cb, "_lib", lambda: SpecChecked(lib))
     monkeypatch.setattr(cb, "_stream", lambda: 0)
     monkeypatch.setattr(cb, "check_supported", lambda *a: None)
     monkeypatch.setattr(cb, "combine", cb.combine_torch)

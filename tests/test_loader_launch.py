@@ -290,3 +290,35 @@ def test_ctypes_path_by_environment(monkeypatch):
     lib._fns["mok_combine"] = lambda p: seen.append(p) or 0
     lib.launch("mok_combine", *rand_args(registry.SPECS_BY_NAME["mok_combine"], random.Random(0)), stream=0)
     assert isinstance(seen[0], ctypes.Array)
+
+
+def test_check_launch_args_for_cpu_stubs():
+    """loader.check_launch_args (what the tests' CPU stub libraries apply to every launch): real CPU tensors that
+    fit mok_combine's spec pass; a wrong dtype, rank, count, misaligned view, non-int scalar or an int32 out of
+    range raise, as the real launch would reject them (it also asks for CUDA tensors unless on_device=False)."""
+    T, k, H, R = 5, 2, 16, 12
+    rows = torch.randn(R, H).bfloat16()
+    pos = torch.randint(0, R, (T, k))
+    w = torch.rand(T, k)
+    ids = torch.randint(0, 8, (T, k))
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    good = [rows, pos, w, ids, out, 1]
+    loader.check_launch_args("mok_combine", good, on_device=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        loader.check_launch_args("mok_combine", good)
+    bad_cases = [
+        (1, pos.int(), TypeError, "dtype"),
+        (2, w.unsqueeze(0), ValueError, "dims"),
+        (0, torch.randn(R * H + 8).bfloat16()[1:1 + R * H].view(R, H), ValueError, "aligned"),
+        (5, 1.5, TypeError, "int32"),
+        (5, 2**31, TypeError, "int32"),
+        (5, True, TypeError, "int32"),
+        (4, out.float().numpy(), TypeError, "tensor"),
+    ]
+    for i, value, err, what in bad_cases:
+        args = list(good)
+        args[i] = value
+        with pytest.raises(err, match=what):
+            loader.check_launch_args("mok_combine", args, on_device=False)
+    with pytest.raises(TypeError, match="arguments"):
+        loader.check_launch_args("mok_combine", good[:-1], on_device=False)

@@ -150,9 +150,10 @@ def _to_ctypes(a, t, kname: str):
     return _struct_type(len(shapes), len(strides))(t.data_ptr(), tuple(shapes), tuple(strides))
 
 
-def check_tensor(a, t, kname: str) -> None:
+def check_tensor(a, t, kname: str, on_device: bool = True) -> None:
     """Raise if tensor t does not fit TensorArg a. Reads t's dtype, dim (= len(shape)), is_cuda,
-    data_ptr % a.align, shape and stride only: _Plan caches the outcome under these."""
+    data_ptr % a.align, shape and stride only: _Plan caches the outcome under these.
+    on_device=False: a CPU tensor is accepted (check_launch_args for the tests' stub libraries)."""
     import torch
 
     want = getattr(torch, _TORCH_DTYPES[a.dtype])
@@ -160,7 +161,7 @@ def check_tensor(a, t, kname: str) -> None:
         raise TypeError(f"{kname}.{a.name}: dtype {t.dtype}, expected {want}")
     if t.dim() != len(a.shape):
         raise ValueError(f"{kname}.{a.name}: {t.dim()} dims, expected {len(a.shape)}")
-    if not t.is_cuda:
+    if on_device and not t.is_cuda:
         raise ValueError(f"{kname}.{a.name}: must be a CUDA tensor")
     if t.data_ptr() % a.align:
         raise ValueError(f"{kname}.{a.name}: data pointer not {a.align}-byte aligned")
@@ -174,6 +175,27 @@ def check_tensor(a, t, kname: str) -> None:
             raise ValueError(f"{kname}.{a.name}: stride {stride[i]} of mode {i} not a multiple of {a.stride_divisibility}")
         if a.divisibility and s == registry.DYN and size[i] % a.divisibility[i]:
             raise ValueError(f"{kname}.{a.name}: extent {size[i]} of mode {i} not a multiple of {a.divisibility[i]}")
+
+
+def check_launch_args(name: str, args, on_device: bool = True) -> None:
+    """Raise if args do not fit kernel `name`'s spec: the count, each tensor as check_tensor checks it, each
+    scalar a Python number of its kind (an i32 in range). What a launch's arguments must satisfy, for the
+    CPU stand-ins of the library in the tests (on_device=False), so that they reject what the real one would."""
+    import torch
+
+    spec = registry.SPECS_BY_NAME[name]
+    if len(args) != len(spec.args):
+        raise TypeError(f"{name} takes {len(spec.args)} arguments, got {len(args)}")
+    for a, v in zip(spec.args, args):
+        if isinstance(a, registry.TensorArg):
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"{name}.{a.name}: a tensor, got {type(v).__name__}")
+            check_tensor(a, v, name, on_device)
+        elif a.dtype == "i32":
+            if isinstance(v, bool) or not isinstance(v, int) or not -(2**31) <= v < 2**31:
+                raise TypeError(f"{name}.{a.name}: an int32, got {v!r}")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{name}.{a.name}: a float, got {v!r}")
 
 
 _STRUCTS: dict = {}
