@@ -33,6 +33,8 @@ def lib():
 
 MODES = {  # MOK_EP_PULL / MOK_EP_DY_ROWS / MOK_EP_SAVE_X_ROWS (cuda_ep.token_rows_mode, dy_rows_mode)
     "needed/pull": ("needed", "pull", "1"),
+    "all/push": ("all", "push", "1"),
+    "copy_engine/pull": ("copy_engine", "pull", "1"),
     "push/push": ("push", "push", "1"),
     "scatter/scatter": ("scatter", "scatter", "1"),
     "scatter/scatter/no x rows": ("scatter", "scatter", "0"),
@@ -115,8 +117,19 @@ def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I,
     monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x)
     # the schedule eagerly: a CUDA graph captured by one thread while another issues work would be invalidated
     monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "0")
+    scatters = []  # the gathers that read the peers' own sections (mok_scatter_rows_peers)
+    real_scatter = cuda_ep.scatter_from_ranks
+
+    def counting_scatter(bufs, eps, section, *a, **kw):
+        scatters.append(section)  # (list.append: atomic under the GIL)
+        return real_scatter(bufs, eps, section, *a, **kw)
+
+    monkeypatch.setattr(cuda_ep, "scatter_from_ranks", counting_scatter)
     W13, W2, xs, dys, ids, ws_ = _inputs(tokens, H, I, E, K, seed=len(mode) + K)
-    got = _simulated_ep(W13, W2, xs, dys, ids, ws_)
+    got = _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=2)
+    # per rank and step: x rows in the forward (scatter), d y rows (and x rows again without saved ones) in the backward
+    want = (pull == "scatter") + (dy_rows == "scatter") * (1 + (save_x == "0"))
+    assert len(scatters) == P * 2 * want, (mode, scatters)
 
     x, dy, topk_ids, topk_w = torch.cat(xs), torch.cat(dys), torch.cat(ids), torch.cat(ws_)
     y1, saved1 = cb.experts_forward(x, topk_ids, topk_w, W13, W2)
