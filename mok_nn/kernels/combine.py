@@ -19,8 +19,10 @@ leaf, so the result never depends on timing either.
 
 Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte loads; lane j of every
 warp loads slot j's row index, leaf and weight once and the loop over j takes them by shuffle, so
-no index load sits in the column loop; top_k <= 32; Combine(top_k=2), `mok_combine_k2`, is the same
-for exactly two slots per token, with four column chunks' loads in flight per thread instead of two):
+no index load sits in the column loop; top_k <= 32. Three forms of Combine's loop, the same additions in
+the same order: `mok_combine` one column chunk at a time; `mok_combine_k2`, Combine(top_k=2), compiled for
+two slots per token, four chunks' loads in flight per thread instead of two; `mok_combine_cp`,
+Combine(staged=True), top_k <= 16, the loads staged in shared memory by cp.async):
   Combine       the whole tree on one GPU: the forward combine (rows = down-projection outputs,
                 w = top-k weights) and the backward's reverse combine into d x (w = 1); also the
                 source side of the EP path that pushes one row per slot
@@ -157,8 +159,6 @@ def _sum_chunks(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cut
             _tree(acc, mask)
             res.store(acc[(None, 0)].load().to(res.element_type))
             cute.autovec_copy(res, out_v[(None, cu)])
-
-
 
 
 @cute.jit
