@@ -93,6 +93,8 @@ def get_workspace(
     if backend == "cuda" and precision != "bf16":
         raise ValueError(f"precision={precision!r} has no CUDA kernels yet; use backend='reference'")
     config = config if config is not None else _DEFAULT_CONFIG
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config must be a MoKConfig or None, got {type(config).__name__}")
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:<current>" are one workspace
         device = torch.device("cuda", torch.cuda.current_device())
@@ -102,12 +104,30 @@ def get_workspace(
            activation, swiglu_limit, config, precision)
     ws = _WORKSPACES.get(key)
     if ws is None:
+        _check_workspace_args(hidden_size, intermediate_size, num_experts, top_k, dtype, activation, swiglu_limit)
         ws = Workspace(hidden_size, intermediate_size, num_experts, top_k, ep_group, device, dtype, backend,
                        activation, swiglu_limit, config, precision)
         if backend == "cuda":
             _cuda_backend().init_workspace(ws)
         _WORKSPACES[key] = ws
     return ws
+
+
+def _check_workspace_args(hidden_size, intermediate_size, num_experts, top_k, dtype, activation, swiglu_limit):
+    """get_workspace's sizes and settings (checked when a workspace is made; a cached one passed already)."""
+    for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                    ("num_experts", num_experts), ("top_k", top_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}) must be at most num_experts ({num_experts})")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
+                                     or not swiglu_limit > 0):
+        raise ValueError(f"swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
 
 
 def release_workspaces(ep_group=None) -> int:
@@ -130,8 +150,21 @@ def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor
     return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group)
 
 
+def _check_against_workspace(x, topk_ids, params: ExpertParams, ws: Workspace) -> None:
+    """The tensors' sizes against the workspace's (shapes only, no values read): a workspace made for other
+    sizes would otherwise compute something else without a word (e.g. with fewer experts, ids wrap)."""
+    w13 = params.gate_up_proj
+    if (w13.dim() != 3 or w13.shape[0] * ws.ep_size != ws.num_experts or w13.shape[1] != 2 * ws.intermediate_size
+            or w13.shape[2] != ws.hidden_size or x.shape[-1] != ws.hidden_size or topk_ids.shape[-1] != ws.top_k):
+        raise ValueError(
+            f"mok_nn.functional: the workspace is for hidden_size={ws.hidden_size}, intermediate_size="
+            f"{ws.intermediate_size}, num_experts={ws.num_experts} over {ws.ep_size} rank(s), top_k={ws.top_k}; got x "
+            f"{tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, gate_up_proj {tuple(w13.shape)} (local experts)")
+
+
 def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace: Workspace):
     """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward)."""
+    _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
         return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
     return reference.experts_forward(

@@ -12,6 +12,13 @@ backward registered, so autograd works through `routed_experts`.
 backward op rebuilds the schedule from topk_ids (a pure function of the
 routing) and re-gathers the rows of x instead of saving them, so only tensors
 cross the op boundary.
+
+routed_experts checks the arguments' shapes, dtypes and devices first
+(check_expert_args: no values are read, so nothing waits for the GPU). Expert
+ids outside [0, E): the reference backend raises ValueError; the CUDA backend
+does not look at them (that would be a host synchronisation per call), so
+they are the caller's to avoid there, as in the layer, whose router only
+gives valid ids.
 """
 
 from __future__ import annotations
@@ -45,6 +52,51 @@ def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation) -
     if backend == "cuda":
         raise RuntimeError(f"mok_nn.ops backend='cuda' cannot run: {why}")
     return "reference"
+
+
+def check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
+                      activation="swiglu", swiglu_limit=None) -> None:
+    """Raise ValueError / TypeError naming the argument where the shapes, dtypes or devices do not fit
+    y = routed_experts(x [T, H], topk_ids [T, k] int64, topk_weights [T, k], gate_up_proj [E, 2I, H],
+    down_proj [E, H, I], gate_up_bias [E, 2I], down_bias [E, H]). Shapes only: no values are read (no host
+    synchronisation), so ids outside [0, E) are the caller's to avoid (the reference backend checks them)."""
+    def need(ok, msg, exc=ValueError):
+        if not ok:
+            raise exc(f"mok_nn.ops.routed_experts: {msg}")
+
+    tensors = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "gate_up_proj": gate_up_proj,
+               "down_proj": down_proj, "gate_up_bias": gate_up_bias, "down_bias": down_bias}
+    for name, t in tensors.items():
+        need(t is None and "bias" in name or isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}",
+             TypeError)
+    need(activation in reference.ACTIVATIONS, f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    need(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and not isinstance(swiglu_limit, bool)
+                                  and swiglu_limit > 0), f"swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
+    need(x.dim() == 2, f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    need(topk_ids.dtype == torch.int64, f"topk_ids must be int64, got {topk_ids.dtype}", TypeError)
+    need(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
+         f"topk_ids must be [{x.shape[0]}, top_k] like x's tokens, got shape {tuple(topk_ids.shape)}")
+    need(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+         f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    need(topk_weights.is_floating_point(), f"topk_weights must be floating point, got {topk_weights.dtype}", TypeError)
+    need(gate_up_proj.dim() == 3 and down_proj.dim() == 3,
+         f"gate_up_proj and down_proj must be [experts, 2I, H] and [experts, H, I], got {tuple(gate_up_proj.shape)} "
+         f"and {tuple(down_proj.shape)}")
+    E, two_i, H = gate_up_proj.shape
+    need(two_i % 2 == 0 and tuple(down_proj.shape) == (E, H, two_i // 2),
+         f"down_proj must be [{E}, {H}, {two_i // 2}] for gate_up_proj {tuple(gate_up_proj.shape)}, got "
+         f"{tuple(down_proj.shape)}")
+    need(x.shape[1] == H, f"x has hidden size {x.shape[1]}, the experts {H}")
+    need(gate_up_bias is None or tuple(gate_up_bias.shape) == (E, two_i),
+         f"gate_up_bias must be [{E}, {two_i}], got {None if gate_up_bias is None else tuple(gate_up_bias.shape)}")
+    need(down_bias is None or tuple(down_bias.shape) == (E, H),
+         f"down_bias must be [{E}, {H}], got {None if down_bias is None else tuple(down_bias.shape)}")
+    floats = [t for t in (x, gate_up_proj, down_proj, gate_up_bias, down_bias) if t is not None]
+    need(all(t.dtype == x.dtype for t in floats),
+         f"x, the expert weights and biases must share one dtype, got {sorted({str(t.dtype) for t in floats})}",
+         TypeError)
+    need(all(t.device == x.device for t in (topk_ids, topk_weights, *floats)),
+         "every tensor must be on x's device")
 
 
 def _saved_rows(backend, num_tokens, top_k, num_experts) -> int:
@@ -110,10 +162,12 @@ def _or_empty(t, like):
 @routed_experts_bwd.register_fake
 def _(grad_y, x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
       activation, swiglu_limit, backend):
+    # contiguous, as both backends return them (empty_like would keep a non-contiguous input's strides: the fake
+    # then disagreed with the real op, and inductor asserted on the strides)
     def like(t):
-        return x.new_empty(0) if t is None else torch.empty_like(t)
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)
 
-    return (torch.empty_like(x), torch.empty_like(topk_weights), like(gate_up_proj), like(down_proj),
+    return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), like(gate_up_proj), like(down_proj),
             like(gate_up_bias), like(down_bias))
 
 
@@ -147,6 +201,8 @@ def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_b
     An explicit backend is not re-checked while compiling; the op raises at run time if the
     kernels cannot run.
     """
+    check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+                      swiglu_limit)
     if not (torch.compiler.is_compiling() and backend in ("cuda", "reference")):
         backend = resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation)
     return routed_experts_fwd(

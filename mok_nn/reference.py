@@ -289,6 +289,11 @@ def build_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, group) -> Disp
     flat = topk_ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     sorted_ids = flat[order]
+    # (this path reads the counts back to the host below anyway; an id outside [0, E) would otherwise wrap to
+    # another rank's or expert's rows without a word)
+    if sorted_ids.numel() and not 0 <= int(sorted_ids[0]) <= int(sorted_ids[-1]) < num_experts:
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got values in "
+                         f"[{int(sorted_ids[0])}, {int(sorted_ids[-1])}]")
     dest = sorted_ids // experts_per_rank
     send_counts = torch.bincount(dest, minlength=world).to(torch.int64)
     recv_counts = distributed.exchange_counts(send_counts, group)

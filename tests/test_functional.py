@@ -194,3 +194,33 @@ def test_release_workspaces():
         assert any(w.ep_group is None for w in functional._WORKSPACES.values())
     finally:
         functional._WORKSPACES.pop(("other",), None)
+
+
+def test_workspace_of_other_sizes_is_refused():
+    """functional.forward with a workspace made for other sizes (here fewer experts, which made the ids wrap to
+    other experts' rows without a word) raises, naming the workspace's sizes; get_workspace checks its own."""
+    from mok_nn import functional, reference
+    from mok_nn.functional import ExpertParams
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.topk(torch.randn(T, E, generator=g), K, dim=1).indices
+    w = torch.rand(T, K, generator=g)
+    params = ExpertParams(torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g), None, None)
+    good = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
+                                    dtype=torch.float32, backend="reference")
+    y, _ = functional.forward(x, ids, w, params, functional.build_schedule(ids, good), good)
+    want, _ = reference.experts_forward(x, ids, w, *params.as_args())
+    assert torch.equal(y, want)
+    for kw in ({"num_experts": E // 2}, {"hidden_size": H + 8}, {"intermediate_size": I * 2}, {"top_k": K + 1}):
+        ws = functional.get_workspace(**{**dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
+                                                dtype=torch.float32, backend="reference"), **kw})
+        with pytest.raises(ValueError, match="the workspace is for"):
+            functional.forward(x, ids, w, params, None, ws)
+    bad_args = [({"hidden_size": 0}, "hidden_size"), ({"top_k": E + 1}, "top_k"), ({"dtype": torch.int32}, "dtype"),
+                ({"activation": "gelu"}, "activation"), ({"swiglu_limit": -1.0}, "swiglu_limit"),
+                ({"config": "x"}, "config")]
+    for kw, word in bad_args:
+        with pytest.raises((ValueError, TypeError), match=word):
+            functional.get_workspace(**{**dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
+                                               dtype=torch.float32, backend="reference"), **kw})

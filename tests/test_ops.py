@@ -191,3 +191,52 @@ def test_layer_compiles_with_macrobatch_passes(size):
             assert torch.equal(g, w), name
         else:
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck_backward_with_non_contiguous_inputs():
+    """The backward op's fake gives contiguous d x and d topk-weights, as both backends return them, also for a
+    transposed (non-contiguous) x and topk_weights: an empty_like fake kept their strides, opcheck reported a
+    stride mismatch and inductor asserted on it."""
+    x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
+    xt = x.detach().t().contiguous().t()  # same values, column-major
+    wtt = wt.detach().t().contiguous().t()
+    assert not xt.is_contiguous() and not wtt.is_contiguous()
+    y, gate_up = ops.routed_experts_fwd(xt, ids, wtt, w13.detach(), w2.detach(), None, None, "swiglu", None,
+                                        "reference")
+    args = (torch.randn_like(y), xt, ids, wtt, gate_up, w13.detach(), w2.detach(), None, None, "swiglu", None,
+            "reference")
+    torch.library.opcheck(ops.routed_experts_bwd, args)
+
+
+@pytest.mark.parametrize("case", ["x3d", "ids_int32", "ids_rows", "weights_shape", "hidden", "down_shape",
+                                  "bias_shape", "mixed_dtype", "limit", "activation"])
+def test_bad_arguments_are_named(case):
+    """routed_experts checks shapes, dtypes and settings before anything runs, naming the argument."""
+    x, ids, wt, w13, w2, b13, b2 = (t.detach() if isinstance(t, torch.Tensor) else t
+                                    for t in _inputs(dtype=torch.float32))
+    args = dict(x=x, topk_ids=ids, topk_weights=wt, gate_up_proj=w13, down_proj=w2, gate_up_bias=b13, down_bias=b2,
+                activation="swiglu", swiglu_limit=None, backend="reference")
+    bad, word = {
+        "x3d": ({"x": x.unsqueeze(0)}, "x must be"),
+        "ids_int32": ({"topk_ids": ids.int()}, "topk_ids must be int64"),
+        "ids_rows": ({"topk_ids": ids[:-1]}, "topk_ids must be"),
+        "weights_shape": ({"topk_weights": wt[:, :1]}, "topk_weights must have"),
+        "hidden": ({"x": x[:, :-1]}, "hidden size"),
+        "down_shape": ({"down_proj": w2[:, :, :-1]}, "down_proj must be"),
+        "bias_shape": ({"down_bias": b2[:, :-1]}, "down_bias must be"),
+        "mixed_dtype": ({"x": x.double()}, "share one dtype"),
+        "limit": ({"swiglu_limit": -1.0}, "swiglu_limit"),
+        "activation": ({"activation": "gelu"}, "activation must be"),
+    }[case]
+    with pytest.raises((ValueError, TypeError), match=word):
+        ops.routed_experts(**{**args, **bad})
+
+
+def test_reference_rejects_expert_ids_out_of_range():
+    """An id outside [0, E) used to wrap to another expert's rows on the reference path (no error, wrong y)."""
+    x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
+    for bad_value in (w13.shape[0], w13.shape[0] + 3, -1):
+        bad = ids.clone()
+        bad[3, 1] = bad_value
+        with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+            ops.routed_experts(x, bad, wt, w13, w2, b13, b2, backend="reference")
