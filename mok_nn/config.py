@@ -8,6 +8,8 @@ validates them too, so a config can be written once and used on every backend.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, fields
 
 
@@ -52,10 +54,17 @@ class MoKConfig:
     schedule_capacity_multiplier: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size"):
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MoKConfig.{name} must be an int, got {type(value).__name__}")
+            if value is None and name == "macrobatch_size":
+                continue
+            try:  # numpy integers too (anything with __index__), kept as int: the config is a cache key
+                if isinstance(value, bool):
+                    raise TypeError
+                object.__setattr__(self, name, operator.index(value))
+            except TypeError:
+                what = "an int or None" if name == "macrobatch_size" else "an int"
+                raise TypeError(f"MoKConfig.{name} must be {what}, got {type(value).__name__}") from None
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
             value = getattr(self, name)
             if not 0 <= value <= 128:
@@ -63,15 +72,18 @@ class MoKConfig:
         if self.minibatch_size <= 0:
             raise ValueError(f"MoKConfig.minibatch_size must be positive, got {self.minibatch_size}")
         if self.macrobatch_size is not None:
-            if isinstance(self.macrobatch_size, bool) or not isinstance(self.macrobatch_size, int):
-                raise TypeError("MoKConfig.macrobatch_size must be an int or None")
             if self.macrobatch_size <= 0:
                 raise ValueError(f"MoKConfig.macrobatch_size must be positive, got {self.macrobatch_size}")
         mult = self.schedule_capacity_multiplier
-        if isinstance(mult, bool) or not isinstance(mult, (int, float)):
+        if isinstance(mult, (bool, str, bytes)):
             raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number")
-        if not mult >= 1.0:  # also rejects NaN
-            raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be >= 1.0, got {mult}")
+        try:
+            mult = float(mult)  # numpy floats too, kept as float
+        except (TypeError, ValueError):
+            raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number") from None
+        if not (mult >= 1.0 and math.isfinite(mult)):  # also rejects NaN and inf
+            raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be a finite number >= 1.0, got {mult}")
+        object.__setattr__(self, "schedule_capacity_multiplier", mult)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

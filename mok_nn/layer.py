@@ -117,6 +117,20 @@ def _as_int(name: str, value, minimum: int, hint: str = "") -> int:
     return result
 
 
+def _as_float(name: str, value, positive: bool) -> float:
+    """A finite real number (int, float, numpy scalar; bools and strings excluded) as float: > 0 where
+    positive, else >= 0."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    ok = math.isfinite(result) and (result > 0 if positive else result >= 0)
+    _require(ok, f"{name} must be a finite {'positive' if positive else 'non-negative'} number, got {result}")
+    return result
+
+
 def _as_bool(name: str, value) -> bool:
     """A bool (or numpy bool); other truthy values ("no", 1, None) are rejected, not guessed."""
     t = type(value)
@@ -180,14 +194,10 @@ class MoKMoELayer(nn.Module):
         shared_expert_gate = _as_bool("shared_expert_gate", shared_expert_gate)
         expert_proj_bias = _as_bool("expert_proj_bias", expert_proj_bias)
         router_bias = _as_bool("router_bias", router_bias)
-        if isinstance(routed_scaling_factor, (bool, str, bytes)):
-            raise TypeError(f"routed_scaling_factor must be a number, got {routed_scaling_factor!r}")
-        try:
-            routed_scaling_factor = float(routed_scaling_factor)
-        except (TypeError, ValueError):
-            raise TypeError(f"routed_scaling_factor must be a number, got {routed_scaling_factor!r}") from None
-        _require(math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0,
-                 f"routed_scaling_factor must be a finite positive number, got {routed_scaling_factor}")
+        routed_scaling_factor = _as_float("routed_scaling_factor", routed_scaling_factor, positive=True)
+        swiglu_limit = None if swiglu_limit is None else _as_float("swiglu_limit", swiglu_limit, positive=True)
+        aux_loss_coef = _as_float("aux_loss_coef", aux_loss_coef, positive=False)
+        z_loss_coef = _as_float("z_loss_coef", z_loss_coef, positive=False)
         _require(top_k <= num_experts, f"top_k ({top_k}) must be <= num_experts ({num_experts})")
         _require(score_func in routing.SCORE_FUNCS, f"score_func must be one of {routing.SCORE_FUNCS}, got {score_func!r}")
         _require(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -199,7 +209,6 @@ class MoKMoELayer(nn.Module):
             _require(0 < topk_group <= n_group, f"topk_group ({topk_group}) must be in [1, n_group={n_group}]")
             _require(top_k <= topk_group * (num_experts // n_group),
                      f"top_k ({top_k}) exceeds the experts in topk_group={topk_group} groups")
-        _require(swiglu_limit is None or swiglu_limit > 0, f"swiglu_limit must be positive, got {swiglu_limit}")
         _require(not shared_expert_gate or shared_intermediate_size > 0,
                  "shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
         _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -195,3 +195,19 @@ def test_zero_comm_sms_only_without_expert_parallelism(field, monkeypatch):
     MoKMoELayer(**kw, ep_group=object())
     with pytest.raises(ValueError, match=field):
         MoKMoELayer(**kw, ep_group=object(), config=MoKConfig(**{field: 0}))
+
+
+def test_config_takes_numpy_numbers_as_plain_ones():
+    """MoKConfig takes numpy integers and floats as the Python numbers they are (equal, same hash: the config is a
+    workspace cache key), and rejects an infinite capacity multiplier and non-integral sizes."""
+    import numpy as np
+
+    from mok_nn import MoKConfig
+
+    a = MoKConfig(macrobatch_size=np.int64(4), minibatch_size=np.int32(8), schedule_capacity_multiplier=np.float32(3))
+    b = MoKConfig(macrobatch_size=4, minibatch_size=8, schedule_capacity_multiplier=3.0)
+    assert a == b and hash(a) == hash(b) and type(a.macrobatch_size) is int and type(a.minibatch_size) is int
+    for kw, exc in ((dict(schedule_capacity_multiplier=float("inf")), ValueError), (dict(macrobatch_size=1.5), TypeError),
+                    (dict(minibatch_size=True), TypeError), (dict(schedule_capacity_multiplier="2"), TypeError)):
+        with pytest.raises(exc, match="MoKConfig"):
+            MoKConfig(**kw)

@@ -460,6 +460,11 @@ def test_non_int_sizes_rejected_at_construction(kw, word):
     (dict(dtype=torch.float8_e4m3fn), ValueError, "dtype"),
     (dict(dtype=torch.float8_e5m2), ValueError, "dtype"),
     (dict(dtype=torch.complex64), ValueError, "dtype"),
+    (dict(swiglu_limit="1", activation="swiglu_oai"), TypeError, "swiglu_limit"),
+    (dict(swiglu_limit=-1.0, activation="swiglu_oai"), ValueError, "swiglu_limit"),
+    (dict(aux_loss_coef="a"), TypeError, "aux_loss_coef"),
+    (dict(aux_loss_coef=-1.0), ValueError, "aux_loss_coef"),
+    (dict(z_loss_coef=float("nan")), ValueError, "z_loss_coef"),
 ])
 def test_bad_constructor_arguments_name_the_argument(kw, exc, word):
     """Each bad argument raises at construction, naming it, instead of failing deep inside
