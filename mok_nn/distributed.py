@@ -28,13 +28,30 @@ def all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[i
     return out.view(send.dtype).squeeze(-1) if is16 else out
 
 
-def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
-    """Each rank tells every peer how many rows it will send it."""
+def exchange_counts(send_counts: torch.Tensor, group, signature: dict | None = None) -> torch.Tensor:
+    """Each rank tells every peer how many rows it will send it. signature {name: int}: what every rank must
+    agree on (sizes, dtype, ...), sent along with the counts in the same all-to-all; where a peer's differs,
+    every rank concerned raises ValueError naming the field (a peer with another dtype or size would otherwise
+    receive rows it misreads: the rows travel as raw bytes)."""
     if group is None:
         return send_counts
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    return recv_counts
+    sig = list((signature or {}).items())
+    world = send_counts.shape[0]
+    send = torch.cat([send_counts.view(world, 1),
+                      torch.tensor([v for _, v in sig], dtype=send_counts.dtype).to(send_counts.device).expand(world, -1)],
+                     dim=1)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    if sig:
+        theirs = recv[:, 1:].tolist()
+        rank = dist.get_rank(group)
+        for p, row in enumerate(theirs):
+            bad = [(name, mine, other) for (name, mine), other in zip(sig, row) if mine != other]
+            if bad:
+                what = ", ".join(f"{name} {mine} here, {other} on rank {p}" for name, mine, other in bad)
+                raise ValueError(f"mok_nn expert parallelism: the ranks of the group disagree ({what}); every rank "
+                                 f"must run the layer with the same sizes, dtype and settings (this is rank {rank})")
+    return recv[:, 0].contiguous()
 
 
 def token_count_range(num_tokens: int, group, device) -> tuple[int, int]:

@@ -147,7 +147,21 @@ def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor
     call takes (the CUDA backend may gather them in schedule order with the schedule; optional)."""
     if workspace.backend == "cuda":
         return _cuda_backend().build_schedule(topk_ids, workspace, x)
-    return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group)
+    signature = _ep_signature(workspace, topk_ids) if workspace.ep_group is not None else None
+    return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group, signature)
+
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _ep_signature(ws: Workspace, topk_ids) -> dict:
+    """What the ranks of an expert-parallel group must agree on, as ints (reference.build_dispatch_plan)."""
+    limit = ws.swiglu_limit
+    return {"num_experts": ws.num_experts, "hidden_size": ws.hidden_size, "intermediate_size": ws.intermediate_size,
+            "top_k": int(topk_ids.shape[-1]), "dtype code": _DTYPE_CODES.get(ws.dtype, 0),
+            "precision code": 1 if ws.precision == "mxfp8" else 0,
+            "activation code": reference.ACTIVATIONS.index(ws.activation),
+            "swiglu_limit x 1e6": -1 if limit is None else round(float(limit) * 1e6)}
 
 
 def _check_against_workspace(x, topk_ids, params: ExpertParams, ws: Workspace) -> None:

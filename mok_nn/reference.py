@@ -283,7 +283,8 @@ class DispatchPlan:
         return distributed.all_to_all(received_order, self.recv_splits, self.send_splits, self.group)
 
 
-def build_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, group) -> DispatchPlan:
+def build_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, group, signature: dict | None = None) -> DispatchPlan:
+    """signature: what the group's ranks must agree on (distributed.exchange_counts checks it with the counts)."""
     world, _ = distributed.group_size_and_rank(group)
     experts_per_rank = num_experts // world
     flat = topk_ids.reshape(-1)
@@ -296,7 +297,7 @@ def build_dispatch_plan(topk_ids: torch.Tensor, num_experts: int, group) -> Disp
                          f"[{int(sorted_ids[0])}, {int(sorted_ids[-1])}]")
     dest = sorted_ids // experts_per_rank
     send_counts = torch.bincount(dest, minlength=world).to(torch.int64)
-    recv_counts = distributed.exchange_counts(send_counts, group)
+    recv_counts = distributed.exchange_counts(send_counts, group, signature)
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
     local_ids = distributed.all_to_all(sorted_ids - dest * experts_per_rank, send_splits, recv_splits, group)
     return DispatchPlan(order, send_splits, recv_splits, group_by_expert(local_ids, experts_per_rank), group)

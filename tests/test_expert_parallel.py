@@ -67,6 +67,16 @@ def _worker(rank, world, tmpdir):
             out["not_divisible_error"] = None
         except Exception as err:  # noqa: BLE001 - the test inspects type and message
             out["not_divisible_error"] = (type(err).__name__, str(err))
+        # Ranks that disagree on the dtype (rank 0 float16, the others bfloat16): rows travel the all-to-all as
+        # raw 16-bit words, so they would be misread without a word; every rank raises instead, naming it.
+        dtype = torch.float16 if rank == 0 else torch.bfloat16
+        odd = MoKMoELayer(hidden_size=H, intermediate_size=8, num_experts=E, top_k=K, backend="reference",
+                          device="cpu", dtype=dtype, ep_group=dist.group.WORLD)
+        try:
+            odd(torch.randn(5, H).to(dtype))
+            out["mismatch_error"] = None
+        except Exception as err:  # noqa: BLE001 - the test inspects type and message
+            out["mismatch_error"] = (type(err).__name__, str(err))
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
         dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
     finally:
@@ -174,3 +184,14 @@ def test_experts_not_divisible_by_ep_size(ep_run):
         kind, msg = err
         assert kind == "ValueError", err
         assert "divisible" in msg.lower() or "num_experts" in msg, err
+
+
+def test_ranks_that_disagree_raise(ep_run):
+    """A rank whose layer has another dtype than its peers' (the all-to-all moves 16-bit rows as raw bytes) made
+    the outputs silently wrong; now every rank raises ValueError naming the disagreement."""
+    _, _, ranks = ep_run
+    for r, out in enumerate(ranks):
+        err = out["mismatch_error"]
+        assert err is not None, f"rank {r}: a dtype mismatch across the ranks was accepted"
+        kind, msg = err
+        assert kind == "ValueError" and "disagree" in msg and "dtype" in msg, (r, err)
