@@ -619,6 +619,9 @@ def save_mxfp8_checkpoint(model: nn.Module, path, metadata: dict | None = None) 
 def load_mxfp8_checkpoint(model: nn.Module, path_or_tensors, config=None, strict: bool = True):
     """Load a checkpoint with MXFP8 (or block-FP8) weights into a patched model.
 
+    `path_or_tensors`: a safetensors file or directory, a raw `{name: Tensor}`
+    dict, or a dict returned by `mok_nn.checkpoint.load_mxfp8_tensors` (used as
+    it is; `config` is then not needed).
     Formats: those of `mok_nn.checkpoint.load_mxfp8_tensors` (mok_nn.mxfp8,
     compressed-tensors and ModelOpt MXFP8, block FP8).  Names are the model's
     state-dict names; the experts of a patched block may also be stored as

@@ -4,6 +4,7 @@ API::
 
     fmt = detect_format(path_or_tensors, config=None)        # one of FORMATS
     tensors = load_mxfp8_tensors(path_or_dir, config=None)    # {name: MXFP8Tensor | Tensor}
+    load_mxfp8_tensors(tensors) == tensors                      # a read dict is accepted as is
     save_mxfp8(path, {name: MXFP8Tensor | Tensor}, metadata=None)
     quantize_expert_weights(tensors)                           # float expert weights -> MXFP8Tensor
     gate_up, down = expert_weights(tensors, prefix="model.layers.0.mlp.")  # [E,2I,H], [E,H,I]
@@ -334,12 +335,38 @@ def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
     return out
 
 
+def _is_already_read(tensors) -> bool:
+    """Whether ``tensors`` is a dict already read by ``load_mxfp8_tensors`` (it holds MXFP8Tensors)."""
+    return isinstance(tensors, Mapping) and any(isinstance(t, MXFP8Tensor) for t in tensors.values())
+
+
+def _check_already_read(tensors: Mapping) -> None:
+    """A dict of MXFP8Tensors is not re-read: quantised data left in it raw would be used as values."""
+    for name, t in tensors.items():
+        if not isinstance(t, (torch.Tensor, MXFP8Tensor)):
+            raise CheckpointFormatError(f"tensor {name!r} is a {type(t).__name__}, expected MXFP8Tensor or Tensor")
+        if isinstance(t, MXFP8Tensor):
+            continue
+        scales = [name + s for s in _SCALE_SUFFIXES if name + s in tensors]
+        if scales or t.dtype == _FP8:
+            why = f"sits next to its scale tensor {scales[0]!r}" if scales else "is FP8 data without a scale"
+            raise CheckpointFormatError(
+                f"tensor {name!r} (dtype {t.dtype}) {why} in a dict of MXFP8Tensors: read the raw "
+                "checkpoint with load_mxfp8_tensors, or give an MXFP8Tensor")
+
+
 def load_mxfp8_tensors(path_or_dir, config=None, scale_mode: str = "rceil") -> dict:
     """Read a checkpoint of any supported format; quantised tensors come back as MXFP8Tensor.
 
-    ``path_or_dir`` may also be an already-read ``{name: Tensor}`` dict.
+    ``path_or_dir`` may also be an already-read ``{name: Tensor}`` dict (raw checkpoint tensors),
+    or a dict this function returned (it holds MXFP8Tensors): that one is returned as a new dict
+    with the same entries, after checking that no raw quantised data is left in it (FP8 data, or
+    a tensor next to a ``_scale`` / ``_scale_inv``); ``config`` and ``scale_mode`` are not used then.
     ``scale_mode`` is used where block FP8 is requantised.
     """
+    if _is_already_read(path_or_dir):
+        _check_already_read(path_or_dir)
+        return dict(path_or_dir)
     if isinstance(path_or_dir, Mapping):
         tensors, metadata = dict(path_or_dir), {}
     else:
@@ -484,16 +511,7 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
     bf16 / fp32, and MXFP8 requantisation of them ("rceil") gives back the same values, so a
     ``precision="mxfp8"`` layer computes its forward on exactly the checkpoint's weights.
     """
-    if isinstance(tensors_or_path, Mapping) and any(isinstance(t, MXFP8Tensor) for t in tensors_or_path.values()):
-        tensors = tensors_or_path          # already read: no raw data may still sit next to its scale
-        raw = [n for n, t in tensors.items() if isinstance(t, torch.Tensor)
-               and any(n + s in tensors for s in _SCALE_SUFFIXES)]
-        if raw:
-            raise CheckpointFormatError(
-                f"tensor {raw[0]!r} (dtype {tensors[raw[0]].dtype}) sits next to its scale tensor in a dict of "
-                "MXFP8Tensors: read the raw checkpoint with load_mxfp8_tensors, or give an MXFP8Tensor")
-    else:
-        tensors = load_mxfp8_tensors(tensors_or_path, config)
+    tensors = load_mxfp8_tensors(tensors_or_path, config)   # an already-read dict: checked, used as is
     gu, dn = expert_weights(tensors, prefix)
     experts = layer.experts
     e_total, e_local = layer.num_experts, layer.num_local_experts

@@ -336,6 +336,31 @@ def test_scale_of_uint8_data_is_never_dropped():
         ck.load_experts_into_layer(MoKMoELayer(H, I, E, 2, dtype=torch.float32), loaded)
 
 
+def test_already_read_dict_is_accepted(tmp_path):
+    """load_mxfp8_tensors / load_experts_into_layer take the dict load_mxfp8_tensors returned: same entries
+    back (a new dict), the same layer weights as from the file; raw quantised data left in it still raises."""
+    from mok_nn import MoKMoELayer
+
+    gu, dn = _experts_fp32()
+    qgu, qdn = quantize(gu), quantize(dn, axis=-2)
+    path = tmp_path / "m.safetensors"
+    ck.save_mxfp8(path, {PREFIX + "experts.gate_up_proj": qgu, PREFIX + "experts.down_proj": qdn, **_extra()})
+    read = ck.load_mxfp8_tensors(path)
+    again = ck.load_mxfp8_tensors(read)
+    assert again is not read and set(again) == set(read)
+    for name, t in read.items():
+        assert again[name] is t
+    np.testing.assert_array_equal(again[PREFIX + "experts.down_proj"].dequantize(torch.float64).numpy(),
+                                  _np_dequant_mx(qdn.data, qdn.scale, axis=1))
+    layer = MoKMoELayer(H, I, E, 2, dtype=torch.float32)
+    ck.load_experts_into_layer(layer, read, prefix=PREFIX)
+    np.testing.assert_array_equal(layer.experts.gate_up_proj.detach().double().numpy(),
+                                  _np_dequant_mx(qgu.data, qgu.scale))
+    for bad in ({"w": qgu.data}, {"w": qgu.data.float(), "w_scale_inv": torch.ones(1)}):
+        with pytest.raises(ck.CheckpointFormatError, match="'w'"):
+            ck.load_mxfp8_tensors({**read, **bad})
+
+
 def test_example_script(tmp_path, capsys):
     import runpy
     import pathlib

@@ -400,6 +400,35 @@ def test_mxfp8_checkpoint_round_trip(arch, tmp_path):
     assert all(torch.equal(v, dst.state_dict()[k]) for k, v in plain.state_dict().items())
 
 
+def test_mxfp8_checkpoint_from_already_read_dict(tmp_path):
+    """load_mxfp8_checkpoint takes the dict load_mxfp8_tensors returned, with the fused and with the
+    w13/w2 naming: the same state as loading the file, and the caller's dict is left as it was."""
+    from mok_nn import checkpoint, mxfp8
+
+    src = _patched(_mx_model("qwen3_moe"), precision="mxfp8")
+    path = tmp_path / "model.safetensors"
+    hf.save_mxfp8_checkpoint(src, path)
+    from_file = _patched(_mx_model("qwen3_moe", seed=5), precision="mxfp8")
+    hf.load_mxfp8_checkpoint(from_file, path)
+    read = checkpoint.load_mxfp8_tensors(path)
+    names = set(read)
+    from_dict = _patched(_mx_model("qwen3_moe", seed=7), precision="mxfp8")
+    assert hf.load_mxfp8_checkpoint(from_dict, read) == ([], [])
+    assert set(read) == names
+    assert all(torch.equal(v, from_file.state_dict()[k]) for k, v in from_dict.state_dict().items())
+    w13 = dict(src.state_dict())
+    for name, block in [(n, m) for n, m in src.named_modules() if isinstance(m, hf.MoKHFBlock)]:
+        for n in block.hf_tensors():
+            if n.startswith("experts."):
+                w13.pop(f"{name}.{n}")
+        w13[f"{name}.experts.w13_weight"] = mxfp8.quantize(block.mok.experts.gate_up_proj.detach())
+        w13[f"{name}.experts.w2_weight"] = mxfp8.quantize(block.mok.experts.down_proj.detach())
+    from_w13 = _patched(_mx_model("qwen3_moe", seed=9), precision="mxfp8")
+    assert hf.load_mxfp8_checkpoint(from_w13, w13) == ([], [])
+    ids = _inputs()
+    assert torch.equal(from_w13(ids).logits, src(ids).logits)
+
+
 def test_mxfp8_checkpoint_with_fused_w13_names(tmp_path):
     """Expert weights stored as ModelOpt/vLLM-style w13_weight / w2_weight load too."""
     from mok_nn import checkpoint, mxfp8
