@@ -95,7 +95,11 @@ class CheckpointFormatError(ValueError):
 
 
 def read_safetensors(path_or_dir) -> tuple[dict, dict, dict | None]:
-    """(tensors, safetensors metadata, config or None) of a file or a directory of shards."""
+    """(tensors, safetensors metadata, config or None) of a file or a directory of shards.
+
+    The shards' metadata is merged, except the per-tensor MXFP8 layouts (entry ``"mxfp8"``, a JSON
+    object written by save_mxfp8 in a ``mok_nn.mxfp8`` file), which are merged per tensor; shards that give one tensor
+    different layouts raise CheckpointFormatError."""
     path = os.fspath(path_or_dir)
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -111,15 +115,38 @@ def read_safetensors(path_or_dir) -> tuple[dict, dict, dict | None]:
                     config = None
     else:
         files, config = [path], None
-    tensors, metadata = {}, {}
+    tensors, metadata, layout, layout_from = {}, {}, {}, {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            metadata.update(f.metadata() or {})
+            file_meta = dict(f.metadata() or {})
+            text = file_meta.pop("mxfp8", None) if file_meta.get("format") == FORMAT_MOK else None
+            for name, info in _layout_of(file, text).items():
+                if name in layout and layout[name] != info:
+                    raise CheckpointFormatError(
+                        f"shards {layout_from[name]} and {file} disagree about the MXFP8 layout of tensor "
+                        f"{name!r}: {layout[name]} vs {info}")
+                layout[name], layout_from[name] = info, file
+            metadata.update(file_meta)
             for name in f.keys():
                 if name in tensors:
                     raise CheckpointFormatError(f"tensor {name!r} appears in more than one shard ({file})")
                 tensors[name] = f.get_tensor(name)
+    if layout_from:
+        metadata["mxfp8"] = json.dumps(layout, sort_keys=True)
     return tensors, metadata, config
+
+
+def _layout_of(file: str, text) -> dict:
+    """The per-tensor MXFP8 layout ``{name: {"axis", "block_size"}}`` of save_mxfp8's metadata entry."""
+    if text is None:
+        return {}
+    try:
+        layout = json.loads(text)
+    except ValueError:
+        layout = None
+    if not isinstance(layout, dict) or not all(isinstance(v, dict) for v in layout.values()):
+        raise CheckpointFormatError(f"metadata entry 'mxfp8' of {file} is not a JSON object of per-tensor layouts")
+    return layout
 
 
 def quantization_config(config) -> dict | None:

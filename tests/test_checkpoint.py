@@ -86,6 +86,35 @@ def test_mok_format_round_trip(tmp_path):
                                   _np_dequant_mx(col.data, col.scale, axis=1))
 
 
+def test_sharded_directory_keeps_each_shards_layout(tmp_path):
+    """Shards written by save_mxfp8 each carry the layouts of their own tensors: a directory of them
+    keeps every tensor's axis and block size (column-wise in one shard, row-wise / blocks of 16 in
+    another); shards that give one tensor different layouts raise naming it."""
+    w = torch.randn(2, 64, 96)
+    col, row, b16 = quantize(w, axis=1), quantize(w * 3, axis=-1), quantize(w / 5, axis=-1, block_size=16)
+    d = tmp_path / "shards"
+    d.mkdir()
+    ck.save_mxfp8(d / "model-00001-of-00002.safetensors", {"a.col": col, "a.b16": b16})
+    ck.save_mxfp8(d / "model-00002-of-00002.safetensors", {"b.row": row, "b.bias": w[0, 0]})
+    loaded = ck.load_mxfp8_tensors(d)
+    assert set(loaded) == {"a.col", "a.b16", "b.row", "b.bias"}
+    for name, t, axis, bs in (("a.col", col, 1, 32), ("b.row", row, 2, 32), ("a.b16", b16, 2, 16)):
+        got = loaded[name]
+        assert (got.axis, got.block_size) == (axis, bs)
+        want = np.ldexp(t.data.double().numpy(), np.repeat(t.scale.numpy().astype(np.int64) - 127, bs, axis=axis))
+        np.testing.assert_array_equal(got.dequantize(torch.float64).numpy(), want)
+    assert torch.equal(loaded["b.bias"], w[0, 0])
+    # the same tensor's layout stated differently by two shards: an error naming it
+    meta1 = {"format": "mok_nn.mxfp8", "mxfp8": json.dumps({"a.col": {"axis": 1, "block_size": 32}})}
+    meta2 = {"format": "mok_nn.mxfp8", "mxfp8": json.dumps({"a.col": {"axis": 2, "block_size": 32}})}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({"a.col": col.data, "a.col_scale": col.scale}, str(bad / "a.safetensors"), metadata=meta1)
+    save_file({"x": w}, str(bad / "b.safetensors"), metadata=meta2)
+    with pytest.raises(ck.CheckpointFormatError, match="'a.col'"):
+        ck.load_mxfp8_tensors(bad)
+
+
 def test_save_rejects_bad_input(tmp_path):
     q = quantize(torch.randn(4, 32))
     with pytest.raises(ValueError, match="used twice"):
