@@ -626,16 +626,22 @@ def load_mxfp8_checkpoint(model: nn.Module, path_or_tensors, config=None, strict
     compressed-tensors and ModelOpt MXFP8, block FP8).  Names are the model's
     state-dict names; the experts of a patched block may also be stored as
     `experts.w13_weight` / `w2_weight` or per expert (`experts.<e>.w1.weight`,
-    ...).  Quantised tensors are dequantised exactly into the model's dtype
+    ...).  MXFP8 tensors are dequantised exactly into the model's dtype
     (MXFP8 values are representable in bf16 and fp32), so a precision="mxfp8"
-    model computes on exactly the checkpoint's values.  Returns
+    model computes on exactly the checkpoint's values.  Block FP8 read from a
+    path or raw dict goes into a precision="bf16" model as `fp8 * scale_inv`
+    (fp32 product, cast once to the parameter dtype); for precision="mxfp8" it
+    is requantised to MXFP8 first (lossless only for power-of-two scales), as
+    in a dict returned by `load_mxfp8_tensors`.  Returns
     load_state_dict's (missing_keys, unexpected_keys)."""
     from mok_nn import checkpoint, mxfp8
 
     blocks = _patched_blocks(model)
     if not blocks:
         raise PatchError("load_mxfp8_checkpoint needs a model patched with patch_model")
-    tensors = checkpoint.load_mxfp8_tensors(path_or_tensors, config)
+    # block FP8 (read here) is dequantised directly unless the model computes in MXFP8
+    direct = all(block.mok.precision != "mxfp8" for _, block in blocks)
+    tensors = checkpoint.load_mxfp8_tensors(path_or_tensors, config, dequantize_block=direct)
     own = model.state_dict()
     for name, block in blocks:                # expert weights under another naming scheme
         prefix = name + "."

@@ -44,7 +44,10 @@ tensor is passed through unchanged. Formats (``detect_format`` results):
 - ``"fp8-block"``: DeepSeek-V3 block FP8 (``quant_method: "fp8"``): ``weight``
   float8_e4m3fn + ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)]
   (``weight_block_size``, default [128, 128]); the value is ``fp8 *
-  scale_inv``. Converted by dequantise (fp32) + requantise to MXFP8 along K.
+  scale_inv``. Converted by dequantise (fp32) + requantise to MXFP8 along K;
+  ``load_mxfp8_tensors(..., dequantize_block=True)`` (used by
+  ``load_experts_into_layer`` for a ``precision="bf16"`` layer) keeps the fp32
+  values instead.
 - ``"unquantized"``: no FP8 tensors; everything is passed through.
 
 Without a config the format comes from the tensors: ``*_scale_inv`` ->
@@ -329,7 +332,7 @@ def dequantize_block_fp8(data: torch.Tensor, scale_inv: torch.Tensor, block: tup
     return data.float() * s[..., :n, :k]
 
 
-def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
+def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str, dequantize_block: bool = False) -> dict:
     configured = (qc or {}).get("weight_block_size")
     out, used = {}, set()
     for name in [n for n, t in tensors.items() if t.dtype == _FP8 or n + "_scale_inv" in tensors]:
@@ -345,6 +348,10 @@ def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
             raise CheckpointFormatError(f"scale tensor {sname!r} is not a power of two everywhere (ue8m0 expected)")
         block = block_fp8_block_size(name, tensors[name].shape, s.shape, configured)
         w = dequantize_block_fp8(tensors[name], s, block)
+        used.update((name, sname))
+        if dequantize_block:
+            out[name] = w
+            continue
         try:
             q = quantize(w, axis=-1, scale_mode=scale_mode)
         except ValueError as err:
@@ -352,7 +359,6 @@ def _load_block(tensors: Mapping, fmt: str, qc, scale_mode: str) -> dict:
         if fmt == FORMAT_FP8_UE8M0 and not torch.equal(q.dequantize(torch.float32), w):
             raise CheckpointFormatError(f"tensor {name!r}: ue8m0 block FP8 did not convert losslessly to MXFP8")
         out[name] = q
-        used.update((name, sname))
     for name, t in tensors.items():
         if name in used:
             continue
@@ -382,14 +388,17 @@ def _check_already_read(tensors: Mapping) -> None:
                 "checkpoint with load_mxfp8_tensors, or give an MXFP8Tensor")
 
 
-def load_mxfp8_tensors(path_or_dir, config=None, scale_mode: str = "rceil") -> dict:
+def load_mxfp8_tensors(path_or_dir, config=None, scale_mode: str = "rceil", *,
+                       dequantize_block: bool = False) -> dict:
     """Read a checkpoint of any supported format; quantised tensors come back as MXFP8Tensor.
 
     ``path_or_dir`` may also be an already-read ``{name: Tensor}`` dict (raw checkpoint tensors),
     or a dict this function returned (it holds MXFP8Tensors): that one is returned as a new dict
     with the same entries, after checking that no raw quantised data is left in it (FP8 data, or
     a tensor next to a ``_scale`` / ``_scale_inv``); ``config`` and ``scale_mode`` are not used then.
-    ``scale_mode`` is used where block FP8 is requantised.
+    ``scale_mode`` is used where block FP8 is requantised. With ``dequantize_block=True``, block-FP8
+    tensors (formats fp8-block, fp8-block-ue8m0) are not requantised: they come back as float32 Tensors
+    holding ``fp8 * scale_inv`` computed in fp32 (``dequantize_block_fp8``); the MX formats are unaffected.
     """
     if _is_already_read(path_or_dir):
         _check_already_read(path_or_dir)
@@ -405,7 +414,7 @@ def load_mxfp8_tensors(path_or_dir, config=None, scale_mode: str = "rceil") -> d
     if fmt in _MX_FORMATS:
         return _load_mx(tensors, fmt, metadata, qc)
     if fmt in _BLOCK_FORMATS:
-        return _load_block(tensors, fmt, qc, scale_mode)
+        return _load_block(tensors, fmt, qc, scale_mode, dequantize_block)
     return dict(tensors)
 
 
@@ -534,11 +543,21 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
     ``load_mxfp8_tensors``. The expert weights of the block under ``prefix`` (see
     ``expert_weights``) are dequantised into the layer's parameters; with ``ep_group`` of size P,
     rank r takes experts [r*E/P, (r+1)*E/P). Biases ``<prefix>experts.gate_up_proj_bias`` /
-    ``down_proj_bias`` are copied; the checkpoint must have them exactly when the layer does. The dequantised values are exact in
-    bf16 / fp32, and MXFP8 requantisation of them ("rceil") gives back the same values, so a
-    ``precision="mxfp8"`` layer computes its forward on exactly the checkpoint's weights.
+    ``down_proj_bias`` are copied; the checkpoint must have them exactly when the layer does.
+
+    Values written: MXFP8 weights (the MX formats) are dequantised, which is exact in bf16 / fp32,
+    and MXFP8 requantisation of them ("rceil") gives back the same values, so a ``precision="mxfp8"``
+    layer computes its forward on exactly the checkpoint's weights. Block-FP8 weights (fp8-block,
+    fp8-block-ue8m0) read from a path or a raw dict go into a ``precision="bf16"`` layer as
+    ``fp8 * scale_inv`` computed in fp32 and cast once to the layer dtype (no MXFP8 step); into a
+    ``precision="mxfp8"`` layer they are first requantised to MXFP8 along K ("rceil", which is
+    lossless for power-of-two scales; DeepSeek-V3's non-power-of-two scales lose up to one E4M3
+    rounding, ~2**-4 relative), so that the layer holds values its MXFP8 forward keeps unchanged.
+    A dict returned by ``load_mxfp8_tensors`` holds block FP8 already requantised to MXFP8.
     """
-    tensors = load_mxfp8_tensors(tensors_or_path, config)   # an already-read dict: checked, used as is
+    direct = getattr(layer, "precision", "bf16") != "mxfp8"
+    # an already-read dict: checked, used as is
+    tensors = load_mxfp8_tensors(tensors_or_path, config, dequantize_block=direct)
     gu, dn = expert_weights(tensors, prefix)
     experts = layer.experts
     e_total, e_local = layer.num_experts, layer.num_local_experts

@@ -256,6 +256,45 @@ def test_deepseek_block_fp8_requantised(tmp_path):
     assert 0 < rel < 2.0**-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_deepseek_block_fp8_into_bf16_layer_is_dequantised_directly(tmp_path, dtype):
+    """A precision="bf16" layer gets block FP8 (non-power-of-two scales) as fp8 * scale_inv multiplied in
+    fp32 and cast once to its dtype (numpy here), bitwise; a precision="mxfp8" layer gets the MXFP8
+    requantisation of those values; both from a directory and from a raw dict."""
+    from mok_nn import MoKMoELayer
+
+    gu, dn = _experts_fp32()
+    seed = int(torch.randint(0, 2**30, ()))
+    tensors, f32 = {}, {}
+    for e in range(E):
+        for r, (role, m) in enumerate((("gate_proj", gu[e, :I]), ("up_proj", gu[e, I:]), ("down_proj", dn[e]))):
+            name = f"{PREFIX}experts.{e}.{role}.weight"
+            data, s, _ = _block_fp8(m, (128, 128), False, seed + 3 * e + r)
+            tensors[name], tensors[name + "_scale_inv"] = data, s
+            s_full = np.kron(s.numpy(), np.ones((128, 128), dtype=np.float32))[:m.shape[0], :m.shape[1]]
+            f32[name] = data.float().numpy() * s_full         # float32 * float32 in numpy
+    assert not all(ck._is_pow2(t) for n, t in tensors.items() if n.endswith("_scale_inv"))
+    ref_gu = np.stack([np.concatenate([f32[f"{PREFIX}experts.{e}.gate_proj.weight"],
+                                       f32[f"{PREFIX}experts.{e}.up_proj.weight"]]) for e in range(E)])
+    ref_dn = np.stack([f32[f"{PREFIX}experts.{e}.down_proj.weight"] for e in range(E)])
+    assert ref_gu.dtype == np.float32
+    cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    d = _write(tmp_path / "ds", tensors, cfg)
+    for source, config in ((d, None), (tensors, cfg), (tensors, None)):
+        layer = MoKMoELayer(H, I, E, 2, dtype=dtype)
+        ck.load_experts_into_layer(layer, source, prefix=PREFIX, config=config)
+        assert torch.equal(layer.experts.gate_up_proj.detach(), torch.from_numpy(ref_gu).to(dtype))
+        assert torch.equal(layer.experts.down_proj.detach(), torch.from_numpy(ref_dn).to(dtype))
+        mx = MoKMoELayer(H, I, E, 2, dtype=dtype, precision="mxfp8")
+        ck.load_experts_into_layer(mx, source, prefix=PREFIX, config=config)
+        want = quantize(torch.from_numpy(ref_gu)).dequantize(dtype)
+        assert torch.equal(mx.experts.gate_up_proj.detach(), want)
+        assert not torch.equal(want, torch.from_numpy(ref_gu).to(dtype))
+    raw = ck.load_mxfp8_tensors(d, dequantize_block=True)
+    np.testing.assert_array_equal(raw[f"{PREFIX}experts.1.down_proj.weight"].numpy(),
+                                  f32[f"{PREFIX}experts.1.down_proj.weight"])
+
+
 def test_unquantized_and_quantize_expert_weights(tmp_path):
     gu, dn = _experts_fp32()
     tensors = {PREFIX + "experts.gate_up_proj": gu.bfloat16(), PREFIX + "experts.down_proj": dn.bfloat16(), **_extra()}

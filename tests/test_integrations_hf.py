@@ -449,6 +449,44 @@ def test_mxfp8_checkpoint_with_fused_w13_names(tmp_path):
     assert torch.equal(dst(ids).logits, src(ids).logits)
 
 
+def test_block_fp8_checkpoint_dequantised_directly_for_bf16_precision(tmp_path):
+    """Expert weights stored as DeepSeek-V3 block FP8 (w13_weight / w2_weight, non-power-of-two
+    scale_inv per 128x128 block): a precision="bf16" model holds fp8 * scale_inv (fp32 product, one
+    cast), a precision="mxfp8" model the MXFP8 requantisation of those values."""
+    from safetensors.torch import save_file
+
+    from mok_nn import mxfp8
+
+    src = _patched(_mx_model("qwen3_moe"))
+    tensors, want = dict(src.state_dict()), {}
+    for name, block in [(n, m) for n, m in src.named_modules() if isinstance(m, hf.MoKHFBlock)]:
+        for n in block.hf_tensors():
+            if n.startswith("experts."):
+                tensors.pop(f"{name}.{n}")
+        for key, w in (("w13_weight", block.mok.experts.gate_up_proj), ("w2_weight", block.mok.experts.down_proj)):
+            w = w.detach().float()
+            e, n, k = w.shape
+            s = torch.rand(e, -(-n // 128), -(-k // 128)) * 3e-4 + 1e-4
+            s_full = s.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :n, :k]
+            data = (w / s_full).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[f"{name}.experts.{key}"], tensors[f"{name}.experts.{key}_scale_inv"] = data, s
+            want[(name, key)] = data.double().numpy().astype("float32") * s_full.numpy()   # fp32 product
+    path = tmp_path / "ds.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    for precision in ("bf16", "mxfp8"):
+        dst = _patched(_mx_model("qwen3_moe", seed=5), precision=precision)
+        assert hf.load_mxfp8_checkpoint(dst, path) == ([], [])
+        for name, block in [(n, m) for n, m in dst.named_modules() if isinstance(m, hf.MoKHFBlock)]:
+            for key, param in (("w13_weight", block.mok.experts.gate_up_proj),
+                               ("w2_weight", block.mok.experts.down_proj)):
+                values = want[(name, key)]
+                exact = torch.from_numpy(values).to(param.dtype)
+                expected = exact if precision == "bf16" else mxfp8.quantize(torch.from_numpy(values)).dequantize(
+                    param.dtype)
+                assert torch.equal(param.detach(), expected), (precision, name, key)
+                assert precision == "bf16" or not torch.equal(expected, exact)
+
+
 def test_mxfp8_checkpoint_with_scaled_data_of_wrong_dtype_raises(tmp_path):
     """An expert tensor stored next to its scale but not as float8_e4m3fn (here the FP8 values
     as fp32) raises naming it and its dtype, also with strict=True, and leaves the model unchanged."""
