@@ -14,6 +14,7 @@ curves are bitwise identical.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -117,6 +118,30 @@ def train(args, device, verbose=True):
     return losses, tokens_seen / (time.perf_counter() - start)
 
 
+def _check_args(parser, args) -> torch.device:
+    """argparse errors naming the argument for values the run cannot use; returns the device."""
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2 (the loss of the first and last steps is compared), got {args.steps}")
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    if args.seq_len < 2 or args.seq_len % 2:
+        parser.error(f"--seq-len must be even and at least 2, got {args.seq_len}")
+    if args.vocab < 2:
+        parser.error(f"--vocab must be at least 2 (token 0 is never generated), got {args.vocab}")
+    if args.experts < 1:
+        parser.error(f"--experts must be at least 1, got {args.experts}")
+    if not 1 <= args.top_k <= args.experts:
+        parser.error(f"--top-k must be between 1 and --experts ({args.experts}), got {args.top_k}")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    try:
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        parser.error(f"--device {args.device!r} cannot be used: {str(err).splitlines()[0] if str(err) else err}")
+    return device
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600)
@@ -130,14 +155,13 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-repeat", action="store_true", help="skip the second run and the determinism check")
     args = p.parse_args(argv)
-    if args.seq_len % 2:
-        p.error("--seq-len must be even")
+    device = _check_args(p, args)
     torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
     print(f"mok_nn tiny MoE LM: {args.experts} experts, top-{args.top_k}, device {device}, {args.steps} steps")
     losses, tps = train(args, device)
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    print(f"loss: first 10 steps {first:.4f} -> last 10 steps {last:.4f}   ({tps:.0f} tokens/s)")
+    n = min(10, args.steps // 2)   # the first and the last n steps do not overlap
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    print(f"loss: first {n} steps {first:.4f} -> last {n} steps {last:.4f}   ({tps:.0f} tokens/s)")
     ok = last < first
     if not ok:
         print("FAIL: the loss did not go down")

@@ -62,3 +62,48 @@ def test_progress_redraws_in_place_on_a_tty(capsys, monkeypatch):
     ex.train(args, torch.device("cpu"))
     out = capsys.readouterr().out
     assert out.count("\r") == len(want) and out.startswith("\r") and out.endswith("\n") and out.count("\n") == 1
+
+
+def _main(ex, argv):
+    """ex.main(argv), restoring the global deterministic-algorithms flag it sets."""
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        return ex.main(argv)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_short_run_compares_half_the_steps_each(capsys):
+    """With fewer than 20 steps the printed first/last averages are over steps // 2 steps each, and the
+    line says how many; the values are those of train() with the same arguments."""
+    import re
+
+    ex = _load()
+    seed = int(torch.randint(0, 1000, ()))
+    for steps in (5, 7):
+        args = argparse.Namespace(steps=steps, batch=4, seq_len=8, vocab=8, experts=4, top_k=2, lr=5e-3, seed=seed)
+        losses, _ = ex.train(args, torch.device("cpu"), verbose=False)
+        capsys.readouterr()
+        argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()] + ["--no-repeat", "--device=cpu"]
+        rc = _main(ex, argv)
+        out = capsys.readouterr().out
+        n = steps // 2
+        m = re.search(r"loss: first (\d+) steps (\d+\.\d{4}) -> last (\d+) steps (\d+\.\d{4})", out)
+        assert m, out
+        assert int(m.group(1)) == n and int(m.group(3)) == n
+        assert m.group(2) == f"{sum(losses[:n]) / n:.4f}" and m.group(4) == f"{sum(losses[-n:]) / n:.4f}"
+        assert rc == (0 if sum(losses[-n:]) < sum(losses[:n]) else 1)
+
+
+def test_unusable_arguments_are_argparse_errors(capsys):
+    import pytest
+
+    ex = _load()
+    for argv, name in ((["--steps", "0"], "--steps"), (["--steps", "-4"], "--steps"), (["--steps", "1"], "--steps"),
+                       (["--batch", "0"], "--batch"), (["--vocab", "1"], "--vocab"), (["--seq-len", "0"], "--seq-len"),
+                       (["--experts", "0"], "--experts"), (["--top-k", "3", "--experts", "2"], "--top-k"),
+                       (["--lr", "-1"], "--lr"), (["--device", "bogus"], "--device")):
+        with pytest.raises(SystemExit) as info:
+            _main(ex, argv + ["--no-repeat"])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"error: {name}" in err, (argv, err)
