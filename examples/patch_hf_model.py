@@ -9,6 +9,7 @@ transformers format.  Runs on CPU in seconds:
     python examples/patch_hf_model.py
 """
 
+import argparse
 import copy
 import sys
 import tempfile
@@ -23,7 +24,14 @@ except ImportError:
 from mok_nn.integrations.huggingface import MoKHFBlock, patch_model
 
 
-def main():
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser.parse_args(argv)
+
+
+def main(argv=()):
+    """The demo; ``argv`` are command-line arguments (none but --help; main() is the default run)."""
+    parse_args(list(argv))
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -64,4 +72,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

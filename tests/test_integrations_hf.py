@@ -566,3 +566,20 @@ def test_patch_hf_model_example_runs(capsys):
     assert "patched 2 MoE blocks" in out
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+def test_patch_hf_model_example_has_an_argument_parser():
+    """--help prints the usage and exits 0 without running the demo; an unknown argument is an error."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    script = [sys.executable, str(root / "examples" / "patch_hf_model.py")]
+    ok = subprocess.run(script + ["--help"], capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0 and ok.stdout.startswith("usage:") and "patched" not in ok.stdout, ok
+    bad = subprocess.run(script + ["--no-such-option"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-option" in bad.stderr, bad
+    assert "patched" not in bad.stdout
