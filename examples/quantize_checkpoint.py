@@ -7,7 +7,8 @@ IN is a .safetensors file or a directory of shards (with config.json /
 hf_quant_config.json); any format mok_nn.checkpoint reads is accepted. Expert
 weights stored in floating point are quantised row-wise (along K); FP8
 checkpoints are converted. Everything else is copied unchanged. OUT is written
-in the mok_nn.mxfp8 format (mok_nn.checkpoint.save_mxfp8).
+in the mok_nn.mxfp8 format (mok_nn.checkpoint.save_mxfp8); it may not be the
+input file or lie inside the input directory (it would be read as a shard).
 """
 
 import argparse
@@ -47,6 +48,26 @@ def make_demo_checkpoint(path, layers=2, experts=8, hidden=256, inter=128, seed=
     save_file(tensors, path)
 
 
+def _check_paths(ap, inp, out):
+    """argparse errors naming the path: a missing input, an output inside the input directory (the next
+    run would read it as one more shard) or replacing the input, an output that cannot be written."""
+    if not os.path.exists(inp):
+        ap.error(f"input {inp!r} does not exist")
+    if not os.path.isdir(inp) and not os.path.isfile(inp):
+        ap.error(f"input {inp!r} is neither a file nor a directory")
+    real_in, real_out = os.path.realpath(inp), os.path.realpath(out)
+    if os.path.isdir(inp) and os.path.commonpath([real_in, real_out]) == real_in:
+        ap.error(f"output {out!r} is inside the input directory {inp!r}: a later run would read it as a shard; "
+                 "write it elsewhere")
+    if real_in == real_out:
+        ap.error(f"output {out!r} is the input file: write it elsewhere")
+    if os.path.isdir(out):
+        ap.error(f"output {out!r} is a directory, expected a .safetensors file path")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        ap.error(f"the directory of output {out!r} does not exist")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("input", nargs="?", help="checkpoint file or directory (default: a random demo checkpoint)")
@@ -63,11 +84,15 @@ def main(argv=None):
     if args.output is None:
         base = args.input.rstrip("/").removesuffix(".safetensors")
         args.output = base + ".mxfp8.safetensors"
+    _check_paths(ap, args.input, args.output)
 
-    fmt = checkpoint.detect_format(args.input)
-    source, _, config = checkpoint.read_safetensors(args.input)
-    block = (checkpoint.quantization_config(config) or {}).get("weight_block_size")
-    loaded = checkpoint.load_mxfp8_tensors(args.input, scale_mode=args.scale_mode)
+    try:
+        fmt = checkpoint.detect_format(args.input)
+        source, _, config = checkpoint.read_safetensors(args.input)
+        block = (checkpoint.quantization_config(config) or {}).get("weight_block_size")
+        loaded = checkpoint.load_mxfp8_tensors(args.input, scale_mode=args.scale_mode)
+    except (OSError, checkpoint.CheckpointFormatError) as err:
+        ap.error(f"cannot read input {args.input!r}: {err}")
     quantized = checkpoint.quantize_expert_weights(loaded, scale_mode=args.scale_mode)
     checkpoint.save_mxfp8(args.output, quantized, metadata={"source_format": fmt, "scale_mode": args.scale_mode})
 

@@ -442,3 +442,30 @@ def test_example_script(tmp_path, capsys):
     loaded = ck.load_mxfp8_tensors(out)
     gu, dn = ck.expert_weights(loaded, "model.layers.0.mlp.")
     assert isinstance(gu, MXFP8Tensor) and gu.shape == (2, 64, 64) and dn.shape == (2, 64, 32)
+
+
+def test_example_script_path_errors(tmp_path, capsys):
+    """A missing input, an output inside the input directory or equal to the input file: an argparse
+    error naming the path, nothing written; the directory still reads afterwards."""
+    import runpy
+    import pathlib
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "quantize_checkpoint.py"
+    mod = runpy.run_path(str(script))
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    mod["make_demo_checkpoint"](str(d / "model.safetensors"), layers=1, experts=2, hidden=64, inter=32)
+    missing = tmp_path / "nope" / "in.safetensors"
+    cases = (([str(missing), str(tmp_path / "o.safetensors")], str(missing)),
+             ([str(d), str(d / "out.safetensors")], str(d / "out.safetensors")),
+             ([str(d / "model.safetensors"), str(d / "model.safetensors")], str(d / "model.safetensors")),
+             ([str(d), str(tmp_path / "no_dir" / "o.safetensors")], str(tmp_path / "no_dir" / "o.safetensors")))
+    for argv, named in cases:
+        before = sorted(p.name for p in d.iterdir())
+        with pytest.raises(SystemExit) as info:
+            mod["main"](argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "error:" in err and repr(named) in err, (argv, err)
+        assert sorted(p.name for p in d.iterdir()) == before and not (tmp_path / "o.safetensors").exists()
+    out = tmp_path / "good.safetensors"
+    mod["main"]([str(d), str(out)])
+    assert set(ck.load_mxfp8_tensors(out)) == set(ck.load_mxfp8_tensors(d))
