@@ -382,16 +382,17 @@ def main(argv=None):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         group = dist.group.WORLD
     records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group)
-    if group is not None and dist.get_rank() != 0:
-        dist.destroy_process_group()
-        return
-    out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(summary(records))
-    print(f"wrote {out}")
+    if group is None or dist.get_rank() == 0:
+        out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        print(summary(records))
+        print(f"wrote {out}")
     if group is not None:
+        # every rank waits for the others before tearing down: a rank leaving first made gloo abort others
+        dist.barrier()
         dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

@@ -118,3 +118,30 @@ def test_env_modes_settings_reach_the_backward(monkeypatch):
     assert seen == [{"MOK_TEST_A": "1", "MOK_TEST_B": "x"}] * 2 + [{"MOK_TEST_A": "2", "MOK_TEST_B": None}] * 2
     for k in keys:
         monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_waits_for_the_others_before_teardown(tmp_path, monkeypatch, rank):
+    """Under torchrun (WORLD_SIZE > 1) every rank passes a barrier before destroy_process_group (a rank
+    tearing down while another still wrote the results made gloo abort); only rank 0 writes the file.
+    The process group calls are recorded here instead of run."""
+    import types
+
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append("init"))
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **kw: rank)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **kw: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **kw: calls.append("destroy"))
+    monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=object()))
+    records = [{"shape": "tiny", "impl": "x", "fwd_ms": float(rank + 1)}]
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: calls.append("run") or records)
+    monkeypatch.setattr(bench, "summary", lambda recs: calls.append("write") or "")
+    out = tmp_path / "r.json"
+    bench.main(["--device", "cpu", "--out", str(out)])
+    assert calls == ["init", "run"] + (["write"] if rank == 0 else []) + ["barrier", "destroy"], calls
+    assert out.exists() == (rank == 0)
+    if rank == 0:
+        assert json.loads(out.read_text()) == records
