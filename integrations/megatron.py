@@ -243,18 +243,28 @@ def stack_expert_weights(experts):
 def megatron_to_mok_state_dict(sd: dict, prefix: str = "") -> dict:
     """State dict of one Megatron MoE layer (keys under `prefix`, non-distributed,
     TEGroupedMLP or SequentialMLP experts) -> state dict of a MoKMoELayer.
-    Keys the layer has no counterpart for (e.g. TE `_extra_state`) are dropped."""
+    Keys the layer has no counterpart for (e.g. TE `_extra_state`) are dropped.
+    Raises ValueError naming the keys for expert tensors of both layouts
+    (TEGroupedMLP and SequentialMLP keys mixed), linear_fc1 without linear_fc2
+    (weights or biases) or the other way round, and different expert counts."""
     sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-    out, per_expert = {}, {}
+    out, per_expert, layouts, found = {}, {}, {}, {}
     for k, v in sub.items():
         if (m := _TE_W.match(k)):
-            per_expert.setdefault((f"fc{m.group(1)}", m.group(2)), {})[int(m.group(3))] = v
+            key, i, layout = (f"fc{m.group(1)}", m.group(2)), int(m.group(3)), "TEGroupedMLP"
         elif (m := _SEQ_W.match(k)):
-            per_expert.setdefault((f"fc{m.group(2)}", m.group(3)), {})[int(m.group(1))] = v
+            key, i, layout = (f"fc{m.group(2)}", m.group(3)), int(m.group(1)), "SequentialMLP"
         elif (m := re.fullmatch(r"experts\.linear_fc([12])\.(weight|bias)", k)) and v.dim() == (
                 3 if m.group(2) == "weight" else 2):                 # TE single grouped weight / bias
-            per_expert.setdefault((f"fc{m.group(1)}", m.group(2)), {})[-1] = v
-        elif k in ("router.weight", "router.bias"):
+            key, i, layout = (f"fc{m.group(1)}", m.group(2)), -1, "TEGroupedMLP"
+        else:
+            key = None
+        if key is not None:                                          # a routed expert's weight / bias
+            per_expert.setdefault(key, {})[i] = v
+            layouts.setdefault(layout, []).append(prefix + k)
+            found.setdefault(key, []).append(prefix + k)
+            continue
+        if k in ("router.weight", "router.bias"):
             out[k] = v
         elif k == "router.expert_bias":
             out["router.e_score_correction_bias"] = v
@@ -265,6 +275,16 @@ def megatron_to_mok_state_dict(sd: dict, prefix: str = "") -> dict:
             out["shared_expert.down_proj.weight"] = v
         elif k == "shared_experts.gate_weight":
             out["shared_expert_gate.weight"] = v
+    if len(layouts) > 1:
+        raise ValueError("Megatron expert tensors of both layouts under prefix "
+                         f"{prefix!r}: TEGroupedMLP keys (e.g. {layouts['TEGroupedMLP'][:2]}) and "
+                         f"SequentialMLP keys (e.g. {layouts['SequentialMLP'][:2]}); one would overwrite the other")
+    for kind in ("weight", "bias"):
+        have = [fc for fc in ("fc1", "fc2") if (fc, kind) in found]
+        if len(have) == 1:
+            other = "fc2" if have[0] == "fc1" else "fc1"
+            raise ValueError(f"Megatron expert {kind}s under prefix {prefix!r}: linear_{have[0]} "
+                             f"(e.g. {found[(have[0], kind)][:2]}) but no linear_{other} {kind}")
     names = {("fc1", "weight"): "experts.gate_up_proj", ("fc2", "weight"): "experts.down_proj",
              ("fc1", "bias"): "experts.gate_up_proj_bias", ("fc2", "bias"): "experts.down_proj_bias"}
     for key, tensors in per_expert.items():
@@ -279,6 +299,10 @@ def megatron_to_mok_state_dict(sd: dict, prefix: str = "") -> dict:
         out[names[key]] = torch.stack([tensors[i] for i in idx])
     if "experts.gate_up_proj" not in out:
         raise ValueError(f"no Megatron expert weights under prefix {prefix!r}")
+    counts = {found[key][0]: out[names[key]].shape[0] for key in per_expert}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"Megatron expert tensors under prefix {prefix!r} hold different numbers of experts: "
+                         + ", ".join(f"{n} ({c} experts)" for n, c in counts.items()))
     return out
 
 

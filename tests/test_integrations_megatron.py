@@ -161,6 +161,39 @@ def test_state_dict_round_trip(layout):
     assert torch.equal(mok["experts.gate_up_proj"][i], want)          # fc1 = [gate; up] rows kept
 
 
+@pytest.mark.parametrize("te_layout", ["grouped", "grouped_single"])
+def test_inconsistent_expert_keys_raise_naming_them(te_layout):
+    """TEGroupedMLP and SequentialMLP expert keys in one state dict (one used to overwrite the other),
+    linear_fc1 without linear_fc2 (weights or biases) and different expert counts raise naming keys."""
+    cfg = CONFIGS["gpt_oss_like"]                       # expert biases too
+    seed = int(torch.randint(0, 2**30, ()))
+    te = {"p." + k: v for k, v in _megatron_state_dict(cfg, te_layout, seed).items()}
+    seq = {"p." + k: v for k, v in _megatron_state_dict(cfg, "sequential", seed + 1).items()}
+    fc2_te = [k for k in te if ".linear_fc2." in k]
+    fc2_seq = [k for k in seq if ".linear_fc2." in k]
+    mixed_cases = ({**te, **seq},                                                   # both in full
+                   {**{k: v for k, v in te.items() if k not in fc2_te}, **{k: seq[k] for k in fc2_seq}})  # fc1 / fc2
+    for sd in mixed_cases:
+        with pytest.raises(ValueError, match=r"both layouts.*p\.experts\.linear_fc1\..*p\.experts\.local_experts\.0\."):
+            mg.megatron_to_mok_state_dict(sd, "p.")
+    for base in (te, seq):
+        no_fc2 = {k: v for k, v in base.items() if ".linear_fc2." not in k}
+        with pytest.raises(ValueError, match=r"linear_fc1 \(e\.g\. \['p\.experts\..*linear_fc1\.weight.*no linear_fc2 weight"):
+            mg.megatron_to_mok_state_dict(no_fc2, "p.")
+        no_fc2_bias = {k: v for k, v in base.items() if not (".linear_fc2.bias" in k)}
+        with pytest.raises(ValueError, match=r"p\.experts\..*linear_fc1\.bias.*no linear_fc2 bias"):
+            mg.megatron_to_mok_state_dict(no_fc2_bias, "p.")
+        no_fc1 = {k: v for k, v in base.items() if ".linear_fc1." not in k}
+        with pytest.raises(ValueError, match=r"linear_fc2 \(e\.g\. \['p\.experts\..*no linear_fc1"):
+            mg.megatron_to_mok_state_dict(no_fc1, "p.")
+    fewer = {k: v for k, v in seq.items() if not k.startswith(f"p.experts.local_experts.{E - 1}.linear_fc2.")}
+    with pytest.raises(ValueError, match=rf"different numbers of experts.*\({E} experts\).*\({E - 1} experts\)"):
+        mg.megatron_to_mok_state_dict(fewer, "p.")
+    # each on its own still converts
+    for base in (te, seq):
+        assert mg.megatron_to_mok_state_dict(base, "p.")["experts.down_proj"].shape == (E, H, I)
+
+
 def test_mok_layer_kwargs_translation():
     assert mg.mok_layer_kwargs(CONFIGS["softmax_topk_then_softmax"]) == dict(
         hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, score_func="softmax", norm_topk_prob=True,
