@@ -94,6 +94,7 @@ def test_env_modes_settings_reach_the_backward(monkeypatch):
     import pathlib
 
     path = pathlib.Path(__file__).parent / "gpu" / "bench_env_modes.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its own imports (layer_runs) sit beside it
     spec = importlib.util.spec_from_file_location("bench_env_modes", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
