@@ -334,6 +334,10 @@ def mok_to_megatron_state_dict(sd: dict, prefix: str = "", layout: str = "groupe
             out[prefix + "shared_experts.gate_weight"] = v
         elif k == "shared_expert.down_proj.weight":
             out[prefix + "shared_experts.linear_fc2.weight"] = v
+    halves = [k for k in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight") if k in sd]
+    if len(halves) == 1:
+        raise ValueError(f"mok_to_megatron_state_dict: the shared expert has {halves[0]!r} but not its other half "
+                         f"(gate_proj and up_proj together make Megatron's linear_fc1)")
     if "shared_expert.gate_proj.weight" in sd:
         out[prefix + "shared_experts.linear_fc1.weight"] = torch.cat(
             [sd["shared_expert.gate_proj.weight"], sd["shared_expert.up_proj.weight"]], dim=0)

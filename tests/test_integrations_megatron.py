@@ -373,3 +373,14 @@ def test_choose_backend_falls_back_without_kernel_library(monkeypatch):
     assert mg.choose_backend("auto", x, None, None, None, "swiglu") == "reference"
     with pytest.raises(RuntimeError, match="mok_backend='cuda'.*kernel library"):
         mg.choose_backend("cuda", x, None, None, None, "swiglu")
+
+
+def test_shared_expert_half_missing_raises():
+    """mok_to_megatron_state_dict: a shared expert with gate_proj but no up_proj (or the reverse) cannot make
+    Megatron's linear_fc1; it raised a bare KeyError, now a ValueError naming the half it has."""
+    cfg = CONFIGS["deepseek_v3_like"]
+    mok = mg.megatron_to_mok_state_dict({"p." + k: v for k, v in _megatron_state_dict(cfg, "grouped").items()}, "p.")
+    assert "shared_expert.up_proj.weight" in mok
+    for gone, kept in (("shared_expert.up_proj.weight", "gate_proj"), ("shared_expert.gate_proj.weight", "up_proj")):
+        with pytest.raises(ValueError, match=kept):
+            mg.mok_to_megatron_state_dict({k: v for k, v in mok.items() if k != gone}, "p.", "grouped")
