@@ -189,7 +189,9 @@ def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
 def fake_quantize(
     x: torch.Tensor, axis: int = -1, block_size: int = 32, scale_mode: str = "rceil"
 ) -> torch.Tensor:
-    """``dequantize(quantize(x, ...))`` in ``x.dtype``: the values an MXFP8 GEMM operand takes."""
+    """``dequantize(quantize(x, ...))`` in ``x.dtype``: the values an MXFP8 GEMM operand takes. Near the top of
+    ``x.dtype``'s range (fp16 >= 63488) an element rounded up to 448 * 2**e is inf in ``x.dtype``
+    (docs/mxfp8.md)."""
     return dequantize(quantize(x, axis, block_size, scale_mode), x.dtype)
 
 
