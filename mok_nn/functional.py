@@ -15,6 +15,7 @@ params: ExpertParams (gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I], optional
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from dataclasses import dataclass, field
@@ -145,8 +146,14 @@ def release_workspaces(ep_group=None) -> int:
 def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor | None = None):
     """Which rows each rank computes, grouped by expert, from the routing. x: the tokens the next forward
     call takes (the CUDA backend may gather them in schedule order with the schedule; optional)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype != torch.int64:
+        raise ValueError(f"topk_ids must be an int64 [tokens, top_k] tensor, got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)} {tuple(getattr(topk_ids, 'shape', ()))}")
+    if topk_ids.shape[1] != workspace.top_k:
+        raise ValueError(f"topk_ids has top_k = {topk_ids.shape[1]}, the workspace {workspace.top_k}")
     if workspace.backend == "cuda":
-        return _cuda_backend().build_schedule(topk_ids, workspace, x)
+        with on_device(topk_ids.device):
+            return _cuda_backend().build_schedule(topk_ids, workspace, x)
     signature = _ep_signature(workspace, topk_ids) if workspace.ep_group is not None else None
     return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group, signature)
 
@@ -162,6 +169,14 @@ def _ep_signature(ws: Workspace, topk_ids) -> dict:
             "precision code": 1 if ws.precision == "mxfp8" else 0,
             "activation code": reference.ACTIVATIONS.index(ws.activation),
             "swiglu_limit x 1e6": -1 if limit is None else round(float(limit) * 1e6)}
+
+
+def on_device(device: torch.device):
+    """The kernels launch on the current CUDA device's current stream: make the tensors' device current where
+    it is not (a layer on cuda:1 while cuda:0 is current would launch on the wrong GPU); nothing otherwise."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _check_against_workspace(x, topk_ids, params: ExpertParams, ws: Workspace) -> None:
@@ -180,7 +195,8 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward)."""
     _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
-        return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
+        with on_device(x.device):
+            return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
     return reference.experts_forward(
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
         workspace.precision,
@@ -198,7 +214,8 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     with this call's row gradients. The CUDA kernels add the weight gradients in their stores.
     """
     if workspace.backend == "cuda":
-        return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
+        with on_device(x.device):
+            return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
     return reference.experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
         workspace.precision, grads_into,

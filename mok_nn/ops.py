@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import reference
 from .autograd import autocast_off
+from .functional import on_device
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -114,7 +115,7 @@ def routed_experts_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Returns (y [T, H], gate_up in the backend's row order, kept for backward)."""
     impl = _cuda() if backend == "cuda" else reference
-    with autocast_off(x.device.type):  # the inputs' dtype, as the backward op computes
+    with autocast_off(x.device.type), on_device(x.device):  # the inputs' dtype, as the backward op computes
         y, saved = impl.experts_forward(
             x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
         )
@@ -140,14 +141,15 @@ def routed_experts_bwd(
 
     A bias gradient is an empty tensor where the bias is None (ops cannot return None).
     """
-    if backend == "cuda":
-        cb = _cuda()
-        sched = cb.make_schedule(topk_ids, gate_up_proj.shape[0])
-        saved, impl = cb.CudaSaved(sched, cb.gather_rows(x.contiguous(), sched), gate_up), cb
-    else:
-        plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
-        saved, impl = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up), reference
-    with autocast_off(x.device.type):
+    with on_device(x.device):
+        if backend == "cuda":
+            cb = _cuda()
+            sched = cb.make_schedule(topk_ids, gate_up_proj.shape[0])
+            saved, impl = cb.CudaSaved(sched, cb.gather_rows(x.contiguous(), sched), gate_up), cb
+        else:
+            plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
+            saved, impl = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up), reference
+    with autocast_off(x.device.type), on_device(x.device):
         dx, d_topk, g = impl.experts_backward(
             grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
             activation, swiglu_limit,

@@ -224,3 +224,35 @@ def test_workspace_of_other_sizes_is_refused():
         with pytest.raises((ValueError, TypeError), match=word):
             functional.get_workspace(**{**dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K,
                                                dtype=torch.float32, backend="reference"), **kw})
+
+
+def test_kernels_run_on_the_tensors_device(monkeypatch):
+    """functional.on_device (around every CUDA-path call of functional and mok_nn.ops): the kernels launch on
+    the current device's current stream, so a layer on cuda:1 while cuda:0 is current must make cuda:1 current
+    first (it launched on the wrong GPU); on the current device or the CPU nothing is switched."""
+    import contextlib
+
+    from mok_nn import functional
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(torch.device(d)) or contextlib.nullcontext())
+    for dev in ("cpu", "cuda:0"):
+        functional.on_device(torch.device(dev))
+    assert entered == []
+    functional.on_device(torch.device("cuda:1"))
+    assert entered == [torch.device("cuda:1")]
+
+
+def test_build_schedule_checks_the_ids_first():
+    """build_schedule runs before forward's checks: it names bad topk_ids itself (int32 ids failed inside a
+    kernel launch or scatter_add_ on the CUDA path, with a message about a kernel argument)."""
+    from mok_nn import functional
+
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, dtype=torch.float32,
+                                  backend="reference")
+    ids = torch.topk(torch.randn(T, E, generator=torch.Generator().manual_seed(4)), K, dim=1).indices
+    for bad, word in ((ids.int(), "int64"), (ids.reshape(-1), r"\[tokens, top_k\]"), (ids[:, :1], "top_k = 1")):
+        with pytest.raises(ValueError, match=word):
+            functional.build_schedule(bad, ws)
+    functional.build_schedule(ids, ws)  # the good ones pass

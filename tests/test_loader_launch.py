@@ -255,14 +255,22 @@ def test_argument_count_and_unknown_kernel():
 
 
 def test_scalars_and_streams_the_packed_format_does_not_take():
-    """int32 scalars out of range wrap, float overflow gives inf, stream None is NULL: as ctypes does."""
+    """float overflow gives inf, stream None is NULL, a float or tensor int32 is truncated: as ctypes does; an
+    int32 scalar out of range raises on both paths (ctypes used to wrap it silently: 2**31 + 5 became negative)."""
     spec = registry.SPECS_BY_NAME["mok_gemm_gate_up_swiglu"]  # ..., limit (f32), group_m (i32)
     rng = random.Random(3)
-    for limit, group_m, stream in [(1e300, 2**31 + 5, None), (-1e300, -(2**40) - 1, 0), (7, 3.9, 2**64 - 1),
+    for limit, group_m, stream in [(1e300, 2**31 - 1, None), (-1e300, -(2**31), 0), (7, 3.9, 2**64 - 1),
                                    (torch.tensor(2.5), torch.tensor(4), 12)]:
         args = rand_args(spec, rng)
         args[-2], args[-1] = limit, group_m
         assert same_bytes(spec.name, args, stream)
+    lib = make_lib()
+    for group_m in (2**31 + 5, -(2**40) - 1):
+        args = rand_args(spec, rng)
+        args[-1] = group_m
+        for how in ("launch", "launch_ctypes"):
+            with pytest.raises(ValueError, match="group_m: .* does not fit an int32"):
+                getattr(lib, how)(spec.name, *args, stream=0)
 
 
 def test_launch_error_code():

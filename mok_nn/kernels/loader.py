@@ -142,7 +142,12 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "i
 
 def _to_ctypes(a, t, kname: str):
     if isinstance(a, registry.ScalarArg):
-        return ctypes.c_int32(int(t)) if a.dtype == "i32" else ctypes.c_float(float(t))
+        if a.dtype == "i32":
+            v = int(t)
+            if not -(2**31) <= v < 2**31:  # c_int32 would wrap it silently
+                raise ValueError(f"{kname}.{a.name}: {v} does not fit an int32")
+            return ctypes.c_int32(v)
+        return ctypes.c_float(float(t))
     check_tensor(a, t, kname)
     size, stride = t.shape, t.stride()
     shapes = [size[i] for i in a.dyn_shape_modes()]
@@ -166,6 +171,8 @@ def check_tensor(a, t, kname: str, on_device: bool = True) -> None:
     if t.data_ptr() % a.align:
         raise ValueError(f"{kname}.{a.name}: data pointer not {a.align}-byte aligned")
     size, stride = t.shape, t.stride()
+    if any(n >= 2**31 for n in size):  # the argument structs carry extents as int32
+        raise ValueError(f"{kname}.{a.name}: extents {tuple(size)} do not fit int32")
     for i, (s, st) in enumerate(zip(a.shape, a.stride)):
         if s != registry.DYN and size[i] != s:
             raise ValueError(f"{kname}.{a.name}: mode {i} has extent {size[i]}, expected {s}")
