@@ -11,8 +11,8 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   MOK_GATHER_ROWS=kernel: mok_gather_rows, warp per row; =torch: index_select);
                   in the forward launched by the schedule's host call (mok_schedule_gather,
                   make_schedule(gather_x=); MOK_SCHEDULE_GATHER=0: its own launch)
-  gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); where H <= 2048 with
-                  the activation in its epilogue: mok_gemm_gate_up_<act>_ppc (MOK_GEMM_ACT, below)
+  gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); with the activation in it
+                  (MOK_GEMM_ACT, below): mok_gemm_gate_up_<act>_ppc where H <= 2048, _ef where H <= 8192
   activation      mok_act_fwd_<act> (one pass over gate_up)
   down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below)
   combine         mok_combine_cp (top_k <= 16), mok_combine_k2 (top_k = 2), mok_combine (fixed tree over expert
@@ -45,7 +45,8 @@ mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
 H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
 bitwise. MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
 (mok_gemm_gate_up_<act>[_ppc], I % 128 == 0, no gate/up bias; bitwise equal to the two
-kernels); auto (default): where the clustered ping-pong kernel runs it (H <= 2048).
+kernels); auto (default): where the clustered ping-pong kernel runs it (H <= 2048), and where H <= 8192
+on the cooperative kernel whose idle producer warps compute the activation (mok_gemm_gate_up_<act>_ef).
 MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
 each expert row's token through the schedule (mok_gemm_bk[_ef]_gather, cp.async),
 so no permuted copy of x is made or saved for backward (the backward gathers x
@@ -247,7 +248,7 @@ def _gathers_with_schedule(x: torch.Tensor, pos: torch.Tensor) -> bool:
     """Whether make_schedule can gather x in the schedule's call: x holds the schedule's tokens (pos [T, k])
     and take_rows would run mok_scatter_rows on them (_gather_rows_kernel).
     MOK_SCHEDULE_GATHER=0: never (the gather gets its own launch, as before; the same bits)."""
-    return (os.environ.get("MOK_SCHEDULE_GATHER", "1") != "0" and x.dim() == 2 and x.shape[0] == pos.shape[0] > 0
+    return (env_choice("MOK_SCHEDULE_GATHER", ("1", "0"), "1") == "1" and x.dim() == 2 and x.shape[0] == pos.shape[0] > 0
             and _gather_rows_kernel(x, pos) == "mok_scatter_rows")
 
 
@@ -291,15 +292,15 @@ def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
 
 
 def _use_torch_gemm() -> bool:
-    return os.environ.get("MOK_GEMM", "") == "torch"
+    return env_choice("MOK_GEMM", ("kernel", "torch"), "kernel") == "torch"
 
 
 def _use_torch_wgrad() -> bool:
-    return _use_torch_gemm() or os.environ.get("MOK_WGRAD", "") == "torch"
+    return _use_torch_gemm() or env_choice("MOK_WGRAD", ("kernel", "torch"), "kernel") == "torch"
 
 
 def _use_torch_act() -> bool:
-    return os.environ.get("MOK_ACT", "") == "torch"
+    return env_choice("MOK_ACT", ("kernel", "torch"), "kernel") == "torch"
 
 
 PINGPONG_MODES = ("auto", "0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first is the default
@@ -365,7 +366,7 @@ def _fused_mode(var: str, kind: str, k: int) -> bool:
 
 
 def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
-    return os.environ.get(var, "0") == "1" and not _use_torch_gemm()
+    return env_choice(var, ("0", "1"), "0") == "1" and not _use_torch_gemm()
 
 
 def _lib():
@@ -655,7 +656,10 @@ def wgrad_group_m(name: str, nb: int) -> int:
     """Row tiles (row-tile pairs in the clustered kernels) per raster band of weight-gradient kernel `name`
     with nb output columns: MOK_WGRAD_GROUP_M, else 8 where the columns span more than 32 tiles, else 1
     (column tiles fastest)."""
-    return int(os.environ.get("MOK_WGRAD_GROUP_M", 0)) or gemm_group_m(nb, tile_n_of(name))
+    forced = os.environ.get("MOK_WGRAD_GROUP_M", "")
+    if forced and not (forced.isdigit() and int(forced) > 0):
+        raise ValueError(f"MOK_WGRAD_GROUP_M={forced!r}: expected a positive integer")
+    return int(forced) if forced else gemm_group_m(nb, tile_n_of(name))
 
 
 MAX_TOP_K = 32  # the combine kernels hold slot j's row index, leaf and weight in lane j of a warp

@@ -211,3 +211,24 @@ def test_config_takes_numpy_numbers_as_plain_ones():
                     (dict(minibatch_size=True), TypeError), (dict(schedule_capacity_multiplier="2"), TypeError)):
         with pytest.raises(exc, match="MoKConfig"):
             MoKConfig(**kw)
+
+
+def test_debug_switches_reject_unknown_values(monkeypatch):
+    """The CUDA path's switches read per call (MOK_GEMM, MOK_WGRAD, MOK_ACT, MOK_GEMM_GATHER(_DY),
+    MOK_SCHEDULE_GATHER, MOK_WGRAD_GROUP_M) raise naming the variable for a value they do not know, instead of
+    silently meaning their default (MOK_GEMM_GATHER=true was off)."""
+    from mok_nn import cuda_backend as cb
+
+    for var, fn, bad in (("MOK_GEMM", cb._use_torch_gemm, "yes"), ("MOK_WGRAD", cb._use_torch_wgrad, "Torch"),
+                         ("MOK_ACT", cb._use_torch_act, "1"), ("MOK_GEMM_GATHER", cb._use_gather, "true"),
+                         ("MOK_GEMM_GATHER_DY", lambda: cb._use_gather("MOK_GEMM_GATHER_DY"), "on")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            fn()
+        monkeypatch.delenv(var)
+        assert fn() is False
+    monkeypatch.setenv("MOK_GEMM_GATHER", "1")
+    assert cb._use_gather() is True
+    monkeypatch.setenv("MOK_WGRAD_GROUP_M", "x")
+    with pytest.raises(ValueError, match="MOK_WGRAD_GROUP_M"):
+        cb.wgrad_group_m("mok_gemm_wgrad", 256)

@@ -2,8 +2,9 @@
 
 Search order for `libmok_kernels.so` + `manifest.json`:
 an explicit `lib_dir` argument, then `$MOK_KERNEL_CACHE/<arch>` (or
-`$MOK_KERNEL_CACHE` itself if it directly holds the library), then
-`~/.cache/mok_nn/kernels/<arch>` (XDG_CACHE_HOME respected). A library whose
+`$MOK_KERNEL_CACHE` itself if it directly holds the library) where that
+variable is set, else `~/.cache/mok_nn/kernels/<arch>` (XDG_CACHE_HOME
+respected). A library whose
 manifest names another source hash than this checkout's kernels is stale and
 is not used. Where none is usable and the CuTe DSL is importable, the library
 is compiled once into the cache (a child process, so the DSL never shares a
@@ -100,7 +101,10 @@ class KernelLibrary:
         self._error_string = error_string
         self._plans = {name: _Plan(spec) for name, spec in registry.SPECS_BY_NAME.items()}
         # MOK_LAUNCH=ctypes: one ctypes object per argument, as before the packed path (a fallback)
-        self._packed = os.environ.get("MOK_LAUNCH", "packed") != "ctypes"
+        mode = os.environ.get("MOK_LAUNCH", "") or "packed"
+        if mode not in ("packed", "ctypes"):
+            raise ValueError(f"MOK_LAUNCH={mode!r}: expected 'packed' or 'ctypes'")
+        self._packed = mode == "packed"
 
     def launch(self, name: str, *args, stream: int) -> None:
         """args: torch tensors / python scalars in the order of the spec; stream: cudaStream_t as int."""
