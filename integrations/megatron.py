@@ -181,19 +181,30 @@ def mok_layer_kwargs(cfg) -> dict[str, Any]:
 # Routing and weights (pure)
 # --------------------------------------------------------------------------
 
-def topk_from_routing_map(probs: torch.Tensor, routing_map: torch.Tensor, top_k: int):
+def topk_from_routing_map(probs: torch.Tensor, routing_map: torch.Tensor, top_k: int, check: str | None = None):
     """Megatron's dense routing ([T, E] probs, [T, E] bool map, exactly top_k
     True per row) -> (topk_ids int64 [T, k] ascending, topk_weights fp32 [T, k]).
-    The weights are gathered from `probs`, so gradients reach the router."""
+    The weights are gathered from `probs`, so gradients reach the router.
+
+    A row with another number of experts (token dropping, not supported): check="raise" raises ValueError
+    (reads the counts back to the host); check="nan" gives that token NaN weights, so its output is NaN,
+    without a host synchronisation. Default: "raise" on the CPU, "nan" on a GPU (every forward would wait
+    for the GPU otherwise)."""
     if probs.shape != routing_map.shape or probs.dim() != 2:
         raise ValueError(f"probs {tuple(probs.shape)} and routing_map {tuple(routing_map.shape)} must be the same [T, E]")
+    check = check or ("nan" if probs.is_cuda else "raise")
+    if check not in ("raise", "nan"):
+        raise ValueError(f"check must be 'raise' or 'nan', got {check!r}")
     counts = routing_map.sum(dim=-1)
-    if probs.shape[0] and not bool((counts == top_k).all()):
+    if check == "raise" and probs.shape[0] and not bool((counts == top_k).all()):
         raise ValueError(f"every token must be routed to exactly top_k={top_k} experts "
                          f"(got between {int(counts.min())} and {int(counts.max())}); token dropping is not supported")
     # a stable descending sort of the 0/1 map lists the chosen experts in ascending order
     ids = torch.sort(routing_map.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :top_k]
-    return ids, probs.gather(1, ids).float()
+    weights = probs.gather(1, ids).float()
+    if check == "nan":
+        weights = torch.where((counts == top_k).unsqueeze(1), weights, float("nan"))
+    return ids, weights
 
 
 _TE_W = re.compile(r"^experts\.linear_fc([12])\.(weight|bias)(\d+)$")

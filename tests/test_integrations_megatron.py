@@ -265,6 +265,12 @@ def test_topk_from_routing_map():
     assert logits.grad is not None and logits.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="exactly top_k=3"):
         mg.topk_from_routing_map(probs, rmap & (torch.arange(E) != int(ids[0, 0])), 3)
+    # without a host synchronisation (the default on a GPU): the token routed to 2 experts gets NaN weights, the
+    # others their probabilities
+    dropped = rmap & (torch.arange(E) != int(ids[0, 0]))
+    ids2, w2 = mg.topk_from_routing_map(probs, dropped, 3, check="nan")
+    assert torch.isnan(w2[0]).all() and not torch.isnan(w2[1:]).any()
+    torch.testing.assert_close(w2[1:], probs.gather(1, ids2)[1:])
 
 
 class _Lin(torch.nn.Module):
