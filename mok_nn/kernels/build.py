@@ -153,6 +153,24 @@ def _cuda_include(cudart: str) -> str:
     return str(_CSRC / "cuda_shim")
 
 
+def publish(lib_file: pathlib.Path, manifest: dict, out_dir: pathlib.Path) -> None:
+    """Put the library, then the manifest that vouches for it, into out_dir, each by os.replace from a temporary
+    file in out_dir itself: a rename within one file system, so a reader sees the old file or the new one, never a
+    half-written one, and a process that has the old library loaded keeps its (unlinked) file (shutil.move from
+    another file system overwrote it in place: a loaded copy could then crash)."""
+    tmp_lib = out_dir / f".{registry.LIB_NAME}.{os.getpid()}.tmp"
+    tmp_man = out_dir / f".{registry.MANIFEST}.{os.getpid()}.tmp"
+    try:
+        shutil.copyfile(lib_file, tmp_lib)
+        os.chmod(tmp_lib, 0o755)
+        os.replace(tmp_lib, out_dir / registry.LIB_NAME)
+        tmp_man.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp_man, out_dir / registry.MANIFEST)
+    finally:
+        for t in (tmp_lib, tmp_man):
+            t.unlink(missing_ok=True)
+
+
 def build(arch: str, out: str, jobs: int | None = None, verbose: bool = True) -> pathlib.Path:
     t0 = time.time()
     out_dir = pathlib.Path(out).resolve()
@@ -187,9 +205,7 @@ def build(arch: str, out: str, jobs: int | None = None, verbose: bool = True) ->
             "dsl_version": getattr(cutlass, "__version__", "unknown"),
             "kernels": names,
         }
-        # Publish atomically: library first, then the manifest that vouches for it.
-        shutil.move(str(lib_tmp), out_dir / registry.LIB_NAME)
-        (out_dir / registry.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        publish(lib_tmp, manifest, out_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if verbose:

@@ -55,7 +55,10 @@ def _usable(d: pathlib.Path, arch: str) -> tuple[bool, str]:
     lib, man = d / registry.LIB_NAME, d / registry.MANIFEST
     if not lib.is_file() or not man.is_file():
         return False, f"no {registry.LIB_NAME} in {d}"
-    m = json.loads(man.read_text())
+    try:
+        m = json.loads(man.read_text())
+    except (OSError, ValueError) as e:  # e.g. a manifest being written by another process's build
+        return False, f"{man} is unreadable ({e})"
     if m.get("arch") != arch:
         return False, f"{d} holds kernels for {m.get('arch')}, not {arch}"
     if m.get("source_hash") != registry.source_hash():
@@ -339,6 +342,31 @@ _lock = threading.Lock()
 _loaded: dict = {}
 
 
+def _build_in_child(arch: str, target: pathlib.Path, cmd: str) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(
+        [sys.executable, "-m", "mok_nn.kernels.build", "--arch", arch, "--out", str(target)],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise KernelLibraryError(f"building the kernels failed ({cmd}):\n{r.stderr[-4000:]}")
+
+
+def build_once(target: pathlib.Path, arch: str, build_fn) -> bool:
+    """Run build_fn unless `target` already holds a usable library, under a file lock in `target` shared by
+    every process on this machine (the ranks of a torchrun job starting on an empty cache all got here at
+    once and built into the same folder). Returns whether this process built."""
+    import fcntl
+
+    target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _usable(target, arch)[0]:  # another process built it while this one waited
+            return False
+        build_fn()
+        return True
+
+
 def load(arch: str = "sm_90a", lib_dir=None, build_if_missing: bool = True) -> KernelLibrary:
     key = (arch, str(lib_dir))
     lib = _loaded.get(key)  # without the lock: an entry, once there, is complete
@@ -361,13 +389,7 @@ def load(arch: str = "sm_90a", lib_dir=None, build_if_missing: bool = True) -> K
                 "mok_nn CUDA kernels are not built (" + "; ".join(reasons) + "). "
                 f"Install nvidia-cutlass-dsl[cu13]==4.8.1 and run: {cmd}"
             )
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-        r = subprocess.run(
-            [sys.executable, "-m", "mok_nn.kernels.build", "--arch", arch, "--out", str(target)],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if r.returncode != 0:
-            raise KernelLibraryError(f"building the kernels failed ({cmd}):\n{r.stderr[-4000:]}")
+        build_once(target, arch, lambda: _build_in_child(arch, target, cmd))
         ok, why = _usable(target, arch)
         if not ok:
             raise KernelLibraryError(f"built kernels are unusable: {why}")
