@@ -192,7 +192,10 @@ def _check_against_workspace(x, topk_ids, params: ExpertParams, ws: Workspace) -
 
 
 def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace: Workspace):
-    """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward)."""
+    """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward). Expert ids must lie in [0, num_experts):
+    the reference backend raises ValueError otherwise; the CUDA backend reads no values back to the host and
+    does not check them (an id outside that range corrupts its schedule), as in the layer, whose router only
+    gives valid ids."""
     _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
         with on_device(x.device):
