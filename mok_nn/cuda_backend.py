@@ -618,14 +618,14 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     no second gradient buffer), else computed apart and added (bf16 round of the sum either way).
     """
     name = os.environ.get("MOK_WGRAD_KERNEL") or wgrad_kernel(sched, b_rows.shape[1], into is not None)
+    if name not in WGRAD_KERNELS:  # (checked first: also where MOK_WGRAD=torch or an accumulation ignores it)
+        raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
     acc_name = WGRAD_ACC_KERNELS.get(name)
     if into is not None and (_use_torch_wgrad() or acc_name is None or not _accumulates_in_place(into)):
         return into.add_(weight_grad(a_rows, b_rows, sched, counts).to(into.dtype))
     if _use_torch_wgrad():
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
-    if name not in WGRAD_KERNELS:
-        raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
     if into is None:
         out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
     else:

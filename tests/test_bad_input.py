@@ -232,3 +232,17 @@ def test_debug_switches_reject_unknown_values(monkeypatch):
     monkeypatch.setenv("MOK_WGRAD_GROUP_M", "x")
     with pytest.raises(ValueError, match="MOK_WGRAD_GROUP_M"):
         cb.wgrad_group_m("mok_gemm_wgrad", 256)
+
+
+def test_unknown_wgrad_kernel_raises_even_on_the_torch_path(monkeypatch):
+    """MOK_WGRAD_KERNEL names a registry kernel; an unknown one raised only where a kernel launched, and was
+    silently ignored under MOK_WGRAD=torch."""
+    from mok_nn import cuda_backend as cb
+
+    monkeypatch.setenv("MOK_WGRAD", "torch")
+    monkeypatch.setenv("MOK_WGRAD_KERNEL", "mok_gemm_wgrad_nonexistent")
+    ids = torch.randint(0, 4, (6, 2))
+    sched = cb.make_schedule_torch(ids, 4)
+    rows = torch.randn(sched.capacity, 8).bfloat16()
+    with pytest.raises(ValueError, match="MOK_WGRAD_KERNEL"):
+        cb.weight_grad(rows, rows, sched, sched.seg_rows)
