@@ -232,6 +232,11 @@ def detect_format(tensors_or_path, config=None, metadata=None) -> str:
 _SCALE_SUFFIXES = ("_scale", "_scale_inv")
 
 
+def _scales_next_to(name: str, tensors: Mapping) -> list:
+    """The scale tensors ``name_scale`` / ``name_scale_inv`` present beside ``name``."""
+    return [name + s for s in _SCALE_SUFFIXES if name + s in tensors]
+
+
 def _check_scaled_data(tensors: Mapping, fmt: str) -> None:
     """Every tensor ``X`` next to a scale ``X_scale`` / ``X_scale_inv`` must be quantised data of ``fmt``
     (float8_e4m3fn; uint8 E4M3 bytes in the MX formats): raw values next to a scale would otherwise be
@@ -239,7 +244,7 @@ def _check_scaled_data(tensors: Mapping, fmt: str) -> None:
     allowed = (_FP8, torch.uint8) if fmt in _MX_FORMATS else (_FP8,)
     bad = []
     for name, t in tensors.items():
-        scales = [name + s for s in _SCALE_SUFFIXES if name + s in tensors]
+        scales = _scales_next_to(name, tensors)
         if scales and (fmt == FORMAT_UNQUANTIZED or t.dtype not in allowed):
             bad.append(f"tensor {name!r} has dtype {t.dtype} next to its scale {scales[0]!r}")
     if not bad:
@@ -380,7 +385,7 @@ def _check_already_read(tensors: Mapping) -> None:
             raise CheckpointFormatError(f"tensor {name!r} is a {type(t).__name__}, expected MXFP8Tensor or Tensor")
         if isinstance(t, MXFP8Tensor):
             continue
-        scales = [name + s for s in _SCALE_SUFFIXES if name + s in tensors]
+        scales = _scales_next_to(name, tensors)
         if scales or t.dtype == _FP8:
             why = f"sits next to its scale tensor {scales[0]!r}" if scales else "is FP8 data without a scale"
             raise CheckpointFormatError(

@@ -124,6 +124,12 @@ def _check_workspace_args(hidden_size, intermediate_size, num_experts, top_k, dt
         raise ValueError(f"top_k ({top_k}) must be at most num_experts ({num_experts})")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    check_activation(activation, swiglu_limit)
+
+
+def check_activation(activation, swiglu_limit) -> None:
+    """ValueError unless activation is one of reference.ACTIVATIONS and swiglu_limit None or a number > 0
+    (get_workspace and mok_nn.ops.routed_experts)."""
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
     if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import reference
 from .autograd import autocast_off
-from .functional import on_device
+from .functional import check_activation, on_device
 
 BACKENDS = ("auto", "reference", "cuda")
 
@@ -70,9 +70,7 @@ def check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_u
     for name, t in tensors.items():
         need(t is None and "bias" in name or isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}",
              TypeError)
-    need(activation in reference.ACTIVATIONS, f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
-    need(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and not isinstance(swiglu_limit, bool)
-                                  and swiglu_limit > 0), f"swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
+    check_activation(activation, swiglu_limit)
     need(x.dim() == 2, f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
     need(topk_ids.dtype == torch.int64, f"topk_ids must be int64, got {topk_ids.dtype}", TypeError)
     need(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
@@ -149,11 +147,11 @@ def routed_experts_bwd(
         else:
             plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
             saved, impl = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up), reference
-    with autocast_off(x.device.type), on_device(x.device):
-        dx, d_topk, g = impl.experts_backward(
-            grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-            activation, swiglu_limit,
-        )
+        with autocast_off(x.device.type):
+            dx, d_topk, g = impl.experts_backward(
+                grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                activation, swiglu_limit,
+            )
     return dx, d_topk, g.gate_up_proj, g.down_proj, _or_empty(g.gate_up_bias, x), _or_empty(g.down_bias, x)
 
 
