@@ -634,11 +634,14 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     peer row it needs from that peer's own section over NVLink, once, mok_scatter_rows_peers; on the GPU
     only, else 'push': scatter_from_ranks). The GEMMs read the same rows in all five; 'push', 'copy_engine'
     and 'all' also move the rows of tokens routed to no expert here.
-    auto (default): 'push' where a token has an expert on a given rank with probability >=
+    auto (default): 'scatter' where a token has an expert on a given rank with probability >=
     PULL_ALL_MIN_SHARE under uniform routing (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2,
-    0.996; mixtral 0.79), else 'needed'. Measured at EP = 2: 'all' against 'needed'
+    0.996; mixtral 0.79) and P <= 32 ('all' above), else 'needed'. Measured at EP = 2: 'all' against 'needed'
     (docs/benchmarks/..._v72_eppull_modes.log): qwen3 forward 2.00 / 2.00 vs 2.12 / 2.07 ms; 'push' against
-    'all': docs/ep.md (ninth session)."""
+    'all': docs/ep.md (ninth session); 'scatter' against 'push' (with d y rows the same way, fifteenth
+    session): forward 1.5-2% faster at qwen3 and deepseek-v3, backward 2-7% at qwen3, mixtral 1% slower than
+    'needed' (docs/benchmarks/2026-12-01_h200x2_ep2_v154_epscatter_modes_95ca1f2.txt). Where scatter cannot
+    run (cuda_ep.forward: scatter_from_ranks_ok, the gathering GEMM) the forward pushes instead."""
     mode = cb.env_choice("MOK_EP_PULL", PULL_MODES, PULL_MODES[0])
     if mode != "auto":
         return mode
@@ -646,7 +649,7 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     share = 1 - math.comb(num_experts - e_l, top_k) / math.comb(num_experts, top_k)
     if share < PULL_ALL_MIN_SHARE:
         return "needed"
-    return "push" if ep_size <= 32 else "all"  # (the push holds one rank per lane of a warp)
+    return "scatter" if ep_size <= 32 else "all"  # (measured at P = 2 only; the push fallback: a lane per rank)
 
 
 DY_ROWS_MODES = ("auto", "push", "pull", "scatter")  # MOK_EP_DY_ROWS; the first is the default
@@ -657,12 +660,14 @@ def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     part of every peer's dy section before the barrier: one copy_ per peer, no pull after it), 'pull' (its own
     section only, then each peer pulls the rows it needs after the barrier) or 'scatter' (its own section only;
     each peer's gather reads the rows it needs from there over NVLink: scatter_from_ranks; also the x rows where
-    the forward kept none, MOK_EP_SAVE_X_ROWS=0). 'auto' (default): 'push' where the
-    forward's token rows go to every rank (token_rows_mode 'push' or 'copy_engine': nearly every row is needed),
-    else 'pull'. The same rows either way."""
+    the forward kept none, MOK_EP_SAVE_X_ROWS=0). 'auto' (default): as the forward's token rows go
+    (token_rows_mode): 'scatter' there gives 'scatter' (the pair measured together, see token_rows_mode),
+    'push' or 'copy_engine' (every row to every rank: nearly every row is needed) give 'push', else 'pull'.
+    The same rows either way."""
     mode = cb.env_choice("MOK_EP_DY_ROWS", DY_ROWS_MODES, DY_ROWS_MODES[0])
     if mode == "auto":
-        return "push" if token_rows_mode(num_experts, ep_size, top_k) in ("push", "copy_engine") else "pull"
+        rows = token_rows_mode(num_experts, ep_size, top_k)
+        return "scatter" if rows == "scatter" else "push" if rows in ("push", "copy_engine") else "pull"
     return mode
 
 

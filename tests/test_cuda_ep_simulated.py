@@ -336,9 +336,11 @@ def test_token_rows_modes_give_the_same_bits(cpu_kernels, monkeypatch):
 
 
 def test_token_rows_rule(monkeypatch):
-    """MOK_EP_PULL=auto pushes every row where nearly every token has an expert on each rank."""
+    """MOK_EP_PULL=auto: where nearly every token has an expert on each rank, the gather reads the peers' rows
+    from their sections (scatter; up to 32 ranks, else every row pulled), else only the needed rows."""
     monkeypatch.delenv("MOK_EP_PULL", raising=False)
-    assert cuda_ep.token_rows_mode(128, 2, 8) == cuda_ep.token_rows_mode(256, 2, 8) == "push"  # 0.996
+    assert cuda_ep.token_rows_mode(128, 2, 8) == cuda_ep.token_rows_mode(256, 2, 8) == "scatter"  # 0.996
+    assert cuda_ep.token_rows_mode(64, 64, 60) == "all"  # 0.94 over 64 ranks
     assert cuda_ep.token_rows_mode(8, 2, 2) == "needed"  # mixtral: 0.79
     assert cuda_ep.token_rows_mode(16, 8, 1) == "needed"  # top-1 over 8 ranks: 0.125
     monkeypatch.setenv("MOK_EP_PULL", "all")

@@ -187,7 +187,8 @@ def test_dy_rows_push_wiring(stub_copies, monkeypatch, tokens):
         for u, v in zip(a[:3] + (a[3].gate_up_proj, a[3].down_proj), b[:3] + (b[3].gate_up_proj, b[3].down_proj)):
             assert torch.equal(_bits(u), _bits(v)), r
     monkeypatch.delenv("MOK_EP_DY_ROWS")
-    assert cuda_ep.dy_rows_mode(128, 2, 8) == "push" and cuda_ep.dy_rows_mode(8, 2, 2) == "pull"  # qwen3, mixtral
+    assert cuda_ep.dy_rows_mode(128, 2, 8) == "scatter" and cuda_ep.dy_rows_mode(8, 2, 2) == "pull"  # qwen3, mixtral
+    assert cuda_ep.dy_rows_mode(64, 64, 60) == "pull"  # token rows pulled after the barrier (above 32 ranks)
 
 
 def test_push_gemm_modes(monkeypatch):

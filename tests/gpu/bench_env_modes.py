@@ -38,6 +38,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
   epscatter: auto, scatter, each twice (MOK_EP_PULL and MOK_EP_DY_ROWS: the default, or the peers' rows read from
           their own sections by the gather, mok_scatter_rows_peers; EP only)
+  eprowsauto: auto, push, each three times (the default token / d y rows, scatter at qwen3 and deepseek-v3
+          since the fifteenth session, against both pushed, the default before; EP only)
   epdyrows: pull, push, each twice (MOK_EP_DY_ROWS: the backward's d y rows pulled after its barrier or pushed
           before it; EP only)
   eprowsce: auto, push, copy_engine (MOK_EP_PULL: the forward's token rows by the publish kernel or by the copy
@@ -132,6 +134,9 @@ MODE_SETS = {
                   "scatter": {"MOK_EP_PULL": "scatter", "MOK_EP_DY_ROWS": "scatter"},
                   "auto_again": {"MOK_EP_PULL": "auto", "MOK_EP_DY_ROWS": "auto"},
                   "scatter_again": {"MOK_EP_PULL": "scatter", "MOK_EP_DY_ROWS": "scatter"}},
+    "eprowsauto": {name + again: env for again in ("", "_2", "_3") for name, env in (
+        ("auto", {"MOK_EP_PULL": "auto", "MOK_EP_DY_ROWS": "auto"}),
+        ("push", {"MOK_EP_PULL": "push", "MOK_EP_DY_ROWS": "push"}))},
     # EP only: the row copies (v2: one launch for all peers, warp per row; v1: one CTA per row, per peer)
     "epcopy": {"v2": {"MOK_EP_COPY": "v2"}, "v1": {"MOK_EP_COPY": "v1"}},
     # EP only: the EP schedule replayed from a CUDA graph, or its torch ops issued one by one

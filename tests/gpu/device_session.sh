@@ -24,6 +24,7 @@
 # macrobatch (MoKConfig.macrobatch_size: GPU tests, passes vs one pass at EP=1 and, with 2 GPUs, EP=2),
 # scatter (mok_scatter_rows: tests, call by call, EP checks with it),
 # hostdiag (EP=1 host side: qwen3 timeline, single-op and make_schedule host costs, the alternation penalty),
+# sweep (MoKConfig's knobs side by side: tests/gpu/sweep_config.py at EP=1, and EP=2 where 2 GPUs),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -149,6 +150,11 @@ for s in "$@"; do
         TAIL=40 step bench_gather_rows 200 python3 tests/gpu/bench_gather_rows.py --ctas-per-sm 4,8
         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
             MOK_GATHER_ROWS=scatter TAIL=8 step ep_checks_scatter 240 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
+        fi ;;
+    sweep)  # MoKConfig's knobs side by side per shape (tests/gpu/sweep_config.py)
+        TAIL=16 step sweep_config_ep1 300 python3 tests/gpu/sweep_config.py
+        if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+            TAIL=30 step sweep_config_ep2 300 torchrun --nproc_per_node 2 tests/gpu/sweep_config.py
         fi ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
