@@ -106,7 +106,7 @@ class VarlenMGroupedGemm:
         gather: bool = False, dact: str | None = None, pingpong: bool = False, cluster_n: int = 1,
         push: bool = False,
     ):
-        assert tile_n in (128, 256)
+        assert tile_n in (64, 128, 256)  # 64: the diagnostic mok_gemm_bk_n64 (a narrow tile's cost)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
         # (module docstring); the plain, act and dact epilogues only.
         assert not pingpong or (tile_n == 128 and not gather), "ping-pong: 128 x 128 tiles per warp group"

@@ -558,6 +558,10 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
+    # diagnostic, not used by the layer: 128 x 64 tiles, the cost of a narrow tile per FLOP against 128 x 256
+    # (docs/kernels.md, "swap A and B"; tests/gpu/bench_gemm_variants.py)
+    _gemm_spec("mok_gemm_bk_n64", "k", 64),
+    _gemm_spec("mok_gemm_bk_n128", "k", 128),
     # the same with A rows gathered from x by the schedule (no permuted copy); MOK_GEMM_GATHER=1 picks them
     _gemm_gather_spec("mok_gemm_bk_gather", "k"),  # gate/up: x rows @ W13[e]^T
     _gemm_gather_spec("mok_gemm_bk_ef_gather", "k", full_epi=True),

@@ -7,8 +7,8 @@ routing, make_schedule) it times the four grouped GEMMs of the forward and
 backward with every variant, and torch._grouped_mm on the same operands
 ("speedup" = torch time / this time):
 
-    gate_up      x_rows @ W13[e]^T        mok_gemm_bk, mok_gemm_bk_ef, mok_gemm_bk_pp
-    down         h @ W2[e]^T              mok_gemm_bk, mok_gemm_bk_ef, mok_gemm_bk_pp
+    gate_up      x_rows @ W13[e]^T        mok_gemm_bk, mok_gemm_bk_ef, mok_gemm_bk_pp(c), mok_gemm_bk_n128 / _n64
+    down         h @ W2[e]^T              mok_gemm_bk, mok_gemm_bk_ef, mok_gemm_bk_pp(c), mok_gemm_bk_n128 / _n64
     dgrad_down   dy_rows @ W2[e] (fp32)   mok_gemm_bn_f32
     dgrad_gu     dgu @ W13[e]             mok_gemm_bn, mok_gemm_bn_ef, mok_gemm_bn_pp
 
@@ -37,6 +37,8 @@ from mok_nn import cuda_backend as cb
 
 from layer_runs import median_ms_queued  # the script's folder is on sys.path
 
+# the diagnostic narrow-tile twins of mok_gemm_bk (128 x 128, 128 x 64 tiles): what a narrow tile costs per FLOP
+NARROW = ("mok_gemm_bk_n128", "mok_gemm_bk_n64")
 TOL = 1e-2  # relative L2 against torch._grouped_mm (both round to bf16; fp32 accumulation orders differ)
 
 
@@ -56,8 +58,9 @@ def gemms(p, sched):
     dy_rows = cb.gather_rows(p["dy"], sched)
     dgu = cb.gather_rows((torch.randn(T, 2 * inter, device="cuda", generator=g) * 0.1).to(bf), sched)
     return [
-        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_ppc")),
-        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_ppc")),
+        ("gate_up", x_rows, W13, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_ppc")
+         + NARROW),
+        ("down", h, W2, False, bf, ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bk_pp", "mok_gemm_bk_ppc") + NARROW),
         ("dgrad_down", dy_rows, W2, True, torch.float32, ("mok_gemm_bn_f32",)),
         ("dgrad_gu", dgu, W13, True, bf, ("mok_gemm_bn", "mok_gemm_bn_ef", "mok_gemm_bn_pp", "mok_gemm_bn_ppc")),
     ]
