@@ -60,11 +60,14 @@ GEMM_VARIANTS = [
     ("mok_gemm_bn_pp", True, torch.bfloat16),
     ("mok_gemm_bk_ppc", False, torch.bfloat16),
     ("mok_gemm_bn_ppc", True, torch.bfloat16),
+    ("mok_gemm_bk_n128", False, torch.bfloat16),  # diagnostic narrow tiles (bench_gemm_variants)
+    ("mok_gemm_bk_n64", False, torch.bfloat16),
 ]
 # variants whose bits must equal the default's (same K order per output element)
 DEFAULT_GEMM = {"mok_gemm_bk_ef": "mok_gemm_bk", "mok_gemm_bn_ef": "mok_gemm_bn",
                 "mok_gemm_bk_pp": "mok_gemm_bk", "mok_gemm_bn_pp": "mok_gemm_bn",
-                "mok_gemm_bk_ppc": "mok_gemm_bk", "mok_gemm_bn_ppc": "mok_gemm_bn"}
+                "mok_gemm_bk_ppc": "mok_gemm_bk", "mok_gemm_bn_ppc": "mok_gemm_bn",
+                "mok_gemm_bk_n128": "mok_gemm_bk", "mok_gemm_bk_n64": "mok_gemm_bk"}
 
 
 def test_gemm_variants_listed():
