@@ -190,6 +190,27 @@ def with_env(fn, env, keys):
     return run
 
 
+def timing_record(m, name, flops, head, **tail):
+    """One JSON record of bench.measure's result m for implementation `name`, against m["baseline"]."""
+    (f, b, peak, act), (base_f, base_b) = m[name], m["baseline"][:2]
+    return dict(head, fwd_ms=round(f, 4), bwd_ms=round(b, 4),
+                fwd_tflops=round(flops / f / 1e9, 1), bwd_tflops=round(2 * flops / b / 1e9, 1),
+                fwd_ratio=round(base_f / f, 3), bwd_ratio=round(base_b / b, 3),
+                peak_gb=None if peak is None else round(peak, 3), act_gb=None if act is None else round(act, 3),
+                **tail, commit=os.environ.get("MOK_COMMIT", "unknown"))
+
+
+def timing_line(rec, label, check):
+    return (f"{label} fwd {rec['fwd_ms']:7.3f} ms ({rec['fwd_ratio']:.2f}x)  bwd {rec['bwd_ms']:7.3f} ms "
+            f"({rec['bwd_ratio']:.2f}x)  peak {rec['peak_gb']} GB  act {rec['act_gb']} GB  {check}")
+
+
+def write_out(name, text):
+    """text into $OUT/name (default /tmp)."""
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
+        f.write(text)
+
+
 def outputs(fn, p):
     leaves = bench._leaves(p)
     y = fn(leaves[0], p["ids"], *leaves[1:])
@@ -226,23 +247,17 @@ def main():
         flops = 6 * args.tokens * top_k * hidden * inter
         m = bench.measure(impls, p, "cuda", args.iters, 3, group)
         base_f, base_b = m["baseline"][0], m["baseline"][1]
-        for name, (f, b, peak, act) in m.items():
-            rec = dict(shape=shape, ep=world, mode=name, fwd_ms=round(f, 4), bwd_ms=round(b, 4),
-                       fwd_tflops=round(flops / f / 1e9, 1), bwd_tflops=round(2 * flops / b / 1e9, 1),
-                       fwd_ratio=round(base_f / f, 3), bwd_ratio=round(base_b / b, 3),
-                       peak_gb=None if peak is None else round(peak, 3), act_gb=None if act is None else round(act, 3),
-                       bitwise_eq_first=same.get(name), commit=os.environ.get("MOK_COMMIT", "unknown"))
+        for name in m:
+            rec = timing_record(m, name, flops, dict(shape=shape, ep=world, mode=name),
+                                bitwise_eq_first=same.get(name))
             records.append(rec)
             if rank == 0:
-                print(f"{shape:<15} EP={world} {name:<13} fwd {f:7.3f} ms ({rec['fwd_ratio']:.2f}x)  bwd {b:7.3f} ms "
-                      f"({rec['bwd_ratio']:.2f}x)  peak {rec['peak_gb']} GB  act {rec['act_gb']} GB  "
-                      f"bits={same.get(name, '-')}", flush=True)
+                print(timing_line(rec, f"{shape:<15} EP={world} {name:<13}", f"bits={same.get(name, '-')}"),
+                      flush=True)
         del p
         torch.cuda.empty_cache()
     if rank == 0:
-        out = os.environ.get("OUT", "/tmp")
-        with open(os.path.join(out, f"bench_env_modes_ep{world}.json"), "w") as f:
-            json.dump(records, f, indent=1)
+        write_out(f"bench_env_modes_ep{world}.json", json.dumps(records, indent=1))
     sys.exit(0 if ok else 1)
 
 

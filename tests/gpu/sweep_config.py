@@ -27,7 +27,7 @@ os.environ.setdefault("MOK_EP_TIMEOUT_S", "20")  # an overlapped forward that st
 
 import torch  # noqa: E402
 
-from bench_env_modes import with_env  # noqa: E402
+from bench_env_modes import timing_line, timing_record, with_env, write_out  # noqa: E402
 from layer_runs import torchrun_group  # noqa: E402
 from mok_nn import MoKConfig, bench  # noqa: E402
 
@@ -73,17 +73,11 @@ def main():
         del y, y_default
         m = bench.measure(impls, p, "cuda", args.iters, 3, group)
         flops = 6 * args.tokens * top_k * hidden * inter
-        base_f, base_b = m["baseline"][:2]
-        for name, (f, b, peak, act) in m.items():
-            records.append(dict(
-                shape=shape, ep=world, config=name, fwd_ms=round(f, 4), bwd_ms=round(b, 4),
-                fwd_tflops=round(flops / f / 1e9, 1), bwd_tflops=round(2 * flops / b / 1e9, 1),
-                fwd_ratio=round(base_f / f, 3), bwd_ratio=round(base_b / b, 3),
-                peak_gb=None if peak is None else round(peak, 3), act_gb=None if act is None else round(act, 3),
-                y_bitwise_eq_default=same_y.get(name), commit=os.environ.get("MOK_COMMIT", "unknown")))
-            lines.append(f"{shape:<15} EP={world} {name:<16} fwd {f:7.3f} ms ({base_f / f:.2f}x)  bwd {b:7.3f} ms "
-                         f"({base_b / b:.2f}x)  peak {records[-1]['peak_gb']} GB  act {records[-1]['act_gb']} GB  "
-                         f"y bits={same_y.get(name, '-')}")
+        for name in m:
+            records.append(timing_record(m, name, flops, dict(shape=shape, ep=world, config=name),
+                                         y_bitwise_eq_default=same_y.get(name)))
+            label = f"{shape:<15} EP={world} {name:<16}"
+            lines.append(timing_line(records[-1], label, f"y bits={same_y.get(name, '-')}"))
         total = {name: m[name][0] + m[name][1] for name in configs}
         best = min(total, key=total.get)
         lines.append(f"{shape}: fastest {best} ({total[best]:.3f} ms fwd+bwd); the default "
@@ -93,11 +87,8 @@ def main():
         del p
         torch.cuda.empty_cache()
     if rank == 0:
-        out = os.environ.get("OUT", "/tmp")
-        with open(os.path.join(out, f"sweep_config_ep{world}.json"), "w") as f:
-            json.dump(records, f, indent=1)
-        with open(os.path.join(out, f"sweep_config_ep{world}.txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_out(f"sweep_config_ep{world}.json", json.dumps(records, indent=1))
+        write_out(f"sweep_config_ep{world}.txt", "\n".join(lines) + "\n")
     sys.exit(0 if ok else 1)
 
 
