@@ -24,6 +24,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
   epdxpush: copy_engine, kernel (MOK_EP_DX_PUSH: the backward's d x sums sent beside the weight gradients
           by the copy engines, or stored by the summing kernel after them; EP only, per-rank sums)
   dact: fused, split (MOK_GEMM_DACT: the dgrad of down with the activation backward in its epilogue)
+  epi: auto, split, each twice (MOK_GEMM_EPI: the cooperative GEMMs' whole-tile epilogue where K is short, or
+          the split one everywhere)
   act: fused, split (MOK_GEMM_ACT: the gate/up GEMM with the activation in its epilogue)
   wgrad: c2, ppc, pp, c2_again (MOK_WGRAD_KERNEL; the default twice, to show the position bias)
   schedgather: fused, split, fused_again, split_again (MOK_SCHEDULE_GATHER: the EP = 1 forward's x gather
@@ -106,6 +108,10 @@ MODE_SETS = {
                 "gather_again": {"MOK_GATHER_ROWS": "kernel"}, "scatter_again": {"MOK_GATHER_ROWS": "scatter"}},
     # the forward's gate/up GEMM with the activation in its epilogue, or the GEMM + act kernel
     "act": {"fused": {"MOK_GEMM_ACT": "fused"}, "split": {"MOK_GEMM_ACT": "split"}},
+    # the cooperative GEMMs' epilogue (the fused gate/up + SwiGLU's among them): auto (whole tile in smem where
+    # K <= GEMM_FULL_EPI_MAX_K) or split everywhere; each twice
+    "epi": {"auto": {"MOK_GEMM_EPI": "auto"}, "split": {"MOK_GEMM_EPI": "split"},
+            "auto_again": {"MOK_GEMM_EPI": "auto"}, "split_again": {"MOK_GEMM_EPI": "split"}},
     # the GEMM forms (MOK_GEMM_PINGPONG) with the fused activation epilogues: the auto default, the cooperative
     # kernels with separate activation kernels (the default before the clustered ping-pong kernels), ppc everywhere
     "pingpong": {
