@@ -39,6 +39,7 @@ MODES = {  # MOK_EP_PULL / MOK_EP_DY_ROWS / MOK_EP_SAVE_X_ROWS (cuda_ep.token_ro
     "scatter/scatter": ("scatter", "scatter", "1"),
     "scatter/scatter/no x rows": ("scatter", "scatter", "0"),
     "scatter/push": ("scatter", "push", "1"),
+    "auto/auto": ("auto", "auto", "1"),  # the default: scatter at k = 8 over 16 experts, needed / pull at k = 2
 }
 
 
@@ -136,7 +137,9 @@ def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I,
     scatters.clear()
     got = _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=2)
     # per rank and step: x rows in the forward (scatter), d y rows (and x rows again without saved ones) in the backward
+    pull, dy_rows = cuda_ep.token_rows_mode(E, P, K), cuda_ep.dy_rows_mode(E, P, K)  # (auto resolved)
     want = (pull == "scatter") + (dy_rows == "scatter") * (1 + (save_x == "0"))
+    assert mode != "auto/auto" or (pull, dy_rows) == (("scatter", "scatter") if K == 8 else ("needed", "pull"))
     assert len(scatters) == P * 2 * want, (mode, scatters)
 
     x, dy, topk_ids, topk_w = torch.cat(xs), torch.cat(dys), torch.cat(ids), torch.cat(ws_)
@@ -152,4 +155,4 @@ def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I,
                            ("d down_proj", grads.down_proj, grads1.down_proj[r * e_l:(r + 1) * e_l])):
             assert not torch.isnan(a).any(), (mode, r, what)
             assert _bits_equal(a, b), (mode, r, what, (a.float() - b.float()).abs().max().item())
-    assert os.environ["MOK_EP_PULL"] == pull  # (the modes stayed set for both ranks throughout)
+    assert os.environ["MOK_EP_PULL"] == MODES[mode][0]  # (the modes stayed set for both ranks throughout)
