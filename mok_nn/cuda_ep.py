@@ -655,7 +655,7 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
 DY_ROWS_MODES = ("auto", "push", "pull", "scatter")  # MOK_EP_DY_ROWS; the first is the default
 
 
-def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
+def dy_rows_mode(num_experts: int, ep_size: int, top_k: int, overlapped_forward: bool = False) -> str:
     """How the backward's d y rows reach the peers (MOK_EP_DY_ROWS): 'push' (each rank copies its rows into its
     part of every peer's dy section before the barrier: one copy_ per peer, no pull after it), 'pull' (its own
     section only, then each peer pulls the rows it needs after the barrier) or 'scatter' (its own section only;
@@ -663,11 +663,14 @@ def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     the forward kept none, MOK_EP_SAVE_X_ROWS=0). 'auto' (default): as the forward's token rows go
     (token_rows_mode): 'scatter' there gives 'scatter' (the pair measured together, see token_rows_mode),
     'push' or 'copy_engine' (every row to every rank: nearly every row is needed) give 'push', else 'pull'.
-    The same rows either way."""
+    After the opt-in overlapped forward (overlapped_forward) auto gives 'push' instead of 'scatter': that
+    pairing has not run on two GPUs yet. The same rows either way."""
     mode = cb.env_choice("MOK_EP_DY_ROWS", DY_ROWS_MODES, DY_ROWS_MODES[0])
     if mode == "auto":
         rows = token_rows_mode(num_experts, ep_size, top_k)
-        return "scatter" if rows == "scatter" else "push" if rows in ("push", "copy_engine") else "pull"
+        if rows == "scatter":
+            return "push" if overlapped_forward else "scatter"
+        return "push" if rows in ("push", "copy_engine") else "pull"
     return mode
 
 
@@ -1648,7 +1651,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
     # (dy_rows_mode 'push': into every peer's section as well, before the barrier, so no pull follows it; a peer
     # reads its section only between the barriers of a step, so the rows written here cannot be in use)
-    dy_mode = dy_rows_mode(ws.num_experts, P, top_k)
+    dy_mode = dy_rows_mode(ws.num_experts, P, top_k, fwd_mode(ws.config) == "overlap")
     # (asked of the dy section the kernel reads, bf16 on every rank, not of grad_y: a direct caller of this
     # function may pass another dtype on one rank only, and that rank alone would then push)
     if dy_mode == "scatter" and not scatter_from_ranks_ok(dy, top_k):

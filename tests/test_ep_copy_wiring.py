@@ -189,6 +189,7 @@ def test_dy_rows_push_wiring(stub_copies, monkeypatch, tokens):
     monkeypatch.delenv("MOK_EP_DY_ROWS")
     assert cuda_ep.dy_rows_mode(128, 2, 8) == "scatter" and cuda_ep.dy_rows_mode(8, 2, 2) == "pull"  # qwen3, mixtral
     assert cuda_ep.dy_rows_mode(64, 64, 60) == "pull"  # token rows pulled after the barrier (above 32 ranks)
+    assert cuda_ep.dy_rows_mode(128, 2, 8, overlapped_forward=True) == "push"  # (scatter not run after it yet)
 
 
 def test_push_gemm_modes(monkeypatch):
