@@ -67,11 +67,11 @@ output element in every form: the same bits.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from .envvars import getenv
 from .kernels.registry import COMBINE_LEAVES, COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
     GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
@@ -212,7 +212,7 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     cap = _checked_capacity(num_tokens, top_k, num_experts, capacity)
-    mode = os.environ.get("MOK_SCHEDULE", "")
+    mode = getenv("MOK_SCHEDULE", "")
     if mode != "torch" and mode not in SCHEDULE_KERNELS:
         raise ValueError(f"MOK_SCHEDULE={mode!r}: expected one of {sorted(SCHEDULE_KERNELS) + ['torch']}")
     if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and mode != "torch":
@@ -324,7 +324,7 @@ def half_tiles() -> bool:
 def env_choice(var: str, choices: tuple, default: str) -> str:
     """The setting in environment variable `var`: one of `choices`, `default` where unset or empty;
     any other value raises ValueError naming the variable."""
-    mode = os.environ.get(var, "")
+    mode = getenv(var, "")
     if mode and mode not in choices:
         raise ValueError(f"{var}={mode!r}: expected one of {choices}")
     return mode or default
@@ -578,7 +578,7 @@ def gemm_kernel(
 def _full_epilogue(k: int, epi: str | None = None) -> bool:
     """Whether a cooperative bf16 GEMM of reduction length k keeps its whole output tile in smem (the _ef
     kernels): epi, else MOK_GEMM_EPI, "split", "full" or "auto" (full where k <= GEMM_FULL_EPI_MAX_K)."""
-    epi = epi or os.environ.get("MOK_GEMM_EPI", "auto")
+    epi = epi or getenv("MOK_GEMM_EPI", "auto")
     if epi not in ("split", "full", "auto"):
         raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")
     if epi == "auto":
@@ -617,7 +617,7 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
     no second gradient buffer), else computed apart and added (bf16 round of the sum either way).
     """
-    name = os.environ.get("MOK_WGRAD_KERNEL") or wgrad_kernel(sched, b_rows.shape[1], into is not None)
+    name = getenv("MOK_WGRAD_KERNEL") or wgrad_kernel(sched, b_rows.shape[1], into is not None)
     if name not in WGRAD_KERNELS:  # (checked first: also where MOK_WGRAD=torch or an accumulation ignores it)
         raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
     acc_name = WGRAD_ACC_KERNELS.get(name)
@@ -656,7 +656,7 @@ def wgrad_group_m(name: str, nb: int) -> int:
     """Row tiles (row-tile pairs in the clustered kernels) per raster band of weight-gradient kernel `name`
     with nb output columns: MOK_WGRAD_GROUP_M, else 8 where the columns span more than 32 tiles, else 1
     (column tiles fastest)."""
-    forced = os.environ.get("MOK_WGRAD_GROUP_M", "")
+    forced = getenv("MOK_WGRAD_GROUP_M", "")
     if forced and not (forced.isdigit() and int(forced) > 0):
         raise ValueError(f"MOK_WGRAD_GROUP_M={forced!r}: expected a positive integer")
     return int(forced) if forced else gemm_group_m(nb, tile_n_of(name))

@@ -95,16 +95,16 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import cuda_backend as cb
+from .envvars import getenv
 from .kernels.registry import EP_SCHED_THREADS, TILE_M
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_EP_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = float(getenv("MOK_EP_TIMEOUT_S", "300"))
 FWD_MODES = ("overlap", "sequential")
 OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first is the default
 COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
@@ -423,7 +423,7 @@ def use_schedule_graph() -> bool:
     kernel and ~5 small torch ops) replayed as one CUDA graph. The forward issues them between its first
     barrier and its first GEMM, where the GPU waits for the host (25-40 us per launch on the H200 hosts);
     the replay costs one launch."""
-    return os.environ.get("MOK_EP_SCHED_GRAPH", "1") != "0"
+    return getenv("MOK_EP_SCHED_GRAPH", "1") != "0"
 
 
 class _GraphedSchedule:
@@ -557,7 +557,7 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = N
     else:
         with_dispatch = dispatch_mode() == "rows"
         key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
-               os.environ.get("MOK_SCHEDULE", ""), with_dispatch, captured)
+               getenv("MOK_SCHEDULE", ""), with_dispatch, captured)
         g = _SCHED_GRAPHS.get(key)
         if g is None:
             if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
@@ -696,7 +696,7 @@ def copy_grid(num_rows: int, num_sms: int, ctas_per_sm: int | None = None) -> in
     """CTAs of a v2 row copy: at most ctas_per_sm per SM (the warps walk the rows grid-stride), no more
     than one row per warp, at least one."""
     if ctas_per_sm is None:
-        ctas_per_sm = int(os.environ.get("MOK_EP_COPY_CTAS_PER_SM", COPY_CTAS_PER_SM))
+        ctas_per_sm = int(getenv("MOK_EP_COPY_CTAS_PER_SM", COPY_CTAS_PER_SM))
     return cb.row_copy_grid(num_rows, num_sms, ctas_per_sm)
 
 
@@ -1336,7 +1336,7 @@ def save_x_rows() -> bool:
     as the single-GPU path does, instead of pulling the peers' x rows again and gathering them:
     time for memory (deepseek-v3 at 8192 tokens per rank: 1.3 ms of the backward for ~2 GB).
     The overlapped and the gathering forward (MOK_GEMM_GATHER=1) make no copy to keep."""
-    return os.environ.get("MOK_EP_SAVE_X_ROWS", "1") != "0"
+    return getenv("MOK_EP_SAVE_X_ROWS", "1") != "0"
 
 
 def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -75,6 +75,7 @@ _WORKSPACES: dict = {}
 _DEFAULT_CONFIG = MoKConfig()  # frozen: one shared instance (building one per call costs the host ~6 us)
 
 
+@functools.cache  # an import statement costs the host ~1 us per call, on the path the GPU may wait for
 def _cuda_backend():
     from . import cuda_backend  # imported lazily: needs the built kernels
 

@@ -1,6 +1,7 @@
 """Diagnostic (not a test): host time of mok_nn's routed experts at EP = 1, against their GPU time.
 
-    python tests/gpu/profile_host.py [shape] [tokens]
+    python tests/gpu/profile_host.py [shape] [tokens] [top]   (top: rows of each table; given, also
+                                                              by cumulative time and the callers of the builtins)
 
 The GPU is kept busy (torch.cuda._sleep) while the host issues N calls, so the host's time per call
 is its own issue time, not a wait for the GPU. A forward whose host time is above its GPU time
@@ -33,5 +34,10 @@ for _ in range(20):
     fwd()
 prof.disable()
 torch.cuda.synchronize()
+top = int(sys.argv[3]) if len(sys.argv) > 3 else 22
 print(f"\ncProfile of 20 forward calls ({shape}), by own time:")
-pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+stats = pstats.Stats(prof)
+stats.sort_stats("tottime").print_stats(top)
+if len(sys.argv) > 3:  # the long form: also by cumulative time, and who calls the costly builtins
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_callers("empty|get|launch|pack")
