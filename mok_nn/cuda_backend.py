@@ -217,22 +217,17 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
         raise ValueError(f"MOK_SCHEDULE={mode!r}: expected one of {sorted(SCHEDULE_KERNELS) + ['torch']}")
     if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and mode != "torch":
         n = num_tokens * top_k
-        pos = torch.empty(n, dtype=torch.int64, device=dev)
-        row_token = torch.empty(cap, dtype=torch.int64, device=dev)
-        tile_expert = torch.empty(cap // TILE_M, dtype=torch.int32, device=dev)
-        seg_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        seg_rows = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        padded_rows = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        name = SCHEDULE_KERNELS[mode]
+        chunk, chunks = schedule_chunk(n)
+        pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, scratch = _schedule_buffers(
+            n, cap, num_experts, 0 if name == "mok_schedule" else chunks * num_experts, dev)
         ids = topk_ids.reshape(-1).contiguous()
         outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows)
-        name = SCHEDULE_KERNELS[mode]
         sched = Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
                          padded_rows=padded_rows)
         if name == "mok_schedule":
             _lib().launch(name, *outs, top_k, stream=_stream())
             return sched
-        chunk, chunks = schedule_chunk(n)
-        scratch = torch.empty(chunks * num_experts, dtype=torch.int32, device=dev)
         if gather_x is not None and name == "mok_schedule_mc" and _gathers_with_schedule(gather_x, sched.pos):
             x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
             _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
@@ -242,6 +237,17 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
             _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
         return sched
     return make_schedule_torch(topk_ids, num_experts, cap)
+
+
+def _schedule_buffers(num_slots: int, capacity: int, num_experts: int, scratch: int, device) -> tuple:
+    """(pos [num_slots] i64, row_token [capacity] i64, tile_expert [capacity / TILE_M] i32, seg_end, seg_rows,
+    padded_rows [num_experts] i32, scratch [scratch] i32): make_schedule's buffers as views of one int32
+    allocation, the two int64 ones first, so every view keeps the alignment its kernels take (8 and 4
+    bytes, registry). Seven torch.empty calls cost the host ~4 us each where the GPU waits for the
+    forward's first launch; one allocation, one split and two dtype views cost less."""
+    sizes = (2 * num_slots, 2 * capacity, capacity // TILE_M, num_experts, num_experts, num_experts, scratch)
+    parts = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    return (parts[0].view(torch.int64), parts[1].view(torch.int64), *parts[2:])
 
 
 def _gathers_with_schedule(x: torch.Tensor, pos: torch.Tensor) -> bool:

@@ -129,3 +129,27 @@ def test_seg_rows_for_half_tiles(monkeypatch):
     monkeypatch.setenv("MOK_GEMM_HALF_TILES", "yes")
     with pytest.raises(ValueError, match="MOK_GEMM_HALF_TILES"):
         s.seg_rows_for("mok_gemm_bk_ppc")
+
+
+@pytest.mark.parametrize("slots,cap,experts,scratch", [(65536, 73728, 128, 4096), (3, 128, 5, 0), (1, 128, 1, 1)])
+def test_schedule_buffers_layout(slots, cap, experts, scratch):
+    """make_schedule's buffers, views of one allocation: the sizes and dtypes the kernels take, each on the
+    alignment its kernel argument requires (registry), none overlapping another."""
+    from mok_nn.cuda_backend import _schedule_buffers
+    from mok_nn.kernels.registry import SPECS_BY_NAME
+
+    bufs = _schedule_buffers(slots, cap, experts, scratch, torch.device("cpu"))
+    want = [(torch.int64, slots), (torch.int64, cap), (torch.int32, cap // TILE_M), (torch.int32, experts),
+            (torch.int32, experts), (torch.int32, experts), (torch.int32, scratch)]
+    assert [(t.dtype, t.numel()) for t in bufs] == want
+    assert all(t.dim() == 1 and t.is_contiguous() for t in bufs)
+    spec = {a.name: a for a in SPECS_BY_NAME["mok_schedule_mc"].args}
+    names = ("pos", "row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "scratch")
+    for name, t in zip(names, bufs):
+        assert t.data_ptr() % spec[name].align == 0, name
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in bufs if t.numel())
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    for t in bufs:  # written through one view, read back through it: no view aliases another
+        t.fill_(7)
+    bufs[0].fill_(-1)
+    assert all(torch.all(t == 7) for t in bufs[1:])
