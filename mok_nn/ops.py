@@ -15,10 +15,12 @@ cross the op boundary.
 
 routed_experts checks the arguments' shapes, dtypes and devices first
 (check_expert_args: no values are read, so nothing waits for the GPU). Expert
-ids outside [0, E): the reference backend raises ValueError; the CUDA backend
-does not look at them (that would be a host synchronisation per call), so
-they are the caller's to avoid there, as in the layer, whose router only
-gives valid ids.
+ids outside [0, E): the reference backend raises ValueError; on the CUDA
+backend the schedule kernel, which reads every id anyway, prints the first bad
+id it meets and stops with a device-side trap (the launch, and with it the CUDA
+context, fails at the next synchronisation, as with torch's own device-side
+index checks): reading the ids back to raise a Python error would be a host
+synchronisation per call. The layer's router only gives valid ids.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_u
     """Raise ValueError / TypeError naming the argument where the shapes, dtypes or devices do not fit
     y = routed_experts(x [T, H], topk_ids [T, k] int64, topk_weights [T, k], gate_up_proj [E, 2I, H],
     down_proj [E, H, I], gate_up_bias [E, 2I], down_bias [E, H]). Shapes only: no values are read (no host
-    synchronisation), so ids outside [0, E) are the caller's to avoid (the reference backend checks them)."""
+    synchronisation); ids outside [0, E) raise on the reference backend and stop the CUDA schedule kernel
+    (module docstring)."""
     def need(ok, msg, exc=ValueError):
         if not ok:
             raise exc(f"mok_nn.ops.routed_experts: {msg}")

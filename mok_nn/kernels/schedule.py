@@ -29,6 +29,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .ep_copy import ScatterRows
 from .registry import SCHEDULE_MAX_EXPERTS as MAX_EXPERTS
@@ -40,6 +42,30 @@ SCAN_THREADS = 1024  # the scan CTA of ScheduleMultiCta
 SCAN_BATCH = 8  # loads in flight per thread in the scan's rewrite pass
 SEARCH_STEPS = 10  # binary search over <= MAX_EXPERTS segment ends (2**10 > 512)
 assert MAX_EXPERTS <= SCAN_THREADS and 1 << SEARCH_STEPS > MAX_EXPERTS
+
+
+@dsl_user_op
+def _trap(*, loc=None, ip=None) -> None:
+    llvm.intr_trap(loc=loc, ip=ip)
+
+
+@cute.jit
+def _expert_of_slot(ids, s, num_experts):
+    """ids[s] as Int32, checked: an id outside [0, num_experts) would index the per-expert counts out of
+    bounds and leave its slot without a row (then read and written by every later kernel). There the
+    kernel prints the id and stops with a trap: the launch fails with an unspecified launch failure, and
+    the CUDA context with it, as torch's own device-side index checks do (no host synchronisation needed,
+    no wrong result possible)."""
+    v = ids[s]
+    if v < 0:
+        cute.printf("mok_nn schedule: expert id {} of slot {} (token * top_k + j) is outside [0, {})", v, s,
+                    num_experts)
+        _trap()
+    if v >= num_experts:
+        cute.printf("mok_nn schedule: expert id {} of slot {} (token * top_k + j) is outside [0, {})", v, s,
+                    num_experts)
+        _trap()
+    return cutlass.Int32(v)
 
 
 def _group_rank(e, lane):
@@ -112,7 +138,7 @@ class Schedule:
             s = g + lane
             e = cutlass.Int32(-1)
             if s < hi:
-                e = cutlass.Int32(ids[s])
+                e = _expert_of_slot(ids, s, num_experts)
             rank, total = _group_rank(e, lane)
             if e >= 0:
                 if rank == total - 1:
@@ -163,7 +189,7 @@ class Schedule:
             s = g + lane
             e = cutlass.Int32(-1)
             if s < hi:
-                e = cutlass.Int32(ids[s])
+                e = _expert_of_slot(ids, s, num_experts)
             rank, total = _group_rank(e, lane)
             if e >= 0:
                 row = cnt[(warp, e)] + rank
@@ -189,10 +215,10 @@ def _match_rank(e):
 
 
 @cute.jit
-def _slot_expert(ids, s, hi):
+def _slot_expert(ids, s, hi, num_experts):
     e = cutlass.Int32(-1)
     if s < hi:
-        e = cutlass.Int32(ids[s])
+        e = _expert_of_slot(ids, s, num_experts)
     return e
 
 
@@ -269,7 +295,7 @@ class ScheduleMultiCta:
         lo = c * chunk + warp * sub
         hi = cutlass.min(lo + sub, n)
         for g in range(lo, hi, 32):
-            e = _slot_expert(ids, g + lane, hi)
+            e = _slot_expert(ids, g + lane, hi, num_experts)
             rank, total = _match_rank(e)
             if e >= 0:
                 if rank == total - 1:
@@ -427,7 +453,7 @@ class ScheduleMultiCta:
         hi = cutlass.min(lo + sub, n)
         for g in range(lo, hi, 32):
             s = g + lane
-            e = _slot_expert(ids, s, hi)
+            e = _slot_expert(ids, s, hi, num_experts)
             rank, total = _match_rank(e)
             if e >= 0:
                 row = cnt[(warp, e)] + rank

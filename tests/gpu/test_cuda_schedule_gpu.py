@@ -185,3 +185,36 @@ def test_schedule_gather_only_where_the_scatter_runs(lib, monkeypatch):
     assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
     monkeypatch.delenv("MOK_SCHEDULE_GATHER")
     assert cb.make_schedule(ids, 8, gather_x=x).gathered is not None
+
+
+_BAD_ID_SCRIPT = """
+import sys, torch
+from mok_nn import cuda_backend as cb
+num_experts, bad, slot = 8, int(sys.argv[1]), int(sys.argv[2])
+g = torch.Generator(device="cuda").manual_seed(0)
+ids = torch.randint(0, num_experts, (300, 2), device="cuda", generator=g)
+ids.view(-1)[slot] = bad
+x = torch.randn(300, 64, device="cuda").bfloat16()
+sched = cb.make_schedule(ids, num_experts, gather_x=x)
+torch.cuda.synchronize()
+print("NO ERROR", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["", "single"])
+@pytest.mark.parametrize("bad", [8, -1, 2**40])
+def test_schedule_stops_on_expert_id_out_of_range(mode, bad):
+    """An id outside [0, E) stops the schedule kernel (printed, then a trap): the process sees a CUDA error at
+    its next synchronisation and the message names the id and its slot, instead of a schedule built on an
+    out-of-bounds count. A child process runs it: the trap ends the CUDA context. Valid ids are the other tests."""
+    import subprocess
+    import sys
+
+    slot = 417  # token 208, j = 1
+    env = dict(os.environ, MOK_SCHEDULE=mode)
+    run = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, str(bad), str(slot)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "NO ERROR" not in out, out[-2000:]
+    assert f"mok_nn schedule: expert id {bad} of slot {slot} (token * top_k + j) is outside [0, 8)" in out, out[-2000:]
+    assert "CUDA error" in out or "launch failure" in out, out[-2000:]
