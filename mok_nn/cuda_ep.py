@@ -554,6 +554,9 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = N
         fn()
     if not graphed:
         eps = make_ep_schedule(ids_all, num_tokens, rank, e_l, capacity)
+        # slot_row is a view of the bucket schedule's one allocation (cb._schedule_buffers), which the backward
+        # would keep alive whole through it: its own copy (the graph copies it into its buffer anyway)
+        eps.slot_row = eps.slot_row.clone()
     else:
         with_dispatch = dispatch_mode() == "rows"
         key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,

@@ -19,8 +19,9 @@ import os
 _ENCODED: dict = {}  # variable name -> its key in os.environ._data
 
 
-def getenv(var: str, default: str = "") -> str:
-    """os.environ.get(var, default), without raising and catching KeyError for an unset variable."""
+def getenv(var: str, default: object = "") -> object:
+    """os.environ.get(var, default), without raising and catching KeyError for an unset variable: the
+    variable's value (a str) where it is set, else default unchanged (whatever its type)."""
     data = getattr(os.environ, "_data", None)
     if os.name != "posix" or not isinstance(data, dict):
         return os.environ.get(var, default)

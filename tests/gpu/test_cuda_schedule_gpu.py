@@ -201,9 +201,9 @@ print("NO ERROR", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["", "single"])
+@pytest.mark.parametrize("mode,gather", [("", "1"), ("", "0"), ("mc_pdl", "1"), ("single", "1")])
 @pytest.mark.parametrize("bad", [8, -1, 2**40])
-def test_schedule_stops_on_expert_id_out_of_range(mode, bad):
+def test_schedule_stops_on_expert_id_out_of_range(mode, gather, bad):
     """An id outside [0, E) stops the schedule kernel (printed, then a trap): the process sees a CUDA error at
     its next synchronisation and the message names the id and its slot, instead of a schedule built on an
     out-of-bounds count. A child process runs it: the trap ends the CUDA context. Valid ids are the other tests."""
@@ -211,7 +211,8 @@ def test_schedule_stops_on_expert_id_out_of_range(mode, bad):
     import sys
 
     slot = 417  # token 208, j = 1
-    env = dict(os.environ, MOK_SCHEDULE=mode)
+    # (mode, gather): mok_schedule_gather, mok_schedule_mc, mok_schedule_mc_pdl, mok_schedule
+    env = dict(os.environ, MOK_SCHEDULE=mode, MOK_SCHEDULE_GATHER=gather)
     run = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, str(bad), str(slot)], env=env, capture_output=True,
                          text=True, timeout=120)
     out = run.stdout + run.stderr
