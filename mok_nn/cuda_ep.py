@@ -267,16 +267,25 @@ def spread_buckets(num_experts: int) -> bool:
 
 
 def _bucket_table(num_experts: int, rank: int, e_l: int, spread: bool, dev) -> torch.Tensor:
-    """[E + 1] int64: bucket of global expert g at index g; index -1 (no token) reads the last entry.
-    This rank's experts first (bucket g - rank*E_l); spread: the others (rank order from rank + 1, wrapping)
-    and then -1 (bucket E), else all of them in bucket E_l."""
+    """[E + 1] int64, read at id + 1 (bucket_keys): the bucket of global expert g at index g + 1, the bucket of
+    the -1 slots (no token) at index 0. This rank's experts first (bucket g - rank*E_l); spread: the others
+    (rank order from rank + 1, wrapping) and then -1 (bucket E), else all of them and -1 in bucket E_l."""
     def build():
-        g = torch.arange(num_experts + 1)
+        g = torch.arange(-1, num_experts)
         local = (g - rank * e_l) % num_experts
         if spread:
-            return torch.where(g < num_experts, local, num_experts).to(dev)
-        return torch.where((g < num_experts) & (local < e_l), local, e_l).to(dev)
+            return torch.where(g >= 0, local, num_experts).to(dev)
+        return torch.where((g >= 0) & (local < e_l), local, e_l).to(dev)
     return _table(("bucket", num_experts, rank, e_l, spread, torch.device(dev)), build)
+
+
+def bucket_keys(flat_ids: torch.Tensor, num_experts: int, rank: int, e_l: int, spread: bool) -> torch.Tensor:
+    """The bucket of each id of flat_ids (-1: no token). By index_select at id + 1, which checks its indices:
+    an id outside [-1, E) raises (IndexError on the CPU, torch's device-side index assert on CUDA) instead of
+    wrapping to another expert, as indexing the table by the ids did (-2 read expert E - 1; E read the
+    no-token bucket). A -1 from a rank's own topk_ids still reads as no token here (the single-GPU path stops
+    on it in the schedule kernel)."""
+    return _bucket_table(num_experts, rank, e_l, spread, flat_ids.device).index_select(0, flat_ids + 1)
 
 
 def _slot_tables(ep_size: int, tc: int, top_k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +338,7 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     spread = spread_buckets(num_experts)
     buckets = num_experts + 1 if spread else e_l + 1
     flat = ids_all.reshape(-1)
-    key = _bucket_table(num_experts, rank, e_l, spread, dev)[flat]  # (index -1 wraps to the last entry)
+    key = bucket_keys(flat, num_experts, rank, e_l, spread)
     full_cap = max(cb.schedule_capacity(n, 1, buckets), capacity)  # also holds the other buckets
     full = cb.make_schedule(key.view(n, 1), buckets, full_cap)
     pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)

@@ -154,3 +154,39 @@ def test_workspace_rejects_shapes_differing_across_ranks():
         p.join(timeout=60)
     for r in range(2):  # every rank raises, none hangs
         assert "hidden_size: [64, 72]" in msgs[r], msgs[r]
+
+
+@pytest.mark.parametrize("spread", [True, False])
+@pytest.mark.parametrize("ep_size,rank", [(2, 0), (4, 3)])
+def test_bucket_keys(spread, ep_size, rank):
+    """Each id's bucket, against the rule written out here per id: this rank's experts first (g - rank*E_l), then
+    (spread) the other experts in rank order from rank + 1 and -1 last, or (not spread) one bucket for all
+    of those. Ids outside [-1, E) raise instead of wrapping to another expert or to the no-token bucket."""
+    e_l = 3
+    num_experts = ep_size * e_l
+    ids = torch.arange(-1, num_experts).repeat(3)[torch.randperm(3 * (num_experts + 1))]
+    got = cuda_ep.bucket_keys(ids, num_experts, rank, e_l, spread)
+    for g, key in zip(ids.tolist(), got.tolist()):
+        if g >= 0 and rank * e_l <= g < (rank + 1) * e_l:
+            want = g - rank * e_l
+        elif g >= 0 and spread:
+            want = (g - rank * e_l) % num_experts
+        else:
+            want = num_experts if spread else e_l
+        assert key == want, (g, key, want)
+    for bad in (num_experts, num_experts + 5, -2, -num_experts - 1):
+        with pytest.raises(IndexError):
+            cuda_ep.bucket_keys(torch.tensor([0, bad, -1]), num_experts, rank, e_l, spread)
+
+
+def test_ep_forward_raises_on_expert_id_out_of_range():
+    """Through make_ep_schedule (the EP forward's schedule): an id equal to E, or below -1, raises (on CUDA:
+    torch's device-side index assert) instead of being taken as no token or as another expert."""
+    gen = torch.Generator().manual_seed(3)
+    ids_all = _ids_all(2, 16, [16, 9], 2, 8, gen)
+    cuda_ep.make_ep_schedule(ids_all, 16, 0, 4, 256)  # valid: fine
+    for bad in (8, -2):
+        bad_ids = ids_all.clone()
+        bad_ids[1, 3, 1] = bad
+        with pytest.raises(IndexError):
+            cuda_ep.make_ep_schedule(bad_ids, 16, 0, 4, 256)
