@@ -84,8 +84,8 @@ def main(P=2, T=512, H=64, I=32, E=128, K=8):
     # which ends with the barrier
     barrier_fn = _ThreadBuffers.barrier
 
-    def publish(self, x, ids, w, num_tokens, then_barrier=False):
-        cuda_ep.SymmBuffers.publish(self, x, ids, w, num_tokens)
+    def publish(self, x, ids, w, num_tokens, then_barrier=False, **kw):
+        cuda_ep.SymmBuffers.publish(self, x, ids, w, num_tokens, **kw)
         if then_barrier:
             barrier_fn(self)  # the simulated ranks' barrier, inside the launch
 
