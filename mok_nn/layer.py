@@ -1,7 +1,7 @@
 """MoKMoELayer: a drop-in deterministic Mixture-of-Experts block.
 
 The module owns the parameters (names are the public state-dict contract of
-ARCHITECTURE.md), runs the router in fp32 with ordinary autograd, hands the
+the project's ARCHITECTURE.md, outside this repository; README "Usage"), runs the router in fp32 with ordinary autograd, hands the
 routed experts to MoKFunction on the chosen backend, and adds the shared
 expert.
 """
@@ -145,8 +145,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 class MoKMoELayer(nn.Module):
     """Mixture-of-Experts block: router -> top-k routed SwiGLU experts (+ shared expert).
 
-    x [..., H] -> y [..., H]. See ARCHITECTURE.md for the function computed and
-    the determinism contract. Beyond the documented arguments:
+    x [..., H] -> y [..., H]. The function computed is written out in reference.py (the project's
+    ARCHITECTURE.md, outside this repository, is its contract, with the determinism rules). Beyond the documented arguments:
     router_bias: a bias on the router logits (GPT-OSS).
     aux_loss_coef / z_loss_coef: coefficients of the Switch load-balancing loss
         and the router z-loss; `layer.aux_loss` is None while both are 0.
