@@ -25,6 +25,7 @@
 # scatter (mok_scatter_rows: tests, call by call, EP checks with it),
 # hostdiag (EP=1 host side: qwen3 timeline, single-op and make_schedule host costs, the alternation penalty),
 # sweep (MoKConfig's knobs side by side: tests/gpu/sweep_config.py at EP=1, and EP=2 where 2 GPUs),
+# clocks (SM clock / power log during the deepseek-v3 benchmark),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -156,6 +157,21 @@ for s in "$@"; do
         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
             TAIL=30 step sweep_config_ep2 300 torchrun --nproc_per_node 2 tests/gpu/sweep_config.py
         fi ;;
+    clocks)  # SM clock, power and temperature every 100 ms while the deepseek-v3 benchmark runs (mok and baseline
+        # alternate): how far the clocks drop under the long weight gradients, the suspected source of the spread
+        # of its backward ratio (1.23x-1.37x over v22-v161)
+        nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+            -lms 100 > "$OUT/clocks_deepseek.csv" &
+        local_smi=$!
+        TAIL=4 step bench_clocks_deepseek 240 python3 -m mok_nn.bench --shapes deepseek-v3 --out "$OUT/bench_clocks_deepseek.json"
+        kill $local_smi
+        python3 -c "
+import statistics, sys
+rows = [l.split(', ') for l in open(sys.argv[1]) if l.count(',') == 3]
+clk = [float(r[1]) for r in rows]; pw = [float(r[2]) for r in rows]
+print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.median(clk):.0f} max {max(clk):.0f}; '
+      f'power W median {statistics.median(pw):.0f} max {max(pw):.0f}')
+" "$OUT/clocks_deepseek.csv" | tee "$OUT/clocks_summary.txt" ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;
