@@ -1,9 +1,9 @@
 """MoKMoELayer: a drop-in deterministic Mixture-of-Experts block.
 
 The module owns the parameters (names are the public state-dict contract of
-the project's ARCHITECTURE.md, outside this repository; README "Usage"), runs the router in fp32 with ordinary autograd, hands the
-routed experts to MoKFunction on the chosen backend, and adds the shared
-expert.
+the project's ARCHITECTURE.md, outside this repository; README "Usage"), runs
+the router in fp32 with ordinary autograd, hands the routed experts to
+MoKFunction on the chosen backend, and adds the shared expert.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class MoKMoELayer(nn.Module):
     """Mixture-of-Experts block: router -> top-k routed SwiGLU experts (+ shared expert).
 
     x [..., H] -> y [..., H]. The function computed is written out in reference.py (the project's
-    ARCHITECTURE.md, outside this repository, is its contract, with the determinism rules). Beyond the documented arguments:
+    ARCHITECTURE.md, outside this repository, is its contract, with the determinism rules).
+    Beyond the documented arguments:
     router_bias: a bias on the router logits (GPT-OSS).
     aux_loss_coef / z_loss_coef: coefficients of the Switch load-balancing loss
         and the router z-loss; `layer.aux_loss` is None while both are 0.
