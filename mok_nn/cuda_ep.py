@@ -951,7 +951,7 @@ class SymmBuffers:
                 self.peer(p, name)[r * tc:r * tc + n].copy_(rows[:n])
 
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
-                then_barrier: bool = False, push_rows: bool = False) -> None:
+                then_barrier: bool = False, push_rows: bool = False, num_experts: int | None = None) -> None:
         """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
         (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
         rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
@@ -963,7 +963,9 @@ class SymmBuffers:
         the torch ops.
         push_rows: x[:n] into this rank's rows of every rank's tokens section (own included), which is
         what a pull of every row (token_rows_mode) by each peer after the barrier would give; stored by the
-        same launch, so no pull waits for the host to issue it."""
+        same launch, so no pull waits for the host to issue it.
+        num_experts: the kernel stops (prints the id, traps: kernels/id_check.py) on an id of topk_ids[:n]
+        outside [0, num_experts); None: only negative ids stop it. The torch ops do not check the ids."""
         if push_rows and self.ep_size > 32:  # the kernel's warps hold one rank's address per lane
             raise ValueError(f"mok_nn expert parallelism: push_rows takes at most 32 ranks, not {self.ep_size}")
         name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
@@ -981,7 +983,7 @@ class SymmBuffers:
                          self.section_table(("ids", "weights", "ntok")), self.rank, tc, num_tokens,
                          self._copy_grid(warp_jobs), self.section_addrs("pad"), self.err, self.arrivals, epoch,
                          timeout_us(self.timeout_s), self.section_addrs("tokens"), int(push_rows),
-                         stream=cb._stream())
+                         2**31 - 1 if num_experts is None else num_experts, stream=cb._stream())
 
     def publish_torch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       num_tokens: int, push_rows: bool = False) -> None:
@@ -1415,7 +1417,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
     # into peer memory), 2. and the barrier (in the same launch where the publish kernel runs; after the copy
     # engines' rows: its own launch, so that the publish runs beside the copies)
-    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=sent is None, push_rows=dispatch == "push")
+    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=sent is None, push_rows=dispatch == "push",
+                 num_experts=ws.num_experts)
     if sent is not None:
         torch.cuda.current_stream(x.device).wait_stream(sent)
         bufs.barrier()

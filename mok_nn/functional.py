@@ -200,11 +200,10 @@ def _check_against_workspace(x, topk_ids, params: ExpertParams, ws: Workspace) -
 
 def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace: Workspace):
     """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward). Expert ids must lie in [0, num_experts):
-    the reference backend raises ValueError otherwise; the CUDA backend reads no values back to the host: on one
-    GPU its schedule kernel prints an id outside that range and stops with a device-side trap (the CUDA context
-    fails at the next synchronisation, as with torch's device-side index checks); with expert parallelism
-    torch's index check on the bucket lookup stops ids outside [-1, num_experts), and -1 is taken as no token
-    (docs/kernels.md). The layer's router only gives valid ids."""
+    the reference backend raises ValueError otherwise; the CUDA backend reads no values back to the host: its
+    schedule kernel (at EP > 1 the publish kernel) prints an id outside that range and stops with a device-side
+    trap (the CUDA context fails at the next synchronisation, as with torch's device-side index checks). The
+    layer's router only gives valid ids."""
     _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
         with on_device(x.device):

@@ -16,13 +16,13 @@ cross the op boundary.
 routed_experts checks the arguments' shapes, dtypes and devices first
 (check_expert_args: no values are read, so nothing waits for the GPU). Expert
 ids outside [0, E): the reference backend raises ValueError; on the CUDA
-backend the schedule kernel, which reads every id anyway, prints each bad id it
-meets (in no fixed order) and stops with a device-side trap (the launch, and
-with it the CUDA context, fails at the next synchronisation, as with torch's
-own device-side index checks; above 512 experts, where torch ops build the
-schedule, torch's index check stops it): reading the ids back to raise a
-Python error would be a host synchronisation per call. The layer's router only
-gives valid ids.
+backend the schedule kernel (with expert parallelism the publish kernel), which
+reads every id anyway, prints each bad id it meets (in no fixed order) and stops
+with a device-side trap (the launch, and with it the CUDA context, fails at the
+next synchronisation, as with torch's own device-side index checks; above 512
+experts, where torch ops build the schedule, torch's index check stops it):
+reading the ids back to raise a Python error would be a host synchronisation
+per call. The layer's router only gives valid ids.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ class _StubLib:
         self.sections = {}  # data_ptr -> the CPU section tensor at that address
         self.by_pad = {}  # data_ptr of a rank's pad section -> its buffers (the barrier at the end)
         self.barriers = []  # epochs of the barriers the launches ended with
+        self.num_experts = []  # the expert count each publish launch was given (its id check's bound)
         self._lock = threading.Lock()
 
     def launch(self, name, *args, stream):
@@ -41,17 +42,22 @@ class _StubLib:
         if name == "mok_scatter_rows_peers":
             return self._scatter_rows_peers(*args)
         assert name in ("mok_ep_publish", "mok_ep_publish_bf16w"), f"unexpected launch {name}"
-        x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us, tokens_all, push = args
+        (x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us, tokens_all, push,
+         num_experts) = args
         assert (name == "mok_ep_publish_bf16w") == (w.dtype == torch.bfloat16)
         assert w.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
         assert table.dtype == torch.int64 and table.shape[0] == 3 and grid >= 1
-        assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid, epoch, timeout_us))
+        assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid, epoch, timeout_us, num_experts))
         assert pads.dtype == torch.int64 and pads.shape == (table.shape[1],) and timeout_us > 0
         assert err.dtype == arrivals.dtype == torch.int32 and int(arrivals[0]) == 0 and epoch >= 0
         assert tokens_all.dtype == torch.int64 and tokens_all.shape == pads.shape and push in (0, 1)
         assert int(tokens_all[rank]) == tokens.data_ptr()
         k = ids.shape[1]
         n = min(num_tokens, tc, x.shape[0])
+        self.num_experts.append(num_experts)
+        bad = (ids[:n] < 0) | (ids[:n] >= num_experts)
+        if bad.any():  # the kernel prints and traps (kernels/id_check.py)
+            raise RuntimeError(f"mok_ep_publish stub: expert id outside [0, {num_experts})")
         bits = _fp32_bits(w[:n])
         for p in range(table.shape[1]):
             ids_p = self.sections[int(table[0, p])].view(-1)
@@ -145,6 +151,8 @@ def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens,
         names = [n for _, n in stub_publish.launches if n != "mok_scatter_rows_peers"]
         want = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
         assert names == ([] if mode == "torch" else [want] * P), mode
+        assert stub_publish.num_experts == ([] if mode == "torch" else [E] * P), mode  # the id check's bound
+        stub_publish.num_experts.clear()
         # scatter: the forward's x rows and the backward's d y rows, one launch each per rank
         assert len(scatters) == (2 * P if rows == "scatter" else 0), mode
         # the kernel's launch ends with the forward's first barrier (every rank, one epoch each)

@@ -12,6 +12,9 @@ Publish (rank r, token capacity Tc, n = min(num_tokens, Tc), K = top-k), for eve
   weights_p[(r*Tc + t)*K + j]       = fp32(topk_weights[t, j])   t < n
   ntok_p[r]                         = num_tokens
 
+with every published id checked first (kernels/id_check.py): one outside [0, num_experts) is printed
+and stops the kernel with a trap, before any rank can read it.
+
 the stores of cuda_ep's torch ops (MOK_EP_PUBLISH=torch), bit for bit: ids are int64 moves; fp32
 weights are moved as 32-bit words; bf16 weights (w_dtype="bf16") are widened by putting their
 16 bits in the high half of a 32-bit word, which is the bf16 -> fp32 conversion torch's copy_
@@ -49,6 +52,7 @@ import cuda.bindings.driver as cuda
 
 from .ep_comm import signal_peer, wait_for_peer
 from .ep_overlap import VEC, copy_row, copy_row_to_lanes
+from .id_check import check_expert_id
 from .registry import EP_COPY_THREADS as THREADS
 
 WARPS = THREADS // 32
@@ -84,17 +88,18 @@ class Publish:
         timeout_us: cutlass.Int32,
         tokens_all: cute.Tensor,  # (P,) int64: every rank's tokens section as mapped here (read if push)
         push: cutlass.Int32,  # 1: the x rows into every rank's tokens section (own included), 0: local only
+        num_experts: cutlass.Int32,  # ids of tokens t < n must lie in [0, num_experts): else print, trap (id_check)
         stream: cuda.CUstream,
     ):
         self.kernel(x, topk_ids, topk_weights, tokens, addrs, rank, tokens_cap, num_tokens, pads, err, arrivals,
-                    epoch, timeout_us, tokens_all, push).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
-                                                                 stream=stream)
+                    epoch, timeout_us, tokens_all, push, num_experts).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor, topk_ids: cute.Tensor, topk_weights: cute.Tensor, tokens: cute.Tensor,
                addrs: cute.Tensor, rank: cutlass.Int32, tokens_cap: cutlass.Int32, num_tokens: cutlass.Int32,
                pads: cute.Tensor, err: cute.Tensor, arrivals: cute.Tensor, epoch: cutlass.Int32,
-               timeout_us: cutlass.Int32, tokens_all: cute.Tensor, push: cutlass.Int32):
+               timeout_us: cutlass.Int32, tokens_all: cute.Tensor, push: cutlass.Int32, num_experts: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         n_ctas, _, _ = cute.arch.grid_dim()
@@ -114,6 +119,7 @@ class Publish:
             wbits = cutlass.Int32(0)
             if t < n:
                 idv = topk_ids[(t, j)]
+                check_expert_id(idv, i, num_experts)
                 if cutlass.const_expr(self.w_dtype == "bf16"):
                     hi = cutlass.Int32(topk_weights[(t, j)].bitcast(cutlass.Int16))
                     wbits = hi << 16  # the low 16 bits of hi << 16 are all that survive: no sign issue

@@ -546,6 +546,8 @@ def _ep_publish_spec(w_dtype: str) -> KernelSpec:
             # push = 1: the x rows into every rank's tokens section (tokens_all), the pull's work
             TensorArg("tokens_all", "i64", (DYN,), (1,), align=8),
             ScalarArg("push", "i32"),
+            # the global expert count: an id outside [0, num_experts) stops the kernel (print, trap)
+            ScalarArg("num_experts", "i32"),
         ),
     )
 

@@ -29,10 +29,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .ep_copy import ScatterRows
+from .id_check import check_expert_id
 from .registry import SCHEDULE_MAX_EXPERTS as MAX_EXPERTS
 from .registry import SCHEDULE_MC_WARPS as MC_WARPS
 from .registry import TILE_M
@@ -44,27 +43,11 @@ SEARCH_STEPS = 10  # binary search over <= MAX_EXPERTS segment ends (2**10 > 512
 assert MAX_EXPERTS <= SCAN_THREADS and 1 << SEARCH_STEPS > MAX_EXPERTS
 
 
-@dsl_user_op
-def _trap(*, loc=None, ip=None) -> None:
-    llvm.intr_trap(loc=loc, ip=ip)
-
-
 @cute.jit
 def _expert_of_slot(ids, s, num_experts):
-    """ids[s] as Int32, checked: an id outside [0, num_experts) would index the per-expert counts out of
-    bounds and leave its slot without a row (then read and written by every later kernel). There the
-    kernel prints the id and stops with a trap: the launch fails with an unspecified launch failure, and
-    the CUDA context with it, as torch's own device-side index checks do (no host synchronisation needed,
-    no wrong result possible)."""
+    """ids[s] as Int32, checked (id_check: an id outside [0, num_experts) prints and traps)."""
     v = ids[s]
-    if v < 0:
-        cute.printf("mok_nn schedule: expert id {} of slot {} (token * top_k + j) is outside [0, {})", v, s,
-                    num_experts)
-        _trap()
-    if v >= num_experts:
-        cute.printf("mok_nn schedule: expert id {} of slot {} (token * top_k + j) is outside [0, {})", v, s,
-                    num_experts)
-        _trap()
+    check_expert_id(v, s, num_experts)
     return cutlass.Int32(v)
 
 

@@ -217,5 +217,5 @@ def test_schedule_stops_on_expert_id_out_of_range(mode, gather, bad):
                          text=True, timeout=120)
     out = run.stdout + run.stderr
     assert run.returncode != 0 and "NO ERROR" not in out, out[-2000:]
-    assert f"mok_nn schedule: expert id {bad} of slot {slot} (token * top_k + j) is outside [0, 8)" in out, out[-2000:]
+    assert f"mok_nn: expert id {bad} of slot {slot} (token * top_k + j) is outside [0, 8)" in out, out[-2000:]
     assert "CUDA error" in out or "launch failure" in out, out[-2000:]

@@ -94,7 +94,7 @@ def _launch(lib, bufs, x, ids, w, num_tokens, grid, epoch=0, timeout_us=1, arriv
     stream = stream or torch.cuda.current_stream()
     lib.launch(name, x, ids, w, bufs.local("tokens"), bufs.section_table(TABLE), bufs.rank, bufs.tokens_cap,
                num_tokens, grid, bufs.section_addrs("pad"), bufs.err, arrivals, epoch, timeout_us,
-               bufs.section_addrs("tokens"), int(push), stream=stream.cuda_stream)
+               bufs.section_addrs("tokens"), int(push), 2**31 - 1, stream=stream.cuda_stream)
 
 
 def _check_sections(raws, rank, tc, H, K, x, ids, w, num_tokens, push=False):
@@ -226,3 +226,40 @@ def test_publish_barrier_times_out_with_a_flag(lib):
     torch.cuda.synchronize()
     assert int(bufs.err[0]) == 1 and int(counter[0]) == 0
     assert int(_bufs(raws, 0, tc, H, K).local("pad")[1]) == 1
+
+
+_BAD_ID_SCRIPT = """
+import sys, torch
+from mok_nn import cuda_ep
+P, tc, H, K, E = 2, 64, 64, 2, 8
+bad, slot = int(sys.argv[1]), int(sys.argv[2])
+_, nbytes = cuda_ep.buffer_layout(P, tc, H, K)
+raws = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(P)]
+bufs = cuda_ep.SymmBuffers(raws, 0, tc, H, K, torch.device("cuda"))
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(50, H, device="cuda", generator=g).bfloat16()
+ids = torch.randint(0, E, (50, K), device="cuda", generator=g)
+ids.view(-1)[slot] = bad
+w = torch.rand(50, K, device="cuda", generator=g)
+bufs.publish(x, ids, w, 50, num_experts=E)
+torch.cuda.synchronize()
+print("NO ERROR", flush=True)
+"""
+
+
+@pytest.mark.parametrize("bad", [8, -1, -2])
+def test_publish_stops_on_expert_id_out_of_range(monkeypatch, bad):
+    """An id outside [0, E) in the tokens being published stops mok_ep_publish (printed, then a trap;
+    kernels/id_check.py) before any rank could use it: at EP > 1 these ids would otherwise pass a torch
+    table lookup that takes E as 'no token' and wraps negative ids to other experts. Child process: the trap
+    ends the CUDA context. Ids past the token count (-1, written by the kernel itself) are not checked."""
+    import subprocess
+    import sys
+
+    slot = 77  # token 38, j = 1
+    env = dict(os.environ, MOK_EP_PUBLISH="kernel")
+    run = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, str(bad), str(slot)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "NO ERROR" not in out, out[-2000:]
+    assert f"mok_nn: expert id {bad} of slot {slot} (token * top_k + j) is outside [0, 8)" in out, out[-2000:]
