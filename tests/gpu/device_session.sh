@@ -25,7 +25,7 @@
 # scatter (mok_scatter_rows: tests, call by call, EP checks with it),
 # hostdiag (EP=1 host side: qwen3 timeline, single-op and make_schedule host costs, the alternation penalty),
 # sweep (MoKConfig's knobs side by side: tests/gpu/sweep_config.py at EP=1, and EP=2 where 2 GPUs),
-# clocks (SM clock / power log during the deepseek-v3 benchmark),
+# clocks (SM clock / power log during the deepseek-v3 benchmark), energy (J per call, mok_nn modes vs baseline),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -172,6 +172,9 @@ clk = [float(r[1]) for r in rows]; pw = [float(r[2]) for r in rows]
 print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.median(clk):.0f} max {max(clk):.0f}; '
       f'power W median {statistics.median(pw):.0f} max {max(pw):.0f}')
 " "$OUT/clocks_deepseek.csv" | tee "$OUT/clocks_summary.txt" ;;
+    energy)  # energy per call (NVML counter), mok_nn modes vs the baseline, back to back (tests/gpu/diag_energy.py)
+        TAIL=40 step energy 300 python3 tests/gpu/diag_energy.py --shapes "${SHAPES:-deepseek-v3}" \
+            --modes "${ENERGY_MODES:-default,tail_skip}" ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;
