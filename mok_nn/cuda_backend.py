@@ -135,13 +135,12 @@ class Schedule:
     def seg_rows_for(self, kernel: str) -> torch.Tensor:
         """[E] int32 seg_rows for grouped GEMM `kernel`: the real rows for the ping-pong kernels (_pp, _ppc)
         where MOK_GEMM_HALF_TILES is on (half_tiles: a tile whose rows past the first 64 are all padding
-        runs one 64-row MMA block), for the cooperative ones where MOK_GEMM_TAIL_SKIP is on (tail_skip: a
-        consumer warp group whose 64 rows are all padding issues no wgmma), else the padded sizes
-        (gemm_seg_rows). Same bits either way in every row that is read (the real rows; padding rows too
-        where A's padding rows are zero, i.e. unless a gate/up bias made h's padding rows act(bias): the
-        down GEMM's padding rows, which nothing reads, then differ)."""
-        skips = half_tiles() if kernel.endswith(("_pp", "_ppc")) else tail_skip()
-        return self.seg_rows if skips else self.gemm_seg_rows()
+        runs one 64-row MMA block), else the padded sizes (gemm_seg_rows). Same bits either way in every row
+        that is read (the real rows; padding rows too where A's padding rows are zero, i.e. unless a gate/up
+        bias made h's padding rows act(bias): the down GEMM's padding rows, which nothing reads, then differ)."""
+        if half_tiles() and kernel.endswith(("_pp", "_ppc")):
+            return self.seg_rows
+        return self.gemm_seg_rows()
 
     def take_gathered(self, x: torch.Tensor) -> torch.Tensor | None:
         """x_rows (= gather_rows(x, self, skip_tail=True)) where make_schedule gathered this very x, else None;
@@ -326,14 +325,6 @@ def half_tiles() -> bool:
     are all padding (the last tile of an expert with at most 64 rows in it). Same bits in the rows that are
     read: the skipped block's accumulators keep the zeros that zero padding rows of A give (Schedule.seg_rows_for)."""
     return env_choice("MOK_GEMM_HALF_TILES", ("1", "0"), "1") == "1"
-
-
-def tail_skip() -> bool:
-    """MOK_GEMM_TAIL_SKIP ("0", the default, or "1"): the cooperative GEMMs get the routed rows too, so a
-    consumer warp group whose 64 rows are all padding issues no wgmma (the kernels' skip branch). Measured
-    slower early on (CTAs drift apart, docs/kernels.md); kept as a switch because a GPU at its power limit
-    (deepseek-v3) may gain from the MMA energy it saves. Same bits in the rows that are read, as half_tiles."""
-    return env_choice("MOK_GEMM_TAIL_SKIP", ("0", "1"), "0") == "1"
 
 
 def env_choice(var: str, choices: tuple, default: str) -> str:

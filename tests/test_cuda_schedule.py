@@ -131,25 +131,6 @@ def test_seg_rows_for_half_tiles(monkeypatch):
         s.seg_rows_for("mok_gemm_bk_ppc")
 
 
-def test_seg_rows_for_tail_skip(monkeypatch):
-    """MOK_GEMM_TAIL_SKIP=1 gives the cooperative kernels the routed rows (their all-padding warp groups skip
-    the MMA); the ping-pong kernels still follow MOK_GEMM_HALF_TILES alone; a bad setting names the variable."""
-    ids, _ = _routing(300, 2, 8, torch.Generator().manual_seed(3))
-    s = make_schedule(ids, 8)
-    padded = s.gemm_seg_rows()
-    monkeypatch.setenv("MOK_GEMM_TAIL_SKIP", "1")
-    for name in ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_bn_f32", "mok_gemm_gate_up_swiglu_ef"):
-        assert s.seg_rows_for(name) is s.seg_rows, name
-    monkeypatch.setenv("MOK_GEMM_HALF_TILES", "0")
-    assert s.seg_rows_for("mok_gemm_bk_ppc") is padded
-    monkeypatch.setenv("MOK_GEMM_TAIL_SKIP", "0")
-    monkeypatch.setenv("MOK_GEMM_HALF_TILES", "1")
-    assert s.seg_rows_for("mok_gemm_bk_ef") is padded and s.seg_rows_for("mok_gemm_bk_ppc") is s.seg_rows
-    monkeypatch.setenv("MOK_GEMM_TAIL_SKIP", "on")
-    with pytest.raises(ValueError, match="MOK_GEMM_TAIL_SKIP"):
-        s.seg_rows_for("mok_gemm_bk_ef")
-
-
 @pytest.mark.parametrize("slots,cap,experts,scratch", [(65536, 73728, 128, 4096), (3, 128, 5, 0), (1, 128, 1, 1)])
 def test_schedule_buffers_layout(slots, cap, experts, scratch):
     """make_schedule's buffers, views of one allocation: the sizes and dtypes the kernels take, each on the

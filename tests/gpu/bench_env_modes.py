@@ -51,7 +51,6 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           sent by the dgrad GEMM itself; EP only)
   pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
   combine: auto, plain, each twice (MOK_COMBINE: the combine kernel chosen per top_k, or mok_combine everywhere)
-  tailskip: off, on, each twice (MOK_GEMM_TAIL_SKIP: the cooperative GEMMs' all-padding warp groups skip the MMA)
   halftiles: on, off, each twice (MOK_GEMM_HALF_TILES: the ping-pong GEMMs run one 64-row MMA block where a
           tile's rows past the first 64 are all padding)
 The env variables are read at every call, so one process can switch between them. A mode's settings
@@ -123,9 +122,6 @@ MODE_SETS = {
     # the ping-pong GEMMs given the real rows (a tile with <= 64 of them: one MMA block) or the padded sizes
     "combine": {"auto": {"MOK_COMBINE": "auto"}, "plain": {"MOK_COMBINE": "plain"},
                 "auto_again": {"MOK_COMBINE": "auto"}, "plain_again": {"MOK_COMBINE": "plain"}},
-    # the cooperative GEMMs given the routed rows (an all-padding consumer warp group issues no wgmma) or not
-    "tailskip": {"off": {"MOK_GEMM_TAIL_SKIP": "0"}, "on": {"MOK_GEMM_TAIL_SKIP": "1"},
-                 "off_again": {"MOK_GEMM_TAIL_SKIP": "0"}, "on_again": {"MOK_GEMM_TAIL_SKIP": "1"}},
     "halftiles": {"on": {"MOK_GEMM_HALF_TILES": "1"}, "off": {"MOK_GEMM_HALF_TILES": "0"},
                   "on_again": {"MOK_GEMM_HALF_TILES": "1"}, "off_again": {"MOK_GEMM_HALF_TILES": "0"}},
     # EP only: the forward's pull of the needed peer rows after the schedule, or of every peer row before it

@@ -172,9 +172,13 @@ clk = [float(r[1]) for r in rows]; pw = [float(r[2]) for r in rows]
 print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.median(clk):.0f} max {max(clk):.0f}; '
       f'power W median {statistics.median(pw):.0f} max {max(pw):.0f}')
 " "$OUT/clocks_deepseek.csv" | tee "$OUT/clocks_summary.txt" ;;
+    stageenergy)  # per-stage time and energy (profile_stages.py with STAGE_ENERGY=1), deepseek-v3 by default
+        for sh in ${SHAPES:-deepseek-v3}; do
+            STAGE_ENERGY=1 TAIL=40 step "stage_energy_$sh" 150 python3 tests/gpu/profile_stages.py "$sh" 8192
+        done ;;
     energy)  # energy per call (NVML counter), mok_nn modes vs the baseline, back to back (tests/gpu/diag_energy.py)
         TAIL=40 step energy 300 python3 tests/gpu/diag_energy.py --shapes "${SHAPES:-deepseek-v3}" \
-            --modes "${ENERGY_MODES:-default,tail_skip}" ;;
+            --modes "${ENERGY_MODES:-default}" ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

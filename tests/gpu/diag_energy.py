@@ -1,14 +1,15 @@
 """Diagnostic (not a test): energy per call of the layer, mok_nn vs the torch baseline, from the GPU's own
 energy counter (NVML, read through ctypes: no package needed), with the mean power and SM clock meanwhile.
 
-    python tests/gpu/diag_energy.py [--shapes deepseek-v3] [--modes default,tail_skip] [--seconds 2]
+    python tests/gpu/diag_energy.py [--shapes deepseek-v3] [--modes default,MOK_X=1+MOK_Y=2] [--seconds 2]
 
 Why: at deepseek-v3 the GPU reaches its 700 W limit and its SM clock drops to 1.2-1.7 GHz
 (`device_session.sh clocks`, v162). A throughput there is energy bound: the ratio to the baseline tends to
 the ratio of the energies per call, so what pays is work that costs less energy, not only less time.
 Each (implementation, step) runs back to back for about --seconds (no alternation: the power settles),
 twice in the order impl1 impl2 ... impl1 impl2 ..., and prints ms, J, W and MHz per call; the backward's
-figures are forward+backward minus forward. Modes: env settings of mok_nn (as bench_env_modes.py).
+figures are forward+backward minus forward. Modes: "default", or env settings of mok_nn joined by "+"
+(each mode unsets the others' variables first).
 """
 import argparse
 import ctypes
@@ -21,7 +22,16 @@ import torch
 from layer_runs import bench_steps
 from mok_nn import bench
 
-MODES = {"default": {}, "tail_skip": {"MOK_GEMM_TAIL_SKIP": "1"}}
+
+
+def parse_mode(mode: str) -> dict:
+    """{} for "default", else {VAR: VALUE} from "VAR=VALUE+VAR=VALUE"."""
+    if mode == "default":
+        return {}
+    pairs = [kv.split("=", 1) for kv in mode.split("+")]
+    if any(len(kv) != 2 or not kv[0].startswith("MOK_") for kv in pairs):
+        raise SystemExit(f"mode {mode!r}: expected 'default' or MOK_VAR=VALUE joined by '+'")
+    return dict(pairs)
 
 
 class Nvml:
@@ -89,9 +99,10 @@ def baseline_steps(shape, tokens):
     return [("forward", fwd), ("forward+backward", fwd_bwd)]
 
 
-def with_env(fn, env):
+def with_env(fn, env, keys):
+    """fn run with env set and the other modes' variables (keys) unset."""
     def run():
-        for k in {k for m in MODES.values() for k in m}:
+        for k in keys:
             os.environ.pop(k, None)
         os.environ.update(env)
         fn()
@@ -101,7 +112,7 @@ def with_env(fn, env):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="deepseek-v3")
-    ap.add_argument("--modes", default="default,tail_skip")
+    ap.add_argument("--modes", default="default")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seconds", type=float, default=2.0)
     a = ap.parse_args()
@@ -109,13 +120,15 @@ def main():
     for shape in a.shapes.split(","):
         impls = {"torch_baseline": baseline_steps(shape, a.tokens)}
         steps = bench_steps(shape, a.tokens)
-        for m in a.modes.split(","):
-            impls[f"mok_{m}"] = [(n, with_env(f, MODES[m])) for n, f in steps]
+        modes = {m: parse_mode(m) for m in a.modes.split(",")}
+        keys = {k for env in modes.values() for k in env}
+        for m, env in modes.items():
+            impls[f"mok_{m}"] = [(n, with_env(f, env, keys)) for n, f in steps]
         print(f"{shape}: per call, back to back ~{a.seconds:.1f} s each; bwd = fwd+bwd - fwd", flush=True)
         for rep in range(2):
             for name, st in impls.items():
                 (ms_f, j_f, w_f, c_f), (ms_fb, j_fb, w_fb, c_fb) = (run_for(f, a.seconds, nvml) for _, f in st)
-                print(f"  {rep} {name:16s} fwd {ms_f:7.3f} ms {j_f:6.2f} J {w_f:4.0f} W {c_f:5.0f} MHz | "
+                print(f"  {rep} {name:24s} fwd {ms_f:7.3f} ms {j_f:6.2f} J {w_f:4.0f} W {c_f:5.0f} MHz | "
                       f"fwd+bwd {ms_fb:7.3f} ms {j_fb:6.2f} J {w_fb:4.0f} W {c_fb:5.0f} MHz | "
                       f"bwd {ms_fb - ms_f:7.3f} ms {j_fb - j_f:6.2f} J", flush=True)
 

@@ -1,7 +1,12 @@
 """Diagnostic (not a test): time each stage of the CUDA experts path with CUDA events.
 
     python tests/gpu/profile_stages.py [shape] [tokens]
+
+STAGE_ENERGY=1: also the energy per call of each stage (NVML counter, diag_energy.Nvml) over ~0.6 s of
+back-to-back calls, with the mean power and SM clock: which stage costs the energy where the GPU runs at
+its power limit (deepseek-v3).
 """
+import os
 import sys
 
 import torch
@@ -16,6 +21,13 @@ x, ids, w, W13, W2, dy = p["x"], p["ids"], p["w"], p["gate_up_proj"], p["down_pr
 E = W13.shape[0]
 
 
+nvml = None
+if os.environ.get("STAGE_ENERGY") == "1":
+    from diag_energy import Nvml, run_for
+
+    nvml = Nvml(torch.cuda.current_device())
+
+
 def timed(name, fn, reps=10):
     fn()
     torch.cuda.synchronize()
@@ -25,7 +37,11 @@ def timed(name, fn, reps=10):
         out = fn()
     e.record()
     e.synchronize()
-    print(f"{shape:<14} {name:<22} {s.elapsed_time(e) / reps:8.3f} ms", flush=True)
+    energy = ""
+    if nvml is not None:
+        _, joules, watts, mhz = run_for(fn, 0.6, nvml)
+        energy = f"  {joules * 1e3:8.1f} mJ {watts:4.0f} W {mhz:5.0f} MHz"
+    print(f"{shape:<14} {name:<22} {s.elapsed_time(e) / reps:8.3f} ms{energy}", flush=True)
     return out
 
 

@@ -811,28 +811,15 @@ def _bits(t):
     return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-# (switch, its value that skips, its value that does not, the GEMM form it acts on)
-SKIP_SWITCHES = {
-    "half_tiles": ("MOK_GEMM_HALF_TILES", "1", "0", {"MOK_GEMM_PINGPONG": "cluster", "MOK_GEMM_ACT": "fused",
-                                                   "MOK_GEMM_DACT": "fused"}),
-    "tail_skip": ("MOK_GEMM_TAIL_SKIP", "1", "0", {"MOK_GEMM_PINGPONG": "0", "MOK_GEMM_ACT": "auto",
-                                                 "MOK_GEMM_DACT": "split"}),
-}
-
-
-@pytest.mark.parametrize("switch", sorted(SKIP_SWITCHES))
 @pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random", False), (512, 2048, 768, 128, 8, "skew", False),
                                   (300, 256, 512, 8, 2, "random", True)])
-def test_half_tiles_in_layer(lib, case, switch, monkeypatch):
+def test_half_tiles_in_layer(lib, case, monkeypatch):
     """MOK_GEMM_HALF_TILES=1 (default) vs 0 through experts_forward / experts_backward with the ping-pong
-    kernels (qwen3's: fused gate/up + SwiGLU, down, fused dSwiGLU), and MOK_GEMM_TAIL_SKIP=1 vs 0 (default)
-    with the cooperative kernels (the fused gate/up + SwiGLU _ef, down, dgrad, activation backward): y, dx,
-    d topk-weights and the weight (and bias) gradients bit for bit equal; the case has experts whose last
-    tile holds at most 64 rows. With biases the gate/up activation runs unfused, so h's padding rows are
-    act(bias), not zero: the down GEMM's padding rows then differ, and nothing that is read may."""
+    kernels (qwen3's: fused gate/up + SwiGLU, down, fused dSwiGLU): y, dx, d topk-weights and the weight
+    (and bias) gradients bit for bit equal; the case has experts whose last tile holds at most 64 rows.
+    With biases the gate/up activation runs unfused, so h's padding rows are act(bias), not zero: the down
+    GEMM's padding rows then differ, and nothing that is read may."""
     from mok_nn import cuda_backend as cb
-
-    var, skip, no_skip, form = SKIP_SWITCHES[switch]
 
     T, H, I, E, k, mode, bias = case
     ids, w = _routing(T, k, E, mode, seed=T + 2 * I)
@@ -842,25 +829,26 @@ def test_half_tiles_in_layer(lib, case, switch, monkeypatch):
     W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
     b13 = (torch.randn(E, 2 * I, device="cuda") / 4).to(torch.bfloat16) if bias else None
     b2 = (torch.randn(E, H, device="cuda") / 4).to(torch.bfloat16) if bias else None
-    for name, value in form.items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "cluster")
+    for var in ("MOK_GEMM_ACT", "MOK_GEMM_DACT"):
+        monkeypatch.setenv(var, "fused")
     sched = cb.make_schedule(ids, E)
     tail = sched.seg_rows % 128
     assert bool(((tail > 0) & (tail <= 64)).any()), "no half tile in this case"
 
-    def run(setting):
-        monkeypatch.setenv(var, setting)
+    def run(half):
+        monkeypatch.setenv("MOK_GEMM_HALF_TILES", half)
         y, saved = cb.experts_forward(x, ids, w, W13, W2, b13, b2)
         dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2, b13, b2)
         torch.cuda.synchronize()
         out = [y, dx, dtk, g.gate_up_proj, g.down_proj]
         return out + ([g.gate_up_bias, g.down_bias] if bias else [])
 
-    want, got, again = run(no_skip), run(skip), run(skip)
+    want, got, again = run("0"), run("1"), run("1")
     names = ("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias")
     for n, a, b, c in zip(names, got, again, want):
         assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
-        assert torch.equal(_bits(a), _bits(c)), f"{n} differs with {var}={no_skip}"
+        assert torch.equal(_bits(a), _bits(c)), f"{n} differs without half tiles"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
