@@ -79,7 +79,7 @@ def step_over(k_tiles, read_state, release_state):
 def mma_mainloop(
     tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
     proxy_fence: cutlass.Constexpr = False, skip_mma: cutlass.Constexpr = False,
-    first_m_only: cutlass.Constexpr = False, last_k_blocks=None,
+    first_m_only: cutlass.Constexpr = False,
 ):
     """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
     releasing it once the next stage's wgmma batch is in flight. proxy_fence: A arrived by cp.async
@@ -88,9 +88,6 @@ def mma_mainloop(
     padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.
     The first block's wgmmas are the same instructions in the same order: its results keep their bits.
     (It takes precedence over skip_mma, a diagnostic no caller combines with it.)
-    last_k_blocks (varlen K, the weight gradients): only the first last_k_blocks (1..k_blocks, dynamic) of
-    the last stage's k-blocks run; the rows past them are zero padding, whose products would add zeros.
-    Every wgmma that runs is the same instruction in the same order as without it.
     Returns (tiled_mma, acc, read_state, release_state): rebind all four (the tracer threads values
     through staged control flow only as plain local variables, not through a helper's updates)."""
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -99,20 +96,13 @@ def mma_mainloop(
         ab_pipe.consumer_wait(read_state)
         if cutlass.const_expr(proxy_fence):
             cute.arch.fence_proxy("async.shared", space="cta")
-        kb_end = cutlass.Int32(k_blocks)
-        if cutlass.const_expr(last_k_blocks is not None):
-            kb_end = cutlass.select_(k == k_tiles - 1, last_k_blocks, kb_end)
         for kb in cutlass.range_constexpr(k_blocks):
             coord = (None, None, kb, read_state.index)
             if cutlass.const_expr(first_m_only):
                 a = tCrA[coord]
                 d = _first_m_block(acc)
                 cute.gemm(tiled_mma, d, _first_m_block(a), tCrB[coord], d)
-            elif cutlass.const_expr(skip_mma):
-                pass
-            elif cutlass.const_expr(last_k_blocks is None or kb == 0):
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            elif kb < kb_end:
+            elif cutlass.const_expr(not skip_mma):
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
         cute.nvgpu.warpgroup.commit_group()
         # Keep one wgmma batch in flight; release the stage before it.

@@ -373,9 +373,6 @@ class VarlenKGroupedGemm:
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 _, k_tiles = self._k_range(seg_end, seg_rows, expert)
-                # k-blocks of the last K tile that hold real rows (the rest are zero padding: not multiplied)
-                mma_k = self.tile_mnk[2] // k_blocks
-                last_k_blocks = (seg_rows[expert] - (k_tiles - 1) * self.tile_mnk[2] + (mma_k - 1)) // mma_k
                 skip, turn = pingpong_turn(turn, wg, self.pingpong)
                 if skip == 1:
                     read_state, release_state = step_over(k_tiles, read_state, release_state)
@@ -387,7 +384,7 @@ class VarlenKGroupedGemm:
                     if k_tiles > 0:
                         tiled_mma, acc, read_state, release_state = mma_mainloop(
                             tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                            skip_mma=self.diag == "no_mma", last_k_blocks=last_k_blocks,
+                            skip_mma=self.diag == "no_mma",
                         )
                     if cutlass.const_expr(self.pingpong):
                         cute.arch.mbarrier_arrive(order_bars + (1 - wg))
