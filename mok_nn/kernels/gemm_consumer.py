@@ -79,7 +79,7 @@ def step_over(k_tiles, read_state, release_state):
 def mma_mainloop(
     tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
     proxy_fence: cutlass.Constexpr = False, skip_mma: cutlass.Constexpr = False,
-    first_m_only: cutlass.Constexpr = False,
+    first_m_only: cutlass.Constexpr = False, last_k_blocks: cutlass.Constexpr = 0,
 ):
     """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
     releasing it once the next stage's wgmma batch is in flight. proxy_fence: A arrived by cp.async
@@ -88,11 +88,18 @@ def mma_mainloop(
     padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.
     The first block's wgmmas are the same instructions in the same order: its results keep their bits.
     (It takes precedence over skip_mma, a diagnostic no caller combines with it.)
+    last_k_blocks (1 .. k_blocks - 1; 0: all): the last stage runs only its first last_k_blocks k-blocks
+    (varlen K: the rows past them are zero padding). That stage is peeled off the loop, so no branch
+    stands between the wgmmas; the wgmmas that run are those of the full loop, in the same order.
     Returns (tiled_mma, acc, read_state, release_state): rebind all four (the tracer threads values
     through staged control flow only as plain local variables, not through a helper's updates)."""
+    assert not last_k_blocks or not (proxy_fence or skip_mma or first_m_only)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()
-    for k in range(k_tiles):
+    full_tiles = k_tiles
+    if cutlass.const_expr(last_k_blocks > 0):
+        full_tiles = k_tiles - 1
+    for k in range(full_tiles):
         ab_pipe.consumer_wait(read_state)
         if cutlass.const_expr(proxy_fence):
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -108,6 +115,17 @@ def mma_mainloop(
         # Keep one wgmma batch in flight; release the stage before it.
         cute.nvgpu.warpgroup.wait_group(1)
         if k > 0:
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+        read_state.advance()
+    if cutlass.const_expr(last_k_blocks > 0):
+        ab_pipe.consumer_wait(read_state)
+        for kb in cutlass.range_constexpr(last_k_blocks):
+            coord = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(1)
+        if full_tiles > 0:
             ab_pipe.consumer_release(release_state)
             release_state.advance()
         read_state.advance()

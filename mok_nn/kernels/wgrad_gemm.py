@@ -373,6 +373,9 @@ class VarlenKGroupedGemm:
             while work.is_valid_tile:
                 m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
                 _, k_tiles = self._k_range(seg_end, seg_rows, expert)
+                # k-blocks of the last K tile that hold real rows (the rest, zero padding, are not multiplied)
+                mma_k = self.tile_mnk[2] // k_blocks
+                last_k_blocks = (seg_rows[expert] - (k_tiles - 1) * self.tile_mnk[2] + (mma_k - 1)) // mma_k
                 skip, turn = pingpong_turn(turn, wg, self.pingpong)
                 if skip == 1:
                     read_state, release_state = step_over(k_tiles, read_state, release_state)
@@ -381,11 +384,26 @@ class VarlenKGroupedGemm:
                     if cutlass.const_expr(self.pingpong):
                         cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                         order_phase = 1 - order_phase
+                    # one mainloop per count of real k-blocks in the last K tile (each branch a whole
+                    # unrolled mainloop: no branch between wgmmas); the diagnostics run the full one
                     if k_tiles > 0:
-                        tiled_mma, acc, read_state, release_state = mma_mainloop(
-                            tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                            skip_mma=self.diag == "no_mma",
-                        )
+                        if cutlass.const_expr(self.diag != ""):
+                            tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                                skip_mma=self.diag == "no_mma",
+                            )
+                        else:
+                            if last_k_blocks == k_blocks:
+                                tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                    tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
+                                    release_state,
+                                )
+                            for n in cutlass.range_constexpr(1, k_blocks):
+                                if last_k_blocks == n:
+                                    tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                        tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
+                                        release_state, last_k_blocks=n,
+                                    )
                     if cutlass.const_expr(self.pingpong):
                         cute.arch.mbarrier_arrive(order_bars + (1 - wg))
                     bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
