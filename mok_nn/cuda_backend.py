@@ -618,7 +618,7 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     """[E, Na, Nb] bf16: per expert e, a_rows[seg e]^T @ b_rows[seg e] (fp32 accumulation, rows ascending).
 
     a_rows [M_cap, Na], b_rows [M_cap, Nb] in schedule order with zero padding rows;
-    counts [E] int32 real rows per expert (the kernel stops at the K tile holding the last one).
+    counts [E] int32 real rows per expert (the kernel stops at the 16-row k-block holding the last one).
     into: add the (bf16-rounded) result into this [E, Na, Nb] tensor and return it (macrobatch passes):
     by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
     no second gradient buffer), else computed apart and added (bf16 round of the sum either way).

@@ -5,10 +5,13 @@
 A and B are the schedule-ordered rows read transposed (both M/N-major: the row
 index r is the reduction axis), e.g. d down_proj[e] = dy_rows[seg e]^T @ wh[seg e].
 Expert e reduces rows seg_start(e) .. seg_start(e) + seg_rows[e], rounded up to
-the K tile; seg_start(e) = seg_end[e - 1] is a multiple of TILE_M (the schedule
-pads every segment), so a K tile never straddles two experts, and the rows
-past seg_rows[e] inside the segment are padding (zero), so rounding up adds
-nothing. An expert without rows gets an all-zero output tile.
+the K tile (64 rows) for the loads and to the 16-row wgmma k-block for the MMA
+(the last K tile runs only its k-blocks that hold real rows: one unrolled
+mainloop per count, chosen once per tile); seg_start(e) = seg_end[e - 1] is a
+multiple of TILE_M (the schedule pads every segment), so a K tile never
+straddles two experts, and the rows past seg_rows[e] inside the segment are
+padding (zero), so rounding up adds nothing. An expert without rows gets an
+all-zero output tile.
 
 Structure as in grouped_gemm.py: warp group 0 issues TMA loads into a ring of
 stages, warp groups 1 and 2 run wgmma (64 rows each; ping-pong: whole tiles in turn) and store bf16
