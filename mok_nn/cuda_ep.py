@@ -283,8 +283,8 @@ def bucket_keys(flat_ids: torch.Tensor, num_experts: int, rank: int, e_l: int, s
     """The bucket of each id of flat_ids (-1: no token). By index_select at id + 1, which checks its indices:
     an id outside [-1, E) raises (IndexError on the CPU, torch's device-side index assert on CUDA) instead of
     wrapping to another expert, as indexing the table by the ids did (-2 read expert E - 1; E read the
-    no-token bucket). A -1 from a rank's own topk_ids still reads as no token here (the single-GPU path stops
-    on it in the schedule kernel)."""
+    no-token bucket). A -1 reads as no token here: the publish kernel has already stopped on any -1 in a rank's
+    own topk_ids (kernels/id_check.py), so the only -1 left are its marks for tokens past a rank's count."""
     return _bucket_table(num_experts, rank, e_l, spread, flat_ids.device).index_select(0, flat_ids + 1)
 
 

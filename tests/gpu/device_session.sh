@@ -158,8 +158,8 @@ for s in "$@"; do
             TAIL=30 step sweep_config_ep2 300 torchrun --nproc_per_node 2 tests/gpu/sweep_config.py
         fi ;;
     clocks)  # SM clock, power and temperature every 100 ms while the deepseek-v3 benchmark runs (mok and baseline
-        # alternate): how far the clocks drop under the long weight gradients, the suspected source of the spread
-        # of its backward ratio (1.23x-1.37x over v22-v161)
+        # alternate): how far the clocks drop, the source of the spread
+        # of its backward ratio (v162: the GPU at its 700 W limit, SM clock 1155-1710 MHz)
         nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
             -lms 100 > "$OUT/clocks_deepseek.csv" &
         local_smi=$!

@@ -13,14 +13,13 @@ figures are forward+backward minus forward. Modes: "default", or env settings of
 """
 import argparse
 import ctypes
-import os
 import threading
 import time
 
 import torch
 
+from bench_env_modes import with_env
 from layer_runs import bench_steps
-from mok_nn import bench
 
 
 
@@ -82,33 +81,6 @@ def run_for(fn, seconds, nvml):
     return dt / calls * 1e3, de / calls, de / dt, mhz
 
 
-def baseline_steps(shape, tokens):
-    p = bench.make_problem(shape, tokens, "cuda")
-    leaves = bench._leaves(p)
-    x, w, gu, dn = leaves
-
-    def fwd():
-        with torch.no_grad():
-            bench.baseline_experts(x, p["ids"], w, gu, dn)
-
-    def fwd_bwd():
-        for t in leaves:
-            t.grad = None
-        bench.baseline_experts(x, p["ids"], w, gu, dn).backward(p["dy"])
-
-    return [("forward", fwd), ("forward+backward", fwd_bwd)]
-
-
-def with_env(fn, env, keys):
-    """fn run with env set and the other modes' variables (keys) unset."""
-    def run():
-        for k in keys:
-            os.environ.pop(k, None)
-        os.environ.update(env)
-        fn()
-    return run
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="deepseek-v3")
@@ -118,7 +90,7 @@ def main():
     a = ap.parse_args()
     nvml = Nvml(torch.cuda.current_device())
     for shape in a.shapes.split(","):
-        impls = {"torch_baseline": baseline_steps(shape, a.tokens)}
+        impls = {"torch_baseline": bench_steps(shape, a.tokens, baseline=True)}
         steps = bench_steps(shape, a.tokens)
         modes = {m: parse_mode(m) for m in a.modes.split(",")}
         keys = {k for env in modes.values() for k in env}
