@@ -600,10 +600,19 @@ def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     )  # fmt: skip
 
 
-def gemm_group_m(n: int, tile_n: int = GEMM_TILE_N) -> int:
-    """Row tiles per raster band of a grouped GEMM with n output columns. Measured on H200: column
+def band_rule(n: int, tile_n: int = GEMM_TILE_N) -> int:
+    """Row tiles per raster band of a GEMM with n output columns. Measured on H200: column
     tiles fastest (1) unless the columns span more than 32 tiles (mixtral's gate/up: bands of 8)."""
     return 8 if (n + tile_n - 1) // tile_n > 32 else 1
+
+
+def gemm_group_m(n: int, tile_n: int = GEMM_TILE_N) -> int:
+    """The varlen-M grouped GEMMs' raster (their group_m argument) for n output columns, by MOK_GEMM_RASTER:
+    "auto" (default) band_rule's bands; "expert" 0, one band per expert with its row tiles fastest, so the
+    tiles sharing a B column stripe run in the same wave of CTAs (grouped_gemm._tile_coord_one)."""
+    if env_choice("MOK_GEMM_RASTER", ("auto", "expert"), "auto") == "expert":
+        return 0
+    return band_rule(n, tile_n)
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -665,7 +674,7 @@ def wgrad_group_m(name: str, nb: int) -> int:
     forced = getenv("MOK_WGRAD_GROUP_M", "")
     if forced and not (forced.isdigit() and int(forced) > 0):
         raise ValueError(f"MOK_WGRAD_GROUP_M={forced!r}: expected a positive integer")
-    return int(forced) if forced else gemm_group_m(nb, tile_n_of(name))
+    return int(forced) if forced else band_rule(nb, tile_n_of(name))
 
 
 MAX_TOP_K = 32  # the combine kernels hold slot j's row index, leaf and weight in lane j of a warp

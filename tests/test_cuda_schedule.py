@@ -131,6 +131,23 @@ def test_seg_rows_for_half_tiles(monkeypatch):
         s.seg_rows_for("mok_gemm_bk_ppc")
 
 
+def test_gemm_raster_switch(monkeypatch):
+    """MOK_GEMM_RASTER: auto (default) keeps band_rule's bands (column tiles fastest, bands of 8 row tiles past
+    32 column tiles), expert gives the kernels group_m 0 (a band per expert); the weight gradients' raster
+    ignores it (their kernels have no expert bands); a bad setting is an error naming the variable."""
+    from mok_nn import cuda_backend as cb
+
+    monkeypatch.delenv("MOK_GEMM_RASTER", raising=False)
+    monkeypatch.delenv("MOK_WGRAD_GROUP_M", raising=False)
+    assert cb.gemm_group_m(4096) == 1 and cb.gemm_group_m(28672) == 8 and cb.gemm_group_m(8192, 128) == 8
+    monkeypatch.setenv("MOK_GEMM_RASTER", "expert")
+    assert cb.gemm_group_m(4096) == 0 and cb.gemm_group_m(28672) == 0
+    assert cb.wgrad_group_m("mok_gemm_wgrad", 28672) == 8 and cb.wgrad_group_m("mok_gemm_wgrad", 4096) == 1
+    monkeypatch.setenv("MOK_GEMM_RASTER", "rows")
+    with pytest.raises(ValueError, match="MOK_GEMM_RASTER"):
+        cb.gemm_group_m(4096)
+
+
 @pytest.mark.parametrize("slots,cap,experts,scratch", [(65536, 73728, 128, 4096), (3, 128, 5, 0), (1, 128, 1, 1)])
 def test_schedule_buffers_layout(slots, cap, experts, scratch):
     """make_schedule's buffers, views of one allocation: the sizes and dtypes the kernels take, each on the

@@ -342,17 +342,23 @@ class VarlenMGroupedGemm:
             stream=stream,
         )
 
-    def _tile_coord(self, linear, tiles_m, tiles_n, group_m):
+    @cute.jit
+    def _tile_coord(self, linear, tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows):
         """Linear tile index -> (m_tile, n_tile) (_tile_coord_one); with cluster_n = 2, the column tiles make
         (tiles_n + 1) // 2 pairs and CTA r of cluster c gets column 2 q + r of pair q (past the last
         column tile when tiles_n is odd: that CTA computes, loads its half of A for its partner, and
         stores nothing)."""
+        m_tile, n_tile = cutlass.Int32(0), cutlass.Int32(0)
         if cutlass.const_expr(self.cluster_n > 1):
-            m_tile, pair = self._tile_coord_one(linear // 2, tiles_m, (tiles_n + 1) // 2, group_m)
-            return m_tile, pair * 2 + linear % 2
-        return self._tile_coord_one(linear, tiles_m, tiles_n, group_m)
+            m_tile, pair = self._tile_coord_one(linear // 2, tiles_m, (tiles_n + 1) // 2, group_m, tile_expert,
+                                                seg_end, seg_rows)
+            n_tile = pair * 2 + linear % 2
+        else:
+            m_tile, n_tile = self._tile_coord_one(linear, tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows)
+        return m_tile, n_tile
 
-    def _tile_coord_one(self, linear, tiles_m, tiles_n, group_m):
+    @cute.jit
+    def _tile_coord_one(self, linear, tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows):
         """Linear tile index -> (m_tile, n_tile), row tiles fastest inside bands of group_m.
 
         group_m = 1: column tiles fastest, so a wave of persistent CTAs shares a few
@@ -360,12 +366,38 @@ class VarlenMGroupedGemm:
         N is a handful of tiles). group_m = 8: a wave covers ~8 row tiles x
         (SMs / 8) column tiles, bounding the weight bytes a wave pulls from HBM
         when N spans many tiles (few large experts).
+        group_m = 0 (expert bands): each expert's row tiles make one band, row tiles
+        fastest inside it, so the 1-3 tiles that read the same B column stripe are
+        neighbours in the order (the same wave of CTAs) and a wave boundary splits at
+        most one stripe; with column tiles fastest it splits every stripe of the
+        expert it falls in, whose B the next wave then reads from HBM again. The band
+        of the expert owning row tile linear // tiles_n is [first, first + rows) with
+        first = its segment's start tile; a row tile outside its own expert's
+        segment (not a schedule this kernel is given) or past the last segment keeps
+        the column-fastest order.
         """
-        band = linear // (group_m * tiles_n)
-        first_m = band * group_m
-        rows_in_band = cutlass.min(tiles_m - first_m, group_m)
-        within = linear - band * (group_m * tiles_n)
-        return first_m + within % rows_in_band, within // rows_in_band
+        m_tile, n_tile = cutlass.Int32(0), cutlass.Int32(0)
+        if group_m == 0:
+            m_row = linear // tiles_n
+            m_tile = m_row
+            n_tile = linear - m_row * tiles_n
+            expert = tile_expert[m_row]
+            if expert >= 0:
+                band_rows = (seg_rows[expert] + TILE_M - 1) // TILE_M
+                first = seg_end[expert] // TILE_M - band_rows
+                if m_row >= first:
+                    if m_row < first + band_rows:
+                        within = linear - first * tiles_n
+                        m_tile = first + within % band_rows
+                        n_tile = within // band_rows
+        else:
+            band = linear // (group_m * tiles_n)
+            first_m = band * group_m
+            rows_in_band = cutlass.min(tiles_m - first_m, group_m)
+            within = linear - band * (group_m * tiles_n)
+            m_tile = first_m + within % rows_in_band
+            n_tile = within // rows_in_band
+        return m_tile, n_tile
 
     def _gate_up_h_stores(self, mC, mH, tma_c, tma_h, sC):
         """TMA store views of the SwiGLU epilogues (act, dact), by 32-column block of the whole outputs:
@@ -448,8 +480,8 @@ class VarlenMGroupedGemm:
         return 1 - empty_phase
 
     @cute.jit
-    def _act_helper(self, mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n, group_m,
-                    limit, tidx):
+    def _act_helper(self, mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, seg_end, seg_rows, sched_params, tiles_m,
+                    tiles_n, group_m, limit, tidx):
         """The SwiGLU epilogue's stores and math on the producer warp group's idle warps 1-3 (full_epi,
         cooperative), beside the consumers' next mainloop. Per valid tile of the CTA's schedule: wait for the
         consumers' gate/up sub-tiles (epi_bars[0]), send them by TMA (gate group, then up group), compute
@@ -473,7 +505,9 @@ class VarlenMGroupedGemm:
         work = sched.initial_work_tile_info()
         full_phase = cutlass.Int32(0)
         while work.is_valid_tile:
-            m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            m_tile, n_tile = self._tile_coord(
+                work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
+            )
             if tile_expert[m_tile] >= 0:
                 cute.arch.mbarrier_wait(epi_bars, full_phase)
                 full_phase = 1 - full_phase
@@ -514,8 +548,8 @@ class VarlenMGroupedGemm:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def _push_helper(self, sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n, group_m, row_rank, row_slot,
-                     dst_base, n_cols, tidx):
+    def _push_helper(self, sC, epi_bars, tile_expert, seg_end, seg_rows, sched_params, tiles_m, tiles_n, group_m,
+                     row_rank, row_slot, dst_base, n_cols, tidx):
         """The epilogue of the push kernel on the producer warp group's idle warps 1-3, beside the consumers' next
         mainloop: per valid tile of the CTA's schedule, wait for the output tile in smem (epi_bars[0]), store each
         row's columns to row row_slot[r] of the section at dst_base[row_rank[r]] (row_rank < 0: not sent; rows of
@@ -539,7 +573,9 @@ class VarlenMGroupedGemm:
         work = sched.initial_work_tile_info()
         full_phase = cutlass.Int32(0)
         while work.is_valid_tile:
-            m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            m_tile, n_tile = self._tile_coord(
+                work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
+            )
             if tile_expert[m_tile] >= 0:
                 first = m_tile * TILE_M + wi
                 rk0, sl0, rk1, sl1 = cutlass.Int64(-1), cutlass.Int64(0), cutlass.Int64(-1), cutlass.Int64(0)
@@ -661,8 +697,8 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _produce_gathered(
-        self, ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
-        group_m, k_tiles,
+        self, ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, seg_end, seg_rows, sched_params, tiles_m,
+        tiles_n, group_m, k_tiles,
     ):
         """Producer of the gather variant, run by all 128 threads of warp group 0.
 
@@ -701,7 +737,9 @@ class VarlenMGroupedGemm:
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         while work.is_valid_tile:
-            m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+            m_tile, n_tile = self._tile_coord(
+                work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
+            )
             expert = tile_expert[m_tile]
             if expert >= 0:
                 for i in cutlass.range_constexpr(rows_per_thr):
@@ -880,8 +918,8 @@ class VarlenMGroupedGemm:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if cutlass.const_expr(self.gather):
                 self._produce_gathered(
-                    ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, sched_params, tiles_m, tiles_n,
-                    group_m, k_tiles,
+                    ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, seg_end, seg_rows, sched_params,
+                    tiles_m, tiles_n, group_m, k_tiles,
                 )
             elif warp_idx == 0:
                 if cutlass.const_expr(self.dynamic):
@@ -899,7 +937,9 @@ class VarlenMGroupedGemm:
                 work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 while work.is_valid_tile:
-                    m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+                    m_tile, n_tile = self._tile_coord(
+                        work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
+                    )
                     expert = tile_expert[m_tile]
                     if expert >= 0:
                         if cutlass.const_expr(self.ready):
@@ -929,11 +969,11 @@ class VarlenMGroupedGemm:
             if cutlass.const_expr(self.epi_helper):
                 if warp_idx > 0:
                     if cutlass.const_expr(self.push):
-                        self._push_helper(sC, epi_bars, tile_expert, sched_params, tiles_m, tiles_n, group_m,
-                                          row_idx, ready, ready_err, epoch, tidx)
+                        self._push_helper(sC, epi_bars, tile_expert, seg_end, seg_rows, sched_params, tiles_m,
+                                          tiles_n, group_m, row_idx, ready, ready_err, epoch, tidx)
                     else:
-                        self._act_helper(mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, sched_params, tiles_m,
-                                         tiles_n, group_m, limit, tidx)
+                        self._act_helper(mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, seg_end, seg_rows,
+                                         sched_params, tiles_m, tiles_n, group_m, limit, tidx)
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -989,7 +1029,9 @@ class VarlenMGroupedGemm:
             order_phase = 1 - wg
             empty_phase = cutlass.Int32(1)  # epi_helper: a fresh epi_bars[1] passes parity 1 at once
             while work.is_valid_tile:
-                m_tile, n_tile = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+                m_tile, n_tile = self._tile_coord(
+                    work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
+                )
                 expert = tile_expert[m_tile]
                 if expert >= 0:
                     skip, turn = pingpong_turn(turn, wg, self.pingpong)

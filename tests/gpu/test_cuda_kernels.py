@@ -46,6 +46,7 @@ GEMM_CASES = [  # tokens, k, E, N, K, routing
     (1, 1, 4, 256, 128, "random"),
     (333, 2, 8, 384, 200, "skew"),
     (300, 1, 3, 1000, 72, "one_expert"),
+    (3000, 2, 6, 2048, 128, "skew"),  # 4-8 row tiles per expert, 8 column tiles: bands span several waves
 ]
 
 
@@ -89,7 +90,7 @@ def _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, group_m, real_rows
 
 @pytest.mark.parametrize("name,transpose_w,out_dtype", GEMM_VARIANTS, ids=[v[0] for v in GEMM_VARIANTS])
 @pytest.mark.parametrize("case", GEMM_CASES)
-@pytest.mark.parametrize("group_m", [1, 3])
+@pytest.mark.parametrize("group_m", [1, 3, 0])  # 0: one raster band per expert (MOK_GEMM_RASTER=expert)
 def test_grouped_gemm(lib, case, name, transpose_w, out_dtype, group_m):
     from mok_nn import cuda_backend as cb
 
@@ -107,6 +108,9 @@ def test_grouped_gemm(lib, case, name, transpose_w, out_dtype, group_m):
     if name in DEFAULT_GEMM:
         ref_bits = _run_gemm(lib, DEFAULT_GEMM[name], a, W, transpose_w, out_dtype, sched, group_m)
         assert torch.equal(outs[0][:used], ref_bits[:used]), f"{name} differs from the default"
+    if group_m != 1:  # the tile order changes which CTA computes a tile, never its bits
+        col_fastest = _run_gemm(lib, name, a, W, transpose_w, out_dtype, sched, 1)
+        assert torch.equal(outs[0][:used], col_fastest[:used]), f"group_m={group_m} differs from group_m=1"
     got = outs[0][pos]
     Wd = W.double()
     ref = torch.stack(
@@ -625,7 +629,8 @@ ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 ]
 # MOK_GEMM_PINGPONG, MOK_GEMM_EPI -> mok_gemm_gate_up_<act>_ef, mok_gemm_gate_up_<act>, _pp, _ppc
 ACT_VARIANTS = {"coop_full": ("0", "full"), "coop_split": ("0", "split"), "pp": ("1", "auto"),
-                "ppc": ("cluster", "auto")}
+                "ppc": ("cluster", "auto"), "coop_full-expert": ("0", "full"), "ppc-expert": ("cluster", "auto")}
+# (-expert: MOK_GEMM_RASTER=expert, one raster band per expert)
 
 
 @pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
@@ -647,6 +652,7 @@ def test_gate_up_act_fused(lib, case, variant, monkeypatch):
     pingpong, epi = ACT_VARIANTS[variant]
     monkeypatch.setenv("MOK_GEMM_PINGPONG", pingpong)
     monkeypatch.setenv("MOK_GEMM_EPI", epi)
+    monkeypatch.setenv("MOK_GEMM_RASTER", "expert" if variant.endswith("-expert") else "auto")
     outs = []
     for _ in range(2):
         gu, h = cb.gate_up_act(a, W13, sched, act, limit)
@@ -692,8 +698,9 @@ DACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 
 
 @pytest.mark.parametrize("case", DACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
-@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc", "_pp-half_tiles", "_ppc-half_tiles"])  # cooperative, ping-pong, on 2-CTA
-# clusters; half_tiles: given the routed rows as seg_rows (Schedule.seg_rows_for), one MMA block where <= 64 rows
+@pytest.mark.parametrize("suffix", ["", "_pp", "_ppc", "_pp-half_tiles", "_ppc-half_tiles", "-expert", "_ppc-expert"])
+# cooperative, ping-pong, on 2-CTA clusters; half_tiles: given the routed rows as seg_rows (Schedule.seg_rows_for),
+# one MMA block where <= 64 rows; expert: group_m 0, one raster band per expert
 def test_dgrad_act_fused(lib, case, suffix):
     """mok_gemm_dact_<act>[_pp]: d gate_up and w*h bitwise equal to mok_gemm_bn_f32 + mok_act_bwd_<act>;
     the per-row d topk-weight close to theirs and to an fp64 oracle; all outputs poisoned, run twice."""
@@ -711,10 +718,11 @@ def test_dgrad_act_fused(lib, case, suffix):
     dy_rows = cb.gather_rows(dy, sched)
     w_rows = cb.row_weights(sched, w)
     m, used = sched.capacity, int(sched.seg_end[-1])
-    suffix, _, half = suffix.partition("-")
+    suffix, _, tag = suffix.partition("-")
     name = f"mok_gemm_dact_{act}{suffix}"
-    seg_rows = sched.seg_rows if half else sched.gemm_seg_rows()
+    seg_rows = sched.seg_rows if tag == "half_tiles" else sched.gemm_seg_rows()
     tile_n = registry.tile_n_of(name)
+    group_m = 0 if tag == "expert" else cb.band_rule(I, tile_n)
     tiles_n = I // tile_n
     runs = []
     for _ in range(2):
@@ -724,7 +732,7 @@ def test_dgrad_act_fused(lib, case, suffix):
         lib.launch(
             name, dy_rows.unsqueeze(-1), W2.permute(2, 1, 0), dgu.unsqueeze(-1), wh.unsqueeze(-1),
             gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, seg_rows,
-            float("inf") if limit is None else limit, cb.gemm_group_m(I, tile_n),
+            float("inf") if limit is None else limit, group_m,
             stream=torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         torch.cuda.synchronize()
@@ -849,6 +857,36 @@ def test_half_tiles_in_layer(lib, case, monkeypatch):
     for n, a, b, c in zip(names, got, again, want):
         assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
         assert torch.equal(_bits(a), _bits(c)), f"{n} differs without half tiles"
+
+
+@pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (700, 1024, 512, 16, 8, "skew"),
+                                  (1, 256, 256, 4, 1, "random")])
+@pytest.mark.parametrize("pp_mode", ["auto", "0"])  # MOK_GEMM_PINGPONG: the defaults, every GEMM cooperative
+def test_raster_expert_in_layer(lib, case, pp_mode, monkeypatch):
+    """MOK_GEMM_RASTER=expert (one raster band per expert) vs auto through experts_forward / experts_backward:
+    y, dx, d topk-weights and both weight gradients bit for bit equal, and equal again on a repeat."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k, mode = case
+    ids, w = _routing(T, k, E, mode, seed=T + H)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", pp_mode)
+
+    def run(raster):
+        monkeypatch.setenv("MOK_GEMM_RASTER", raster)
+        y, saved = cb.experts_forward(x, ids, w, W13, W2)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2)
+        torch.cuda.synchronize()
+        return [y, dx, dtk, g.gate_up_proj, g.down_proj]
+
+    want, got, again = run("auto"), run("expert"), run("expert")
+    for n, a, b, c in zip(("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj"), got, again, want):
+        assert not torch.isnan(a).any(), f"{n}: NaN"
+        assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
+        assert torch.equal(_bits(a), _bits(c)), f"{n} differs from the auto raster"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])

@@ -115,7 +115,7 @@ def test_gather_equals_index_select(case, name):
     used = int(sched.seg_end[-1])
     pos = sched.pos.reshape(-1)
     a = cb.gather_rows(x, sched)
-    group_ms = [1, 3] if case[0] in ("edges", "many_tiles") else [1]
+    group_ms = [1, 3, 0] if case[0] in ("edges", "many_tiles", "deepseek_like") else [1]  # 0: expert bands
     for group_m in group_ms:
         want = _launch_twin(twin, a, W, transpose_w, out_dtype, sched, group_m)
         outs = [_launch_gather(name, x, W, transpose_w, out_dtype, sched, group_m) for _ in range(REPEATS)]
