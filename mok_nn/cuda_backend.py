@@ -608,11 +608,16 @@ def band_rule(n: int, tile_n: int = GEMM_TILE_N) -> int:
 
 def gemm_group_m(n: int, tile_n: int = GEMM_TILE_N) -> int:
     """The varlen-M grouped GEMMs' raster (their group_m argument) for n output columns, by MOK_GEMM_RASTER:
-    "auto" (default) band_rule's bands; "expert" 0, one band per expert with its row tiles fastest, so the
-    tiles sharing a B column stripe run in the same wave of CTAs (grouped_gemm._tile_coord_one)."""
-    if env_choice("MOK_GEMM_RASTER", ("auto", "expert"), "auto") == "expert":
+    "expert" 0, one band per expert with its row tiles fastest, so the tiles sharing a B column stripe run
+    in the same wave of CTAs (grouped_gemm._tile_coord_one); "bands" band_rule's bands (column tiles
+    fastest, or bands of 8 row tiles); "auto" (default) expert bands where band_rule would run column tiles
+    fastest, else its bands of 8. Measured on H200 (v169): deepseek-v3's gate/up, down and dgrad of gate/up
+    3-5% faster call by call, its forward ~2% faster in the layer; qwen3 equal; the same bits."""
+    mode = env_choice("MOK_GEMM_RASTER", ("auto", "expert", "bands"), "auto")
+    bands = band_rule(n, tile_n)
+    if mode == "expert" or (mode == "auto" and bands == 1):
         return 0
-    return band_rule(n, tile_n)
+    return bands
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -132,13 +132,16 @@ def test_seg_rows_for_half_tiles(monkeypatch):
 
 
 def test_gemm_raster_switch(monkeypatch):
-    """MOK_GEMM_RASTER: auto (default) keeps band_rule's bands (column tiles fastest, bands of 8 row tiles past
-    32 column tiles), expert gives the kernels group_m 0 (a band per expert); the weight gradients' raster
-    ignores it (their kernels have no expert bands); a bad setting is an error naming the variable."""
+    """MOK_GEMM_RASTER: bands keeps band_rule's bands (column tiles fastest, bands of 8 row tiles past 32
+    column tiles), expert gives the kernels group_m 0 (a band per expert), auto (default) expert bands where
+    band_rule says column tiles fastest; the weight gradients' raster ignores it (their kernels have no
+    expert bands); a bad setting is an error naming the variable."""
     from mok_nn import cuda_backend as cb
 
     monkeypatch.delenv("MOK_GEMM_RASTER", raising=False)
     monkeypatch.delenv("MOK_WGRAD_GROUP_M", raising=False)
+    assert cb.gemm_group_m(4096) == 0 and cb.gemm_group_m(28672) == 8 and cb.gemm_group_m(8192, 128) == 8
+    monkeypatch.setenv("MOK_GEMM_RASTER", "bands")
     assert cb.gemm_group_m(4096) == 1 and cb.gemm_group_m(28672) == 8 and cb.gemm_group_m(8192, 128) == 8
     monkeypatch.setenv("MOK_GEMM_RASTER", "expert")
     assert cb.gemm_group_m(4096) == 0 and cb.gemm_group_m(28672) == 0

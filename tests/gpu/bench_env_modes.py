@@ -38,7 +38,7 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           mok_scatter_rows)
   eppublish: kernel, torch (MOK_EP_PUBLISH: step 1 of the EP forward as one launch or torch ops; EP only)
   epdispatch: pull, rows (MOK_EP_DISPATCH; EP only)
-  raster: auto, expert, each twice (MOK_GEMM_RASTER: the grouped GEMMs' tile order)
+  raster: auto, bands, expert, auto_again, bands_again (MOK_GEMM_RASTER: the grouped GEMMs' tile order)
   epscatter: auto, scatter, each twice (MOK_EP_PULL and MOK_EP_DY_ROWS: the default, or the peers' rows read from
           their own sections by the gather, mok_scatter_rows_peers; EP only)
   eprowsauto: auto, push, each three times (the default token / d y rows, scatter at qwen3 and deepseek-v3
@@ -125,10 +125,11 @@ MODE_SETS = {
                 "auto_again": {"MOK_COMBINE": "auto"}, "plain_again": {"MOK_COMBINE": "plain"}},
     "halftiles": {"on": {"MOK_GEMM_HALF_TILES": "1"}, "off": {"MOK_GEMM_HALF_TILES": "0"},
                   "on_again": {"MOK_GEMM_HALF_TILES": "1"}, "off_again": {"MOK_GEMM_HALF_TILES": "0"}},
-    # the grouped GEMMs' tile order: the column-fastest / 8-row bands of cuda_backend.band_rule, or one band per
-    # expert with its row tiles fastest (MOK_GEMM_RASTER=expert); each twice
-    "raster": {"auto": {"MOK_GEMM_RASTER": "auto"}, "expert": {"MOK_GEMM_RASTER": "expert"},
-               "auto_again": {"MOK_GEMM_RASTER": "auto"}, "expert_again": {"MOK_GEMM_RASTER": "expert"}},
+    # the grouped GEMMs' tile order: the default (expert bands where column tiles would run fastest), the
+    # column-fastest / 8-row bands of cuda_backend.band_rule everywhere, one band per expert everywhere
+    "raster": {"auto": {"MOK_GEMM_RASTER": "auto"}, "bands": {"MOK_GEMM_RASTER": "bands"},
+               "expert": {"MOK_GEMM_RASTER": "expert"}, "auto_again": {"MOK_GEMM_RASTER": "auto"},
+               "bands_again": {"MOK_GEMM_RASTER": "bands"}},
     # EP only: the forward's pull of the needed peer rows after the schedule, or of every peer row before it
     # (each twice: the spread beside the difference)
     "eppull": {"needed": {"MOK_EP_PULL": "needed"}, "all": {"MOK_EP_PULL": "all"},

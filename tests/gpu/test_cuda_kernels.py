@@ -630,7 +630,7 @@ ACT_CASES = [  # T, k, E, H, I, routing, activation, limit
 # MOK_GEMM_PINGPONG, MOK_GEMM_EPI -> mok_gemm_gate_up_<act>_ef, mok_gemm_gate_up_<act>, _pp, _ppc
 ACT_VARIANTS = {"coop_full": ("0", "full"), "coop_split": ("0", "split"), "pp": ("1", "auto"),
                 "ppc": ("cluster", "auto"), "coop_full-expert": ("0", "full"), "ppc-expert": ("cluster", "auto")}
-# (-expert: MOK_GEMM_RASTER=expert, one raster band per expert)
+# (-expert: MOK_GEMM_RASTER=expert, one raster band per expert; the others MOK_GEMM_RASTER=bands)
 
 
 @pytest.mark.parametrize("case", ACT_CASES, ids=lambda c: f"T{c[0]}E{c[2]}H{c[3]}I{c[4]}-{c[5]}-{c[6]}-{c[7]}")
@@ -652,7 +652,7 @@ def test_gate_up_act_fused(lib, case, variant, monkeypatch):
     pingpong, epi = ACT_VARIANTS[variant]
     monkeypatch.setenv("MOK_GEMM_PINGPONG", pingpong)
     monkeypatch.setenv("MOK_GEMM_EPI", epi)
-    monkeypatch.setenv("MOK_GEMM_RASTER", "expert" if variant.endswith("-expert") else "auto")
+    monkeypatch.setenv("MOK_GEMM_RASTER", "expert" if variant.endswith("-expert") else "bands")
     outs = []
     for _ in range(2):
         gu, h = cb.gate_up_act(a, W13, sched, act, limit)
@@ -863,7 +863,7 @@ def test_half_tiles_in_layer(lib, case, monkeypatch):
                                   (1, 256, 256, 4, 1, "random")])
 @pytest.mark.parametrize("pp_mode", ["auto", "0"])  # MOK_GEMM_PINGPONG: the defaults, every GEMM cooperative
 def test_raster_expert_in_layer(lib, case, pp_mode, monkeypatch):
-    """MOK_GEMM_RASTER=expert (one raster band per expert) vs auto through experts_forward / experts_backward:
+    """MOK_GEMM_RASTER=expert (one raster band per expert) vs bands through experts_forward / experts_backward:
     y, dx, d topk-weights and both weight gradients bit for bit equal, and equal again on a repeat."""
     from mok_nn import cuda_backend as cb
 
@@ -882,11 +882,11 @@ def test_raster_expert_in_layer(lib, case, pp_mode, monkeypatch):
         torch.cuda.synchronize()
         return [y, dx, dtk, g.gate_up_proj, g.down_proj]
 
-    want, got, again = run("auto"), run("expert"), run("expert")
+    want, got, again = run("bands"), run("expert"), run("expert")
     for n, a, b, c in zip(("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj"), got, again, want):
         assert not torch.isnan(a).any(), f"{n}: NaN"
         assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
-        assert torch.equal(_bits(a), _bits(c)), f"{n} differs from the auto raster"
+        assert torch.equal(_bits(a), _bits(c)), f"{n} differs from the bands raster"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
