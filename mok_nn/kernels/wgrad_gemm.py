@@ -396,12 +396,7 @@ class VarlenKGroupedGemm:
                                 skip_mma=self.diag == "no_mma",
                             )
                         else:
-                            if last_k_blocks == k_blocks:
-                                tiled_mma, acc, read_state, release_state = mma_mainloop(
-                                    tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
-                                    release_state,
-                                )
-                            for n in cutlass.range_constexpr(1, k_blocks):
+                            for n in cutlass.range_constexpr(1, k_blocks + 1):
                                 if last_k_blocks == n:
                                     tiled_mma, acc, read_state, release_state = mma_mainloop(
                                         tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
