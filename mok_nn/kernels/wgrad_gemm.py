@@ -388,7 +388,9 @@ class VarlenKGroupedGemm:
                         cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                         order_phase = 1 - order_phase
                     # one mainloop per count of real k-blocks in the last K tile (each branch a whole
-                    # unrolled mainloop: no branch between wgmmas); the diagnostics run the full one
+                    # unrolled mainloop: no branch between wgmmas); the diagnostics run the full one.
+                    # (The full case stays its own call: folded into the loop as last_k_blocks=k_blocks,
+                    # the PTX orders the branches otherwise and copies the accumulators at the join.)
                     if k_tiles > 0:
                         if cutlass.const_expr(self.diag != ""):
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
@@ -396,7 +398,12 @@ class VarlenKGroupedGemm:
                                 skip_mma=self.diag == "no_mma",
                             )
                         else:
-                            for n in cutlass.range_constexpr(1, k_blocks + 1):
+                            if last_k_blocks == k_blocks:
+                                tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                    tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
+                                    release_state,
+                                )
+                            for n in cutlass.range_constexpr(1, k_blocks):
                                 if last_k_blocks == n:
                                     tiled_mma, acc, read_state, release_state = mma_mainloop(
                                         tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
