@@ -781,6 +781,16 @@ def test_dgrad_act_in_backward(lib, monkeypatch):
     assert rel_l2(out["fused"][3], out["split"][3]) < 1e-5
 
 
+def _layer_problem(T, H, I, E, k, mode, seed):
+    """(ids, w, x, dy, W13, W2) of a layer test: routing, bf16 inputs and weights scaled by 1/sqrt(fan-in)."""
+    ids, w = _routing(T, k, E, mode, seed=seed)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
+    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    return ids, w, x, dy, W13, W2
+
+
 @pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random"), (512, 2048, 768, 128, 8, "skew")])
 @pytest.mark.parametrize("pp_mode", ["1", "cluster"])  # MOK_GEMM_PINGPONG
 def test_pingpong_in_layer(lib, case, pp_mode, monkeypatch):
@@ -790,11 +800,7 @@ def test_pingpong_in_layer(lib, case, pp_mode, monkeypatch):
     from mok_nn import cuda_backend as cb
 
     T, H, I, E, k, mode = case
-    ids, w = _routing(T, k, E, mode, seed=T + I)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
-    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    ids, w, x, dy, W13, W2 = _layer_problem(T, H, I, E, k, mode, seed=T + I)
 
     def run():
         y, saved = cb.experts_forward(x, ids, w, W13, W2)
@@ -830,11 +836,7 @@ def test_half_tiles_in_layer(lib, case, monkeypatch):
     from mok_nn import cuda_backend as cb
 
     T, H, I, E, k, mode, bias = case
-    ids, w = _routing(T, k, E, mode, seed=T + 2 * I)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
-    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    ids, w, x, dy, W13, W2 = _layer_problem(T, H, I, E, k, mode, seed=T + 2 * I)
     b13 = (torch.randn(E, 2 * I, device="cuda") / 4).to(torch.bfloat16) if bias else None
     b2 = (torch.randn(E, H, device="cuda") / 4).to(torch.bfloat16) if bias else None
     monkeypatch.setenv("MOK_GEMM_PINGPONG", "cluster")
@@ -868,11 +870,7 @@ def test_raster_expert_in_layer(lib, case, pp_mode, monkeypatch):
     from mok_nn import cuda_backend as cb
 
     T, H, I, E, k, mode = case
-    ids, w = _routing(T, k, E, mode, seed=T + H)
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    W13 = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).to(torch.bfloat16)
-    W2 = (torch.randn(E, H, I, device="cuda") / I**0.5).to(torch.bfloat16)
+    ids, w, x, dy, W13, W2 = _layer_problem(T, H, I, E, k, mode, seed=T + H)
     monkeypatch.setenv("MOK_GEMM_PINGPONG", pp_mode)
 
     def run(raster):
