@@ -15,6 +15,7 @@ forward's gate/up and down GEMMs at 8192 tokens this times, call by call (CUDA e
     dyn_skip     mok_gemm_bk[_ef]_done_dyn on every SM, routed seg_rows
 
 and checks the used rows of all four bitwise equal (all-padding halves store exact zeros either way).
+The tile order is cuda_backend.gemm_group_m's (MOK_GEMM_RASTER: expert bands by default since v170).
 Prints a table, writes tail_skip.json to $OUT. Exit status 1 if bits differ.
 """
 
@@ -47,7 +48,7 @@ def main():
         x_rows = cb.gather_rows(p["x"], sched)
         h = cb.gather_rows(torch.randn(8192, p["down_proj"].shape[2], device="cuda").to(torch.bfloat16), sched)
         for gname, a, W in (("gate_up", x_rows, p["gate_up_proj"]), ("down", h, p["down_proj"])):
-            name = cb.gemm_kernel(False, torch.bfloat16, k=a.shape[1], cluster=False)
+            name = cb.gemm_kernel(False, torch.bfloat16, k=a.shape[1], pingpong=False)
             n = W.shape[1]
             b = W.permute(1, 2, 0)
             group_m = cb.gemm_group_m(n)
