@@ -177,7 +177,7 @@ class VarlenMGroupedGemm:
         tile_expert: cute.Tensor,  # (M // TILE_M,) int32
         seg_end: cute.Tensor,  # (E,) int32 end row of each expert's padded segment
         seg_rows: cute.Tensor,  # (E,) int32 real (routed) rows of each expert
-        group_m: cutlass.Int32,  # row tiles per raster band (1: column tiles fastest)
+        group_m: cutlass.Int32,  # row tiles per raster band (1: column tiles fastest; 0: one band per expert)
         stream: cuda.CUstream,
     ):
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
@@ -289,7 +289,7 @@ class VarlenMGroupedGemm:
             tiles_n = (n_out + bn - 1) // bn
             epoch = n_out  # the helpers' row width, in the unused epoch slot
         # The scheduler hands out linear tile indices; _tile_coord maps them to
-        # (m, n) in bands of group_m row tiles (see there).
+        # (m, n) in bands of group_m row tiles, or one band per expert where group_m is 0 (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
         if cutlass.const_expr(self.cluster_n > 1):  # column-tile pairs; CTA r of cluster c takes linear tile 2c + r
