@@ -78,7 +78,7 @@ from .kernels.registry import (
     WGRAD_ACC_KERNELS,
 )  # fmt: skip
 from .kernels import loader
-from .kernels.registry import GEMM_GATHER_KERNELS
+from .kernels.registry import GEMM_GATHER_KERNELS, SPECS_BY_NAME
 
 # Weight-gradient GEMM (MOK_WGRAD_KERNEL overrides): deferred epilogue on 2-CTA clusters sharing B.
 # Fastest over the three benchmark shapes on H200, all variants bitwise equal
@@ -94,6 +94,8 @@ WGRAD_SHORT_MAX_COLS = 2048  # output columns (b_rows' width), at most
 # Longest reduction for which the full-tile epilogue GEMM variants win on H200
 # (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
 GEMM_FULL_EPI_MAX_K = 8192
+# MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix)
+DYNAMIC_TILES_AUTO = frozenset()
 # MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
 SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
                     "single": "mok_schedule"}
@@ -135,10 +137,11 @@ class Schedule:
     def seg_rows_for(self, kernel: str) -> torch.Tensor:
         """[E] int32 seg_rows for grouped GEMM `kernel`: the real rows for the ping-pong kernels (_pp, _ppc)
         where MOK_GEMM_HALF_TILES is on (half_tiles: a tile whose rows past the first 64 are all padding
-        runs one 64-row MMA block), else the padded sizes (gemm_seg_rows). Same bits either way in every row
+        runs one 64-row MMA block) and for the kernels with dynamic tiles (_dyn: all-padding consumer warp groups skip
+        their MMA, gemm_tiles_suffix), else the padded sizes (gemm_seg_rows). Same bits either way in every row
         that is read (the real rows; padding rows too where A's padding rows are zero, i.e. unless a gate/up
         bias made h's padding rows act(bias): the down GEMM's padding rows, which nothing reads, then differ)."""
-        if half_tiles() and kernel.endswith(("_pp", "_ppc")):
+        if (half_tiles() and kernel.endswith(("_pp", "_ppc"))) or kernel.endswith("_dyn"):
             return self.seg_rows
         return self.gemm_seg_rows()
 
@@ -495,7 +498,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
         b = w.permute(2, 1, 0)
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
-    launch_gemm(gemm_kernel(transpose_w, out_dtype, k=a.shape[1]), a, b, out, sched)
+    name = gemm_kernel(transpose_w, out_dtype, k=a.shape[1])
+    launch_gemm(name + gemm_tiles_suffix(name), a, b, out, sched)
     return out
 
 
@@ -593,11 +597,30 @@ def _full_epilogue(k: int, epi: str | None = None) -> bool:
 
 
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
-    """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]."""
+    """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]. A _dyn kernel gets a
+    fresh zeroed tile counter (its CTAs claim tiles from it)."""
+    counter = (torch.zeros(1, dtype=torch.int32, device=a.device),) if name.endswith("_dyn") else ()
     _lib().launch(
         name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name),
-        gemm_group_m(out.shape[1], tile_n_of(name)), stream=_stream(),
+        gemm_group_m(out.shape[1], tile_n_of(name)), *counter, stream=_stream(),
     )  # fmt: skip
+
+
+TILES_MODES = ("auto", "static", "dynamic")  # MOK_GEMM_TILES; the first is the default
+
+
+def gemm_tiles_suffix(name: str) -> str:
+    """"_dyn" where grouped GEMM variant `name` should run with dynamic tiles, else "", by MOK_GEMM_TILES:
+    "static" (tile t on CTA t mod grid, padded seg_rows: every warp group runs its MMA), "dynamic" (the
+    _dyn twin where the registry has one, i.e. mok_gemm_bk_ef, mok_gemm_bn_ef, mok_gemm_bn_f32: each CTA
+    claims its next tile by atomic add, and a consumer warp group whose 64 rows are all padding skips its
+    MMA, Schedule.seg_rows_for), "auto" (default): DYNAMIC_TILES_AUTO. Same bits in every row that is read."""
+    mode = env_choice("MOK_GEMM_TILES", TILES_MODES, TILES_MODES[0])
+    if (name + "_dyn") not in SPECS_BY_NAME:
+        return ""
+    if mode == "dynamic" or (mode == "auto" and name in DYNAMIC_TILES_AUTO):
+        return "_dyn"
+    return ""
 
 
 def band_rule(n: int, tile_n: int = GEMM_TILE_N) -> int:

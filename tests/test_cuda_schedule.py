@@ -131,6 +131,34 @@ def test_seg_rows_for_half_tiles(monkeypatch):
         s.seg_rows_for("mok_gemm_bk_ppc")
 
 
+def test_gemm_tiles_switch(monkeypatch):
+    """MOK_GEMM_TILES: static keeps every kernel; dynamic gives the cooperative kernels with a _dyn twin
+    (mok_gemm_bk_ef, mok_gemm_bn_ef, mok_gemm_bn_f32) that twin and no other kernel one; auto (default) the
+    twin for the kernels in DYNAMIC_TILES_AUTO; the _dyn kernels get the routed rows (their tail skip);
+    a bad setting is an error naming the variable."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn.kernels.registry import GEMM_DYN_KERNELS, SPECS_BY_NAME
+
+    twins = ("mok_gemm_bk_ef", "mok_gemm_bn_ef", "mok_gemm_bn_f32")
+    others = ("mok_gemm_bk", "mok_gemm_bn", "mok_gemm_bk_ppc", "mok_gemm_bn_pp", "mok_gemm_bk_ef_push")
+    assert set(GEMM_DYN_KERNELS) == {n + "_dyn" for n in twins}
+    for n in GEMM_DYN_KERNELS:  # the plain kernel's arguments + the counter
+        assert [a.name for a in SPECS_BY_NAME[n].args] == [a.name for a in SPECS_BY_NAME[n[:-4]].args] + ["tile_counter"]
+    monkeypatch.setenv("MOK_GEMM_TILES", "static")
+    assert all(cb.gemm_tiles_suffix(n) == "" for n in twins + others)
+    monkeypatch.setenv("MOK_GEMM_TILES", "dynamic")
+    assert all(cb.gemm_tiles_suffix(n) == "_dyn" for n in twins)
+    assert all(cb.gemm_tiles_suffix(n) == "" for n in others)
+    monkeypatch.delenv("MOK_GEMM_TILES")
+    assert [n for n in twins + others if cb.gemm_tiles_suffix(n)] == [n for n in twins if n in cb.DYNAMIC_TILES_AUTO]
+    ids, _ = _routing(300, 2, 8, torch.Generator().manual_seed(4))
+    s = make_schedule(ids, 8)
+    assert all(s.seg_rows_for(n) is s.seg_rows for n in GEMM_DYN_KERNELS)
+    monkeypatch.setenv("MOK_GEMM_TILES", "claimed")
+    with pytest.raises(ValueError, match="MOK_GEMM_TILES"):
+        cb.gemm_tiles_suffix("mok_gemm_bk_ef")
+
+
 def test_gemm_raster_switch(monkeypatch):
     """MOK_GEMM_RASTER: bands keeps band_rule's bands (column tiles fastest, bands of 8 row tiles past 32
     column tiles), expert gives the kernels group_m 0 (a band per expert), auto (default) expert bands where

@@ -20,10 +20,11 @@ fixed K order: results are bitwise reproducible.
 seg_end / seg_rows: each expert's padded segment end and its rows. A cooperative
 consumer warp group whose 64 rows all lie past seg_rows issues no wgmma for that
 tile (it still waits on and releases every stage, and stores its zero accumulator).
-The callers pass the cooperative kernels the padded segment sizes as seg_rows
-(Schedule.seg_rows_for), so none skips: skipping the padding halves ("tail skip")
-measured slower on H200 everywhere and its switch was removed (docs/kernels.md);
-the branch stays, as taking it out changes the code of every GEMM variant. The
+The callers pass the static cooperative kernels the padded segment sizes as seg_rows
+(Schedule.seg_rows_for), so none skips: with static tiles skipping the padding halves
+("tail skip") measured slower on H200 everywhere (docs/kernels.md). The kernels with
+dynamic tiles (class VarlenMGroupedGemmDyn, tile_queue.py: a CTA whose tile ran short
+claims the next one) get the routed rows and skip (MOK_GEMM_TILES). The
 ping-pong kernels get the routed rows (MOK_GEMM_HALF_TILES=1): a warp group whose
 tile has at most 64 of them runs the first 64-row MMA block only ("half tiles",
 mma_mainloop's first_m_only; the same bits, a little faster at qwen3).
@@ -1361,3 +1362,32 @@ class VarlenMGroupedGemmDoneDyn(VarlenMGroupedGemmDone):
     ):
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
                      ready=done, num_ctas=num_ctas, tile_counter=tile_counter)
+
+
+class VarlenMGroupedGemmDyn(VarlenMGroupedGemm):
+    """VarlenMGroupedGemm with dynamic tiles (tile_queue.py) and no hook: each CTA's producer claims the
+    next linear tile by atomic add on tile_counter[0] (zeroed by the caller before each launch), so a CTA
+    whose tiles ran short (the consumer warp groups whose 64 rows are all padding skip their MMA where
+    seg_rows holds the routed rows) takes the next tile instead of waiting for its static turn.
+
+    Same tiles, same K order, same epilogue: bitwise equal to VarlenMGroupedGemm."""
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi)
+        self.dynamic = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major
+        mB: cute.Tensor,  # (N, K, E) K- or N-major
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        tile_counter: cute.Tensor,  # (1,) int32: claims (0 before the launch)
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     tile_counter=tile_counter)

@@ -108,6 +108,13 @@ def _gemm_spec(
     )
 
 
+def _gemm_dyn_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
+    # the plain GEMM with dynamic tiles (VarlenMGroupedGemmDyn): + tile_counter, zeroed before each launch
+    base = _gemm_spec(name, b_major, GEMM_TILE_N, c_dtype, full_epi=full_epi)
+    counter = TensorArg("tile_counter", "i32", (1,), (1,), align=4)
+    return dataclasses.replace(base, factory="VarlenMGroupedGemmDyn", args=base.args + (counter,))
+
+
 def _gemm_push_spec(name: str, b_major: str) -> KernelSpec:
     # mok_gemm_bk_ef / bn_ef whose rows go to row row_slot[r] of the section at dst_base[row_rank[r]] (the EP
     # combine's slots of each source rank, forward and backward) instead of an output C (no C argument).
@@ -560,6 +567,11 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
+    # the same three with dynamic tiles (tiles claimed by atomic add), given the routed seg_rows so that
+    # all-padding consumer warp groups skip their MMA (MOK_GEMM_TILES, cuda_backend.gemm_tiles_suffix)
+    _gemm_dyn_spec("mok_gemm_bk_ef_dyn", "k", full_epi=True),  # forward down
+    _gemm_dyn_spec("mok_gemm_bn_ef_dyn", "n", full_epi=True),  # dgrad of gate/up
+    _gemm_dyn_spec("mok_gemm_bn_f32_dyn", "n", "f32"),  # dgrad of down (split epilogue)
     # diagnostic, not used by the layer: 128 x 64 tiles, the cost of a narrow tile per FLOP against 128 x 256
     # (docs/kernels.md, "swap A and B"; tests/gpu/bench_gemm_variants.py)
     _gemm_spec("mok_gemm_bk_n64", "k", 64),
@@ -662,6 +674,7 @@ WGRAD_ACC_KERNELS = {s.name.removesuffix("_acc"): s.name for s in SPECS if dict(
 WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS
                       and s.name not in WGRAD_ACC_KERNELS.values())
 GEMM_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemm")
+GEMM_DYN_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemmDyn")
 GEMM_GATHER_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemmGather")
 
 

@@ -26,6 +26,7 @@
 # hostdiag (EP=1 host side: qwen3 timeline, single-op and make_schedule host costs, the alternation penalty),
 # sweep (MoKConfig's knobs side by side: tests/gpu/sweep_config.py at EP=1, and EP=2 where 2 GPUs),
 # clocks (SM clock / power log during the deepseek-v3 benchmark), energy (J per call, mok_nn modes vs baseline),
+# tailskip (static vs dynamic tiles, tail skip on / off, call by call: tests/gpu/diag_tail_skip.py),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -179,6 +180,8 @@ print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.
     energy)  # energy per call (NVML counter), mok_nn modes vs the baseline, back to back (tests/gpu/diag_energy.py)
         TAIL=40 step energy 300 python3 tests/gpu/diag_energy.py --shapes "${SHAPES:-deepseek-v3}" \
             --modes "${ENERGY_MODES:-default}" ;;
+    tailskip)  # the cooperative GEMMs with static / dynamic tiles, with and without the tail skip, call by call
+        TAIL=40 step tail_skip 300 python3 tests/gpu/diag_tail_skip.py --shapes "${SHAPES:-deepseek-v3,qwen3-30b-a3b}" ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;

@@ -1,21 +1,23 @@
-"""Diagnostic (not a test): does skipping the MMA of all-padding warp-group halves pay once tiles are
-claimed dynamically?
+"""Diagnostic (not a test): the cooperative grouped GEMMs with static vs dynamic tiles, with and without
+skipping the MMA of all-padding warp groups ("tail skip"), call by call.
 
     OUT=/tmp python tests/gpu/diag_tail_skip.py [--shapes deepseek-v3,qwen3-30b-a3b] [--reps 20]
 
 Tail skip (a consumer warp group whose 64 rows are all padding issues no wgmma; the kernels' branch
 is taken when seg_rows are the routed rows instead of the padded sizes) was slower with the static
-persistent schedule: CTAs drift apart, L2 hit rate fell from 49% to 27% (docs/kernels.md). The
-_done_dyn GEMMs claim tiles by atomic add, so CTAs stay on a contiguous window of tiles. For the
-forward's gate/up and down GEMMs at 8192 tokens this times, call by call (CUDA events, median):
+persistent schedule: CTAs drift apart, L2 hit rate fell from 49% to 27% (docs/kernels.md). The _dyn
+GEMMs (VarlenMGroupedGemmDyn) claim tiles by atomic add, so a CTA whose tile ran short takes the next
+one. For the layer's GEMMs at 8192 tokens that have a _dyn twin (gate/up unfused, down, dgrad of
+gate/up, dgrad of down unfused: whichever the cooperative kernel runs at the shape) this times, call by
+call (CUDA events, median; the _dyn calls include zeroing their counter, as the layer does):
 
-    static       mok_gemm_bk[_ef], padded seg_rows   (the default)
-    static_skip  mok_gemm_bk[_ef], routed seg_rows
-    dyn          mok_gemm_bk[_ef]_done_dyn on every SM, padded seg_rows
-    dyn_skip     mok_gemm_bk[_ef]_done_dyn on every SM, routed seg_rows
+    static       the cooperative kernel, padded seg_rows   (MOK_GEMM_TILES=static)
+    static_skip  the same, routed seg_rows
+    dyn          its _dyn twin, padded seg_rows
+    dyn_skip     its _dyn twin, routed seg_rows            (MOK_GEMM_TILES=dynamic)
 
 and checks the used rows of all four bitwise equal (all-padding halves store exact zeros either way).
-The tile order is cuda_backend.gemm_group_m's (MOK_GEMM_RASTER: expert bands by default since v170).
+The tile order is cuda_backend.gemm_group_m's (MOK_GEMM_RASTER).
 Prints a table, writes tail_skip.json to $OUT. Exit status 1 if bits differ.
 """
 
@@ -31,6 +33,22 @@ from mok_nn import cuda_backend as cb
 from layer_runs import median_ms_queued
 
 
+def layer_gemms(p, sched):
+    """(label, A rows, W, transpose_w, out dtype) of the layer's GEMMs, A random in schedule order."""
+    T, H = p["x"].shape
+    inter = p["down_proj"].shape[2]
+
+    def rows(width):
+        return cb.gather_rows(torch.randn(T, width, device="cuda").to(torch.bfloat16), sched)
+
+    return (
+        ("gate_up", rows(H), p["gate_up_proj"], False, torch.bfloat16),
+        ("down", rows(inter), p["down_proj"], False, torch.bfloat16),
+        ("dgrad_gate_up", rows(2 * inter), p["gate_up_proj"], True, torch.bfloat16),
+        ("dgrad_down", rows(H), p["down_proj"], True, torch.float32),
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="deepseek-v3,qwen3-30b-a3b,mixtral-8x7b")
@@ -38,52 +56,51 @@ def main():
     args = ap.parse_args()
     lib = cb._lib()
     stream = torch.cuda.current_stream().cuda_stream
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     records, ok = [], True
     for shape in args.shapes.split(","):
         p = bench.make_problem(shape, 8192, "cuda")
         E = p["gate_up_proj"].shape[0]
         sched = cb.make_schedule(p["ids"], E)
         used = int(sched.seg_end[-1])
-        x_rows = cb.gather_rows(p["x"], sched)
-        h = cb.gather_rows(torch.randn(8192, p["down_proj"].shape[2], device="cuda").to(torch.bfloat16), sched)
-        for gname, a, W in (("gate_up", x_rows, p["gate_up_proj"]), ("down", h, p["down_proj"])):
-            name = cb.gemm_kernel(False, torch.bfloat16, k=a.shape[1], pingpong=False)
-            n = W.shape[1]
-            b = W.permute(1, 2, 0)
+        for gname, a, W, transpose_w, out_dtype in layer_gemms(p, sched):
+            name = cb.gemm_kernel(transpose_w, out_dtype, k=a.shape[1], pingpong=False)
+            if name + "_dyn" not in cb.SPECS_BY_NAME:
+                print(f"{shape:<14} {gname:<14} {name:<16} (no _dyn twin: skipped)")
+                continue
+            n = W.shape[2] if transpose_w else W.shape[1]
+            b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
             group_m = cb.gemm_group_m(n)
-            done = torch.zeros(sched.tile_expert.numel(), dtype=torch.int32, device="cuda")
-            ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
             rows = {"padded": sched.gemm_seg_rows(), "routed": sched.seg_rows}
             outs = {}
 
             def run(mode, out):
                 seg_rows = rows["routed" if mode.endswith("skip") else "padded"]
                 if mode.startswith("dyn"):
-                    done.zero_()
-                    ctr.zero_()
-                    lib.launch(name + "_done_dyn", a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert,
-                               sched.seg_end, seg_rows, group_m, done, sms, ctr, stream=stream)
+                    ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+                    lib.launch(name + "_dyn", a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert,
+                               sched.seg_end, seg_rows, group_m, ctr, stream=stream)
                 else:
                     lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
                                seg_rows, group_m, stream=stream)
 
             times = {}
             for mode in ("static", "static_skip", "dyn", "dyn_skip"):
-                out = torch.full((sched.capacity, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                out = torch.full((sched.capacity, n), float("nan"), device="cuda", dtype=out_dtype)
                 run(mode, out)
                 torch.cuda.synchronize()
                 outs[mode] = out[:used].clone()
                 times[mode] = median_ms_queued(lambda m=mode, o=out: run(m, o), args.reps)
-            base = outs["static"]
+            bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[out_dtype]
+            base = outs["static"].view(bits)
             for mode, t in times.items():
-                same = bool(torch.equal(outs[mode].view(torch.int16), base.view(torch.int16)))
+                same = bool(torch.equal(outs[mode].view(bits), base))
                 ok &= same
-                print(f"{shape:<14} {gname:<8} {name:<16} {mode:<12} {t:8.3f} ms  {times['static'] / t:5.2f}x  "
-                      f"bits={'=static' if same else 'DIFFER'}", flush=True)
+                print(f"{shape:<14} {gname:<14} {name:<16} {mode:<12} {t:8.3f} ms  {times['static'] / t:5.2f}x  "
+                      f"bits{'==static' if same else ' DIFFER'}", flush=True)
                 records.append(dict(shape=shape, gemm=gname, kernel=name, mode=mode, ms=t, bitwise_eq_static=same,
                                     commit=os.environ.get("MOK_COMMIT", "unknown")))
-        del p, x_rows, h
+            del outs
+        del p
         torch.cuda.empty_cache()
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "tail_skip.json"), "w") as f:
         json.dump(records, f, indent=1)

@@ -172,6 +172,67 @@ def test_grouped_gemm_tail_rows(lib, variant, real_rows):
         assert torch.equal(_bits(outs[0][:used]), _bits(ref_bits[:used])), f"{name} differs from the default"
 
 
+DYN_VARIANTS = [  # the kernels with dynamic tiles and their static twins
+    ("mok_gemm_bk_ef_dyn", "mok_gemm_bk_ef", False, torch.bfloat16),
+    ("mok_gemm_bn_ef_dyn", "mok_gemm_bn_ef", True, torch.bfloat16),
+    ("mok_gemm_bn_f32_dyn", "mok_gemm_bn_f32", True, torch.float32),
+]
+EDGE_CASE = "edge"  # the experts of EDGE_COUNTS (last tiles 1, 63, 64, 65, ... rows full)
+
+
+def test_dyn_variants_listed():
+    assert {v[0] for v in DYN_VARIANTS} == set(registry.GEMM_DYN_KERNELS)
+
+
+@pytest.mark.parametrize("name,twin,transpose_w,out_dtype", DYN_VARIANTS, ids=[v[0] for v in DYN_VARIANTS])
+@pytest.mark.parametrize("case", GEMM_CASES + [EDGE_CASE])
+@pytest.mark.parametrize("group_m", [1, 0])
+def test_grouped_gemm_dyn(lib, case, name, twin, transpose_w, out_dtype, group_m):
+    """The _dyn kernels (tiles claimed by atomic add, all-padding warp groups skip their MMA given the routed
+    seg_rows): into a NaN-poisoned output, every used row's raw bits equal the static twin's (padded seg_rows),
+    the same again on a repeat, real rows within bf16 rounding of fp64, padding rows +0, and the counter shows
+    every CTA claimed until it ran dry (tiles + grid claims)."""
+    from mok_nn import cuda_backend as cb
+
+    if case == EDGE_CASE:
+        E, N, K = len(EDGE_COUNTS), 512, 320
+        g = torch.Generator(device="cuda").manual_seed(12)
+        flat = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(EDGE_COUNTS, device="cuda"))
+        ids = flat[torch.randperm(flat.numel(), device="cuda", generator=g)].view(-1, 1)
+        T, k = ids.shape
+    else:
+        T, k, E, N, K, mode = case
+        ids, _ = _routing(T, k, E, mode, seed=T + N + 1)
+    sched = cb.make_schedule(ids, E)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    a = cb.gather_rows(x, sched)
+    W = (torch.randn((E, K, N) if transpose_w else (E, N, K), device="cuda") / K**0.5).to(torch.bfloat16)
+    b = W.permute(2, 1, 0) if transpose_w else W.permute(1, 2, 0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run():
+        out = torch.full((a.shape[0], N), float("nan"), device="cuda", dtype=out_dtype)
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        lib.launch(name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows,
+                   group_m, counter, stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        return out, int(counter[0])
+
+    (got, claims), (again, _) = run(), run()
+    tiles = (a.shape[0] // 128) * ((N + 255) // 256)
+    assert claims == tiles + min(tiles, sms), (claims, tiles)
+    used = int(sched.seg_end[-1])
+    want = _run_gemm(lib, twin, a, W, transpose_w, out_dtype, sched, group_m)
+    assert torch.equal(_bits(got[:used]), _bits(again[:used])), "not bitwise reproducible"
+    assert torch.equal(_bits(got[:used]), _bits(want[:used])), f"{name} differs from {twin}"
+    pos = sched.pos.reshape(-1)
+    assert not torch.isnan(got[:used]).any(), "rows left unwritten"
+    assert rel_l2(got[pos], slot_products(x, ids, W, transpose_w)) < BF16_TOL
+    pad = torch.ones(used, dtype=torch.bool, device="cuda")
+    pad[pos] = False
+    assert torch.all(_bits(got[:used][pad]) == 0), "padding rows not +0"
+
+
 @pytest.mark.parametrize("epi", ["split", "full"])
 def test_grouped_gemm_backend_epi(lib, epi, monkeypatch):
     """cuda_backend.grouped_gemm under MOK_GEMM_EPI gives the default kernel's bits."""
@@ -885,6 +946,53 @@ def test_raster_expert_in_layer(lib, case, pp_mode, monkeypatch):
         assert not torch.isnan(a).any(), f"{n}: NaN"
         assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
         assert torch.equal(_bits(a), _bits(c)), f"{n} differs from the bands raster"
+
+
+# tokens, H, I, E, k, routing, biases. I = 768: the dgrad of gate/up (K = 2I) is cooperative under the defaults;
+# H = 4608: the dgrad of down runs unfused (mok_gemm_bn_f32), as at deepseek-v3
+@pytest.mark.parametrize("case", [(300, 256, 512, 8, 2, "random", False), (700, 1024, 768, 16, 8, "skew", False),
+                                  (1, 256, 768, 4, 1, "random", False), (300, 256, 768, 8, 2, "random", True),
+                                  (200, 4608, 640, 6, 2, "skew", False)])
+@pytest.mark.parametrize("pp_mode", ["auto", "0"])  # MOK_GEMM_PINGPONG: the defaults, every GEMM cooperative
+def test_dynamic_tiles_in_layer(lib, case, pp_mode, monkeypatch):
+    """MOK_GEMM_TILES=dynamic (the cooperative GEMMs with dynamic tiles, all-padding warp groups skipping their
+    MMA) vs static through experts_forward / experts_backward: y, dx, d topk-weights and the weight (and bias)
+    gradients bit for bit equal, and equal again on a repeat. With biases h's padding rows are act(bias), so the
+    down GEMM's padding rows (read by nothing) differ; nothing that is read may."""
+    from mok_nn import cuda_backend as cb
+
+    T, H, I, E, k, mode, bias = case
+    ids, w, x, dy, W13, W2 = _layer_problem(T, H, I, E, k, mode, seed=T + H + 3)
+    b13 = (torch.randn(E, 2 * I, device="cuda") / 4).to(torch.bfloat16) if bias else None
+    b2 = (torch.randn(E, H, device="cuda") / 4).to(torch.bfloat16) if bias else None
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", pp_mode)
+
+    launched = []
+    kernels = cb._lib()
+    launch = kernels.launch
+
+    def recording_launch(name, *args, stream):
+        launched.append(name)
+        launch(name, *args, stream=stream)
+
+    monkeypatch.setattr(kernels, "launch", recording_launch)
+
+    def run(tiles):
+        monkeypatch.setenv("MOK_GEMM_TILES", tiles)
+        launched.clear()
+        y, saved = cb.experts_forward(x, ids, w, W13, W2, b13, b2)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, W13, W2, b13, b2)
+        torch.cuda.synchronize()
+        dyn = [n for n in launched if n.endswith("_dyn")]
+        assert bool(dyn) == (tiles == "dynamic" and (pp_mode == "0" or I != 512)), (tiles, launched)
+        return [y, dx, dtk, g.gate_up_proj, g.down_proj] + ([g.gate_up_bias, g.down_bias] if bias else [])
+
+    want, got, again = run("static"), run("dynamic"), run("dynamic")
+    names = ("y", "dx", "d_topk", "d_gate_up_proj", "d_down_proj", "d_gate_up_bias", "d_down_bias")
+    for n, a, b, c in zip(names, got, again, want):
+        assert not torch.isnan(a).any(), f"{n}: NaN"
+        assert torch.equal(_bits(a), _bits(b)), f"{n} not bitwise reproducible"
+        assert torch.equal(_bits(a), _bits(c)), f"{n} differs from static tiles"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
