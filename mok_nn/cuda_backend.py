@@ -94,8 +94,11 @@ WGRAD_SHORT_MAX_COLS = 2048  # output columns (b_rows' width), at most
 # Longest reduction for which the full-tile epilogue GEMM variants win on H200
 # (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
 GEMM_FULL_EPI_MAX_K = 8192
-# MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix)
-DYNAMIC_TILES_AUTO = frozenset()
+# MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix). Measured call by
+# call on H200 (v175, tests/gpu/diag_tail_skip.py, deepseek-v3): down (mok_gemm_bk_ef, K = 2048) 3.82 vs 4.31 ms,
+# dgrad of down (mok_gemm_bn_f32) 3.71 vs 3.81, gate/up unfused (bk_ef, K = 7168) 7.34 vs 7.40; the dgrad of
+# gate/up (mok_gemm_bn_ef) loses, 8.00 vs 7.51, so it stays static; qwen3 every one within +-4%.
+DYNAMIC_TILES_AUTO = frozenset({"mok_gemm_bk_ef", "mok_gemm_bn_f32"})
 # MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
 SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
                     "single": "mok_schedule"}

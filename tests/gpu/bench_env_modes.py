@@ -52,8 +52,8 @@ Mode sets (the first entry of each is the default path, the reference for "bitwi
           sent by the dgrad GEMM itself; EP only)
   pingpong: auto, coop, ppc_fused (MOK_GEMM_PINGPONG with MOK_GEMM_ACT / MOK_GEMM_DACT)
   combine: auto, plain, each twice (MOK_COMBINE: the combine kernel chosen per top_k, or mok_combine everywhere)
-  tiles: static, dynamic, each twice (MOK_GEMM_TILES: the cooperative GEMMs with tiles claimed dynamically and
-          all-padding warp groups skipping their MMA)
+  tiles: static, auto, dynamic, each twice (MOK_GEMM_TILES: the cooperative GEMMs with tiles claimed dynamically
+          and all-padding warp groups skipping their MMA: none, the default's choice, every one with a _dyn twin)
   halftiles: on, off, each twice (MOK_GEMM_HALF_TILES: the ping-pong GEMMs run one 64-row MMA block where a
           tile's rows past the first 64 are all padding)
 The env variables are read at every call, so one process can switch between them. A mode's settings
@@ -129,8 +129,9 @@ MODE_SETS = {
                   "on_again": {"MOK_GEMM_HALF_TILES": "1"}, "off_again": {"MOK_GEMM_HALF_TILES": "0"}},
     # the cooperative GEMMs' tiles: static (each CTA's by the persistent schedule, every warp group runs its MMA) or
     # dynamic (claimed by atomic add, all-padding warp groups skip their MMA); each twice for the spread
-    "tiles": {"static": {"MOK_GEMM_TILES": "static"}, "dynamic": {"MOK_GEMM_TILES": "dynamic"},
-              "static_again": {"MOK_GEMM_TILES": "static"}, "dynamic_again": {"MOK_GEMM_TILES": "dynamic"}},
+    "tiles": {"static": {"MOK_GEMM_TILES": "static"}, "auto": {"MOK_GEMM_TILES": "auto"},
+              "dynamic": {"MOK_GEMM_TILES": "dynamic"}, "static_again": {"MOK_GEMM_TILES": "static"},
+              "auto_again": {"MOK_GEMM_TILES": "auto"}, "dynamic_again": {"MOK_GEMM_TILES": "dynamic"}},
     # the grouped GEMMs' tile order: the default (expert bands where column tiles would run fastest), the
     # column-fastest / 8-row bands of cuda_backend.band_rule everywhere, one band per expert everywhere
     "raster": {"auto": {"MOK_GEMM_RASTER": "auto"}, "bands": {"MOK_GEMM_RASTER": "bands"},
