@@ -14,11 +14,12 @@ Same signatures and formulas as reference.experts_forward / experts_backward
   gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); with the activation in it
                   (MOK_GEMM_ACT, below): mok_gemm_gate_up_<act>_ppc where H <= 2048, _ef where H <= 8192
   activation      mok_act_fwd_<act> (one pass over gate_up)
-  down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below)
+  down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below); its cooperative
+                  mok_gemm_bk_ef with dynamic tiles (mok_gemm_bk_ef_dyn, MOK_GEMM_TILES, below)
   combine         mok_combine_cp (top_k <= 16), mok_combine_k2 (top_k = 2), mok_combine (fixed tree over expert
                   groups, j ascending within a group; the same tree as the EP path's per-rank partial sums:
                   kernels/combine.py)
-  dgrad of down   mok_gemm_bn_f32 (fp32 out, feeds d topk-weight and dSwiGLU)
+  dgrad of down   mok_gemm_bn_f32_dyn (fp32 out, feeds d topk-weight and dSwiGLU; dynamic tiles, MOK_GEMM_TILES)
   dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
                   Where H <= 4096 (MOK_GEMM_DACT=auto): both in one kernel, mok_gemm_dact_<act>_ppc
                   (the dgrad GEMM with the activation backward in its epilogue, on the clustered
@@ -32,6 +33,10 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); mok_gemm_wgrad_pp where
                   experts have few rows and the output few columns (wgrad_kernel); macrobatch passes
                   after the first add into the first one's by its twin mok_gemm_wgrad_defer_c2_acc
+
+MOK_GEMM_TILES: the cooperative GEMMs mok_gemm_bk_ef / mok_gemm_bn_ef / mok_gemm_bn_f32 with tiles
+claimed by atomic add and the routed rows, so an all-padding consumer warp group skips its MMA
+(their _dyn twins: gemm_tiles_suffix); auto (default) for mok_gemm_bk_ef and mok_gemm_bn_f32.
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the

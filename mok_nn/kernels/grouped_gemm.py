@@ -99,6 +99,14 @@ from .registry import TILE_M
 from .swiglu import _act
 
 
+@cute.jit
+def segment_extent(expert, seg_end, seg_rows):
+    """(first row, rows, row tiles) of an expert's segment: its seg_rows rounded up to TILE_M end at seg_end."""
+    rows = seg_rows[expert]
+    tiles = (rows + TILE_M - 1) // TILE_M
+    return seg_end[expert] - tiles * TILE_M, rows, tiles
+
+
 class VarlenMGroupedGemm:
     """One compiled variant: tile (128, tile_n, 64), B K-major or N-major, split or full-tile epilogue."""
 
@@ -384,8 +392,8 @@ class VarlenMGroupedGemm:
             n_tile = linear - m_row * tiles_n
             expert = tile_expert[m_row]
             if expert >= 0:
-                band_rows = (seg_rows[expert] + TILE_M - 1) // TILE_M
-                first = seg_end[expert] // TILE_M - band_rows
+                seg_start, _, band_rows = segment_extent(expert, seg_end, seg_rows)
+                first = seg_start // TILE_M
                 if m_row >= first:
                     if m_row < first + band_rows:
                         within = linear - first * tiles_n
@@ -1040,8 +1048,7 @@ class VarlenMGroupedGemm:
                         read_state, release_state = step_over(k_tiles, read_state, release_state)
                     else:
                         # Real rows in this tile (more than TILE_M before the segment's last tile).
-                        rows = seg_rows[expert]
-                        seg_start = seg_end[expert] - (rows + TILE_M - 1) // TILE_M * TILE_M
+                        seg_start, rows, _ = segment_extent(expert, seg_end, seg_rows)
                         real_rows = seg_start + rows - m_tile * TILE_M
                         if cutlass.const_expr(self.dact is not None):
                             # the first sub-tile's gate / up, loaded before the mainloop hides their latency
