@@ -142,6 +142,13 @@ def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I,
     assert mode != "auto/auto" or (pull, dy_rows) == (("scatter", "scatter") if K == 8 else ("needed", "pull"))
     assert len(scatters) == P * 2 * want, (mode, scatters)
 
+    _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, mode)
+    assert os.environ["MOK_EP_PULL"] == MODES[mode][0]  # (the modes stayed set for both ranks throughout)
+
+
+def _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, label):
+    """Each rank's y, d x, d topk-weights and its experts' weight gradients: bit for bit the single-GPU path's
+    on all ranks' tokens (under the env settings in force now), none NaN."""
     x, dy, topk_ids, topk_w = torch.cat(xs), torch.cat(dys), torch.cat(ids), torch.cat(ws_)
     y1, saved1 = cb.experts_forward(x, topk_ids, topk_w, W13, W2)
     dx1, dw1, grads1 = cb.experts_backward(dy, saved1, x, topk_ids, topk_w, W13, W2)
@@ -153,6 +160,36 @@ def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I,
         for what, a, b in (("y", y, y1[rows]), ("d x", dx, dx1[rows]), ("d topk-weights", dw, dw1[rows]),
                            ("d gate_up_proj", grads.gate_up_proj, grads1.gate_up_proj[r * e_l:(r + 1) * e_l]),
                            ("d down_proj", grads.down_proj, grads1.down_proj[r * e_l:(r + 1) * e_l])):
-            assert not torch.isnan(a).any(), (mode, r, what)
-            assert _bits_equal(a, b), (mode, r, what, (a.float() - b.float()).abs().max().item())
-    assert os.environ["MOK_EP_PULL"] == MODES[mode][0]  # (the modes stayed set for both ranks throughout)
+            assert not torch.isnan(a).any(), (label, r, what)
+            assert _bits_equal(a, b), (label, r, what, (a.float() - b.float()).abs().max().item())
+
+
+def test_simulated_ep_dynamic_tiles(lib, monkeypatch):
+    """The EP path with the cooperative GEMMs on dynamic tiles (MOK_GEMM_TILES=dynamic; MOK_GEMM_PINGPONG=0 and
+    MOK_EP_DOWN_PUSH=kernel, so the down GEMM, the dgrad of gate/up and the unfused dgrad of down are the _dyn
+    kernels) against the single-GPU path with static tiles: the same bits on every rank."""
+    P, tokens, H, I, E, K = 2, [300, 173], 256, 128, 16, 8
+    monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "0")
+    monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
+    monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
+    kernels = cb._lib()
+    launch, launched = kernels.launch, []
+
+    def recording_launch(name, *args, stream):
+        launched.append(name)
+        launch(name, *args, stream=stream)
+
+    monkeypatch.setattr(kernels, "launch", recording_launch)
+    W13, W2, xs, dys, ids, ws_ = _inputs(tokens, H, I, E, K, seed=17)
+    monkeypatch.setenv("MOK_GEMM_TILES", "dynamic")
+    try:  # the warm-up of test_simulated_ep_equals_single_gpu (first launches can wait for the device)
+        _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=1, timeout_s=3.0)
+    except cuda_ep.EPError:
+        pass
+    launched.clear()
+    got = _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=2)
+    assert {"mok_gemm_bk_ef_dyn", "mok_gemm_bn_ef_dyn", "mok_gemm_bn_f32_dyn"} <= set(launched), sorted(set(launched))
+    monkeypatch.setenv("MOK_GEMM_TILES", "static")
+    launched.clear()
+    _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, "dynamic tiles")
+    assert not [n for n in launched if n.endswith("_dyn")]
