@@ -165,13 +165,15 @@ def _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, label
 
 
 def test_simulated_ep_dynamic_tiles(lib, monkeypatch):
-    """The EP path with the cooperative GEMMs on dynamic tiles (MOK_GEMM_TILES=dynamic; MOK_GEMM_PINGPONG=0 and
-    MOK_EP_DOWN_PUSH=kernel, so the down GEMM, the dgrad of gate/up and the unfused dgrad of down are the _dyn
-    kernels) against the single-GPU path with static tiles: the same bits on every rank."""
+    """The EP path with the cooperative GEMMs on dynamic tiles (MOK_GEMM_TILES=dynamic; MOK_GEMM_PINGPONG=0,
+    MOK_EP_DOWN_PUSH=kernel and MOK_EP_DX_PUSH=copy_engine, so the down GEMM, the dgrad of gate/up and the
+    unfused dgrad of down are the _dyn kernels, not the push GEMMs) against the single-GPU path with static
+    tiles: the same bits on every rank."""
     P, tokens, H, I, E, K = 2, [300, 173], 256, 128, 16, 8
     monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "0")
     monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
     monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
+    monkeypatch.setenv("MOK_EP_DX_PUSH", "copy_engine")
     kernels = cb._lib()
     launch, launched = kernels.launch, []
 
