@@ -18,6 +18,9 @@ call (CUDA events, median; the _dyn calls include zeroing their counter, as the 
 
 and checks the used rows of all four bitwise equal (all-padding halves store exact zeros either way).
 The tile order is cuda_backend.gemm_group_m's (MOK_GEMM_RASTER).
+--energy S: also each mode's energy per call, mean power and SM clock over about S seconds of back-to-back
+calls (the GPU's NVML counter, diag_energy.run_for), twice in the order of the modes: where the GPU runs at its
+power limit a variant's time follows its energy per call (docs/kernels.md).
 Prints a table, writes tail_skip.json to $OUT. Exit status 1 if bits differ.
 """
 
@@ -53,7 +56,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="deepseek-v3,qwen3-30b-a3b,mixtral-8x7b")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--energy", type=float, default=0.0, help="seconds of calls per energy reading (0: none)")
+    ap.add_argument("--gemms", default="", help="comma-separated subset of gate_up,down,dgrad_gate_up,dgrad_down")
     args = ap.parse_args()
+    nvml = None
+    if args.energy > 0:
+        from diag_energy import Nvml, run_for
+
+        nvml = Nvml(torch.cuda.current_device())
     lib = cb._lib()
     stream = torch.cuda.current_stream().cuda_stream
     records, ok = [], True
@@ -63,6 +73,8 @@ def main():
         sched = cb.make_schedule(p["ids"], E)
         used = int(sched.seg_end[-1])
         for gname, a, W, transpose_w, out_dtype in layer_gemms(p, sched):
+            if args.gemms and gname not in args.gemms.split(","):
+                continue
             name = cb.gemm_kernel(transpose_w, out_dtype, k=a.shape[1], pingpong=False)
             if name + "_dyn" not in cb.SPECS_BY_NAME:
                 print(f"{shape:<14} {gname:<14} {name:<16} (no _dyn twin: skipped)")
@@ -90,15 +102,22 @@ def main():
                 torch.cuda.synchronize()
                 outs[mode] = out[:used].clone()
                 times[mode] = median_ms_queued(lambda m=mode, o=out: run(m, o), args.reps)
+            energy = {}
+            if nvml is not None:  # each mode twice, in turn: (ms, J, W, MHz) per call
+                for rnd in range(2):
+                    for mode in times:
+                        out = torch.empty(sched.capacity, n, device="cuda", dtype=out_dtype)
+                        energy.setdefault(mode, []).append(run_for(lambda m=mode, o=out: run(m, o), args.energy, nvml))
             bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[out_dtype]
             base = outs["static"].view(bits)
             for mode, t in times.items():
                 same = bool(torch.equal(outs[mode].view(bits), base))
                 ok &= same
+                joules = "".join(f" | {e[0]:6.3f} ms {e[1]:5.2f} J {e[2]:4.0f} W {e[3]:5.0f} MHz" for e in energy.get(mode, []))
                 print(f"{shape:<14} {gname:<14} {name:<16} {mode:<12} {t:8.3f} ms  {times['static'] / t:5.2f}x  "
-                      f"bits{'==static' if same else ' DIFFER'}", flush=True)
+                      f"bits{'==static' if same else ' DIFFER'}{joules}", flush=True)
                 records.append(dict(shape=shape, gemm=gname, kernel=name, mode=mode, ms=t, bitwise_eq_static=same,
-                                    commit=os.environ.get("MOK_COMMIT", "unknown")))
+                                    energy_ms_j_w_mhz=energy.get(mode, []), commit=os.environ.get("MOK_COMMIT", "unknown")))
             del outs
         del p
         torch.cuda.empty_cache()
