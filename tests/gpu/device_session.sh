@@ -27,6 +27,7 @@
 # sweep (MoKConfig's knobs side by side: tests/gpu/sweep_config.py at EP=1, and EP=2 where 2 GPUs),
 # clocks (SM clock / power log during the deepseek-v3 benchmark), energy (J per call, mok_nn modes vs baseline),
 # tailskip (static vs dynamic tiles, tail skip on / off, call by call: tests/gpu/diag_tail_skip.py),
+# tilesab (the default vs MOK_GEMM_TILES=dynamic: benchmarks alternating, energy, sustained GEMM readings),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -180,6 +181,17 @@ print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.
     energy)  # energy per call (NVML counter), mok_nn modes vs the baseline, back to back (tests/gpu/diag_energy.py)
         TAIL=40 step energy 300 python3 tests/gpu/diag_energy.py --shapes "${SHAPES:-deepseek-v3}" \
             --modes "${ENERGY_MODES:-default}" ;;
+    tilesab)  # the default tiles vs MOK_GEMM_TILES=dynamic (the dgrad of gate/up too) in the layer: benchmark processes
+        # alternating, energy per call, the GEMMs' sustained time and energy (docs/kernels.md, v181)
+        for i in 1 2; do
+            TAIL=4 step "bench_tiles_default_$i" 240 python3 -m mok_nn.bench --out "$OUT/bench_tiles_default_$i.json"
+            MOK_GEMM_TILES=dynamic TAIL=4 step "bench_tiles_dynamic_$i" 240 python3 -m mok_nn.bench \
+                --out "$OUT/bench_tiles_dynamic_$i.json"
+        done
+        TAIL=12 step energy_tiles 300 python3 tests/gpu/diag_energy.py --shapes deepseek-v3,qwen3-30b-a3b \
+            --modes default,MOK_GEMM_TILES=dynamic
+        TAIL=20 step tail_skip_energy 300 python3 tests/gpu/diag_tail_skip.py --shapes deepseek-v3,qwen3-30b-a3b \
+            --gemms down,dgrad_gate_up,dgrad_down --energy 1.0 ;;
     tailskip)  # the cooperative GEMMs with static / dynamic tiles, with and without the tail skip, call by call
         TAIL=40 step tail_skip 300 python3 tests/gpu/diag_tail_skip.py --shapes "${SHAPES:-deepseek-v3,qwen3-30b-a3b}" ;;
     pack)  # the device tool returns few files: one archive of all logs
