@@ -102,7 +102,10 @@ GEMM_FULL_EPI_MAX_K = 8192
 # MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix). Measured call by
 # call on H200 (v175, tests/gpu/diag_tail_skip.py, deepseek-v3): down (mok_gemm_bk_ef, K = 2048) 3.82 vs 4.31 ms,
 # dgrad of down (mok_gemm_bn_f32) 3.71 vs 3.81, gate/up unfused (bk_ef, K = 7168) 7.34 vs 7.40; the dgrad of
-# gate/up (mok_gemm_bn_ef) loses, 8.00 vs 7.51, so it stays static; qwen3 every one within +-4%.
+# gate/up (mok_gemm_bn_ef) lost there, 8.00 vs 7.51, so it stays static; qwen3 every one within +-4%. Those are
+# medians of short bursts; over ~1 s of back-to-back calls (v181, diag_tail_skip.py --energy) the dynamic
+# mok_gemm_bn_ef is the faster one (7.77-7.80 vs 7.94-8.06 ms): adding it here awaits a layer A/B
+# (tests/gpu/device_session.sh tilesab).
 DYNAMIC_TILES_AUTO = frozenset({"mok_gemm_bk_ef", "mok_gemm_bn_f32"})
 # MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
 SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
