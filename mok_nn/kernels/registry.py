@@ -567,8 +567,9 @@ SPECS = (
     # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
     _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
     _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
-    # the same three with dynamic tiles (tiles claimed by atomic add), given the routed seg_rows so that
-    # all-padding consumer warp groups skip their MMA (MOK_GEMM_TILES, cuda_backend.gemm_tiles_suffix)
+    # mok_gemm_bk_ef, mok_gemm_bn_ef and mok_gemm_bn_f32 with dynamic tiles (tiles claimed by atomic add), given
+    # the routed seg_rows so that all-padding consumer warp groups skip their MMA (MOK_GEMM_TILES,
+    # cuda_backend.gemm_tiles_suffix)
     _gemm_dyn_spec("mok_gemm_bk_ef_dyn", "k", full_epi=True),  # forward down
     _gemm_dyn_spec("mok_gemm_bn_ef_dyn", "n", full_epi=True),  # dgrad of gate/up
     _gemm_dyn_spec("mok_gemm_bn_f32_dyn", "n", "f32"),  # dgrad of down (split epilogue)

@@ -11,3 +11,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def launched_kernels(monkeypatch):
+    """The names of the kernels launched through the loaded library, in order (clear it between runs)."""
+    from mok_nn import cuda_backend
+
+    kernels = cuda_backend._lib()
+    launch, launched = kernels.launch, []
+
+    def recording_launch(name, *args, stream):
+        launched.append(name)
+        launch(name, *args, stream=stream)
+
+    monkeypatch.setattr(kernels, "launch", recording_launch)
+    return launched

@@ -134,6 +134,13 @@ def test_grouped_gemm(lib, case, name, transpose_w, out_dtype, group_m):
 EDGE_COUNTS = [1, 63, 0, 64, 65, 127, 128, 129, 200]  # rows per expert around the 64-row halves of a tile
 
 
+def _edge_routing(g):
+    """Top-1 ids giving expert e exactly EDGE_COUNTS[e] rows, in a random token order."""
+    counts = torch.tensor(EDGE_COUNTS, device="cuda")
+    flat = torch.repeat_interleave(torch.arange(len(EDGE_COUNTS), device="cuda"), counts)
+    return flat[torch.randperm(flat.numel(), device="cuda", generator=g)].view(-1, 1)
+
+
 TAIL_RUNS = [(v, False) for v in GEMM_VARIANTS] + [(v, True) for v in GEMM_VARIANTS if "_pp" in v[0]]
 
 
@@ -149,8 +156,7 @@ def test_grouped_gemm_tail_rows(lib, variant, real_rows):
 
     E, N, K = len(EDGE_COUNTS), 512, 320
     g = torch.Generator(device="cuda").manual_seed(11)
-    flat = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(EDGE_COUNTS, device="cuda"))
-    ids = flat[torch.randperm(flat.numel(), device="cuda", generator=g)].view(-1, 1)
+    ids = _edge_routing(g)
     T = ids.shape[0]
     sched = cb.make_schedule(ids, E)
     assert sched.seg_rows.tolist() == EDGE_COUNTS
@@ -196,9 +202,7 @@ def test_grouped_gemm_dyn(lib, case, name, twin, transpose_w, out_dtype, group_m
 
     if case == EDGE_CASE:
         E, N, K = len(EDGE_COUNTS), 512, 320
-        g = torch.Generator(device="cuda").manual_seed(12)
-        flat = torch.repeat_interleave(torch.arange(E, device="cuda"), torch.tensor(EDGE_COUNTS, device="cuda"))
-        ids = flat[torch.randperm(flat.numel(), device="cuda", generator=g)].view(-1, 1)
+        ids = _edge_routing(torch.Generator(device="cuda").manual_seed(12))
         T, k = ids.shape
     else:
         T, k, E, N, K, mode = case
@@ -954,7 +958,7 @@ def test_raster_expert_in_layer(lib, case, pp_mode, monkeypatch):
                                   (1, 256, 768, 4, 1, "random", False), (300, 256, 768, 8, 2, "random", True),
                                   (200, 4608, 640, 6, 2, "skew", False)])
 @pytest.mark.parametrize("pp_mode", ["auto", "0"])  # MOK_GEMM_PINGPONG: the defaults, every GEMM cooperative
-def test_dynamic_tiles_in_layer(lib, case, pp_mode, monkeypatch):
+def test_dynamic_tiles_in_layer(lib, case, pp_mode, monkeypatch, launched_kernels):
     """MOK_GEMM_TILES=dynamic (the cooperative GEMMs with dynamic tiles, all-padding warp groups skipping their
     MMA) vs static through experts_forward / experts_backward: y, dx, d topk-weights and the weight (and bias)
     gradients bit for bit equal, and equal again on a repeat. With biases h's padding rows are act(bias), so the
@@ -966,16 +970,7 @@ def test_dynamic_tiles_in_layer(lib, case, pp_mode, monkeypatch):
     b13 = (torch.randn(E, 2 * I, device="cuda") / 4).to(torch.bfloat16) if bias else None
     b2 = (torch.randn(E, H, device="cuda") / 4).to(torch.bfloat16) if bias else None
     monkeypatch.setenv("MOK_GEMM_PINGPONG", pp_mode)
-
-    launched = []
-    kernels = cb._lib()
-    launch = kernels.launch
-
-    def recording_launch(name, *args, stream):
-        launched.append(name)
-        launch(name, *args, stream=stream)
-
-    monkeypatch.setattr(kernels, "launch", recording_launch)
+    launched = launched_kernels
 
     def run(tiles):
         monkeypatch.setenv("MOK_GEMM_TILES", tiles)

@@ -164,7 +164,7 @@ def _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, label
             assert _bits_equal(a, b), (label, r, what, (a.float() - b.float()).abs().max().item())
 
 
-def test_simulated_ep_dynamic_tiles(lib, monkeypatch):
+def test_simulated_ep_dynamic_tiles(lib, monkeypatch, launched_kernels):
     """The EP path with the cooperative GEMMs on dynamic tiles (MOK_GEMM_TILES=dynamic; MOK_GEMM_PINGPONG=0,
     MOK_EP_DOWN_PUSH=kernel and MOK_EP_DX_PUSH=copy_engine, so the down GEMM, the dgrad of gate/up and the
     unfused dgrad of down are the _dyn kernels, not the push GEMMs) against the single-GPU path with static
@@ -174,14 +174,7 @@ def test_simulated_ep_dynamic_tiles(lib, monkeypatch):
     monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
     monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
     monkeypatch.setenv("MOK_EP_DX_PUSH", "copy_engine")
-    kernels = cb._lib()
-    launch, launched = kernels.launch, []
-
-    def recording_launch(name, *args, stream):
-        launched.append(name)
-        launch(name, *args, stream=stream)
-
-    monkeypatch.setattr(kernels, "launch", recording_launch)
+    launched = launched_kernels
     W13, W2, xs, dys, ids, ws_ = _inputs(tokens, H, I, E, K, seed=17)
     monkeypatch.setenv("MOK_GEMM_TILES", "dynamic")
     try:  # the warm-up of test_simulated_ep_equals_single_gpu (first launches can wait for the device)
