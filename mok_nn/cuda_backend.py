@@ -27,7 +27,7 @@ Same signatures and formulas as reference.experts_forward / experts_backward
                   and w*h bits, d topk-weight summed per 128 columns then pairwise_sum).
                   MOK_GEMM_DACT=fused / split force one form (the cooperative fused kernel,
                   mok_gemm_dact_<act> with MOK_GEMM_PINGPONG=0, is slower than the two kernels)
-  dgrad gate/up   mok_gemm_bn
+  dgrad gate/up   mok_gemm_bn; its cooperative mok_gemm_bn_ef with dynamic tiles (mok_gemm_bn_ef_dyn, MOK_GEMM_TILES)
   reverse combine the combine kernels (w = 1)
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
                   2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); mok_gemm_wgrad_pp where
@@ -36,7 +36,7 @@ Same signatures and formulas as reference.experts_forward / experts_backward
 
 MOK_GEMM_TILES: the cooperative GEMMs mok_gemm_bk_ef / mok_gemm_bn_ef / mok_gemm_bn_f32 with tiles
 claimed by atomic add and the routed rows, so an all-padding consumer warp group skips its MMA
-(their _dyn twins: gemm_tiles_suffix); auto (default) for mok_gemm_bk_ef and mok_gemm_bn_f32.
+(their _dyn twins: gemm_tiles_suffix); auto (default): all three (DYNAMIC_TILES_AUTO); static: none.
 
 Every step has a fixed reduction order, so results are bitwise reproducible.
 Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
@@ -99,14 +99,15 @@ WGRAD_SHORT_MAX_COLS = 2048  # output columns (b_rows' width), at most
 # Longest reduction for which the full-tile epilogue GEMM variants win on H200
 # (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
 GEMM_FULL_EPI_MAX_K = 8192
-# MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix). Measured call by
-# call on H200 (v175, tests/gpu/diag_tail_skip.py, deepseek-v3): down (mok_gemm_bk_ef, K = 2048) 3.82 vs 4.31 ms,
-# dgrad of down (mok_gemm_bn_f32) 3.71 vs 3.81, gate/up unfused (bk_ef, K = 7168) 7.34 vs 7.40; the dgrad of
-# gate/up (mok_gemm_bn_ef) lost there, 8.00 vs 7.51, so it stays static; qwen3 every one within +-4%. Those are
-# medians of short bursts; over ~1 s of back-to-back calls (v181, diag_tail_skip.py --energy) the dynamic
-# mok_gemm_bn_ef is the faster one (7.77-7.80 vs 7.94-8.06 ms): adding it here awaits a layer A/B
-# (tests/gpu/device_session.sh tilesab).
-DYNAMIC_TILES_AUTO = frozenset({"mok_gemm_bk_ef", "mok_gemm_bn_f32"})
+# MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix): all three twins.
+# Ranked by sustained readings (~1 s of back-to-back calls, the GPU at its power limit as in training;
+# tests/gpu/diag_tail_skip.py --energy), deepseek-v3 on H200, static -> dynamic + skip: down 4.09-4.19 ->
+# 3.97-3.98 ms, dgrad of down 4.07-4.12 -> 4.01, dgrad of gate/up (mok_gemm_bn_ef) 7.94-8.09 -> 7.73-7.74 (v181,
+# v182); qwen3's dgrad of gate/up 0.80 -> 0.77. In the layer (v182, tests/gpu/diag_energy.py, two rounds) all
+# dynamic vs the earlier auto (mok_gemm_bn_ef static): deepseek-v3 forward+backward 38.80 / 38.85 vs 39.05 / 39.11
+# ms, qwen3 4.173 / 4.173 vs 4.192 / 4.196. Medians of 20-call bursts ranked the dgrad of gate/up the other way
+# (v175, v178): they follow the GPU's clock state more than the kernel.
+DYNAMIC_TILES_AUTO = frozenset({"mok_gemm_bk_ef", "mok_gemm_bn_ef", "mok_gemm_bn_f32"})
 # MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
 SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
                     "single": "mok_schedule"}
