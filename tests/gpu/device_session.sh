@@ -28,6 +28,7 @@
 # clocks (SM clock / power log during the deepseek-v3 benchmark), energy (J per call, mok_nn modes vs baseline),
 # tailskip (static vs dynamic tiles, tail skip on / off, call by call: tests/gpu/diag_tail_skip.py),
 # tilesab (the default vs MOK_GEMM_TILES=dynamic: benchmarks alternating, energy, sustained GEMM readings),
+# sanitize (compute-sanitizer memcheck / racecheck / synccheck, tests/gpu/sanitize_layer.py),
 # pack (all logs into $OUT/logs.tgz; last).
 set -u
 export PYTHONPATH=$PWD MOK_KERNEL_CACHE=$PWD/build/kernels
@@ -194,6 +195,14 @@ print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.
             --gemms down,dgrad_gate_up,dgrad_down --energy 1.0 ;;
     tailskip)  # the cooperative GEMMs with static / dynamic tiles, with and without the tail skip, call by call
         TAIL=40 step tail_skip 300 python3 tests/gpu/diag_tail_skip.py --shapes "${SHAPES:-deepseek-v3,qwen3-30b-a3b}" ;;
+    sanitize)  # compute-sanitizer over small forward+backward passes (tests/gpu/sanitize_layer.py); each tool's
+        # own error count in its log's last lines; SANITIZE_CASES limits racecheck / synccheck (slow)
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=8 step sanitize_memcheck 240 compute-sanitizer --tool memcheck \
+            --error-exitcode 3 python3 tests/gpu/sanitize_layer.py
+        for tool in racecheck synccheck; do
+            TAIL=8 step "sanitize_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                python3 tests/gpu/sanitize_layer.py --cases "${SANITIZE_CASES:-small,h-over-4096}"
+        done ;;
     pack)  # the device tool returns few files: one archive of all logs
         tar czf /tmp/logs.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/logs.tgz "$OUT/logs.tgz" ;;
     *) echo "unknown step $s" ;;
