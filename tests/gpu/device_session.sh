@@ -199,6 +199,10 @@ print(f'{len(rows)} samples: SM clock MHz min {min(clk):.0f} median {statistics.
         # own error count in its log's last lines; SANITIZE_CASES limits racecheck / synccheck (slow)
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=8 step sanitize_memcheck 240 compute-sanitizer --tool memcheck \
             --error-exitcode 3 python3 tests/gpu/sanitize_layer.py
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=8 step sanitize_planted 120 compute-sanitizer --tool memcheck \
+            python3 tests/gpu/sanitize_layer.py --plant-oob
+        echo "planted out-of-bounds read reported in mok_combine_k2: $(grep -c "Invalid __global__ read" \
+            "$OUT/sanitize_planted.log") time(s), $(grep -c "mok_combine_k2" "$OUT/sanitize_planted.log") line(s) name it"
         for tool in racecheck synccheck; do
             TAIL=8 step "sanitize_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 python3 tests/gpu/sanitize_layer.py --cases "${SANITIZE_CASES:-small,h-over-4096}"

@@ -10,6 +10,9 @@ Run it under the sanitizer, e.g.
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 tests/gpu/sanitize_layer.py
 (without the caching allocator every tensor is its own allocation, so an access past a tensor's end is caught).
+--plant-oob instead launches the combine kernel (a library kernel with plain global loads) with one slot index far
+past its rows: memcheck must report an invalid global read in mok_combine_k2, which shows that the sanitizer
+sees into the library's kernels (device_session.sh checks it).
 Outside the sanitizer it checks what it can: every output finite, the settings within bf16 rounding of the
 defaults. Exit status 1 on a failed check.
 """
@@ -56,10 +59,28 @@ def run(ids, w, x, dy, W13, W2):
     return {"y": y, "dx": dx, "d_topk": dtk, "d_gate_up": grads.gate_up_proj, "d_down": grads.down_proj}
 
 
+def plant_oob():
+    """The combine kernel reading row 2**20 of a 64-row tensor (no bounds check there: the schedule's positions are
+    in range by construction)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(64, device="cuda").view(32, 2)
+    pos[5, 1] = 2**20
+    w = torch.rand(32, 2, device="cuda", generator=g)
+    ids = torch.zeros(32, 2, dtype=torch.int64, device="cuda")
+    cb.combine(rows, pos, w, ids, 8, torch.bfloat16)
+    torch.cuda.synchronize()
+    print("planted out-of-bounds read launched")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES), help="comma-separated case names")
+    ap.add_argument("--plant-oob", action="store_true", help="only the planted out-of-bounds read (see above)")
     args = ap.parse_args()
+    if args.plant_oob:
+        plant_oob()
+        return 0
     wanted = args.cases.split(",")
     unknown = set(wanted) - {c[0] for c in CASES}
     if unknown:
