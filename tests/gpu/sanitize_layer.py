@@ -24,6 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_env_modes import with_env  # noqa: E402
 from layer_runs import rel_err  # noqa: E402
 
 from mok_nn import cuda_backend as cb  # noqa: E402
@@ -36,6 +37,7 @@ CASES = [
     ("small", 1, 256, 512, 8, 2),
 ]
 SETTINGS = [("default", {}), ("cooperative", {"MOK_GEMM_PINGPONG": "0"}), ("static tiles", {"MOK_GEMM_TILES": "static"})]
+SETTING_VARS = {v for _, env in SETTINGS for v in env}  # each setting unsets the others' variables
 TOL = 2e-2  # the settings differ only in the fp32 summation order of d topk-weights where the epilogues differ
 
 
@@ -90,13 +92,7 @@ def main():
         inputs = problem(T, H, I, E, k, seed=T + H)
         want = None
         for label, env in SETTINGS:
-            saved_env = {v: os.environ.get(v) for v in env}
-            os.environ.update(env)
-            try:
-                got = run(*inputs)
-            finally:
-                for v, old in saved_env.items():
-                    os.environ.pop(v) if old is None else os.environ.__setitem__(v, old)
+            got = with_env(run, env, SETTING_VARS)(*inputs)
             bad = [n for n, t in got.items() if not torch.isfinite(t).all()]
             errs = {n: rel_err(t, want[n]) for n, t in got.items()} if want is not None else {}
             bad += [n for n, e in errs.items() if e > TOL]
