@@ -285,9 +285,7 @@ def rel_l2(u, v):
 
 
 def _commit():
-    c = os.environ.get("MOK_COMMIT")
-    if c:
-        return c
+    """The checkout's HEAD (the --commit flag overrides it, e.g. where the tree travels without .git)."""
     try:
         here = pathlib.Path(__file__).resolve().parent  # mok_nn's checkout, not the working directory's
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
@@ -296,7 +294,7 @@ def _commit():
         return "unknown"
 
 
-def run(shapes, tokens, device, iters, warmup, check=True, group=None):
+def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None):
     from .distributed import group_size_and_rank
 
     ep, rank = group_size_and_rank(group)
@@ -305,7 +303,7 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None):
     baseline = baseline_experts if ep == 1 else baseline_experts_ep(group)
     impls = {"mok_nn": mok_experts(backend, group), "torch_baseline": baseline}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    commit = _commit()
+    commit = commit or _commit()
     records = []
     for shape in shapes:
         hidden, inter, _, top_k = SHAPES[shape]
@@ -363,6 +361,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None, help="JSON file (default docs/benchmarks/<date>_<device>.json)")
+    ap.add_argument("--commit", default=None, help="the records' commit field (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
     on_cuda = args.device == "cuda"
     if args.shapes is None:  # the full shapes take hours on a CPU: there, only the harness is exercised
@@ -381,7 +380,8 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         group = dist.group.WORLD
-    records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group)
+    records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group,
+                  commit=args.commit)
     if group is None or dist.get_rank() == 0:
         out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
