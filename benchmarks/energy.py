@@ -1,15 +1,12 @@
-"""Diagnostic (not a test): energy per call of the layer, mok_nn vs the torch baseline, from the GPU's own
-energy counter (NVML, read through ctypes: no package needed), with the mean power and SM clock meanwhile.
+"""How much energy does one call of the layer take, mok_nn against the torch baseline? Read from the GPU's
+own energy counter (NVML through ctypes: no package needed), with the mean power and SM clock meanwhile.
 
-    python tests/gpu/diag_energy.py [--shapes deepseek-v3] [--modes default,MOK_X=1+MOK_Y=2] [--seconds 2]
+    python benchmarks/energy.py [--shapes deepseek-v3] [--seconds 2]
 
-Why: at deepseek-v3 the GPU reaches its 700 W limit and its SM clock drops to 1.2-1.7 GHz
-(`device_session.sh clocks`, v162). A throughput there is energy bound: the ratio to the baseline tends to
-the ratio of the energies per call, so what pays is work that costs less energy, not only less time.
-Each (implementation, step) runs back to back for about --seconds (no alternation: the power settles),
-twice in the order impl1 impl2 ... impl1 impl2 ..., and prints ms, J, W and MHz per call; the backward's
-figures are forward+backward minus forward. Modes: "default", or env settings of mok_nn joined by "+"
-(each mode unsets the others' variables first).
+Where the GPU runs at its power limit (deepseek-v3 on H200) a throughput is energy bound: the ratio to the
+baseline tends to the ratio of the energies per call. Each (implementation, step) runs back to back for
+about --seconds (the power settles), twice in the order mok_nn, baseline, mok_nn, baseline; the backward's
+figures are forward+backward minus forward.
 """
 import argparse
 import ctypes
@@ -18,19 +15,8 @@ import time
 
 import torch
 
-from bench_env_modes import with_env
-from layer_runs import bench_steps
-
-
-
-def parse_mode(mode: str) -> dict:
-    """{} for "default", else {VAR: VALUE} from "VAR=VALUE+VAR=VALUE"."""
-    if mode == "default":
-        return {}
-    pairs = [kv.split("=", 1) for kv in mode.split("+")]
-    if any(len(kv) != 2 or not kv[0].startswith("MOK_") for kv in pairs):
-        raise SystemExit(f"mode {mode!r}: expected 'default' or MOK_VAR=VALUE joined by '+'")
-    return dict(pairs)
+from mok_nn import bench
+from steps import bench_steps  # benchmarks/ is on sys.path when run as a script
 
 
 class Nvml:
@@ -82,25 +68,21 @@ def run_for(fn, seconds, nvml):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="deepseek-v3")
-    ap.add_argument("--modes", default="default")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="deepseek-v3", help="comma-separated benchmark shapes")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seconds", type=float, default=2.0)
     a = ap.parse_args()
     nvml = Nvml(torch.cuda.current_device())
     for shape in a.shapes.split(","):
-        impls = {"torch_baseline": bench_steps(shape, a.tokens, baseline=True)}
-        steps = bench_steps(shape, a.tokens)
-        modes = {m: parse_mode(m) for m in a.modes.split(",")}
-        keys = {k for env in modes.values() for k in env}
-        for m, env in modes.items():
-            impls[f"mok_{m}"] = [(n, with_env(f, env, keys)) for n, f in steps]
+        if shape not in bench.SHAPES:
+            ap.error(f"unknown shape {shape}; known: {', '.join(bench.SHAPES)}")
+        impls = {"mok_nn": bench_steps(shape, a.tokens), "torch_baseline": bench_steps(shape, a.tokens, baseline=True)}
         print(f"{shape}: per call, back to back ~{a.seconds:.1f} s each; bwd = fwd+bwd - fwd", flush=True)
         for rep in range(2):
             for name, st in impls.items():
                 (ms_f, j_f, w_f, c_f), (ms_fb, j_fb, w_fb, c_fb) = (run_for(f, a.seconds, nvml) for _, f in st)
-                print(f"  {rep} {name:24s} fwd {ms_f:7.3f} ms {j_f:6.2f} J {w_f:4.0f} W {c_f:5.0f} MHz | "
+                print(f"  {rep} {name:15s} fwd {ms_f:7.3f} ms {j_f:6.2f} J {w_f:4.0f} W {c_f:5.0f} MHz | "
                       f"fwd+bwd {ms_fb:7.3f} ms {j_fb:6.2f} J {w_fb:4.0f} W {c_fb:5.0f} MHz | "
                       f"bwd {ms_fb - ms_f:7.3f} ms {j_fb - j_f:6.2f} J", flush=True)
 

@@ -1,13 +1,13 @@
-"""Diagnostic (not a test): MoKConfig.macrobatch_size side by side with one pass, per benchmark shape.
+"""What do MoKConfig.macrobatch_size passes cost against one pass, in time and memory, per benchmark shape?
 
-    python tests/gpu/bench_macrobatch.py [--shapes a,b] [--sizes 4096,2048] [--tokens 8192]
-    torchrun --nproc_per_node 2 tests/gpu/bench_macrobatch.py ...     (EP = world size)
+    python benchmarks/macrobatch.py [--shapes a,b] [--sizes 4096,2048] [--tokens 8192] [--commit SHA]
+    torchrun --nproc_per_node 2 benchmarks/macrobatch.py ...     (EP = world size)
 
 Times forward and backward (bench.measure: rotated order, medians, the slowest rank's) of the routed
 experts in one pass and in passes of each size, with the peak memory above inputs and parameters and
 the workspace's bytes (the EP symmetric buffer, sized by a pass). Checks first that y, d x and d
 topk-weights equal the one-pass bits and the expert gradients are close. Writes
-bench_macrobatch_ep<P>.json to $OUT (default /tmp). Exit status 1 if a check fails.
+macrobatch_ep<P>.json to $OUT (default /tmp). Exit status 1 if a check fails.
 """
 
 import argparse
@@ -19,16 +19,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from layer_runs import torchrun_group
 from mok_nn import MoKConfig, bench, functional
+from steps import torchrun_group  # benchmarks/ is on sys.path when run as a script
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
     ap.add_argument("--sizes", default="4096,2048")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--commit", default="unknown", help="recorded in the JSON")
     args = ap.parse_args()
     group, rank, world = torchrun_group()
     out_dir = pathlib.Path(os.environ.get("OUT", "/tmp"))
@@ -67,7 +68,7 @@ def main():
             rec = {"shape": shape, "ep": world, "tokens_per_rank": args.tokens, "mode": name,
                    "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4), "fwd_tflops": round(flops / f_ms / 1e9, 1),
                    "bwd_tflops": round(2 * flops / b_ms / 1e9, 1), "peak_mem_gb": round(peak, 3),
-                   "workspace_mb": round(ws.nbytes / 2**20, 1), "commit": bench._commit()}
+                   "workspace_mb": round(ws.nbytes / 2**20, 1), "commit": args.commit}
             records.append(rec)
             if rank == 0:
                 print(f"{shape:14s} EP={world} {name:16s} fwd {f_ms:8.3f} ms  bwd {b_ms:8.3f} ms  "
@@ -76,7 +77,7 @@ def main():
         torch.cuda.empty_cache()
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"bench_macrobatch_ep{world}.json").write_text(json.dumps(records, indent=1))
+        (out_dir / f"macrobatch_ep{world}.json").write_text(json.dumps(records, indent=1))
     if group is not None:
         dist.destroy_process_group()
     sys.exit(1 if failed else 0)
