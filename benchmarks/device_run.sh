@@ -22,7 +22,7 @@
 #                then the table (benchmarks/ab_table.py). The old tree: a source checkout at $OLD_SRC
 #                (default build/old_src) with its kernel library at $OLD_KERNELS (default build/old_kernels),
 #                prepared where the kernel compiler is, e.g.
-#                  mkdir -p build/old_src && git archive <old> mok_nn | tar -x -C build/old_src
+#                  mkdir -p build/old_src && git archive <old> mok_nn csrc | tar -x -C build/old_src
 #                  (cd build/old_src && PYTHONPATH=$PWD python -m mok_nn.kernels.build --arch sm_90a \
 #                       --out ../old_kernels/sm_90a)
 #                OLD_COMMIT names it in the records; AB_SHAPES (comma-separated) limits the shapes.
