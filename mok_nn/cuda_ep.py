@@ -510,7 +510,7 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = N
     The captured pull reads the buffer's addresses: the key holds the ids section's address, and
     _recreate drops every graph with the buffer."""
     kind, fn = pull if pull is not None else (None, None)
-    graphed = ids_all.is_cuda
+    graphed = _graph_schedule(ids_all)
     captured = kind if graphed and copy_mode() == "kernel" else None
     if kind == "all" and captured is None:
         fn()
@@ -530,6 +530,12 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = N
     if kind == "needed" and captured is None:
         fn(eps)
     return eps
+
+
+def _graph_schedule(ids_all: torch.Tensor) -> bool:
+    """ep_schedule replays a CUDA graph: on CUDA (tests/gpu/test_ep_one_gpu.py, whose threads share one GPU,
+    patches this off: a capture while another thread issues work is invalidated)."""
+    return ids_all.is_cuda
 
 
 def copy_mode() -> str:

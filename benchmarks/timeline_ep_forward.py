@@ -1,8 +1,8 @@
-"""Diagnostic (not a test): where an EP forward timed as the benchmark times it (idle GPU, one
-synchronised call) waits, on every rank.
+"""Where does an EP forward, timed as the benchmark times it (idle GPU, one synchronised call), wait, on
+every rank?
 
-    torchrun --nproc_per_node 2 tests/gpu/timeline_ep_forward.py [shape] [tokens]
-    torchrun --nproc_per_node 1 tests/gpu/timeline_ep_forward.py [shape] [tokens]   (EP = 1: cuda_backend)
+    torchrun --nproc_per_node 2 benchmarks/timeline_ep_forward.py [--shape S] [--tokens N]
+    torchrun --nproc_per_node 1 benchmarks/timeline_ep_forward.py ...   (EP = 1: cuda_backend)
 
 Each stage of cuda_ep.forward (publish, barrier, schedule + pull, gather, gate/up GEMM, ...) is wrapped:
 after it returns, the host time since the call began is noted and a CUDA event is recorded on the
@@ -12,21 +12,35 @@ the repetitions of: host us (issue done), GPU us (work done), both from the call
 stage's GPU time is close to its host time, the GPU waited for the host; a long GPU time behind a
 barrier is a wait for the peer. The events themselves cost a few us of host time each.
 """
+import argparse
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import layer_runs  # the script's folder is on sys.path
+from mok_nn import bench
 from mok_nn import cuda_backend as cb
 from mok_nn import cuda_ep
+from steps import torchrun_group  # benchmarks/ is on sys.path when run as a script
 
-shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
-tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-rank, world, steps = layer_runs.ep_steps(shape, tokens)
-fwd = dict(steps)["forward"]
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--shape", default="qwen3-30b-a3b")
+parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+args = parser.parse_args()
+shape = args.shape
+group, rank, world = torchrun_group()
+if group is None:
+    raise SystemExit("run under torchrun (an NCCL process group over the EP ranks)")
+problem = bench.make_problem(shape, args.tokens, "cuda", ep_size=world, ep_rank=rank)
+experts = bench.mok_experts("cuda", group)
+x, w, gu, dn = bench._leaves(problem)
+
+
+def fwd():
+    """mok_nn's routed experts on this rank's part of mok_nn.bench's problem, as the benchmark times them."""
+    with torch.no_grad():
+        experts(x, problem["ids"], w, gu, dn)
 
 marks = []  # (stage, host s, event) of the running call
 
