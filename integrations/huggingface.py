@@ -19,6 +19,11 @@ carried over) and keeps what the surrounding model code relies on:
 Supported: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, in
 transformers 5.x (fused 3-D experts) and 4.5x (ModuleList experts). Other
 blocks are left as they are, with a log line saying why.
+
+Importing this module also registers mok_nn in transformers 5.x's experts
+registry (`experts_implementation="mok"`, see hf_experts.py), the other way in:
+the model keeps its own blocks and router and only the routed experts run on
+mok_nn.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = ["patch_model", "MoKHFBlock", "SUPPORTED_BLOCKS", "PatchError",
-           "save_mxfp8_checkpoint", "load_mxfp8_checkpoint"]
+           "save_mxfp8_checkpoint", "load_mxfp8_checkpoint", "register"]
 
 
 class PatchError(ValueError):
@@ -665,3 +670,15 @@ def load_mxfp8_checkpoint(model: nn.Module, path_or_tensors, config=None, strict
         raise checkpoint.CheckpointFormatError(
             f"checkpoint does not match the model: missing {missing[:8]}, unexpected {result.unexpected_keys[:8]}")
     return missing, list(result.unexpected_keys)
+
+
+# --------------------------------------------------------------------------
+# experts_implementation="mok"
+# --------------------------------------------------------------------------
+
+from .hf_experts import register  # noqa: E402
+
+try:
+    register()
+except ImportError:       # transformers absent, or 4.x without the experts registry
+    logger.debug("mok_nn: no transformers experts registry here; experts_implementation='mok' not registered")
