@@ -12,7 +12,7 @@ pytest.importorskip("transformers.integrations.moe")
 from _tiny_moe_models import ARCHS, VOCAB, build  # noqa: E402
 
 from mok_nn.integrations import hf_experts, routed  # noqa: E402
-from mok_nn.integrations import huggingface as hf  # noqa: E402, F401 (registers "mok")
+import mok_nn.integrations.huggingface  # noqa: E402, F401 (registers "mok")
 from mok_nn.layer import BACKENDS as LAYER_BACKENDS  # noqa: E402
 
 BACKENDS = [b for b in LAYER_BACKENDS if b != "cuda"]
