@@ -283,11 +283,11 @@ def test_launch_error_code():
 
 def test_real_tensors():
     """Real (CPU) torch tensors: both paths reject them with the same text."""
-    spec = registry.SPECS_BY_NAME["mok_ep_copy_rows"]
+    spec = registry.SPECS_BY_NAME["mok_gather_rows"]  # src, idx, tile_expert, dst, num_ctas
     src = torch.randn(10, 24).bfloat16()
-    args = [src, torch.arange(4), torch.empty(6, 24, dtype=torch.bfloat16), torch.arange(4), 1]
+    args = [src, torch.arange(4), torch.zeros(1, dtype=torch.int32), torch.empty(4, 24, dtype=torch.bfloat16), 1]
     for how in ("launch", "launch_ctypes"):
-        with pytest.raises(ValueError, match="mok_ep_copy_rows.src: must be a CUDA tensor"):
+        with pytest.raises(ValueError, match="mok_gather_rows.src: must be a CUDA tensor"):
             getattr(make_lib(), how)(spec.name, *args, stream=0)
 
 

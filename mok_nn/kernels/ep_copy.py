@@ -1,6 +1,5 @@
 """Grid-stride row copies of the EP path (dispatch pull, combine push) and of the gathers, warp per row.
 
-CopyRowsGrid:  dst[dst_idx[i]] = src[src_idx[i]] for every i with both indices >= 0.
 PullPeers:     dst[p*Tc + t] = section p [pull_src[p, t]] for pull_src[p, t] >= 0, where
                section p starts at src_base[p] (rank p's tokens section as mapped here) and
                has dst's row stride: the pulls of every peer in one launch.
@@ -161,37 +160,6 @@ def _warp_slice(n: cutlass.Int32):
     if w < n:
         mine = (n - w + step - 1) // step
     return w, step, mine, cutlass.Int32(tidx) % 32
-
-
-class CopyRowsGrid:
-    @cute.jit
-    def __call__(
-        self,
-        src: cute.Tensor,  # (R_src, H) bf16
-        src_idx: cute.Tensor,  # (N,) int64, row of src or -1
-        dst: cute.Tensor,  # (R_dst, H) bf16
-        dst_idx: cute.Tensor,  # (N,) int64, row of dst or -1
-        num_ctas: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(src, src_idx, dst, dst_idx).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, src: cute.Tensor, src_idx: cute.Tensor, dst: cute.Tensor, dst_idx: cute.Tensor):
-        n = cute.size(src_idx, mode=[0])
-        n_vec, src_base, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
-        w, step, mine, lane = _warp_slice(n)
-        for b in range(0, mine, 32):
-            k = b + lane
-            s = cutlass.Int64(-1)
-            d = cutlass.Int64(-1)
-            if k < mine:
-                i = w + k * step
-                s = src_idx[i]
-                d = dst_idx[i]
-            ok = (s >= 0) & (d >= 0)
-            _copy_batch(src_base + s * src_stride, dst_base + d * dst_stride, ok, cutlass.min(mine - b, 32), n_vec,
-                        lane)
 
 
 class PullPeers:

@@ -760,7 +760,7 @@ class VarlenMGroupedGemm:
                 if cutlass.const_expr(self.dynamic):
                     sched = DynamicTileScheduler.create(
                         sched_params, cute.arch.block_idx(), cute.arch.grid_dim(), tile_pipe, tile_ring, row_idx,
-                        producer=True, join=cutlass.Int32(1),
+                        producer=True,
                     )
                 else:
                     sched = utils.StaticPersistentTileScheduler.create(

@@ -378,14 +378,6 @@ def _ep_copy_specs() -> tuple:
     grid = ScalarArg("num_ctas", "i32")
     tiles = TensorArg("tile_expert", "i32", (DYN,), (1,), align=4)  # the gathers skip rows of tiles < 0
     slot_row = TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1)  # the scatters' (N, k)
-    copy = KernelSpec(
-        name="mok_ep_copy_rows",  # dst[dst_idx[r]] = src[src_idx[r]], warp per row, grid-stride
-        module="ep_copy",
-        factory="CopyRowsGrid",
-        factory_kwargs=(),
-        args=(dataclasses.replace(rows, name="src"), dataclasses.replace(idx, name="src_idx"),
-              dataclasses.replace(rows, name="dst"), dataclasses.replace(idx, name="dst_idx"), grid),
-    )
     pull = KernelSpec(
         name="mok_ep_pull_peers",  # dst[p*Tc + t] = section p [pull_src[p, t]]: every peer's pull, one launch
         module="ep_copy",
@@ -429,7 +421,7 @@ def _ep_copy_specs() -> tuple:
               slot_row,
               dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
     )
-    return copy, pull, push, gather, scatter, scatter_peers
+    return pull, push, gather, scatter, scatter_peers
 
 
 def _ep_publish_spec() -> KernelSpec:
