@@ -60,13 +60,14 @@ def torchrun_group():
     return dist.group.WORLD, rank, dist.get_world_size()
 
 
-def bench_steps(shape, tokens, baseline=False):
+def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False):
     """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's routed experts (baseline: the torch
-    baseline's) on the problem of mok_nn.bench, as the benchmark times them (gradients reset first)."""
+    baseline's, EP = 1) on the problem of mok_nn.bench (this rank's part at EP = ep_size), as the benchmark
+    times them (gradients reset first)."""
     from mok_nn import bench
 
-    p = bench.make_problem(shape, tokens, "cuda")
-    fn = bench.baseline_experts if baseline else bench.mok_experts("cuda")
+    p = bench.make_problem(shape, tokens, "cuda", ep_size=ep_size, ep_rank=ep_rank)
+    fn = bench.baseline_experts if baseline else bench.mok_experts("cuda", group)
     leaves = bench._leaves(p)
     x, w, gu, dn = leaves
 
@@ -81,3 +82,9 @@ def bench_steps(shape, tokens, baseline=False):
         y.backward(p["dy"])
 
     return [("forward", fwd), ("forward+backward", fwd_bwd)]
+
+
+def ep_steps(shape, tokens):
+    """Under torchrun: an NCCL process group, and (rank, world, bench_steps at EP = world size)."""
+    group, rank, world = torchrun_group()
+    return rank, world, bench_steps(shape, tokens, group, world, rank)

@@ -7,7 +7,6 @@ random rows, indices random with -1 entries and unique destinations; every resul
 bitwise with torch indexing and with a repeat.
 """
 
-
 import pytest
 import torch
 

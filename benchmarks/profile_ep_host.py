@@ -1,6 +1,6 @@
-"""Diagnostic (not a test): the host side of the EP path on rank 0 (is it host bound, and where?).
+"""The host side of the EP path on rank 0: is it host bound, and where?
 
-    torchrun --nproc_per_node 2 tests/gpu/profile_ep_host.py [shape] [tokens]
+    torchrun --nproc_per_node 2 benchmarks/profile_ep_host.py [--shape qwen3-30b-a3b] [--tokens 8192]
 
 For mok_nn's forward (no grad) and forward+backward at EP = world size it prints: the wall
 time per step with the GPU in the loop, the time to *issue* one step (host only, the GPU
@@ -9,20 +9,24 @@ the issuing by own (tottime) time: the Python functions that cost host time. The
 host time up to the gate/up GEMM's launch (where the GPU waits for the host), with its cProfile
 table by cumulative time.
 """
+
+import argparse
 import cProfile
 import os
 import pstats
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import layer_runs  # the script's folder is on sys.path
+from steps import ep_steps  # benchmarks/ is on sys.path when run as a script
 
-shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
-tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-rank, world, steps = layer_runs.ep_steps(shape, tokens)
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--shape", default="qwen3-30b-a3b")
+ap.add_argument("--tokens", type=int, default=8192)
+args = ap.parse_args()
+shape, tokens = args.shape, args.tokens
+rank, world, steps = ep_steps(shape, tokens)
 
 
 for name, step in steps:
@@ -70,11 +74,10 @@ class _FirstGemm(Exception):
     pass
 
 
-# The forward's host time up to its first GEMM launch (whichever kernel: plain, fused gate/up +
-# activation, gathering): on an idle GPU (as the benchmark times it) the GPU waits for the host until
+# The forward's host time up to its first GEMM launch (whichever kernel: plain or fused gate/up +
+# activation): on an idle GPU (as the benchmark times it) the GPU waits for the host until
 # then. KernelLibrary.launch raises for the first mok_gemm_* kernel, so the forward stops there (on
 # every rank alike; nothing runs after this, the half-done steps' data are not used).
-from mok_nn import cuda_backend  # noqa: E402
 from mok_nn.kernels import loader  # noqa: E402
 
 fwd = dict(steps)["forward"]

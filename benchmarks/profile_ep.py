@@ -1,23 +1,27 @@
-"""Diagnostic (not a test): where the time of the EP path goes, on rank 0.
+"""Where does the time of the EP path go, on rank 0?
 
-    torchrun --nproc_per_node 2 tests/gpu/profile_ep.py [shape] [tokens]
+    torchrun --nproc_per_node 2 benchmarks/profile_ep.py [--shape qwen3-30b-a3b] [--tokens 8192]
 
 Prints, for mok_nn's forward (no grad) and forward+backward at EP = world size: the wall
 time per step, the CUDA kernel time per step, and the kernels by total time, so host
 overhead (GPU waiting for launches) and the slow kernels show separately.
 """
-import sys
+
+import argparse
 import time
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-import layer_runs  # the script's folder is on sys.path
+from steps import ep_steps  # benchmarks/ is on sys.path when run as a script
 
-shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
-tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-rank, world, steps = layer_runs.ep_steps(shape, tokens)
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("--shape", default="qwen3-30b-a3b")
+ap.add_argument("--tokens", type=int, default=8192)
+args = ap.parse_args()
+shape, tokens = args.shape, args.tokens
+rank, world, steps = ep_steps(shape, tokens)
 
 
 for name, step in steps:
