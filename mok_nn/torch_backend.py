@@ -247,16 +247,17 @@ def _add_bias(t, bias, groups, cdt):
 
 def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
                 precision="bf16"):
-    """rows [N, H] grouped by expert -> (out [N, H], gate_up [N, 2I]), both in rows.dtype."""
+    """rows [N, H] grouped by expert -> (out [N, H], gate_up [N, 2I], h [N, I]), all in rows.dtype (gate_up and h
+    are what backward needs: keeping h spares backward the activation's recomputation)."""
     cdt = compute_dtype(rows.dtype)
     q = _quantizer(precision)
     gate_up = _add_bias(groups.mm(q(rows, -1), q(gate_up_proj, -1).transpose(1, 2)), gate_up_bias, groups, cdt)
     h = activation_forward(gate_up.to(cdt), activation, swiglu_limit).to(rows.dtype)
     out = _add_bias(groups.mm(q(h, -1), q(down_proj, -1).transpose(1, 2)), down_bias, groups, cdt)
-    return out, gate_up
+    return out, gate_up, h
 
 
-def mlp_backward(rows, grad_out, row_weights, gate_up, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
+def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
                  down_bias, activation, swiglu_limit, precision="bf16") -> GroupedMLPGrads:
     """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert."""
     dt, wdt = rows.dtype, gate_up_proj.dtype
@@ -264,7 +265,6 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, groups: Groups, gate_up_p
     q, qr = _quantizer(precision), _row_quantizer(precision, groups)
     w = row_weights.to(cdt).unsqueeze(1)
     gu = gate_up.to(cdt)
-    h = activation_forward(gu, activation, swiglu_limit).to(dt)
     dh_raw = groups.mm(q(grad_out, -1), q(down_proj, -2)).to(cdt)
     dw = (dh_raw * h.to(cdt)).sum(dim=1)
     d_down_bias = None
@@ -289,6 +289,7 @@ class TorchSaved:
     schedule: Schedule
     rows: torch.Tensor  # the local expert rows, grouped by expert
     gate_up: torch.Tensor  # [N_local, 2I]
+    h: torch.Tensor | None = None  # [N_local, I] act(gate_up); None: recomputed in backward
 
 
 def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -317,10 +318,10 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
     if schedule is None:
         schedule = build_schedule(topk_ids, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], x.dtype)
     rows = _to_rows(schedule, x[schedule.order // top_k])
-    out, gate_up = mlp_forward(rows, schedule.groups, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
-                               swiglu_limit, precision)
+    out, gate_up, h = mlp_forward(rows, schedule.groups, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                                  activation, swiglu_limit, precision)
     slots = _from_rows(schedule, out).view(num_tokens, top_k, out.shape[-1])
-    return combine_slots(slots, topk_weights, x.dtype), TorchSaved(schedule, rows, gate_up)
+    return combine_slots(slots, topk_weights, x.dtype), TorchSaved(schedule, rows, gate_up, h)
 
 
 def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
@@ -331,7 +332,10 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     schedule = saved.schedule
     dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype)[schedule.order // top_k])
     w_rows = _to_rows(schedule, topk_weights.reshape(-1)[schedule.order])
-    grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, schedule.groups, gate_up_proj, down_proj,
+    h = saved.h
+    if h is None:
+        h = activation_forward(saved.gate_up.to(compute_dtype(x.dtype)), activation, swiglu_limit).to(x.dtype)
+    grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj, down_proj,
                          gate_up_bias, down_bias, activation, swiglu_limit, precision)
     dx_slots = _from_rows(schedule, grads.grad_rows).view(num_tokens, top_k, saved.rows.shape[-1])
     dx = sum_slots(dx_slots, saved.rows.dtype)
