@@ -144,7 +144,6 @@ def _hf_config(shape: str, dtype):
                                          num_experts_per_tok=top_k, norm_topk_prob=True, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=4, head_dim=8)
     config._experts_implementation = "grouped_mm"  # what from_pretrained / from_config pick by default
-    config.torch_dtype = dtype
     return config
 
 
