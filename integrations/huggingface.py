@@ -19,6 +19,11 @@ carried over) and keeps what the surrounding model code relies on:
 Supported: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, in
 transformers 5.x (fused 3-D experts) and 4.5x (ModuleList experts). Other
 blocks are left as they are, with a log line saying why.
+
+Importing this module also registers mok_nn in transformers 5.x's experts
+registry (`experts_implementation="mok"`, see hf_experts.py), the other way in:
+the model keeps its own blocks and router and only the routed experts run on
+mok_nn.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = ["patch_model", "MoKHFBlock", "SUPPORTED_BLOCKS", "PatchError",
-           "save_mxfp8_checkpoint", "load_mxfp8_checkpoint"]
+           "save_mxfp8_checkpoint", "load_mxfp8_checkpoint", "register"]
 
 
 class PatchError(ValueError):
@@ -427,7 +432,40 @@ def _ep_rank_size(ep_group) -> tuple[int, int]:
     return dist.get_rank(ep_group), dist.get_world_size(ep_group)
 
 
-def _patch_block(block: nn.Module, fam: _Family, tf_major: int, *, precision, config, ep_group, backend):
+# --------------------------------------------------------------------------
+# Router logits in the model's dtype (router_dtype)
+# --------------------------------------------------------------------------
+
+_ROUTER_CLASSES: dict[type, type] = {}
+
+
+def _router_in_dtype(router: nn.Module, dtype: torch.dtype) -> None:
+    """Make the layer's router compute its logits in `dtype` (x and W cast to it,
+    as transformers' routers do in the model's dtype), then widen them to fp32
+    for mok_nn's routing.  The instance keeps its parameters and state-dict keys."""
+    base = type(router)
+    if base not in _ROUTER_CLASSES:
+        def forward(self, x2d):
+            from mok_nn.reference import compute_dtype
+
+            dt = self.logits_dtype
+            bias = None if self.bias is None else self.bias.to(dt)
+            return nn.functional.linear(x2d.to(dt), self.weight.to(dt), bias).to(compute_dtype(x2d.dtype))
+
+        _ROUTER_CLASSES[base] = type(f"{base.__name__}InDtype", (base,), {"forward": forward, "__module__": __name__})
+    router.__class__ = _ROUTER_CLASSES[base]
+    router.logits_dtype = dtype
+
+
+def _original_router_dtype(block: nn.Module, fam: _Family) -> torch.dtype:
+    """The dtype the original block's router computes its logits in."""
+    if fam.name == "deepseek_v3":
+        return torch.float32      # DeepseekV3TopkRouter casts x and W to fp32
+    return getattr(block, fam.router_attr).weight.dtype
+
+
+def _patch_block(block: nn.Module, fam: _Family, tf_major: int, *, precision, config, ep_group, backend,
+                 router_dtype=None):
     from mok_nn import MoKMoELayer
 
     router = getattr(block, fam.router_attr)
@@ -465,6 +503,10 @@ def _patch_block(block: nn.Module, fam: _Family, tf_major: int, *, precision, co
         else:
             mod._buffers[attr] = value.detach()
     layer.train(block.training)
+    if router_dtype == "model":
+        router_dtype = _original_router_dtype(block, fam)
+    if router_dtype is not None and router_dtype != torch.float32:
+        _router_in_dtype(layer.router, router_dtype)
 
     # return value and router-logit capture of this transformers version
     v4 = tf_major < 5
@@ -491,7 +533,8 @@ def _looks_like_moe(module: nn.Module) -> bool:
 
 
 def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_group=None,
-                backend: str = "auto", targets: Iterable[str] | None = None) -> nn.Module:
+                backend: str = "auto", targets: Iterable[str] | None = None,
+                router_dtype: torch.dtype | str | None = None) -> nn.Module:
     """Replace, in place, the supported MoE blocks of a transformers model by
     MoKMoELayer-backed blocks and return the model.
 
@@ -503,10 +546,18 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
       patch; each must name at least one supported, patchable block, else
       PatchError.  None: every supported block; unsupported MoE blocks are left
       as they are and logged.
+    router_dtype: None (default): router logits in fp32 from the block's weights,
+      mok_nn's routing.  "model": logits in the dtype the original router uses
+      (the model's dtype for Mixtral, Qwen, OLMoE and GPT-OSS; fp32 for
+      DeepSeek-V3), so a bf16 model picks exactly the experts it picked before
+      patching (fp32 logits can break near ties the other way).  A torch.dtype:
+      logits in that dtype.  Scores, top-k and weights stay fp32 either way.
     Raises PatchError when nothing can be patched.
     """
     if precision not in ("bf16", "mxfp8"):
         raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
+    if not (router_dtype is None or router_dtype == "model" or isinstance(router_dtype, torch.dtype)):
+        raise ValueError(f"router_dtype must be None, 'model' or a torch.dtype, got {router_dtype!r}")
     wanted = None if targets is None else list(targets)
     if wanted is not None and not wanted:
         raise PatchError("targets is empty")
@@ -563,7 +614,7 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
     capture_ok = True
     for name, module, fam in plan:
         new = _patch_block(module, fam, tf_major, precision=precision, config=config,
-                           ep_group=ep_group, backend=backend)
+                           ep_group=ep_group, backend=backend, router_dtype=router_dtype)
         if tf_major >= 5:
             capture_ok &= _install_router_logits_hook(new.router_logits_probe)
         parent_name, _, attr = name.rpartition(".")
@@ -665,3 +716,15 @@ def load_mxfp8_checkpoint(model: nn.Module, path_or_tensors, config=None, strict
         raise checkpoint.CheckpointFormatError(
             f"checkpoint does not match the model: missing {missing[:8]}, unexpected {result.unexpected_keys[:8]}")
     return missing, list(result.unexpected_keys)
+
+
+# --------------------------------------------------------------------------
+# experts_implementation="mok"
+# --------------------------------------------------------------------------
+
+from .hf_experts import register  # noqa: E402
+
+try:
+    register()
+except ImportError:       # transformers absent, or 4.x without the experts registry
+    logger.debug("mok_nn: no transformers experts registry here; experts_implementation='mok' not registered")

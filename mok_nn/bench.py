@@ -387,9 +387,7 @@ def rel_l2(u, v):
 
 
 def _commit():
-    c = os.environ.get("MOK_COMMIT")
-    if c:
-        return c
+    """The checkout's HEAD (the --commit flag overrides it, e.g. where the tree travels without .git)."""
     try:
         here = pathlib.Path(__file__).resolve().parent  # mok_nn's checkout, not the working directory's
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
@@ -419,8 +417,8 @@ def _impls(device, backend, group, ep, shape, dtype, mxfp8):
     return impls
 
 
-def run(shapes, tokens, device, iters, warmup, check=True, group=None, backend=None, dtype="bf16", mxfp8=False,
-        layer=False):
+def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None, backend=None, dtype="bf16",
+        mxfp8=False, layer=False):
     from .distributed import group_size_and_rank
 
     ep, rank = group_size_and_rank(group)
@@ -429,7 +427,7 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, backend=N
     dt = DTYPES[dtype]
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    commit = _commit()
+    commit = commit or _commit()
     records = []
     for shape in shapes:
         hidden, inter, _, top_k = SHAPES[shape]
@@ -526,6 +524,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the problem")
     ap.add_argument("--mxfp8", action="store_true", help="with --backend torch: also precision='mxfp8'")
     ap.add_argument("--layer", action="store_true", help="with --backend torch: also the whole block")
+    ap.add_argument("--commit", default=None, help="the records' commit field (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
     on_cuda = args.device == "cuda"
     if args.shapes is None:  # the full shapes take hours on a CPU: there, only the harness is exercised
@@ -545,7 +544,7 @@ def main(argv=None):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         group = dist.group.WORLD
     records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group,
-                  backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer)
+                  commit=args.commit, backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer)
     if group is None or dist.get_rank() == 0:
         out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,41 +10,33 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from dataclasses import dataclass, fields
+
+RESERVED = {"fwd_num_comm_sms": 16, "bwd_num_comm_sms": 16, "minibatch_size": 1024}  # knob -> default
 
 
 @dataclass(frozen=True)
 class MoKConfig:
     """Tuning knobs of the fused MoE kernels.
 
-    fwd_num_comm_sms / bwd_num_comm_sms: SMs of the persistent forward /
-        backward kernels given to token dispatch and combine (expert
-        parallelism); the rest run the grouped GEMMs. 0 is allowed only
-        without expert parallelism.
-    minibatch_size: tokens per readiness unit; sets the granularity at which
-        communication and compute overlap (not read yet, see below).
-    macrobatch_size: tokens processed per kernel pass; bounds workspace memory.
-        None means all tokens in one pass. Independent of minibatch_size (which
-        is not read), so it may be smaller, e.g. MoKConfig(macrobatch_size=512).
-    schedule_capacity_multiplier: capacity of each rank's expert buffers as a
-        multiple of the balanced load (tokens * top_k / ep_size, padded); a
-        routing that overflows it is reported as an error, never truncated.
+    macrobatch_size: tokens processed per pass, forward and backward (every backend: MoKFunction runs the
+        tokens in passes of that many); bounds workspace memory. None: all tokens in one pass. y, d x and
+        d topk-weights keep their bits on the CUDA path; the expert gradients are summed over the passes in
+        the parameters' dtype. With expert parallelism, where a call needs passes every rank must pass the
+        same number of tokens (checked by one all-reduce per call). Under torch.compile one custom-op call
+        per pass, the expert gradients summed by autograd in its own order: with backend="aot_eager" the
+        eager bits for up to two passes, within rounding for more (inductor reorders the torch ops around
+        the custom ops, so there it is within rounding anyway).
+    schedule_capacity_multiplier: capacity of each rank's expert buffers as a multiple of the balanced load
+        (tokens * top_k / ep_size, padded), with expert parallelism; a routing that overflows it is reported
+        as an error, never truncated.
 
-    What is read today: macrobatch_size (every backend: MoKFunction runs the
-    tokens in passes of that many, forward and backward; y, d x and d topk-weights
-    keep their bits on the CUDA path, the expert gradients are summed over the
-    passes in the parameters' dtype; with expert parallelism, where a call needs
-    passes every rank must pass the same number of tokens, checked by one
-    all-reduce per call; under torch.compile one custom-op call per pass, the
-    expert gradients summed by autograd in its own order: with backend="aot_eager"
-    the eager bits for up to two passes, within rounding for more; inductor also
-    reorders the torch ops around the custom ops, so there it is within rounding
-    anyway), schedule_capacity_multiplier (expert parallelism)
-    and fwd_num_comm_sms (only the opt-in overlapped forward, MOK_EP_FWD=overlap;
-    docs/ep.md). The readiness unit of that forward is one 128-row GEMM tile, not
-    minibatch_size. bwd_num_comm_sms and minibatch_size are validated and kept for
-    an overlapped backward and a readiness unit other than the GEMM tile, which
-    do not exist yet: setting them changes nothing now.
+    Reserved (validated, read by no kernel yet; a value other than the default warns that it changes
+    nothing): fwd_num_comm_sms / bwd_num_comm_sms, the SMs a forward / backward that overlaps the token
+    exchange with the GEMMs would give to communication, and minibatch_size, the readiness unit of such an
+    overlap. The expert-parallel path exchanges tokens in steps of their own between the GEMMs
+    (docs/ep.md), so these knobs have nothing to set.
     """
 
     fwd_num_comm_sms: int = 16
@@ -84,6 +76,10 @@ class MoKConfig:
         if not (mult >= 1.0 and math.isfinite(mult)):  # also rejects NaN and inf
             raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be a finite number >= 1.0, got {mult}")
         object.__setattr__(self, "schedule_capacity_multiplier", mult)
+        for name, default in RESERVED.items():
+            if getattr(self, name) != default:
+                warnings.warn(f"MoKConfig.{name} is reserved: no kernel reads it yet, so {getattr(self, name)} "
+                              "changes nothing (see MoKConfig's docstring)", UserWarning, stacklevel=3)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

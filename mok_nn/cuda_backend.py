@@ -1,72 +1,33 @@
 """Routed experts on one CUDA GPU (EP = 1) with the CuTe DSL kernels.
 
-Same signatures and formulas as reference.experts_forward / experts_backward
-(see reference.py for the math). What runs where:
+Same signatures and formulas as reference.experts_forward / experts_backward (see reference.py for the
+math). One forward and backward, kernel by kernel (registry names; K is the GEMM's reduction length):
 
-  schedule        mok_schedule_mc (per-chunk counts, one scan CTA, placement over many CTAs;
-                  MOK_SCHEDULE=mc_pdl: overlapped launches, =single: the one-CTA mok_schedule,
-                  =torch: torch ops); no host sync
-  gather of x     mok_scatter_rows into the padded expert order (each x row read once, stored to its
-                  slots' rows; zero padding rows; rows past the last segment not written;
-                  MOK_GATHER_ROWS=kernel: mok_gather_rows, warp per row; =torch: index_select);
-                  in the forward launched by the schedule's host call (mok_schedule_gather,
-                  make_schedule(gather_x=); MOK_SCHEDULE_GATHER=0: its own launch)
-  gate/up GEMM    mok_gemm_bk  (CuTe DSL varlen-M grouped GEMM, TMA + wgmma); with the activation in it
-                  (MOK_GEMM_ACT, below): mok_gemm_gate_up_<act>_ppc where H <= 2048, _ef where H <= 8192
-  activation      mok_act_fwd_<act> (one pass over gate_up)
-  down GEMM       mok_gemm_bk; where I <= 1024 mok_gemm_bk_ppc (MOK_GEMM_PINGPONG, below); its cooperative
-                  mok_gemm_bk_ef with dynamic tiles (mok_gemm_bk_ef_dyn, MOK_GEMM_TILES, below)
-  combine         mok_combine_cp (top_k <= 16), mok_combine_k2 (top_k = 2), mok_combine (fixed tree over expert
-                  groups, j ascending within a group; the same tree as the EP path's per-rank partial sums:
-                  kernels/combine.py)
-  dgrad of down   mok_gemm_bn_f32_dyn (fp32 out, feeds d topk-weight and dSwiGLU; dynamic tiles, MOK_GEMM_TILES)
-  dSwiGLU, dw     mok_act_bwd_<act> (d gate_up, w*h and the per-row top-k weight gradient)
-                  Where H <= 4096 (MOK_GEMM_DACT=auto): both in one kernel, mok_gemm_dact_<act>_ppc
-                  (the dgrad GEMM with the activation backward in its epilogue, on the clustered
-                  ping-pong kernel whose epilogue runs beside the MMA; I % 256 == 0; same d gate_up
-                  and w*h bits, d topk-weight summed per 128 columns then pairwise_sum).
-                  MOK_GEMM_DACT=fused / split force one form (the cooperative fused kernel,
-                  mok_gemm_dact_<act> with MOK_GEMM_PINGPONG=0, is slower than the two kernels)
-  dgrad gate/up   mok_gemm_bn; its cooperative mok_gemm_bn_ef with dynamic tiles (mok_gemm_bn_ef_dyn, MOK_GEMM_TILES)
-  reverse combine the combine kernels (w = 1)
-  weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM over each expert's rows, on
-                  2-CTA clusters sharing B by TMA multicast; WGRAD_KERNEL); mok_gemm_wgrad_pp where
-                  experts have few rows and the output few columns (wgrad_kernel); macrobatch passes
-                  after the first add into the first one's by its twin mok_gemm_wgrad_defer_c2_acc
+  schedule + x    mok_schedule_gather: per-chunk counts, one scan CTA, placement over many CTAs (the schedule,
+                  by prefix sums: no host sync), then the x rows scattered into the padded expert order, each
+                  x row read once; one host call. mok_schedule_mc where there is nothing to gather.
+  gate/up + act   the gate/up GEMM with SwiGLU in its epilogue: mok_gemm_gate_up_swiglu_ppc (clustered
+                  ping-pong) where H <= 2048, mok_gemm_gate_up_swiglu_ef where H <= 8192. Elsewhere (larger H,
+                  gate/up biases, swiglu_oai, I % 128 != 0) the plain GEMM, then mok_act_fwd_<act>.
+  down GEMM       the plain GEMM (gemm_kernel)
+  combine         mok_combine_cp (top_k <= 16) or mok_combine: a fixed tree over expert groups, the same
+                  tree as the EP path's per-rank partial sums (kernels/combine.py)
+  dgrad of down   with the activation backward and the top-k weight gradient in its epilogue,
+  + dSwiGLU       mok_gemm_dact_<act>_ppc, where H <= 4096 and I % 256 == 0; else mok_gemm_bn_f32_dyn
+                  (fp32 out), then mok_act_bwd_<act>
+  dgrad gate/up   the plain GEMM; d x by the combine kernels with w = 1
+  weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM on 2-CTA clusters sharing B by TMA
+                  multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
+                  macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc)
 
-MOK_GEMM_TILES: the cooperative GEMMs mok_gemm_bk_ef / mok_gemm_bn_ef / mok_gemm_bn_f32 with tiles
-claimed by atomic add and the routed rows, so an all-padding consumer warp group skips its MMA
-(their _dyn twins: gemm_tiles_suffix); auto (default): all three (DYNAMIC_TILES_AUTO); static: none.
+The plain bf16 grouped GEMM has three forms (gemm_kernel): clustered ping-pong (_ppc) where K <= 1024; the
+whole output tile in shared memory with tiles claimed by atomic add (_ef_dyn, whose consumer warp groups skip
+the MMA of all-padding rows) where K <= 8192; the output tile stored in four sub-tiles (bk / bn) for longer K.
+Every form sums each output element over K in the same order, so the choice never changes the bits.
 
-Every step has a fixed reduction order, so results are bitwise reproducible.
-Set MOK_GEMM=torch to run the GEMMs through torch._grouped_mm instead of the
-CuTe kernels (weight gradients included), MOK_WGRAD=torch for the weight
-gradients only (MOK_WGRAD_KERNEL=<registry name> picks a weight-gradient variant),
-MOK_ACT=torch to run the activations with torch ops (debugging aids).
-MOK_GEMM_EPI picks the epilogue of the bf16 grouped GEMMs: "full" (the whole
-output tile staged in shared memory, stores drained during the next tile:
-mok_gemm_bk_ef / mok_gemm_bn_ef), "split" (4 sub-tile buffers: mok_gemm_bk /
-mok_gemm_bn), default "auto": full where K <= GEMM_FULL_EPI_MAX_K (measured on
-H200: short K gains up to 10%, long K loses the fourth A/B stage). Same results
-bitwise. MOK_GEMM_ACT=fused runs the forward's gate/up GEMM and activation as one kernel
-(mok_gemm_gate_up_<act>[_ppc], I % 128 == 0, no gate/up bias; bitwise equal to the two
-kernels); auto (default): where the clustered ping-pong kernel runs it (H <= 2048), and where H <= 8192
-on the cooperative kernel whose idle producer warps compute the activation (mok_gemm_gate_up_<act>_ef).
-MOK_GEMM_GATHER=1 runs the forward's gate/up GEMM on x itself: the kernel reads
-each expert row's token through the schedule (mok_gemm_bk[_ef]_gather, cp.async),
-so no permuted copy of x is made or saved for backward (the backward gathers x
-rows for the weight gradient then). MOK_GEMM_GATHER_DY=1 does the same for the
-backward's dgrad of down (mok_gemm_bn_f32_gather on d y, then mok_act_bwd: the fused
-dSwiGLU GEMM has no gather variant; the dy rows are still gathered for the weight
-gradient of down_proj). Same bits as the permuted copy (with MOK_GEMM_DACT=split);
-off by default: on H200 the forward is 1-5% slower than with the copy, but the
-activation memory is smaller (deepseek-v3, EP = 1: 0.86 vs 2.17 GB).
-MOK_GEMM_PINGPONG picks the form of the bf16 grouped GEMMs and of the fused gate/up + activation
-and dgrad + dSwiGLU kernels: "0" cooperative (both consumer warp groups on one 128 x 256 tile),
-"1" ping-pong (_pp: each consumer warp group computes whole 128 x 128 tiles, so one's epilogue
-runs beside the other's MMA), "cluster" ping-pong on 2-CTA clusters whose CTAs share A by TMA
-multicast (_ppc), "auto" (default) _ppc where K is short (PINGPONG_AUTO_MAX_K). Same K order per
-output element in every form: the same bits.
+Every step has a fixed reduction order, so results are bitwise reproducible. MOK_GEMM=torch runs every GEMM
+(weight gradients included) through torch._grouped_mm and MOK_ACT=torch the activations through torch ops:
+debugging oracles, equal to the kernels within rounding.
 """
 
 from __future__ import annotations
@@ -77,42 +38,35 @@ from dataclasses import dataclass, field
 import torch
 
 from .envvars import getenv
-from .kernels.registry import COMBINE_LEAVES, COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
+from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
-    GEMM_TILE_N, PINGPONG_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS, TILE_M, WGRAD_KERNELS, tile_n_of,
-    WGRAD_ACC_KERNELS,
+    COMBINE_LEAVES, GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS,
+    TILE_M, WGRAD_ACC_KERNELS, tile_n_of,
 )  # fmt: skip
 from .kernels import loader
-from .kernels.registry import GEMM_GATHER_KERNELS, SPECS_BY_NAME
 
-# Weight-gradient GEMM (MOK_WGRAD_KERNEL overrides): deferred epilogue on 2-CTA clusters sharing B.
-# Fastest over the three benchmark shapes on H200, all variants bitwise equal
-# (docs/benchmarks/2026-11-30_h200_ep1_v26_wgrad_cluster*.txt: 21.2 ms vs 22.4-23.3 for the others).
+# Weight-gradient GEMM: deferred epilogue on 2-CTA clusters sharing B, the fastest over the three benchmark
+# shapes on H200 (21.2 ms against 22.4-23.3 ms for the unclustered and eager-epilogue forms).
 WGRAD_KERNEL = "mok_gemm_wgrad_defer_c2"
 # Except where the experts have few rows and the output few columns (deepseek-v3's d down at EP = 1: 256 rows
 # per expert, I = 2048 columns): there the ping-pong kernel, whose epilogue runs beside the other warp group's
-# short mainloop, measured 4.12 vs 4.36 ms and 3.87 vs 4.15 (..._v70_wgrad_pp.txt, ..._v61_wgrad_pp.txt);
-# qwen3's d down (512 rows per expert) and every d gate_up are slower with it. Same bits (tests/gpu).
+# short mainloop, measured 4.12 vs 4.36 ms; qwen3's d down (512 rows per expert) and every d gate_up are
+# slower with it. Same bits.
 WGRAD_SHORT_KERNEL = "mok_gemm_wgrad_pp"
 WGRAD_SHORT_MAX_ROWS = 256  # mean routed rows per expert, at most
 WGRAD_SHORT_MAX_COLS = 2048  # output columns (b_rows' width), at most
-# Longest reduction for which the full-tile epilogue GEMM variants win on H200
-# (bench_gemm_variants: deepseek K=2048/4096/7168 and qwen3 gain, mixtral K=14336/28672 loses).
+# Longest reduction for which the whole-tile epilogue wins on H200 (deepseek-v3 and qwen3 gain; mixtral's
+# K = 14336 / 28672 lose the fourth A/B stage it costs).
 GEMM_FULL_EPI_MAX_K = 8192
-# MOK_GEMM_TILES=auto: the cooperative GEMMs that run with dynamic tiles (gemm_tiles_suffix): all three twins.
-# Ranked by sustained readings (~1 s of back-to-back calls, the GPU at its power limit as in training;
-# tests/gpu/diag_tail_skip.py --energy), deepseek-v3 on H200, static -> dynamic + skip: down 4.09-4.19 ->
-# 3.97-3.98 ms, dgrad of down 4.07-4.12 -> 4.01, dgrad of gate/up (mok_gemm_bn_ef) 7.94-8.09 -> 7.73-7.74 (v181,
-# v182); qwen3's dgrad of gate/up 0.80 -> 0.77. In the layer (v182, tests/gpu/diag_energy.py, two rounds) all
-# dynamic vs the earlier auto (mok_gemm_bn_ef static): deepseek-v3 forward+backward 38.80 / 38.85 vs 39.05 / 39.11
-# ms, qwen3 4.173 / 4.173 vs 4.192 / 4.196. Medians of 20-call bursts ranked the dgrad of gate/up the other way
-# (v175, v178): they follow the GPU's clock state more than the kernel.
-DYNAMIC_TILES_AUTO = frozenset({"mok_gemm_bk_ef", "mok_gemm_bn_ef", "mok_gemm_bn_f32"})
-# MOK_SCHEDULE -> schedule kernel ("torch": make_schedule_torch); "" is the default
-SCHEDULE_KERNELS = {"": "mok_schedule_mc", "mc": "mok_schedule_mc", "mc_pdl": "mok_schedule_mc_pdl",
-                    "single": "mok_schedule"}
+# The clustered ping-pong kernels (_ppc) run where K is at most this, per GEMM kind, else the cooperative
+# ones. Measured on H200 call by call: dgrad of down + dSwiGLU fused, K = H: qwen3 (2048) 0.50 vs 0.62 ms
+# for the two kernels, mixtral (4096) 3.45 vs 4.11, deepseek-v3 (7168) 4.59 vs 4.50; gate/up + SwiGLU
+# fused: qwen3 0.70 vs 0.75, deepseek-v3 11.5 vs 8.2; plain GEMMs: qwen3 down (K 768) 0.385 vs 0.409,
+# every K >= 1536 equal or slower.
+PINGPONG_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
+FUSED_ACT_ACTIVATIONS = ("swiglu",)  # the gate/up GEMMs with an activation epilogue (registry)
 
 
 @dataclass
@@ -147,13 +101,13 @@ class Schedule:
         return self.padded_rows
 
     def seg_rows_for(self, kernel: str) -> torch.Tensor:
-        """[E] int32 seg_rows for grouped GEMM `kernel`: the real rows for the ping-pong kernels (_pp, _ppc)
-        where MOK_GEMM_HALF_TILES is on (half_tiles: a tile whose rows past the first 64 are all padding
-        runs one 64-row MMA block) and for the kernels with dynamic tiles (_dyn: all-padding consumer warp groups skip
-        their MMA, gemm_tiles_suffix), else the padded sizes (gemm_seg_rows). Same bits either way in every row
-        that is read (the real rows; padding rows too where A's padding rows are zero, i.e. unless a gate/up
-        bias made h's padding rows act(bias): the down GEMM's padding rows, which nothing reads, then differ)."""
-        if (half_tiles() and kernel.endswith(("_pp", "_ppc"))) or kernel.endswith("_dyn"):
+        """[E] int32 seg_rows for grouped GEMM `kernel`: the real rows for the clustered ping-pong kernels (_ppc:
+        a tile whose rows past the first 64 are all padding runs one 64-row MMA block) and the dynamic-tile
+        ones (_dyn: an all-padding consumer warp group skips its MMA), else the padded sizes (gemm_seg_rows).
+        Same bits either way in every row that is read (the real rows; padding rows too where A's padding
+        rows are zero, i.e. unless a gate/up bias made h's padding rows act(bias): the down GEMM's padding
+        rows, which nothing reads, then differ)."""
+        if kernel.endswith(("_ppc", "_dyn")):
             return self.seg_rows
         return self.gemm_seg_rows()
 
@@ -215,43 +169,34 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
                   gather_x: torch.Tensor | None = None) -> Schedule:
     """Count -> pad -> prefix sum on the device, no host sync.
 
-    On CUDA: mok_schedule_mc (multi-CTA); MOK_SCHEDULE=mc_pdl: the same with
-    overlapping launches, =single: the one-CTA mok_schedule. All equal
-    make_schedule_torch exactly. MOK_SCHEDULE=torch, CPU tensors or more than
-    SCHEDULE_MAX_EXPERTS experts: make_schedule_torch. capacity: rows of the
-    schedule (default the worst case, schedule_capacity; more only adds padding rows).
-    gather_x [T, H]: also gather x in schedule order from the same host call where the default kernels run
-    (mok_schedule_gather: mok_schedule_mc + mok_scatter_rows); the schedule holds the rows until
-    take_gathered(x) takes them. Elsewhere nothing is gathered (take_gathered gives None).
+    On CUDA with at most SCHEDULE_MAX_EXPERTS experts: mok_schedule_mc (three launches: per-chunk counts,
+    one scan CTA, placement over many CTAs); elsewhere make_schedule_torch, which gives the same schedule.
+    capacity: rows of the schedule (default the worst case, schedule_capacity; more only adds padding rows).
+    gather_x [T, H]: also gather x in schedule order from the same host call (mok_schedule_gather:
+    mok_schedule_mc + mok_scatter_rows); the schedule holds the rows until take_gathered(x) takes them.
+    Elsewhere nothing is gathered (take_gathered gives None).
     """
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
     cap = _checked_capacity(num_tokens, top_k, num_experts, capacity)
-    mode = getenv("MOK_SCHEDULE", "")
-    if mode != "torch" and mode not in SCHEDULE_KERNELS:
-        raise ValueError(f"MOK_SCHEDULE={mode!r}: expected one of {sorted(SCHEDULE_KERNELS) + ['torch']}")
-    if topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS and mode != "torch":
-        n = num_tokens * top_k
-        name = SCHEDULE_KERNELS[mode]
-        chunk, chunks = schedule_chunk(n)
-        pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, scratch = _schedule_buffers(
-            n, cap, num_experts, 0 if name == "mok_schedule" else chunks * num_experts, dev)
-        ids = topk_ids.reshape(-1).contiguous()
-        outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows)
-        sched = Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
-                         padded_rows=padded_rows)
-        if name == "mok_schedule":
-            _lib().launch(name, *outs, top_k, stream=_stream())
-            return sched
-        if gather_x is not None and name == "mok_schedule_mc" and _gathers_with_schedule(gather_x, sched.pos):
-            x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
-            _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
-                          _scatter_rows_grid(num_tokens, cap, num_sms(dev)), stream=_stream())
-            sched.gathered = (gather_x, x_rows)
-        else:
-            _lib().launch(name, *outs, scratch, top_k, chunk, stream=_stream())
-        return sched
-    return make_schedule_torch(topk_ids, num_experts, cap)
+    if not (topk_ids.is_cuda and num_experts <= SCHEDULE_MAX_EXPERTS):
+        return make_schedule_torch(topk_ids, num_experts, cap)
+    n = num_tokens * top_k
+    chunk, chunks = schedule_chunk(n)
+    pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, scratch = _schedule_buffers(
+        n, cap, num_experts, chunks * num_experts, dev)
+    ids = topk_ids.reshape(-1).contiguous()
+    outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows)
+    sched = Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
+                     padded_rows=padded_rows)
+    if gather_x is not None and _gathers_with_schedule(gather_x, sched.pos):
+        x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
+        _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
+                      _scatter_rows_grid(num_tokens, cap, num_sms(dev)), stream=_stream())
+        sched.gathered = (gather_x, x_rows)
+    else:
+        _lib().launch("mok_schedule_mc", *outs, scratch, top_k, chunk, stream=_stream())
+    return sched
 
 
 def _schedule_buffers(num_slots: int, capacity: int, num_experts: int, scratch: int, device) -> tuple:
@@ -267,10 +212,8 @@ def _schedule_buffers(num_slots: int, capacity: int, num_experts: int, scratch: 
 
 def _gathers_with_schedule(x: torch.Tensor, pos: torch.Tensor) -> bool:
     """Whether make_schedule can gather x in the schedule's call: x holds the schedule's tokens (pos [T, k])
-    and take_rows would run mok_scatter_rows on them (_gather_rows_kernel).
-    MOK_SCHEDULE_GATHER=0: never (the gather gets its own launch, as before; the same bits)."""
-    return (env_choice("MOK_SCHEDULE_GATHER", ("1", "0"), "1") == "1" and x.dim() == 2 and x.shape[0] == pos.shape[0] > 0
-            and _gather_rows_kernel(x, pos) == "mok_scatter_rows")
+    and take_rows would run mok_scatter_rows on them (_gather_rows_kernel)."""
+    return x.dim() == 2 and x.shape[0] == pos.shape[0] > 0 and _gather_rows_kernel(x, pos) == "mok_scatter_rows"
 
 
 def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
@@ -313,33 +256,13 @@ def row_weights(sched: Schedule, topk_weights: torch.Tensor) -> torch.Tensor:
 
 
 def _use_torch_gemm() -> bool:
+    """MOK_GEMM=torch: every GEMM, weight gradients included, by torch._grouped_mm (a debugging oracle)."""
     return env_choice("MOK_GEMM", ("kernel", "torch"), "kernel") == "torch"
 
 
-def _use_torch_wgrad() -> bool:
-    return _use_torch_gemm() or env_choice("MOK_WGRAD", ("kernel", "torch"), "kernel") == "torch"
-
-
 def _use_torch_act() -> bool:
+    """MOK_ACT=torch: the activation and its backward by torch ops (a debugging oracle)."""
     return env_choice("MOK_ACT", ("kernel", "torch"), "kernel") == "torch"
-
-
-PINGPONG_MODES = ("auto", "0", "1", "cluster")  # MOK_GEMM_PINGPONG; the first is the default
-# auto: the clustered ping-pong kernel (_ppc) where the reduction length K is at most this, per GEMM
-# kind, else the cooperative one. Measured on H200 call by call (docs/kernels.md, "..._v55"):
-# dgrad of down + dSwiGLU fused, K = H: qwen3 (2048) 0.50 vs 0.62 ms for the two kernels, mixtral
-# (4096) 3.45 vs 4.11, deepseek-v3 (7168) 4.59 vs 4.50; gate/up + SwiGLU fused, K = H: qwen3 0.70 vs
-# 0.75, mixtral 6.71 vs 6.75 (equal), deepseek-v3 11.5 vs 8.2; plain GEMMs: qwen3 down (K 768) 0.385
-# vs 0.409, every K >= 1536 equal or slower.
-PINGPONG_AUTO_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
-
-
-def half_tiles() -> bool:
-    """MOK_GEMM_HALF_TILES ("1", the default, or "0"): the ping-pong GEMMs (a warp group computes a whole
-    128-row tile as two 64-row MMA blocks) skip the second block of a tile whose rows past the first 64
-    are all padding (the last tile of an expert with at most 64 rows in it). Same bits in the rows that are
-    read: the skipped block's accumulators keep the zeros that zero padding rows of A give (Schedule.seg_rows_for)."""
-    return env_choice("MOK_GEMM_HALF_TILES", ("1", "0"), "1") == "1"
 
 
 def env_choice(var: str, choices: tuple, default: str) -> str:
@@ -351,43 +274,10 @@ def env_choice(var: str, choices: tuple, default: str) -> str:
     return mode or default
 
 
-def pingpong_suffix(kind: str, k: int) -> str:
-    """Suffix of the grouped GEMM variant for a GEMM of this kind ("gemm": plain bf16, "act": gate/up +
-    activation, "dact": dgrad of down + activation backward) and reduction length k, by
-    MOK_GEMM_PINGPONG: "" (cooperative), "_pp" (ping-pong), "_ppc" (ping-pong on 2-CTA clusters
-    sharing A). "auto" (default): _ppc where k <= PINGPONG_AUTO_MAX_K[kind]; "0", "1", "cluster": one
-    form everywhere."""
-    mode = env_choice("MOK_GEMM_PINGPONG", PINGPONG_MODES, PINGPONG_MODES[0])
-    if mode == "auto":
-        return "_ppc" if k <= PINGPONG_AUTO_MAX_K[kind] else ""
-    return {"0": "", "1": "_pp", "cluster": "_ppc"}[mode]
-
-
-def _fused_kernel(base: str, kind: str, k: int, tiles: int) -> str:
-    """Registry name of a fused-epilogue GEMM: base + pingpong_suffix. The clustered kernels (_ppc) pair
-    column tiles, and their epilogues write gate / up blocks by column: a last, unpaired tile would
-    write into other columns, so with an odd count of column tiles the unclustered _pp kernel runs
-    (I % 128 == 0 / I % 256 == 0, which fused_act_supported / fused_dact_supported require, keep it even)."""
-    suffix = pingpong_suffix(kind, k)
-    if suffix == "_ppc" and tiles % 2:
-        suffix = "_pp"
-    return base + suffix
-
-
-def _fused_mode(var: str, kind: str, k: int) -> bool:
-    """MOK_GEMM_ACT / MOK_GEMM_DACT: "fused", "split", or "auto" (default): fused where the ping-pong
-    kernels run it (pingpong_suffix), and the gate/up + activation also where the cooperative kernel keeps
-    its whole tile in smem (_full_epilogue: mok_gemm_gate_up_<act>_ef, whose helper warps hide the
-    activation). The other cooperative fused kernels are slower than the two kernels."""
-    mode = env_choice(var, ("auto", "fused", "split"), "auto")
-    if mode == "auto":
-        return pingpong_suffix(kind, k) != "" or (kind == "act" and _full_epilogue(k))
-    return mode == "fused"
-
-
-
-def _use_gather(var: str = "MOK_GEMM_GATHER") -> bool:
-    return env_choice(var, ("0", "1"), "0") == "1" and not _use_torch_gemm()
+def pingpong(kind: str, k: int) -> bool:
+    """Whether a GEMM of this kind ("gemm": plain bf16, "act": gate/up + activation, "dact": dgrad of down +
+    activation backward) and reduction length k runs on the clustered ping-pong kernel (_ppc)."""
+    return k <= PINGPONG_MAX_K[kind]
 
 
 def _lib():
@@ -407,13 +297,10 @@ def _stream() -> int:
     return _raw_stream(_get_device())
 
 
-# MOK_GATHER_ROWS (first: the default). mok_gather_rows ("kernel") measured faster than index_select call by
-# call on H200 (docs/benchmarks/..._v65_gather_rows.txt) and in the qwen3 layer (..._v66_gatherrows_modes);
-# mok_scatter_rows faster than it (..._v89_gather_rows_276e9aa.txt, the layer's rows, 8 CTAs per SM: qwen3
-# 0.099 vs 0.126 ms at EP = 1, deepseek-v3 0.379 vs 0.519; EP = 2, whose source does not fit in L2, 0.107 vs
-# ~0.12 and 0.375 vs 0.495; mixtral 0.070 vs 0.071) and in the EP = 2 layer forward (..._v89_scatter_modes).
-GATHER_ROWS_MODES = ("scatter", "kernel", "torch")
-GATHER_CTAS_PER_SM = 8  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM (8 <= 4 in v89)
+# Row gathers into schedule order: mok_scatter_rows (warp per source row, read once and stored to each of its
+# rows) measured faster than mok_gather_rows (warp per destination row) on H200, qwen3 0.099 vs 0.126 ms,
+# deepseek-v3 0.379 vs 0.519, and both faster than index_select.
+GATHER_CTAS_PER_SM = 8  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM
 
 
 def gather_rows(x: torch.Tensor, sched: Schedule, skip_tail: bool = False) -> torch.Tensor:
@@ -433,11 +320,11 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
     weight gradients read (both stop at the last segment): at EP > 1 with the default capacity these
     are about half the rows, zero-filled for nothing otherwise. The torch path writes them anyway.
 
-    MOK_GATHER_ROWS: 'scatter' (default on CUDA: mok_scatter_rows, warp per src row, read once and stored
-    to each of its rows, then the zero rows; needs slots [N, k], the row of each slot (u, j) of src row u,
-    as Schedule.pos / EPSchedule.token_slots give it; without them, or k > 32, the gather kernel), 'kernel'
-    (mok_gather_rows: warp per dst row) or 'torch' (index_select, after a cat of a zero row unless
-    has_zero_row; also on CPU). Same bits in every written row."""
+    On CUDA: mok_scatter_rows (warp per src row, read once and stored to each of its rows, then the zero
+    rows) where slots [N, k], the row of each slot (u, j) of src row u, are given (as Schedule.pos /
+    EPSchedule.token_slots give it) and k <= 32; else mok_gather_rows (warp per dst row). Elsewhere (CPU,
+    rows that are not 16-byte vectors) index_select, after a cat of a zero row unless has_zero_row.
+    Same bits in every written row."""
     name = _gather_rows_kernel(src, slots)
     if name is not None:
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
@@ -457,13 +344,11 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
 
 
 def _gather_rows_kernel(src: torch.Tensor, slots: torch.Tensor | None) -> str | None:
-    """The kernel take_rows runs on src (MOK_GATHER_ROWS): mok_scatter_rows where slots [N, k] are given,
-    k <= 32 and N <= src rows, else mok_gather_rows; None where index_select runs (=torch, CPU, or rows
-    that are not 16-byte vectors)."""
-    mode = env_choice("MOK_GATHER_ROWS", GATHER_ROWS_MODES, GATHER_ROWS_MODES[0])
-    if not (src.is_cuda and mode != "torch" and rows_of_16_byte_vectors(src)):
+    """The kernel take_rows runs on src: mok_scatter_rows where slots [N, k] are given, k <= 32 and N <= src
+    rows, else mok_gather_rows; None where index_select runs (CPU, or rows that are not 16-byte vectors)."""
+    if not (src.is_cuda and rows_of_16_byte_vectors(src)):
         return None
-    if mode == "scatter" and slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
+    if slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
         return "mok_scatter_rows"
     return "mok_gather_rows"
 
@@ -510,8 +395,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
         b = w.permute(2, 1, 0)
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
-    name = gemm_kernel(transpose_w, out_dtype, k=a.shape[1])
-    launch_gemm(name + gemm_tiles_suffix(name), a, b, out, sched)
+    launch_gemm(gemm_kernel(transpose_w, out_dtype, k=a.shape[1]), a, b, out, sched)
     return out
 
 
@@ -532,30 +416,11 @@ def grouped_gemm_push(a: torch.Tensor, w: torch.Tensor, sched: Schedule, dst_bas
                   dst_base, row_rank, row_slot, stream=_stream())
 
 
-def grouped_gemm_gather(x: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
-    """grouped_gemm(gather_rows(x, sched), w, sched, ...) without the permuted copy: the kernel
-    (mok_gemm_*_gather) reads row r of A as x[sched.row_token[r]], zero-filled where that is T (padding)."""
-    if _use_torch_gemm() or x.shape[0] == 0:
-        return grouped_gemm(gather_rows(x, sched), w, sched, transpose_w, out_dtype)
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # a view at an odd offset: the kernel's 16-byte copies need an aligned base
-        x = x.clone()
-    n = w.shape[2] if transpose_w else w.shape[1]
-    out = torch.empty(sched.capacity, n, dtype=out_dtype, device=x.device)
-    b = w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0)  # as grouped_gemm
-    name = gemm_kernel(transpose_w, out_dtype, k=x.shape[1], pingpong=False) + "_gather"
-    if name not in GEMM_GATHER_KERNELS:
-        raise ValueError(f"no gather variant {name} (have {GEMM_GATHER_KERNELS})")
-    _lib().launch(
-        name, x.unsqueeze(-1), sched.row_token, b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
-        sched.gemm_seg_rows(), gemm_group_m(n), stream=_stream(),
-    )  # fmt: skip
-    return out
-
-
 def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
-    """Whether gate_up_act runs these (the SwiGLU-epilogue GEMM): I a multiple of its 128-column halves."""
-    return inter % (GEMM_TILE_N // 2) == 0 and activation in SUPPORTED_ACTIVATIONS and not has_bias
+    """Whether gate_up_act runs these (the SwiGLU-epilogue GEMM): I a multiple of its 128-column halves, an
+    activation it has (FUSED_ACT_ACTIVATIONS), no gate/up bias. The clustered kernel pairs column tiles of
+    64 gate + 64 up columns, so I % 128 == 0 also keeps their count even."""
+    return inter % (GEMM_TILE_N // 2) == 0 and activation in FUSED_ACT_ACTIVATIONS and not has_bias
 
 
 def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: str, swiglu_limit):
@@ -566,10 +431,7 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    base = f"mok_gemm_gate_up_{activation}"
-    name = _fused_kernel(base, "act", a.shape[1], two_i // 2 // (PINGPONG_TILE_N // 2))
-    if name == base and _full_epilogue(a.shape[1]):  # the cooperative kernel: whole tile in smem (_ef)
-        name += "_ef"
+    name = f"mok_gemm_gate_up_{activation}" + ("_ppc" if pingpong("act", a.shape[1]) else "_ef")
     group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
@@ -579,33 +441,16 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
     return gate_up, h
 
 
-def gemm_kernel(
-    transpose_w: bool, out_dtype=torch.bfloat16, epi: str | None = None, k: int = 0, pingpong: bool = True,
-) -> str:
-    """Registry name of the grouped GEMM variant; epi "split", "full" or "auto" (MOK_GEMM_EPI).
-
-    auto: full where the reduction length k is at most GEMM_FULL_EPI_MAX_K. pingpong: the ping-pong form of
-    a bf16 output where MOK_GEMM_PINGPONG picks one (pingpong_suffix), whatever epi says (it keeps the
-    tile whole); False: always a cooperative kernel (callers that append a hook or gather suffix).
-    """
+def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, k: int = 0) -> str:
+    """Registry name of the plain grouped GEMM for reduction length k: fp32 output mok_gemm_bn_f32_dyn (an
+    fp32 tile does not fit smem whole); bf16 the clustered ping-pong kernel (_ppc) where k is short, the
+    whole-tile epilogue with dynamic tiles (_ef_dyn) where k <= GEMM_FULL_EPI_MAX_K, else the split epilogue."""
     if out_dtype == torch.float32:
-        return "mok_gemm_bn_f32"  # an fp32 output tile does not fit smem whole: split only
-    suffix = pingpong_suffix("gemm", k) if pingpong else ""
-    if suffix:
-        return ("mok_gemm_bn" if transpose_w else "mok_gemm_bk") + suffix
+        return "mok_gemm_bn_f32_dyn"
     name = "mok_gemm_bn" if transpose_w else "mok_gemm_bk"
-    return name + "_ef" if _full_epilogue(k, epi) else name
-
-
-def _full_epilogue(k: int, epi: str | None = None) -> bool:
-    """Whether a cooperative bf16 GEMM of reduction length k keeps its whole output tile in smem (the _ef
-    kernels): epi, else MOK_GEMM_EPI, "split", "full" or "auto" (full where k <= GEMM_FULL_EPI_MAX_K)."""
-    epi = epi or getenv("MOK_GEMM_EPI", "auto")
-    if epi not in ("split", "full", "auto"):
-        raise ValueError(f"MOK_GEMM_EPI={epi!r}: expected split, full or auto")
-    if epi == "auto":
-        return k <= GEMM_FULL_EPI_MAX_K
-    return epi == "full"
+    if pingpong("gemm", k):
+        return name + "_ppc"
+    return name + "_ef_dyn" if k <= GEMM_FULL_EPI_MAX_K else name
 
 
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
@@ -618,23 +463,6 @@ def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
     )  # fmt: skip
 
 
-TILES_MODES = ("auto", "static", "dynamic")  # MOK_GEMM_TILES; the first is the default
-
-
-def gemm_tiles_suffix(name: str) -> str:
-    """"_dyn" where grouped GEMM variant `name` should run with dynamic tiles, else "", by MOK_GEMM_TILES:
-    "static" (tile t on CTA t mod grid, padded seg_rows: every warp group runs its MMA), "dynamic" (the
-    _dyn twin where the registry has one, i.e. mok_gemm_bk_ef, mok_gemm_bn_ef, mok_gemm_bn_f32: each CTA
-    claims its next tile by atomic add, and a consumer warp group whose 64 rows are all padding skips its
-    MMA, Schedule.seg_rows_for), "auto" (default): DYNAMIC_TILES_AUTO. Same bits in every row that is read."""
-    mode = env_choice("MOK_GEMM_TILES", TILES_MODES, TILES_MODES[0])
-    if (name + "_dyn") not in SPECS_BY_NAME:
-        return ""
-    if mode == "dynamic" or (mode == "auto" and name in DYNAMIC_TILES_AUTO):
-        return "_dyn"
-    return ""
-
-
 def band_rule(n: int, tile_n: int = GEMM_TILE_N) -> int:
     """Row tiles per raster band of a GEMM with n output columns. Measured on H200: column
     tiles fastest (1) unless the columns span more than 32 tiles (mixtral's gate/up: bands of 8)."""
@@ -642,17 +470,13 @@ def band_rule(n: int, tile_n: int = GEMM_TILE_N) -> int:
 
 
 def gemm_group_m(n: int, tile_n: int = GEMM_TILE_N) -> int:
-    """The varlen-M grouped GEMMs' raster (their group_m argument) for n output columns, by MOK_GEMM_RASTER:
-    "expert" 0, one band per expert with its row tiles fastest, so the tiles sharing a B column stripe run
-    in the same wave of CTAs (grouped_gemm._tile_coord_one); "bands" band_rule's bands (column tiles
-    fastest, or bands of 8 row tiles); "auto" (default) expert bands where band_rule would run column tiles
-    fastest, else its bands of 8. Measured on H200 (v169): deepseek-v3's gate/up, down and dgrad of gate/up
-    3-5% faster call by call, its forward ~2% faster in the layer; qwen3 equal; the same bits."""
-    mode = env_choice("MOK_GEMM_RASTER", ("auto", "expert", "bands"), "auto")
+    """The varlen-M grouped GEMMs' raster (their group_m argument) for n output columns: 0 (one band per
+    expert with its row tiles fastest, so the tiles sharing a B column stripe run in the same wave of CTAs:
+    grouped_gemm._tile_coord_one) where band_rule would run column tiles fastest, else its bands of 8 row
+    tiles. Measured on H200: deepseek-v3's gate/up, down and dgrad of gate/up 3-5% faster than column tiles
+    fastest; qwen3 equal; the same bits."""
     bands = band_rule(n, tile_n)
-    if mode == "expert" or (mode == "auto" and bands == 1):
-        return 0
-    return bands
+    return 0 if bands == 1 else bands
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -672,13 +496,11 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
     no second gradient buffer), else computed apart and added (bf16 round of the sum either way).
     """
-    name = getenv("MOK_WGRAD_KERNEL") or wgrad_kernel(sched, b_rows.shape[1], into is not None)
-    if name not in WGRAD_KERNELS:  # (checked first: also where MOK_WGRAD=torch or an accumulation ignores it)
-        raise ValueError(f"MOK_WGRAD_KERNEL={name!r} is not a weight-gradient kernel; one of {WGRAD_KERNELS}")
+    name = wgrad_kernel(sched, b_rows.shape[1], into is not None)
     acc_name = WGRAD_ACC_KERNELS.get(name)
-    if into is not None and (_use_torch_wgrad() or acc_name is None or not _accumulates_in_place(into)):
+    if into is not None and (_use_torch_gemm() or acc_name is None or not _accumulates_in_place(into)):
         return into.add_(weight_grad(a_rows, b_rows, sched, counts).to(into.dtype))
-    if _use_torch_wgrad():
+    if _use_torch_gemm():
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
     if into is None:
@@ -709,12 +531,8 @@ def _accumulates_in_place(t: torch.Tensor) -> bool:
 
 def wgrad_group_m(name: str, nb: int) -> int:
     """Row tiles (row-tile pairs in the clustered kernels) per raster band of weight-gradient kernel `name`
-    with nb output columns: MOK_WGRAD_GROUP_M, else 8 where the columns span more than 32 tiles, else 1
-    (column tiles fastest)."""
-    forced = getenv("MOK_WGRAD_GROUP_M", "")
-    if forced and not (forced.isdigit() and int(forced) > 0):
-        raise ValueError(f"MOK_WGRAD_GROUP_M={forced!r}: expected a positive integer")
-    return int(forced) if forced else band_rule(nb, tile_n_of(name))
+    with nb output columns: 8 where the columns span more than 32 tiles, else 1 (column tiles fastest)."""
+    return band_rule(nb, tile_n_of(name))
 
 
 MAX_TOP_K = 32  # the combine kernels hold slot j's row index, leaf and weight in lane j of a warp
@@ -738,14 +556,10 @@ def combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ids: t
         raise ValueError("combine kernel takes bf16 rows and output with hidden % 8 == 0")
     if pos.shape[1] > MAX_TOP_K:
         raise ValueError(f"combine kernel takes at most {MAX_TOP_K} slots per token, not {pos.shape[1]}")
-    # The same bits from each (kernels/combine.py); call by call on H200 (docs/kernels.md, v148-v149): top-2
-    # (mixtral) 0.091 ms with the kernel compiled for two slots, 0.102 staged, 0.117 plain; top-8 staged
-    # qwen3 0.097 vs 0.104, deepseek-v3 0.288 vs 0.308.
-    # MOK_COMBINE=plain: mok_combine everywhere (the kernel before the fourteenth session; for side-by-side runs)
-    k = pos.shape[1]
-    name = "mok_combine_k2" if k == 2 else "mok_combine_cp" if k <= COMBINE_STAGED_ENTRIES else "mok_combine"
-    if env_choice("MOK_COMBINE", ("auto", "plain"), "auto") == "plain":
-        name = "mok_combine"
+    # The same bits from each (kernels/combine.py). The staged kernel (its slots' rows loaded into shared
+    # memory by cp.async) is faster on H200: top-8 qwen3 0.097 vs 0.104 ms, deepseek-v3 0.288 vs 0.308,
+    # top-2 mixtral 0.102 vs 0.117.
+    name = "mok_combine_cp" if pos.shape[1] <= COMBINE_STAGED_ENTRIES else "mok_combine"
     _lib().launch(name, rows, pos.contiguous(), w, ids.contiguous(), out, experts_per_leaf(num_experts),
                   stream=_stream())
     return out
@@ -831,19 +645,19 @@ def fused_dact_supported(inter: int, activation: str) -> bool:
     return inter % GEMM_TILE_N == 0 and activation in SUPPORTED_ACTIVATIONS
 
 
-def _use_fused(var: str, kind: str, hidden: int, supported: bool) -> bool:
-    """A fused-epilogue kernel runs: chosen by var (_fused_mode, checked first so that a bad value always
-    raises), the CuTe GEMM and act kernels in use (not MOK_GEMM / MOK_ACT=torch), the shapes supported."""
-    return _fused_mode(var, kind, hidden) and not _use_torch_gemm() and not _use_torch_act() and supported
-
-
 def _use_fused_dact(inter: int, activation: str, hidden: int) -> bool:
-    return _use_fused("MOK_GEMM_DACT", "dact", hidden, fused_dact_supported(inter, activation))
+    """Whether the dgrad of down runs with the activation backward in its epilogue (dgrad_act): on the
+    clustered ping-pong kernel, where it is faster than the two kernels (pingpong("dact", H))."""
+    return (pingpong("dact", hidden) and fused_dact_supported(inter, activation) and not _use_torch_gemm()
+            and not _use_torch_act())
 
 
 def use_fused_act(inter: int, activation: str, has_bias: bool, hidden: int) -> bool:
-    """Whether the forward runs gate_up_act (MOK_GEMM_ACT; the gate/up GEMM with the activation in its epilogue)."""
-    return _use_fused("MOK_GEMM_ACT", "act", hidden, fused_act_supported(inter, activation, has_bias))
+    """Whether the forward runs gate_up_act (the gate/up GEMM with the activation in its epilogue): where the
+    clustered ping-pong kernel runs it, or the cooperative kernel with the whole tile in smem, whose idle
+    producer warps hide the activation (H <= GEMM_FULL_EPI_MAX_K)."""
+    return (hidden <= GEMM_FULL_EPI_MAX_K and fused_act_supported(inter, activation, has_bias)
+            and not _use_torch_gemm() and not _use_torch_act())
 
 
 def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
@@ -857,10 +671,9 @@ def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
 
 
 def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
-    """act_backward(gate_up, dy_rows @ W2[e], ...) in one kernel (mok_gemm_dact_<act>): the dgrad of down
+    """act_backward(gate_up, dy_rows @ W2[e], ...) in one kernel (mok_gemm_dact_<act>_ppc): the dgrad of down
     with the activation backward in its epilogue, so dh never goes to memory. d gate_up and w*h are
-    bitwise what the two kernels give; dw sums per 256-column tile (ping-pong: 128) in the kernel, then
-    pairwise_sum."""
+    bitwise what the two kernels give; dw sums per 128-column tile in the kernel, then pairwise_sum."""
     m, two_i = gate_up.shape
     inter = two_i // 2
     if not fused_dact_supported(inter, activation):
@@ -868,7 +681,7 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
                          f"{activation!r}")
     dgu = torch.empty_like(gate_up)
     wh = gate_up.new_empty(m, inter)
-    name = _fused_kernel(f"mok_gemm_dact_{activation}", "dact", dy_rows.shape[1], inter // PINGPONG_TILE_N)
+    name = f"mok_gemm_dact_{activation}_ppc"
     tile_n = tile_n_of(name)
     parts = torch.empty(inter // tile_n, m, dtype=torch.float32, device=gate_up.device)
     if m == 0:
@@ -884,8 +697,8 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
 
 
 def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
-    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: mok_gemm_bn_f32 +
-    act_backward, or with MOK_GEMM_DACT=fused dgrad_act where it runs these."""
+    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
+    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward."""
     if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]):
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
@@ -933,8 +746,7 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     sched: Schedule
-    x_rows: torch.Tensor | None  # [M_cap, H] x in schedule order (zero padding rows), for the weight
-    # gradient; None where the forward gathered inside the GEMM (MOK_GEMM_GATHER=1): backward gathers then
+    x_rows: torch.Tensor  # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
 
 
@@ -948,20 +760,14 @@ def experts_forward(
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
-    gather = _use_gather()
-    fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1])
-    # The SwiGLU-epilogue GEMM has no gather variant: it gets the permuted copy (not saved with gather).
-    # (x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten)
+    # x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten
     x_rows = sched.take_gathered(x)  # gathered by the schedule's call (build_schedule), or None
-    if x_rows is None and not (gather and not fused):
+    if x_rows is None:
         x_rows = gather_rows(x.contiguous(), sched, skip_tail=True)
-    if fused:
+    if use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1]):
         gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
     else:
-        if gather:
-            gate_up = grouped_gemm_gather(x, gate_up_proj, sched, transpose_w=False)
-        else:
-            gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
         if gate_up_bias is not None:
             gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
         h = act_forward(gate_up, sched, activation, swiglu_limit)
@@ -969,7 +775,7 @@ def experts_forward(
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
     y = combine(out_rows, sched.pos, topk_weights, topk_ids, gate_up_proj.shape[0], x.dtype)
-    return y, CudaSaved(sched, None if gather else x_rows, gate_up)
+    return y, CudaSaved(sched, x_rows, gate_up)
 
 
 def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -986,19 +792,11 @@ def experts_backward(
     sched, gate_up = saved.sched, saved.gate_up
     num_tokens, top_k = topk_ids.shape
     gy = grad_y.to(x.dtype).contiguous()
-    gather_dy = _use_gather("MOK_GEMM_GATHER_DY")
-    # with gather_dy, the dy rows are gathered only where they are needed (less memory alive at once)
     # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows
-    dy_skip = down_bias is None
-    dy_rows = None if gather_dy else gather_rows(gy, sched, skip_tail=dy_skip)
+    dy_rows = gather_rows(gy, sched, skip_tail=down_bias is None)
     w_rows = row_weights(sched, topk_weights)
-    if gather_dy:  # (the fused dSwiGLU GEMM has no gather variant)
-        dh_raw = grouped_gemm_gather(gy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-        dgu, wh, dw_rows = act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
-    else:
-        dgu, wh, dw_rows = dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
+    dgu, wh, dw_rows = dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
     if down_bias is not None:
-        dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, skip_tail=dy_skip)
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
     w_rows = w_rows.unsqueeze(1)
     dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
@@ -1006,8 +804,7 @@ def experts_backward(
     dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
 
-    x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
-    dy_rows = dy_rows if dy_rows is not None else gather_rows(gy, sched, skip_tail=dy_skip)
+    x_rows = saved.x_rows
     d_down_bias = None
     if down_bias is not None:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
@@ -1078,9 +875,8 @@ def build_schedule(topk_ids: torch.Tensor, workspace, x: torch.Tensor | None = N
     # all-gather it shares with the token exchange.
     if workspace.ep_size > 1:
         return None
-    # x (the forward's tokens): gathered in schedule order by the same host call, unless the gate/up GEMM
-    # reads x itself (MOK_GEMM_GATHER=1)
-    return make_schedule(topk_ids, workspace.num_experts, gather_x=None if _use_gather() else x)
+    # x (the forward's tokens): gathered in schedule order by the same host call
+    return make_schedule(topk_ids, workspace.num_experts, gather_x=x)
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, workspace):

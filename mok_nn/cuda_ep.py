@@ -5,8 +5,8 @@ symmetric-memory buffer (torch.distributed._symmetric_memory), mapped into each
 peer, holding these sections (Tc = token capacity per rank, the same on all):
 
   tokens  [P*Tc + 1, H] bf16   rows [s*Tc, s*Tc + T_s): token rows of source s
-                               (own rows copied in, needed peer rows pulled in);
-                               the last row stays zero (padding rows read it)
+                               (own rows copied in, peer rows pushed or pulled in where the
+                               dispatch moves them); the last row stays zero (padding rows read it)
   dy      [P*Tc + 1, H] bf16   the same for d y in the backward
   slots   [Tc*k, H]     bf16   combine slots: expert ranks push row (t, j) to t*k + j
   dxslots [Tc*k, H]     bf16   d x of each routed row, pushed back the same way
@@ -22,56 +22,36 @@ peer, holding these sections (Tc = token capacity per rank, the same on all):
   pad     [P]           int32  signal pad: slot s is written by rank s
 
 Forward (no host synchronisation; every peer write is a unicast store):
-  1. copy x into own tokens rows (push: into every rank's); store own ids / weights / token count into
-     every rank's ids / weights / ntok (SymmBuffers.publish: one mok_ep_publish launch; MOK_EP_PUBLISH=torch:
-     torch ops)
-  2. barrier (at the end of the mok_ep_publish launch; else mok_ep_signal with each peer)
-  3. schedule of the local experts from all ranks' ids (the single-GPU schedule kernel over
-     relabelled experts, then mok_ep_schedule_outputs; make_ep_schedule, replayed as a CUDA graph):
-     rows ordered by (local expert, source rank, token, j), each expert padded to the GEMM tile,
-     capacity from MoKConfig.schedule_capacity_multiplier
-  4. dispatch = pull (mok_ep_pull_peers, all peers in one launch; MOK_EP_COPY=v1: one
-     mok_ep_copy_rows per peer): each token row a peer needs here crosses NVLink once (where nearly
-     every token is needed, token_rows_mode / MOK_EP_PULL: every row, pushed by each rank in step 1);
-     the GEMM then gathers its rows from the local tokens section (EPSchedule.gather_rows:
-     mok_scatter_rows, each section row read once; MOK_EP_DISPATCH=rows, opt-in, measured slower: one
-     mok_ep_dispatch_rows launch writes the GEMM's rows from the peers' sections). MOK_EP_PULL=scatter:
-     no row moves in steps 1-2; the gather reads each peer row it needs from the peer's own section,
-     once, over NVLink (scatter_from_ranks: mok_scatter_rows_peers)
+  1. publish (SymmBuffers.publish, one mok_ep_publish launch): x into own tokens rows (token_rows_mode
+     'push': into every rank's); own ids / fp32 weights / token count into every rank's ids / weights / ntok
+  2. barrier, at the end of the same launch
+  3. schedule of the local experts from all ranks' ids (ep_schedule: the single-GPU schedule kernel over
+     relabelled experts, then mok_ep_schedule_outputs, replayed as one CUDA graph): rows ordered by
+     (local expert, source rank, token, j), each expert padded to the GEMM tile, capacity from
+     MoKConfig.schedule_capacity_multiplier
+  4. dispatch into the GEMM's row order (token_rows_mode): 'scatter' where nearly every token has an
+     expert on every rank (mok_scatter_rows_peers reads each peer row it needs from that peer's own
+     section, once, over NVLink), else 'needed' (mok_ep_pull_peers pulls the rows the local experts need
+     into the local tokens section, in the schedule's graph; EPSchedule.gather_rows then orders them)
   5. gate/up GEMM -> activation -> down GEMM (the single-GPU kernels, cuda_backend)
-  5c + 6. by default (MOK_EP_DOWN_PUSH=gemm, down_push) the down GEMM sends its rows itself:
-     mok_gemm_bk_ef_push's idle producer warps store each finished tile's rows into slots[t*k + j]
-     of their source rank while the next tiles are computed, and step 8 is mok_combine over the
-     slots. MOK_EP_DOWN_PUSH=kernel: the down GEMM, then the combine push of step 6:
-  6. combine push. Where k > 2P (combine_sums; P must divide the combine's 8-leaf tree of expert
-     groups, kernels/combine.py): mok_ep_partial_push sums, for every token of every source, the
-     slots routed here into this rank's node of the tree and stores it (fp32, one row per token
-     instead of one bf16 row per slot) into the source's partials[rank, t]. MOK_EP_COMBINE_SUMS=slot
-     (or P not dividing the leaves): mok_ep_push_peers (every rank in one launch; MOK_EP_COPY=v1:
-     one mok_ep_copy_rows per rank) stores the output row of slot (t, j) into slots[t*k + j]
+  6. combine push (down_push): the down GEMM sends its rows itself, mok_gemm_bk_ef_push's idle producer
+     warps storing each finished tile's rows into slots[t*k + j] of their source rank. Where it cannot
+     (a down-projection bias, MOK_GEMM / MOK_EP_COPY=torch, off the GPU): the GEMM, then mok_ep_partial_push
+     (combine_sums 'rank': this rank's node of each token's combine tree, one fp32 row per token, into the
+     source's partials[rank, t]) or mok_ep_push_peers (one bf16 row per slot into slots[t*k + j])
   7. barrier; 8. on the source, the rest of the tree over the ranks' nodes (mok_combine_final), or
      the whole tree over the k slots (mok_combine). Either way every addition of the tree happens
      in the order of the single-GPU combine: bitwise the EP = 1 results
-Overlapped forward (experimental, opt-in with MOK_EP_FWD=overlap; see fwd_mode): steps 4
-and the gate/up GEMM of 5 run at the same time. mok_ep_dispatch_rows, on
-MoKConfig.fwd_num_comm_sms CTAs of a second (high-priority) stream, writes the GEMM's A
-rows tile by tile (remote rows pulled over NVLink once per token, local rows copied,
-padding zeroed) and publishes ready[tile] = epoch; the gate/up GEMM (mok_gemm_bk_ready /
-_bk_ef_ready) runs on the remaining SMs and waits for each row tile's flag before its
-TMA loads. Steps 5c and 6 likewise (without a down-projection bias; MOK_EP_COMBINE=sequential
-turns it off): the down GEMM (mok_gemm_bk_done / _bk_ef_done) counts finished output tiles
-per row tile and mok_ep_push_rows on the comm CTAs pushes a row tile's rows once all its
-column tiles are stored. Same rows, same GEMM tiles and K order, same slots: bitwise the
-sequential path's results. MOK_EP_OV_TILES=dynamic (ov_tiles_mode): both GEMMs are the _dyn
-variants on every SM, tiles claimed by atomic add, so the comm SMs join the GEMM once free.
-Backward mirrors it: d y rows pulled (and x rows, where the forward kept none:
-save_x_rows), dgrad + dSwiGLU + weight gradients locally (where H <= 2048, dx_push_mode,
-the dgrad of gate/up sends its d x rows to the sources' dxslots itself), d x rows and d w
-pushed to the source (per-rank d x sums, staged locally and sent by the copy engines on a side
-stream while the weight gradients run, MOK_EP_DX_PUSH; where P divides the tree's leaves, also for
-k <= 2P since those bytes are hidden; else slot rows), barrier, fixed order sums. Each slot is written exactly once and every sum has a fixed order,
-so results are bitwise reproducible, and the row order inside an expert is the
-one of the reference EP path (source rank, then slot order).
+Backward mirrors it: the forward's x rows are kept (EPSaved.x_rows); d y rows move as the forward's
+token rows do (dy_rows_mode); dgrad + dSwiGLU + weight gradients locally; d x back to the sources
+(dx_push_mode: where H <= DX_PUSH_GEMM_MAX_H the dgrad of gate/up sends its d x rows to the sources'
+dxslots itself, else per-rank d x sums staged locally and sent by the copy engines on a side stream
+while the weight gradients run) and d w to the sources' dwslots; barrier; fixed-order sums. Each slot
+is written exactly once and every sum has a fixed order, so results are bitwise reproducible, and the
+row order inside an expert is the one of the reference EP path (source rank, then slot order).
+
+MOK_EP_COPY=torch: the row copies (publish, pull, push) by torch ops, the oracle; the CPU simulation
+(tests/test_cuda_ep_simulated.py) runs on them. MOK_EP_TIMEOUT_S bounds every wait for a peer.
 
 Errors: an overflow of the schedule capacity (detected on every rank from the
 all-gathered routing), a peer that never signals (the barrier gives up after
@@ -105,15 +85,11 @@ from .envvars import getenv
 from .kernels.registry import EP_SCHED_THREADS, TILE_M
 
 DEFAULT_TIMEOUT_S = float(getenv("MOK_EP_TIMEOUT_S", "300"))
-FWD_MODES = ("overlap", "sequential")
-OV_TILES_MODES = ("static", "dynamic", "dispatch")  # MOK_EP_OV_TILES; the first is the default
-COPY_MODES = ("v2", "v1", "torch")  # MOK_EP_COPY; the first is the default
-DISPATCH_MODES = ("pull", "rows")  # MOK_EP_DISPATCH; the first is the default
-PUBLISH_MODES = ("kernel", "torch")  # MOK_EP_PUBLISH; the first is the default
-PULL_MODES = ("auto", "needed", "all", "push", "copy_engine", "scatter")  # MOK_EP_PULL; the first is the default
-# auto: pull every row where at least this share of a peer's tokens has an expert here (uniform routing)
+COPY_MODES = ("kernel", "torch")  # MOK_EP_COPY; the first is the default
+# token_rows_mode: the peers' rows are read by the gather where at least this share of a peer's tokens has an
+# expert here (uniform routing), else only the needed rows are pulled
 PULL_ALL_MIN_SHARE = 0.9
-COPY_CTAS_PER_SM = 4  # grid of the v2 row copies (MOK_EP_COPY_CTAS_PER_SM overrides)
+COPY_CTAS_PER_SM = 4  # grid of the row copies: at most this many CTAs per SM
 
 
 class EPError(RuntimeError):
@@ -157,16 +133,13 @@ class EPSchedule:
     row_src / row_slot [cap] int64: source rank and slot t*k + j of each row, -1 on padding.
     row_gslot [cap] int64: s*Tc*k + t*k + j (index into the all-gathered weights), P*Tc*k on padding.
     pull_src [P, Tc] int64: tokens row to pull from source s, -1 where not needed (or s == rank).
-    push_src [P, cap] int64: row to push to source s, -1 otherwise (built on first use: only the
-        per-peer copies, MOK_EP_COPY=v1 / torch, need it).
     overflow [] bool: some rank's rows exceed the capacity.
     sched.seg_rows [E_l] int32: real (routed) rows of each local expert inside its segment
         (clipped to the segment when the capacity overflowed).
     sched.row_expert is None (derived from tile_expert where needed: the segments are tile-aligned).
     slot_row [P*Tc*k] int64: row of global slot s*Tc*k + t*k + j in make_ep_schedule's bucket schedule:
         this rank's row where the slot is routed here (>= cap where the capacity cut it), else a row
-        after all of this rank's (dispatch_plan; None where built otherwise).
-    dispatch: (row_peer, row_src) of dispatch_plan, where the schedule graph computed it (MOK_EP_DISPATCH=rows).
+        after all of this rank's.
     """
 
     sched: cb.Schedule
@@ -177,8 +150,6 @@ class EPSchedule:
     # leaves these to after the first GEMM's launch, which they are not needed for (on the host,
     # each torch op before that launch delays the GPU's start).
     derive: object = field(default=None, repr=False)
-    # (row_peer, row_src) of dispatch_plan where the schedule graph computed it (MOK_EP_DISPATCH=rows)
-    dispatch: tuple | None = None
     # Where the tensors are views of the schedule graph's output buffer (which its next replay rewrites):
     # a callable returning this schedule on a copy of that buffer (see kept)
     copy: object = field(default=None, repr=False)
@@ -220,10 +191,6 @@ class EPSchedule:
     def overflow(self) -> torch.Tensor:
         return self._derived("overflow")
 
-    @functools.cached_property
-    def push_src(self) -> torch.Tensor:
-        return push_split(self.row_src, self.pull_src.shape[0])
-
 
 def push_split(row_rank: torch.Tensor, ep_size: int) -> torch.Tensor:
     """[P, M] int64: row r in row p where row_rank[r] == p, else -1 (the rows each rank receives)."""
@@ -248,7 +215,7 @@ def _cached(kind: str, n: int, device, dtype=torch.int64) -> torch.Tensor:
     return t[:n]
 
 
-_TABLES: dict = {}  # (name, shape parameters, device) -> constant lookup table (make_ep_schedule, dispatch_plan)
+_TABLES: dict = {}  # (name, shape parameters, device) -> constant lookup table (make_ep_schedule)
 
 
 def _table(key: tuple, build) -> torch.Tensor:
@@ -311,9 +278,6 @@ def _pull_table(ep_size: int, tc: int, rank: int, dev) -> torch.Tensor:
     return _table(("pull", ep_size, tc, rank, torch.device(dev)), build)
 
 
-EP_SCHED_OUTPUTS_MODES = ("kernel", "torch")  # MOK_EP_SCHED_OUTPUTS; the first is the default on CUDA
-
-
 def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_per_rank: int,
                      capacity: int, out: dict | None = None) -> EPSchedule:
     """This rank's rows from the all-gathered ids [P, Tc, k] (-1 = no token), by the single-GPU
@@ -327,8 +291,8 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     every rank's padded load (an overflow anywhere is known everywhere, from the same ids).
 
     On CUDA the outputs derived from the bucket schedule come from one mok_ep_schedule_outputs launch
-    (kernels/ep_schedule.py; MOK_EP_SCHED_OUTPUTS=torch: the torch ops, its oracle), written into
-    out[name] where given (tensors of the outputs' shapes: the schedule graph's buffer).
+    (kernels/ep_schedule.py), written into out[name] where given (tensors of the outputs' shapes: the
+    schedule graph's buffer); elsewhere from the torch ops below, which that kernel reproduces bit for bit.
     """
     ep_size, tc, top_k = ids_all.shape
     dev = ids_all.device
@@ -342,8 +306,7 @@ def make_ep_schedule(ids_all: torch.Tensor, num_tokens: int, rank: int, experts_
     full_cap = max(cb.schedule_capacity(n, 1, buckets), capacity)  # also holds the other buckets
     full = cb.make_schedule(key.view(n, 1), buckets, full_cap)
     pos = _cached("arange", num_tokens * top_k, dev).view(num_tokens, top_k)
-    if ids_all.is_cuda and cb.env_choice("MOK_EP_SCHED_OUTPUTS", EP_SCHED_OUTPUTS_MODES,
-                                         EP_SCHED_OUTPUTS_MODES[0]) == "kernel":
+    if ids_all.is_cuda:
         o = _outputs_kernel(full, key, rank, e_l, capacity, ep_size, tc, top_k, spread, out or {})
         sched = cb.Schedule(pos, o["row_token"], o["tile_expert"], o["seg_end"], o["seg_rows"],
                             padded_rows=o["padded_rows"])
@@ -423,24 +386,18 @@ def _outputs_kernel(full, key, rank, e_l, capacity, ep_size, tc, top_k, spread, 
 # the EP schedule as one CUDA graph replay
 
 
-# (ids address, shapes, rank, E_l, capacity, device, MOK_SCHEDULE, with_dispatch, captured pull) -> _GraphedSchedule
+# (ids address, shapes, rank, E_l, capacity, device, captured pull) -> _GraphedSchedule
 _SCHED_GRAPHS: dict = {}
-
-
-def use_schedule_graph() -> bool:
-    """MOK_EP_SCHED_GRAPH (default 1): make_ep_schedule's launches (the bucket schedule, its outputs'
-    kernel and ~5 small torch ops) replayed as one CUDA graph. The forward issues them between its first
-    barrier and its first GEMM, where the GPU waits for the host (25-40 us per launch on the H200 hosts);
-    the replay costs one launch."""
-    return getenv("MOK_EP_SCHED_GRAPH", "1") != "0"
 
 
 class _GraphedSchedule:
     """make_ep_schedule(ids_all, ...) for one buffer and shape, captured once as a CUDA graph.
 
-    The graph reads the ids section in place (its address is part of the key) and writes every
-    output into one flat byte buffer. Each call replays it and returns views of that buffer, made
-    once: the next replay overwrites them, so what outlives the call takes EPSchedule.kept(), one
+    The forward issues the schedule between its first barrier and its first GEMM, where the GPU waits for
+    the host (25-40 us per launch): the bucket schedule, its outputs' kernel and ~5 small torch ops cost
+    one launch as a replay. The graph reads the ids section in place (its address is part of the key) and
+    writes every output into one flat byte buffer. Each call replays it and returns views of that buffer,
+    made once: the next replay overwrites them, so what outlives the call takes EPSchedule.kept(), one
     clone, issued after the forward's launches (the forward's saved schedule, which later replays
     never touch). Forwards on one workspace must be issued in one stream order, as the symmetric
     buffer's sections require anyway. The
@@ -451,13 +408,11 @@ class _GraphedSchedule:
     _FIELDS = ("row_token", "tile_expert", "seg_end", "seg_rows", "padded_rows", "row_gslot", "pull_src",
                "slot_row", "row_src", "row_slot", "overflow")
 
-    def __init__(self, ids_all, rank, e_l, capacity, with_dispatch: bool = False, pull=None):
-        # with_dispatch: also dispatch_plan's (row_peer, row_src), for MOK_EP_DISPATCH=rows.
+    def __init__(self, ids_all, rank, e_l, capacity, pull=None):
         # pull: (kind, fn) to capture the forward's pull of the peers' token rows as well (ep_schedule):
         # kind "all": fn() pulls every row, on a branch of the graph beside the schedule; "needed":
         # fn(eps) pulls the rows of eps.pull_src after it. None: the graph is the schedule alone.
-        self.fields = self._FIELDS + (("disp_peer", "disp_src") if with_dispatch else ())
-        dispatch_rank = rank if with_dispatch else None
+        self.fields = self._FIELDS
         kind, fn = pull if pull is not None else (None, None)
         # The schedule depends on this rank's token count only through `pos` (an arange view, built per
         # call below), so one graph serves every count: captured with the capacity's count.
@@ -469,7 +424,7 @@ class _GraphedSchedule:
         # (byte offset, bytes, dtype, shape, contiguous strides) of each output in the flat buffer;
         # offsets are multiples of 16 bytes, so each output is an element offset of a dtype view
         self.layout, off = [], 0
-        for t in self._outputs(warm, dispatch_rank):
+        for t in self._outputs(warm):
             nbytes = t.numel() * t.element_size()
             self.layout.append((off, nbytes, t.dtype, tuple(t.shape), torch.empty(t.shape, device="meta").stride()))
             off += -(-nbytes // 16) * 16
@@ -488,7 +443,7 @@ class _GraphedSchedule:
             views = self._views(self.flat)
             # the outputs mok_ep_schedule_outputs writes land in the buffer itself; the others are copied
             eps = make_ep_schedule(ids_all, *self.args, out=views)
-            for name, t in zip(self.fields, self._outputs(eps, dispatch_rank)):
+            for name, t in zip(self.fields, self._outputs(eps)):
                 if t.data_ptr() != views[name].data_ptr():
                     views[name].copy_(t)
             if kind == "needed":
@@ -501,11 +456,10 @@ class _GraphedSchedule:
         self.keep = list(_CACHED.values()) + list(_TABLES.values())  # read by the graph: never freed
 
     @classmethod
-    def _outputs(cls, eps, dispatch_rank=None):
+    def _outputs(cls, eps):
         s = eps.sched
-        outs = [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
+        return [s.row_token, s.tile_expert, s.seg_end, s.seg_rows, s.gemm_seg_rows(), eps.row_gslot, eps.pull_src,
                 eps.slot_row, eps.row_src, eps.row_slot, eps.overflow]
-        return outs + (list(dispatch_plan(eps, dispatch_rank)) if dispatch_rank is not None else [])
 
     def _views(self, flat: torch.Tensor) -> dict:
         """{field: tensor} over a flat buffer of self.layout: one view per dtype and one as_strided per
@@ -523,8 +477,7 @@ class _GraphedSchedule:
         pos = _cached("arange", num_tokens * top_k, self.flat.device).view(num_tokens, top_k)  # as make_ep_schedule
         sched = cb.Schedule(pos, f["row_token"], f["tile_expert"], f["seg_end"], f["seg_rows"],
                             padded_rows=f["padded_rows"])
-        eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"],
-                         dispatch=(f["disp_peer"], f["disp_src"]) if "disp_peer" in f else None)
+        eps = EPSchedule(sched, f["row_gslot"], f["pull_src"], f["slot_row"])
         eps.__dict__.update(row_src=f["row_src"], row_slot=f["row_slot"], overflow=f["overflow"])
         return eps
 
@@ -547,18 +500,18 @@ class _GraphedSchedule:
 
 
 def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = None) -> EPSchedule:
-    """make_ep_schedule, replayed from a CUDA graph on CUDA (use_schedule_graph), else eager.
+    """make_ep_schedule, replayed from a CUDA graph on CUDA (_GraphedSchedule), else eager (the CPU).
 
     pull: (kind, fn), the forward's pull of the peers' token rows (step 4), issued with the schedule:
     kind "all": fn() pulls every row (before the schedule; in the graph, on a branch beside it),
-    "needed": fn(eps) pulls the rows of the schedule's pull_src (after it). With the one-launch row
-    copies (MOK_EP_COPY=v2, the default) the graph captures the pull too: one launch for both where
-    the host would issue two, in the stretch where the GPU waits for it (docs/ep.md, eighth session).
+    "needed": fn(eps) pulls the rows of the schedule's pull_src (after it). With the kernel copies the
+    graph captures the pull too: one launch for both where the host would issue two, in the stretch where
+    the GPU waits for it (the torch copies, MOK_EP_COPY=torch, synchronise with the host: issued outside).
     The captured pull reads the buffer's addresses: the key holds the ids section's address, and
     _recreate drops every graph with the buffer."""
     kind, fn = pull if pull is not None else (None, None)
-    graphed = ids_all.is_cuda and use_schedule_graph()
-    captured = kind if graphed and copy_mode() == "v2" else None  # the other copy modes are not captured
+    graphed = _graph_schedule(ids_all)
+    captured = kind if graphed and copy_mode() == "kernel" else None
     if kind == "all" and captured is None:
         fn()
     if not graphed:
@@ -567,96 +520,41 @@ def ep_schedule(ids_all, num_tokens, rank, e_l, capacity, pull: tuple | None = N
         # would keep alive whole through it: its own copy (the graph copies it into its buffer anyway)
         eps.slot_row = eps.slot_row.clone()
     else:
-        with_dispatch = dispatch_mode() == "rows"
-        key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device,
-               getenv("MOK_SCHEDULE", ""), with_dispatch, captured)
+        key = (ids_all.data_ptr(), tuple(ids_all.shape), rank, e_l, capacity, ids_all.device, captured)
         g = _SCHED_GRAPHS.get(key)
         if g is None:
             if len(_SCHED_GRAPHS) >= 64:  # many workspaces / capacities: keep the memory bounded
                 _SCHED_GRAPHS.clear()
-            g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, with_dispatch,
-                                                      pull if captured else None)
+            g = _SCHED_GRAPHS[key] = _GraphedSchedule(ids_all, rank, e_l, capacity, pull if captured else None)
         eps = g(num_tokens)
     if kind == "needed" and captured is None:
         fn(eps)
     return eps
 
 
-def _plan_tables(ep_size: int, tc: int, top_k: int, rank: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n + 1] each (n = P*Tc*k), for global slot g = s*Tc*k + t*k + j: remote (bool, s != rank) and
-    its tokens row s*Tc + t (int64); at n (padding): False and 0."""
-    def build(kind):
-        def f():
-            n = ep_size * tc * top_k
-            g = torch.arange(n + 1)
-            if kind == "remote":
-                return ((g < n) & (g // (tc * top_k) != rank)).to(dev)
-            return torch.where(g < n, g // top_k, 0).to(dev)
-        return f
-    key = (ep_size, tc, top_k, rank, torch.device(dev))
-    return _table(("remote",) + key, build("remote")), _table(("tokrow",) + key, build("tokrow"))
-
-
-def dispatch_plan(eps: EPSchedule, rank: int):
-    """(row_peer [M] int32, row_src [M] int64) for mok_ep_dispatch_rows, from the schedule.
-
-    row_peer: source rank of the row (its tokens section, row row_src = row_token), -1 for padding
-    (zero row), -2 for a later row of a remote token already pulled by row row_src (its first row):
-    each remote token row crosses NVLink once; local rows are copied from the local section.
-    A token's first row is the lowest row of its slots (eps.slot_row): slots of other ranks' experts
-    sit in rows after all of this rank's, so the minimum over the token's k slots is a row of
-    this rank where it has one (no sort, no scan).
-    """
-    ep_size, tc = eps.pull_src.shape
-    sched = eps.sched
-    top_k = eps.slot_row.numel() // (ep_size * tc)
-    dev = sched.row_token.device
-    first_of_token = eps.slot_row.view(ep_size * tc, top_k).amin(dim=1)
-    first = first_of_token[sched.row_token.clamp(max=ep_size * tc - 1)]  # padding rows: not used
-    remote_of, tokrow_of = _plan_tables(ep_size, tc, top_k, rank, dev)
-    dup = remote_of[eps.row_gslot] & (first != _cached("arange", sched.capacity, dev))
-    row_peer = torch.where(dup, -2, eps.row_src).to(torch.int32)
-    row_src = torch.where(dup, first, tokrow_of[eps.row_gslot])
-    return row_peer, row_src
+def _graph_schedule(ids_all: torch.Tensor) -> bool:
+    """ep_schedule replays a CUDA graph: on CUDA (tests/gpu/test_ep_one_gpu.py, whose threads share one GPU,
+    patches this off: a capture while another thread issues work is invalidated)."""
+    return ids_all.is_cuda
 
 
 def copy_mode() -> str:
-    """MOK_EP_COPY: 'v2' (default: mok_ep_pull_peers / mok_ep_push_peers, one launch for every peer;
-    mok_ep_copy_rows_v2 for single copies), 'v1' (mok_ep_copy_rows, one launch per peer) or 'torch'
-    (torch indexing, a debugging aid that synchronises with the host)."""
+    """MOK_EP_COPY: 'kernel' (default: the EP kernels move the rows: mok_ep_publish, mok_ep_pull_peers,
+    mok_ep_push_peers and the push GEMMs) or 'torch' (publish, pulls and pushes by torch ops and indexing: the
+    oracle, which synchronises with the host; the CPU simulation runs on it)."""
     return cb.env_choice("MOK_EP_COPY", COPY_MODES, COPY_MODES[0])
 
 
-def dispatch_mode() -> str:
-    """MOK_EP_DISPATCH: 'pull' (default: the peers' token rows into the local tokens / dy section by
-    mok_ep_pull_peers, then index_select into the GEMM's row order) or 'rows' (one
-    mok_ep_dispatch_rows launch on every SM writes the GEMM's rows straight from the peers' sections,
-    each remote token row crossing NVLink once; its plan comes from the schedule graph). Same rows."""
-    return cb.env_choice("MOK_EP_DISPATCH", DISPATCH_MODES, DISPATCH_MODES[0])
-
-
 def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
-    """How the forward's peer token rows reach the local tokens section (MOK_EP_PULL):
-    'push' (each rank stores its rows into every rank's section in step 1, by the publish launch itself,
-    before the barrier), 'copy_engine' (the same rows copied by the copy engines on a side stream, issued
-    before the publish, which runs beside them; the barrier, its own launch then, waits for them:
-    SymmBuffers.send_rows), 'all' (every peer row pulled right after the
-    barrier, beside the schedule) or 'needed' (only the rows the local experts need, pulled once the schedule
-    is built) or 'scatter' (no row moves before the barrier: the gather into the GEMM's row order reads each
-    peer row it needs from that peer's own section over NVLink, once, mok_scatter_rows_peers; on the GPU
-    only, else 'push': scatter_from_ranks). The GEMMs read the same rows in all five; 'push', 'copy_engine'
-    and 'all' also move the rows of tokens routed to no expert here.
-    auto (default): 'scatter' where a token has an expert on a given rank with probability >=
+    """How the forward's peer token rows reach the GEMM's rows: 'scatter' (no row moves before the barrier: the
+    gather into the GEMM's row order reads each peer row it needs from that peer's own section over NVLink,
+    once, mok_scatter_rows_peers) where a token has an expert on a given rank with probability >=
     PULL_ALL_MIN_SHARE under uniform routing (1 - C(E - E/P, k) / C(E, k): qwen3 and deepseek-v3 at P = 2,
-    0.996; mixtral 0.79) and P <= 32 ('all' above), else 'needed'. Measured at EP = 2: 'all' against 'needed'
-    (docs/benchmarks/..._v72_eppull_modes.log): qwen3 forward 2.00 / 2.00 vs 2.12 / 2.07 ms; 'push' against
-    'all': docs/ep.md (ninth session); 'scatter' against 'push' (with d y rows the same way, fifteenth
-    session): forward 1.5-2% faster at qwen3 and deepseek-v3, backward 2-7% at qwen3, mixtral 1% slower than
-    'needed' (docs/benchmarks/2026-12-01_h200x2_ep2_v154_epscatter_modes_95ca1f2.txt). Where scatter cannot
-    run (cuda_ep.forward: scatter_from_ranks_ok, the gathering GEMM) the forward pushes instead."""
-    mode = cb.env_choice("MOK_EP_PULL", PULL_MODES, PULL_MODES[0])
-    if mode != "auto":
-        return mode
+    0.996; mixtral 0.79) and P <= 32, 'all' (every peer row pulled right after the barrier, beside the
+    schedule) there above 32 ranks, else 'needed' (only the rows the local experts need, pulled once the
+    schedule is built). Where scatter cannot run (scatter_from_ranks_ok: off the GPU, ...) the forward takes
+    'push' instead (up to 32 ranks; each rank's publish stores its rows into every rank's section) or 'all'.
+    The GEMMs read the same rows in every case."""
     e_l = num_experts // ep_size
     share = 1 - math.comb(num_experts - e_l, top_k) / math.comb(num_experts, top_k)
     if share < PULL_ALL_MIN_SHARE:
@@ -664,125 +562,44 @@ def token_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
     return "scatter" if ep_size <= 32 else "all"  # (measured at P = 2 only; the push fallback: a lane per rank)
 
 
-DY_ROWS_MODES = ("auto", "push", "pull", "scatter")  # MOK_EP_DY_ROWS; the first is the default
-
-
-def dy_rows_mode(num_experts: int, ep_size: int, top_k: int, overlapped_forward: bool = False) -> str:
-    """How the backward's d y rows reach the peers (MOK_EP_DY_ROWS): 'push' (each rank copies its rows into its
-    part of every peer's dy section before the barrier: one copy_ per peer, no pull after it), 'pull' (its own
-    section only, then each peer pulls the rows it needs after the barrier) or 'scatter' (its own section only;
-    each peer's gather reads the rows it needs from there over NVLink: scatter_from_ranks; also the x rows where
-    the forward kept none, MOK_EP_SAVE_X_ROWS=0). 'auto' (default): as the forward's token rows go
-    (token_rows_mode): 'scatter' there gives 'scatter' (the pair measured together, see token_rows_mode),
-    'push' or 'copy_engine' (every row to every rank: nearly every row is needed) give 'push', else 'pull'.
-    After the opt-in overlapped forward (overlapped_forward) auto gives 'push' instead of 'scatter': that
-    pairing has not run on two GPUs yet. The same rows either way."""
-    mode = cb.env_choice("MOK_EP_DY_ROWS", DY_ROWS_MODES, DY_ROWS_MODES[0])
-    if mode == "auto":
-        rows = token_rows_mode(num_experts, ep_size, top_k)
-        if rows == "scatter":
-            return "push" if overlapped_forward else "scatter"
-        return "push" if rows in ("push", "copy_engine") else "pull"
-    return mode
-
-
-def publish_mode() -> str:
-    """MOK_EP_PUBLISH: 'kernel' (default: step 1 of the forward as one mok_ep_publish launch) or 'torch'
-    (the torch ops it replaces, about 4 + 4P launches; the fallback and the test oracle)."""
-    return cb.env_choice("MOK_EP_PUBLISH", PUBLISH_MODES, PUBLISH_MODES[0])
+def dy_rows_mode(num_experts: int, ep_size: int, top_k: int) -> str:
+    """How the backward's d y rows reach the peers, as the forward's token rows go (token_rows_mode):
+    'scatter' (its own section only; each peer's gather reads the rows it needs from there over NVLink:
+    scatter_from_ranks) where those are scattered, else 'pull' (its own section only, then each peer pulls the
+    rows it needs after the barrier). The backward pushes instead ('push': each rank copies its rows into its
+    part of every peer's dy section before the barrier, one copy_ per peer) where scatter cannot run. The
+    same rows either way."""
+    return "scatter" if token_rows_mode(num_experts, ep_size, top_k) == "scatter" else "pull"
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda  # (the CPU wiring test stubs the kernels and this)
+    return t.is_cuda  # (the CPU wiring tests stub the kernels and this)
 
 
-def publish_kernel(x: torch.Tensor, topk_weights: torch.Tensor) -> str | None:
-    """The mok_ep_publish variant for these inputs, or None where it cannot take them: not on the GPU,
-    or x's rows not 16-byte vectors (the torch ops then run)."""
-    if not _on_cuda(x) or not cb.rows_of_16_byte_vectors(x):
-        return None
-    return "mok_ep_publish_bf16w" if topk_weights.dtype == torch.bfloat16 else "mok_ep_publish"
+def publish_kernel_ok(x: torch.Tensor) -> bool:
+    """mok_ep_publish can take x: on the GPU, rows of 16-byte vectors, and the kernel copies (not
+    MOK_EP_COPY=torch). Else the torch ops publish (SymmBuffers.publish_torch)."""
+    return _on_cuda(x) and cb.rows_of_16_byte_vectors(x) and copy_mode() == "kernel"
 
 
-def copy_grid(num_rows: int, num_sms: int, ctas_per_sm: int | None = None) -> int:
-    """CTAs of a v2 row copy: at most ctas_per_sm per SM (the warps walk the rows grid-stride), no more
-    than one row per warp, at least one."""
-    if ctas_per_sm is None:
-        ctas_per_sm = int(getenv("MOK_EP_COPY_CTAS_PER_SM", COPY_CTAS_PER_SM))
+def copy_grid(num_rows: int, num_sms: int, ctas_per_sm: int = COPY_CTAS_PER_SM) -> int:
+    """CTAs of a grid-stride row copy: at most ctas_per_sm per SM (the warps walk the rows grid-stride), no
+    more than one row per warp, at least one."""
     return cb.row_copy_grid(num_rows, num_sms, ctas_per_sm)
 
 
-def split_sms(num_sms: int, comm_sms: int) -> tuple[int, int]:
-    """(dispatch CTAs, GEMM CTAs): comm_sms for the dispatch (at least 1), the rest (at least 1) for the GEMM."""
-    comm = max(1, min(comm_sms, num_sms - 1))
-    return comm, num_sms - comm
-
-
-def ov_tiles_mode() -> str:
-    """MOK_EP_OV_TILES: 'static' (default: the hooked GEMMs on the SMs the comm kernel leaves free,
-    tile t on CTA t mod grid) or 'dynamic' (the _dyn GEMMs on every SM, each CTA claims the next tile
-    by atomic add, so CTAs that start when the comm kernel's SMs free up take the remaining tiles) or
-    'dispatch' (dynamic for the dispatch pair only: the push runs until the down GEMM's end, and with
-    that GEMM on every SM the push may only find SMs once the GEMM's CTAs leave)."""
-    return cb.env_choice("MOK_EP_OV_TILES", OV_TILES_MODES, OV_TILES_MODES[0])
-
-
-def _ov_gemm(ws, hook: str, comm_ctas: int, gemm_ctas: int, dev) -> tuple[str, int, tuple]:
-    """(kernel name suffix, grid, extra trailing arguments) of an overlapped pair's GEMM (hook "ready" or
-    "done"). dynamic: a grid of every SM (comm_ctas + gemm_ctas) and the tile counter, zeroed here (on
-    the current stream, before the GEMM's launch on it): [claims] for done, [claims, comm_ctas] for
-    ready (its last comm_ctas CTAs, never CTA 0, join only once every dispatch CTA runs: grouped_gemm._may_join)."""
-    mode = ov_tiles_mode()
-    if mode == "static" or (mode == "dispatch" and hook == "done"):
-        return "_" + hook, gemm_ctas, ()
-    st = ws.ep_state
-    key = f"{hook}_ctr"
-    want = comm_ctas if hook == "ready" else None
-    if st.get(key) is None or st.get(key + "_comm") != want:
-        init = [0, comm_ctas] if hook == "ready" else [0]
-        st[key] = torch.tensor(init, dtype=torch.int32, device=dev)
-        st[key + "_comm"] = want
-    ctr = st[key]
-    ctr[:1].zero_()  # claims of this launch only (the previous GEMM on this stream has finished)
-    return "_" + hook + "_dyn", comm_ctas + gemm_ctas, (ctr,)
-
-
-def combine_mode(config, down_bias: bool) -> str:
-    """'overlap' (push beside the down GEMM) or 'sequential' (push after it). Overlapped only in the
-    overlapped forward and without a down-projection bias (added after the GEMM); MOK_EP_COMBINE
-    =sequential turns it off."""
-    mode = cb.env_choice("MOK_EP_COMBINE", FWD_MODES, "overlap")
-    if fwd_mode(config) != "overlap" or down_bias:
-        return "sequential"
-    return mode
-
-
-COMBINE_SUMS_MODES = ("auto", "rank", "slot")  # MOK_EP_COMBINE_SUMS; the first is the default
-
-
 def combine_sums(num_experts: int, ep_size: int, top_k: int, hidden: bool = False) -> str:
-    """How the sequential combine (and the backward's d x) crosses NVLink: 'rank' (each expert rank
-    sends one fp32 partial sum per token, its node of the combine tree) or 'slot' (one bf16 row per
-    slot, summed on the source). Both give the same bits (and EP = 1's). 'rank' needs P to divide the
-    tree's leaves (combine_leaves(E)); otherwise 'slot' runs.
+    """How the combine (and the backward's d x), where the GEMM does not push its rows itself, crosses
+    NVLink: 'rank' (each expert rank sends one fp32 partial sum per token, its node of the combine tree) or
+    'slot' (one bf16 row per slot, summed on the source). Both give the same bits (and EP = 1's).
 
-    'auto' (default): 'rank' where it sends fewer bytes, i.e. where a token's slots on one rank are
-    more than 2 on average (top_k > 2 P: one 4-byte row instead of several 2-byte ones), or where the
-    transfer is hidden (hidden=True: the backward's d x sums, sent by the copy engines beside the
-    weight gradients, MOK_EP_DX_PUSH=copy_engine; the slot rows would be pushed after them). Measured
-    on 2 H200 (docs/ep.md): qwen3 / deepseek-v3 (k = 8) forward 6-7% faster with 'rank', mixtral
-    (k = 2) backward 1% slower with 'rank' sent by the kernel."""
-    mode = cb.env_choice("MOK_EP_COMBINE_SUMS", COMBINE_SUMS_MODES, COMBINE_SUMS_MODES[0])
-    if mode == "auto":
-        mode = "rank" if top_k > 2 * ep_size or hidden else "slot"
-    if mode == "rank" and cb.combine_leaves(num_experts) % ep_size:
-        return "slot"
-    return mode
-
-
-# MOK_EP_DOWN_PUSH; the first is the default. Side by side on 2 H200 (docs/ep.md, eleventh session), forward
-# gemm vs kernel: qwen3 1.611 vs 1.686 ms, mixtral 9.65 vs 9.84, deepseek-v3 11.03 vs 11.17 (same bits).
-DOWN_PUSH_MODES = ("gemm", "kernel")
+    'rank' where it sends fewer bytes, i.e. where a token's slots on one rank are more than 2 on average
+    (top_k > 2 P: one 4-byte row instead of several 2-byte ones), or where the transfer is hidden
+    (hidden=True: the backward's d x sums, sent by the copy engines beside the weight gradients); and only
+    where P divides the tree's leaves (combine_leaves(E)). Else 'slot'. Measured on 2 H200 (docs/ep.md):
+    qwen3 / deepseek-v3 (k = 8) forward 6-7% faster with 'rank'."""
+    rank = top_k > 2 * ep_size or hidden
+    return "rank" if rank and cb.combine_leaves(num_experts) % ep_size == 0 else "slot"
 
 
 def _gemm_push_ok(a: torch.Tensor) -> bool:
@@ -792,52 +609,29 @@ def _gemm_push_ok(a: torch.Tensor) -> bool:
 
 
 def down_push(h: torch.Tensor, down_bias: bool) -> bool:
-    """Whether the sequential forward's down GEMM sends its rows itself (MOK_EP_DOWN_PUSH=gemm, the default):
-    its idle producer warps store each finished tile's rows into their source ranks' slots section while the
-    next tiles are computed (cb.grouped_gemm_push), then the slot-form combine runs; 'kernel': the GEMM, then
-    the push of combine_sums' form. Not with a down-projection bias (added after the GEMM), the torch
-    copies or GEMMs (MOK_EP_COPY / MOK_GEMM=torch) or off the GPU. Same bits either way (the slot rows, as
-    EP = 1)."""
-    mode = cb.env_choice("MOK_EP_DOWN_PUSH", DOWN_PUSH_MODES, DOWN_PUSH_MODES[0])
-    return mode == "gemm" and not down_bias and _gemm_push_ok(h)
+    """Whether the forward's down GEMM sends its rows itself: its idle producer warps store each finished
+    tile's rows into their source ranks' slots section while the next tiles are computed
+    (cb.grouped_gemm_push), then the slot-form combine runs. Not with a down-projection bias (added after the
+    GEMM) or where _gemm_push_ok fails: there the GEMM, then the push of combine_sums' form. Same bits either
+    way (the slot rows, as EP = 1). Measured on 2 H200 (docs/ep.md), forward against the GEMM then the push:
+    qwen3 1.611 vs 1.686 ms, mixtral 9.65 vs 9.84, deepseek-v3 11.03 vs 11.17."""
+    return not down_bias and _gemm_push_ok(h)
 
 
-DX_PUSH_MODES = ("auto", "copy_engine", "kernel", "gemm")  # MOK_EP_DX_PUSH; the first is the default
-# auto: 'gemm' where the rows are at most this wide, else 'copy_engine'. Side by side on 2 H200, each mode twice
-# (docs/ep.md, eleventh session): qwen3 (H 2048) backward 2.536 / 2.519 ms with gemm against 2.648 / 2.594;
-# mixtral (4096) 18.88 / 19.37 against 18.16 / 19.23 and deepseek-v3 (7168) 23.87 / 23.98 against 21.71 / 24.55:
-# not faster there.
+# dx_push_mode: 'gemm' where the rows are at most this wide, else 'copy_engine'. Side by side on 2 H200
+# (docs/ep.md): qwen3 (H 2048) backward 2.536 / 2.519 ms with gemm against 2.648 / 2.594; mixtral (4096)
+# 18.88 / 19.37 against 18.16 / 19.23 and deepseek-v3 (7168) 23.87 / 23.98 against 21.71 / 24.55: not faster.
 DX_PUSH_GEMM_MAX_H = 2048
 
 
 def dx_push_mode(hidden: int) -> str:
-    """How the backward's d x (rows of `hidden` columns) reaches its sources: 'copy_engine' (per-rank sums into
-    a local staging block, then copied by the copy engines on a side stream while the weight gradients run,
-    SymmBuffers.push_partials(copy_stream=...)), 'kernel' (the sums stored over NVLink by the summing kernel
-    itself, in stream order after the weight gradients) or 'gemm' (the dgrad of gate/up sends each d x row to
-    its source's dxslots itself, as the forward's down GEMM does its rows, down_push; then the slot-form
-    combine; where _gemm_push_ok holds, else 'copy_engine'). 'auto' (default): 'gemm' where hidden <=
-    DX_PUSH_GEMM_MAX_H, else 'copy_engine'. The same bits in every mode."""
-    mode = cb.env_choice("MOK_EP_DX_PUSH", DX_PUSH_MODES, DX_PUSH_MODES[0])
-    if mode == "auto":
-        return "gemm" if hidden <= DX_PUSH_GEMM_MAX_H else "copy_engine"
-    return mode
-
-
-def fwd_mode(config) -> str:
-    """'sequential' (the default) or 'overlap' (MOK_EP_FWD=overlap: dispatch on
-    config.fwd_num_comm_sms CTAs beside the gate/up GEMM).
-
-    The overlapped forward gives the sequential path's bits in every EP=2 check on H200
-    (since the launch-order fix of its cold-start deadlock, docs/ep.md "Overlapped forward:
-    why it timed out"), but it is not faster yet, so it is opt-in.
-    """
-    mode = cb.env_choice("MOK_EP_FWD", FWD_MODES, "sequential")
-    if cb._use_torch_gemm():
-        return "sequential"  # torch._grouped_mm has no readiness hook
-    if mode == "overlap" and config.fwd_num_comm_sms > 0:
-        return "overlap"
-    return "sequential"
+    """How the backward's d x (rows of `hidden` columns) reaches its sources: 'gemm' (hidden <=
+    DX_PUSH_GEMM_MAX_H: the dgrad of gate/up sends each d x row to its source's dxslots itself, as the
+    forward's down GEMM does its rows, down_push; then the slot-form combine; where _gemm_push_ok holds) or
+    'copy_engine' (per-rank sums into a local staging block, then copied by the copy engines on a side stream
+    while the weight gradients run, SymmBuffers.push_partials(copy_stream=...); off the GPU the summing
+    kernel's stand-in stores them, after the weight gradients). The same bits either way."""
+    return "gemm" if hidden <= DX_PUSH_GEMM_MAX_H else "copy_engine"
 
 
 # --------------------------------------------------------------------------
@@ -933,16 +727,6 @@ class SymmBuffers:
             cache[names] = torch.stack([self.section_addrs(name) for name in names])
         return cache[names]
 
-    def send_rows(self, x: torch.Tensor, n: int, stream: torch.cuda.Stream) -> torch.cuda.Stream:
-        """x[:n] into this rank's rows of every peer's tokens section, one copy_ per peer on `stream` (the copy
-        engines), ordered after everything issued so far on the current stream (the previous step's barriers:
-        no peer still reads its section). Returns the stream, for the current stream to wait on before the
-        barrier that tells the peers the rows are there."""
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            self.copy_to_peers("tokens", x, n)
-        return stream
-
     def copy_to_peers(self, name: str, rows: torch.Tensor, n: int) -> None:
         """rows[:n] into this rank's rows (rank * Tc ..) of every peer's section `name`, one copy_ per peer."""
         r, tc = self.rank, self.tokens_cap
@@ -954,9 +738,9 @@ class SymmBuffers:
                 then_barrier: bool = False, push_rows: bool = False, num_experts: int | None = None) -> None:
         """Step 1 of the forward: x[:n] into this rank's rows of the local tokens section; topk_ids[:n]
         (-1 for tokens n..Tc-1), topk_weights[:n] as fp32 and num_tokens into this rank's part of every
-        rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch
-        (MOK_EP_PUBLISH=kernel, the default) or the torch ops (=torch, the oracle; also where the
-        kernel cannot take the inputs). Peer stores are plain: the barrier that follows fences them.
+        rank's ids / weights / ntok sections (n = min(num_tokens, Tc)). One mok_ep_publish launch where
+        publish_kernel_ok(x), else the torch ops (publish_torch: the CPU simulation, MOK_EP_COPY=torch, rows
+        the kernel cannot take). Peer stores are plain: the barrier that follows fences them.
 
         then_barrier: step 2 as well, the barrier(): at the end of the same launch (its last CTA signals
         every peer and waits for them: one launch less on the host before the GPU can go on), or after
@@ -968,18 +752,18 @@ class SymmBuffers:
         outside [0, num_experts); None: only negative ids stop it. The torch ops do not check the ids."""
         if push_rows and self.ep_size > 32:  # the kernel's warps hold one rank's address per lane
             raise ValueError(f"mok_nn expert parallelism: push_rows takes at most 32 ranks, not {self.ep_size}")
-        name = publish_kernel(x, topk_weights) if publish_mode() == "kernel" else None
-        if name is None:
+        if not publish_kernel_ok(x):
             self.publish_torch(x, topk_ids, topk_weights, num_tokens, push_rows)
             if then_barrier:
                 self.barrier()
             return
-        if topk_weights.dtype not in (torch.float32, torch.bfloat16):
-            topk_weights = topk_weights.float()  # the bits copy_ into fp32 gives (fp16 exact, fp64 rounded)
+        if topk_weights.dtype != torch.float32:
+            # the kernel takes fp32 weights: the bits copy_ into the fp32 section gives (bf16 / fp16 exact, fp64 rounded)
+            topk_weights = topk_weights.float()
         tc, k = self.tokens_cap, topk_ids.shape[1]
         warp_jobs = max(min(num_tokens, tc), -(-tc * k // 32))  # x rows (a warp each), id/weight elements (32 a warp)
         epoch = self._next_epoch() if then_barrier else 0
-        cb._lib().launch(name, x, topk_ids, topk_weights, self.local("tokens"),
+        cb._lib().launch("mok_ep_publish", x, topk_ids, topk_weights, self.local("tokens"),
                          self.section_table(("ids", "weights", "ntok")), self.rank, tc, num_tokens,
                          self._copy_grid(warp_jobs), self.section_addrs("pad"), self.err, self.arrivals, epoch,
                          timeout_us(self.timeout_s), self.section_addrs("tokens"), int(push_rows),
@@ -987,7 +771,8 @@ class SymmBuffers:
 
     def publish_torch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       num_tokens: int, push_rows: bool = False) -> None:
-        """publish with torch ops (about 4 + 4P launches; push_rows: P - 1 more)."""
+        """publish with torch ops (about 4 + 4P launches; push_rows: P - 1 more): the stores mok_ep_publish's
+        contract names, bit for bit."""
         P, r, tc, top_k = self.ep_size, self.rank, self.tokens_cap, topk_ids.shape[1]
         n = min(num_tokens, tc)
         self.local("tokens")[r * tc:r * tc + n].copy_(x[:n])
@@ -1032,46 +817,36 @@ class SymmBuffers:
     def _copy_grid(self, num_rows: int) -> int:
         return copy_grid(num_rows, self.num_sms())
 
-    def copy_rows(self, src, src_idx, dst, dst_idx) -> None:
-        """dst[dst_idx[i]] = src[src_idx[i]] where both are >= 0 (dst indices unique)."""
-        if src_idx.numel() == 0:
-            return
-        mode = copy_mode()
-        if mode == "torch":  # debugging aid (synchronises with the host)
-            ok = (src_idx >= 0) & (dst_idx >= 0)
-            dst[dst_idx[ok]] = src[src_idx[ok]]
-        elif mode == "v1":
-            cb._lib().launch("mok_ep_copy_rows", src, src_idx, dst, dst_idx, stream=cb._stream())
-        else:
-            cb._lib().launch("mok_ep_copy_rows_v2", src, src_idx, dst, dst_idx, self._copy_grid(src_idx.numel()),
-                             stream=cb._stream())
+    @staticmethod
+    def copy_rows_torch(src, src_idx, dst, dst_idx) -> None:
+        """dst[dst_idx[i]] = src[src_idx[i]] where both are >= 0 (dst indices unique), by torch indexing
+        (MOK_EP_COPY=torch: synchronises with the host)."""
+        ok = (src_idx >= 0) & (dst_idx >= 0)
+        dst[dst_idx[ok]] = src[src_idx[ok]]
 
     def pull_rows(self, name: str, pull_src: torch.Tensor) -> None:
         """Row pull_src[p, t] (>= 0) of rank p's section `name` into row p*Tc + t of the local one,
-        for every peer p (pull_src [P, Tc]; the own rank's entries are -1)."""
+        for every peer p (pull_src [P, Tc]; the own rank's entries are -1): one mok_ep_pull_peers launch."""
         P, tc = self.ep_size, self.tokens_cap
-        if copy_mode() == "v2":
+        if copy_mode() == "kernel":
             cb._lib().launch("mok_ep_pull_peers", self.section_addrs(name), pull_src, self.local(name),
                              self._copy_grid(P * tc), stream=cb._stream())
             return
         dst_rows = _cached("arange", P * tc, self.err.device).view(P, tc)
         for p in range(P):
             if p != self.rank:
-                self.copy_rows(self.peer(p, name), pull_src[p], self.local(name), dst_rows[p])
+                self.copy_rows_torch(self.peer(p, name), pull_src[p], self.local(name), dst_rows[p])
 
-    def push_rows(self, rows: torch.Tensor, name: str, row_rank: torch.Tensor, row_slot: torch.Tensor,
-                  push_src: torch.Tensor | None = None) -> None:
+    def push_rows(self, rows: torch.Tensor, name: str, row_rank: torch.Tensor, row_slot: torch.Tensor) -> None:
         """Row r of rows into row row_slot[r] of rank row_rank[r]'s section `name` (own rank included;
-        -1: not sent). push_src [P, M] is the same split by rank (row r or -1), for the per-peer copies
-        (None: push_split(row_rank), built only where they run)."""
-        if copy_mode() == "v2":
+        -1: not sent): one mok_ep_push_peers launch (the torch copies: one per rank, push_split)."""
+        if copy_mode() == "kernel":
             cb._lib().launch("mok_ep_push_peers", rows, self.section_addrs(name), row_rank, row_slot,
                              self._copy_grid(rows.shape[0]), stream=cb._stream())
             return
-        if push_src is None:
-            push_src = push_split(row_rank, self.ep_size)
+        push_src = push_split(row_rank, self.ep_size)
         for p in range(self.ep_size):
-            self.copy_rows(rows, push_src[p], self.peer(p, name), row_slot)
+            self.copy_rows_torch(rows, push_src[p], self.peer(p, name), row_slot)
 
     def push_partials(self, rows: torch.Tensor, eps: "EPSchedule", num_experts: int, weighted: bool,
                       ids_all: torch.Tensor | None = None, copy_stream: torch.cuda.Stream | None = None) -> None:
@@ -1262,7 +1037,7 @@ def _buffers(ws, num_tokens: int) -> SymmBuffers:
 
 
 def _record_errors(ws, flags: torch.Tensor, what: str) -> None:
-    """The step's flags [4] to pinned host memory, then an arrival marker (host[4] = 1) by a second copy
+    """The step's flags [3] to pinned host memory, then an arrival marker (host[3] = 1) by a second copy
     behind them on the stream: check_errors' non-blocking poll reads the marker, with no CUDA call (an
     event query at the start of every EP call cost ~20 us of host time there, before the first launch)."""
     host = torch.zeros(flags.shape[0] + 1, dtype=flags.dtype, pin_memory=True)
@@ -1292,13 +1067,13 @@ def check_errors(ws, block: bool = True) -> None:
             ev.synchronize()
         # the marker first (_record_errors), then the flags: the marker's copy starts after the flags'
         # copy is done (one stream), so flags read after the marker are the step's
-        if host[4] != 1:  # not arrived yet (host: a numpy view of the pinned flags)
+        if host[3] != 1:  # not arrived yet (host: a numpy view of the pinned flags)
             assert not block, "flags copied before the event they are recorded with"
             keep.append((host, ev, what))
             continue
-        overflow, timeout, too_many, ov_timeout = (int(v) for v in host[:4])
+        overflow, timeout, too_many = (int(v) for v in host[:3])
         st.setdefault("retired", []).append((host, ev))  # freed after the caller's launches (_record_errors)
-        if overflow or timeout or too_many or ov_timeout:
+        if overflow or timeout or too_many:
             st["pending"] = []
             if too_many:
                 st["grow_to"] = max(st.get("grow_to", 0), too_many)
@@ -1312,11 +1087,6 @@ def check_errors(ws, block: bool = True) -> None:
                     f"mok_nn expert parallelism ({what}): the routing overflowed the expert buffers of a rank "
                     f"(schedule capacity {st.get('capacity')} rows); raise MoKConfig.schedule_capacity_multiplier "
                     f"(now {ws.config.schedule_capacity_multiplier}). The step's outputs are NaN.")
-            if ov_timeout:
-                raise EPError(
-                    f"mok_nn expert parallelism ({what}): in the overlapped forward a row tile's readiness "
-                    f"wait timed out ({st['bufs'].timeout_s:g} s; were SMs left free for the dispatch CTAs?). "
-                    f"The outputs are NaN; the workspace is unusable (MOK_EP_FWD=sequential avoids this path).")
             raise EPError(
                 f"mok_nn expert parallelism ({what}): a peer rank did not reach the barrier within "
                 f"{st['bufs'].timeout_s:g} s (did every rank call the layer?). The outputs are NaN; the "
@@ -1336,21 +1106,14 @@ class EPSaved:
     num_tokens: int
     bufs: SymmBuffers  # the buffer the schedule indexes (the backward must use the same one)
     too_many: torch.Tensor  # [] int32 of _too_many in the forward: the backward has the same token counts
-    # [cap, H] bf16 x rows in schedule order, for the weight gradient of gate_up_proj (save_x_rows);
-    # None: the backward pulls and gathers them again
-    x_rows: torch.Tensor | None = None
+    # [cap, H] bf16 x rows in schedule order, for the weight gradient of gate_up_proj: kept, as the
+    # single-GPU path keeps them (pulling and gathering them again would cost deepseek-v3 at 8192 tokens per
+    # rank 1.3 ms of the backward, against ~2 GB)
+    x_rows: torch.Tensor
     # [P, Tc, k] int64: the forward's all-gathered ids, for the backward's per-rank d x sums. A copy, taken
     # between the forward's two barriers: the ids section belongs to the workspace, and the next forward
     # on it (another layer with the same shapes) publishes its own routing there.
-    ids_all: torch.Tensor | None = None
-
-
-def save_x_rows() -> bool:
-    """MOK_EP_SAVE_X_ROWS (default 1): keep the forward's x rows (schedule order) for the backward,
-    as the single-GPU path does, instead of pulling the peers' x rows again and gathering them:
-    time for memory (deepseek-v3 at 8192 tokens per rank: 1.3 ms of the backward for ~2 GB).
-    The overlapped and the gathering forward (MOK_GEMM_GATHER=1) make no copy to keep."""
-    return getenv("MOK_EP_SAVE_X_ROWS", "1") != "0"
+    ids_all: torch.Tensor
 
 
 def _pad_nan(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -1368,17 +1131,9 @@ def _too_many(bufs: SymmBuffers) -> torch.Tensor:
     return torch.where(most > bufs.tokens_cap, most, 0)
 
 
-def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor, ov_err: torch.Tensor) -> torch.Tensor:
-    """[overflow, barrier timeout, too_many, overlap wait timeout]: any non-zero entry poisons the step."""
-    return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many, ov_err[0]])
-
-
-def _ov_err(ws, bufs: SymmBuffers) -> torch.Tensor:
-    """[1] int32, sticky: a readiness wait of the overlapped forward timed out (dispatch or GEMM side)."""
-    st = ws.ep_state
-    if st.get("ov_err") is None:
-        st["ov_err"] = torch.zeros(1, dtype=torch.int32, device=bufs.err.device)
-    return st["ov_err"]
+def _step_flags(eps: EPSchedule, bufs: SymmBuffers, too_many: torch.Tensor) -> torch.Tensor:
+    """[overflow, barrier timeout, too_many]: any non-zero entry poisons the step."""
+    return torch.stack([eps.overflow.to(torch.int32), bufs.err[0], too_many])
 
 
 def _poison(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
@@ -1401,27 +1156,16 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     ws.ep_state["capacity"] = cap
     n = min(num_tokens, tc)  # above the capacity: the first tc tokens take part, the step is flagged
 
-    fwd_overlap = fwd_mode(ws.config) == "overlap"
-    rows_dispatch = _dispatch_rows_here(x) and not cb._use_gather()
-    # 4. dispatch (not with the overlapped or the rows dispatch; token_rows_mode): where every peer needs
-    # nearly every row, each rank pushes its rows to every peer in step 1 (or, MOK_EP_PULL=all, they are
-    # pulled after the barrier, beside the schedule); else the rows the local experts need, after the schedule
-    dispatch = None if fwd_overlap or rows_dispatch else token_rows_mode(ws.num_experts, P, top_k)
-    if dispatch == "copy_engine" and not _on_cuda(x):
-        dispatch = "push"  # (the same rows; a side stream needs the GPU)
-    if dispatch == "scatter" and (cb._use_gather() or not scatter_from_ranks_ok(x, top_k)):
-        # (the same rows, moved before the barrier; the gathering GEMM reads the local section)
-        dispatch = "push" if P <= 32 else "all"
-    # the rows to every peer first, by the copy engines, while the host prepares the publish
-    sent = bufs.send_rows(x, n, _copy_stream(ws, x.device)) if dispatch == "copy_engine" else None
+    # 4. dispatch (token_rows_mode): scatter where every peer needs nearly every row and the kernel can run
+    # (else each rank pushes its rows to every peer in step 1, or they are pulled after the barrier, beside
+    # the schedule); otherwise the rows the local experts need, pulled after the schedule
+    dispatch = token_rows_mode(ws.num_experts, P, top_k)
+    if dispatch == "scatter" and not scatter_from_ranks_ok(x, top_k):
+        dispatch = "push" if P <= 32 else "all"  # (the same rows, moved before the barrier)
     # 1. own rows local (push: to every rank); ids, weights and token count to every rank (unicast stores
-    # into peer memory), 2. and the barrier (in the same launch where the publish kernel runs; after the copy
-    # engines' rows: its own launch, so that the publish runs beside the copies)
-    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=sent is None, push_rows=dispatch == "push",
+    # into peer memory), 2. and the barrier (in the same launch)
+    bufs.publish(x, topk_ids, topk_weights, num_tokens, then_barrier=True, push_rows=dispatch == "push",
                  num_experts=ws.num_experts)
-    if sent is not None:
-        torch.cuda.current_stream(x.device).wait_stream(sent)
-        bufs.barrier()
     tokens = bufs.local("tokens")
     pull = None
     if dispatch == "all":
@@ -1432,26 +1176,14 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # every torch op issued before the first GEMM delays the GPU, which waits for the host here)
     eps = ep_schedule(bufs.local("ids"), n, bufs.rank, e_l, cap, pull)
     sched = eps.sched
-    x_rows = h = None
-    if fwd_overlap:
-        # 4. + 5a. dispatch into the GEMM's rows on comm CTAs, gate/up GEMM on the other SMs
-        gate_up = _dispatch_gate_up(ws, bufs, eps, gate_up_proj)
+    # 4. the rows in the GEMM's order; 5. experts
+    x_rows = scatter_from_ranks(bufs, eps, "tokens") if dispatch == "scatter" else eps.gather_rows(tokens)
+    h = None
+    if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
+        # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
+        gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
     else:
-        # 4. (MOK_EP_DISPATCH=rows) the peers' rows straight into the GEMM's row order
-        if rows_dispatch:
-            x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
-        # 5. experts (MOK_GEMM_GATHER=1: the GEMM reads its rows from the tokens section through
-        # row_token, no permuted copy; padding rows point at row P*Tc, one past the view it reads)
-        if cb._use_gather():
-            gate_up = cb.grouped_gemm_gather(tokens[:P * tc], gate_up_proj, sched, transpose_w=False)
-        else:
-            if x_rows is None:
-                x_rows = scatter_from_ranks(bufs, eps, "tokens") if dispatch == "scatter" else eps.gather_rows(tokens)
-            if cb.use_fused_act(down_proj.shape[2], ws.activation, gate_up_bias is not None, x.shape[1]):
-                # the activation in the gate/up GEMM's epilogue (as at EP = 1: the same bits either way)
-                gate_up, h = cb.gate_up_act(x_rows, gate_up_proj, sched, ws.activation, ws.swiglu_limit)
-            else:
-                gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        gate_up = cb.grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
     too_many = _too_many(bufs)  # between the two barriers (stream order), as _too_many requires
     # the routing of this step for the backward's per-rank d x sums: copied here, between the two
     # barriers, as a peer publishes its next call's ids into this section only after the second
@@ -1461,13 +1193,9 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
         gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
     if h is None:
         h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
-    overlap = combine_mode(ws.config, down_bias is not None) == "overlap"
-    gemm_push = not overlap and down_push(h, down_bias is not None)
-    sums = "slot" if overlap or gemm_push else combine_sums(ws.num_experts, P, top_k)
-    if overlap:
-        # 5c. + 6. down GEMM on the other SMs, finished row tiles pushed by comm CTAs
-        _down_push(ws, bufs, eps, h, down_proj)
-    elif gemm_push:
+    gemm_push = down_push(h, down_bias is not None)
+    sums = "slot" if gemm_push else combine_sums(ws.num_experts, P, top_k)
+    if gemm_push:
         # 5c. + 6. down GEMM whose idle producer warps send each row to its source's slots as tiles finish
         cb.grouped_gemm_push(h, down_proj, sched, bufs.section_addrs("slots"), eps.row_src, eps.row_slot)
     else:
@@ -1482,7 +1210,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     # 7.
     bufs.barrier()
     # 8. fixed-order combine on the source
-    flags = _step_flags(eps, bufs, too_many, _ov_err(ws, bufs))
+    flags = _step_flags(eps, bufs, too_many)
     if sums == "rank":
         y = _pad_nan(bufs.final_combine(topk_ids[:n], flags, ws.num_experts, x.dtype), num_tokens)
     else:
@@ -1491,18 +1219,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
                      num_tokens)
     _record_errors(ws, flags, "forward")
     # the schedule the backward reads, on tensors of its own (taken here, after the launches: see kept)
-    return y, EPSaved(eps.kept(), gate_up, w_rows, num_tokens, bufs, too_many, x_rows if save_x_rows() else None,
-                      ids_all)
-
-
-def _comm_setup(ws, dev):
-    """(comm stream, current stream, comm CTAs, GEMM CTAs) of the overlapped steps."""
-    st = ws.ep_state
-    if "comm_stream" not in st:
-        st["comm_stream"] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs are placed first
-        st["num_sms"] = cb.num_sms(dev)
-    comm_ctas, gemm_ctas = split_sms(st["num_sms"], ws.config.fwd_num_comm_sms)
-    return st["comm_stream"], torch.cuda.current_stream(dev), comm_ctas, gemm_ctas
+    return y, EPSaved(eps.kept(), gate_up, w_rows, num_tokens, bufs, too_many, x_rows, ids_all)
 
 
 def _copy_stream(ws, dev) -> torch.cuda.Stream:
@@ -1513,25 +1230,8 @@ def _copy_stream(ws, dev) -> torch.cuda.Stream:
     return st["copy_stream"]
 
 
-def _ready_flags(ws, n_tiles: int, dev) -> tuple[torch.Tensor, int]:
-    """(ready [n_tiles] int32, this call's epoch) of mok_ep_dispatch_rows' per-tile readiness flags.
-    Epochs keep growing (the flags are never reset)."""
-    st = ws.ep_state
-    if st.get("ready") is None or st["ready"].numel() != n_tiles:
-        st["ready"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
-    st["ov_epoch"] = st.get("ov_epoch", 0) + 1
-    if st["ov_epoch"] >= 2**31 - 1:
-        raise EPError("dispatch readiness epoch overflow; create a new workspace")
-    return st["ready"], st["ov_epoch"]
-
-
-def _dispatch_rows_here(t: torch.Tensor) -> bool:
-    """MOK_EP_DISPATCH=rows applies: CUDA tensors and the kernel copies (not the MOK_EP_COPY=torch aid)."""
-    return dispatch_mode() == "rows" and _on_cuda(t) and copy_mode() != "torch"
-
-
 def scatter_from_ranks_ok(rows: torch.Tensor, top_k: int) -> bool:
-    """mok_scatter_rows_peers can run (MOK_EP_PULL / MOK_EP_DY_ROWS 'scatter'): on the GPU, bf16 rows of 16-byte
+    """mok_scatter_rows_peers can run (token_rows_mode / dy_rows_mode 'scatter'): on the GPU, bf16 rows of 16-byte
     vectors (H % 8 == 0), k <= 32 (a lane per slot). Only facts every rank shares: a rank that fell back to
     pushing while a peer scattered would read rows that peer never sent (the kernel reads the sections,
     never `rows` itself, so its layout does not matter)."""
@@ -1558,93 +1258,6 @@ def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_ta
     return out
 
 
-def _dispatch_rows(ws, bufs: SymmBuffers, eps: EPSchedule, section: str) -> torch.Tensor:
-    """Step 4 and the gather into the GEMM's row order as one kernel on every SM (MOK_EP_DISPATCH=rows):
-    mok_ep_dispatch_rows writes row r of the result from `section` ("tokens" or "dy") of its source rank,
-    a remote token's later rows from its first row here, zeros for padding. Returns [capacity, H]
-    (rows of the tiles past the last segment are left unwritten: nothing reads them)."""
-    sched, dev = eps.sched, bufs.err.device
-    n_tiles = sched.capacity // TILE_M
-    ready, epoch = _ready_flags(ws, n_tiles, dev)
-    row_peer, row_src = eps.dispatch if eps.dispatch is not None else dispatch_plan(eps, bufs.rank)
-    rows = torch.empty(sched.capacity, bufs.hidden, dtype=torch.bfloat16, device=dev)
-    # every CTA resident at once (a duplicate row waits for an earlier tile's flag): 2 of 512 threads per SM
-    grid = max(1, min(n_tiles, 2 * bufs.num_sms()))
-    wait_us = timeout_us(bufs.timeout_s)
-    cb._lib().launch("mok_ep_dispatch_rows", rows, bufs.section_addrs(section), row_peer, row_src,
-                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, wait_us, grid, stream=cb._stream())
-    return rows
-
-
-def _dispatch_gate_up(ws, bufs: SymmBuffers, eps: EPSchedule, gate_up_proj: torch.Tensor) -> torch.Tensor:
-    """Steps 4 and 5a overlapped: mok_ep_dispatch_rows on a second stream fills the A rows tile by
-    tile and flags each ready; mok_gemm_bk(_ef)_ready consumes them as they come. Returns gate_up."""
-    sched = eps.sched
-    dev = gate_up_proj.device
-    cap, hidden = sched.capacity, bufs.hidden
-    ready, epoch = _ready_flags(ws, cap // TILE_M, dev)
-    wait_us = timeout_us(bufs.timeout_s)
-    comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
-
-    row_peer, row_src = eps.dispatch if eps.dispatch is not None else dispatch_plan(eps, bufs.rank)
-    x_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
-    gate_up = torch.empty(cap, gate_up_proj.shape[1], dtype=torch.bfloat16, device=dev)
-    # The dispatch (which waits only for itself) is launched before the GEMM that waits for it: a
-    # launch that blocks the host until the device is idle (a kernel's first launch loads its module)
-    # then costs time, never a deadlock (see _down_push).
-    comm.wait_stream(main)
-    cb._lib().launch("mok_ep_dispatch_rows", x_rows, bufs.section_addrs("tokens"), row_peer, row_src,
-                     sched.tile_expert, ready, _ov_err(ws, bufs), epoch, wait_us, comm_ctas,
-                     stream=comm.cuda_stream)
-    group_m = cb.gemm_group_m(gate_up.shape[1])
-    suffix, grid, extra = _ov_gemm(ws, "ready", comm_ctas, gemm_ctas, dev)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=hidden, pingpong=False) + suffix
-    cb._lib().launch(name, x_rows.unsqueeze(-1), gate_up_proj.permute(1, 2, 0), gate_up.unsqueeze(-1),
-                     sched.tile_expert, sched.seg_end, sched.gemm_seg_rows(), group_m, ready, _ov_err(ws, bufs),
-                     epoch, wait_us, grid, *extra, stream=main.cuda_stream)
-    # The GEMM ends only after every tile was published; from here on the main stream also orders
-    # after the whole dispatch (x_rows, row_peer, row_src may be freed and reused on main).
-    main.wait_stream(comm)
-    return gate_up
-
-
-def _down_push(ws, bufs: SymmBuffers, eps: EPSchedule, h: torch.Tensor, down_proj: torch.Tensor) -> None:
-    """Steps 5c and 6 overlapped: mok_gemm_bk(_ef)_done on the GEMM SMs counts each finished output
-    tile in done[m_tile]; mok_ep_push_rows on comm CTAs (second stream) sends a row tile's rows to
-    their source ranks' slots once all its column tiles are done.
-
-    Launch order: the GEMM (which never waits) before the push (which waits for it). A launch can
-    block the host until the device is idle - the first launch of a kernel loads its module (CUDA
-    lazy loading), and CUDA_LAUNCH_BLOCKING / kernel-serialising tools do it on every launch - so
-    the waiting kernel must never be launched before the kernel it waits for (docs/ep.md,
-    "Overlapped forward: why it times out")."""
-    st, sched = ws.ep_state, eps.sched
-    dev = h.device
-    cap, hidden = sched.capacity, bufs.hidden
-    n_tiles = cap // TILE_M
-    if st.get("done") is None or st["done"].numel() != n_tiles:
-        st["done"] = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
-    done = st["done"]
-    done.zero_()  # counts of this GEMM only (the previous forward's push has finished: main waited)
-    wait_us = timeout_us(bufs.timeout_s)
-    comm, main, comm_ctas, gemm_ctas = _comm_setup(ws, dev)
-    out_rows = torch.empty(cap, hidden, dtype=torch.bfloat16, device=dev)
-    tiles_n = -(-hidden // cb.GEMM_TILE_N)
-    row_rank = eps.row_src.to(torch.int32)
-    comm.wait_stream(main)  # before the GEMM's launch: the push waits for done, not for the whole GEMM
-    group_m = cb.gemm_group_m(hidden)
-    suffix, grid, extra = _ov_gemm(ws, "done", comm_ctas, gemm_ctas, dev)
-    name = cb.gemm_kernel(False, torch.bfloat16, k=h.shape[1], pingpong=False) + suffix
-    cb._lib().launch(name, h.unsqueeze(-1), down_proj.permute(1, 2, 0), out_rows.unsqueeze(-1), sched.tile_expert,
-                     sched.seg_end, sched.gemm_seg_rows(), group_m, done, grid, *extra, stream=main.cuda_stream)
-    # Static: its grid leaves comm_ctas SMs free, so the push still runs beside it. Dynamic: the push's
-    # CTAs (high priority) take SMs as they free up; no deadlock, as a claimed tile never waits.
-    cb._lib().launch("mok_ep_push_rows", out_rows, bufs.section_addrs("slots"), row_rank, eps.row_slot,
-                     sched.tile_expert, done, _ov_err(ws, bufs), tiles_n, wait_us, comm_ctas,
-                     stream=comm.cuda_stream)
-    main.wait_stream(comm)  # every row pushed before the barrier; out_rows / row_rank outlive the push
-
-
 def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grads_into=None):
     check_errors(ws, block=False)
     gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
@@ -1657,44 +1270,29 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     eps, sched, gate_up = saved.eps, saved.eps.sched, saved.gate_up
     n = min(num_tokens, tc)
 
-    # 1. own dy rows local, and x rows unless the forward kept them (x again: another layer may have
-    # reused the tokens section)
-    tokens, dy = bufs.local("tokens"), bufs.local("dy")
+    # 1. own dy rows local (the forward kept its x rows)
+    dy = bufs.local("dy")
     x_rows = saved.x_rows
-    if x_rows is None:
-        tokens[r * tc:r * tc + n].copy_(x[:n])
     dy[r * tc:r * tc + n].copy_(grad_y[:n])
     # (dy_rows_mode 'push': into every peer's section as well, before the barrier, so no pull follows it; a peer
     # reads its section only between the barriers of a step, so the rows written here cannot be in use)
-    dy_mode = dy_rows_mode(ws.num_experts, P, top_k, fwd_mode(ws.config) == "overlap")
+    dy_mode = dy_rows_mode(ws.num_experts, P, top_k)
     # (asked of the dy section the kernel reads, bf16 on every rank, not of grad_y: a direct caller of this
     # function may pass another dtype on one rank only, and that rank alone would then push)
     if dy_mode == "scatter" and not scatter_from_ranks_ok(dy, top_k):
         dy_mode = "push"
-    dy_push = dy_mode == "push" and not _dispatch_rows_here(grad_y)
-    if dy_push:
+    if dy_mode == "push":
         bufs.copy_to_peers("dy", grad_y, n)
     # 2. (the token counts are the forward's: its too-many verdict holds, ntok is not rewritten)
     bufs.barrier()
-    # 3. reverse combine: pull the needed dy (and x) rows of each peer (MOK_EP_DISPATCH=rows: straight
-    # into the GEMMs' row order)
-    if _dispatch_rows_here(grad_y):
-        if x_rows is None:
-            x_rows = _dispatch_rows(ws, bufs, eps, "tokens")
-        dy_rows = _dispatch_rows(ws, bufs, eps, "dy")
+    # 3. reverse combine: the dy rows in the GEMMs' row order (pulled first, or read from the peers' sections)
+    if dy_mode == "pull":
+        bufs.pull_rows("dy", eps.pull_src)
+    skip_tail = down_bias is None  # (the down bias sums every row)
+    if dy_mode == "scatter":
+        dy_rows = scatter_from_ranks(bufs, eps, "dy", skip_tail)
     else:
-        # (dy_mode 'scatter': the x rows too, where the forward kept none, read from the peers' own sections)
-        if x_rows is None and dy_mode != "scatter":
-            bufs.pull_rows("tokens", eps.pull_src)
-        if not dy_push and dy_mode != "scatter":
-            bufs.pull_rows("dy", eps.pull_src)
-        if x_rows is None:
-            x_rows = scatter_from_ranks(bufs, eps, "tokens") if dy_mode == "scatter" else eps.gather_rows(tokens)
-        skip_tail = down_bias is None  # (the down bias sums every row)
-        if dy_mode == "scatter":
-            dy_rows = scatter_from_ranks(bufs, eps, "dy", skip_tail)
-        else:
-            dy_rows = eps.gather_rows(dy, skip_tail=skip_tail)
+        dy_rows = eps.gather_rows(dy, skip_tail=skip_tail)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)
@@ -1704,15 +1302,15 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     dx_rows = None  # (stays None where the dgrad GEMM sends the rows: the returned grads' grad_rows too)
     copy_engine = False
     if dx_mode == "gemm" and _gemm_push_ok(dgu):
-        # 4b + 5. (MOK_EP_DX_PUSH=gemm) the dgrad of gate/up sends each d x row to its source's dxslots as tiles finish
+        # 4b + 5. the dgrad of gate/up sends each d x row to its source's dxslots as tiles finish
         sums = "slot"
         cb.grouped_gemm_push(dgu, gate_up_proj, sched, bufs.section_addrs("dxslots"), eps.row_src, eps.row_slot,
                              transpose_w=True)
     else:
         dx_rows = cb.grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
-        # 5a. (per-rank sums, MOK_EP_DX_PUSH=copy_engine) d x sums now, sent by the copy engines while the
-        # weight gradients below run on every SM
-        copy_engine = dx_rows.is_cuda and dx_mode in ("copy_engine", "gemm")
+        # 5a. (per-rank sums) d x sums now, sent by the copy engines while the weight gradients below run on
+        # every SM (on the GPU; the CPU simulation stores them after the weight gradients)
+        copy_engine = dx_rows.is_cuda
         sums = combine_sums(ws.num_experts, P, top_k, hidden=copy_engine)
     dx_stream = None
     if sums == "rank" and copy_engine:
@@ -1724,7 +1322,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
         wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    # the weight gradients as at EP = 1 (MOK_WGRAD=torch: torch._grouped_mm; grads_into: added to it)
+    # the weight gradients as at EP = 1 (MOK_GEMM=torch: torch._grouped_mm; grads_into: added to it)
     grads = cb.param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
                            d_down_bias, grads_into)
     # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
@@ -1748,7 +1346,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     # 6.
     bufs.barrier()
     # 7. fixed-order sums on the source
-    flags = _step_flags(eps, bufs, saved.too_many, _ov_err(ws, bufs))
+    flags = _step_flags(eps, bufs, saved.too_many)
     bad = flags.any()
     if sums == "rank":
         dx = _pad_nan(bufs.final_combine(topk_ids[:n], flags, ws.num_experts, x.dtype), num_tokens)

@@ -1,7 +1,7 @@
 """Reading the MOK_* switches on the host path of every call.
 
-A forward reads a dozen switches (MOK_GEMM_PINGPONG, MOK_SCHEDULE, ...), most of them unset, and
-`os.environ.get` of an unset variable costs about 2 us: `_Environ.__getitem__` raises KeyError and
+A forward reads its switches (MOK_GEMM, MOK_ACT, and with expert parallelism MOK_EP_COPY) on every call,
+most often unset, and `os.environ.get` of an unset variable costs about 2 us: `_Environ.__getitem__` raises KeyError and
 `Mapping.get` catches it. Where the GPU waits for the host (the benchmark times each call from an
 idle GPU, and the qwen3 forward's start is host-bound) those microseconds are the layer's time.
 

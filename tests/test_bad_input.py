@@ -182,6 +182,20 @@ def test_macrobatch_below_the_default_minibatch_is_accepted():
         assert_close(grads[k], grads_or[k], 1e-12, k)
 
 
+@pytest.mark.parametrize("field,value", [("fwd_num_comm_sms", 8), ("bwd_num_comm_sms", 0), ("minibatch_size", 512)])
+def test_reserved_knobs_say_they_change_nothing(field, value):
+    """The reserved knobs are validated and kept, but no kernel reads them: setting one is not silent."""
+    import warnings
+
+    from mok_nn import MoKConfig
+
+    with pytest.warns(UserWarning, match=f"MoKConfig.{field} is reserved"):
+        assert getattr(MoKConfig(**{field: value}), field) == value
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MoKConfig(macrobatch_size=64, schedule_capacity_multiplier=3.0)  # the knobs that act: no warning
+
+
 @pytest.mark.parametrize("field", ["fwd_num_comm_sms", "bwd_num_comm_sms"])
 def test_zero_comm_sms_only_without_expert_parallelism(field, monkeypatch):
     """MoKConfig: 0 communication SMs is allowed only without expert parallelism."""
@@ -214,35 +228,15 @@ def test_config_takes_numpy_numbers_as_plain_ones():
 
 
 def test_debug_switches_reject_unknown_values(monkeypatch):
-    """The CUDA path's switches read per call (MOK_GEMM, MOK_WGRAD, MOK_ACT, MOK_GEMM_GATHER(_DY),
-    MOK_SCHEDULE_GATHER, MOK_WGRAD_GROUP_M) raise naming the variable for a value they do not know, instead of
-    silently meaning their default (MOK_GEMM_GATHER=true was off)."""
+    """The debugging oracles read per call (MOK_GEMM, MOK_ACT) raise naming the variable for a value they do not
+    know, instead of silently meaning their default."""
     from mok_nn import cuda_backend as cb
 
-    for var, fn, bad in (("MOK_GEMM", cb._use_torch_gemm, "yes"), ("MOK_WGRAD", cb._use_torch_wgrad, "Torch"),
-                         ("MOK_ACT", cb._use_torch_act, "1"), ("MOK_GEMM_GATHER", cb._use_gather, "true"),
-                         ("MOK_GEMM_GATHER_DY", lambda: cb._use_gather("MOK_GEMM_GATHER_DY"), "on")):
+    for var, fn, bad in (("MOK_GEMM", cb._use_torch_gemm, "yes"), ("MOK_ACT", cb._use_torch_act, "1")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ValueError, match=var):
             fn()
+        monkeypatch.setenv(var, "torch")
+        assert fn() is True
         monkeypatch.delenv(var)
         assert fn() is False
-    monkeypatch.setenv("MOK_GEMM_GATHER", "1")
-    assert cb._use_gather() is True
-    monkeypatch.setenv("MOK_WGRAD_GROUP_M", "x")
-    with pytest.raises(ValueError, match="MOK_WGRAD_GROUP_M"):
-        cb.wgrad_group_m("mok_gemm_wgrad", 256)
-
-
-def test_unknown_wgrad_kernel_raises_even_on_the_torch_path(monkeypatch):
-    """MOK_WGRAD_KERNEL names a registry kernel; an unknown one raised only where a kernel launched, and was
-    silently ignored under MOK_WGRAD=torch."""
-    from mok_nn import cuda_backend as cb
-
-    monkeypatch.setenv("MOK_WGRAD", "torch")
-    monkeypatch.setenv("MOK_WGRAD_KERNEL", "mok_gemm_wgrad_nonexistent")
-    ids = torch.randint(0, 4, (6, 2))
-    sched = cb.make_schedule_torch(ids, 4)
-    rows = torch.randn(sched.capacity, 8).bfloat16()
-    with pytest.raises(ValueError, match="MOK_WGRAD_KERNEL"):
-        cb.weight_grad(rows, rows, sched, sched.seg_rows)

@@ -45,9 +45,15 @@ def test_commit_is_the_package_checkout_not_the_cwd(tmp_path, monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
     if head.returncode != 0:
         pytest.skip("mok_nn is not in a git checkout")
-    monkeypatch.delenv("MOK_COMMIT", raising=False)
     monkeypatch.chdir(tmp_path)  # not a git repository
     assert bench._commit() == head.stdout.strip()
+
+
+def test_commit_flag_overrides(tmp_path):
+    """--commit names the records' commit (a tree that travels without .git)."""
+    out = tmp_path / "d.json"
+    bench.main(["--device", "cpu", "--iters", "1", "--warmup", "0", "--no-check", "--out", str(out), "--commit", "abc123"])
+    assert {r["commit"] for r in json.loads(out.read_text())} == {"abc123"}
 
 
 def test_bench_cpu_defaults_to_the_tiny_shape(tmp_path):
@@ -83,42 +89,6 @@ def test_measure_rotates_the_order(n_impls):
             assert sorted(r[pos] for r in rounds) == names  # and once in each position
     if n_impls == 2:
         assert timed[:4] == ["impl0", "impl1", "impl1", "impl0"]  # the A B, B A of the two-way benchmark
-
-
-def test_env_modes_settings_reach_the_backward(monkeypatch):
-    """tests/gpu/bench_env_modes.with_env: a mode's settings are in force during its call and stay so
-    afterwards, when bench.measure runs the backward (until this was so, every mode's backward ran under
-    the process environment); keys of the mode set that this mode does not name are unset."""
-    import importlib.util
-    import os
-    import pathlib
-
-    path = pathlib.Path(__file__).parent / "gpu" / "bench_env_modes.py"
-    monkeypatch.syspath_prepend(str(path.parent))  # its own imports (layer_runs) sit beside it
-    spec = importlib.util.spec_from_file_location("bench_env_modes", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    keys = ["MOK_TEST_A", "MOK_TEST_B"]
-    for k in keys:
-        monkeypatch.delenv(k, raising=False)
-    seen = []
-
-    def fn():
-        seen.append({k: os.environ.get(k) for k in keys})
-
-        class Out:
-            def backward(self):  # what bench.measure calls after fn returns
-                seen.append({k: os.environ.get(k) for k in keys})
-
-        return Out()
-
-    a = mod.with_env(fn, {"MOK_TEST_A": "1", "MOK_TEST_B": "x"}, keys)
-    b = mod.with_env(fn, {"MOK_TEST_A": "2"}, keys)
-    a().backward()
-    b().backward()
-    assert seen == [{"MOK_TEST_A": "1", "MOK_TEST_B": "x"}] * 2 + [{"MOK_TEST_A": "2", "MOK_TEST_B": None}] * 2
-    for k in keys:
-        monkeypatch.delenv(k, raising=False)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -64,8 +64,9 @@ def test_combine_torch_vs_fp64(E, k):
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
 
 
-def test_combine_sums_mode(monkeypatch):
-    monkeypatch.delenv("MOK_EP_COMBINE_SUMS", raising=False)
+def test_combine_sums_rule():
+    """Per-rank partial sums where they cross NVLink in fewer bytes than one row per slot (or the bytes are
+    hidden) and the ranks divide the combine tree's leaves, else one row per slot."""
     assert cuda_ep.combine_sums(256, 2, 8) == "rank"  # auto: 4 slots per rank and token on average
     assert cuda_ep.combine_sums(128, 2, 8) == "rank"
     assert cuda_ep.combine_sums(8, 2, 2) == "slot"  # mixtral: 1 slot per rank
@@ -73,17 +74,7 @@ def test_combine_sums_mode(monkeypatch):
     assert cuda_ep.combine_sums(256, 8, 8) == "slot"
     assert cuda_ep.combine_sums(8, 2, 2, hidden=True) == "rank"  # d x by the copy engines: bytes hidden
     assert cuda_ep.combine_sums(6, 3, 2, hidden=True) == "slot"  # 3 ranks do not divide 2 leaves
-    for mode in ("rank", "slot"):
-        monkeypatch.setenv("MOK_EP_COMBINE_SUMS", mode)
-        assert cuda_ep.combine_sums(256, 2, 8) == mode
-        assert cuda_ep.combine_sums(8, 2, 2) == mode
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "rank")
-    assert cuda_ep.combine_sums(8, 8, 2) == "rank"
-    assert cuda_ep.combine_sums(6, 3, 2) == "slot"  # 3 ranks do not divide gcd(6, 8) = 2 leaves
-    assert cuda_ep.combine_sums(12, 8, 8) == "slot"  # 4 leaves
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "nope")
-    with pytest.raises(ValueError, match="MOK_EP_COMBINE_SUMS"):
-        cuda_ep.combine_sums(256, 2, 8)
+    assert cuda_ep.combine_sums(12, 8, 8) == "slot"  # 8 ranks do not divide gcd(12, 8) = 4 leaves
 
 
 def test_combine_refuses_more_than_32_slots():

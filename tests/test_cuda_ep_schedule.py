@@ -83,8 +83,8 @@ def test_ep_schedule_matches_python(ep_size, tokens, tc, top_k, num_experts, ske
             want = [src * tc + t if src != rank and any(int(e) // e_l == rank for e in ids_all[src, t] if e >= 0)
                     else -1 for t in range(tc)]
             assert eps.pull_src[src].tolist() == want
-            # push: the rows of that source, identity-indexed
-            assert eps.push_src[src].tolist() == [i if want_src[i] == src else -1 for i in range(cap)]
+            # push (the torch copies' split by rank): the rows of that source, identity-indexed
+            assert cuda_ep.push_split(eps.row_src, ep_size)[src].tolist() == [i if want_src[i] == src else -1 for i in range(cap)]
 
 
 def test_ep_schedule_overflow_flag_seen_by_every_rank():
@@ -190,3 +190,31 @@ def test_ep_forward_raises_on_expert_id_out_of_range():
         bad_ids[1, 3, 1] = bad
         with pytest.raises(IndexError):
             cuda_ep.make_ep_schedule(bad_ids, 16, 0, 4, 256)
+
+
+def test_push_split_gives_the_kernel_push_slots():
+    """The torch copies' push (SymmBuffers.push_rows with MOK_EP_COPY=torch: push_split's rows of each rank into
+    its slots at row_slot) stores what mok_ep_push_peers' contract stores (row r into slots[row_slot[r]] of rank
+    row_src[r]), every slot of a source's tokens written once."""
+    ep_size, tokens, tc, top_k, num_experts, hidden = 2, [300, 301], 301, 8, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    ids_all = _ids_all(ep_size, tc, tokens, top_k, num_experts, gen)
+    e_l = num_experts // ep_size
+    cap = cuda_ep.schedule_capacity(tc, top_k, e_l, ep_size, float(ep_size))
+    split = [torch.zeros(tc * top_k, hidden, dtype=torch.bfloat16) for _ in range(ep_size)]
+    contract = [torch.zeros(tc * top_k, hidden, dtype=torch.bfloat16) for _ in range(ep_size)]
+    written = [torch.zeros(tc * top_k, dtype=torch.int64) for _ in range(ep_size)]
+    for rank in range(ep_size):
+        eps = cuda_ep.make_ep_schedule(ids_all, tokens[rank], rank, e_l, cap)
+        out = torch.randn(cap, hidden, generator=gen).to(torch.bfloat16)
+        push_src = cuda_ep.push_split(eps.row_src, ep_size)
+        for p in range(ep_size):
+            cuda_ep.SymmBuffers.copy_rows_torch(out, push_src[p], split[p], eps.row_slot)
+        for r in range(cap):
+            if int(eps.row_src[r]) >= 0:
+                contract[int(eps.row_src[r])][int(eps.row_slot[r])] = out[r]
+                written[int(eps.row_src[r])][int(eps.row_slot[r])] += 1
+    for p in range(ep_size):
+        assert torch.equal(split[p].view(torch.int16), contract[p].view(torch.int16))
+        n = tokens[p] * top_k
+        assert bool((written[p][:n] == 1).all()) and bool((written[p][n:] == 0).all())

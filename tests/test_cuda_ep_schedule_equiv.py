@@ -13,7 +13,7 @@ from mok_nn.kernels.registry import TILE_M
 
 
 def _eps(sched, row_src, row_slot, row_gslot, pull_src, push_src, overflow):
-    """An EPSchedule of an oracle, holding the oracle's own push_src (not the one EPSchedule builds)."""
+    """An EPSchedule of an oracle, holding the oracle's own push_src (compared with cuda_ep.push_split's)."""
     eps = cuda_ep.EPSchedule(sched, row_gslot, pull_src)
     # where functools.cached_property keeps its values: the oracle's own, nothing derived
     eps.__dict__.update(row_src=row_src, row_slot=row_slot, overflow=overflow, push_src=push_src)
@@ -133,7 +133,13 @@ def _fields(eps):
     return {"pos": s.pos, "row_token": s.row_token, "tile_expert": s.tile_expert, "seg_end": s.seg_end,
             "seg_rows": s.seg_rows, "row_expert": s.expert_of_rows(), "row_src": eps.row_src,
             "row_slot": eps.row_slot, "row_gslot": eps.row_gslot, "pull_src": eps.pull_src,
-            "push_src": eps.push_src, "overflow": eps.overflow}
+            "push_src": _push_src(eps), "overflow": eps.overflow}
+
+
+def _push_src(eps):
+    """The oracle's own push_src, or the split by rank the torch copies build (cuda_ep.push_split)."""
+    return eps.__dict__["push_src"] if "push_src" in eps.__dict__ else cuda_ep.push_split(eps.row_src,
+                                                                                         eps.pull_src.shape[0])
 
 
 def _assert_same(want, got, where):

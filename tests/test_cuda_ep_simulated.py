@@ -205,7 +205,7 @@ def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
     for r, (y, dx, dw, seen) in enumerate(_run_ranks(rank_fn, ep_size)):
         assert y.shape == (tokens[r], H) and dx.shape == (tokens[r], H) and dw.shape == (tokens[r], K)
         assert bool(torch.isnan(y).all()) and bool(torch.isnan(dx).all()) and bool(torch.isnan(dw).all())
-        assert [f.tolist() for f in seen] == [[0, 0, 9, 0], [0, 0, 9, 0]]
+        assert [f.tolist() for f in seen] == [[0, 0, 9], [0, 0, 9]]
 
 
 def test_check_errors_too_many_tokens_sets_growth():
@@ -214,7 +214,7 @@ def test_check_errors_too_many_tokens_sets_growth():
             pass
 
     # (flags, then the arrival marker _record_errors copies behind them)
-    st = {"pending": [(torch.tensor([0, 0, 9, 0, 1], dtype=torch.int32).numpy(), _Done(), "forward")],
+    st = {"pending": [(torch.tensor([0, 0, 9, 1], dtype=torch.int32).numpy(), _Done(), "forward")],
           "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0)}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())
     with pytest.raises(cuda_ep.EPError, match="9 tokens, above the workspace's token capacity 6"):
@@ -231,14 +231,14 @@ def test_check_errors_waits_for_the_marker():
             self.host = host
 
         def synchronize(self):
-            self.host[4] = 1  # the copies behind the event are done
+            self.host[3] = 1  # the copies behind the event are done
 
         def query(self):
             raise AssertionError("the non-blocking poll must not query the event")
 
-    host = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int32)  # an overflow, marker not yet arrived
-    st = {"pending": [(host.numpy(), _Event(host), "forward")],  # (_record_errors keeps a numpy view) "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0),
-          "capacity": 128}
+    host = torch.tensor([1, 0, 0, 0], dtype=torch.int32)  # an overflow, marker not yet arrived
+    st = {"pending": [(host.numpy(), _Event(host), "forward")],  # (_record_errors keeps a numpy view)
+          "bufs": SimpleNamespace(tokens_cap=6, timeout_s=1.0), "capacity": 128}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())
     cuda_ep.check_errors(ws, block=False)  # not arrived: kept, nothing raised
     assert len(st["pending"]) == 1
@@ -247,23 +247,26 @@ def test_check_errors_waits_for_the_marker():
     assert st["pending"] == []
 
 
-@pytest.mark.parametrize("save_x_rows,sums", [("1", "rank"), ("0", "rank"), ("1", "slot")])
+# top-k 2 of 8 experts at P = 2: the needed rows pulled, one row per slot summed on the source ('slot');
+# top-k 6: the rows pushed by the publish (scatter's stand-in off the GPU), the combine and d x pre-reduced
+# per rank ('rank': k > 2P)
+SUMS_TOP_K = {"slot": 2, "rank": 6}
+
+
+@pytest.mark.parametrize("sums", ["slot", "rank"])
 @pytest.mark.parametrize("tokens,bias,activation,limit", [
     ([37, 20], False, "swiglu", None),
     ([37, 1], False, "swiglu", 7.0),
     ([300, 301], True, "swiglu_oai", 7.0),
 ])
-def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, tokens, bias, activation, limit,
-                                                      save_x_rows, sums):
+def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, tokens, bias, activation, limit, sums):
     """Given one routing, cuda_ep's plumbing (exchange, row order, biases, d w slots) gives the bits of
     cuda_backend's EP = 1 logic on the concatenated batch, both on the same torch stand-ins for the
-    kernels; with the forward's x rows kept for the backward (MOK_EP_SAVE_X_ROWS=1, the default) and
-    with them pulled and gathered again (=0); with the combine and d x pre-reduced per rank
-    (MOK_EP_COMBINE_SUMS=rank) and summed from one row per slot (=slot). (On the GPU,
-    tests/gpu/ep_cuda_check.py checks the same with the real kernels.)"""
-    monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x_rows)
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", sums)
-    H, I, E, K, P = 64, 32, 8, 2, 2
+    kernels; with the combine and d x summed from one row per slot and pre-reduced per rank
+    (combine_sums, by top-k). (On the GPU, tests/gpu/ep_cuda_check.py checks the same with the real
+    kernels.)"""
+    H, I, E, K, P = 64, 32, 8, SUMS_TOP_K[sums], 2
+    assert cuda_ep.combine_sums(E, P, K) == sums
     e_l = E // P
     g = torch.Generator().manual_seed(11 + sum(tokens))
     W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, bias_scale=0.5)
@@ -284,13 +287,13 @@ def test_simulated_ep_bitwise_equals_single_gpu_logic(cpu_kernels, monkeypatch, 
 
 
 @pytest.mark.parametrize("sums", ["rank", "slot"])
-def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
+def test_two_layers_sharing_a_workspace(cpu_kernels, sums):
     """Two layers with the same shapes share one workspace (one symmetric buffer). Forward A,
     forward B, backward B, backward A, as in training: A's backward gives the bits of A alone
     (forward A, backward A), although B's forward published its own routing into the shared ids
     section in between (the per-rank d x sums read the forward's copy, EPSaved.ids_all)."""
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", sums)
-    H, I, E, K, P, tokens = 64, 32, 8, 2, 2, [37, 20]
+    H, I, E, K, P, tokens = 64, 32, 8, SUMS_TOP_K[sums], 2, [37, 20]
+    assert cuda_ep.combine_sums(E, P, K) == sums
     A = _problem(torch.Generator().manual_seed(1), tokens, H, I, E, K, False, 0.0)
     B = _problem(torch.Generator().manual_seed(2), tokens, H, I, E, K, False, 0.0)
     e_l, tc = E // P, max(tokens)
@@ -317,14 +320,16 @@ def test_two_layers_sharing_a_workspace(cpu_kernels, monkeypatch, sums):
 
 
 def test_token_rows_modes_give_the_same_bits(cpu_kernels, monkeypatch):
-    """MOK_EP_PULL=push (every rank's rows stored into every rank's tokens section by its publish), =all
-    (every peer token row pulled, before the schedule) and =needed (after it) feed the GEMMs the same rows:
-    every output of both ranks bitwise equal."""
+    """token_rows_mode 'push' (every rank's rows stored into every rank's tokens section by its publish), 'all'
+    (every peer token row pulled, before the schedule) and 'needed' (after it) feed the GEMMs the same rows:
+    every output of both ranks bitwise equal. (The rule picks 'needed' at this shape; 'all' above 32 ranks,
+    'push' where scatter cannot run.)"""
     g = torch.Generator().manual_seed(11)
     problem = _problem(g, [9, 14], 32, 16, 8, 2, False, 0.0)
+    assert cuda_ep.token_rows_mode(8, 2, 2) == "needed"
     runs = {}
     for mode in ("needed", "all", "push"):
-        monkeypatch.setenv("MOK_EP_PULL", mode)
+        monkeypatch.setattr(cuda_ep, "token_rows_mode", lambda num_experts, ep_size, top_k, mode=mode: mode)
         runs[mode] = _simulated_ep(2, *problem, "swiglu", None)
     for mode in ("all", "push"):
         for got, want in zip(runs[mode], runs["needed"]):
@@ -335,16 +340,16 @@ def test_token_rows_modes_give_the_same_bits(cpu_kernels, monkeypatch):
             assert torch.equal(grads.down_proj, grads2.down_proj), mode
 
 
-def test_token_rows_rule(monkeypatch):
-    """MOK_EP_PULL=auto: where nearly every token has an expert on each rank, the gather reads the peers' rows
-    from their sections (scatter; up to 32 ranks, else every row pulled), else only the needed rows."""
-    monkeypatch.delenv("MOK_EP_PULL", raising=False)
+def test_token_rows_rule():
+    """Where nearly every token has an expert on each rank, the gather reads the peers' rows from their
+    sections (scatter; up to 32 ranks, else every row pulled), else only the needed rows are pulled; the d y
+    rows go the same way (scatter, else pulled)."""
     assert cuda_ep.token_rows_mode(128, 2, 8) == cuda_ep.token_rows_mode(256, 2, 8) == "scatter"  # 0.996
     assert cuda_ep.token_rows_mode(64, 64, 60) == "all"  # 0.94 over 64 ranks
     assert cuda_ep.token_rows_mode(8, 2, 2) == "needed"  # mixtral: 0.79
     assert cuda_ep.token_rows_mode(16, 8, 1) == "needed"  # top-1 over 8 ranks: 0.125
-    monkeypatch.setenv("MOK_EP_PULL", "all")
-    assert cuda_ep.token_rows_mode(8, 2, 2) == "all"
+    assert cuda_ep.dy_rows_mode(128, 2, 8) == "scatter" and cuda_ep.dy_rows_mode(8, 2, 2) == "pull"  # qwen3, mixtral
+    assert cuda_ep.dy_rows_mode(64, 64, 60) == "pull"  # token rows pulled after the barrier (above 32 ranks)
 
 
 def test_kept_copy_only_of_the_last_replay():
@@ -363,7 +368,7 @@ def test_check_errors_keeps_finished_steps_until_the_next_record():
         def synchronize(self):
             pass
 
-    host = torch.tensor([0, 0, 0, 0, 1], dtype=torch.int32).numpy()  # no error, marker arrived
+    host = torch.tensor([0, 0, 0, 1], dtype=torch.int32).numpy()  # no error, marker arrived
     ev = _Event()
     st = {"pending": [(host, ev, "forward")]}
     ws = SimpleNamespace(ep_state=st, config=MoKConfig())

@@ -56,15 +56,6 @@ def test_schedule_chunk_covers_slots(num_slots):
     assert chunks * chunk >= num_slots and (chunks - 1) * chunk < max(num_slots, 1)
 
 
-def test_schedule_setting_checked(monkeypatch):
-    ids = torch.zeros(3, 2, dtype=torch.int64)
-    monkeypatch.setenv("MOK_SCHEDULE", "single")  # a kernel name: on the CPU the torch schedule runs
-    assert torch.equal(make_schedule(ids, 4).seg_rows, torch.tensor([6, 0, 0, 0], dtype=torch.int32))
-    monkeypatch.setenv("MOK_SCHEDULE", "bogus")
-    with pytest.raises(ValueError, match="MOK_SCHEDULE"):
-        make_schedule(ids, 4)
-
-
 def test_gemm_seg_rows_padded():
     """The GEMMs get the padded segment sizes as seg_rows: no tile's rows count as padding."""
     from mok_nn.cuda_backend import padded_seg_rows
@@ -112,71 +103,41 @@ def test_take_gathered_gives_the_rows_of_that_very_x_once():
     assert s.take_gathered(x) is rows and s.gathered is None and s.take_gathered(x) is None
 
 
-def test_seg_rows_for_half_tiles(monkeypatch):
-    """The ping-pong kernels get the routed rows (half tiles, MOK_GEMM_HALF_TILES=1, the default), every other
-    kernel and the switch off the padded sizes; a bad setting is an error naming the variable."""
+def test_seg_rows_for_by_kernel():
+    """The clustered ping-pong kernels (their half tiles) and the dynamic-tile kernels (their skipped warp groups)
+    get the routed rows; every other kernel the padded sizes, so none of its warp groups skips its MMA."""
+    from mok_nn.kernels.registry import GEMM_DYN_KERNELS, SPECS_BY_NAME
+
     ids, _ = _routing(300, 2, 8, torch.Generator().manual_seed(3))
     s = make_schedule(ids, 8)
     padded = s.gemm_seg_rows()
     assert not torch.equal(s.seg_rows, padded)  # some expert's last tile is not full
-    monkeypatch.delenv("MOK_GEMM_HALF_TILES", raising=False)
-    for name in ("mok_gemm_bk_ppc", "mok_gemm_bn_pp", "mok_gemm_gate_up_swiglu_ppc", "mok_gemm_dact_swiglu_ppc"):
+    routed = [n for n in SPECS_BY_NAME if n.endswith("_ppc")] + list(GEMM_DYN_KERNELS)
+    assert "mok_gemm_dact_swiglu_ppc" in routed and "mok_gemm_bk_ef_dyn" in routed
+    for name in routed:
         assert s.seg_rows_for(name) is s.seg_rows, name
-    for name in ("mok_gemm_bk", "mok_gemm_bk_ef", "mok_gemm_gate_up_swiglu_ef", "mok_gemm_bk_ef_push"):
+    for name in ("mok_gemm_bk", "mok_gemm_bn", "mok_gemm_gate_up_swiglu_ef", "mok_gemm_bk_ef_push"):
         assert s.seg_rows_for(name) is padded, name
-    monkeypatch.setenv("MOK_GEMM_HALF_TILES", "0")
-    assert s.seg_rows_for("mok_gemm_bk_ppc") is padded
-    monkeypatch.setenv("MOK_GEMM_HALF_TILES", "yes")
-    with pytest.raises(ValueError, match="MOK_GEMM_HALF_TILES"):
-        s.seg_rows_for("mok_gemm_bk_ppc")
 
 
-def test_gemm_tiles_switch(monkeypatch):
-    """MOK_GEMM_TILES: static keeps every kernel; dynamic gives the cooperative kernels with a _dyn twin
-    (mok_gemm_bk_ef, mok_gemm_bn_ef, mok_gemm_bn_f32) that twin and no other kernel one; auto (default) the
-    twin for the kernels in DYNAMIC_TILES_AUTO; the _dyn kernels get the routed rows (their tail skip);
-    a bad setting is an error naming the variable."""
-    from mok_nn import cuda_backend as cb
+def test_dynamic_tile_kernels():
+    """The _dyn kernels take the plain GEMM's arguments and the tile counter the launch zeroes."""
     from mok_nn.kernels.registry import GEMM_DYN_KERNELS, SPECS_BY_NAME
 
-    twins = ("mok_gemm_bk_ef", "mok_gemm_bn_ef", "mok_gemm_bn_f32")
-    others = ("mok_gemm_bk", "mok_gemm_bn", "mok_gemm_bk_ppc", "mok_gemm_bn_pp", "mok_gemm_bk_ef_push")
-    assert set(GEMM_DYN_KERNELS) == {n + "_dyn" for n in twins}
-    for n in GEMM_DYN_KERNELS:  # the plain kernel's arguments + the counter
-        assert [a.name for a in SPECS_BY_NAME[n].args] == [a.name for a in SPECS_BY_NAME[n[:-4]].args] + ["tile_counter"]
-    monkeypatch.setenv("MOK_GEMM_TILES", "static")
-    assert all(cb.gemm_tiles_suffix(n) == "" for n in twins + others)
-    monkeypatch.setenv("MOK_GEMM_TILES", "dynamic")
-    assert all(cb.gemm_tiles_suffix(n) == "_dyn" for n in twins)
-    assert all(cb.gemm_tiles_suffix(n) == "" for n in others)
-    monkeypatch.delenv("MOK_GEMM_TILES")
-    assert [n for n in twins + others if cb.gemm_tiles_suffix(n)] == [n for n in twins if n in cb.DYNAMIC_TILES_AUTO]
-    ids, _ = _routing(300, 2, 8, torch.Generator().manual_seed(4))
-    s = make_schedule(ids, 8)
-    assert all(s.seg_rows_for(n) is s.seg_rows for n in GEMM_DYN_KERNELS)
-    monkeypatch.setenv("MOK_GEMM_TILES", "claimed")
-    with pytest.raises(ValueError, match="MOK_GEMM_TILES"):
-        cb.gemm_tiles_suffix("mok_gemm_bk_ef")
+    assert set(GEMM_DYN_KERNELS) == {"mok_gemm_bk_ef_dyn", "mok_gemm_bn_ef_dyn", "mok_gemm_bn_f32_dyn"}
+    plain = [a.name for a in SPECS_BY_NAME["mok_gemm_bk"].args]
+    for n in GEMM_DYN_KERNELS:
+        assert [a.name for a in SPECS_BY_NAME[n].args] == plain + ["tile_counter"]
 
 
-def test_gemm_raster_switch(monkeypatch):
-    """MOK_GEMM_RASTER: bands keeps band_rule's bands (column tiles fastest, bands of 8 row tiles past 32
-    column tiles), expert gives the kernels group_m 0 (a band per expert), auto (default) expert bands where
-    band_rule says column tiles fastest; the weight gradients' raster ignores it (their kernels have no
-    expert bands); a bad setting is an error naming the variable."""
+def test_gemm_raster():
+    """Expert bands (group_m 0) where band_rule would run column tiles fastest, else its bands of 8 row tiles
+    past 32 column tiles; the weight gradients' raster has no expert bands."""
     from mok_nn import cuda_backend as cb
 
-    monkeypatch.delenv("MOK_GEMM_RASTER", raising=False)
-    monkeypatch.delenv("MOK_WGRAD_GROUP_M", raising=False)
     assert cb.gemm_group_m(4096) == 0 and cb.gemm_group_m(28672) == 8 and cb.gemm_group_m(8192, 128) == 8
-    monkeypatch.setenv("MOK_GEMM_RASTER", "bands")
-    assert cb.gemm_group_m(4096) == 1 and cb.gemm_group_m(28672) == 8 and cb.gemm_group_m(8192, 128) == 8
-    monkeypatch.setenv("MOK_GEMM_RASTER", "expert")
-    assert cb.gemm_group_m(4096) == 0 and cb.gemm_group_m(28672) == 0
-    assert cb.wgrad_group_m("mok_gemm_wgrad", 28672) == 8 and cb.wgrad_group_m("mok_gemm_wgrad", 4096) == 1
-    monkeypatch.setenv("MOK_GEMM_RASTER", "rows")
-    with pytest.raises(ValueError, match="MOK_GEMM_RASTER"):
-        cb.gemm_group_m(4096)
+    assert cb.wgrad_group_m("mok_gemm_wgrad_defer_c2", 28672) == 8
+    assert cb.wgrad_group_m("mok_gemm_wgrad_defer_c2", 4096) == 1
 
 
 @pytest.mark.parametrize("slots,cap,experts,scratch", [(65536, 73728, 128, 4096), (3, 128, 5, 0), (1, 128, 1, 1)])

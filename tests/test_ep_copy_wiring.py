@@ -1,5 +1,5 @@
-"""MOK_EP_COPY (v1 / v2 / torch) in cuda_ep, on the CPU: which row-copy kernels each mode launches,
-with which arguments, and that all three give the same bits.
+"""MOK_EP_COPY (kernel / torch) in cuda_ep, on the CPU: which row-copy kernels the kernel mode launches,
+with which arguments, and that both give the same bits; the push GEMMs' wiring likewise.
 
 The ranks are threads (test_cuda_ep_simulated); the library is a stub that records each launch and
 carries out the kernel's documented contract with torch indexing on the CPU tensors behind the
@@ -34,13 +34,7 @@ class _StubLib:
     def launch(self, name, *args, stream):
         with self._lock:
             self.launches.append((threading.get_ident(), name))
-        if name in ("mok_ep_copy_rows", "mok_ep_copy_rows_v2"):
-            src, src_idx, dst, dst_idx = args[:4]
-            assert (name == "mok_ep_copy_rows_v2") == (len(args) == 5)
-            for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
-                if s >= 0 and d >= 0:
-                    dst[d] = src[s]
-        elif name == "mok_ep_pull_peers":
+        if name == "mok_ep_pull_peers":
             base, pull_src, dst, grid = args
             assert grid >= 1 and pull_src.dim() == 2
             tc = pull_src.shape[1]
@@ -93,12 +87,12 @@ def stub_copies(monkeypatch):
     return lib
 
 
-def _run(monkeypatch, mode, seed, tokens):
+def _run(monkeypatch, mode, seed, tokens, top_k=2):
     if mode is None:
         monkeypatch.delenv("MOK_EP_COPY", raising=False)
     else:
         monkeypatch.setenv("MOK_EP_COPY", mode)
-    H, I, E, K = 64, 32, 4 * len(tokens), 2
+    H, I, E, K = 64, 32, 4 * len(tokens), top_k
     g = torch.Generator().manual_seed(seed)
     W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, False, 0.0)
     return _simulated_ep(len(tokens), W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
@@ -108,114 +102,107 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
-@pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
-def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens):
+def _outputs(run):
+    """y, d x, d topk-weights and the weight gradients of one rank's run."""
+    return run[:3] + (run[3].gate_up_proj, run[3].down_proj)
+
+
+@pytest.mark.parametrize("tokens,top_k", [([37, 20], 2), ([37, 20], 6), ([5, 9, 1], 2)])
+def test_copy_modes_same_bits_and_launches(stub_copies, monkeypatch, tokens, top_k):
+    """The kernel copies (the default) against the torch copies (none launched): the same bits. Per rank and
+    step, the kernel mode pulls each section once where the rows are pulled (top-k 2: the needed rows, and the
+    d y rows after them; top-k 6: the rule's scatter, for which the CPU pushes the rows before the barriers
+    instead), and pushes the combine (and d x) once: a row per slot, or (k > 2P: per-rank sums) one
+    pre-reduced push and the source's final sum."""
     P = len(tokens)
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "rank")  # per-rank sums where P divides the leaves
-    rank_sums = cuda_ep.combine_sums(4 * P, P, 2) == "rank"  # [37, 20]: 2 ranks, 8 experts; [5, 9, 1]: slot sums
-    # the combine and d x per rank and step: one pre-reduced push + the source's final sum, or the slot push
+    E = 4 * P
+    rank_sums = cuda_ep.combine_sums(E, P, top_k) == "rank"  # [5, 9, 1]: 3 ranks do not divide 4 leaves
+    assert rank_sums == (top_k == 6)
+    pulled = cuda_ep.token_rows_mode(E, P, top_k) == "needed"
+    assert pulled == (top_k == 2) and cuda_ep.dy_rows_mode(E, P, top_k) == ("pull" if pulled else "scatter")
     sums = ["mok_ep_partial_push", "mok_combine_final"] * 2 * P if rank_sums else []
     got = {}
-    for mode in ("torch", "v1", None, "v2"):
+    for mode in ("torch", None, "kernel"):
         stub_copies.launches.clear()
-        got[mode] = _run(monkeypatch, mode, seed=3 + P, tokens=tokens)
+        got[mode] = _run(monkeypatch, mode, seed=3 + P, tokens=tokens, top_k=top_k)
         names = [n for _, n in stub_copies.launches]
         copies = [n for n in names if n not in ("mok_ep_partial_push", "mok_combine_final")]
         if mode == "torch":
             assert names == []
             continue
-        assert sorted(set(names) - set(copies)) == sorted(set(sums)) and len(names) - len(copies) == len(sums)
-        if mode == "v1":
-            # forward: P-1 pulls (+ P pushes); backward: P-1 pulls (d y; the forward kept its x rows,
-            # MOK_EP_SAVE_X_ROWS) (+ P pushes), per rank
-            assert set(copies) == {"mok_ep_copy_rows"}
-            assert len(copies) / P == 2 * (P - 1) + (0 if rank_sums else 2 * P)
-        else:  # v2, also the default: one pull per section, one push per step
-            pushes = [] if rank_sums else ["mok_ep_push_peers"] * 2 * P
-            assert sorted(copies) == sorted(["mok_ep_pull_peers"] * 2 * P + pushes)
-    for mode in ("v1", None, "v2"):
+        assert sorted(names) == sorted(copies + sums)
+        pulls = ["mok_ep_pull_peers"] * 2 * P if pulled else []
+        pushes = [] if rank_sums else ["mok_ep_push_peers"] * 2 * P
+        assert sorted(copies) == sorted(pulls + pushes)
+    for mode in (None, "kernel"):
         for r in range(P):
-            y, dx, dw, grads = got[mode][r]
-            y0, dx0, dw0, grads0 = got["torch"][r]
-            for a, b in [(y, y0), (dx, dx0), (dw, dw0), (grads.gate_up_proj, grads0.gate_up_proj),
-                         (grads.down_proj, grads0.down_proj)]:
+            for a, b in zip(_outputs(got[mode][r]), _outputs(got["torch"][r])):
                 assert torch.equal(_bits(a), _bits(b)), (mode, r)
 
 
-@pytest.mark.parametrize("modes", [("gemm", "kernel"), ("kernel", "gemm"), ("gemm", "gemm")])
+@pytest.mark.parametrize("gemms", ["down", "dgrad", "both"])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
-def test_push_gemm_wiring(stub_copies, monkeypatch, tokens, modes):
-    """MOK_EP_DOWN_PUSH / MOK_EP_DX_PUSH=gemm: the forward's down GEMM (mok_gemm_bk_ef_push) and the backward's
-    dgrad of gate/up (mok_gemm_bn_ef_push), here the stub's torch GEMM + scatter, send each row to its source's
-    slots / dxslots instead of the GEMM and mok_ep_push_peers: one launch per rank and pass, no push after it,
-    and the same bits as the GEMMs then the slot pushes."""
+def test_push_gemm_wiring(stub_copies, monkeypatch, tokens, gemms):
+    """The forward's down GEMM (mok_gemm_bk_ef_push, down_push) and the backward's dgrad of gate/up
+    (mok_gemm_bn_ef_push, dx_push_mode 'gemm'), here the stub's torch GEMM + scatter, send each row to its
+    source's slots / dxslots instead of the GEMM and mok_ep_push_peers: one launch per rank and pass, no push
+    after it, and the same bits as the GEMMs then the slot pushes (what runs where the push GEMMs cannot)."""
     P = len(tokens)
-    down, dx = modes
-    monkeypatch.setenv("MOK_EP_COMBINE_SUMS", "slot")
-    monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
-    monkeypatch.setenv("MOK_EP_DX_PUSH", "kernel")
+    I = 32  # (_run's): the down GEMM's rows are I wide, the dgrad's 2I
     ref = _run(monkeypatch, None, seed=11 + P, tokens=tokens)
     stub_copies.launches.clear()
-    monkeypatch.setattr(cuda_ep, "_gemm_push_ok", lambda a: True)  # the stub takes CPU tensors
-    monkeypatch.setenv("MOK_EP_DOWN_PUSH", down)
-    monkeypatch.setenv("MOK_EP_DX_PUSH", dx)
+    widths = {"down": (I,), "dgrad": (2 * I,), "both": (I, 2 * I)}[gemms]
+    monkeypatch.setattr(cuda_ep, "_gemm_push_ok", lambda a: a.shape[1] in widths)  # the stub takes CPU tensors
     got = _run(monkeypatch, None, seed=11 + P, tokens=tokens)
     names = [n for _, n in stub_copies.launches]
-    assert names.count("mok_gemm_bk_ef_push") == (P if down == "gemm" else 0)
-    assert names.count("mok_gemm_bn_ef_push") == (P if dx == "gemm" else 0)
-    assert names.count("mok_ep_push_peers") == (down == "kernel") * P + (dx == "kernel") * P
+    down, dgrad = gemms in ("down", "both"), gemms in ("dgrad", "both")
+    assert names.count("mok_gemm_bk_ef_push") == (P if down else 0)
+    assert names.count("mok_gemm_bn_ef_push") == (P if dgrad else 0)
+    assert names.count("mok_ep_push_peers") == (not down) * P + (not dgrad) * P
     for r in range(P):
-        for a, b in zip(got[r][:3] + (got[r][3].gate_up_proj, got[r][3].down_proj),
-                        ref[r][:3] + (ref[r][3].gate_up_proj, ref[r][3].down_proj)):
+        for a, b in zip(_outputs(got[r]), _outputs(ref[r])):
             assert torch.equal(_bits(a), _bits(b)), r
 
 
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 def test_dy_rows_push_wiring(stub_copies, monkeypatch, tokens):
-    """MOK_EP_DY_ROWS=push: each rank copies its d y rows into every peer's dy section before the backward's
-    barrier and nothing pulls them after it: one pull launch per rank fewer (the forward's stays), same bits."""
+    """dy_rows_mode 'push' (where the rule scatters but the kernel cannot run): each rank copies its d y rows
+    into every peer's dy section before the backward's barrier and nothing pulls them after it: one pull launch
+    per rank fewer than 'pull' (the forward's stays), same bits."""
     P = len(tokens)
     got = {}
     for mode in ("pull", "push"):
-        monkeypatch.setenv("MOK_EP_DY_ROWS", mode)
+        monkeypatch.setattr(cuda_ep, "dy_rows_mode", lambda num_experts, ep_size, top_k, mode=mode: mode)
         stub_copies.launches.clear()
         got[mode] = _run(monkeypatch, None, seed=17 + P, tokens=tokens)
         pulls = [n for _, n in stub_copies.launches].count("mok_ep_pull_peers")
         assert pulls == (2 * P if mode == "pull" else P), (mode, pulls)
     for r in range(P):
-        a, b = got["push"][r], got["pull"][r]
-        for u, v in zip(a[:3] + (a[3].gate_up_proj, a[3].down_proj), b[:3] + (b[3].gate_up_proj, b[3].down_proj)):
+        for u, v in zip(_outputs(got["push"][r]), _outputs(got["pull"][r])):
             assert torch.equal(_bits(u), _bits(v)), r
-    monkeypatch.delenv("MOK_EP_DY_ROWS")
-    assert cuda_ep.dy_rows_mode(128, 2, 8) == "scatter" and cuda_ep.dy_rows_mode(8, 2, 2) == "pull"  # qwen3, mixtral
-    assert cuda_ep.dy_rows_mode(64, 64, 60) == "pull"  # token rows pulled after the barrier (above 32 ranks)
-    assert cuda_ep.dy_rows_mode(128, 2, 8, overlapped_forward=True) == "push"  # (scatter not run after it yet)
 
 
-def test_push_gemm_modes(monkeypatch):
-    monkeypatch.setenv("MOK_EP_DOWN_PUSH", "sideways")
-    with pytest.raises(ValueError, match="MOK_EP_DOWN_PUSH='sideways'"):
-        cuda_ep.down_push(torch.zeros(2, 8), False)
-    monkeypatch.delenv("MOK_EP_DOWN_PUSH")
+def test_push_gemm_rules(monkeypatch):
+    monkeypatch.delenv("MOK_EP_COPY", raising=False)
+    monkeypatch.delenv("MOK_GEMM", raising=False)
     assert not cuda_ep.down_push(torch.zeros(2, 8), False)  # off the GPU: never
-    monkeypatch.setattr(cuda_ep, "_gemm_push_ok", lambda a: True)
+    monkeypatch.setattr(cuda_ep, "_on_cuda", lambda t: True)
     assert cuda_ep.down_push(torch.zeros(2, 8), False) and not cuda_ep.down_push(torch.zeros(2, 8), True)  # bias
-    monkeypatch.delenv("MOK_EP_DX_PUSH", raising=False)
+    monkeypatch.setenv("MOK_EP_COPY", "torch")
+    assert not cuda_ep.down_push(torch.zeros(2, 8), False)
+    monkeypatch.delenv("MOK_EP_COPY")
+    monkeypatch.setenv("MOK_GEMM", "torch")
+    assert not cuda_ep.down_push(torch.zeros(2, 8), False)
     limit = cuda_ep.DX_PUSH_GEMM_MAX_H
     assert cuda_ep.dx_push_mode(limit) == "gemm" and cuda_ep.dx_push_mode(limit + 8) == "copy_engine"
-    monkeypatch.setenv("MOK_EP_DX_PUSH", "kernel")
-    assert cuda_ep.dx_push_mode(8) == "kernel"
-    monkeypatch.setenv("MOK_EP_DX_PUSH", "nowhere")
-    with pytest.raises(ValueError, match="MOK_EP_DX_PUSH='nowhere'"):
-        cuda_ep.dx_push_mode(8)
 
 
 def test_copy_mode_rejects_unknown(monkeypatch):
-    monkeypatch.setenv("MOK_EP_COPY", "v3")
-    with pytest.raises(ValueError, match="MOK_EP_COPY='v3'"):
+    monkeypatch.setenv("MOK_EP_COPY", "v2")
+    with pytest.raises(ValueError, match="MOK_EP_COPY='v2'"):
         cuda_ep.copy_mode()
     monkeypatch.delenv("MOK_EP_COPY")
-    assert cuda_ep.copy_mode() == "v2"
+    assert cuda_ep.copy_mode() == "kernel"
 
 
 def test_copy_grid():

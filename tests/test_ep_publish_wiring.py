@@ -1,10 +1,11 @@
-"""MOK_EP_PUBLISH (kernel / torch) in cuda_ep, on the CPU: which launches each mode issues, with which
-arguments, and that the torch ops (the oracle) store what mok_ep_publish's contract says, bit for bit.
+"""SymmBuffers.publish in cuda_ep, on the CPU: the mok_ep_publish launch (the kernel copies, the default)
+with its arguments, and that the torch ops (MOK_EP_COPY=torch, the oracle) store what its contract says,
+bit for bit; the token / d y rows scattered from the peers' sections against pushed before the barriers.
 
-The library is a stub that carries out the kernel's documented contract (kernels/ep_publish.py) on
-the CPU tensors behind the addresses it is given, written independently of the torch ops (element
-by element, bf16 widened by integer shifts). The kernel itself is checked on the GPU by
-tests/gpu/test_ep_publish.py.
+The library is a stub that carries out the kernels' documented contracts (kernels/ep_publish.py,
+kernels/ep_copy.py) on the CPU tensors behind the addresses it is given, written independently of the
+torch ops (element by element). The kernels themselves are checked on the GPU by tests/gpu/test_ep_publish.py
+and tests/gpu/test_ep_copy.py.
 """
 
 import threading
@@ -14,38 +15,29 @@ import torch
 
 from mok_nn import cuda_ep
 from test_cuda_ep_simulated import _problem, _simulated_ep, install_stub_library
+from test_ep_copy_wiring import _StubLib as _CopyStubLib
 
 
-def _fp32_bits(w: torch.Tensor) -> list:
-    """int32 bit patterns of w as fp32: bf16 by shifting its 16 bits up (exact widening), fp32 as is."""
-    if w.dtype == torch.bfloat16:
-        u = w.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-        return [v - (1 << 32) if v >= 1 << 31 else v for v in (u << 16).flatten().tolist()]
-    assert w.dtype == torch.float32
-    return w.contiguous().view(torch.int32).flatten().tolist()
-
-
-class _StubLib:
-    """mok_ep_publish(_bf16w) by its contract; every other kernel is unexpected here."""
+class _StubLib(_CopyStubLib):
+    """mok_ep_publish and mok_scatter_rows_peers by their contracts, the row copies and combine halves by
+    test_ep_copy_wiring's stub; every other kernel is unexpected here."""
 
     def __init__(self):
-        self.launches = []
-        self.sections = {}  # data_ptr -> the CPU section tensor at that address
+        super().__init__()
         self.by_pad = {}  # data_ptr of a rank's pad section -> its buffers (the barrier at the end)
         self.barriers = []  # epochs of the barriers the launches ended with
         self.num_experts = []  # the expert count each publish launch was given (its id check's bound)
-        self._lock = threading.Lock()
 
     def launch(self, name, *args, stream):
+        if name not in ("mok_scatter_rows_peers", "mok_ep_publish"):
+            return super().launch(name, *args, stream=stream)
         with self._lock:
             self.launches.append((threading.get_ident(), name))
         if name == "mok_scatter_rows_peers":
             return self._scatter_rows_peers(*args)
-        assert name in ("mok_ep_publish", "mok_ep_publish_bf16w"), f"unexpected launch {name}"
         (x, ids, w, tokens, table, rank, tc, num_tokens, grid, pads, err, arrivals, epoch, timeout_us, tokens_all, push,
          num_experts) = args
-        assert (name == "mok_ep_publish_bf16w") == (w.dtype == torch.bfloat16)
-        assert w.dtype in (torch.float32, torch.bfloat16) and ids.dtype == torch.int64
+        assert w.dtype == torch.float32 and ids.dtype == torch.int64
         assert table.dtype == torch.int64 and table.shape[0] == 3 and grid >= 1
         assert all(isinstance(v, int) for v in (rank, tc, num_tokens, grid, epoch, timeout_us, num_experts))
         assert pads.dtype == torch.int64 and pads.shape == (table.shape[1],) and timeout_us > 0
@@ -58,7 +50,7 @@ class _StubLib:
         bad = (ids[:n] < 0) | (ids[:n] >= num_experts)
         if bad.any():  # the kernel prints and traps (kernels/id_check.py)
             raise RuntimeError(f"mok_ep_publish stub: expert id outside [0, {num_experts})")
-        bits = _fp32_bits(w[:n])
+        bits = w[:n].contiguous().view(torch.int32).flatten().tolist()
         for p in range(table.shape[1]):
             ids_p = self.sections[int(table[0, p])].view(-1)
             w_p = self.sections[int(table[1, p])].view(torch.int32)
@@ -102,14 +94,14 @@ class _StubLib:
 
 def _register(lib, bufs):
     for views in bufs._views:
-        for name in ("ids", "weights", "ntok", "tokens", "dy"):
+        for name in ("ids", "weights", "ntok", "tokens", "dy", "slots", "dxslots", "partials"):
             lib.sections[views[name].data_ptr()] = views[name]
     lib.by_pad[bufs.local("pad").data_ptr()] = bufs
 
 
 @pytest.fixture
 def stub_publish(monkeypatch):
-    monkeypatch.setenv("MOK_EP_COPY", "torch")
+    monkeypatch.delenv("MOK_EP_COPY", raising=False)
     monkeypatch.setattr(cuda_ep, "_on_cuda", lambda t: True)  # the stub takes CPU tensors
     lib = _StubLib()
     install_stub_library(monkeypatch, lib, lambda bufs: _register(lib, bufs))
@@ -118,9 +110,20 @@ def stub_publish(monkeypatch):
 
 def _set_mode(monkeypatch, mode):
     if mode is None:
-        monkeypatch.delenv("MOK_EP_PUBLISH", raising=False)
+        monkeypatch.delenv("MOK_EP_COPY", raising=False)
     else:
-        monkeypatch.setenv("MOK_EP_PUBLISH", mode)
+        monkeypatch.setenv("MOK_EP_COPY", mode)
+
+
+def _set_rows(monkeypatch, rows):
+    """The token and d y rows of the simulated step: 'needed' (the rule at top-k 2 of 4P experts: pulled),
+    'scatter' (read from the peers' sections by the gathers) or 'push' (the rule's scatter where the kernel
+    cannot run: pushed before the barriers)."""
+    if rows == "needed":
+        return
+    monkeypatch.setattr(cuda_ep, "token_rows_mode", lambda num_experts, ep_size, top_k: "scatter")
+    if rows == "push":
+        monkeypatch.setattr(cuda_ep, "scatter_from_ranks_ok", lambda t, top_k: False)
 
 
 def _bits(t):
@@ -131,14 +134,14 @@ def _bits(t):
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens, wdtype, rows):
-    """The whole simulated EP step: one mok_ep_publish per rank and forward (none in the backward,
-    none in torch mode), and every output / gradient the same bits in all modes; the token rows pulled
-    after the schedule, pushed by the publish (MOK_EP_PULL=push) or read from the peers' own sections by the
-    gather (scatter, with the backward's d y rows too: the stub carries out mok_scatter_rows_peers)."""
-    monkeypatch.setenv("MOK_EP_PULL", rows)
-    monkeypatch.setenv("MOK_EP_DY_ROWS", "scatter" if rows == "scatter" else "auto")
+    """The whole simulated EP step: one mok_ep_publish per rank and forward (none in the backward, none
+    with the torch copies), and every output / gradient the same bits either way; the token rows pulled
+    after the schedule, pushed by the publish or read from the peers' own sections by the gather (with the
+    backward's d y rows the same way: the stub carries out mok_scatter_rows_peers)."""
+    _set_rows(monkeypatch, rows)
     P = len(tokens)
     H, I, E, K = 64, 32, 4 * P, 2
+    assert rows != "needed" or cuda_ep.token_rows_mode(E, P, K) == "needed"
     got = {}
     for mode in ("torch", "kernel", None):
         _set_mode(monkeypatch, mode)
@@ -148,9 +151,8 @@ def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens,
         ws_ = [w.to(wdtype) for w in ws_]
         got[mode] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
         scatters = [n for _, n in stub_publish.launches if n == "mok_scatter_rows_peers"]
-        names = [n for _, n in stub_publish.launches if n != "mok_scatter_rows_peers"]
-        want = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
-        assert names == ([] if mode == "torch" else [want] * P), mode
+        names = [n for _, n in stub_publish.launches if n == "mok_ep_publish"]
+        assert names == ([] if mode == "torch" else ["mok_ep_publish"] * P), mode
         assert stub_publish.num_experts == ([] if mode == "torch" else [E] * P), mode  # the id check's bound
         stub_publish.num_experts.clear()
         # scatter: the forward's x rows and the backward's d y rows, one launch each per rank
@@ -159,7 +161,7 @@ def test_publish_modes_same_bits_and_launches(stub_publish, monkeypatch, tokens,
         assert len(stub_publish.barriers) == (0 if mode == "torch" else P), mode
         stub_publish.barriers.clear()
         # one publish per rank (thread)
-        assert len({tid for tid, n in stub_publish.launches if n != "mok_scatter_rows_peers"}) == len(names)
+        assert len({tid for tid, n in stub_publish.launches if n == "mok_ep_publish"}) == len(names)
     for mode in ("kernel", None):
         for r in range(P):
             for a, b in zip(got[mode][r][:3], got["torch"][r][:3]):
@@ -198,7 +200,8 @@ def _special_weights(g, T, K, dtype):
 def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, num_tokens, wdtype, push):
     """SymmBuffers.publish in torch mode and the stand-in of the kernel's contract write the same
     bytes into every rank's buffer (n == Tc, n < Tc, more tokens than Tc, no tokens; weights of
-    each float dtype, with -0.0 / inf / NaN / denormals / values that round to fp32); push: the rows
+    each float dtype, with -0.0 / inf / NaN / denormals / values that round to fp32: the host converts them
+    to fp32 before the launch as copy_ converts them); push: the rows
     into every rank's tokens section too (and, where there are rows, not only into the own one)."""
     H, K = 16, 3
     g = torch.Generator().manual_seed(P * 100 + tc * 10 + num_tokens)
@@ -216,8 +219,7 @@ def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, n
             peer = (rank + 1) % P
             got = bufs.peer(peer, "tokens")[rank * tc:rank * tc + min(num_tokens, tc)]
             assert torch.equal(got.view(torch.int16), x[:tc].view(torch.int16)), mode
-        kname = "mok_ep_publish_bf16w" if wdtype == torch.bfloat16 else "mok_ep_publish"
-        assert [n for _, n in stub_publish.launches] == ([] if mode == "torch" else [kname])
+        assert [n for _, n in stub_publish.launches] == ([] if mode == "torch" else ["mok_ep_publish"])
         out[mode] = raws
     fresh = _poisoned_raws(P, tc, H, K, seed=3)
     for p in range(P):
@@ -225,47 +227,38 @@ def test_publish_torch_equals_contract(stub_publish, monkeypatch, P, rank, tc, n
         assert torch.equal(out["kernel"][p], out["torch"][p]), p
 
 
-def test_publish_kernel_fallback(monkeypatch):
-    """publish_kernel: the variant by weight dtype; None (torch ops) off the GPU or for rows that
-    are not 16-byte vectors."""
+def test_publish_kernel_ok(monkeypatch):
+    """publish_kernel_ok: the kernel on the GPU with the kernel copies, for rows of 16-byte vectors; else
+    (off the GPU, MOK_EP_COPY=torch, other rows) the torch ops."""
+    monkeypatch.delenv("MOK_EP_COPY", raising=False)
     x = torch.zeros(4, 16, dtype=torch.bfloat16)
-    w32, w16 = torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.bfloat16)
-    assert cuda_ep.publish_kernel(x, w32) is None  # CPU
+    assert not cuda_ep.publish_kernel_ok(x)  # CPU
     monkeypatch.setattr(cuda_ep, "_on_cuda", lambda t: True)
-    assert cuda_ep.publish_kernel(x, w32) == "mok_ep_publish"
-    assert cuda_ep.publish_kernel(x, w16) == "mok_ep_publish_bf16w"
-    assert cuda_ep.publish_kernel(x, w32.double()) == "mok_ep_publish"
+    assert cuda_ep.publish_kernel_ok(x)
     wide = torch.zeros(4, 20, dtype=torch.bfloat16)
-    assert cuda_ep.publish_kernel(wide[:, 4:], w32) is None  # row stride 20: not 16-byte rows
-    assert cuda_ep.publish_kernel(wide[:, ::2][:, :8], w32) is None  # column stride 2
-    assert cuda_ep.publish_kernel(x.view(-1)[1:33].view(2, 16), w32) is None  # 2 bytes off alignment
-
-
-def test_publish_mode_rejects_unknown(monkeypatch):
-    monkeypatch.setenv("MOK_EP_PUBLISH", "fast")
-    with pytest.raises(ValueError, match="MOK_EP_PUBLISH='fast'"):
-        cuda_ep.publish_mode()
-    monkeypatch.delenv("MOK_EP_PUBLISH")
-    assert cuda_ep.publish_mode() == "kernel"
+    assert not cuda_ep.publish_kernel_ok(wide[:, 4:])  # row stride 20: not 16-byte rows
+    assert not cuda_ep.publish_kernel_ok(wide[:, ::2][:, :8])  # column stride 2
+    assert not cuda_ep.publish_kernel_ok(x.view(-1)[1:33].view(2, 16))  # 2 bytes off alignment
+    monkeypatch.setenv("MOK_EP_COPY", "torch")
+    assert not cuda_ep.publish_kernel_ok(x)
 
 
 def _push_and_scatter_runs(lib, monkeypatch, tokens, seed, bias, change_inputs=lambda xs, dys: None):
     """{"push": ..., "scatter": ...}: the simulated EP step (_simulated_ep) with the token and d y rows pushed
-    before the barriers or read from the peers' sections (MOK_EP_PULL = MOK_EP_DY_ROWS), on the same problem
-    (change_inputs may alter its xs and dys first), and per mode the threads that launched
-    mok_scatter_rows_peers and how often."""
+    before the barriers or read from the peers' sections (_set_rows), on the same problem (change_inputs may
+    alter its xs and dys first), and per mode the threads that launched mok_scatter_rows_peers."""
     P = len(tokens)
     H, I, E, K = 64, 32, 4 * P, 2
     got, scatters = {}, {}
     for rows in ("push", "scatter"):
-        monkeypatch.setenv("MOK_EP_PULL", rows)
-        monkeypatch.setenv("MOK_EP_DY_ROWS", rows)
-        g = torch.Generator().manual_seed(seed)
-        W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, 0.5 if bias else 0.0)
-        change_inputs(xs, dys)
-        lib.launches.clear()
-        got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
-        scatters[rows] = [tid for tid, n in lib.launches if n == "mok_scatter_rows_peers"]
+        with monkeypatch.context() as m:
+            _set_rows(m, rows)
+            g = torch.Generator().manual_seed(seed)
+            W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, tokens, H, I, E, K, bias, 0.5 if bias else 0.0)
+            change_inputs(xs, dys)
+            lib.launches.clear()
+            got[rows] = _simulated_ep(P, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+            scatters[rows] = [tid for tid, n in lib.launches if n == "mok_scatter_rows_peers"]
     return got, scatters
 
 
@@ -280,25 +273,21 @@ def _assert_same_bits(a_runs, b_runs, grads=True):
                 assert u is None or torch.equal(_bits(u), _bits(v)), (r, name)
 
 
-@pytest.mark.parametrize("save_x", ["1", "0"])
 @pytest.mark.parametrize("tokens", [[37, 20], [5, 9, 1]])
-def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens, save_x):
-    """MOK_EP_PULL=scatter with MOK_EP_DY_ROWS=scatter (nothing moved before the barriers; the gathers read
-    each rank's rows from its own section, by the stub's mok_scatter_rows_peers; MOK_EP_SAVE_X_ROWS=0: the
-    backward's x rows as well) against the rows pushed before the barriers (push / push): every output and
-    gradient the same bits."""
-    monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x)
+def test_scatter_rows_same_bits_as_push(stub_publish, monkeypatch, tokens):
+    """Token and d y rows scattered (nothing moved before the barriers; the gathers read each rank's rows
+    from its own section, by the stub's mok_scatter_rows_peers) against the rows pushed before the barriers:
+    every output and gradient the same bits."""
     got, scatters = _push_and_scatter_runs(stub_publish, monkeypatch, tokens, 11 + len(tokens), bias=True)
     assert not scatters["push"]
-    # x and d y rows (and x again in the backward)
-    assert len(scatters["scatter"]) == len(tokens) * (2 if save_x == "1" else 3)
+    assert len(scatters["scatter"]) == len(tokens) * 2  # x and d y rows
     _assert_same_bits(got["scatter"], got["push"])
 
 
 def test_scatter_mode_same_on_every_rank(stub_publish, monkeypatch):
     """Whether a rank scatters (reads the peers' rows from their sections) or pushes its rows must not depend on
     what differs between ranks, such as the layout of its x: here rank 1's x is a column-major view (same values;
-    not rows of 16-byte vectors, so its publish takes the torch ops). Under MOK_EP_PULL=scatter both ranks must
+    not rows of 16-byte vectors, so its publish takes the torch ops). Where the rule scatters both ranks must
     still scatter, else one would read rows the other never sent: the same bits as push / push."""
     def column_major_x1(xs, dys):
         xs[1] = xs[1].t().contiguous().t()

@@ -148,8 +148,7 @@ def _cuda_include(cudart: str) -> str:
     root = pathlib.Path(cudart).resolve().parent.parent
     for cand in (root / "include", root.parent / "include", pathlib.Path("/usr/local/cuda/include")):
         if (cand / "cuda_runtime.h").is_file() and (cand / "crt" / "host_config.h").is_file():
-            if not os.environ.get("MOK_CUDA_SHIM"):
-                return str(cand)
+            return str(cand)
     return str(_CSRC / "cuda_shim")
 
 

@@ -19,10 +19,9 @@ leaf, so the result never depends on timing either.
 
 Kernels (one CTA per token, each thread owns 8 consecutive columns: 16-byte loads; lane j of every
 warp loads slot j's row index, leaf and weight once and the loop over j takes them by shuffle, so
-no index load sits in the column loop; top_k <= 32. Three forms of Combine's loop, the same additions in
-the same order: `mok_combine` one column chunk at a time; `mok_combine_k2`, Combine(top_k=2), compiled for
-two slots per token, four chunks' loads in flight per thread instead of two; `mok_combine_cp`,
-Combine(staged=True), top_k <= 16, the loads staged in shared memory by cp.async):
+no index load sits in the column loop; top_k <= 32. Two forms of Combine's loop, the same additions in
+the same order: `mok_combine` one column chunk at a time; `mok_combine_cp`, Combine(staged=True),
+top_k <= 16, the loads staged in shared memory by cp.async):
   Combine       the whole tree on one GPU: the forward combine (rows = down-projection outputs,
                 w = top-k weights) and the backward's reverse combine into d x (w = 1); also the
                 source side of the EP path that pushes one row per slot
@@ -130,38 +129,6 @@ def _sum_slots(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, rows: cut
 
 
 @cute.jit
-def _sum_chunks(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cute.Tensor, rows: cute.Tensor,
-                out_v: cute.Tensor, c: cutlass.Int32, n_vec: cutlass.Int32, top_k: cutlass.Constexpr,
-                row_l: cutlass.Int64, leaf_l: cutlass.Int32, w_l: cutlass.Float32, mask: cutlass.Int32):
-    """Combine's loop body for a top_k known when compiling (dividing SLOTS_IN_FLIGHT): this thread's
-    column chunks c + i * THREADS, i < SLOTS_IN_FLIGHT // top_k, at once. Load u is slot u % top_k of
-    chunk u // top_k, all in flight together; then each chunk is summed exactly as _sum_slots does
-    (zeroed, slots in ascending j, its tree) and stored: the same bits. Why: with one chunk at a
-    time a top-2 token (mixtral) had 2 loads in flight per thread, and the kernel waited on memory
-    latency (1.7 TB/s against 2.9 at top-8)."""
-    for u in cutlass.range_constexpr(SLOTS_IN_FLIGHT):
-        r = cute.arch.shuffle_sync(row_l, u % top_k)
-        cu = c + (u // top_k) * THREADS
-        if (cu < n_vec) & (r >= 0):
-            src_v = cute.zipped_divide(rows[(r, None)], (VEC,))
-            cute.autovec_copy(src_v[(None, cu)], frag[(None, u)])
-    for i in cutlass.range_constexpr(SLOTS_IN_FLIGHT // top_k):
-        cu = c + i * THREADS
-        acc.fill(0.0)
-        for j in cutlass.range_constexpr(top_k):
-            r = cute.arch.shuffle_sync(row_l, j)
-            leaf = cute.arch.shuffle_sync(leaf_l, j)
-            wj = cute.arch.shuffle_sync(w_l, j)
-            if (cu < n_vec) & (r >= 0):
-                vals.store(frag[(None, i * top_k + j)].load().to(cutlass.Float32))
-                _add_to_leaf(acc, leaf, vals, wj)
-        if cu < n_vec:
-            _tree(acc, mask)
-            res.store(acc[(None, 0)].load().to(res.element_type))
-            cute.autovec_copy(res, out_v[(None, cu)])
-
-
-@cute.jit
 def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cute.Tensor, buf: cute.Tensor,
                 rows: cute.Tensor, out_v: cute.Tensor, c: cutlass.Int32, per: cutlass.Int32, n_vec: cutlass.Int32,
                 top_k: cutlass.Int32, row_l: cutlass.Int64, leaf_l: cutlass.Int32, w_l: cutlass.Float32,
@@ -200,15 +167,10 @@ def _sum_staged(acc: cute.Tensor, frag: cute.Tensor, vals: cute.Tensor, res: cut
 
 
 class Combine:
-    def __init__(self, top_k: int = 0, staged: bool = False):
-        # Three loops, same additions in the same order, so the same bits (which one runs: cuda_backend.combine).
-        # 0: any top_k <= 32, one column chunk at a time (_sum_slots); top_k = 2: compiled for two slots per
-        # token, four chunks' loads in flight (_sum_chunks); staged: top_k <= STAGED_ENTRIES, the loads staged in
-        # shared memory by cp.async (_sum_staged). Measured and dropped (docs/kernels.md): a several-chunk loop with
-        # top_k known only at run time (168 instead of 126 registers, every shape slower) and a persistent staged
-        # kernel with two stages (3 CTAs per SM; slower than both).
-        assert top_k in (0, 2) and not (staged and top_k)
-        self.top_k = top_k
+    def __init__(self, staged: bool = False):
+        # Two loops, same additions in the same order, so the same bits (which one runs: cuda_backend.combine).
+        # Any top_k <= 32, one column chunk at a time (_sum_slots); staged: top_k <= STAGED_ENTRIES, the loads
+        # staged in shared memory by cp.async (_sum_staged).
         self.staged = staged
 
     @cute.jit
@@ -257,10 +219,6 @@ class Combine:
             per = STAGED_ENTRIES // top_k
             for c0 in range(0, n_vec, THREADS * per):
                 _sum_staged(acc, one, vals, res, buf, rows, out_v, c0 + cutlass.Int32(tidx), per, n_vec, top_k, row_l,
-                            leaf_l, w_l, mask)
-        elif cutlass.const_expr(self.top_k != 0):
-            for c0 in range(0, n_vec, THREADS * (SLOTS_IN_FLIGHT // self.top_k)):
-                _sum_chunks(acc, frag, vals, res, rows, out_v, c0 + cutlass.Int32(tidx), n_vec, self.top_k, row_l,
                             leaf_l, w_l, mask)
         else:
             for c0 in range(0, n_vec, THREADS):

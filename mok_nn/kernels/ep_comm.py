@@ -1,12 +1,4 @@
-"""Expert-parallel data movement and signalling over symmetric memory (NVLink, unicast).
-
-CopyRows:   dst[dst_idx[i], :] = src[src_idx[i], :] for every i with both indices >= 0.
-            One CTA per i; each thread moves 8 consecutive bf16 (16-byte loads and
-            stores). src or dst may be a peer's symmetric buffer mapped into this
-            GPU, so the same kernel is the dispatch pull (src = peer tokens) and the
-            combine push (dst = the source rank's slot buffer). Each element is
-            written at most once (the caller's indices are unique), so results do
-            not depend on timing.
+"""Expert-parallel signalling over symmetric memory (NVLink, unicast stores).
 
 PeerSignal: a two-party barrier with one peer, through unicast stores only (no
             NVLink multicast). Thread 0 fences the earlier writes of this stream
@@ -24,39 +16,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
-
-VEC = 8
-THREADS = 128
-
-
-class CopyRows:
-    @cute.jit
-    def __call__(
-        self,
-        src: cute.Tensor,  # (R_src, H) bf16
-        src_idx: cute.Tensor,  # (N,) int64, row of src or -1
-        dst: cute.Tensor,  # (R_dst, H) bf16
-        dst_idx: cute.Tensor,  # (N,) int64, row of dst or -1
-        stream: cuda.CUstream,
-    ):
-        n = cute.size(src_idx, mode=[0])
-        self.kernel(src, src_idx, dst, dst_idx).launch(grid=[n, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, src: cute.Tensor, src_idx: cute.Tensor, dst: cute.Tensor, dst_idx: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        i, _, _ = cute.arch.block_idx()
-        s = src_idx[i]
-        d = dst_idx[i]
-        if s >= 0:
-            if d >= 0:
-                n_vec = cute.size(dst, mode=[1]) // VEC
-                src_v = cute.zipped_divide(src[(s, None)], (VEC,))
-                dst_v = cute.zipped_divide(dst[(d, None)], (VEC,))
-                frag = cute.make_rmem_tensor((VEC,), src.element_type)
-                for c in range(tidx, n_vec, THREADS):
-                    cute.autovec_copy(src_v[(None, c)], frag)
-                    cute.autovec_copy(frag, dst_v[(None, c)])
 
 
 @cute.jit

@@ -1,7 +1,6 @@
-"""Grid-stride row copies for the sequential EP path (dispatch pull, combine push), warp per row.
+"""Grid-stride row copies of the EP path (dispatch pull, combine push) and of the gathers, warp per row.
 
-CopyRowsGrid:  dst[dst_idx[i]] = src[src_idx[i]] for every i with both indices >= 0
-               (mok_ep_copy_rows' contract, drop-in).
+CopyRowsGrid:  dst[dst_idx[i]] = src[src_idx[i]] for every i with both indices >= 0.
 PullPeers:     dst[p*Tc + t] = section p [pull_src[p, t]] for pull_src[p, t] >= 0, where
                section p starts at src_base[p] (rank p's tokens section as mapped here) and
                has dst's row stride: the pulls of every peer in one launch.
@@ -19,14 +18,13 @@ ScatterRows:   the same rows as GatherRows, walked from the source side: warp pe
                k' slots is read once instead of k' times, which matters where src does not fit in L2
                (the EP tokens sections: P*Tc rows).
 ScatterRowsPeers: ScatterRows reading source row p*Tc + t from rank p's own section (over NVLink for a
-               peer): the EP forward's dispatch and gather in one launch (MOK_EP_PULL=scatter), each
-               peer row that some row here takes crossing NVLink once.
+               peer): the EP forward's dispatch and gather in one launch (cuda_ep.token_rows_mode
+               'scatter'), each peer row that some row here takes crossing NVLink once.
 
-Why faster than CopyRows (one CTA of 128 threads per row): a fixed grid of a few CTAs per SM
-(num_ctas, chosen by the caller) walks the rows, so rows with an index -1 cost no CTA launch;
-each warp copies whole rows with every lane issuing all its 16-byte loads of the row before
-its stores (ep_overlap.copy_row: 8 loads = a 4 KiB row per warp in flight), which is what a
-pull over NVLink needs (latency bound: bytes in flight decide its rate). The indices are read
+A fixed grid of a few CTAs per SM (num_ctas, chosen by the caller) walks the rows, so rows with an
+index -1 cost no CTA launch; each warp copies whole rows with every lane issuing all its 16-byte
+loads of the row before its stores (copy_row: UNROLL = 8 loads per lane, a 4 KiB row per warp in
+flight), which is what a pull over NVLink needs (latency bound: bytes in flight decide its rate). The indices are read
 ahead: lane l of a warp loads the indices of the warp's (b + l)-th row, all 32 loads in flight
 at once, and the warp then walks those 32 rows taking the addresses by shuffle, so a skipped
 row costs a shuffle and a branch, not a dependent global load.
@@ -41,12 +39,67 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from .ep_overlap import VEC, copy_row, copy_row_to_lanes
 from .registry import EP_COPY_THREADS as THREADS
 from .registry import TILE_M
 
+VEC = 8  # bf16 per 16-byte access
+UNROLL = 8  # 16-byte loads in flight per lane
 WARPS = THREADS // 32
 SKIP, COPY, ZERO = 0, 1, 2  # what a warp does with the row one of its lanes holds (_act_batch)
+
+
+@cute.jit
+def copy_row(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, n_vec: cutlass.Int32, lane: cutlass.Int32,
+             zero: cutlass.Constexpr):
+    """One warp copies (or, zero=True, zero-fills) one row of n_vec 16-byte vectors."""
+    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
+    frag.fill(0.0)
+    src = cute.make_tensor(
+        cute.make_ptr(cutlass.BFloat16, src_addr, cute.AddressSpace.gmem, assumed_align=16),
+        cute.make_layout((VEC, n_vec)),
+    )
+    dst = cute.make_tensor(
+        cute.make_ptr(cutlass.BFloat16, dst_addr, cute.AddressSpace.gmem, assumed_align=16),
+        cute.make_layout((VEC, n_vec)),
+    )
+    for c0 in range(lane, n_vec, 32 * UNROLL):
+        # all loads first (in flight together), then the stores
+        for u in cutlass.range_constexpr(UNROLL):
+            c = c0 + 32 * u
+            if c < n_vec:
+                if cutlass.const_expr(not zero):
+                    cute.autovec_copy(src[(None, c)], frag[(None, u)])
+        for u in cutlass.range_constexpr(UNROLL):
+            c = c0 + 32 * u
+            if c < n_vec:
+                cute.autovec_copy(frag[(None, u)], dst[(None, c)])
+
+
+@cute.jit
+def copy_row_to_lanes(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, ok_i: cutlass.Int32, count: cutlass.Int32,
+                      n_vec: cutlass.Int32, lane: cutlass.Int32):
+    """One warp reads the row at src_addr once and stores it to dst_addr of every lane j < count with ok_i = 1
+    (the whole warp calls it: the addresses come by shuffle), UNROLL 16-byte loads per lane in flight."""
+    frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
+    src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, src_addr, cute.AddressSpace.gmem, assumed_align=16),
+                           cute.make_layout((VEC, n_vec)))
+    for c0 in range(0, n_vec, 32 * UNROLL):  # every lane takes every step (the shuffles need the whole warp)
+        for u in cutlass.range_constexpr(UNROLL):
+            c = c0 + lane + 32 * u
+            if c < n_vec:
+                cute.autovec_copy(src[(None, c)], frag[(None, u)])
+        for j in range(count):
+            if cute.arch.shuffle_sync(ok_i, j) != 0:
+                dst = cute.make_tensor(
+                    cute.make_ptr(cutlass.BFloat16, cute.arch.shuffle_sync(dst_addr, j), cute.AddressSpace.gmem,
+                                  assumed_align=16),
+                    cute.make_layout((VEC, n_vec)),
+                )
+                for u in cutlass.range_constexpr(UNROLL):
+                    c = c0 + lane + 32 * u
+                    if c < n_vec:
+                        cute.autovec_copy(frag[(None, u)], dst[(None, c)])
+
 
 
 @cute.jit

@@ -9,16 +9,15 @@ Publish (rank r, token capacity Tc, n = min(num_tokens, Tc), K = top-k), for eve
                                                                       done here, as stores to the peers)
   ids_p[(r*Tc + t)*K + j]           = topk_ids[t, j]        t < n
                                     = -1                    n <= t < Tc
-  weights_p[(r*Tc + t)*K + j]       = fp32(topk_weights[t, j])   t < n
+  weights_p[(r*Tc + t)*K + j]       = topk_weights[t, j]    t < n   (fp32)
   ntok_p[r]                         = num_tokens
 
 with every published id checked first (kernels/id_check.py): one outside [0, num_experts) is printed
 and stops the kernel with a trap, before any rank can read it.
 
-the stores of cuda_ep's torch ops (MOK_EP_PUBLISH=torch), bit for bit: ids are int64 moves; fp32
-weights are moved as 32-bit words; bf16 weights (w_dtype="bf16") are widened by putting their
-16 bits in the high half of a 32-bit word, which is the bf16 -> fp32 conversion torch's copy_
-does (exact, NaN payloads kept). Other dtypes are converted to fp32 by the caller first.
+the stores of cuda_ep's torch ops (SymmBuffers.publish_torch), bit for bit: ids are int64 moves;
+the fp32 weights are moved as 32-bit words (weights of other dtypes are converted to fp32 by the
+caller first, as torch's copy_ into the fp32 section converts them).
 
 Stores into peer memory are plain (weak) stores. They are made visible to the peers by the
 barrier that follows (step 2 of the forward): with epoch > 0 this kernel ends with it itself,
@@ -39,7 +38,7 @@ context runs nothing more.
 Work split over a fixed grid (num_ctas, chosen by the caller): first every thread takes the
 (t, j) elements i, i + G, ... (G threads; consecutive threads store consecutive elements, so a
 warp's peer stores are whole sectors) and stores each into every rank; CTA 0 stores the token
-count; then warp w takes the x rows w, w + W, ... (ep_overlap.copy_row: 8 x 16-byte loads per
+count; then warp w takes the x rows w, w + W, ... (ep_copy.copy_row: 8 x 16-byte loads per
 lane in flight, then the stores). Every destination element is written by one thread with a value
 that does not depend on timing.
 """
@@ -51,7 +50,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from .ep_comm import signal_peer, wait_for_peer
-from .ep_overlap import VEC, copy_row, copy_row_to_lanes
+from .ep_copy import VEC, copy_row, copy_row_to_lanes
 from .id_check import check_expert_id
 from .registry import EP_COPY_THREADS as THREADS
 
@@ -65,16 +64,12 @@ def _gmem(dtype, addr, n, align: int):
 
 
 class Publish:
-    def __init__(self, w_dtype: str = "f32"):
-        assert w_dtype in ("f32", "bf16")
-        self.w_dtype = w_dtype
-
     @cute.jit
     def __call__(
         self,
         x: cute.Tensor,  # (T, H) bf16: this rank's tokens
         topk_ids: cute.Tensor,  # (T, K) int64
-        topk_weights: cute.Tensor,  # (T, K) fp32 or bf16 (w_dtype)
+        topk_weights: cute.Tensor,  # (T, K) fp32
         tokens: cute.Tensor,  # (R, H) bf16: the local tokens section, R >= (rank + 1) * Tc
         addrs: cute.Tensor,  # (3, P) int64: ids, weights, ntok section of each rank, as mapped here
         rank: cutlass.Int32,
@@ -120,11 +115,7 @@ class Publish:
             if t < n:
                 idv = topk_ids[(t, j)]
                 check_expert_id(idv, i, num_experts)
-                if cutlass.const_expr(self.w_dtype == "bf16"):
-                    hi = cutlass.Int32(topk_weights[(t, j)].bitcast(cutlass.Int16))
-                    wbits = hi << 16  # the low 16 bits of hi << 16 are all that survive: no sign issue
-                else:
-                    wbits = topk_weights[(t, j)].bitcast(cutlass.Int32)
+                wbits = topk_weights[(t, j)].bitcast(cutlass.Int32)
             for p in range(P):
                 ids_p = _gmem(cutlass.Int64, addrs[(0, p)], first + n_el, 8)
                 ids_p[first + i] = idv

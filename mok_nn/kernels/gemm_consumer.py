@@ -78,23 +78,20 @@ def step_over(k_tiles, read_state, release_state):
 @cute.jit
 def mma_mainloop(
     tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
-    proxy_fence: cutlass.Constexpr = False, skip_mma: cutlass.Constexpr = False,
     first_m_only: cutlass.Constexpr = False, last_k_blocks: cutlass.Constexpr = 0,
 ):
     """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
-    releasing it once the next stage's wgmma batch is in flight. proxy_fence: A arrived by cp.async
-    (generic proxy), wgmma reads it through the async proxy. skip_mma: diagnostics (loads only).
+    releasing it once the next stage's wgmma batch is in flight.
     first_m_only: only the first 64-row MMA block of the tile (ping-pong: the rows past it are all
     padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.
     The first block's wgmmas are the same instructions in the same order: its results keep their bits.
-    (It takes precedence over skip_mma, a diagnostic no caller combines with it.)
     last_k_blocks (1 .. k_blocks; 0 or k_blocks: all): the last stage runs only its first last_k_blocks
     k-blocks (varlen K: the rows past them are zero padding). That stage is peeled off the loop, so no branch
     stands between the wgmmas; the wgmmas that run are those of the full loop, in the same order.
     Returns (tiled_mma, acc, read_state, release_state): rebind all four (the tracer threads values
     through staged control flow only as plain local variables, not through a helper's updates)."""
     peel = 0 < last_k_blocks < k_blocks
-    assert not peel or not (proxy_fence or skip_mma or first_m_only)
+    assert not peel or not first_m_only
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.fence()
     full_tiles = k_tiles
@@ -102,8 +99,7 @@ def mma_mainloop(
         full_tiles = k_tiles - 1
     for k in range(full_tiles):
         tiled_mma, acc, read_state, release_state = _mma_stage(
-            tiled_mma, acc, tCrA, tCrB, k_blocks, ab_pipe, read_state, release_state, k > 0, proxy_fence, skip_mma,
-            first_m_only,
+            tiled_mma, acc, tCrA, tCrB, k_blocks, ab_pipe, read_state, release_state, k > 0, first_m_only,
         )
     if cutlass.const_expr(peel):
         tiled_mma, acc, read_state, release_state = _mma_stage(
@@ -118,22 +114,19 @@ def mma_mainloop(
 @cute.jit
 def _mma_stage(
     tiled_mma, acc, tCrA, tCrB, blocks: cutlass.Constexpr, ab_pipe, read_state, release_state, release_prev,
-    proxy_fence: cutlass.Constexpr = False, skip_mma: cutlass.Constexpr = False,
     first_m_only: cutlass.Constexpr = False,
 ):
     """One stage of mma_mainloop: wait for it, issue its first `blocks` k-blocks as one wgmma batch, keep that
     batch in flight and (release_prev) release the stage before it. Returns (tiled_mma, acc, read_state,
     release_state): rebind all four."""
     ab_pipe.consumer_wait(read_state)
-    if cutlass.const_expr(proxy_fence):
-        cute.arch.fence_proxy("async.shared", space="cta")
     for kb in cutlass.range_constexpr(blocks):
         coord = (None, None, kb, read_state.index)
         if cutlass.const_expr(first_m_only):
             a = tCrA[coord]
             d = _first_m_block(acc)
             cute.gemm(tiled_mma, d, _first_m_block(a), tCrB[coord], d)
-        elif cutlass.const_expr(not skip_mma):
+        else:
             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(1)

@@ -21,13 +21,12 @@ seg_end / seg_rows: each expert's padded segment end and its rows. A cooperative
 consumer warp group whose 64 rows all lie past seg_rows issues no wgmma for that
 tile (it still waits on and releases every stage, and stores its zero accumulator).
 The callers pass the static cooperative kernels the padded segment sizes as seg_rows
-(Schedule.seg_rows_for), so none skips: with static tiles skipping the padding halves
-("tail skip") measured slower on H200 everywhere (docs/kernels.md). The kernels with
-dynamic tiles (class VarlenMGroupedGemmDyn, tile_queue.py: a CTA whose tile ran short
-claims the next one) get the routed rows and skip (MOK_GEMM_TILES). The
-ping-pong kernels get the routed rows (MOK_GEMM_HALF_TILES=1): a warp group whose
-tile has at most 64 of them runs the first 64-row MMA block only ("half tiles",
-mma_mainloop's first_m_only; the same bits, a little faster at qwen3).
+(Schedule.seg_rows_for), so none skips: with static tiles, skipping the padding halves
+measured slower on H200 (docs/kernels.md). The kernels with dynamic tiles (class
+VarlenMGroupedGemmDyn, tile_queue.py: a CTA whose tile ran short claims the next one)
+get the routed rows and skip. The ping-pong kernels get the routed rows too: a warp
+group whose tile has at most 64 of them runs the first 64-row MMA block only
+(mma_mainloop's first_m_only; the same bits, a little faster at qwen3).
 
 Full-tile epilogue (full_epi=True, bf16 output): the shared-memory epilogue
 buffer holds the whole output tile, so the consumers write all of it, issue the
@@ -62,20 +61,6 @@ of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
 fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 
-Gathered A (gather=True, class VarlenMGroupedGemmGather): A is not a permuted copy
-of x but x itself [T, K] plus the schedule's row index (row_token [M], T for a
-padding row). The whole producer warp group loads A by cp.async, 16 bytes per
-copy (thread t: 16-byte chunk t % 8 of rows t // 8 + 16 i, i < 8, of each 128 x 64
-k tile), into the same swizzled stage the TMA would fill (CuTe partitions it);
-padding rows and the columns past K of the last k tile are zero-filled by
-cp.async's src-size operand 0 (nothing is read), so they hold the zeros the
-permuted copy and the TMA's out-of-bounds fill give. B still comes by TMA (warp
-0). A stage's full barrier expects 1 + 128 arrivals: warp 0's arrive with B's
-transaction bytes and one cp.async.mbarrier.arrive.noinc per producer thread
-(fires when that thread's copies have landed). Consumers add a proxy fence (generic-proxy cp.async writes,
-async-proxy wgmma reads). Same K order, same MMAs: bitwise what index_select +
-the TMA kernel give. Registers: producer 56 (row indices), consumers 224.
-
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
 """
@@ -89,8 +74,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
-from .readiness import signal_tile_done, wait_tile_ready
-from .tile_queue import RING_STAGES, DynamicTileScheduler, first_guarded_cta, make_tile_pipe
+from .tile_queue import RING_STAGES, DynamicTileScheduler, make_tile_pipe
 from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
     step_over, store_sync, store_tile_full, store_tile_split,
@@ -112,13 +96,12 @@ class VarlenMGroupedGemm:
 
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
-        gather: bool = False, dact: str | None = None, pingpong: bool = False, cluster_n: int = 1,
-        push: bool = False,
+        dact: str | None = None, pingpong: bool = False, cluster_n: int = 1, push: bool = False,
     ):
-        assert tile_n in (64, 128, 256)  # 64: the diagnostic mok_gemm_bk_n64 (a narrow tile's cost)
+        assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
         # (module docstring); the plain, act and dact epilogues only.
-        assert not pingpong or (tile_n == 128 and not gather), "ping-pong: 128 x 128 tiles per warp group"
+        assert not pingpong or tile_n == 128, "ping-pong: 128 x 128 tiles per warp group"
         self.pingpong = pingpong
         # cluster_n = 2 (ping-pong only): CTA pairs take column tiles 2q, 2q + 1 of one row tile and share
         # its A by TMA multicast (each loads half of every A stage into both CTAs), which brings the
@@ -126,22 +109,19 @@ class VarlenMGroupedGemm:
         assert cluster_n in (1, 2) and (cluster_n == 1 or pingpong)
         self.cluster_n = cluster_n
         assert act is None or not (full_epi and pingpong), "the ping-pong SwiGLU epilogue is split"
-        assert dact is None or not (full_epi or gather or act), "the dSwiGLU epilogue: split, TMA-loaded A"
+        assert dact is None or not (full_epi or act), "the dSwiGLU epilogue: split"
         self.full_epi = full_epi
         self.act = act
         self.dact = dact  # VarlenMGroupedGemmDact: the backward's activation in the dgrad-of-down epilogue
         # push (VarlenMGroupedGemmPush): each output row goes straight to its destination row of some rank's
         # section (row_rank / row_slot / dst_base, e.g. the EP combine's slots) instead of the output
-        assert not push or (full_epi and not (pingpong or gather or act or dact)), "push: the cooperative _ef kernel"
+        assert not push or (full_epi and not (pingpong or act or dact)), "push: the cooperative _ef kernel"
         self.push = push
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
         # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
         # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
         self.epi_helper = (act is not None and full_epi) or push
-        self.gather = gather
-        self.ready = False  # VarlenMGroupedGemmReady: wait for each A row tile's readiness flag
-        self.done = False  # VarlenMGroupedGemmDone: count each finished output tile per row tile
-        self.dynamic = False  # hooked variants with dynamic_tiles: tiles claimed by atomic add (tile_queue.py)
+        self.dynamic = False  # VarlenMGroupedGemmDyn: tiles claimed by atomic add (tile_queue.py)
         self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
@@ -154,13 +134,7 @@ class VarlenMGroupedGemm:
         self.num_consumer_threads = self.num_consumer_wg * self.threads_per_wg
         self.producer_regs = 40
         self.consumer_regs = 232
-        # Arrivals a stage's full barrier waits for: the TMA thread's expect-tx arrive, and
-        # with gather one cp.async arrive per producer thread.
-        self.full_arrivals = 1
-        if gather:
-            self.producer_regs = 56  # 8 row indices + addresses per thread
-            self.consumer_regs = 224  # 128 * 56 + 256 * 224 <= 64K registers
-            self.full_arrivals = 1 + self.threads_per_wg
+        self.full_arrivals = 1  # a stage's full barrier waits for the TMA thread's expect-tx arrive
         # Ping-pong: sub-tiles of one warp group's 64-row MMA blocks (the accumulator holds them in order).
         self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
         # full_epi: one buffer per sub-tile, the whole output tile in smem.
@@ -192,30 +166,26 @@ class VarlenMGroupedGemm:
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream)
 
     @cute.jit
-    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, row_idx=None,
-                ready=None, ready_err=None, epoch=None, timeout_us=None, num_ctas=None, tile_counter=None,
+    def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, tile_counter=None,
                 gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
 
-        gather: mA is x [T, K, 1] (its TMA view only gives the K tiling), row_idx [M] the x row
-        of each A row (T: padding, zero-filled).
-        ready .. num_ctas: the readiness hook and the run-time grid size (VarlenMGroupedGemmReady; with
-        VarlenMGroupedGemmDone, `ready` holds the done counters).
-        tile_counter (dynamic): [claims, comm CTAs (ready hook)], passed in the kernel's row_idx slot
-        (unused by the TMA-only hooked variants), so the other variants' kernels keep their parameters.
+        The kernel has three auxiliary tensor slots (row_idx, ready, ready_err) and one int (epoch), each
+        variant passing its own operands in them (tile_expert and 0 where unused: kernel arguments cannot
+        be None):
+        tile_counter (dynamic): the tile claims counter, in the row_idx slot.
         gate_up / w_rows / dw_part (dact): the forward's gate_up, each row's top-k weight and the
-        per-column-tile partial d topk-weights, passed in the row_idx / ready / ready_err slots.
-        dst_base / row_rank / row_slot (push): the destinations of the rows, in the ready_err / row_idx / ready slots.
+        per-column-tile partial d topk-weights, in the row_idx / ready / ready_err slots.
+        dst_base / row_rank / row_slot (push): the destinations of the rows, in the ready_err / row_idx / ready
+        slots, and the row width in epoch.
         """
-        mX = mA  # the kernel gets A's TMA view as mA; the gather producer reads x itself
-        if cutlass.const_expr(not self.gather):
-            row_idx = tile_expert  # unused placeholder (kernel arguments cannot be None)
-            if cutlass.const_expr(self.dynamic):
-                row_idx = tile_counter
-            if cutlass.const_expr(self.dact is not None):
-                row_idx = gate_up
-            if cutlass.const_expr(self.push):
-                row_idx = row_rank
+        row_idx, ready, ready_err, epoch = tile_expert, tile_expert, tile_expert, cutlass.Int32(0)
+        if cutlass.const_expr(self.dynamic):
+            row_idx = tile_counter
+        if cutlass.const_expr(self.dact is not None):
+            row_idx, ready, ready_err = gate_up, w_rows, dw_part
+        if cutlass.const_expr(self.push):
+            row_idx, ready, ready_err = row_rank, row_slot, dst_base
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -296,7 +266,7 @@ class VarlenMGroupedGemm:
         if cutlass.const_expr(self.push):  # mC is A (shape carrier of the unused TMA store): tiles over (M, N of B)
             n_out = cute.size(mB, mode=[0])
             tiles_n = (n_out + bn - 1) // bn
-            epoch = n_out  # the helpers' row width, in the unused epoch slot
+            epoch = n_out  # the helpers' row width
         # The scheduler hands out linear tile indices; _tile_coord maps them to
         # (m, n) in bands of group_m row tiles, or one band per expert where group_m is 0 (see there).
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
@@ -305,18 +275,6 @@ class VarlenMGroupedGemm:
             pairs = tiles_m * ((tiles_n + 1) // 2)
             sched_params = utils.PersistentTileSchedulerParams((pairs * 2, 1, 1), (2, 1, 1))
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // 2)
-        if cutlass.const_expr(self.ready or self.done):  # the hooked variants run on num_ctas CTAs
-            grid = (1, 1, cutlass.min(tiles_m * tiles_n, num_ctas))
-        if cutlass.const_expr(not self.ready):  # placeholders: the readiness hook is compiled out
-            ready_err, timeout_us = tile_expert, cutlass.Int32(0)
-            if cutlass.const_expr(not self.push):
-                epoch = cutlass.Int32(0)
-            if cutlass.const_expr(not self.done):
-                ready = tile_expert
-        if cutlass.const_expr(self.dact is not None):
-            ready, ready_err = w_rows, dw_part
-        if cutlass.const_expr(self.push):
-            ready, ready_err = row_slot, dst_base
 
         self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
                                            epi_barriers=self.epi_helper)
@@ -341,8 +299,7 @@ class VarlenMGroupedGemm:
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
-            mX, row_idx,
-            ready, ready_err, epoch, timeout_us,
+            row_idx, ready, ready_err, epoch,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -682,128 +639,6 @@ class VarlenMGroupedGemm:
                 if tidx % 4 == 0:
                     dw_part[(n_tile, m_tile * TILE_M + rows[ms][half])] = total
 
-    @cute.jit
-    def _may_join(self, tile_counter, ready, tile_expert, epoch, tiles_m):
-        """Dynamic ready hook: 1 if this CTA may claim tiles, 0 if it must take none.
-
-        The CTAs past num_ctas - C (C = tile_counter[1], the dispatch's CTAs) join only if every
-        dispatch CTA c < C has published its first tile c (tile_expert[c] < 0: nothing to
-        publish): all of them are then resident or done, so every flag a claimed tile waits for
-        will come. Otherwise (GEMM CTAs placed before the dispatch's, e.g. by the block
-        scheduler's order) they leave at once: at most num_ctas - C CTAs spin, and the SMs the
-        dispatch needs stay free. The first max(num_ctas - C, 1) CTAs always join (at least one:
-        tile_queue.first_guarded_cta; num_ctas is the grid, clipped to the tile count)."""
-        comm = tile_counter[1]
-        join = cutlass.Int32(1)
-        if cute.arch.block_idx()[2] >= first_guarded_cta(cute.arch.grid_dim()[2], comm):
-            for c in range(cutlass.min(comm, tiles_m)):
-                if tile_expert[c] >= 0:
-                    ptr = cute.make_ptr(cutlass.Int32, ready.iterator.toint() + cutlass.Int64(c) * 4,
-                                        cute.AddressSpace.gmem, assumed_align=4)
-                    if cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="gpu") < epoch:
-                        join = cutlass.Int32(0)
-        return join
-
-    @cute.jit
-    def _produce_gathered(
-        self, ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, seg_end, seg_rows, sched_params, tiles_m,
-        tiles_n, group_m, k_tiles,
-    ):
-        """Producer of the gather variant, run by all 128 threads of warp group 0.
-
-        Per k tile: every thread waits for the stage to be free; warp 0 arms the full
-        barrier with B's bytes and issues B's TMA; every thread issues its 8 cp.async
-        copies of A (x rows through row_idx; padding rows and columns past K zero-filled)
-        and a cp.async.mbarrier.arrive.noinc, which fires when those copies have landed.
-        """
-        ptid, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        num_tokens = cute.size(mX, mode=[0])
-        k_chunks = cute.size(mX, mode=[1]) // (128 // self.ab_dtype.width)  # K % 8 == 0 (spec)
-        bm, _, bk = self.tile_mnk
-        vec = 128 // self.ab_dtype.width  # elements per 16-byte cp.async
-        # The copy atom only shapes the per-thread partition; _copy_rows issues the copies.
-        atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.ab_dtype,
-            num_bits_per_copy=128,
-        )
-        # 128 threads as (16 rows, 8 chunks), chunk index fastest: a warp reads 4 whole 128-byte row pieces.
-        chunks = bk // vec
-        tiled_copy = cute.make_tiled_copy_tv(
-            atom,
-            cute.make_ordered_layout((self.threads_per_wg // chunks, chunks), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
-        thr_copy = tiled_copy.get_slice(ptid)
-        tXsA = thr_copy.partition_D(sA)  # (CPY, rows per thread, 1, stages), swizzle included
-        tXcA = thr_copy.partition_D(cute.make_identity_tensor((bm, bk)))  # (row, col) of each copy
-        rows_per_thr = cute.size(tXsA, mode=[1])
-        col_chunk = tXcA[(0, 0, 0)][1] // vec
-        tok = cute.make_rmem_tensor((rows_per_thr,), cutlass.Int32)
-        mX_v = cute.logical_divide(mX[(None, None, 0)], (None, vec))  # (T, (vec, K / vec))
-
-        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-        work = sched.initial_work_tile_info()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        while work.is_valid_tile:
-            m_tile, n_tile = self._tile_coord(
-                work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
-            )
-            expert = tile_expert[m_tile]
-            if expert >= 0:
-                for i in cutlass.range_constexpr(rows_per_thr):
-                    tok[i] = cutlass.Int32(row_idx[m_tile * bm + tXcA[(0, i, 0)][0]])
-                tBgB_t = tBgB[(None, n_tile, None, expert)]
-                for k in range(k_tiles):
-                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    bar = ab_pipe.producer_get_barrier(state)
-                    if warp_idx == 0:
-                        ab_pipe.sync_object_full.arrive(state.index, ab_pipe.producer_mask)  # expect B's bytes
-                        cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    chunk = k * chunks + col_chunk
-                    row_limit = num_tokens  # rows below it are read from x; 0 past K: all zeros
-                    if chunk >= k_chunks:
-                        row_limit = 0
-                    self._copy_rows(tXsA, state.index, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-                    state.advance()
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
-        ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def _copy_rows(self, tXsA, stage, mX_v, tok, row_limit, chunk, k_chunks, rows_per_thr):
-        """This thread's 8 cp.async copies of one k tile.
-
-        Padding rows and chunks past K use cp.async's src-size operand 0: the 16 bytes are
-        zero-filled in shared memory and nothing is read. (Reading them from one shared
-        16-byte zero chunk instead, one address for every CTA, made the kernel 1.7-4.5x
-        slower on H200: docs/kernels.md, "Gather variant: why it was slow".)
-        The source of a zero-filled copy is a valid address anyway (row 0, chunk 0).
-        """
-        from cutlass.experimental.primitives import nvvm_wrapper as nv  # the src-size form of cp.async
-
-        src_chunk = chunk
-        if chunk >= k_chunks:
-            src_chunk = 0
-        for i in cutlass.range_constexpr(rows_per_thr):
-            dst = tXsA[(None, i, 0, stage)]
-            # cute.copy applies the stage's swizzle to the address; the raw pointer op does not,
-            # so apply it here: 128B swizzle, byte address bits [4, 7) ^= bits [7, 10).
-            if cutlass.const_expr("S<3,4,3>" not in str(dst.iterator)):
-                raise TypeError(f"the gather producer expects a 128B-swizzled A stage, got {dst.iterator}")
-            addr = dst.iterator.toint()
-            addr = addr ^ ((addr >> 3) & 0x70)
-            row = cutlass.Int32(0)
-            nbytes = cutlass.Int32(0)
-            if tok[i] < row_limit:
-                row = tok[i]
-                nbytes = cutlass.Int32(16)
-            nv.cp_async_shared_global(
-                cute.make_ptr(self.ab_dtype, addr, cute.AddressSpace.smem, assumed_align=16),
-                mX_v[(row, (None, src_chunk))].iterator, 16, nv.LoadCacheModifier.CG, cp_size=nbytes,
-            )
-
     @cute.kernel
     def kernel(
         self,
@@ -828,12 +663,10 @@ class VarlenMGroupedGemm:
         tiles_m: cutlass.Int32,
         tiles_n: cutlass.Int32,
         group_m: cutlass.Int32,
-        mX: cute.Tensor,
         row_idx: cute.Tensor,
         ready: cute.Tensor,
         ready_err: cute.Tensor,
         epoch: cutlass.Int32,
-        timeout_us: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -852,8 +685,6 @@ class VarlenMGroupedGemm:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
-        if cutlass.const_expr(self.gather):
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))  # A: cp.async
         if cutlass.const_expr(self.pingpong):
             # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
             # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
@@ -925,19 +756,11 @@ class VarlenMGroupedGemm:
         if wg_idx == 0:
             # ---------------- producer: TMA loads ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if cutlass.const_expr(self.gather):
-                self._produce_gathered(
-                    ab_pipe, tma_b, tBgB, tBsB, sA, mX, row_idx, tile_expert, seg_end, seg_rows, sched_params,
-                    tiles_m, tiles_n, group_m, k_tiles,
-                )
-            elif warp_idx == 0:
+            if warp_idx == 0:
                 if cutlass.const_expr(self.dynamic):
-                    join = cutlass.Int32(1)
-                    if cutlass.const_expr(self.ready):
-                        join = self._may_join(row_idx, ready, tile_expert, epoch, tiles_m)
                     sched = DynamicTileScheduler.create(
                         sched_params, cute.arch.block_idx(), cute.arch.grid_dim(), tile_pipe, tile_ring, row_idx,
-                        producer=True, join=join,
+                        producer=True, join=cutlass.Int32(1),
                     )
                 else:
                     sched = utils.StaticPersistentTileScheduler.create(
@@ -951,8 +774,6 @@ class VarlenMGroupedGemm:
                     )
                     expert = tile_expert[m_tile]
                     if expert >= 0:
-                        if cutlass.const_expr(self.ready):
-                            wait_tile_ready(ready, m_tile, epoch, timeout_us, ready_err)
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
                         if cutlass.const_expr(self.act is not None):
@@ -1031,7 +852,6 @@ class VarlenMGroupedGemm:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             epi_count = cutlass.Int32(0)
-            prev_m = cutlass.Int32(-1)  # done hook: row tile of the last output tile stored
             turn = cutlass.Int32(0)  # ping-pong: the warp group whose tile the next valid one is
             # ping-pong: phase to wait for on order_bars[wg]; a fresh barrier passes parity 1 at once,
             # so warp group 1 (wg 0) starts and warp group 2 waits for its first arrival
@@ -1068,17 +888,15 @@ class VarlenMGroupedGemm:
                             if real_rows > TILE_M // 2:
                                 tiled_mma, acc, read_state, release_state = mma_mainloop(
                                     tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                                    self.gather,
                                 )
                             else:
                                 tiled_mma, acc, read_state, release_state = mma_mainloop(
                                     tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                                    self.gather, first_m_only=True,
+                                    first_m_only=True,
                                 )
                         elif real_rows > first_row:
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                                self.gather,
                             )
                         else:
                             # All 64 rows are padding: no MMA, but the stage ring must still
@@ -1091,10 +909,6 @@ class VarlenMGroupedGemm:
                         if cutlass.const_expr(self.pingpong):
                             cute.arch.mbarrier_arrive(order_bars + (1 - wg))
 
-                        if cutlass.const_expr(self.done):
-                            if warp_idx == store_warp:  # the previous tile's stores are long complete
-                                signal_tile_done(ready, prev_m)
-                            prev_m = m_tile
                         bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
                             gC[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
                         )
@@ -1129,9 +943,6 @@ class VarlenMGroupedGemm:
                             epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
-            if cutlass.const_expr(self.done):
-                if warp_idx == store_warp:
-                    signal_tile_done(ready, prev_m)
             store_pipe.producer_tail()
 
 
@@ -1222,153 +1033,6 @@ class VarlenMGroupedGemmPush(VarlenMGroupedGemm):
     ):
         self._launch(mA, mB, mA, mA, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
                      dst_base=dst_base, row_rank=row_rank, row_slot=row_slot)
-
-
-class VarlenMGroupedGemmGather(VarlenMGroupedGemm):
-    """The grouped GEMM whose A rows are read from x through the schedule's row index (no permuted copy)."""
-
-    def __init__(self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, num_sms=num_sms, full_epi=full_epi, gather=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,  # (T, K, 1) K-major: the tokens
-        row_idx: cute.Tensor,  # (M,) int64: x row of each A row, T for padding (Schedule.row_token)
-        mB: cute.Tensor,  # (N, K, E) K- or N-major
-        mC: cute.Tensor,  # (M, N, 1) N-major
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(
-            mX, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream, row_idx
-        )
-
-
-class VarlenMGroupedGemmReady(VarlenMGroupedGemm):
-    """The grouped GEMM on num_ctas CTAs (the rest of the SMs stay free for the EP dispatch), whose
-    producer waits for ready[m_tile] >= epoch before loading an A row tile (readiness.py).
-
-    Same tiles, same K order as VarlenMGroupedGemm: bitwise equal to it for any num_ctas.
-    """
-
-    def __init__(self, tile_n: int = 256, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, full_epi=full_epi)
-        self.ready = True
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K, 1) K-major
-        mB: cute.Tensor,  # (N, K, E) K-major
-        mC: cute.Tensor,  # (M, N, 1) N-major
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        ready: cute.Tensor,  # (M // TILE_M,) int32 readiness flags
-        ready_err: cute.Tensor,  # (1,) int32: set to 1 if a wait timed out
-        epoch: cutlass.Int32,
-        timeout_us: cutlass.Int32,
-        num_ctas: cutlass.Int32,  # persistent CTAs (<= SMs the dispatch leaves free)
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     ready=ready, ready_err=ready_err, epoch=epoch, timeout_us=timeout_us, num_ctas=num_ctas)
-
-
-class VarlenMGroupedGemmDone(VarlenMGroupedGemm):
-    """The grouped GEMM on num_ctas CTAs whose store warp adds 1 to done[m_tile] once the TMA stores
-    of an output tile are complete (signalled lazily, at the next tile's epilogue or at the end), so
-    that a kernel beside it (the EP combine push) can read finished rows. done is zeroed by the caller.
-
-    Same tiles, same K order as VarlenMGroupedGemm: bitwise equal to it for any num_ctas.
-    """
-
-    def __init__(self, tile_n: int = 256, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, full_epi=full_epi)
-        self.done = True
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K, 1) K-major
-        mB: cute.Tensor,  # (N, K, E) K-major
-        mC: cute.Tensor,  # (M, N, 1) N-major
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        done: cute.Tensor,  # (M // TILE_M,) int32: finished column tiles per row tile
-        num_ctas: cutlass.Int32,  # persistent CTAs (<= SMs the push leaves free)
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     ready=done, num_ctas=num_ctas)
-
-
-class VarlenMGroupedGemmReadyDyn(VarlenMGroupedGemmReady):
-    """VarlenMGroupedGemmReady with dynamic tiles (tile_queue.py): a grid of every SM, each CTA claims
-    the next tile. tile_counter = [0, C] before the launch (C: the dispatch's CTAs; the last C CTAs
-    join only once every dispatch CTA runs, see _may_join; C = 0: all join at once).
-
-    Same tiles, same K order: bitwise equal to VarlenMGroupedGemm for any num_ctas."""
-
-    def __init__(self, tile_n: int = 256, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, full_epi=full_epi)
-        self.dynamic = True
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        ready: cute.Tensor,
-        ready_err: cute.Tensor,
-        epoch: cutlass.Int32,
-        timeout_us: cutlass.Int32,
-        num_ctas: cutlass.Int32,
-        tile_counter: cute.Tensor,  # (2,) int32: [claims (0), dispatch CTAs]
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     ready=ready, ready_err=ready_err, epoch=epoch, timeout_us=timeout_us, num_ctas=num_ctas,
-                     tile_counter=tile_counter)
-
-
-class VarlenMGroupedGemmDoneDyn(VarlenMGroupedGemmDone):
-    """VarlenMGroupedGemmDone with dynamic tiles (tile_queue.py). tile_counter = [0] before the launch.
-    Bitwise equal to VarlenMGroupedGemm for any num_ctas."""
-
-    def __init__(self, tile_n: int = 256, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, full_epi=full_epi)
-        self.dynamic = True
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        done: cute.Tensor,
-        num_ctas: cutlass.Int32,
-        tile_counter: cute.Tensor,  # (1,) int32: claims (0)
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     ready=done, num_ctas=num_ctas, tile_counter=tile_counter)
 
 
 class VarlenMGroupedGemmDyn(VarlenMGroupedGemm):

@@ -103,19 +103,12 @@ class KernelLibrary:
         self._fns = fns
         self._error_string = error_string
         self._plans = {name: _Plan(spec) for name, spec in registry.SPECS_BY_NAME.items()}
-        # MOK_LAUNCH=ctypes: one ctypes object per argument, as before the packed path (a fallback)
-        mode = os.environ.get("MOK_LAUNCH", "") or "packed"
-        if mode not in ("packed", "ctypes"):
-            raise ValueError(f"MOK_LAUNCH={mode!r}: expected 'packed' or 'ctypes'")
-        self._packed = mode == "packed"
 
     def launch(self, name: str, *args, stream: int) -> None:
         """args: torch tensors / python scalars in the order of the spec; stream: cudaStream_t as int."""
         plan = self._plans[name]
         if len(args) != plan.nargs:
             raise TypeError(f"{name} takes {plan.nargs} arguments, got {len(args)}")
-        if not self._packed:
-            return self.launch_ctypes(name, *args, stream=stream)
         try:
             buf, addr = plan.pack(args, stream)  # buf: the block, alive until the call has returned
         except Exception:

@@ -127,46 +127,6 @@ def _gemm_push_spec(name: str, b_major: str) -> KernelSpec:
                                args=args)
 
 
-def _gemm_gather_spec(name: str, b_major: str, c_dtype: str = "bf16", full_epi: bool = False) -> KernelSpec:
-    # A rows gathered from x [T, K] through row_idx (Schedule.row_token, T = padding: zero-filled by cp.async).
-    b_stride = (DYN, 1, DYN) if b_major == "k" else (1, DYN, DYN)
-    return KernelSpec(
-        name=name,
-        module="grouped_gemm",
-        factory="VarlenMGroupedGemmGather",
-        factory_kwargs=(("tile_n", GEMM_TILE_N), ("full_epi", full_epi)),
-        args=(
-            TensorArg("x", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(1, 8, 1)),
-            TensorArg("row_idx", "i64", (DYN,), (1,), align=8),
-            TensorArg("b", "bf16", (DYN, DYN, DYN), b_stride, divisibility=(8, 8, 1)),
-            TensorArg("c", c_dtype, (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 8, 1)),
-            *_SCHEDULE_ARGS,
-            ScalarArg("group_m", "i32"),
-        ),
-    )
-
-
-def _gemm_hook_spec(name: str, full_epi: bool, hook: str, dynamic: bool = False) -> KernelSpec:
-    # mok_gemm_bk + an EP hook, on a grid of num_ctas CTAs. "ready": waits for ready[m_tile] >= epoch
-    # before loading an A row tile; "done": done[m_tile] += 1 per finished output tile.
-    base = _gemm_spec(name, "k", GEMM_TILE_N, full_epi=full_epi)
-    if hook == "ready":
-        extra = (
-            TensorArg("ready", "i32", (DYN,), (1,), align=4),
-            TensorArg("ready_err", "i32", (1,), (1,), align=4),
-            ScalarArg("epoch", "i32"),
-            ScalarArg("timeout_us", "i32"),
-        )
-    else:
-        extra = (TensorArg("done", "i32", (DYN,), (1,), align=4),)
-    factory = {"ready": "VarlenMGroupedGemmReady", "done": "VarlenMGroupedGemmDone"}[hook]
-    extra = extra + (ScalarArg("num_ctas", "i32"),)
-    if dynamic:  # tiles claimed by atomic add: [claims, dispatch CTAs] (ready) / [claims] (done), zeroed per launch
-        factory += "Dyn"
-        extra = extra + (TensorArg("tile_counter", "i32", (2 if hook == "ready" else 1,), (1,), align=4),)
-    return dataclasses.replace(base, factory=factory, args=base.args + extra)
-
-
 def _pingpong_kwargs(pingpong: bool, cluster_n: int = 1) -> tuple:
     if not pingpong:
         return ()
@@ -222,7 +182,7 @@ def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> Ke
 
 
 def _wgrad_spec(
-    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, diag: str = "", cluster_m: int = 1,
+    name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, cluster_m: int = 1,
     pingpong: bool = False, accumulate: bool = False,
 ) -> KernelSpec:
     # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
@@ -230,7 +190,6 @@ def _wgrad_spec(
     # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share each B stage by TMA multicast.
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
     kwargs += (("lazy_epilogue", True),) if lazy else ()
-    kwargs += (("diag", diag),) if diag else ()
     kwargs += (("cluster_m", cluster_m),) if cluster_m > 1 else ()
     kwargs += (("pingpong", True),) if pingpong else ()  # whole 128x128 tiles per consumer warp group
     kwargs += (("accumulate", True),) if accumulate else ()  # C += the result (macrobatch passes)
@@ -301,9 +260,8 @@ def _combine_specs() -> tuple:
             ScalarArg("experts_per_leaf", "i32"),
         ),
     )
-    top2 = dataclasses.replace(local, name="mok_combine_k2", factory_kwargs=(("top_k", 2),))  # pos [T, 2] only
     staged = dataclasses.replace(local, name="mok_combine_cp", factory_kwargs=(("staged", True),))  # top_k <= 16
-    return local, top2, staged, partial, final
+    return local, staged, partial, final
 
 
 def _act_specs(kind: str) -> tuple:
@@ -340,7 +298,8 @@ def _act_specs(kind: str) -> tuple:
 
 
 def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> KernelSpec:
-    # "Schedule": one CTA; "ScheduleMultiCta": three launches, scratch [C*E] and chunk (slots per CTA).
+    # "ScheduleMultiCta": three launches (per-chunk counts, one scan CTA, placement), scratch [C*E] and chunk
+    # (slots per CTA).
     multi = factory == "ScheduleMultiCta"
     return KernelSpec(
         name=name,
@@ -394,21 +353,9 @@ def _ep_schedule_outputs_spec() -> KernelSpec:
     )
 
 
-def _ep_specs() -> tuple:
-    # Expert-parallel row movement and the peer barrier (kernels/ep_comm.py).
-    copy = KernelSpec(
-        name="mok_ep_copy_rows",
-        module="ep_comm",
-        factory="CopyRows",
-        factory_kwargs=(),
-        args=(
-            TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
-            TensorArg("src_idx", "i64", (DYN,), (1,), align=8),
-            TensorArg("dst", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
-            TensorArg("dst_idx", "i64", (DYN,), (1,), align=8),
-        ),
-    )
-    signal = KernelSpec(
+def _ep_signal_spec() -> KernelSpec:
+    # The barrier with one peer (kernels/ep_comm.py): signal its slot, wait for ours to reach epoch.
+    return KernelSpec(
         name="mok_ep_signal",
         module="ep_comm",
         factory="PeerSignal",
@@ -421,45 +368,6 @@ def _ep_specs() -> tuple:
             ScalarArg("timeout_us", "i32"),
         ),
     )
-    # Dispatch beside the gate/up GEMM (per-tile readiness), combine push beside the down GEMM
-    # (per-tile completion): kernels/ep_overlap.py.
-    dispatch = KernelSpec(
-        name="mok_ep_dispatch_rows",
-        module="ep_overlap",
-        factory="DispatchRows",
-        factory_kwargs=(),
-        args=(
-            TensorArg("dst", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
-            TensorArg("src_base", "i64", (DYN,), (1,), align=8),
-            TensorArg("row_peer", "i32", (DYN,), (1,), align=4),
-            TensorArg("row_src", "i64", (DYN,), (1,), align=8),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("ready", "i32", (DYN,), (1,), align=4),
-            TensorArg("err", "i32", (1,), (1,), align=4),
-            ScalarArg("epoch", "i32"),
-            ScalarArg("timeout_us", "i32"),
-            ScalarArg("num_ctas", "i32"),
-        ),
-    )
-    push = KernelSpec(
-        name="mok_ep_push_rows",
-        module="ep_overlap",
-        factory="PushRows",
-        factory_kwargs=(),
-        args=(
-            TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(TILE_M, 8)),
-            TensorArg("dst_base", "i64", (DYN,), (1,), align=8),
-            TensorArg("row_rank", "i32", (DYN,), (1,), align=4),
-            TensorArg("row_slot", "i64", (DYN,), (1,), align=8),
-            TensorArg("tile_expert", "i32", (DYN,), (1,), align=4),
-            TensorArg("done", "i32", (DYN,), (1,), align=4),
-            TensorArg("err", "i32", (1,), (1,), align=4),
-            ScalarArg("target", "i32"),
-            ScalarArg("timeout_us", "i32"),
-            ScalarArg("num_ctas", "i32"),
-        ),
-    )
-    return copy, signal, dispatch, push
 
 
 def _ep_copy_specs() -> tuple:
@@ -471,7 +379,7 @@ def _ep_copy_specs() -> tuple:
     tiles = TensorArg("tile_expert", "i32", (DYN,), (1,), align=4)  # the gathers skip rows of tiles < 0
     slot_row = TensorArg("slot_row", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1)  # the scatters' (N, k)
     copy = KernelSpec(
-        name="mok_ep_copy_rows_v2",  # drop-in for mok_ep_copy_rows: (src, src_idx, dst, dst_idx)
+        name="mok_ep_copy_rows",  # dst[dst_idx[r]] = src[src_idx[r]], warp per row, grid-stride
         module="ep_copy",
         factory="CopyRowsGrid",
         factory_kwargs=(),
@@ -524,19 +432,19 @@ def _ep_copy_specs() -> tuple:
     return copy, pull, push, gather, scatter, scatter_peers
 
 
-def _ep_publish_spec(w_dtype: str) -> KernelSpec:
+def _ep_publish_spec() -> KernelSpec:
     # Steps 1 and 2 of the EP forward in one launch (kernels/ep_publish.py): x rows into the local tokens
     # section, ids / weights / token count into every rank's sections (addrs: [3, P] addresses), then
     # (epoch > 0) the barrier with every peer.
     return KernelSpec(
-        name="mok_ep_publish" + ("" if w_dtype == "f32" else f"_{w_dtype}w"),
+        name="mok_ep_publish",
         module="ep_publish",
         factory="Publish",
-        factory_kwargs=(("w_dtype", w_dtype),),
+        factory_kwargs=(),
         args=(
             TensorArg("x", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
             TensorArg("topk_ids", "i64", (DYN, DYN), (DYN, DYN), align=8, stride_div=1),
-            TensorArg("topk_weights", w_dtype, (DYN, DYN), (DYN, DYN), align=ITEMSIZE[w_dtype], stride_div=1),
+            TensorArg("topk_weights", "f32", (DYN, DYN), (DYN, DYN), align=4, stride_div=1),
             TensorArg("tokens", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8)),
             TensorArg("addrs", "i64", (3, DYN), (DYN, 1), align=8, stride_div=1),
             ScalarArg("rank", "i32"),
@@ -560,123 +468,50 @@ def _ep_publish_spec(w_dtype: str) -> KernelSpec:
 
 
 SPECS = (
-    _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # forward: x_perm @ W[e]^T
-    _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # backward dgrad: dY @ W[e]
-    _gemm_spec("mok_gemm_bn_f32", "n", GEMM_TILE_N, "f32"),  # dgrad of down, fp32 for dw and dSwiGLU
-    # the same with the whole output tile in smem (stores overlap the next tile's mainloop);
-    # MOK_GEMM_EPI=full picks them (tests/gpu/bench_gemm_variants.py measures both)
-    _gemm_spec("mok_gemm_bk_ef", "k", GEMM_TILE_N, full_epi=True),
-    _gemm_spec("mok_gemm_bn_ef", "n", GEMM_TILE_N, full_epi=True),
-    # mok_gemm_bk_ef, mok_gemm_bn_ef and mok_gemm_bn_f32 with dynamic tiles (tiles claimed by atomic add), given
-    # the routed seg_rows so that all-padding consumer warp groups skip their MMA (MOK_GEMM_TILES,
-    # cuda_backend.gemm_tiles_suffix)
-    _gemm_dyn_spec("mok_gemm_bk_ef_dyn", "k", full_epi=True),  # forward down
+    # Varlen-M grouped GEMMs (grouped_gemm.py). The layer picks the form per GEMM (cuda_backend.gemm_kernel):
+    # cooperative 128 x 256 tiles with the output tile split in four smem buffers where K is long (bk, bn);
+    # the whole tile in smem and tiles claimed by atomic add (_ef_dyn: all-padding warp groups skip their MMA);
+    # ping-pong warp groups on 2-CTA clusters sharing A (_ppc) where K is short.
+    _gemm_spec("mok_gemm_bk", "k", GEMM_TILE_N),  # x_rows @ W[e]^T, K > GEMM_FULL_EPI_MAX_K
+    _gemm_spec("mok_gemm_bn", "n", GEMM_TILE_N),  # d rows @ W[e], K > GEMM_FULL_EPI_MAX_K
+    _gemm_dyn_spec("mok_gemm_bk_ef_dyn", "k", full_epi=True),  # forward down (and gate/up where not fused)
     _gemm_dyn_spec("mok_gemm_bn_ef_dyn", "n", full_epi=True),  # dgrad of gate/up
-    _gemm_dyn_spec("mok_gemm_bn_f32_dyn", "n", "f32"),  # dgrad of down (split epilogue)
-    # diagnostic, not used by the layer: 128 x 64 tiles, the cost of a narrow tile per FLOP against 128 x 256
-    # (docs/kernels.md, "swap A and B"; tests/gpu/bench_gemm_variants.py)
-    _gemm_spec("mok_gemm_bk_n64", "k", 64),
-    _gemm_spec("mok_gemm_bk_n128", "k", 128),
-    # the same with A rows gathered from x by the schedule (no permuted copy); MOK_GEMM_GATHER=1 picks them
-    _gemm_gather_spec("mok_gemm_bk_gather", "k"),  # gate/up: x rows @ W13[e]^T
-    _gemm_gather_spec("mok_gemm_bk_ef_gather", "k", full_epi=True),
-    _gemm_gather_spec("mok_gemm_bn_f32_gather", "n", "f32"),  # dgrad of down: dy rows @ W2[e]
-    # the overlapped EP forward (cuda_ep): gate/up GEMM whose A row tiles wait for the dispatch, and
-    # down GEMM that counts finished tiles for the combine push
-    _gemm_hook_spec("mok_gemm_bk_ready", full_epi=False, hook="ready"),
-    # the EP forward's down GEMM sending each row to its source rank's slots beside the next tiles (MOK_EP_DOWN_PUSH),
-    # and the backward's dgrad of gate/up sending d x rows (MOK_EP_DX_PUSH=gemm)
-    _gemm_push_spec("mok_gemm_bk_ef_push", "k"),
-    _gemm_push_spec("mok_gemm_bn_ef_push", "n"),
-    _gemm_hook_spec("mok_gemm_bk_ef_ready", full_epi=True, hook="ready"),
-    _gemm_hook_spec("mok_gemm_bk_done", full_epi=False, hook="done"),
-    _gemm_hook_spec("mok_gemm_bk_ef_done", full_epi=True, hook="done"),
-    # the same with dynamic tiles (a grid of every SM, tiles claimed by atomic add; MOK_EP_OV_TILES=dynamic)
-    _gemm_hook_spec("mok_gemm_bk_ready_dyn", full_epi=False, hook="ready", dynamic=True),
-    _gemm_hook_spec("mok_gemm_bk_ef_ready_dyn", full_epi=True, hook="ready", dynamic=True),
-    _gemm_hook_spec("mok_gemm_bk_done_dyn", full_epi=False, hook="done", dynamic=True),
-    _gemm_hook_spec("mok_gemm_bk_ef_done_dyn", full_epi=True, hook="done", dynamic=True),
-    # gate/up GEMM + SwiGLU epilogue (I % 128 == 0); MOK_GEMM_ACT=fused picks it
-    _gemm_act_spec("swiglu"),
-    _gemm_act_spec("swiglu_oai"),
-    # the same with the whole gate/up tile in smem, its stores beside the next tile's mainloop (MOK_GEMM_EPI)
-    _gemm_act_spec("swiglu", full_epi=True),
-    _gemm_act_spec("swiglu_oai", full_epi=True),
-    _gemm_dact_spec("swiglu"),  # dgrad of down + dSwiGLU + d topk-weight partials (MOK_GEMM_DACT)
-    _gemm_dact_spec("swiglu_oai"),
-    # ping-pong: each consumer warp group computes whole 128 x 128 tiles, its epilogue beside the other's
-    # mainloop (MOK_GEMM_PINGPONG=1); the plain ones keep the whole tile in smem (full_epi)
-    _gemm_spec("mok_gemm_bk_pp", "k", PINGPONG_TILE_N, full_epi=True, pingpong=True),
-    _gemm_spec("mok_gemm_bn_pp", "n", PINGPONG_TILE_N, full_epi=True, pingpong=True),
-    # Lost and dropped: K tiles of 32 (8 A/B stages of 24 KB instead of 4 of 48 KB), 3-19% slower than
-    # mok_gemm_bk / _ef on every shape's gate/up and down (..._v49_gemm_k32_pp.txt); a ping-pong variant
-    # without the order barrier deadlocked (a warp group stepping over the other's stages can wait for a
-    # phase that needs its own next tile's release).
-    _gemm_act_spec("swiglu", pingpong=True),
-    _gemm_act_spec("swiglu_oai", pingpong=True),
-    _gemm_dact_spec("swiglu", pingpong=True),
-    _gemm_dact_spec("swiglu_oai", pingpong=True),
-    # the same on 2-CTA clusters: column-tile pairs share A by TMA multicast (MOK_GEMM_PINGPONG=cluster);
-    # act / dact need an even count of column tiles, which I % 128 / I % 256 == 0 give
+    _gemm_dyn_spec("mok_gemm_bn_f32_dyn", "n", "f32"),  # dgrad of down, fp32 out for dSwiGLU and d topk-weights
     _gemm_spec("mok_gemm_bk_ppc", "k", PINGPONG_TILE_N, full_epi=True, pingpong=True, cluster_n=2),
     _gemm_spec("mok_gemm_bn_ppc", "n", PINGPONG_TILE_N, full_epi=True, pingpong=True, cluster_n=2),
+    # gate/up GEMM + SwiGLU in the epilogue (I % 128 == 0, no gate/up bias): clustered ping-pong where
+    # H <= 2048, else the cooperative kernel whose idle producer warps compute the activation
     _gemm_act_spec("swiglu", pingpong=True, cluster_n=2),
-    _gemm_act_spec("swiglu_oai", pingpong=True, cluster_n=2),
+    _gemm_act_spec("swiglu", full_epi=True),
+    # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096)
     _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_dact_spec("swiglu_oai", pingpong=True, cluster_n=2),
-    # weight gradients: rows^T @ rows per expert. Variants compete here (WGRAD_KERNELS,
-    # tests/gpu/bench_wgrad_variants.py). Lost on H200 and dropped: (256, 64, 2), (128, 64, 2);
-    # lazy epilogues with 4 x 128x64 buffers, half a tile buffered (4 A/B stages), 128x128 tiles,
-    # and skipping the MMA blocks of padding rows (docs/benchmarks/..._v12_wgrad_variants.txt).
-    _wgrad_spec("mok_gemm_wgrad", GEMM_TILE_N, 32, 4),  # experts with many rows (mixtral)
-    # Lazy epilogue: the whole 128x256 tile buffered (3 A/B stages), its stores overlap the next
-    # tile's MMA; experts with few rows (deepseek-v3 d gate_up 7.9 vs 9.0 ms)
-    _wgrad_spec("mok_gemm_wgrad_defer", GEMM_TILE_N, 32, 8, lazy=True),
-    # the same two on 2-CTA clusters that share B by TMA multicast: a third less L2 -> smem traffic
-    # per tile (the loads, not the MMA or the stores, bound the deepseek-v3 weight gradients).
-    # _defer_c2 is the default (cuda_backend.WGRAD_KERNEL): fastest over the three shapes on H200.
-    # Lost and dropped: the whole tile stored between two barriers a tile ("full", +/-0 to +11%).
-    _wgrad_spec("mok_gemm_wgrad_c2", GEMM_TILE_N, 32, 4, cluster_m=2),
+    # Expert parallelism: the forward's down GEMM and the backward's dgrad of gate/up store each row into its
+    # source rank's slots (the combine's, over NVLink) instead of an output C
+    _gemm_push_spec("mok_gemm_bk_ef_push", "k"),
+    _gemm_push_spec("mok_gemm_bn_ef_push", "n"),
+    # Weight gradients, rows^T @ rows per expert (wgrad_gemm.py): deferred epilogue on 2-CTA clusters sharing
+    # B by TMA multicast; its accumulating twin (C += A^T B, macrobatch passes after the first); ping-pong
+    # where experts have few rows and the output few columns (cuda_backend.wgrad_kernel)
     _wgrad_spec("mok_gemm_wgrad_defer_c2", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2),
-    # C += A^T B: the default kernel with its TMA stores adding into C (cp.reduce.async.bulk .add), so the
-    # weight gradients of macrobatch passes after the first add into the first one's (MoKConfig.macrobatch_size)
     _wgrad_spec("mok_gemm_wgrad_defer_c2_acc", GEMM_TILE_N, 32, 8, lazy=True, cluster_m=2, accumulate=True),
-    # Ping-pong: each consumer warp group takes whole 128x128 tiles in turn, so one's epilogue runs
-    # beside the other's mainloop (wgrad_gemm.py); alone and on 2-CTA clusters sharing B.
     _wgrad_spec("mok_gemm_wgrad_pp", PINGPONG_TILE_N, 32, 8, pingpong=True),
-    _wgrad_spec("mok_gemm_wgrad_ppc", PINGPONG_TILE_N, 32, 8, cluster_m=2, pingpong=True),
-    # Lost and dropped: wider epilogue sub-tiles for _defer_c2, 128x64 x 4 and 128x128 x 2 (4 and 2
-    # barriers a tile instead of 8): -2% to +13% (..._v38_wgrad_epi_width.txt).
-    # Lost and dropped: 4-CTA clusters (B a quarter per CTA). Only 30 clusters of 4 are resident on
-    # H200 (tests/gpu/cluster_occupancy.cu: 66 of 2, 30 of 4, 15 of 8), so the grid had 120 CTAs:
-    # 4-15% slower than _defer_c2 (..._v34_wgrad_c4.txt; with 128 CTAs, a second wave: 1.7-1.9x).
-    # Diagnostics (wrong results; timed by bench_wgrad_variants.py, not selectable): the _defer kernel
-    # without its global stores / without its MMA, i.e. the two sides of its max(MMA, stores) bound.
-    _wgrad_spec("mok_wgrad_diag_no_store", GEMM_TILE_N, 32, 8, lazy=True, diag="no_store"),
-    _wgrad_spec("mok_wgrad_diag_no_mma", GEMM_TILE_N, 32, 8, lazy=True, diag="no_mma"),
     *_combine_specs(),
-    _schedule_spec("mok_schedule", "Schedule"),  # one CTA (MOK_SCHEDULE=single)
-    _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),  # the default
-    _schedule_spec("mok_schedule_mc_pdl", "ScheduleMultiCta", (("pdl", True),)),  # launches overlap (MOK_SCHEDULE=mc_pdl)
+    _schedule_spec("mok_schedule_mc", "ScheduleMultiCta"),
     _schedule_gather_spec(),  # mok_schedule_mc + the forward's x gather, one host call (EP = 1 forward)
     *_act_specs("swiglu"),
     *_act_specs("swiglu_oai"),
-    *_ep_specs(),
+    _ep_signal_spec(),
     *_ep_copy_specs(),
-    _ep_publish_spec("f32"),  # mok_ep_publish: fp32 top-k weights (the router's)
-    _ep_publish_spec("bf16"),  # mok_ep_publish_bf16w: bf16 top-k weights, widened exactly
+    _ep_publish_spec(),
     _ep_schedule_outputs_spec(),  # mok_ep_schedule_outputs: make_ep_schedule's derived outputs, one launch
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}
-WGRAD_DIAG_KERNELS = tuple(s.name for s in SPECS if "diag" in dict(s.factory_kwargs))
 # accumulating twins (C += A^T B): WGRAD_ACC_KERNELS[name] adds where `name` writes
 WGRAD_ACC_KERNELS = {s.name.removesuffix("_acc"): s.name for s in SPECS if dict(s.factory_kwargs).get("accumulate")}
-WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_DIAG_KERNELS
-                      and s.name not in WGRAD_ACC_KERNELS.values())
-GEMM_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemm")
+WGRAD_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenKGroupedGemm" and s.name not in WGRAD_ACC_KERNELS.values())
 GEMM_DYN_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemmDyn")
-GEMM_GATHER_KERNELS = tuple(s.name for s in SPECS if s.factory == "VarlenMGroupedGemmGather")
 
 
 def tile_n_of(name: str) -> int:

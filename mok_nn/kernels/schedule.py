@@ -1,27 +1,12 @@
-"""Schedule: routed slots -> rows of the expert-ordered, tile-padded GEMM input.
+"""The schedule: routed slots -> rows of the expert-ordered, tile-padded GEMM input.
 
-Two implementations with identical outputs (both a stable counting sort, a pure
-function of topk_ids; no atomics, no host synchronisation):
+A stable counting sort, a pure function of topk_ids: no atomics, no host synchronisation. Three short
+launches over many CTAs (ScheduleMultiCta, registry mok_schedule_mc; see its docstring), and the same
+followed by the forward's x gather in one host call (ScheduleGather, mok_schedule_gather).
 
-  Schedule          one CTA of 32 warps, one launch (registry: mok_schedule)
-  ScheduleMultiCta  three short launches over many CTAs (mok_schedule_mc); see
-                    its docstring
-
-Schedule, one CTA:
-
-1. count   each warp owns a contiguous chunk of the flat slots s = t*k + j and
-           counts its slots per expert (lanes of one expert agree through warp
-           shuffles; one lane per expert adds the group's count).
-2. scan    per expert, an exclusive prefix over the warps (chunk order), then
-           one thread pads each expert's total to TILE_M and prefix-sums the
-           experts: seg_end[e], and tile_expert[] (-1 past the last segment).
-3. place   each warp walks its chunk again in slot order: the row of slot s is
-           seg_start[e] + (slots of e in earlier warps) + (earlier slots of e in
-           this warp). So rows keep slot order within an expert (a stable
-           counting sort), and the result is a pure function of topk_ids.
-
-Outputs: pos[s] (row of slot s), row_token[r] (token of row r; T on padding
-rows), tile_expert[r / TILE_M], seg_end[e], seg_rows[e] (routed rows of e).
+Outputs: pos[s] (row of slot s = t*k + j), row_token[r] (token of row r; T on padding rows),
+tile_expert[r / TILE_M] (-1 past the last segment), seg_end[e] (end row of expert e's padded segment),
+seg_rows[e] (routed rows of e), padded_rows[e] (seg_rows rounded up to TILE_M).
 """
 
 from __future__ import annotations
@@ -36,7 +21,6 @@ from .registry import SCHEDULE_MAX_EXPERTS as MAX_EXPERTS
 from .registry import SCHEDULE_MC_WARPS as MC_WARPS
 from .registry import TILE_M
 
-WARPS = 32
 SCAN_THREADS = 1024  # the scan CTA of ScheduleMultiCta
 SCAN_BATCH = 8  # loads in flight per thread in the scan's rewrite pass
 SEARCH_STEPS = 10  # binary search over <= MAX_EXPERTS segment ends (2**10 > 512)
@@ -49,144 +33,6 @@ def _expert_of_slot(ids, s, num_experts):
     v = ids[s]
     check_expert_id(v, s, num_experts)
     return cutlass.Int32(v)
-
-
-def _group_rank(e, lane):
-    """(rank of this lane among lanes holding e, number of lanes holding e) in the warp."""
-    rank = cutlass.Int32(0)
-    total = cutlass.Int32(0)
-    for src in range(32):  # a plain helper: unrolled while tracing
-        same = cute.arch.shuffle_sync(e, src) == e
-        one = cutlass.Int32(cutlass.select_(same, cutlass.Int32(1), cutlass.Int32(0)))
-        total = total + one
-        rank = rank + cutlass.Int32(cutlass.select_(lane > src, one, cutlass.Int32(0)))
-    return rank, total
-
-
-class Schedule:
-    @cute.jit
-    def __call__(
-        self,
-        ids: cute.Tensor,  # (N,) int64 flat expert ids, N = T*k
-        pos: cute.Tensor,  # (N,) int64 out
-        row_token: cute.Tensor,  # (M_cap,) int64 out
-        tile_expert: cute.Tensor,  # (M_cap / TILE_M,) int32 out
-        seg_end: cute.Tensor,  # (E,) int32 out
-        seg_rows: cute.Tensor,  # (E,) int32 out
-        padded_rows: cute.Tensor,  # (E,) int32 out: seg_rows rounded up to TILE_M
-        top_k: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, top_k).launch(
-            grid=[1, 1, 1], block=[WARPS * 32, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        ids: cute.Tensor,
-        pos: cute.Tensor,
-        row_token: cute.Tensor,
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        padded_rows: cute.Tensor,
-        top_k: cutlass.Int32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        lane = tidx % 32
-        warp = tidx // 32
-        n = cute.size(ids, mode=[0])
-        num_experts = cute.size(seg_end, mode=[0])
-        cap = cute.size(row_token, mode=[0])
-        n_tiles = cute.size(tile_expert, mode=[0])
-        num_tokens = n // top_k
-
-        smem = cutlass.utils.SmemAllocator()
-        cnt = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS, MAX_EXPERTS), stride=(MAX_EXPERTS, 1)), 16)
-        seg = smem.allocate_tensor(cutlass.Int32, cute.make_layout(MAX_EXPERTS + 1), 16)
-
-        for i in range(tidx, WARPS * MAX_EXPERTS, WARPS * 32):
-            cnt[(i // MAX_EXPERTS, i % MAX_EXPERTS)] = cutlass.Int32(0)
-        for r in range(tidx, cap, WARPS * 32):
-            row_token[r] = cutlass.Int64(num_tokens)
-        cute.arch.sync_threads()
-
-        chunk = (n + WARPS - 1) // WARPS
-        lo = warp * chunk
-        hi = cutlass.min(lo + chunk, n)
-
-        # 1. per-warp counts
-        for g in range(lo, hi, 32):
-            s = g + lane
-            e = cutlass.Int32(-1)
-            if s < hi:
-                e = _expert_of_slot(ids, s, num_experts)
-            rank, total = _group_rank(e, lane)
-            if e >= 0:
-                if rank == total - 1:
-                    cnt[(warp, e)] = cnt[(warp, e)] + total
-            cute.arch.sync_warp()
-        cute.arch.sync_threads()
-
-        # 2a. per expert: exclusive prefix over warps; total into seg[e]
-        if tidx < num_experts:
-            running = cutlass.Int32(0)
-            for w in cutlass.range_constexpr(WARPS):
-                c = cnt[(w, tidx)]
-                cnt[(w, tidx)] = running
-                running = running + c
-            seg[tidx] = running
-            seg_rows[tidx] = running
-        cute.arch.sync_threads()
-
-        # 2b. padded segment starts (one thread, E steps)
-        if tidx == 0:
-            start = cutlass.Int32(0)
-            for e in range(num_experts):
-                t = seg[e]
-                seg[e] = start
-                padded = (t + TILE_M - 1) // TILE_M * TILE_M
-                padded_rows[e] = padded
-                start = start + padded
-                seg_end[e] = start
-            seg[MAX_EXPERTS] = start
-        cute.arch.sync_threads()
-
-        # 2c. warp bases += segment start; tile owners
-        if tidx < num_experts:
-            st = seg[tidx]
-            for w in cutlass.range_constexpr(WARPS):
-                cnt[(w, tidx)] = cnt[(w, tidx)] + st
-            en = seg[MAX_EXPERTS]
-            if tidx + 1 < num_experts:
-                en = seg[tidx + 1]
-            for t in range(st // TILE_M, en // TILE_M):
-                tile_expert[t] = tidx
-        for t in range(seg[MAX_EXPERTS] // TILE_M + tidx, n_tiles, WARPS * 32):
-            tile_expert[t] = cutlass.Int32(-1)
-        cute.arch.sync_threads()
-
-        # 3. placement in slot order
-        for g in range(lo, hi, 32):
-            s = g + lane
-            e = cutlass.Int32(-1)
-            if s < hi:
-                e = _expert_of_slot(ids, s, num_experts)
-            rank, total = _group_rank(e, lane)
-            if e >= 0:
-                row = cnt[(warp, e)] + rank
-                pos[s] = cutlass.Int64(row)
-                row_token[row] = cutlass.Int64(s // top_k)
-            cute.arch.sync_warp()
-            if e >= 0:
-                if rank == total - 1:
-                    cnt[(warp, e)] = cnt[(warp, e)] + total
-            cute.arch.sync_warp()
-
-
-# --------------------------------------------------------------------------
-# multi-CTA schedule
 
 
 def _match_rank(e):
@@ -206,7 +52,7 @@ def _slot_expert(ids, s, hi, num_experts):
 
 
 class ScheduleMultiCta:
-    """The schedule over many CTAs, three launches, same outputs as Schedule.
+    """The schedule over many CTAs, three launches.
 
     The flat slots s = t*k + j are cut into C chunks of `chunk` slots (host
     chooses chunk, a multiple of MC_WARPS * 32, so that C <= SCHEDULE_MC_MAX_CHUNKS);
@@ -226,16 +72,8 @@ class ScheduleMultiCta:
                order on top of scratch[c*E + e], then each warp walks its slots
                in order: row = base(warp, e) + rank among equal experts in the
                group. Rows keep slot order within an expert (a stable counting
-               sort), exactly as the one-CTA kernel and make_schedule_torch.
-
-    pdl=True (variant mok_schedule_mc_pdl): B and C are launched as programmatic
-    dependents, so each starts while its predecessor runs; B waits for A
-    (griddepcontrol.wait) before reading anything, C counts its chunk first and
-    waits for B before reading scratch or writing outputs. Same results.
+               sort), exactly as make_schedule_torch.
     """
-
-    def __init__(self, pdl: bool = False):
-        self.pdl = pdl
 
     @cute.jit
     def __call__(
@@ -257,10 +95,10 @@ class ScheduleMultiCta:
             grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream
         )
         self.scan_kernel(scratch, tile_expert, seg_end, seg_rows, padded_rows).launch(
-            grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream, use_pdl=self.pdl
+            grid=[1, 1, 1], block=[SCAN_THREADS, 1, 1], stream=stream
         )
         self.place_kernel(ids, pos, row_token, scratch, seg_end, top_k, chunk).launch(
-            grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl
+            grid=[num_chunks, 1, 1], block=[MC_WARPS * 32, 1, 1], stream=stream
         )
 
     @cute.jit
@@ -294,8 +132,6 @@ class ScheduleMultiCta:
         num_experts = cute.size(seg_end, mode=[0])
         num_tokens = cute.size(ids, mode=[0]) // top_k
         cap = cute.size(row_token, mode=[0])
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the scan CTA may start (it waits for us)
 
         # Every row starts as padding (token T); launch C overwrites the routed rows.
         for r in range(c * MC_WARPS * 32 + tidx, cap, nc * MC_WARPS * 32):
@@ -318,9 +154,6 @@ class ScheduleMultiCta:
         num_experts = cute.size(seg_end, mode=[0])
         num_chunks = cute.size(scratch, mode=[0]) // num_experts
         n_tiles = cute.size(tile_expert, mode=[0])
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # all of A's counts and row_token fill are done and visible
-            cute.arch.griddepcontrol_launch_dependents()  # C may start counting (it waits for us)
 
         smem = cutlass.utils.SmemAllocator()
         part = smem.allocate_tensor(cutlass.Int32, cute.make_layout(SCAN_THREADS), 16)  # group sums / offsets
@@ -418,9 +251,7 @@ class ScheduleMultiCta:
 
         smem = cutlass.utils.SmemAllocator()
         cnt = smem.allocate_tensor(cutlass.Int32, cute.make_layout((MC_WARPS, MAX_EXPERTS), stride=(MAX_EXPERTS, 1)), 16)
-        self._warp_counts(ids, cnt, chunk, num_experts)  # reads ids only: may overlap the scan
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the scan (hence A) is done: scratch bases, row_token fill
+        self._warp_counts(ids, cnt, chunk, num_experts)
 
         # per expert: exclusive prefix over warps (warp order) on top of the chunk's base row
         for e in range(tidx, num_experts, MC_WARPS * 32):

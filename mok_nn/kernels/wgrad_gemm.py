@@ -78,7 +78,6 @@ class VarlenKGroupedGemm:
         epi_n: int = 32,
         epi_stages: int = 4,
         lazy_epilogue: bool = False,
-        diag: str = "",
         num_sms: int = 132,
         cluster_m: int = 1,
         pingpong: bool = False,
@@ -87,7 +86,7 @@ class VarlenKGroupedGemm:
         assert tile_n in (128, 256) and tile_n % epi_n == 0
         # pingpong: whole 128 x 128 tiles per consumer warp group, alternating (see the docstring); its
         # epilogue buffers the whole tile (epi_stages sub-tiles of 64 x epi_n per warp group).
-        assert not pingpong or (tile_n == 128 and not lazy_epilogue and not diag)
+        assert not pingpong or (tile_n == 128 and not lazy_epilogue)
         self.pingpong = pingpong
         # accumulate: C += the result (the TMA stores add in L2: cp.reduce.async.bulk .add, bf16 rounding),
         # for weight gradients summed over macrobatch passes without a second gradient buffer. Each element
@@ -101,10 +100,6 @@ class VarlenKGroupedGemm:
         # sub-tile e of every tile uses buffer e % epi_stages.
         assert not lazy_epilogue or (epi_stages >= 2 and (tile_n // epi_n) % epi_stages == 0)
         self.lazy_epilogue = lazy_epilogue
-        # Diagnostics only (wrong results, never selectable by MOK_WGRAD_KERNEL): "no_store" skips the
-        # TMA stores (time = loads + MMA + epilogue in smem), "no_mma" skips the wgmma (loads + stores).
-        assert diag in ("", "no_store", "no_mma")
-        self.diag = diag
         self.tile_mnk = (128, tile_n, 64)
         assert TILE_M % self.tile_mnk[2] == 0  # segments start on a K tile
         self.num_sms = num_sms
@@ -388,27 +383,20 @@ class VarlenKGroupedGemm:
                         cute.arch.mbarrier_wait(order_bars + wg, order_phase)
                         order_phase = 1 - order_phase
                     # one mainloop per count of real k-blocks in the last K tile (each branch a whole
-                    # unrolled mainloop: no branch between wgmmas); the diagnostics run the full one.
+                    # unrolled mainloop: no branch between wgmmas).
                     # (The full case stays its own call: folded into the loop as last_k_blocks=k_blocks,
                     # the PTX orders the branches otherwise and copies the accumulators at the join.)
                     if k_tiles > 0:
-                        if cutlass.const_expr(self.diag != ""):
+                        if last_k_blocks == k_blocks:
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                                skip_mma=self.diag == "no_mma",
                             )
-                        else:
-                            if last_k_blocks == k_blocks:
+                        for n in cutlass.range_constexpr(1, k_blocks):
+                            if last_k_blocks == n:
                                 tiled_mma, acc, read_state, release_state = mma_mainloop(
                                     tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
-                                    release_state,
+                                    release_state, last_k_blocks=n,
                                 )
-                            for n in cutlass.range_constexpr(1, k_blocks):
-                                if last_k_blocks == n:
-                                    tiled_mma, acc, read_state, release_state = mma_mainloop(
-                                        tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state,
-                                        release_state, last_k_blocks=n,
-                                    )
                     if cutlass.const_expr(self.pingpong):
                         cute.arch.mbarrier_arrive(order_bars + (1 - wg))
                     bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
@@ -455,10 +443,7 @@ class VarlenKGroupedGemm:
                         cute.arch.cp_async_bulk_wait_group(nbuf - 2, read=True)
                 epi_barrier.arrive_and_wait()
                 if warp_idx == 4:
-                    if cutlass.const_expr(self.diag != "no_store"):
-                        cute.copy(
-                            tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))]
-                        )
+                    cute.copy(tma_c, bSG_sC[(None, e % nbuf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
                     cute.arch.cp_async_bulk_commit_group()
         else:
             store_tile_split(

@@ -1,11 +1,11 @@
-"""The grid-stride EP row copies (kernels/ep_copy.py) on ONE GPU (needs sm_90): mok_ep_copy_rows_v2,
-mok_ep_pull_peers, mok_ep_push_peers, and cuda_ep.SymmBuffers.pull_rows / push_rows in every
-MOK_EP_COPY mode.
+"""The grid-stride EP row copies (kernels/ep_copy.py) on ONE GPU (needs sm_90): mok_ep_copy_rows,
+mok_ep_pull_peers, mok_ep_push_peers, and cuda_ep.SymmBuffers.pull_rows / push_rows with the kernels
+against MOK_EP_COPY=torch.
 
 The peers' sections are ordinary local tensors (the kernels only see addresses). Destinations are
 filled with random values first (rows a copy must not touch are checked too), sources are fresh
 random rows, indices random with -1 entries and unique destinations; every result is compared
-bitwise with torch indexing, with mok_ep_copy_rows (v1) and with a repeat.
+bitwise with torch indexing and with a repeat.
 """
 
 import os
@@ -58,7 +58,7 @@ def _grid(kind, n):
 @pytest.mark.parametrize("H", HIDDEN)
 @pytest.mark.parametrize("n", [1, 7, 1001, 4099])
 @pytest.mark.parametrize("grid", ["one", "few", "auto"])
-def test_copy_rows_v2(lib, H, n, grid):
+def test_copy_rows(lib, H, n, grid):
     g = torch.Generator(device="cuda").manual_seed(H * 7 + n * 3 + len(grid))
     r_src, r_dst = n + 5, n + 11
     src = _rand_rows(g, r_src, H, strided=(H == 1000))
@@ -75,15 +75,12 @@ def test_copy_rows_v2(lib, H, n, grid):
     outs = []
     for _ in range(2):
         dst = dst0.clone()
-        lib.launch("mok_ep_copy_rows_v2", src, src_idx, dst, dst_idx, _grid(grid, n),
+        lib.launch("mok_ep_copy_rows", src, src_idx, dst, dst_idx, _grid(grid, n),
                    stream=torch.cuda.current_stream().cuda_stream)
         outs.append(dst)
-    v1 = dst0.clone()
-    lib.launch("mok_ep_copy_rows", src, src_idx, v1, dst_idx, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.equal(_bits(outs[0]), _bits(want))
     assert torch.equal(_bits(outs[1]), _bits(outs[0]))
-    assert torch.equal(_bits(v1), _bits(want))
 
 
 def _sections(g, P, rows, H):
@@ -167,7 +164,7 @@ def _symm_buffers(P, tc, H, K, seed):
 
 @pytest.mark.parametrize("H", [8, 2048])
 def test_symm_buffers_modes(lib, monkeypatch, H):
-    """pull_rows and push_rows of cuda_ep give the same bits in MOK_EP_COPY=v2, v1 and torch."""
+    """pull_rows and push_rows of cuda_ep give the same bits with the kernels and with MOK_EP_COPY=torch."""
     P, tc, K, rank = 3, 77, 4, 2
     g = torch.Generator(device="cuda").manual_seed(H)
     pull_src = torch.where(torch.rand(P, tc, device="cuda", generator=g) < 0.7,
@@ -180,33 +177,30 @@ def test_symm_buffers_modes(lib, monkeypatch, H):
     for p in range(P):
         mine = (row_src == p).nonzero().flatten()
         row_slot[mine] = torch.randperm(tc * K, device="cuda", generator=g)[:mine.numel()]
-    push_src = torch.where(row_src.unsqueeze(0) == torch.arange(P, device="cuda").unsqueeze(1),
-                           torch.arange(cap, device="cuda"), -1)
     results = {}
-    for mode in ("torch", "v1", "v2"):
+    for mode in ("torch", "kernel"):
         monkeypatch.setenv("MOK_EP_COPY", mode)
         raws = _symm_buffers(P, tc, H, K, seed=5)
         bufs = cuda_ep.SymmBuffers(raws, rank, tc, H, K, torch.device("cuda"))
         bufs.pull_rows("tokens", pull_src)
         bufs.pull_rows("dy", pull_src)
-        bufs.push_rows(rows, "slots", row_src, row_slot, push_src)
+        bufs.push_rows(rows, "slots", row_src, row_slot)
         torch.cuda.synchronize()
         results[mode] = [r.clone() for r in raws]
     fresh = _symm_buffers(P, tc, H, K, seed=5)
     assert not torch.equal(results["torch"][rank], fresh[rank])  # the pulls wrote something
-    for mode in ("v1", "v2"):
-        for p in range(P):
-            assert torch.equal(results[mode][p], results["torch"][p]), (mode, p)
+    for p in range(P):
+        assert torch.equal(results["kernel"][p], results["torch"][p]), p
 
 
-def test_copy_rows_v2_no_rows(lib):
+def test_copy_rows_no_rows(lib):
     """Zero rows: nothing is written (the wrapper skips the launch; the kernel must cope too)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     src = _rand_rows(g, 4, 64)
     dst0 = _rand_rows(g, 4, 64)
     dst = dst0.clone()
     idx = torch.empty(0, dtype=torch.int64, device="cuda")
-    lib.launch("mok_ep_copy_rows_v2", src, idx, dst, idx, 1, stream=torch.cuda.current_stream().cuda_stream)
+    lib.launch("mok_ep_copy_rows", src, idx, dst, idx, 1, stream=torch.cuda.current_stream().cuda_stream)
     lib.launch("mok_ep_push_peers", src, _addrs([dst]), idx, idx, 2, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.equal(_bits(dst), _bits(dst0))

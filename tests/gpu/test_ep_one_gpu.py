@@ -31,16 +31,17 @@ def lib():
     return loader.load("sm_90a", lib_dir=os.environ.get("MOK_KERNEL_DIR"))
 
 
-MODES = {  # MOK_EP_PULL / MOK_EP_DY_ROWS / MOK_EP_SAVE_X_ROWS (cuda_ep.token_rows_mode, dy_rows_mode)
-    "needed/pull": ("needed", "pull", "1"),
-    "all/push": ("all", "push", "1"),
-    "copy_engine/pull": ("copy_engine", "pull", "1"),
-    "push/push": ("push", "push", "1"),
-    "scatter/scatter": ("scatter", "scatter", "1"),
-    "scatter/scatter/no x rows": ("scatter", "scatter", "0"),
-    "scatter/push": ("scatter", "push", "1"),
-    "auto/auto": ("auto", "auto", "1"),  # the default: scatter at k = 8 over 16 experts, needed / pull at k = 2
-}
+# How the token / d y rows move (cuda_ep.token_rows_mode, dy_rows_mode), set by patching the rule: "rule" is
+# the rule itself (scatter at k = 8 over 16 experts, needed / pull at k = 2); "push/push" is what runs where the
+# rule scatters but the kernel cannot (scatter_from_ranks_ok false); "all/pull" what the rule gives above 32 ranks.
+MODES = {"rule": None, "needed/pull": "needed", "all/pull": "all", "scatter/scatter": "scatter", "push/push": "scatter"}
+
+
+def _set_rows(monkeypatch, mode):
+    if MODES[mode] is not None:
+        monkeypatch.setattr(cuda_ep, "token_rows_mode", lambda num_experts, ep_size, top_k: MODES[mode])
+    if mode == "push/push":
+        monkeypatch.setattr(cuda_ep, "scatter_from_ranks_ok", lambda rows, top_k: False)
 
 
 def _inputs(tokens, H, I, E, K, seed):
@@ -112,12 +113,9 @@ def _bits_equal(a, b):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("P,tokens,H,I,E,K", [(2, [300, 173], 256, 128, 16, 8), (2, [64, 200], 512, 256, 8, 2)])
 def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I, E, K):
-    pull, dy_rows, save_x = MODES[mode]
-    monkeypatch.setenv("MOK_EP_PULL", pull)
-    monkeypatch.setenv("MOK_EP_DY_ROWS", dy_rows)
-    monkeypatch.setenv("MOK_EP_SAVE_X_ROWS", save_x)
+    _set_rows(monkeypatch, mode)
     # the schedule eagerly: a CUDA graph captured by one thread while another issues work would be invalidated
-    monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "0")
+    monkeypatch.setattr(cuda_ep, "_graph_schedule", lambda ids_all: False)
     scatters = []  # the gathers that read the peers' own sections (mok_scatter_rows_peers)
     real_scatter = cuda_ep.scatter_from_ranks
 
@@ -136,14 +134,13 @@ def test_simulated_ep_equals_single_gpu(lib, monkeypatch, mode, P, tokens, H, I,
         pass
     scatters.clear()
     got = _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=2)
-    # per rank and step: x rows in the forward (scatter), d y rows (and x rows again without saved ones) in the backward
-    pull, dy_rows = cuda_ep.token_rows_mode(E, P, K), cuda_ep.dy_rows_mode(E, P, K)  # (auto resolved)
-    want = (pull == "scatter") + (dy_rows == "scatter") * (1 + (save_x == "0"))
-    assert mode != "auto/auto" or (pull, dy_rows) == (("scatter", "scatter") if K == 8 else ("needed", "pull"))
+    # per rank and step: x rows in the forward, d y rows in the backward, where scattered
+    pull, dy_rows = cuda_ep.token_rows_mode(E, P, K), cuda_ep.dy_rows_mode(E, P, K)
+    assert mode != "rule" or (pull, dy_rows) == (("scatter", "scatter") if K == 8 else ("needed", "pull"))
+    want = 0 if mode == "push/push" else (pull == "scatter") + (dy_rows == "scatter")
     assert len(scatters) == P * 2 * want, (mode, scatters)
 
     _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, mode)
-    assert os.environ["MOK_EP_PULL"] == MODES[mode][0]  # (the modes stayed set for both ranks throughout)
 
 
 def _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, label):
@@ -162,29 +159,3 @@ def _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, label
                            ("d down_proj", grads.down_proj, grads1.down_proj[r * e_l:(r + 1) * e_l])):
             assert not torch.isnan(a).any(), (label, r, what)
             assert _bits_equal(a, b), (label, r, what, (a.float() - b.float()).abs().max().item())
-
-
-def test_simulated_ep_dynamic_tiles(lib, monkeypatch, launched_kernels):
-    """The EP path with the cooperative GEMMs on dynamic tiles (MOK_GEMM_TILES=dynamic; MOK_GEMM_PINGPONG=0,
-    MOK_EP_DOWN_PUSH=kernel and MOK_EP_DX_PUSH=copy_engine, so the down GEMM, the dgrad of gate/up and the
-    unfused dgrad of down are the _dyn kernels, not the push GEMMs) against the single-GPU path with static
-    tiles: the same bits on every rank."""
-    P, tokens, H, I, E, K = 2, [300, 173], 256, 128, 16, 8
-    monkeypatch.setenv("MOK_EP_SCHED_GRAPH", "0")
-    monkeypatch.setenv("MOK_GEMM_PINGPONG", "0")
-    monkeypatch.setenv("MOK_EP_DOWN_PUSH", "kernel")
-    monkeypatch.setenv("MOK_EP_DX_PUSH", "copy_engine")
-    launched = launched_kernels
-    W13, W2, xs, dys, ids, ws_ = _inputs(tokens, H, I, E, K, seed=17)
-    monkeypatch.setenv("MOK_GEMM_TILES", "dynamic")
-    try:  # the warm-up of test_simulated_ep_equals_single_gpu (first launches can wait for the device)
-        _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=1, timeout_s=3.0)
-    except cuda_ep.EPError:
-        pass
-    launched.clear()
-    got = _simulated_ep(W13, W2, xs, dys, ids, ws_, steps=2)
-    assert {"mok_gemm_bk_ef_dyn", "mok_gemm_bn_ef_dyn", "mok_gemm_bn_f32_dyn"} <= set(launched), sorted(set(launched))
-    monkeypatch.setenv("MOK_GEMM_TILES", "static")
-    launched.clear()
-    _assert_single_gpu_bits(got, W13, W2, xs, dys, ids, ws_, tokens, E, P, "dynamic tiles")
-    assert not [n for n in launched if n.endswith("_dyn")]

@@ -85,14 +85,13 @@ def _launch(lib, bufs, x, ids, w, num_tokens, grid, epoch=0, timeout_us=1, arriv
     """mok_ep_publish directly on a given grid (SymmBuffers.publish picks the grid itself); epoch > 0:
     ending with the barrier of that epoch (arrivals: the CTA counter, zero); push: the rows into every
     rank's tokens section."""
-    name = cuda_ep.publish_kernel(x, w)
-    assert name is not None
-    if w.dtype not in (torch.float32, torch.bfloat16):
-        w = w.float()
+    assert cuda_ep.publish_kernel_ok(x)
+    if w.dtype != torch.float32:
+        w = w.float()  # (as SymmBuffers.publish converts them: the kernel takes fp32)
     if arrivals is None:
         arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
     stream = stream or torch.cuda.current_stream()
-    lib.launch(name, x, ids, w, bufs.local("tokens"), bufs.section_table(TABLE), bufs.rank, bufs.tokens_cap,
+    lib.launch("mok_ep_publish", x, ids, w, bufs.local("tokens"), bufs.section_table(TABLE), bufs.rank, bufs.tokens_cap,
                num_tokens, grid, bufs.section_addrs("pad"), bufs.err, arrivals, epoch, timeout_us,
                bufs.section_addrs("tokens"), int(push), 2**31 - 1, stream=stream.cuda_stream)
 
@@ -126,7 +125,7 @@ def _case(lib, monkeypatch, P, rank, tc, num_tokens, H, K, wdtype, poison, strid
         assert not torch.equal(ref[p], fresh[p]), p  # every rank got something
     del fresh
     _check_sections(ref, rank, tc, H, K, x, ids, w, num_tokens, push)  # the oracle itself
-    monkeypatch.setenv("MOK_EP_PUBLISH", "kernel")
+    monkeypatch.delenv("MOK_EP_COPY", raising=False)  # (MOK_EP_COPY=torch: the torch ops publish)
     for grid in grids:
         for _ in range(2):  # a repeat: the same bytes
             raws = _raws(P, tc, H, K, poison)
@@ -257,7 +256,7 @@ def test_publish_stops_on_expert_id_out_of_range(monkeypatch, bad):
     import sys
 
     slot = 77  # token 38, j = 1
-    env = dict(os.environ, MOK_EP_PUBLISH="kernel")
+    env = {k: v for k, v in os.environ.items() if k != "MOK_EP_COPY"}  # the kernel publishes
     run = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, str(bad), str(slot)], env=env, capture_output=True,
                          text=True, timeout=120)
     out = run.stdout + run.stderr

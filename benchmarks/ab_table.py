@@ -1,0 +1,73 @@
+"""Is the new tree faster than the old one? A markdown table per shape from the alternating A/B benchmark runs
+of `device_run.sh ab` (ab_old_<i>.json, ab_new_<i>.json: records of python -m mok_nn.bench).
+
+    python benchmarks/ab_table.py DIR
+
+Each table lists every run (mok_nn's fwd / bwd ms and the torch baseline's of the same run: a drifting
+baseline shows a drifting GPU), then the median over the runs of each tree and the ratio new / old
+(below 1: the new tree is faster).
+"""
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import sys
+
+
+def load(directory):
+    """[(tree, i, records)] of DIR/ab_{old,new}_<i>.json, in run order (i, then old before new)."""
+    runs = []
+    for path in pathlib.Path(directory).glob("ab_*_*.json"):
+        m = re.fullmatch(r"ab_(old|new)_(\d+)\.json", path.name)
+        if m:
+            runs.append((m.group(1), int(m.group(2)), json.loads(path.read_text())))
+    return sorted(runs, key=lambda r: (r[1], r[0] != "old"))
+
+
+def tables(runs):
+    """The markdown text: one table per shape (and EP size where it is not 1)."""
+    keys = []
+    for _, _, records in runs:
+        for r in records:
+            key = r["shape"] if r.get("ep", 1) == 1 else f"{r['shape']} EP={r['ep']}"
+            if key not in keys:
+                keys.append(key)
+    out = []
+    for key in keys:
+        out += [f"### {key}", "", "| run | fwd ms | bwd ms | baseline fwd ms | baseline bwd ms |", "|---|---:|---:|---:|---:|"]
+        times = {"old": ([], []), "new": ([], [])}
+        for tree, i, records in runs:
+            got = {r["impl"]: r for r in records
+                   if (r["shape"] if r.get("ep", 1) == 1 else f"{r['shape']} EP={r['ep']}") == key}
+            mok, base = got.get("mok_nn"), got.get("torch_baseline")
+            if mok is None:
+                continue
+            times[tree][0].append(mok["fwd_ms"])
+            times[tree][1].append(mok["bwd_ms"])
+            bf, bb = (f"{base['fwd_ms']:.3f}", f"{base['bwd_ms']:.3f}") if base else ("-", "-")
+            out.append(f"| {tree} {i} | {mok['fwd_ms']:.3f} | {mok['bwd_ms']:.3f} | {bf} | {bb} |")
+        med = {t: [statistics.median(v) if v else None for v in fb] for t, fb in times.items()}
+        for tree in ("old", "new"):
+            if med[tree][0] is not None:
+                out.append(f"| {tree} (median of {len(times[tree][0])}) | {med[tree][0]:.3f} | {med[tree][1]:.3f} | | |")
+        if med["old"][0] is not None and med["new"][0] is not None:
+            out.append(f"| new / old | {med['new'][0] / med['old'][0]:.3f} | {med['new'][1] / med['old'][1]:.3f} | | |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("directory", help="folder holding ab_old_<i>.json and ab_new_<i>.json")
+    a = ap.parse_args(argv)
+    runs = load(a.directory)
+    if not runs:
+        print(f"no ab_old_<i>.json / ab_new_<i>.json in {a.directory}")
+        return 1
+    print(tables(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Helpers shared by the scripts in benchmarks/: the benchmark's layer steps, CUDA-event and host timers,
+the torchrun process group."""
+
+import os
+import statistics
+import time
+
+import torch
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| in float64, in chunks along dim 0 (weight gradients can be large)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    num = den = 0.0
+    for u, v in zip(a.reshape(a.shape[0], -1).split(16), b.reshape(b.shape[0], -1).split(16)):
+        u, v = u.double(), v.double()
+        num += (u - v).pow(2).sum().item()
+        den += v.pow(2).sum().item()
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def median_ms(fn, reps):
+    """Median ms of fn() over reps calls, each between two CUDA events and synchronised, after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def host_ms_busy(fn, reps):
+    """Host ms per fn() call while the GPU is busy (a long torch.cuda._sleep first), so the launches only
+    queue: the host's own issue time, not a wait for the GPU."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about 1 s of GPU time
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    return dt
+
+
+def torchrun_group():
+    """(group, rank, world): under torchrun (RANK set) an NCCL process group over every rank, each on its
+    LOCAL_RANK's GPU; else (None, 0, 1)."""
+    if "RANK" not in os.environ:
+        return None, 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    return dist.group.WORLD, rank, dist.get_world_size()
+
+
+def bench_steps(shape, tokens, baseline=False):
+    """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's routed experts (baseline: the torch
+    baseline's) on the problem of mok_nn.bench, as the benchmark times them (gradients reset first)."""
+    from mok_nn import bench
+
+    p = bench.make_problem(shape, tokens, "cuda")
+    fn = bench.baseline_experts if baseline else bench.mok_experts("cuda")
+    leaves = bench._leaves(p)
+    x, w, gu, dn = leaves
+
+    def fwd():
+        with torch.no_grad():
+            fn(x, p["ids"], w, gu, dn)
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        y = fn(x, p["ids"], w, gu, dn)
+        y.backward(p["dy"])
+
+    return [("forward", fwd), ("forward+backward", fwd_bwd)]
