@@ -2,7 +2,16 @@
 
     python -m mok_nn.bench [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3] [--tokens 8192]
                            [--device cuda|cpu] [--iters 20] [--out docs/benchmarks/NAME.json]
+                           [--backend torch [--dtype bf16|fp32] [--mxfp8] [--layer]]
     torchrun --nproc_per_node 2 -m mok_nn.bench ...     expert parallelism over the ranks (EP = world size)
+
+--backend torch adds the portable backend ("mok_nn_torch") beside the fused path (on CUDA) and the
+baseline, and, where transformers is installed, transformers' own experts module with its default
+experts implementation ("hf_default", grouped_mm) on the same weights and the same routing (the
+routing is passed in: its forward takes the top-k ids and weights). --dtype fp32 runs the problem in
+fp32 ("precision" records the dtype); --mxfp8 adds the portable backend with precision="mxfp8";
+--layer adds the whole block (router, top-k, experts) of mok_nn's portable backend and of
+transformers' Qwen3MoeSparseMoeBlock with the same weights ("*_layer" records).
 
 Both implementations run in this process, on the same inputs and the same
 routing (from a random router, so expert loads are uneven). Correctness
@@ -100,7 +109,7 @@ def baseline_experts_ep(group):
 # mok_nn, as one autograd function over the experts
 
 
-def mok_experts(backend: str, group=None, config=None):
+def mok_experts(backend: str, group=None, config=None, precision="bf16"):
     """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs);
     config: a MoKConfig (None: the default)."""
     from . import functional
@@ -113,6 +122,7 @@ def mok_experts(backend: str, group=None, config=None):
         ws = functional.get_workspace(
             hidden_size=x.shape[1], intermediate_size=down_proj.shape[2], num_experts=gate_up_proj.shape[0] * world,
             top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend, ep_group=group, config=config,
+            precision=precision,
         )  # fmt: skip
         return MoKFunction.apply(x, topk_weights, gate_up_proj, down_proj, None, None, topk_ids, ws)
 
@@ -120,16 +130,108 @@ def mok_experts(backend: str, group=None, config=None):
 
 
 # --------------------------------------------------------------------------
+# transformers' own MoE experts / block, default experts implementation
+
+
+def _hf_config(shape: str, dtype):
+    """A Qwen3-MoE config of this shape (every benchmark shape is SwiGLU experts over [E, 2I, H] / [E, H, I]
+    weights with a softmax top-k router; Qwen3's block is the closest transformers block to each), with
+    transformers' default experts implementation, grouped_mm."""
+    import transformers
+
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    config = transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=num_experts,
+                                         num_experts_per_tok=top_k, norm_topk_prob=True, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+    config._experts_implementation = "grouped_mm"  # what from_pretrained / from_config pick by default
+    return config
+
+
+def hf_experts(shape: str, device, dtype):
+    """transformers' Qwen3MoeExperts on the benchmark's weights and routing: the weights enter through
+    functional_call (the leaves every implementation shares), the routing as the forward's top-k arguments."""
+    from torch.func import functional_call
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    with torch.device("meta"):
+        module = Qwen3MoeExperts(_hf_config(shape, dtype))
+
+    def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
+        return functional_call(module, {"gate_up_proj": gate_up_proj, "down_proj": down_proj},
+                               (x, topk_ids, topk_weights.to(x.dtype)))
+
+    return run
+
+
+def _hf_available() -> bool:
+    try:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_problem(shape, tokens, device, dtype, seed=0):
+    """mok_nn's layer (portable backend) and transformers' Qwen3MoeSparseMoeBlock holding the same weights."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from .layer import MoKMoELayer
+
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    torch.manual_seed(seed)
+    mok = MoKMoELayer(hidden, inter, num_experts, top_k, norm_topk_prob=True, backend="torch", device=device,
+                      dtype=dtype)
+    hf = Qwen3MoeSparseMoeBlock(_hf_config(shape, dtype)).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        hf.gate.weight.copy_(mok.router.weight)
+        hf.experts.gate_up_proj.copy_(mok.experts.gate_up_proj)
+        hf.experts.down_proj.copy_(mok.experts.down_proj)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.randn(1, tokens, hidden, device=device, generator=g).to(dtype)
+    dy = torch.randn(1, tokens, hidden, device=device, generator=g).to(dtype)
+    return {"mok_nn_torch_layer": mok, "hf_default_layer": hf}, x, dy
+
+
+def measure_layers(modules, x, dy, device, iters, warmup):
+    """{name: (fwd ms, bwd ms)} of whole blocks, rotated as measure() does."""
+    timer = _timer(device)
+    xs = x.detach().clone().requires_grad_(True)
+
+    def fwd(m):
+        with torch.no_grad():
+            m(xs)
+
+    def fwd_bwd(m):
+        xs.grad = None
+        m.zero_grad(set_to_none=True)
+        m(xs).backward(dy)
+
+    for m in modules.values():
+        for _ in range(warmup):
+            fwd_bwd(m)
+    order = list(modules.items())
+    f = {n: [] for n in modules}
+    fb = {n: [] for n in modules}
+    for step, times in ((fwd, f), (fwd_bwd, fb)):
+        for i in range(iters):
+            k = i % len(order)
+            for name, m in order[k:] + order[:k]:
+                times[name].append(timer(lambda: step(m)))
+    return {n: (statistics.median(f[n]), statistics.median(fb[n]) - statistics.median(f[n])) for n in modules}
+
+
+# --------------------------------------------------------------------------
 # harness
 
 
-def make_problem(shape: str, tokens: int, device: str, seed: int = 0, ep_size: int = 1, ep_rank: int = 0):
+def make_problem(shape: str, tokens: int, device: str, seed: int = 0, ep_size: int = 1, ep_rank: int = 0,
+                 dtype=torch.bfloat16):
     """With ep_size > 1: this rank's tokens and its E/ep_size experts; the router is shared."""
     if ep_size > 1:
         return _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank)
     hidden, inter, num_experts, top_k = SHAPES[shape]
     g = torch.Generator(device=device).manual_seed(seed)
-    dt = torch.bfloat16
+    dt = dtype
     x = torch.randn(tokens, hidden, device=device, generator=g).to(dt)
     router = torch.randn(num_experts, hidden, device=device, generator=g) / hidden**0.5
     scores = torch.softmax(x.float() @ router.T, dim=-1)
@@ -294,34 +396,63 @@ def _commit():
         return "unknown"
 
 
-def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None):
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _impls(device, backend, group, ep, shape, dtype, mxfp8):
+    """{impl: fn}: mok_nn's fused path (CUDA) or reference path, or with backend "torch" the portable backend
+    beside the fused path (on CUDA, bf16), the baseline and transformers' default experts."""
+    baseline = baseline_experts if ep == 1 else baseline_experts_ep(group)
+    if backend != "torch":
+        return {"mok_nn": mok_experts(backend, group), "torch_baseline": baseline}
+    impls = {}
+    if device == "cuda" and dtype == torch.bfloat16:
+        impls["mok_nn"] = mok_experts("cuda", group)
+    impls["mok_nn_torch"] = mok_experts("torch", group)
+    if mxfp8:
+        impls["mok_nn_torch_mxfp8"] = mok_experts("torch", group, precision="mxfp8")
+    impls["torch_baseline"] = baseline
+    if ep == 1 and _hf_available():
+        impls["hf_default"] = hf_experts(shape, device, dtype)
+    return impls
+
+
+def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None, backend=None, dtype="bf16",
+        mxfp8=False, layer=False):
     from .distributed import group_size_and_rank
 
     ep, rank = group_size_and_rank(group)
-    backend = "cuda" if device == "cuda" else "reference"
+    if backend is None:
+        backend = "cuda" if device == "cuda" else "reference"
+    dt = DTYPES[dtype]
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    baseline = baseline_experts if ep == 1 else baseline_experts_ep(group)
-    impls = {"mok_nn": mok_experts(backend, group), "torch_baseline": baseline}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     commit = commit or _commit()
     records = []
     for shape in shapes:
         hidden, inter, _, top_k = SHAPES[shape]
-        p = make_problem(shape, tokens, device, ep_size=ep, ep_rank=rank)
+        impls = _impls(device, backend, group, ep, shape, dt, mxfp8)
+        p = make_problem(shape, tokens, device, ep_size=ep, ep_rank=rank, dtype=dt)
         if check:
-            errs = check_agreement(impls["mok_nn"], impls["torch_baseline"], p)
-            print(f"{shape} (rank {rank}): mok_nn vs baseline rel L2 "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
-            bad = {k: v for k, v in errs.items() if not v < 2e-2}
-            if bad:
-                raise RuntimeError(f"{shape}: implementations disagree: {bad}")
+            first = next(iter(impls))
+            for other in impls:
+                if other == first:
+                    continue
+                errs = check_agreement(impls[other], impls[first], p)
+                print(f"{shape} (rank {rank}): {other} vs {first} rel L2 "
+                      + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+                limit = 0.1 if other.endswith("mxfp8") else 2e-2  # MXFP8: ~3 mantissa bits per operand
+                bad = {k: v for k, v in errs.items() if not v < limit}
+                if bad:
+                    raise RuntimeError(f"{shape}: implementations disagree: {other} vs {first}: {bad}")
         flops = 6 * tokens * top_k * hidden * inter
         measured = measure(impls, p, device, iters, warmup, group)
         for impl, (fwd_ms, bwd_ms, peak, act) in measured.items():
             if act is not None and rank == 0:
                 print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB (rank 0)", flush=True)
+            precision = "mxfp8" if impl.endswith("mxfp8") else dtype
             rec = dict(
-                shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision="bf16",
+                shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision=precision,
                 fwd_ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4),
                 fwd_tflops=round(flops / fwd_ms / 1e9, 2), bwd_tflops=round(2 * flops / bwd_ms / 1e9, 2),
                 peak_mem_gb=None if peak is None else round(peak, 3), gpu=gpu, torch=torch.__version__, commit=commit, date=date,
@@ -330,9 +461,32 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
             if rank == 0:
                 print(json.dumps(rec), flush=True)
         del p
+        if layer and ep == 1 and _hf_available():
+            records += _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, commit, date)
         if device == "cuda":
             torch.cuda.empty_cache()
     return records
+
+
+def _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, commit, date):
+    """The whole block (router, top-k, experts): mok_nn's portable backend vs transformers' Qwen3MoeSparseMoeBlock,
+    same weights; their routings agree up to near-ties of the top-k (the outputs are checked first)."""
+    modules, x, dy = layer_problem(shape, tokens, device, dt)
+    with torch.no_grad():
+        y_m, y_h = (m(x) for m in modules.values())
+    err = rel_l2(y_m.reshape(tokens, -1), y_h.reshape(tokens, -1))
+    print(f"{shape}: whole layer, mok_nn_torch vs transformers rel L2 y {err:.1e}", flush=True)
+    if not err < 5e-2:
+        raise RuntimeError(f"{shape}: whole layers disagree: rel L2 {err:.2e}")
+    out = []
+    for impl, (fwd_ms, bwd_ms) in measure_layers(modules, x, dy, device, iters, warmup).items():
+        rec = dict(shape=shape, ep=1, tokens_per_rank=tokens, impl=impl, precision=dtype, fwd_ms=round(fwd_ms, 4),
+                   bwd_ms=round(bwd_ms, 4), fwd_tflops=round(flops / fwd_ms / 1e9, 2),
+                   bwd_tflops=round(2 * flops / bwd_ms / 1e9, 2), peak_mem_gb=None, gpu=gpu, torch=torch.__version__,
+                   commit=commit, date=date)
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+    return out
 
 
 def summary(records):
@@ -345,9 +499,12 @@ def summary(records):
             f"{r['fwd_tflops']:9.1f} {r['bwd_tflops']:9.1f} {r['peak_mem_gb'] or float('nan'):8.2f}"
         )
     for shape, d in by.items():
-        if "mok_nn" in d and "torch_baseline" in d:
-            m, b = d["mok_nn"], d["torch_baseline"]
-            lines.append(f"{shape}: ratio fwd {b['fwd_ms'] / m['fwd_ms']:.2f}x, bwd {b['bwd_ms'] / m['bwd_ms']:.2f}x")
+        for mine, theirs in (("mok_nn", "torch_baseline"), ("mok_nn_torch", "torch_baseline"),
+                             ("mok_nn_torch", "hf_default"), ("mok_nn_torch_layer", "hf_default_layer")):
+            if mine in d and theirs in d:
+                m, b = d[mine], d[theirs]
+                lines.append(f"{shape}: {mine} vs {theirs}: ratio fwd {b['fwd_ms'] / m['fwd_ms']:.2f}x, "
+                             f"bwd {b['bwd_ms'] / m['bwd_ms']:.2f}x")
     return "\n".join(lines)
 
 
@@ -361,6 +518,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=None, help="JSON file (default docs/benchmarks/<date>_<device>.json)")
+    ap.add_argument("--backend", choices=("cuda", "reference", "torch"), default=None,
+                    help="mok_nn's path: default the fused kernels on CUDA, the reference on CPU; 'torch' records "
+                         "the portable backend beside the fused path, the baseline and transformers' default")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the problem")
+    ap.add_argument("--mxfp8", action="store_true", help="with --backend torch: also precision='mxfp8'")
+    ap.add_argument("--layer", action="store_true", help="with --backend torch: also the whole block")
     ap.add_argument("--commit", default=None, help="the records' commit field (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
     on_cuda = args.device == "cuda"
@@ -381,7 +544,7 @@ def main(argv=None):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         group = dist.group.WORLD
     records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group,
-                  commit=args.commit)
+                  commit=args.commit, backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer)
     if group is None or dist.get_rank() == 0:
         out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

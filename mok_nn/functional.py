@@ -2,7 +2,8 @@
 
 These four calls mirror the structure of the fused kernels, so a backend
 slots in behind them: the reference backend (pure PyTorch, any device, any
-torch.distributed group) and, where built, the CUDA kernels. MoKFunction and
+torch.distributed group, the oracle), the portable backend (torch_backend.py:
+grouped GEMMs from torch ops, any device) and, where built, the CUDA kernels. MoKFunction and
 MoKMoELayer are thin wrappers over them.
 
     ws = get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, device=..., dtype=...)
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, reference
+from . import distributed, reference, torch_backend
 from .config import MoKConfig
 
-BACKENDS = ("reference", "cuda")
+BACKENDS = ("reference", "torch", "cuda")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,10 @@ def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor
         with on_device(topk_ids.device):
             return _cuda_backend().build_schedule(topk_ids, workspace, x)
     signature = _ep_signature(workspace, topk_ids) if workspace.ep_group is not None else None
+    if workspace.backend == "torch":
+        return torch_backend.build_schedule(topk_ids, workspace.num_experts, workspace.hidden_size,
+                                            workspace.intermediate_size, workspace.dtype, workspace.ep_group,
+                                            signature)
     return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group, signature)
 
 
@@ -208,7 +213,8 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     if workspace.backend == "cuda":
         with on_device(x.device):
             return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
-    return reference.experts_forward(
+    impl = torch_backend if workspace.backend == "torch" else reference
+    return impl.experts_forward(
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
         workspace.precision,
     )
@@ -227,7 +233,8 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     if workspace.backend == "cuda":
         with on_device(x.device):
             return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
-    return reference.experts_backward(
+    impl = torch_backend if workspace.backend == "torch" else reference
+    return impl.experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
         workspace.precision, grads_into,
     )

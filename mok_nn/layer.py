@@ -24,7 +24,7 @@ from .reference import ACTIVATIONS, compute_dtype
 
 logger = logging.getLogger("mok_nn")
 
-BACKENDS = ("auto", "reference", "cuda")
+BACKENDS = ("auto", "reference", "torch", "cuda")
 
 # Fallback reasons already logged in this process: a 48-layer model says each reason once.
 _LOGGED_FALLBACKS: set[str] = set()
@@ -305,9 +305,10 @@ class MoKMoELayer(nn.Module):
         _require(x.is_contiguous(), f"x must be contiguous (got strides {x.stride()}); call x.contiguous()")
 
     def _choose_backend(self, x: torch.Tensor) -> str:
-        """'cuda' or 'reference' for this input; backend='cuda' raises where the kernels cannot run."""
-        if self.backend == "reference":
-            return "reference"
+        """'cuda', 'torch' (portable) or 'reference' for this input; backend='cuda' raises where the kernels
+        cannot run; 'auto' takes the portable backend there and says once per reason why."""
+        if self.backend in ("reference", "torch"):
+            return self.backend
         reason = self._cuda_unsupported_reason(x)
         if reason is None:
             return "cuda"
@@ -316,14 +317,14 @@ class MoKMoELayer(nn.Module):
         if reason not in _LOGGED_FALLBACKS and not torch.compiler.is_compiling():  # Dynamo cannot trace logging
             _LOGGED_FALLBACKS.add(reason)
             level = logging.INFO if not x.is_cuda else logging.WARNING
-            logger.log(level, "mok_nn: using the reference path: %s", reason)
-        return "reference"
+            logger.log(level, "mok_nn: using the portable backend (backend='torch'): %s", reason)
+        return "torch"
 
     def _cuda_unsupported_reason(self, x: torch.Tensor) -> str | None:
         if not x.is_cuda:
             return f"input is on {x.device.type}, the fused kernels need a CUDA device"
         if self.precision == "mxfp8":
-            return "precision='mxfp8' runs on the reference path (MXFP8 kernels not built yet)"
+            return "precision='mxfp8' has no fused kernels yet"
         try:
             from . import cuda_backend
         except ImportError as err:

@@ -224,3 +224,35 @@ def operand_quantizer(precision: str):
     if precision == "mxfp8":
         return lambda t, axis: fake_quantize_padded(t, axis)
     raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def _pow2_bits(e: torch.Tensor) -> torch.Tensor:
+    """fp32 2**e for integer e in [-126, 127], built from its exponent bits (exact, no float64)."""
+    return ((e + 127).to(torch.int32) << 23).view(torch.float32)
+
+
+def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    """``fake_quantize(x, axis)`` ("rceil", blocks of 32): the same values, from fp32 bit arithmetic instead of
+    frexp and float64 powers, and without materialising the E8M0 / E4M3 bytes; the portable backend applies it
+    to every GEMM operand of precision="mxfp8". The size along ``axis`` must be a multiple of 32."""
+    block = 32
+    axis = _normalize_axis(axis, x.dim())
+    if x.shape[axis] % block:
+        raise ValueError(f"size {x.shape[axis]} of dimension {axis} is not a multiple of the MX block size {block}")
+    moved = x.movedim(axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block, block).float()
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    bits = amax.view(torch.int32)
+    biased = bits >> 23  # amax >= 0: the sign bit is clear; 255 for inf / NaN
+    # e = floor(log2 amax) - 8, one more where the significand exceeds 1.75 (quantize's rceil rule); zero and
+    # subnormal amax (biased exponent 0) give e < -127, clamped to -127
+    e = biased - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    e = torch.where(biased == 0, torch.full_like(e, -E8M0_BIAS), e).clamp_(-E8M0_BIAS, E8M0_BIAS)
+    # 2**-e and 2**e as products of two normal powers of two: the first product is exact, so each result is
+    # rounded once, as quantize's product with an exact 2**-e (or dequantize's with an exact 2**e) is
+    half = e // 2
+    scaled = blocks * _pow2_bits(-half) * _pow2_bits(half - e)
+    data = scaled.to(torch.float8_e4m3fn).float()
+    out = data * _pow2_bits(half) * _pow2_bits(e - half)
+    out = torch.where(biased == 255, torch.full_like(out, float("nan")), out)  # NaN / inf in the block
+    return out.reshape(moved.shape).movedim(-1, axis).to(x.dtype)

@@ -8,7 +8,8 @@ backward registered, so autograd works through `routed_experts`.
                                   gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None)
 
 `backend` picks who runs them: "cuda" (the CuTe DSL kernels, bf16 on sm_90a),
-"reference" (pure PyTorch), or "auto" (the kernels where they can run). The
+"torch" (the portable backend, torch_backend.py), "reference" (pure PyTorch,
+the oracle), or "auto" (the kernels where they can run, else "torch"). The
 backward op rebuilds the schedule from topk_ids (a pure function of the
 routing) and re-gathers the rows of x instead of saving them, so only tensors
 cross the op boundary.
@@ -32,11 +33,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import reference, torch_backend
 from .autograd import autocast_off
 from .functional import check_activation, on_device
 
-BACKENDS = ("auto", "reference", "cuda")
+BACKENDS = ("auto", "reference", "torch", "cuda")
 
 
 def _cuda():
@@ -46,17 +47,17 @@ def _cuda():
 
 
 def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation) -> str:
-    """'reference' or 'cuda'; backend='cuda' raises where the kernels cannot run."""
+    """'reference', 'torch' or 'cuda'; backend='cuda' raises where the kernels cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
+    if backend in ("reference", "torch"):
         return backend
     why = _cuda().unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is None:
         return "cuda"
     if backend == "cuda":
         raise RuntimeError(f"mok_nn.ops backend='cuda' cannot run: {why}")
-    return "reference"
+    return "torch"
 
 
 def check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
@@ -117,7 +118,7 @@ def routed_experts_fwd(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     """Returns (y [T, H], gate_up in the backend's row order, kept for backward)."""
-    impl = _cuda() if backend == "cuda" else reference
+    impl = {"cuda": _cuda, "torch": lambda: torch_backend}.get(backend, lambda: reference)()
     with autocast_off(x.device.type), on_device(x.device):  # the inputs' dtype, as the backward op computes
         y, saved = impl.experts_forward(
             x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
@@ -149,6 +150,11 @@ def routed_experts_bwd(
             cb = _cuda()
             sched = cb.make_schedule(topk_ids, gate_up_proj.shape[0])
             saved, impl = cb.CudaSaved(sched, cb.gather_rows(x.contiguous(), sched), gate_up), cb
+        elif backend == "torch":
+            sched = torch_backend.build_schedule(topk_ids, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
+                                                 x.dtype)
+            saved = torch_backend.TorchSaved(sched, x[sched.order // topk_ids.shape[1]], gate_up)
+            impl = torch_backend
         else:
             plan = reference.build_dispatch_plan(topk_ids, gate_up_proj.shape[0], None)
             saved, impl = reference.ExpertsSaved(plan, x[plan.order // topk_ids.shape[1]], gate_up), reference
@@ -201,14 +207,14 @@ def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_b
                    activation="swiglu", swiglu_limit=None, backend="auto"):
     """y [T, H] = sum_j w_tj * expert_{ids_tj}(x_t), through the custom ops (differentiable).
 
-    Under torch.compile(fullgraph=True) pass backend="cuda" or "reference": resolving "auto"
+    Under torch.compile(fullgraph=True) pass backend="cuda", "torch" or "reference": resolving "auto"
     loads the kernel library, which Dynamo cannot trace (it graph-breaks there otherwise).
     An explicit backend is not re-checked while compiling; the op raises at run time if the
     kernels cannot run.
     """
     check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                       swiglu_limit)
-    if not (torch.compiler.is_compiling() and backend in ("cuda", "reference")):
+    if not (torch.compiler.is_compiling() and backend in ("cuda", "torch", "reference")):
         backend = resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation)
     return routed_experts_fwd(
         x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,

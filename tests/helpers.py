@@ -145,15 +145,15 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-def routed_experts(layer, x, ids, w, dy, ep_group=None, config=None):
-    """MoKFunction alone on the layer's expert parameters (reference backend, CPU) for a given routing, under
+def routed_experts(layer, x, ids, w, dy, ep_group=None, config=None, backend="reference"):
+    """MoKFunction alone on the layer's expert parameters (CPU, `backend`) for a given routing, under
     `config` (None: the default): y, d x, d topk-weights and d expert params (None where a bias is absent)."""
     from mok_nn import functional
     from mok_nn.autograd import MoKFunction
 
     ws = functional.get_workspace(hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
                                   num_experts=layer.num_experts, top_k=layer.top_k, ep_group=ep_group, device="cpu",
-                                  dtype=x.dtype, backend="reference", activation=layer.activation,
+                                  dtype=x.dtype, backend=backend, activation=layer.activation,
                                   swiglu_limit=layer.swiglu_limit, config=config)
     e = layer.experts
     params = [p.detach().clone().requires_grad_(True) if p is not None else None

@@ -116,3 +116,36 @@ def test_every_rank_waits_for_the_others_before_teardown(tmp_path, monkeypatch, 
     assert out.exists() == (rank == 0)
     if rank == 0:
         assert json.loads(out.read_text()) == records
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_bench_cpu_portable_backend(tmp_path, dtype):
+    """--backend torch records the portable backend beside the baseline and transformers' default experts, with
+    the MXFP8 variant and the whole block, in the same schema; the implementations were checked against each
+    other first (bench.run raises where they disagree)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "t.json"
+    bench.main(["--device", "cpu", "--shapes", "tiny", "--tokens", "48", "--iters", "1", "--warmup", "0",
+                "--backend", "torch", "--dtype", dtype, "--mxfp8", "--layer", "--out", str(out)])
+    recs = json.loads(out.read_text())
+    assert [r["impl"] for r in recs] == ["mok_nn_torch", "mok_nn_torch_mxfp8", "torch_baseline", "hf_default",
+                                         "mok_nn_torch_layer", "hf_default_layer"]
+    for r in recs:
+        assert set(r) == KEYS
+        assert r["precision"] == ("mxfp8" if r["impl"].endswith("mxfp8") else dtype)
+        assert r["fwd_ms"] > 0 and r["tokens_per_rank"] == 48
+
+
+def test_hf_default_experts_match_the_fp64_oracle():
+    """The hf_default row computes the benchmark's function on the benchmark's weights and routing."""
+    pytest.importorskip("transformers")
+    p = bench.make_problem("tiny", 40, "cpu", seed=4, dtype=torch.float32)
+    y = bench.hf_experts("tiny", "cpu", torch.float32)(p["x"], p["ids"], p["w"], p["gate_up_proj"], p["down_proj"])
+    x, W13, W2 = p["x"].double(), p["gate_up_proj"].double(), p["down_proj"].double()
+    ref = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(p["ids"].shape[1]):
+            e = int(p["ids"][t, j])
+            g, u = (W13[e] @ x[t]).chunk(2)
+            ref[t] += p["w"][t, j].double() * (W2[e] @ (torch.nn.functional.silu(g) * u))
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -1,6 +1,7 @@
-"""Expert parallelism on the reference path: P ranks (gloo, one process each)
-hold experts [r*E/P, (r+1)*E/P) and their own tokens; outputs and gradients
-equal the single-process layer on the concatenated batch."""
+"""Expert parallelism on the reference path and on the portable backend (backend="torch"): P ranks (gloo, one
+process each) hold experts [r*E/P, (r+1)*E/P) and their own tokens; outputs and gradients equal the
+single-process layer (same backend) on the concatenated batch, and the routed experts are bitwise those of
+one process for the same routing."""
 
 import os
 from datetime import timedelta
@@ -50,7 +51,8 @@ def _worker(rank, world, tmpdir):
 
         data = torch.load(os.path.join(tmpdir, "inputs.pt"))
         full, x, dy = data["state"], data["x"][rank], data["dy"][rank]
-        layer = MoKMoELayer(hidden_size=H, intermediate_size=I_EP, num_experts=E, top_k=K, backend="reference",
+        backend = data["backend"]
+        layer = MoKMoELayer(hidden_size=H, intermediate_size=I_EP, num_experts=E, top_k=K, backend=backend,
                             device="cpu", dtype=data["dtype"], ep_group=dist.group.WORLD, **OPTS)
         n = E // world
         shard = {k: (v[rank * n:(rank + 1) * n] if k.startswith("experts.") else v) for k, v in full.items()}
@@ -58,7 +60,8 @@ def _worker(rank, world, tmpdir):
         y, grads = layer_forward_backward(layer, x, dy)
         out = {"y": y, "grads": grads, "logits": layer.router_logits.detach(),
                "shapes": {k: tuple(v.shape) for k, v in layer.state_dict().items()},
-               "routed": routed_experts(layer, x, data["ids"][rank], data["w"][rank], dy, dist.group.WORLD)}
+               "routed": routed_experts(layer, x, data["ids"][rank], data["w"][rank], dy, dist.group.WORLD,
+                                        backend=backend)}
 
         # Experts not divisible by the EP size: a clear error naming the problem.
         try:
@@ -70,7 +73,7 @@ def _worker(rank, world, tmpdir):
         # Ranks that disagree on the dtype (rank 0 float16, the others bfloat16): rows travel the all-to-all as
         # raw 16-bit words, so they would be misread without a word; every rank raises instead, naming it.
         dtype = torch.float16 if rank == 0 else torch.bfloat16
-        odd = MoKMoELayer(hidden_size=H, intermediate_size=8, num_experts=E, top_k=K, backend="reference",
+        odd = MoKMoELayer(hidden_size=H, intermediate_size=8, num_experts=E, top_k=K, backend=backend,
                           device="cpu", dtype=dtype, ep_group=dist.group.WORLD)
         try:
             odd(torch.randn(5, H).to(dtype))
@@ -83,15 +86,17 @@ def _worker(rank, world, tmpdir):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[(case, backend) for backend in ("reference", "torch") for case in CASES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def ep_run(request, tmp_path_factory):
     """Run one EP case; returns (tokens per rank, single-process results, per-rank results)."""
     from mok_nn.router import route
 
-    counts, dtype = CASES[request.param]
+    case, backend = request.param
+    counts, dtype = CASES[case]
     world = len(counts)
-    tmpdir = str(tmp_path_factory.mktemp(request.param))
-    layer = make_layer(OPTS, dtype=dtype, seed=60, inter=I_EP)
+    tmpdir = str(tmp_path_factory.mktemp(f"{case}_{backend}"))
+    layer = make_layer(OPTS, dtype=dtype, seed=60, inter=I_EP, backend=backend)
     T = sum(counts)
     x = random_x((T, H), dtype, 61)
     dy = random_x((T, H), dtype, 62)
@@ -99,9 +104,10 @@ def ep_run(request, tmp_path_factory):
     logits = layer.router_logits.detach()
     ids, w = route(logits, K, OPTS["score_func"], OPTS["norm_topk_prob"], OPTS["n_group"], OPTS["topk_group"],
                    OPTS["routed_scaling_factor"], layer.router.e_score_correction_bias)[:2]
-    routed = routed_experts(layer, x, ids, w, dy)
+    routed = routed_experts(layer, x, ids, w, dy, backend=backend)
     torch.save({"state": layer.state_dict(), "x": list(x.split(counts)), "dy": list(dy.split(counts)),
-                "ids": list(ids.split(counts)), "w": list(w.detach().split(counts)), "dtype": dtype},
+                "ids": list(ids.split(counts)), "w": list(w.detach().split(counts)), "dtype": dtype,
+                "backend": backend},
                os.path.join(tmpdir, "inputs.pt"))
     # fork: the children inherit the imported torch (spawn costs seconds per
     # rank); spawn where this process already holds a process group.

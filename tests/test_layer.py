@@ -318,7 +318,7 @@ def test_aux_loss(routing, aux_coef, z_coef):
 
 
 def test_same_result_auto_backend_config_knobs_no_grad():
-    """On CPU backend="auto" is the reference path; MoKConfig knobs change
+    """On CPU backend="auto" is the portable backend (backend="torch"); MoKConfig knobs change
     speed, never the function; inference (no_grad, x without grad) gives the
     training-mode output. All bit for bit."""
     from mok_nn import MoKConfig
@@ -326,23 +326,24 @@ def test_same_result_auto_backend_config_knobs_no_grad():
     opts = {**ROUTINGS["sigmoid_group_bias"], **ACTIVATIONS["shared_gate"]}
     x = random_x((T, H), torch.float32, 101)
     dy = random_x((T, H), torch.float32, 102)
-    y0, g0 = layer_forward_backward(make_layer(opts, dtype=torch.float32, seed=100), x, dy)
-    variants = {
-        "auto": make_layer(opts, dtype=torch.float32, seed=100, backend="auto"),
+    cases = {
+        "auto": (make_layer(opts, dtype=torch.float32, seed=100, backend="torch"),
+                 make_layer(opts, dtype=torch.float32, seed=100, backend="auto")),
         # (macrobatch_size splits the tokens into passes: tests/test_macrobatch.py; the expert
         # gradients are then summed per pass, and CPU BLAS rounds rows by the row count)
-        "knobs": make_layer(opts, dtype=torch.float32, seed=100, config=MoKConfig(
-            fwd_num_comm_sms=0, bwd_num_comm_sms=0, minibatch_size=1, schedule_capacity_multiplier=7.5)),
+        "knobs": (make_layer(opts, dtype=torch.float32, seed=100),
+                  make_layer(opts, dtype=torch.float32, seed=100, config=MoKConfig(
+                      fwd_num_comm_sms=0, bwd_num_comm_sms=0, minibatch_size=1, schedule_capacity_multiplier=7.5))),
     }
-    for what, layer in variants.items():
+    for what, (base, layer) in cases.items():
+        y0, g0 = layer_forward_backward(base, x, dy)
         y, g = layer_forward_backward(layer, x, dy)
         assert torch.equal(y, y0), what
         for name in g0:
             assert torch.equal(g[name], g0[name]), f"{what}: {name}"
-    layer = variants["auto"]
-    with torch.no_grad():
-        assert torch.equal(layer(x), y0)
-    assert torch.equal(layer(x).detach(), y0)  # x without grad, parameters with
+        with torch.no_grad():
+            assert torch.equal(layer(x), y0), what
+        assert torch.equal(layer(x).detach(), y0), what  # x without grad, parameters with
 
 
 # --- the state-dict contract of ARCHITECTURE.md
@@ -384,7 +385,7 @@ def test_init_is_seeded_and_not_degenerate():
 
 
 def test_auto_backend_logs_fallback_once(caplog, monkeypatch):
-    """backend="auto" falls back to the reference path on CPU and says why, once per process
+    """backend="auto" takes the portable backend on CPU and says why, once per process
     (not once per layer: a deep model would repeat it for every layer)."""
     from mok_nn import layer as layer_module
 
@@ -396,7 +397,7 @@ def test_auto_backend_logs_fallback_once(caplog, monkeypatch):
         layer(x)
         layer(x)
         other(x)
-    records = [r for r in caplog.records if r.name.startswith("mok_nn") and "reference" in r.getMessage()]
+    records = [r for r in caplog.records if r.name.startswith("mok_nn") and "portable" in r.getMessage()]
     assert len(records) == 1, [r.getMessage() for r in caplog.records]
 
 

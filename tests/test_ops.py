@@ -32,22 +32,27 @@ def test_gradcheck(bias):
     assert torch.autograd.gradcheck(f, params, fast_mode=True)
 
 
-def test_matches_reference_bitwise_bf16():
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_matches_backend_bitwise_bf16(backend):
+    from mok_nn import torch_backend
+
     x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.bfloat16)
-    y = ops.routed_experts(x, ids, wt, w13, w2, b13, b2)
-    y_ref, _ = reference.experts_forward(x, ids, wt, w13, w2, b13, b2)
+    y = ops.routed_experts(x, ids, wt, w13, w2, b13, b2, backend=backend)
+    impl = reference if backend == "reference" else torch_backend
+    y_ref, _ = impl.experts_forward(x, ids, wt, w13, w2, b13, b2)
     assert torch.equal(y, y_ref)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_opcheck(backend):
     x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
-    torch.library.opcheck(ops.routed_experts_fwd, (x, ids, wt, w13, w2, b13, b2, "swiglu", None, "reference"))
+    torch.library.opcheck(ops.routed_experts_fwd, (x, ids, wt, w13, w2, b13, b2, "swiglu", None, backend))
 
 
 def test_torch_compile_fullgraph():
     x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
     compiled = torch.compile(ops.routed_experts, fullgraph=True, backend="aot_eager")
-    y = compiled(x, ids, wt, w13, w2, b13, b2, backend="reference")
+    y = compiled(x, ids, wt, w13, w2, b13, b2, backend="torch")  # what "auto" resolves to on CPU
     y.square().sum().backward()
     grads = [t.grad.clone() for t in (x, wt, w13)]
     for t in (x, wt, w13):
@@ -61,7 +66,7 @@ def test_torch_compile_fullgraph():
 
 def test_backend_choice():
     x, ids, wt, w13, w2, b13, b2 = _inputs(dtype=torch.float32)
-    assert ops.resolve_backend("auto", x, ids, w13, w2, "swiglu") == "reference"  # CPU input
+    assert ops.resolve_backend("auto", x, ids, w13, w2, "swiglu") == "torch"  # CPU input: the portable backend
     with pytest.raises(RuntimeError, match="backend='cuda' cannot run"):
         ops.routed_experts(x, ids, wt, w13, w2, backend="cuda")
     with pytest.raises(ValueError, match="backend must be one of"):

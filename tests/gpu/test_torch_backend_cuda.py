@@ -1,0 +1,151 @@
+"""The portable backend (backend="torch") on CUDA: against the reference backend on the same GPU and against a
+float64 CPU computation, every gradient, bf16 / fp16 / fp32 and precision="mxfp8"; bitwise run-to-run
+determinism and deterministic-algorithms mode; experts without tokens and one token; no host synchronisation
+(torch.cuda.set_sync_debug_mode("error")) where torch._grouped_mm has its fused kernel (bf16 on sm90 / sm100)."""
+
+import pytest
+import torch
+
+from mok_nn import MoKMoELayer, torch_backend
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEV = "cuda"
+OPTIONS = {
+    "plain": dict(),
+    "group_bias_sigmoid": dict(score_func="sigmoid", n_group=4, topk_group=2, use_expert_bias=True,
+                               routed_scaling_factor=2.5),
+    "oai_bias_shared": dict(activation="swiglu_oai", swiglu_limit=7.0, expert_proj_bias=True,
+                            shared_intermediate_size=64, shared_expert_gate=True),
+    "clamp": dict(swiglu_limit=1.5),
+}
+
+
+def _layer(backend, dtype, opts, seed=0, hidden=128, inter=64, experts=16, top_k=4, device=DEV, **kw):
+    torch.manual_seed(seed)
+    layer = MoKMoELayer(hidden, inter, experts, top_k, backend=backend, device=device, dtype=dtype, **opts, **kw)
+    with torch.no_grad():  # biases random, not zero
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    return layer
+
+
+def _run(layer, x, dy):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    y = layer(x)
+    (y.float() * dy.float()).sum().backward()
+    grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    return y.detach(), grads
+
+
+def _inputs(tokens, hidden, dtype, seed=1, device=DEV):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    dy = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=dtype)
+    return x, dy
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("opts", list(OPTIONS))
+@pytest.mark.parametrize("tokens", [1, 77, 1024])
+def test_matches_reference_backend_and_float64(opts, dtype, tokens):
+    """Every output and gradient against the reference backend on the GPU (tolerance: a few ulps of the storage
+    dtype, relative L2) and against a float64 CPU run of the reference backend on the same (rounded) state."""
+    x, dy = _inputs(tokens, 128, dtype)
+    y_t, g_t = _run(_layer("torch", dtype, OPTIONS[opts]), x, dy)
+    y_r, g_r = _run(_layer("reference", dtype, OPTIONS[opts]), x, dy)
+    ref64 = _layer("reference", torch.float64, OPTIONS[opts], device="cpu")
+    ref64.load_state_dict({k: v.detach().cpu().double() if v.is_floating_point() and "correction" not in k
+                           else v.detach().cpu() for k, v in _layer("torch", dtype, OPTIONS[opts]).state_dict().items()})
+    y_64, g_64 = _run(ref64, x.cpu().double(), dy.cpu().double())
+    assert _rel(y_t.cpu(), y_r.cpu()) < TOL[dtype]
+    assert _rel(y_t.cpu(), y_64) < 3 * TOL[dtype]
+    for name in g_r:
+        assert g_t[name] is not None and g_t[name].dtype == dtype, name
+        if g_64[name].abs().max() == 0:
+            continue
+        assert _rel(g_t[name].cpu(), g_r[name].cpu()) < TOL[dtype], name
+        assert _rel(g_t[name].cpu(), g_64[name]) < 3 * TOL[dtype], name
+
+
+def test_experts_without_tokens():
+    """64 experts, 3 tokens: the experts no token picks get exact zero gradients (grouped GEMM groups of no rows)."""
+    layer = _layer("torch", torch.bfloat16, OPTIONS["oai_bias_shared"], experts=64, top_k=2)
+    x, dy = _inputs(3, 128, torch.bfloat16)
+    _, g = _run(layer, x, dy)
+    used = set(layer.router_logits.topk(2).indices.reshape(-1).tolist())
+    for name in ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias"):
+        nonzero = (g[name].reshape(64, -1).abs().sum(1) > 0).tolist()
+        assert nonzero == [e in used for e in range(64)], name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_bitwise_deterministic_and_deterministic_mode(dtype, precision):
+    layer = _layer("torch", dtype, OPTIONS["oai_bias_shared"], precision=precision)
+    x, dy = _inputs(4096, 128, dtype)
+    first = _run(layer, x, dy)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_run(layer, x, dy) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for y, g in runs:
+        assert torch.equal(y, first[0])
+        for name in first[1]:
+            assert torch.equal(g[name], first[1][name]), name
+
+
+def test_mxfp8_matches_reference_backend():
+    opts = OPTIONS["oai_bias_shared"]
+    x, dy = _inputs(300, 128, torch.bfloat16)
+    y_t, g_t = _run(_layer("torch", torch.bfloat16, opts, precision="mxfp8"), x, dy)
+    y_r, g_r = _run(_layer("reference", torch.bfloat16, opts, precision="mxfp8"), x, dy)
+    y_b, _ = _run(_layer("torch", torch.bfloat16, opts), x, dy)
+    assert _rel(y_t, y_r) < 3e-2 and _rel(y_t, y_b) > 1e-3
+    for name in g_r:
+        assert _rel(g_t[name], g_r[name]) < 3e-2, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_no_host_synchronisation(dtype, precision):
+    """The routed experts' forward and backward at EP=1 (MoKFunction on the torch backend, routing computed
+    before) under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises. On CUDA the
+    grouped GEMMs use torch._grouped_mm only where it has its fused kernel (bf16, sm90 / sm100); elsewhere
+    the padded batched GEMM; both are synchronisation-free."""
+    from mok_nn import functional
+    from mok_nn.autograd import MoKFunction
+    from mok_nn.router import route
+
+    layer = _layer("torch", dtype, OPTIONS["oai_bias_shared"], precision=precision)
+    x, dy = _inputs(512, 128, dtype)
+    ids, w, _ = route(layer.router(x).detach(), layer.top_k)
+    e = layer.experts
+    ws = functional.get_workspace(hidden_size=128, intermediate_size=64, num_experts=16, top_k=4, device=DEV,
+                                  dtype=dtype, backend="torch", activation=layer.activation,
+                                  swiglu_limit=layer.swiglu_limit, precision=precision)
+    params = [p.detach().clone().requires_grad_(True) for p in
+              (e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias)]
+    xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    MoKFunction.apply(xx, ww, *params, ids, ws).float().sum().backward()  # warm-up: caches, allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = MoKFunction.apply(xx, ww, *params, ids, ws)
+        y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    fused = torch_backend.use_grouped_mm(x.device, dtype, (128, 64))
+    print(f"{dtype}: torch._grouped_mm {'used' if fused else 'not used (padded batched GEMM)'}")
