@@ -7,11 +7,14 @@ loop over experts:
 - schedule: a stable sort of the flat expert ids groups the T*k routed rows by
   expert (row order inside an expert: ascending slot, as in the reference);
   per-expert row ranges come from searchsorted on the sorted ids. Everything
-  stays on the device: at EP=1 nothing is read back to the host (no .item(),
-  bincount, nonzero, boolean-mask indexing or tolist).
+  stays on the device (no .item(), bincount, nonzero, boolean-mask indexing or
+  tolist).
 - grouped GEMMs: torch._grouped_mm over the expert row ranges; where it cannot
   run (float64, sizes whose rows are not 16-byte multiples) the same GEMMs run
-  as one torch.bmm over rows padded per expert to a fixed capacity.
+  as one torch.bmm over rows padded per expert to a fixed capacity. At EP=1
+  nothing is read back to the host on CPU and with bf16 on sm90 / sm100 GPUs;
+  on other CUDA devices and dtypes torch._grouped_mm itself copies its offsets
+  to the host once per GEMM (grouped_mm_reads_offsets_on_host).
 - combine: y_t = sum_j w_tj * y_tj in fp32, j = 0..k-1 in order, as
   reference.combine_slots does; d x sums its k slots in the same order.
 
@@ -53,30 +56,25 @@ MX_BLOCK = 32
 
 
 @functools.cache
-def _fused_grouped_mm_device(device_type: str, index: int | None) -> bool:
-    """Whether torch._grouped_mm runs on this device without reading its offsets on the host."""
-    if not hasattr(torch, "_grouped_mm"):
+def grouped_mm_reads_offsets_on_host(device_type: str, index: int | None, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm copies its offsets to the host (one synchronisation per GEMM) here: on CUDA
+    everywhere but its CUTLASS kernel (bf16 on sm90 / sm100), where it loops over the groups; on CPU the
+    offsets are host memory anyway."""
+    if device_type != "cuda":
         return False
-    if device_type == "cpu":
-        return True  # the CPU implementation loops over groups in C++, the offsets are host memory anyway
-    if device_type == "cuda":
-        # the CUTLASS grouped GEMM (bf16, sm90 / sm100); elsewhere torch copies the offsets to the host
-        return torch.cuda.get_device_capability(index)[0] in (9, 10)
-    return False
+    return not (dtype == torch.bfloat16 and torch.cuda.get_device_capability(index)[0] in (9, 10))
 
 
 def use_grouped_mm(device: torch.device, dtype: torch.dtype, sizes) -> bool:
-    """torch._grouped_mm for these rows: its dtypes, rows of 16-byte multiples (its stride rule), and on CUDA
-    the bf16 CUTLASS kernel; elsewhere on CUDA its per-group fallback would synchronise with the host, so the
-    padded batched GEMM runs instead (CPU runs it for bf16, fp16 and fp32)."""
-    if dtype not in _GROUPED_MM_DTYPES:
+    """torch._grouped_mm for these rows: its dtypes (bf16, fp16, fp32) and rows of 16-byte multiples (its stride
+    rule). On CUDA outside bf16 on sm90 / sm100 it reads the offsets on the host once per GEMM
+    (grouped_mm_reads_offsets_on_host), as transformers' default experts do there: the padded batched GEMM
+    that avoids it does E / k times the work and does not fit in memory at model shapes. Elsewhere (float64,
+    odd sizes) the padded batched GEMM runs."""
+    if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_MM_DTYPES or device.type not in ("cpu", "cuda"):
         return False
     align = 16 // torch.empty((), dtype=dtype).element_size()
-    if any(s % align for s in sizes):
-        return False
-    if device.type == "cuda" and dtype != torch.bfloat16:
-        return False
-    return _fused_grouped_mm_device(device.type, device.index)
+    return not any(s % align for s in sizes)
 
 
 # --------------------------------------------------------------------------
