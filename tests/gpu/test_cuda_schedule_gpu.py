@@ -1,11 +1,9 @@
-"""Schedule kernels (mok_schedule_mc, mok_schedule_mc_pdl, mok_schedule) == make_schedule_torch, exactly (needs an sm_90 GPU).
+"""The schedule kernels (mok_schedule_mc, mok_schedule_gather) == make_schedule_torch, exactly (needs an sm_90 GPU).
 
 Outputs and the scratch are poisoned before each launch; each kernel runs twice
 and must give the same bits. The oracle is the torch schedule (a stable sort),
-plus per-expert counts from bincount for seg_rows.
+plus per-expert counts from bincount for seg_rows, and index_select for the gathered rows.
 """
-
-import os
 
 import pytest
 import torch
@@ -18,9 +16,9 @@ FIELDS = ("pos", "row_token", "tile_expert", "seg_end", "seg_rows")
 
 @pytest.fixture(scope="module")
 def lib():
-    from mok_nn.kernels import loader
+    from mok_nn import cuda_backend as cb
 
-    return loader.load("sm_90a", lib_dir=os.environ.get("MOK_KERNEL_DIR"))
+    return cb._lib()
 
 
 def _ids(num_tokens, top_k, num_experts, mode, seed):
@@ -38,8 +36,8 @@ def _ids(num_tokens, top_k, num_experts, mode, seed):
     return ids.contiguous()
 
 
-def _run_kernel(lib, name, ids, num_experts, poison):
-    """One launch of a schedule kernel into poisoned outputs (mirrors cuda_backend.make_schedule)."""
+def _run_kernel(lib, ids, num_experts, poison):
+    """One launch of mok_schedule_mc into poisoned outputs, scratch included (mirrors cuda_backend.make_schedule)."""
     from mok_nn import cuda_backend as cb
 
     num_tokens, top_k = ids.shape
@@ -55,12 +53,9 @@ def _run_kernel(lib, name, ids, num_experts, poison):
         "padded_rows": torch.full((num_experts,), poison, dtype=torch.int32, device=dev),
     }
     args = (ids.reshape(-1), *out.values())
-    if name != "mok_schedule":  # the multi-CTA variants
-        chunk, chunks = cb.schedule_chunk(n)
-        scratch = torch.full((chunks * num_experts,), poison, dtype=torch.int32, device=dev)
-        lib.launch(name, *args, scratch, top_k, chunk, stream=torch.cuda.current_stream().cuda_stream)
-    else:
-        lib.launch(name, *args, top_k, stream=torch.cuda.current_stream().cuda_stream)
+    chunk, chunks = cb.schedule_chunk(n)
+    scratch = torch.full((chunks * num_experts,), poison, dtype=torch.int32, device=dev)
+    lib.launch("mok_schedule_mc", *args, scratch, top_k, chunk, stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     out["pos"] = out["pos"].view(num_tokens, top_k)
     return out
@@ -78,16 +73,15 @@ CASES = [  # T, k, E, routing
 ]
 
 
-@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl", "mok_schedule"])
 @pytest.mark.parametrize("T,k,E,mode", CASES)
-def test_schedule_kernel_exact(lib, name, T, k, E, mode):
+def test_schedule_kernel_exact(lib, T, k, E, mode):
     from mok_nn import cuda_backend as cb
 
     ids = _ids(T, k, E, mode, seed=T * 131 + k * 7 + E)
     want = cb.make_schedule_torch(ids, E)
     assert torch.equal(want.seg_rows.long(), torch.bincount(ids.reshape(-1), minlength=E))
-    first = _run_kernel(lib, name, ids, E, poison=-7)
-    second = _run_kernel(lib, name, ids, E, poison=123456)  # other poison: every element must be written
+    first = _run_kernel(lib, ids, E, poison=-7)
+    second = _run_kernel(lib, ids, E, poison=123456)  # other poison: every element must be written
     for f in FIELDS:
         assert first[f].dtype == getattr(want, f).dtype, f
         assert torch.equal(first[f], getattr(want, f)), (f, mode)
@@ -97,8 +91,7 @@ def test_schedule_kernel_exact(lib, name, T, k, E, mode):
     assert torch.equal(first["padded_rows"], second["padded_rows"])
 
 
-@pytest.mark.parametrize("name", ["mok_schedule_mc", "mok_schedule_mc_pdl"])
-def test_schedule_kernel_random_shapes(lib, name):
+def test_schedule_kernel_random_shapes(lib):
     # many odd shapes: any T, k, E <= 512, uniform random ids (repeats within a token allowed)
     from mok_nn import cuda_backend as cb
 
@@ -109,39 +102,51 @@ def test_schedule_kernel_random_shapes(lib, name):
         E = int(torch.randint(1, 513, (1,), generator=g))
         ids = torch.randint(0, E, (T, k), generator=g).cuda()
         want = cb.make_schedule_torch(ids, E)
-        got = _run_kernel(lib, name, ids, E, poison=-3)
+        got = _run_kernel(lib, ids, E, poison=-3)
         for f in FIELDS:
             assert torch.equal(got[f], getattr(want, f)), (f, T, k, E)
         assert torch.equal(got["padded_rows"], cb.padded_seg_rows(want.seg_end)), (T, k, E)
 
 
-@pytest.mark.parametrize("setting,kind", [("", "mc"), ("mc_pdl", "mc_pdl"), ("single", "single"), ("torch", "torch")])
-def test_make_schedule_selects_kernel(lib, monkeypatch, setting, kind):
-    # MOK_SCHEDULE picks the implementation; all give the same schedule, seg_rows included
+@pytest.mark.parametrize("E", [128, 512, 513])
+def test_make_schedule_runs_the_kernels(lib, launched_kernels, E):
+    """make_schedule on CUDA: mok_schedule_mc where the kernel's tables hold the experts (E <= 512), with
+    gather_x mok_schedule_gather, else make_schedule_torch (no launch); the same schedule every way."""
     from mok_nn import cuda_backend as cb
 
-    ids = _ids(777, 8, 128, "random", seed=5)
-    want = cb.make_schedule_torch(ids, 128)
-    monkeypatch.setenv("MOK_SCHEDULE", setting)
-    got = cb.make_schedule(ids, 128)
-    torch.cuda.synchronize()
-    for f in FIELDS:
-        assert torch.equal(getattr(got, f), getattr(want, f)), (kind, f)
+    ids = _ids(777, 8, E, "random", seed=5)
+    x = torch.randn(777, 64, device="cuda").to(torch.bfloat16)
+    want = cb.make_schedule_torch(ids, E)
+    kernel = E <= cb.SCHEDULE_MAX_EXPERTS
+    for gather, name in ((None, "mok_schedule_mc"), (x, "mok_schedule_gather")):
+        launched_kernels.clear()
+        got = cb.make_schedule(ids, E, gather_x=gather)
+        torch.cuda.synchronize()
+        assert launched_kernels == ([name] if kernel else []), launched_kernels
+        assert (got.gathered is not None) == (kernel and gather is not None)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(want, f)), (name, f)
+        if kernel:
+            assert torch.equal(got.gemm_seg_rows(), cb.padded_seg_rows(want.seg_end))
 
 
 def test_schedule_no_host_sync(lib):
-    # the kernel path reads nothing back: it runs under sync debug mode "error"
+    # the kernel path (with and without the gather) reads nothing back: it runs under sync debug mode "error"
     from mok_nn import cuda_backend as cb
 
     ids = _ids(4096, 8, 128, "random", seed=9)
-    cb.make_schedule(ids, 128)  # first call may load the library
+    x = torch.randn(4096, 256, device="cuda").to(torch.bfloat16)
+    cb.make_schedule(ids, 128, gather_x=x)  # first call may load the library
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         sched = cb.make_schedule(ids, 128)
+        with_x = cb.make_schedule(ids, 128, gather_x=x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(sched.seg_rows, cb.make_schedule_torch(ids, 128).seg_rows)
+    want = cb.make_schedule_torch(ids, 128)
+    assert torch.equal(sched.seg_rows, want.seg_rows) and torch.equal(with_x.seg_rows, want.seg_rows)
+    assert with_x.gathered is not None
 
 
 @pytest.mark.parametrize("T,k,E,mode", [(1, 1, 8, "random"), (333, 8, 128, "sparse"), (8192, 8, 256, "random"),
@@ -169,41 +174,38 @@ def test_schedule_gather_equals_schedule_then_gather(lib, T, k, E, mode):
         assert torch.equal(rows[:live], cb.gather_rows(x, got, skip_tail=True)[:live])
 
 
-def test_schedule_gather_only_where_the_scatter_runs(lib, monkeypatch):
+def test_schedule_gather_only_where_the_scatter_runs(lib):
+    """make_schedule(gather_x=x) gathers where take_rows would run mok_scatter_rows on x: 16-byte rows, one x
+    row per token, top_k <= 32; elsewhere nothing is gathered (the forward then gathers on its own)."""
     from mok_nn import cuda_backend as cb
 
     ids = _ids(64, 2, 8, "random", seed=5)
     x = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
-    monkeypatch.setenv("MOK_GATHER_ROWS", "kernel")
-    assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
-    monkeypatch.setenv("MOK_GATHER_ROWS", "scatter")
-    monkeypatch.setenv("MOK_SCHEDULE", "single")
-    assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
-    monkeypatch.delenv("MOK_SCHEDULE")
-    assert cb.make_schedule(ids, 8, gather_x=x[:, 1:]).gathered is None  # rows not 16-byte aligned
-    monkeypatch.setenv("MOK_SCHEDULE_GATHER", "0")
-    assert cb.make_schedule(ids, 8, gather_x=x).gathered is None
-    monkeypatch.delenv("MOK_SCHEDULE_GATHER")
     assert cb.make_schedule(ids, 8, gather_x=x).gathered is not None
+    assert cb.make_schedule(ids, 8, gather_x=x[:, 1:]).gathered is None  # rows not 16-byte vectors
+    assert cb.make_schedule(ids, 8, gather_x=x[:32]).gathered is None  # not one row per token
+    assert cb.make_schedule(ids, 8, gather_x=x.float()).gathered is None  # not bf16
+    wide = _ids(64, 33, 64, "random", seed=6)  # top_k > 32: mok_gather_rows would gather
+    assert cb.make_schedule(wide, 64, gather_x=x).gathered is None
 
 
 _BAD_ID_SCRIPT = """
 import sys, torch
 from mok_nn import cuda_backend as cb
-num_experts, bad, slot = 8, int(sys.argv[1]), int(sys.argv[2])
+num_experts, bad, slot, gather = 8, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 g = torch.Generator(device="cuda").manual_seed(0)
 ids = torch.randint(0, num_experts, (300, 2), device="cuda", generator=g)
 ids.view(-1)[slot] = bad
 x = torch.randn(300, 64, device="cuda").bfloat16()
-sched = cb.make_schedule(ids, num_experts, gather_x=x)
+sched = cb.make_schedule(ids, num_experts, gather_x=x if gather else None)
 torch.cuda.synchronize()
 print("NO ERROR", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode,gather", [("", "1"), ("", "0"), ("mc_pdl", "1"), ("single", "1")])
+@pytest.mark.parametrize("gather", ["1", "0"])  # mok_schedule_gather, mok_schedule_mc
 @pytest.mark.parametrize("bad", [8, -1, 2**40])
-def test_schedule_stops_on_expert_id_out_of_range(mode, gather, bad):
+def test_schedule_stops_on_expert_id_out_of_range(gather, bad):
     """An id outside [0, E) stops the schedule kernel (printed, then a trap): the process sees a CUDA error at
     its next synchronisation and the message names the id and its slot, instead of a schedule built on an
     out-of-bounds count. A child process runs it: the trap ends the CUDA context. Valid ids are the other tests."""
@@ -211,9 +213,7 @@ def test_schedule_stops_on_expert_id_out_of_range(mode, gather, bad):
     import sys
 
     slot = 417  # token 208, j = 1
-    # (mode, gather): mok_schedule_gather, mok_schedule_mc, mok_schedule_mc_pdl, mok_schedule
-    env = dict(os.environ, MOK_SCHEDULE=mode, MOK_SCHEDULE_GATHER=gather)
-    run = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, str(bad), str(slot)], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, str(bad), str(slot), gather], capture_output=True,
                          text=True, timeout=120)
     out = run.stdout + run.stderr
     assert run.returncode != 0 and "NO ERROR" not in out, out[-2000:]
