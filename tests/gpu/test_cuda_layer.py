@@ -1,5 +1,6 @@
 """MoKMoELayer(backend="cuda") against backend="reference" on the same GPU: within bf16
-rounding, bitwise reproducible, and backend="auto" choosing the kernels on sm_90."""
+rounding, bitwise reproducible, and backend="auto" choosing the kernels on sm_90; the layer's schedule and
+row gathers against torch ops; macrobatch passes on the accumulating weight-gradient kernel."""
 
 import pytest
 import torch
@@ -74,16 +75,22 @@ def _routed_cuda(x, ids, w, params, dy, config):
 
 
 @pytest.mark.parametrize("T,size", [(1000, 384), (777, 777 // 2 + 1)])
-def test_macrobatch_passes_keep_the_bits(T, size):
+def test_macrobatch_passes_keep_the_bits(T, size, launched_kernels):
     """MoKConfig.macrobatch_size on the kernels: y, d x and d topk-weights are the one-pass bits (every
     row is computed alike); the expert gradients are the per-pass gradients (separate one-pass calls)
-    summed in pass order in bf16 (the accumulating weight-gradient kernel), and close to one pass."""
+    summed in pass order in bf16 (the accumulating weight-gradient kernel, mok_gemm_wgrad_defer_c2_acc, twice
+    per pass after the first), and close to one pass."""
     from mok_nn import MoKConfig
 
     x, dy, ids, w, params = _routed_problem(T, seed=T)
+    launched_kernels.clear()
     one = _routed_cuda(x, ids, w, params, dy, MoKConfig())
-    cfg = MoKConfig(minibatch_size=128, macrobatch_size=size)
+    assert "mok_gemm_wgrad_defer_c2_acc" not in launched_kernels
+    cfg = MoKConfig(macrobatch_size=size)
+    launched_kernels.clear()
     got = _routed_cuda(x, ids, w, params, dy, cfg)
+    passes = -(-T // size)
+    assert launched_kernels.count("mok_gemm_wgrad_defer_c2_acc") == 2 * (passes - 1), launched_kernels
     again = _routed_cuda(x, ids, w, params, dy, cfg)
     for i, (a, b) in enumerate(zip(got, again)):
         assert torch.equal(a, b), f"output {i}: not bitwise reproducible"
@@ -100,16 +107,24 @@ def test_macrobatch_passes_keep_the_bits(T, size):
         assert _rel(got[i], one[i]) < 1e-2, (i, _rel(got[i], one[i]))
 
 
-def test_gather_rows_kernel_keeps_the_bits(monkeypatch):
-    """MOK_GATHER_ROWS=kernel / scatter (mok_gather_rows / mok_scatter_rows for the x and d y row gathers):
-    every output and gradient of the routed experts has the bits of the torch gathers."""
+def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
+    """The layer's schedule and row gathers (mok_schedule_gather: the schedule and the x rows in one host call;
+    mok_scatter_rows: the d y rows) against torch ops: with make_schedule_torch and index_select in their
+    place, every output and gradient of the routed experts has the same bits (the rows are exact copies, the
+    schedule the same)."""
     from mok_nn import MoKConfig
+    from mok_nn import cuda_backend as cb
 
     x, dy, ids, w, params = _routed_problem(900, seed=5)
-    runs = {}
-    for mode in ("torch", "kernel", "scatter"):
-        monkeypatch.setenv("MOK_GATHER_ROWS", mode)
-        runs[mode] = _routed_cuda(x, ids, w, params, dy, MoKConfig())
-    for mode in ("kernel", "scatter"):
-        for i, (a, b) in enumerate(zip(runs[mode], runs["torch"])):
-            assert torch.equal(a, b), f"{mode}: output {i} differs"
+    launched_kernels.clear()
+    got = _routed_cuda(x, ids, w, params, dy, MoKConfig())
+    assert launched_kernels[0] == "mok_schedule_gather", launched_kernels
+    assert launched_kernels.count("mok_scatter_rows") == 1 and "mok_schedule_mc" not in launched_kernels
+    monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None:
+                        cb.make_schedule_torch(ids, num_experts, capacity))
+    monkeypatch.setattr(cb, "_gather_rows_kernel", lambda src, slots: None)  # take_rows: index_select
+    launched_kernels.clear()
+    want = _routed_cuda(x, ids, w, params, dy, MoKConfig())
+    assert not {"mok_schedule_gather", "mok_schedule_mc", "mok_scatter_rows", "mok_gather_rows"} & set(launched_kernels)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i} differs"

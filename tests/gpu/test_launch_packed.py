@@ -1,6 +1,7 @@
 """The packed launch path (loader.KernelLibrary.launch) on the GPU: a layer's forward+backward gives
-the same bits as with the ctypes path (launch_ctypes) and as the reference within bf16 rounding;
-cuda_backend._stream() is the current stream as torch.cuda.current_stream() names it.
+the same bits as with every launch through launch_ctypes (one ctypes object per argument, its oracle), and
+is within bf16 rounding of the reference; cuda_backend._stream() is the current stream as
+torch.cuda.current_stream() names it.
 
 The bytes of the argument blocks are compared for every kernel on the CPU (tests/test_loader_launch.py);
 this checks that the kernels read them the same way."""
@@ -32,7 +33,7 @@ def test_stream_is_torch_current_stream():
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(activation="swiglu_oai", swiglu_limit=7.0, expert_proj_bias=True)])
-def test_layer_packed_equals_ctypes(opts):
+def test_layer_packed_equals_ctypes(opts, monkeypatch):
     torch.manual_seed(1)
     H, I, E, K, T = 256, 128, 16, 4, 777
     ref = MoKMoELayer(H, I, E, K, device="cuda", backend="reference", **opts)
@@ -41,29 +42,29 @@ def test_layer_packed_equals_ctypes(opts):
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     lib = cb._lib()
-    assert lib._packed, "MOK_LAUNCH=ctypes is set: this test compares the two paths"
-    calls = {"launch": 0, "ctypes": 0}
+    calls = {"launch": [], "ctypes": []}
     launch, launch_ctypes = lib.launch, lib.launch_ctypes
 
-    def counted(*a, **k):
-        calls["launch"] += 1
-        return launch(*a, **k)
+    def counted(name, *a, **k):
+        calls["launch"].append(name)
+        return launch(name, *a, **k)
 
-    def counted_ctypes(*a, **k):
-        calls["ctypes"] += 1
-        return launch_ctypes(*a, **k)
+    def counted_ctypes(name, *a, **k):
+        calls["ctypes"].append(name)
+        return launch_ctypes(name, *a, **k)
 
-    try:
-        lib.launch, lib.launch_ctypes = counted, counted_ctypes  # packed falls back to ctypes only for odd arguments
-        packed = run_layer(fused, x, dy)
-        assert calls["ctypes"] == 0 and calls["launch"] > 5, ("the packed path fell back to ctypes", calls)
-        lib._packed = False
-        calls["launch"] = 0
-        via_ctypes = run_layer(fused, x, dy)
-        assert calls["ctypes"] == calls["launch"], ("every launch through ctypes", calls)
-    finally:
-        lib._packed = True
-        del lib.launch, lib.launch_ctypes
+    # the packed path falls back to ctypes only for odd arguments: a layer has none
+    monkeypatch.setattr(lib, "launch_ctypes", counted_ctypes)
+    monkeypatch.setattr(lib, "launch", counted)
+    packed = run_layer(fused, x, dy)
+    assert calls["ctypes"] == [] and len(calls["launch"]) > 5, ("the packed path fell back to ctypes", calls)
+    kernels = list(calls["launch"])
+    # every launch through launch_ctypes
+    calls["launch"].clear()
+    monkeypatch.setattr(lib, "launch", counted_ctypes)
+    via_ctypes = run_layer(fused, x, dy)
+    assert calls["ctypes"] == kernels, ("the same kernels, each through ctypes", calls)
+    monkeypatch.undo()
     want = run_layer(ref, x, dy)
     for name, a, b, w in zip(GRAD_NAMES, packed, via_ctypes, want):
         assert torch.equal(a, b), f"{name}: packed and ctypes launches differ"
