@@ -28,7 +28,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 from . import registry
 
-_CSRC = pathlib.Path(__file__).resolve().parent.parent.parent / "csrc"
+# the repository's csrc/, or its copy in an installed wheel (registry.csrc_dir)
+_CSRC = registry.csrc_dir() or pathlib.Path(__file__).resolve().parent.parent.parent / "csrc"
 
 
 def _setup_dsl_env(arch: str) -> None:

@@ -511,12 +511,32 @@ def tile_n_of(name: str) -> int:
     return dict(SPECS_BY_NAME[name].factory_kwargs).get("tile_n", GEMM_TILE_N)
 
 
-def source_hash() -> str:
-    """Hash of everything a built library depends on in this repository."""
+def csrc_dir() -> pathlib.Path | None:
+    """The C glue linked into the library: `mok_nn/kernels/csrc/` in an installed wheel (package data, mapped from
+    the repository's csrc/ by pyproject.toml), else the repository's `csrc/` beside the package (a checkout or an
+    editable install). The packaged copy comes first: beside an installed package lies site-packages, whose csrc/
+    (if any) is not ours."""
     here = pathlib.Path(__file__).resolve().parent
-    csrc = here.parent.parent / "csrc"
+    for d in (here / "csrc", here.parent.parent / "csrc"):
+        if d.is_dir():
+            return d
+    return None
+
+
+def source_hash() -> str:
+    """Hash of everything a built library depends on: `mok_nn/kernels/*.py` (less the loading logic) and every
+    file of csrc_dir() (hidden files excepted, as the wheel's package-data glob skips them). File names and bytes
+    only, in the order of their paths relative to their folder, so the two layouts (checkout: csrc/ beside mok_nn/;
+    wheel: the same files in mok_nn/kernels/csrc/) hash alike and a wheel's packaged library matches its installed
+    sources (.ci/run checks that in a venv holding only the wheel). The same bytes as before that layout existed,
+    so libraries built in a checkout keep their hash."""
+    here = pathlib.Path(__file__).resolve().parent
+    csrc = csrc_dir()
+    files = sorted(here.glob("*.py"))
+    if csrc is not None:
+        rel = sorted(p.relative_to(csrc).parts for p in csrc.rglob("*") if p.is_file())
+        files += [csrc.joinpath(*parts) for parts in rel if not any(part.startswith(".") for part in parts)]
     h = hashlib.sha256()
-    files = sorted(here.glob("*.py")) + (sorted(p for p in csrc.rglob("*") if p.is_file()) if csrc.is_dir() else [])
     for f in files:
         if f.name in ("loader.py", "__init__.py"):
             continue  # loading logic does not change what is built
