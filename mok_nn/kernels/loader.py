@@ -1,15 +1,17 @@
 """Find, (build,) load and call the prebuilt kernel library.
 
 Search order for `libmok_kernels.so` + `manifest.json`:
-an explicit `lib_dir` argument, then `$MOK_KERNEL_CACHE/<arch>` (or
-`$MOK_KERNEL_CACHE` itself if it directly holds the library) where that
-variable is set, else `~/.cache/mok_nn/kernels/<arch>` (XDG_CACHE_HOME
-respected). A library whose
-manifest names another source hash than this checkout's kernels is stale and
-is not used. Where none is usable and the CuTe DSL is importable, the library
-is compiled once into the cache (a child process, so the DSL never shares a
-process with CUDA state); otherwise a KernelLibraryError names the build
-command.
+1. an explicit `lib_dir` argument (then nothing else);
+2. `$MOK_KERNEL_CACHE/<arch>`, or `$MOK_KERNEL_CACHE` itself if it directly holds the library, where that
+   variable is set (an explicit choice beats what was installed);
+3. the packaged library, `mok_nn/kernels/prebuilt/<arch>/`, which a platform wheel carries (README,
+   "Prebuilt kernels"): with it a machine that has only PyTorch runs the kernels with no build step;
+4. `~/.cache/mok_nn/kernels/<arch>` (XDG_CACHE_HOME respected) where MOK_KERNEL_CACHE is unset.
+A library whose manifest names another source hash than these installed sources (registry.source_hash) is
+stale and is not used, the packaged one included (with a warning: reinstall a matching wheel). Where none is
+usable and the CuTe DSL is importable, the library is compiled once into the cache
+(`$MOK_KERNEL_CACHE/<arch>`, else the default; a child process, so the DSL never shares a process with CUDA
+state); otherwise a KernelLibraryError gives every folder's reason and the build command.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 
 from . import registry
 
@@ -40,6 +43,11 @@ def default_cache_dir(arch: str = "sm_90a") -> pathlib.Path:
     return pathlib.Path(xdg) / "mok_nn" / "kernels" / arch
 
 
+def packaged_dir(arch: str = "sm_90a") -> pathlib.Path:
+    """Where a platform wheel carries the prebuilt library (package data; absent in a plain install)."""
+    return pathlib.Path(__file__).resolve().parent / "prebuilt" / arch
+
+
 def _candidates(arch: str, lib_dir):
     if lib_dir is not None:
         return [pathlib.Path(lib_dir)]
@@ -47,7 +55,9 @@ def _candidates(arch: str, lib_dir):
     root = os.environ.get("MOK_KERNEL_CACHE")
     if root:
         c += [pathlib.Path(root) / arch, pathlib.Path(root)]
-    c.append(default_cache_dir(arch) if not root else pathlib.Path(root) / arch)
+    c.append(packaged_dir(arch))
+    if not root:
+        c.append(default_cache_dir(arch))
     return list(dict.fromkeys(c))
 
 
@@ -62,7 +72,8 @@ def _usable(d: pathlib.Path, arch: str) -> tuple[bool, str]:
     if m.get("arch") != arch:
         return False, f"{d} holds kernels for {m.get('arch')}, not {arch}"
     if m.get("source_hash") != registry.source_hash():
-        return False, f"{d} holds kernels built from other sources (stale)"
+        return False, (f"{d} holds kernels built from other sources (stale: manifest source_hash "
+                       f"{m.get('source_hash')}, installed sources {registry.source_hash()})")
     missing = set(registry.SPECS_BY_NAME) - set(m.get("kernels", []))
     if missing:
         return False, f"{d} lacks kernels {sorted(missing)}"
@@ -374,6 +385,11 @@ def load(arch: str = "sm_90a", lib_dir=None, build_if_missing: bool = True) -> K
             if ok:
                 _loaded[key] = KernelLibrary(d / registry.LIB_NAME)
                 return _loaded[key]
+            if d == packaged_dir(arch):
+                if not d.exists():
+                    continue  # a plain install carries none: nothing to report
+                why = f"packaged library: {why}"
+                warnings.warn(f"mok_nn: the {why}; not used (reinstall a wheel matching these sources)", stacklevel=2)
             reasons.append(why)
         target = pathlib.Path(lib_dir) if lib_dir is not None else default_cache_dir(arch)
         cmd = registry.BUILD_COMMAND.format(arch=arch, out=target)
@@ -382,9 +398,12 @@ def load(arch: str = "sm_90a", lib_dir=None, build_if_missing: bool = True) -> K
                 "mok_nn CUDA kernels are not built (" + "; ".join(reasons) + "). "
                 f"Install nvidia-cutlass-dsl[cu13]==4.8.1 and run: {cmd}"
             )
-        build_once(target, arch, lambda: _build_in_child(arch, target, cmd))
+        try:
+            build_once(target, arch, lambda: _build_in_child(arch, target, cmd))
+        except KernelLibraryError as e:  # name what was found unusable too (a stale packaged library, ...)
+            raise KernelLibraryError(f"{e}\n(no usable library: " + "; ".join(reasons) + ")") from None
         ok, why = _usable(target, arch)
         if not ok:
-            raise KernelLibraryError(f"built kernels are unusable: {why}")
+            raise KernelLibraryError(f"built kernels are unusable: {why} (before the build: " + "; ".join(reasons) + ")")
         _loaded[key] = KernelLibrary(target / registry.LIB_NAME)
         return _loaded[key]
