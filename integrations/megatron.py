@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from . import routed
+
 __all__ = [
     "MegatronConfigError", "check_config", "expert_activation", "mok_layer_kwargs",
     "topk_from_routing_map", "stack_expert_weights", "megatron_to_mok_state_dict",
@@ -372,32 +374,26 @@ def _require_megatron():
         raise ImportError("mok_nn.integrations.megatron needs megatron-core (0.19): pip install megatron-core")
 
 
-BACKENDS = ("auto", "reference", "cuda")
+BACKENDS = routed.BACKENDS
 
 
 def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str, ep_size: int = 1) -> str:
-    """'cuda' where mok_nn's fused kernels run these inputs, else 'reference';
-    requested='cuda' raises instead of falling back."""
+    """routed.choose_backend for this layer: the fused kernels where they run these inputs, else the portable
+    backend; with expert parallelism (the Megatron layer's own group) the portable backend, whose exchange runs
+    over torch.distributed. requested='cuda' raises instead of falling back."""
     if requested not in BACKENDS:
         raise ValueError(f"mok_backend must be one of {BACKENDS}, got {requested!r}")
-    if requested == "reference":
-        return "reference"
-    if not x.is_cuda:
-        reason = f"input is on {x.device.type}, the fused kernels need a CUDA device"
-    elif ep_size > 1:
-        reason = "expert parallelism runs on the reference path"
-    else:
-        try:
-            from mok_nn import cuda_backend
-            reason = cuda_backend.unavailable_reason(x, topk_ids, gate_up, down, activation)
-        except (ImportError, AttributeError) as err:
-            reason = f"the CUDA backend is unavailable ({err})"
-    if reason is None:
-        return "cuda"
-    if requested == "cuda":
-        raise RuntimeError(f"mok_backend='cuda' cannot run this layer: {reason}")
-    return "reference"
+    if ep_size > 1 and requested in ("auto", "cuda"):
+        if requested == "cuda":
+            raise RuntimeError("mok_backend='cuda' cannot run this layer: its expert parallelism runs on the "
+                               "portable backend")
+        return routed.portable_backend()
+    try:
+        return routed.choose_backend(requested, x, topk_ids, gate_up, down, activation)
+    except RuntimeError as err:
+        raise RuntimeError(str(err).replace("backend='cuda' cannot run these experts", "mok_backend='cuda' cannot "
+                                            "run this layer")) from None
 
 
 if HAVE_MEGATRON:
@@ -405,7 +401,7 @@ if HAVE_MEGATRON:
     class MoKMegatronMoELayer(_MoELayer):
         """Megatron MoELayer whose routed path (dispatch, experts, combine) runs on mok_nn.
 
-        Extra keyword argument: mok_backend ("auto" | "reference" | "cuda")."""
+        Extra keyword argument: mok_backend ("auto" | "cuda" | "torch" | "reference")."""
 
         def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
                      is_mtp_layer=False, name=None, mok_backend: str = "auto"):

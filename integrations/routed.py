@@ -19,14 +19,14 @@ from mok_nn import functional
 from mok_nn.autograd import MoKFunction
 from mok_nn.reference import compute_dtype
 
-__all__ = ["BACKENDS", "choose_backend", "routed_experts"]
+__all__ = ["BACKENDS", "choose_backend", "portable_backend", "routed_experts"]
 
 BACKENDS = ("auto", "cuda", *[b for b in functional.BACKENDS if b != "cuda"])
 
 
-def _portable() -> str:
-    # the portable torch backend where this mok_nn has it, else the reference path
-    return "torch" if "torch" in functional.BACKENDS else "reference"
+def portable_backend() -> str:
+    """The backend where the fused kernels do not run: the portable torch backend."""
+    return "torch"
 
 
 def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -50,7 +50,7 @@ def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate
         return "cuda"
     if requested == "cuda":
         raise RuntimeError(f"backend='cuda' cannot run these experts: {reason}")
-    return _portable()
+    return portable_backend()
 
 
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

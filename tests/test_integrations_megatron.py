@@ -358,7 +358,10 @@ def test_megatron_layer_against_real_megatron_on_cpu(monkeypatch):
 def test_choose_backend():
     x, ids = torch.randn(4, H), torch.zeros(4, 2, dtype=torch.int64)
     gu, dn = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
-    assert mg.choose_backend("auto", x, ids, gu, dn, "swiglu") == "reference"      # CPU input
+    assert mg.choose_backend("auto", x, ids, gu, dn, "swiglu") == "torch"      # CPU input: the portable backend
+    assert mg.choose_backend("auto", x, ids, gu, dn, "swiglu", ep_size=2) == "torch"
+    with pytest.raises(RuntimeError, match="expert parallelism runs on the portable backend"):
+        mg.choose_backend("cuda", x, ids, gu, dn, "swiglu", ep_size=2)
     assert mg.choose_backend("reference", x, ids, gu, dn, "swiglu") == "reference"
     with pytest.raises(RuntimeError, match="need a CUDA device"):
         mg.choose_backend("cuda", x, ids, gu, dn, "swiglu")
@@ -368,7 +371,7 @@ def test_choose_backend():
 
 def test_choose_backend_falls_back_without_kernel_library(monkeypatch):
     """Supported inputs but no loadable kernel library: "auto" falls back to the
-    reference path (as the layer and mok_nn.ops do), "cuda" raises naming the library."""
+    portable backend (as the layer and mok_nn.ops do), "cuda" raises naming the library."""
     from mok_nn import cuda_backend
 
     def no_library():
@@ -377,7 +380,7 @@ def test_choose_backend_falls_back_without_kernel_library(monkeypatch):
     monkeypatch.setattr(cuda_backend, "check_supported", lambda *args: None)
     monkeypatch.setattr(cuda_backend, "_lib", no_library)
     x = SimpleNamespace(is_cuda=True)  # stands for a CUDA tensor: only is_cuda is read here
-    assert mg.choose_backend("auto", x, None, None, None, "swiglu") == "reference"
+    assert mg.choose_backend("auto", x, None, None, None, "swiglu") == "torch"
     with pytest.raises(RuntimeError, match="mok_backend='cuda'.*kernel library"):
         mg.choose_backend("cuda", x, None, None, None, "swiglu")
 

@@ -1,12 +1,9 @@
-"""Shared by the GPU tests and timers: the error measure, an fp64 oracle of routed GEMM rows,
-one forward+backward of a layer, and a CUDA-event timer."""
+"""Shared by the GPU tests: the error measure, one forward+backward of a layer, an fp64 oracle of routed
+GEMM rows, and the loader of a CPU test module."""
 
 import importlib.util
-import os
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 
@@ -49,60 +46,6 @@ def slot_products(x, ids, W, transpose_w):
     return out
 
 
-def median_ms(fn, reps):
-    """Median ms of fn() over reps calls, each between two CUDA events (host in the loop), after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def median_ms_queued(fn, reps, warmup=3):
-    """Median ms of fn() over reps calls queued back to back, each between two CUDA events
-    (one synchronize at the end: the host stays ahead, so launch latency is hidden)."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in events:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def host_ms_busy(fn, reps):
-    """Host ms per fn() call while the GPU is busy (a long torch.cuda._sleep first), so the launches only
-    queue: the host's own issue time, not a wait for the GPU."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    dt = (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    return dt
-
-
-def host_us_per_call(fn, calls=200, batches=7):
-    """Median over `batches` of the host time per call of fn (us), each batch `calls` calls in a row; for host-only
-    costs (keep the GPU busy, torch.cuda._sleep, where fn launches work)."""
-    out = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
-
-
 def load_cpu_test(name):
     """A module of tests/ (the CPU tests) by file name, e.g. an oracle kept there; the CPU test modules
     import each other by name, so tests/ goes on sys.path."""
@@ -113,46 +56,3 @@ def load_cpu_test(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def torchrun_group():
-    """(group, rank, world): under torchrun (RANK set) an NCCL process group over every rank, each on its
-    LOCAL_RANK's GPU; else (None, 0, 1)."""
-    if "RANK" not in os.environ:
-        return None, 0, 1
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    return dist.group.WORLD, rank, dist.get_world_size()
-
-
-def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False):
-    """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's routed experts (baseline: the torch
-    baseline's, EP = 1) on the problem of mok_nn.bench (this rank's part at EP = ep_size), as the benchmark
-    times them (gradients reset first)."""
-    from mok_nn import bench
-
-    p = bench.make_problem(shape, tokens, "cuda", ep_size=ep_size, ep_rank=ep_rank)
-    fn = bench.baseline_experts if baseline else bench.mok_experts("cuda", group)
-    leaves = bench._leaves(p)
-    x, w, gu, dn = leaves
-
-    def fwd():
-        with torch.no_grad():
-            fn(x, p["ids"], w, gu, dn)
-
-    def fwd_bwd():
-        for t in leaves:
-            t.grad = None
-        y = fn(x, p["ids"], w, gu, dn)
-        y.backward(p["dy"])
-
-    return [("forward", fwd), ("forward+backward", fwd_bwd)]
-
-
-def ep_steps(shape, tokens):
-    """Under torchrun: NCCL process group, and (rank, world, bench_steps at EP = world size)."""
-    group, rank, world = torchrun_group()
-    return rank, world, bench_steps(shape, tokens, group, world, rank)
