@@ -22,9 +22,8 @@ def test_bench_cpu_tiny(tmp_path):
         assert r["fwd_ms"] > 0 and r["tokens_per_rank"] == 64  # bwd_ms is a difference: noisy on CPU
 
 
-def test_baseline_matches_fp64_oracle():
-    p = bench.make_problem("tiny", 48, "cpu", seed=3)
-    y = bench.baseline_experts(p["x"], p["ids"], p["w"], p["gate_up_proj"], p["down_proj"])
+def _fp64_experts(p):
+    """The benchmark's routed experts in float64, token by token: the oracle of the rows below."""
     x, W13, W2 = p["x"].double(), p["gate_up_proj"].double(), p["down_proj"].double()
     ref = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -32,6 +31,13 @@ def test_baseline_matches_fp64_oracle():
             e = int(p["ids"][t, j])
             g, u = (W13[e] @ x[t]).chunk(2)
             ref[t] += p["w"][t, j].double() * (W2[e] @ (torch.nn.functional.silu(g) * u))
+    return ref
+
+
+def test_baseline_matches_fp64_oracle():
+    p = bench.make_problem("tiny", 48, "cpu", seed=3)
+    y = bench.baseline_experts(p["x"], p["ids"], p["w"], p["gate_up_proj"], p["down_proj"])
+    ref = _fp64_experts(p)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
 
@@ -141,11 +147,5 @@ def test_hf_default_experts_match_the_fp64_oracle():
     pytest.importorskip("transformers")
     p = bench.make_problem("tiny", 40, "cpu", seed=4, dtype=torch.float32)
     y = bench.hf_experts("tiny", "cpu", torch.float32)(p["x"], p["ids"], p["w"], p["gate_up_proj"], p["down_proj"])
-    x, W13, W2 = p["x"].double(), p["gate_up_proj"].double(), p["down_proj"].double()
-    ref = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(p["ids"].shape[1]):
-            e = int(p["ids"][t, j])
-            g, u = (W13[e] @ x[t]).chunk(2)
-            ref[t] += p["w"][t, j].double() * (W2[e] @ (torch.nn.functional.silu(g) * u))
+    ref = _fp64_experts(p)
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
