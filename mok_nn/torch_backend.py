@@ -6,8 +6,10 @@ loop over experts:
 
 - schedule: a stable sort of the flat expert ids groups the T*k routed rows by
   expert (row order inside an expert: ascending slot, as in the reference);
-  per-expert row ranges come from searchsorted on the sorted ids. Everything
-  stays on the device (no .item(), bincount, nonzero, boolean-mask indexing or
+  per-expert row ranges come from searchsorted on the sorted ids; the inverse
+  permutation is one scatter of the permutation (each position written once).
+  Gathers are index_select (several times faster on CPU than advanced
+  indexing). Everything stays on the device (no .item(), bincount, nonzero, boolean-mask indexing or
   tolist).
 - grouped GEMMs: torch._grouped_mm over the expert row ranges; where it cannot
   run (float64, sizes whose rows are not 16-byte multiples) the same GEMMs run
@@ -17,6 +19,9 @@ loop over experts:
   to the host once per GEMM (grouped_mm_reads_offsets_on_host).
 - combine: y_t = sum_j w_tj * y_tj in fp32, j = 0..k-1 in order, as
   reference.combine_slots does; d x sums its k slots in the same order.
+- elementwise work (the activation and its derivative, the combine) in few
+  passes: each half of gate_up converted once, in-place updates of our own
+  tensors, no torch.cat and no mixed-dtype ops (unvectorised on CPU).
 
 Every slot is written once, by gathers with a permutation and its inverse;
 nothing scatters with repeated indices and nothing is accumulated atomically,
@@ -49,7 +54,7 @@ import torch
 
 from . import reference
 from .mxfp8 import fake_quantize_fast
-from .reference import DispatchPlan, GroupedMLPGrads, activation_backward, activation_forward, compute_dtype
+from .reference import DispatchPlan, GroupedMLPGrads, compute_dtype
 
 _GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MX_BLOCK = 32
@@ -113,7 +118,7 @@ class Groups:
         if self.fused:
             return torch._grouped_mm(rows, weight, offs=self.ends)
         out = torch.bmm(self.pad(rows), weight)  # [E, C, M]
-        return out.reshape(-1, out.shape[-1])[self.expert * self.capacity + self.rank]
+        return out.reshape(-1, out.shape[-1]).index_select(0, self.expert * self.capacity + self.rank)
 
     def wgrad(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """sum over each expert's rows r of a_r^T b_r: a [N, M], b [N, K] -> [E, M, K] (zero where no rows)."""
@@ -136,7 +141,7 @@ class Groups:
         if rows.shape[0] == 0 or c == 0:
             return rows.new_zeros(e, c, rows.shape[1])
         src = (self.starts[:, None] + slot).clamp_(max=rows.shape[0] - 1)
-        return torch.where(valid[..., None], rows[src], rows.new_zeros(()))
+        return torch.where(valid[..., None], rows.index_select(0, src.reshape(-1)).view(e, c, -1), rows.new_zeros(()))
 
     # -- MXFP8 operands along the rows of each expert (weight-gradient GEMMs)
     def quantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -155,9 +160,9 @@ class Groups:
         r = (b - block_start[e]) * MX_BLOCK + q % MX_BLOCK
         valid = (b < block_end[-1]) & (r < self.counts[e])
         src = (self.starts[e] + r).clamp_(0, n - 1)
-        buf = torch.where(valid[:, None], rows[src], rows.new_zeros(()))
+        buf = torch.where(valid[:, None], rows.index_select(0, src), rows.new_zeros(()))
         buf = fake_quantize_fast(buf, axis=0)
-        return buf[MX_BLOCK * block_start[self.expert] + self.rank]
+        return buf.index_select(0, MX_BLOCK * block_start.index_select(0, self.expert) + self.rank)
 
 
 def groups_from_sorted_ids(sorted_ids: torch.Tensor, num_experts: int, fused: bool, capacity: int) -> Groups:
@@ -165,7 +170,7 @@ def groups_from_sorted_ids(sorted_ids: torch.Tensor, num_experts: int, fused: bo
     experts = torch.arange(num_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
     starts = torch.searchsorted(sorted_ids, experts)
     ends = torch.searchsorted(sorted_ids, experts, right=True)
-    rank = torch.arange(sorted_ids.shape[0], device=sorted_ids.device) - starts[sorted_ids]
+    rank = torch.arange(sorted_ids.shape[0], device=sorted_ids.device) - starts.index_select(0, sorted_ids)
     return Groups(starts, ends - starts, ends.to(torch.int32), sorted_ids, rank, capacity, fused)
 
 
@@ -175,7 +180,7 @@ def groups_from_counts(counts: list[int], device, fused: bool) -> Groups:
     ends = torch.cumsum(c, 0)
     n = sum(counts)
     expert = torch.repeat_interleave(torch.arange(len(counts), device=device), c, output_size=n)
-    rank = torch.arange(n, device=device) - (ends - c)[expert]
+    rank = torch.arange(n, device=device) - (ends - c).index_select(0, expert)
     return Groups(ends - c, c, ends.to(torch.int32), expert, rank, max(counts, default=0), fused)
 
 
@@ -187,26 +192,37 @@ def groups_from_counts(counts: list[int], device, fused: bool) -> Groups:
 class Schedule:
     """order: [T*k] slot ids sorted by expert (stable), the rows' send order; inverse: [T*k] position of each slot
     in that order; groups: the local expert rows; plan: the EP dispatch plan (None at EP=1, where the rows are
-    the sorted slots themselves)."""
+    the sorted slots themselves); token: [T*k] order // k, the token of each row in send order (None: computed
+    where needed)."""
 
     order: torch.Tensor
     inverse: torch.Tensor
     groups: Groups
     plan: DispatchPlan | None
+    token: torch.Tensor | None = None
+
+    def token_of_rows(self, top_k: int) -> torch.Tensor:
+        return self.token if self.token is not None else self.order // top_k
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inverse[order[i]] = i: one scatter of a permutation (every position written once; cheaper than argsort)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
 
 
 def build_schedule(topk_ids: torch.Tensor, num_experts: int, hidden_size: int, intermediate_size: int,
                    dtype: torch.dtype, group=None, signature: dict | None = None) -> Schedule:
     sizes = (hidden_size, intermediate_size)
     fused = use_grouped_mm(topk_ids.device, dtype, sizes)
+    top_k = topk_ids.shape[1]
     if group is not None:
         plan = reference.build_dispatch_plan(topk_ids, num_experts, group, signature)
         groups = groups_from_counts(plan.local.counts, topk_ids.device, fused)
-        return Schedule(plan.order, torch.argsort(plan.order), groups, plan)
+        return Schedule(plan.order, inverse_permutation(plan.order), groups, plan, plan.order // top_k)
     flat = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
     groups = groups_from_sorted_ids(sorted_ids, num_experts, fused, capacity=flat.shape[0])
-    return Schedule(order, torch.argsort(order), groups, None)
+    return Schedule(order, inverse_permutation(order), groups, None, order // top_k)
 
 
 def _to_rows(schedule: Schedule, t: torch.Tensor) -> torch.Tensor:
@@ -218,7 +234,77 @@ def _from_rows(schedule: Schedule, rows: torch.Tensor) -> torch.Tensor:
     """Local expert rows -> per-slot values in slot order t*k + j."""
     if schedule.plan is not None:
         rows = schedule.plan.undispatch(rows)
-    return rows[schedule.inverse]
+    return rows.index_select(0, schedule.inverse)
+
+
+# --------------------------------------------------------------------------
+# the activation and its derivative, in few passes
+#
+# reference.activation_forward / activation_backward on gate_up converted to the compute dtype, the result
+# rounded once to the storage dtype: the same fp32 operations in the same order, but converting gate and up
+# separately (no copy of gate_up, no torch.cat), updating in place where a tensor is ours, and without
+# mixed-dtype ops (which torch runs unvectorised on CPU, 2-15x slower than a conversion and the op). torch's
+# vectorised sigmoid / silu may round differently from its scalar tail loop, which depends on the tensors'
+# layout: where I is not a multiple of the SIMD width the two differ in the last bit of a few values.
+
+
+def _halves(gate_up: torch.Tensor, limit):
+    """(gate, up, gate_ok, up_ok) as reference._clamp_masks, in the compute dtype; gate is a fresh tensor (ours
+    to update in place), up too where clamped (else it may be a view of gate_up)."""
+    cdt = compute_dtype(gate_up.dtype)
+    inter = gate_up.shape[-1] // 2
+    gate = gate_up[..., :inter].to(cdt, copy=True)
+    up = gate_up[..., inter:].to(cdt, copy=limit is not None)
+    if limit is None:
+        return gate, up, None, None
+    gate_ok = gate <= limit
+    up_ok = (up >= -limit) & (up <= limit)
+    return gate.clamp_(max=limit), up.clamp_(-limit, limit), gate_ok, up_ok
+
+
+def _plus_one(up: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """up + 1, a fresh tensor (in place where up is one already)."""
+    return up.add_(1) if fresh else up + 1
+
+
+def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
+    """reference.activation_forward(gate_up.to(cdt), ...).to(gate_up.dtype) (see above)."""
+    gate, up, _, _ = _halves(gate_up, swiglu_limit)
+    if activation == "swiglu":  # silu(gate) * up
+        h = torch.nn.functional.silu(gate, inplace=True).mul_(up)
+    elif activation == "swiglu_oai":  # (up + 1) * gate * sigmoid(alpha * gate)
+        sig = torch.mul(gate, reference.OAI_ALPHA).sigmoid_()
+        h = _plus_one(up, swiglu_limit is not None).mul_(gate).mul_(sig)
+    else:
+        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    return h.to(gate_up.dtype)
+
+
+def activation_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
+    """reference.activation_backward(gate_up.to(cdt), grad_h, ...).to(gate_up.dtype) (see above). grad_h: in the
+    compute dtype, read only."""
+    gate, up, gate_ok, up_ok = _halves(gate_up, swiglu_limit)
+    inter = gate.shape[-1]
+    if activation == "swiglu":
+        sig = torch.sigmoid(gate)
+        d_act = torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig)  # sig * (1 + gate * (1 - sig))
+        d_gate = torch.mul(grad_h, up)  # grad_h * up * d_act
+    elif activation == "swiglu_oai":
+        sig = torch.mul(gate, reference.OAI_ALPHA).sigmoid_()
+        # sig * (1 + alpha * gate * (1 - sig))
+        d_act = torch.mul(gate, reference.OAI_ALPHA).mul_(torch.rsub(sig, 1)).add_(1).mul_(sig)
+        d_gate = _plus_one(up, swiglu_limit is not None).mul_(grad_h)  # grad_h * (up + 1) * d_act
+    else:
+        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    d_gate.mul_(d_act)
+    d_up = gate.mul_(sig).mul_(grad_h)  # grad_h * (gate * sig)
+    if gate_ok is not None:
+        d_gate.mul_(gate_ok)
+        d_up.mul_(up_ok)
+    out = torch.empty(gate.shape[:-1] + (2 * inter,), dtype=gate_up.dtype, device=gate.device)
+    out[..., :inter] = d_gate
+    out[..., inter:] = d_up
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -240,7 +326,7 @@ def _row_quantizer(precision: str, groups: Groups):
 def _add_bias(t, bias, groups, cdt):
     if bias is None:
         return t
-    return (t.to(cdt) + bias.to(cdt)[groups.expert]).to(t.dtype)
+    return (t.to(cdt) + bias.to(cdt).index_select(0, groups.expert)).to(t.dtype)
 
 
 def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
@@ -250,7 +336,7 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
     cdt = compute_dtype(rows.dtype)
     q = _quantizer(precision)
     gate_up = _add_bias(groups.mm(q(rows, -1), q(gate_up_proj, -1).transpose(1, 2)), gate_up_bias, groups, cdt)
-    h = activation_forward(gate_up.to(cdt), activation, swiglu_limit).to(rows.dtype)
+    h = activation_forward(gate_up, activation, swiglu_limit)
     out = _add_bias(groups.mm(q(h, -1), q(down_proj, -1).transpose(1, 2)), down_bias, groups, cdt)
     return out, gate_up, h
 
@@ -262,15 +348,17 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     cdt = compute_dtype(dt)
     q, qr = _quantizer(precision), _row_quantizer(precision, groups)
     w = row_weights.to(cdt).unsqueeze(1)
-    gu = gate_up.to(cdt)
     dh_raw = groups.mm(q(grad_out, -1), q(down_proj, -2)).to(cdt)
-    dw = (dh_raw * h.to(cdt)).sum(dim=1)
+    h32 = h.to(cdt)
+    dw = (dh_raw * h32).sum(dim=1)
     d_down_bias = None
     if down_bias is not None:
-        dw = dw + (grad_out.to(cdt) * down_bias.to(cdt)[groups.expert]).sum(dim=1)
+        dw = dw + (grad_out.to(cdt) * down_bias.to(cdt).index_select(0, groups.expert)).sum(dim=1)
         d_down_bias = groups.segment_sum(grad_out, row_weights).to(wdt)
-    d_down_proj = groups.wgrad(qr(grad_out), qr((w * h.to(cdt)).to(dt))).to(wdt)
-    dgu = activation_backward(gu, w * dh_raw, activation, swiglu_limit).to(dt)
+    wh = (w * h32).to(dt)
+    d_down_proj = groups.wgrad(qr(grad_out), qr(wh)).to(wdt)
+    dh = dh_raw.mul_(w)  # w * dh' in cdt (dh_raw: a fresh tensor, read above for the last time)
+    dgu = activation_backward(gate_up, dh, activation, swiglu_limit)
     d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt)
     d_gate_up_bias = None if gate_up_bias is None else groups.segment_sum(dgu).to(wdt)
     grad_rows = groups.mm(q(dgu, -1), q(gate_up_proj, -2))
@@ -291,21 +379,23 @@ class TorchSaved:
 
 
 def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """y_t = sum_j w_tj * slots[t, j] in fp32 (or wider), j = 0..k-1 in order (reference.combine_slots)."""
+    """y_t = sum_j w_tj * slots[t, j] in fp32 (or wider), j = 0..k-1 in order, the sums of reference.combine_slots
+    (which adds the first product to +0: a -0 result reads +0 there): the k products in one multiply, then k - 1
+    adds in order."""
     cdt = compute_dtype(slots.dtype)
-    w = topk_weights.to(cdt)
-    acc = w[:, 0:1] * slots[:, 0].to(cdt)
-    for j in range(1, slots.shape[1]):
-        acc = acc + w[:, j:j + 1] * slots[:, j].to(cdt)
-    return acc.to(out_dtype)
+    return _sum_in_order(slots.to(cdt) * topk_weights.to(cdt).unsqueeze(2), out_dtype)
 
 
 def sum_slots(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """sum_j slots[t, j], j = 0..k-1 in order, in fp32 (or wider) (reference.sum_slots)."""
-    cdt = compute_dtype(slots.dtype)
-    acc = slots[:, 0].to(cdt)
-    for j in range(1, slots.shape[1]):
-        acc = acc + slots[:, j].to(cdt)
+    """sum_j slots[t, j], j = 0..k-1 in order, in fp32 (or wider) (reference.sum_slots's sums)."""
+    return _sum_in_order(slots.to(compute_dtype(slots.dtype)), out_dtype)
+
+
+def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """((s_0 + s_1) + s_2) + ... over dim 1 (slots already in the compute dtype), cast to out_dtype."""
+    acc = slots[:, 0] if slots.shape[1] == 1 else slots[:, 0] + slots[:, 1]
+    for j in range(2, slots.shape[1]):
+        acc.add_(slots[:, j])
     return acc.to(out_dtype)
 
 
@@ -315,7 +405,7 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
     num_tokens, top_k = topk_ids.shape
     if schedule is None:
         schedule = build_schedule(topk_ids, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], x.dtype)
-    rows = _to_rows(schedule, x[schedule.order // top_k])
+    rows = _to_rows(schedule, x.index_select(0, schedule.token_of_rows(top_k)))
     out, gate_up, h = mlp_forward(rows, schedule.groups, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                   activation, swiglu_limit, precision)
     slots = _from_rows(schedule, out).view(num_tokens, top_k, out.shape[-1])
@@ -328,11 +418,11 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts)."""
     num_tokens, top_k = topk_ids.shape
     schedule = saved.schedule
-    dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype)[schedule.order // top_k])
-    w_rows = _to_rows(schedule, topk_weights.reshape(-1)[schedule.order])
+    dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype).index_select(0, schedule.token_of_rows(top_k)))
+    w_rows = _to_rows(schedule, topk_weights.reshape(-1).index_select(0, schedule.order))
     h = saved.h
     if h is None:
-        h = activation_forward(saved.gate_up.to(compute_dtype(x.dtype)), activation, swiglu_limit).to(x.dtype)
+        h = activation_forward(saved.gate_up, activation, swiglu_limit)
     grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj, down_proj,
                          gate_up_bias, down_bias, activation, swiglu_limit, precision)
     dx_slots = _from_rows(schedule, grads.grad_rows).view(num_tokens, top_k, saved.rows.shape[-1])
