@@ -226,33 +226,43 @@ def operand_quantizer(precision: str):
     raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
-def _pow2_bits(e: torch.Tensor) -> torch.Tensor:
-    """fp32 2**e for integer e in [-126, 127], built from its exponent bits (exact, no float64)."""
-    return ((e + 127).to(torch.int32) << 23).view(torch.float32)
-
-
 def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
-    """``fake_quantize(x, axis)`` ("rceil", blocks of 32): the same values, from fp32 bit arithmetic instead of
-    frexp and float64 powers, and without materialising the E8M0 / E4M3 bytes; the portable backend applies it
-    to every GEMM operand of precision="mxfp8". The size along ``axis`` must be a multiple of 32."""
+    """``fake_quantize(x, axis)`` ("rceil", blocks of 32): the same values bit for bit, from fp32 arithmetic
+    instead of frexp, float64 powers and float8 round trips (torch converts float8 to float unvectorised on CPU),
+    without moving ``axis`` last (the blocks are a view of x, the scales broadcast over them: contiguous passes
+    whatever the axis) and without masks or torch.where (slow on CPU); the portable backend applies it to every
+    GEMM operand of precision="mxfp8". The size along ``axis`` must be a multiple of 32.
+
+    Per block: e from amax's bits (quantize's rceil rule); |s| = |x| * 2**-e (one exact multiply, 2**-e a
+    normal fp32, |s| <= 448); |s| rounded to E4M3 (ties to even) as (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20)
+    for |s|'s exponent E: C's fp32 spacing 2**(max(E, -6) - 3) is E4M3's grid there (3 mantissa bits, the
+    subnormal spacing 2**-9 below 2**-6), the sum stays in C's binade and is rounded once, to even (C is an even
+    multiple of the grid); x's sign bit put back (zeros keep theirs); then one multiply by 2**e (down to the
+    subnormal 2**-127; NaN for a block holding NaN / inf), rounded once as dequantize's."""
     block = 32
     axis = _normalize_axis(axis, x.dim())
     if x.shape[axis] % block:
         raise ValueError(f"size {x.shape[axis]} of dimension {axis} is not a multiple of the MX block size {block}")
-    moved = x.movedim(axis, -1)
-    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block, block).float()
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    shape = x.shape
+    xf = x.float().reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1:])
+    xbits = xf.view(torch.int32)
+    sign = xbits & -(2**31)
+    # |x| as bits with the sign cleared (in place where xf is our fp32 copy)
+    mag = (xbits.bitwise_xor_(sign) if x.dtype != torch.float32 else xbits ^ sign).view(torch.float32)
+    amax = mag.amax(dim=axis + 1, keepdim=True)
     bits = amax.view(torch.int32)
-    biased = bits >> 23  # amax >= 0: the sign bit is clear; 255 for inf / NaN
+    biased = (bits >> 23) & 0xFF  # 255 for inf / NaN
     # e = floor(log2 amax) - 8, one more where the significand exceeds 1.75 (quantize's rceil rule); zero and
-    # subnormal amax (biased exponent 0) give e < -127, clamped to -127
-    e = biased - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    # subnormal amax (biased exponent 0) give e < -127, clamped to -127. e <= 121 (amax < 2**128).
+    e = biased - (E8M0_BIAS + 8) + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     e = torch.where(biased == 0, torch.full_like(e, -E8M0_BIAS), e).clamp_(-E8M0_BIAS, E8M0_BIAS)
-    # 2**-e and 2**e as products of two normal powers of two: the first product is exact, so each result is
-    # rounded once, as quantize's product with an exact 2**-e (or dequantize's with an exact 2**e) is
-    half = e // 2
-    scaled = blocks * _pow2_bits(-half) * _pow2_bits(half - e)
-    data = scaled.to(torch.float8_e4m3fn).float()
-    out = data * _pow2_bits(half) * _pow2_bits(e - half)
-    out = torch.where(biased == 255, torch.full_like(out, float("nan")), out)  # NaN / inf in the block
-    return out.reshape(moved.shape).movedim(-1, axis).to(x.dtype)
+    down = ((E8M0_BIAS - e) << 23).view(torch.float32)  # 2**-e
+    up = torch.where(e == -E8M0_BIAS, torch.full_like(e, 1 << 22), (e + E8M0_BIAS) << 23).view(torch.float32)
+    up = torch.where(biased == 255, torch.full_like(up, float("nan")), up)
+    mag.mul_(down)  # |s|
+    # C's bits: biased exponent max(E, -6) + 127 + 20, significand 1.5 (garbage for inf / NaN: those blocks are NaN)
+    c = (mag.view(torch.int32) & 0x7F800000).clamp_(min=(E8M0_BIAS - 6) << 23).add_((20 << 23) | (1 << 22))
+    c = c.view(torch.float32)
+    rounded = mag.add_(c).sub_(c)  # |s| on the E4M3 grid, >= +0
+    out = rounded.view(torch.int32).bitwise_or_(sign).view(torch.float32).mul_(up)  # x's sign put back
+    return out.view(shape).to(x.dtype)

@@ -105,3 +105,34 @@ def test_keyed_topk_is_the_stable_sort(dtype):
     # random scores, no ties: also the plain top-k
     s = torch.softmax(torch.randn(300, 32, generator=g), -1).to(dtype)
     assert torch.equal(stable_topk_indices(s, 4), torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :4])
+
+
+# --- MXFP8: fake_quantize_fast against fake_quantize on the E4M3 grid's ties
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_fast_fake_quantize_rounds_ties_to_even(dtype):
+    """Blocks whose scaled values lie on E4M3 grid points and exactly half-way between them, in every binade of
+    E4M3 (subnormals included), both signs, block scales 2^-140..2^120 (subnormal results included), along the
+    last axis, the first axis and a middle axis of a 3-D tensor: bit for bit fake_quantize (mxfp8.py's bytes
+    path), signs of zeros and NaN blocks included."""
+    from mok_nn.mxfp8 import fake_quantize, fake_quantize_fast
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(60):
+        e = int(torch.randint(-140, 120, (1,), generator=g)) if dtype != torch.float16 else \
+            int(torch.randint(-20, 6, (1,), generator=g))
+        k = torch.randint(0, 16, (64, 32), generator=g).float()
+        expo = torch.randint(-9, 9, (64, 32), generator=g).float()
+        half = 0.5 * (torch.rand(64, 32, generator=g) < 0.5).float()
+        v = (8 + k + half) * torch.exp2(expo - 3)  # E4M3 normals and mid-points
+        sub = torch.randint(0, 16, (64, 32), generator=g).float() * 2.0**-10  # subnormal grid and mid-points
+        v = torch.where(torch.rand(64, 32, generator=g) < 0.3, sub, v) * torch.randn(64, 32, generator=g).sign()
+        v[:, 0] = 448.0 * (0.5 + 0.5 * torch.rand(64, generator=g))  # each row block's amax in (224, 448]
+        v[1, 5] = float("nan")
+        x = (v.double() * 2.0**e).to(dtype)
+        for t, axis in ((x, -1), (x.t().contiguous(), 0), (x.view(4, 16, 32).transpose(1, 2).contiguous(), 1)):
+            a, b = fake_quantize(t, axis), fake_quantize_fast(t, axis)
+            assert a.dtype == b.dtype == dtype
+            assert torch.equal(a.isnan(), b.isnan()) and a.isnan().any()
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.signbit(), b.signbit())
