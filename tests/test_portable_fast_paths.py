@@ -136,3 +136,123 @@ def test_fast_fake_quantize_rounds_ties_to_even(dtype):
             assert a.dtype == b.dtype == dtype
             assert torch.equal(a.isnan(), b.isnan()) and a.isnan().any()
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.signbit(), b.signbit())
+
+
+# --- MXFP8: the expert weights' quantised values, cached per weight tensor and version
+
+
+def _mx_layer(seed=0, **kw):
+    from helpers import ACTIVATIONS, ROUTINGS, make_layer
+
+    opts = {**ROUTINGS["softmax_norm"], **ACTIVATIONS["oai"]}
+    kw = {"precision": "mxfp8", **kw}
+    return make_layer(opts, dtype=torch.bfloat16, seed=seed, hidden=64, inter=32, experts=8, top_k=2,
+                      backend="torch", **kw)
+
+
+def _count_weight_quantisations(monkeypatch):
+    """Counts fake_quantize_fast calls on 3-D operands (the expert weights; activations are 2-D)."""
+    calls = []
+    real = torch_backend.fake_quantize_fast
+
+    def counting(t, axis=-1):
+        if t.dim() == 3:
+            calls.append(axis)
+        return real(t, axis)
+
+    monkeypatch.setattr(torch_backend, "fake_quantize_fast", counting)
+    return calls
+
+
+def _run(layer, x, dy):
+    from helpers import layer_forward_backward
+
+    return layer_forward_backward(layer, x, dy)
+
+
+def _same(a, b):
+    (ya, ga), (yb, gb) = a, b
+    return torch.equal(ya, yb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_mxfp8_weight_cache_reuses_and_is_bitwise_the_uncached_result(monkeypatch):
+    """Frozen weights: the four weight operands are quantised once (forward and backward axes of both weights),
+    then reused call after call; cached or freshly quantised, every output and gradient is the same bits; and the
+    values are MXFP8 ones (they differ from precision="bf16")."""
+    from helpers import random_x
+
+    torch_backend.clear_mxfp8_weight_cache()
+    calls = _count_weight_quantisations(monkeypatch)
+    layer = _mx_layer()
+    x, dy = random_x((70, 64), torch.bfloat16, 1), random_x((70, 64), torch.bfloat16, 2)
+    first = _run(layer, x, dy)
+    assert sorted(calls) == [-2, -2, -1, -1]
+    for _ in range(3):
+        assert _same(_run(layer, x, dy), first)
+    assert len(calls) == 4  # no weight quantised again
+    torch_backend.clear_mxfp8_weight_cache()
+    assert _same(_run(layer, x, dy), first) and len(calls) == 8
+    bf16 = _mx_layer(precision="bf16")
+    assert not torch.equal(_run(bf16, x, dy)[0], first[0])
+
+
+@pytest.mark.parametrize("how", ["in_place_add", "copy_", "optimizer_step", "load_state_dict", "new_storage",
+                                 "through_a_view"])
+def test_mxfp8_weight_cache_sees_every_update(how):
+    """After the weights change (in place, by an optimizer, load_state_dict, new storage, a write through a view)
+    the next call uses the new values: bit for bit a fresh layer with those weights, with an empty cache."""
+    from helpers import random_state, random_x
+
+    torch_backend.clear_mxfp8_weight_cache()
+    layer = _mx_layer(seed=3)
+    x, dy = random_x((50, 64), torch.bfloat16, 4), random_x((50, 64), torch.bfloat16, 5)
+    before = _run(layer, x, dy)
+    e = layer.experts
+    with torch.no_grad():
+        if how == "in_place_add":
+            e.gate_up_proj.add_(0.25 * e.gate_up_proj)
+            e.down_proj.mul_(1.5)
+        elif how == "copy_":
+            e.down_proj.copy_(torch.randn(e.down_proj.shape, generator=torch.Generator().manual_seed(6)))
+        elif how == "load_state_dict":
+            layer.load_state_dict(random_state(layer, 7))
+        elif how == "new_storage":
+            e.gate_up_proj.data = e.gate_up_proj.data * 0.5
+        elif how == "through_a_view":
+            e.down_proj[1:3].mul_(-2.0)
+    if how == "optimizer_step":
+        opt = torch.optim.AdamW(layer.parameters(), lr=0.05)
+        opt.step()  # the gradients of `before`
+    after = _run(layer, x, dy)
+    assert not torch.equal(after[0], before[0])
+    fresh = _mx_layer(seed=3)
+    fresh.load_state_dict(layer.state_dict())
+    torch_backend.clear_mxfp8_weight_cache()
+    assert _same(_run(fresh, x, dy), after)
+
+
+def test_mxfp8_weight_cache_is_bounded_and_goes_with_its_weights():
+    """Training steps (weights change every step): at most one entry per weight tensor and axis, old values
+    replaced; the entries go when the layer goes (weak keys), nothing accumulates across layers built and
+    dropped."""
+    import gc
+
+    from helpers import random_x
+
+    torch_backend.clear_mxfp8_weight_cache()
+    layer = _mx_layer(seed=8)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    x, dy = random_x((40, 64), torch.bfloat16, 9), random_x((40, 64), torch.bfloat16, 10)
+    for _ in range(4):
+        _run(layer, x, dy)
+        opt.step()
+    cache = torch_backend._MX_WEIGHTS
+    assert len(cache) == 2 and all(len(v) == 2 for v in cache.values())
+    assert {id(k) for k in cache.keys()} == {id(layer.experts.gate_up_proj), id(layer.experts.down_proj)}
+    for _ in range(3):
+        _run(_mx_layer(seed=11), x, dy)
+    gc.collect()
+    assert len(cache) == 2
+    del layer, opt
+    gc.collect()
+    assert len(cache) == 0
