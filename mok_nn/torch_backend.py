@@ -159,10 +159,11 @@ class Groups:
         q = torch.arange(padded, device=rows.device)
         b = q // MX_BLOCK
         e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
-        r = (b - block_start[e]) * MX_BLOCK + q % MX_BLOCK
-        valid = (b < block_end[-1]) & (r < self.counts[e])
-        src = (self.starts[e] + r).clamp_(0, n - 1)
-        buf = torch.where(valid[:, None], rows.index_select(0, src), rows.new_zeros(()))
+        r = (b - block_start.index_select(0, e)) * MX_BLOCK + q % MX_BLOCK
+        valid = (b < block_end[-1]) & (r < self.counts.index_select(0, e))
+        # padding rows read row n, a zero row appended (a gather; torch.where over the rows is slow on CPU)
+        src = torch.where(valid, (self.starts.index_select(0, e) + r).clamp_(0, n - 1), n)
+        buf = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, src)
         buf = fake_quantize_fast(buf, axis=0)
         return buf.index_select(0, MX_BLOCK * block_start.index_select(0, self.expert) + self.rank)
 
