@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils.weak
@@ -105,6 +105,7 @@ class Groups:
     rank: torch.Tensor
     capacity: int
     fused: bool
+    _mx_index: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -152,20 +153,29 @@ class Groups:
         n = rows.shape[0]
         if n == 0:
             return rows
-        blocks = (self.counts + MX_BLOCK - 1) // MX_BLOCK
-        block_end = torch.cumsum(blocks, 0)  # int: exact
-        block_start = block_end - blocks
-        padded = MX_BLOCK * ((n + (MX_BLOCK - 1) * self.num_experts + MX_BLOCK - 1) // MX_BLOCK)  # static bound
-        q = torch.arange(padded, device=rows.device)
-        b = q // MX_BLOCK
-        e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
-        r = (b - block_start.index_select(0, e)) * MX_BLOCK + q % MX_BLOCK
-        valid = (b < block_end[-1]) & (r < self.counts.index_select(0, e))
-        # padding rows read row n, a zero row appended (a gather; torch.where over the rows is slow on CPU)
-        src = torch.where(valid, (self.starts.index_select(0, e) + r).clamp_(0, n - 1), n)
+        src, back = self._mx_row_index(n, rows.device)
         buf = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, src)
-        buf = fake_quantize_fast(buf, axis=0)
-        return buf.index_select(0, MX_BLOCK * block_start.index_select(0, self.expert) + self.rank)
+        return fake_quantize_fast(buf, axis=0).index_select(0, back)
+
+    def _mx_row_index(self, n: int, device):
+        """(src, back) of quantize_rows, computed once per Groups: src [P] the row each row of the padded
+        buffer reads (n: the zero row appended; P a static bound, T*k + 31*E rounded up to 32), back [n] each
+        row's place in the buffer."""
+        if self._mx_index is None:
+            blocks = (self.counts + MX_BLOCK - 1) // MX_BLOCK
+            block_end = torch.cumsum(blocks, 0)  # int: exact
+            block_start = block_end - blocks
+            padded = MX_BLOCK * ((n + (MX_BLOCK - 1) * self.num_experts + MX_BLOCK - 1) // MX_BLOCK)
+            q = torch.arange(padded, device=device)
+            b = q // MX_BLOCK
+            e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
+            r = (b - block_start.index_select(0, e)) * MX_BLOCK + q % MX_BLOCK
+            valid = (b < block_end[-1]) & (r < self.counts.index_select(0, e))
+            # padding rows read the zero row n (a gather; torch.where over the rows is slow on CPU)
+            src = torch.where(valid, (self.starts.index_select(0, e) + r).clamp_(0, n - 1), n)
+            back = MX_BLOCK * block_start.index_select(0, self.expert) + self.rank
+            self._mx_index = (src, back)
+        return self._mx_index
 
 
 def groups_from_sorted_ids(sorted_ids: torch.Tensor, num_experts: int, fused: bool, capacity: int) -> Groups:
