@@ -280,8 +280,41 @@ def _plus_one(up: torch.Tensor, fresh: bool) -> torch.Tensor:
     return up.add_(1) if fresh else up + 1
 
 
+_CHUNK_BYTES = 1 << 20
+
+
+def row_chunks(num_rows: int, row_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) whose compute-dtype temporaries take about 1 MiB each: the elementwise passes over a
+    chunk stay in the L2 cache, and no temporary reaches glibc's mmap threshold (a fresh mapping, page faults on
+    every first touch, each call). Fixed by the sizes alone: the same chunks, the same bits, run after run."""
+    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
 def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
-    """reference.activation_forward(gate_up.to(cdt), ...).to(gate_up.dtype) (see above)."""
+    """reference.activation_forward(gate_up.to(cdt), ...).to(gate_up.dtype) (see above), in row chunks."""
+    inter = gate_up.shape[-1] // 2
+    gate_up2 = gate_up.reshape(-1, 2 * inter)
+    h = torch.empty(gate_up2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    cdt = compute_dtype(gate_up.dtype)
+    for a, b in row_chunks(gate_up2.shape[0], inter * torch.empty((), dtype=cdt).element_size()):
+        h[a:b].copy_(_activation_forward(gate_up2[a:b], activation, swiglu_limit))
+    return h.view(gate_up.shape[:-1] + (inter,))
+
+
+def activation_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
+    """reference.activation_backward(gate_up.to(cdt), grad_h, ...).to(gate_up.dtype) (see above), in row chunks.
+    grad_h: in the compute dtype, read only."""
+    inter = gate_up.shape[-1] // 2
+    gate_up2, grad_h2 = gate_up.reshape(-1, 2 * inter), grad_h.reshape(-1, inter)
+    out = torch.empty(gate_up2.shape, dtype=gate_up.dtype, device=gate_up.device)
+    for a, b in row_chunks(gate_up2.shape[0], inter * grad_h.element_size()):
+        _activation_backward(gate_up2[a:b], grad_h2[a:b], activation, swiglu_limit, out[a:b])
+    return out.view(gate_up.shape)
+
+
+def _activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
+    """act(gate_up) in the compute dtype (rows of gate_up in its storage dtype)."""
     gate, up, _, _ = _halves(gate_up, swiglu_limit)
     if activation == "swiglu":  # silu(gate) * up
         h = torch.nn.functional.silu(gate, inplace=True).mul_(up)
@@ -290,12 +323,11 @@ def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> 
         h = _plus_one(up, swiglu_limit is not None).mul_(gate).mul_(sig)
     else:
         raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
-    return h.to(gate_up.dtype)
+    return h
 
 
-def activation_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
-    """reference.activation_backward(gate_up.to(cdt), grad_h, ...).to(gate_up.dtype) (see above). grad_h: in the
-    compute dtype, read only."""
+def _activation_backward(gate_up, grad_h, activation: str, swiglu_limit, out) -> None:
+    """d act / d [gate | up] applied to grad_h, stored (rounded once) into out [rows, 2I]."""
     gate, up, gate_ok, up_ok = _halves(gate_up, swiglu_limit)
     inter = gate.shape[-1]
     if activation == "swiglu":
@@ -314,10 +346,8 @@ def activation_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, activation:
     if gate_ok is not None:
         d_gate.mul_(gate_ok)
         d_up.mul_(up_ok)
-    out = torch.empty(gate.shape[:-1] + (2 * inter,), dtype=gate_up.dtype, device=gate.device)
     out[..., :inter] = d_gate
     out[..., inter:] = d_up
-    return out
 
 
 # --------------------------------------------------------------------------
@@ -418,18 +448,24 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     dt, wdt = rows.dtype, gate_up_proj.dtype
     cdt = compute_dtype(dt)
     q, qw, qr = _quantizer(precision), _weight_quantizer(precision), _row_quantizer(precision, groups)
-    w = row_weights.to(cdt).unsqueeze(1)
-    dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2)).to(cdt)
-    h32 = h.to(cdt)
-    dw = (dh_raw * h32).sum(dim=1)
-    d_down_bias = None
-    if down_bias is not None:
-        dw = dw + (grad_out.to(cdt) * down_bias.to(cdt).index_select(0, groups.expert)).sum(dim=1)
-        d_down_bias = groups.segment_sum(grad_out, row_weights).to(wdt)
-    wh = (w * h32).to(dt)
+    dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
+    n, inter = h.shape
+    dw = torch.empty(n, dtype=cdt, device=h.device)
+    wh = torch.empty_like(h)
+    dgu = torch.empty(n, 2 * inter, dtype=dt, device=h.device)
+    b2 = None if down_bias is None else down_bias.to(cdt)
+    for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size()):
+        w = row_weights[a:b].to(cdt).unsqueeze(1)
+        dh = dh_raw[a:b].to(cdt)  # (in fp32 a view of the fresh GEMM output: ours to update)
+        h32 = h[a:b].to(cdt)
+        dw_c = (dh * h32).sum(dim=1)
+        if b2 is not None:
+            dw_c = dw_c + (grad_out[a:b].to(cdt) * b2.index_select(0, groups.expert[a:b])).sum(dim=1)
+        dw[a:b] = dw_c
+        wh[a:b] = w * h32  # (w * h) rounded to dt
+        _activation_backward(gate_up[a:b], dh.mul_(w), activation, swiglu_limit, dgu[a:b])  # d h = w * d h'
+    d_down_bias = None if down_bias is None else groups.segment_sum(grad_out, row_weights).to(wdt)
     d_down_proj = groups.wgrad(qr(grad_out), qr(wh)).to(wdt)
-    dh = dh_raw.mul_(w)  # w * dh' in cdt (dh_raw: a fresh tensor, read above for the last time)
-    dgu = activation_backward(gate_up, dh, activation, swiglu_limit)
     d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt)
     d_gate_up_bias = None if gate_up_bias is None else groups.segment_sum(dgu).to(wdt)
     grad_rows = groups.mm(q(dgu, -1), qw(gate_up_proj, -2))
@@ -451,23 +487,32 @@ class TorchSaved:
 
 def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """y_t = sum_j w_tj * slots[t, j] in fp32 (or wider), j = 0..k-1 in order, the sums of reference.combine_slots
-    (which adds the first product to +0: a -0 result reads +0 there): the k products in one multiply, then k - 1
-    adds in order."""
+    (which adds the first product to +0: a -0 result reads +0 there): per chunk of tokens the k products in one
+    multiply, then k - 1 adds in order."""
     cdt = compute_dtype(slots.dtype)
-    return _sum_in_order(slots.to(cdt) * topk_weights.to(cdt).unsqueeze(2), out_dtype)
+    w = topk_weights.to(cdt).unsqueeze(2)
+    return _sum_in_order(slots, out_dtype, lambda a, b: slots[a:b].to(cdt) * w[a:b])
 
 
 def sum_slots(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """sum_j slots[t, j], j = 0..k-1 in order, in fp32 (or wider) (reference.sum_slots's sums)."""
-    return _sum_in_order(slots.to(compute_dtype(slots.dtype)), out_dtype)
+    cdt = compute_dtype(slots.dtype)
+    return _sum_in_order(slots, out_dtype, lambda a, b: slots[a:b].to(cdt))
 
 
-def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """((s_0 + s_1) + s_2) + ... over dim 1 (slots already in the compute dtype), cast to out_dtype."""
-    acc = slots[:, 0] if slots.shape[1] == 1 else slots[:, 0] + slots[:, 1]
-    for j in range(2, slots.shape[1]):
-        acc.add_(slots[:, j])
-    return acc.to(out_dtype)
+def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype, terms) -> torch.Tensor:
+    """((s_0 + s_1) + s_2) + ... over dim 1 of terms(a, b) (the slots of tokens [a, b) in the compute dtype), per
+    chunk of tokens, stored in out_dtype."""
+    num_tokens, k, hidden = slots.shape
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=slots.device)
+    cdt = compute_dtype(slots.dtype)
+    for a, b in row_chunks(num_tokens, k * hidden * torch.empty((), dtype=cdt).element_size()):
+        t = terms(a, b)
+        acc = t[:, 0] if k == 1 else t[:, 0] + t[:, 1]
+        for j in range(2, k):
+            acc.add_(t[:, j])
+        out[a:b] = acc
+    return out
 
 
 def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,

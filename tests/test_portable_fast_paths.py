@@ -256,3 +256,16 @@ def test_mxfp8_weight_cache_is_bounded_and_goes_with_its_weights():
     del layer, opt
     gc.collect()
     assert len(cache) == 0
+
+
+@pytest.mark.parametrize("shape,axis", [((5088, 256), 0), ((4100, 96), -1), ((9, 256, 160), -2), ((96, 4096), 0)])
+def test_fast_fake_quantize_in_chunks(shape, axis):
+    """Tensors over fake_quantize_fast's chunk size (about 1 MiB of fp32 along dim 0, whole blocks): the same values
+    as fake_quantize, the last chunk shorter, NaN blocks included."""
+    from mok_nn.mxfp8 import fake_quantize, fake_quantize_fast
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * torch.exp2(torch.randn(shape, generator=g) * 8)).to(torch.bfloat16)
+    x.view(-1)[[7, x.numel() - 3]] = float("nan")
+    a, b = fake_quantize(x, axis), fake_quantize_fast(x, axis)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(3.0), b.nan_to_num(3.0))
