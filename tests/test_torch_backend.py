@@ -302,4 +302,3 @@ def test_auto_picks_the_portable_backend_on_cpu(caplog, monkeypatch):
     _assert_same((y_auto, g_auto), (y_torch, g_torch))
     msgs = [r.getMessage() for r in caplog.records if r.name == "mok_nn"]
     assert len(msgs) == 1 and "portable backend" in msgs[0] and "cpu" in msgs[0], msgs
-
