@@ -486,8 +486,8 @@ def _reference_errors(impls, p, shape, tokens, check_tokens):
     cp = check_problem(p, min(check_tokens, tokens))
     out = {}
     for impl, fn in impls.items():
-        gu = cp["gate_up_proj"].detach().clone().requires_grad_(True)
-        dn = cp["down_proj"].detach().clone().requires_grad_(True)
+        gu = cp["gate_up_proj"].detach().requires_grad_(True)  # new leaves on the same storage: no copies
+        dn = cp["down_proj"].detach().requires_grad_(True)
         errs = check_experts(fn, cp, gu, dn)
         print(f"{shape} {impl}: rel L2 vs the fp32 reference (T={cp['x'].shape[0]}) "
               + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
@@ -516,8 +516,8 @@ def _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, 
     top_k = p["ids"].shape[1]
     x = p["x"].detach().clone().requires_grad_(True)
     rw = p["router"].to(dt, copy=True).requires_grad_(True)
-    gu = p["gate_up_proj"].detach().clone().requires_grad_(True)
-    dn = p["down_proj"].detach().clone().requires_grad_(True)
+    gu = p["gate_up_proj"].detach().requires_grad_(True)  # new leaves on p's storage (22.5 GB at deepseek-v3)
+    dn = p["down_proj"].detach().requires_grad_(True)
     calls = {name: (lambda fn=fn: fn(x, rw, gu, dn, top_k)) for name, fn in layers.items()}
     checks = {}
     if check_tokens:

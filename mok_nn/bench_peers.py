@@ -402,12 +402,9 @@ def check_experts(fn, cp, gate_up, down, to_mok=lambda a, b: (a, b)) -> dict:
     return errs
 
 
-def _leaf(t, src):
-    """t as a fresh leaf: a copy where t still is (a view of) the problem's own tensor src."""
-    t = t.detach()
-    if t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
-        t = t.clone()
-    return t.requires_grad_(True)
+def _leaf(t):
+    """t as a fresh leaf (on t's storage where t is the problem's own tensor: no 22.5 GB copy at deepseek-v3)."""
+    return t.detach().requires_grad_(True)
 
 
 def _failed(errs, tol):
@@ -470,41 +467,7 @@ def run_peer(spec, shapes, tokens, device, dtype="bf16", iters=20, warmup=3, che
         for mode, impl in modes:
             t0 = time.time()
             try:
-                gu, dn = peer.weights(p["gate_up_proj"], p["down_proj"])
-                gu, dn = _leaf(gu, p["gate_up_proj"]), _leaf(dn, p["down_proj"])
-                x = p["x"].detach().clone().requires_grad_(True)
-                if mode == "experts":
-                    ids = peer.ids(p["ids"])  # outside the timed region
-                    w = p["w"].detach().clone().requires_grad_(True)
-                    leaves = [x, w, gu, dn]
-                    call = lambda: peer.experts(x, ids, w, gu, dn)  # noqa: E731
-                else:
-                    rw = p["router"].to(dt, copy=True).requires_grad_(True)
-                    leaves = [x, rw, gu, dn]
-                    call = lambda: peer.layer(x, rw, gu, dn, top_k)  # noqa: E731
-                bench.warm_up(call, leaves, p["dy"], warmup)
-                errs = None
-                if cp is not None:
-                    if mode == "experts":
-                        errs = check_experts(lambda x_, i_, w_, a_, b_: peer.experts(x_, peer.ids(i_), w_, a_, b_),
-                                             cp, gu, dn, peer.grads_to_mok)
-                        bad = _failed(errs, check_tol)
-                    else:
-                        rw_c = p["router"].to(dt)
-                        with torch.no_grad():
-                            y = peer.layer(cp["x"], rw_c, gu, dn, top_k)
-                        errs = reference_layer_check(cp, y, rw_c)
-                        bad = _failed(errs, LAYER_CHECK_TOL)
-                    print(f"{shape} {impl}: rel L2 vs the fp32 reference (T={cp['x'].shape[0]}) "
-                          + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
-                    if bad:
-                        skip(shape, impl, "check failed (not timed): rel L2 above "
-                             f"{check_tol if mode == 'experts' else LAYER_CHECK_TOL}: "
-                             + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()))
-                        records[-1]["check"] = _rounded(errs)
-                        del gu, dn, x, leaves, call
-                        continue
-                f_ms, fb_ms, peak, act = bench.measure_calls({impl: call}, leaves, p["dy"], device, iters, 1)[impl]
+                errs, bad, timing = _one_mode(peer, mode, p, cp, dt, device, iters, warmup, check_tol)
             except Exception as e:  # one failing shape or mode must not lose the others
                 import traceback
 
@@ -514,6 +477,15 @@ def run_peer(spec, shapes, tokens, device, dtype="bf16", iters=20, warmup=3, che
             finally:
                 if device == "cuda":
                     torch.cuda.empty_cache()
+            if errs is not None:
+                print(f"{shape} {impl}: rel L2 vs the fp32 reference (T={cp['x'].shape[0]}) "
+                      + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+            if bad:
+                skip(shape, impl, f"check failed (not timed): rel L2 above {bad.pop('tol')}: "
+                     + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()))
+                records[-1]["check"] = _rounded(errs)
+                continue
+            f_ms, fb_ms, peak, act = timing
             rec = dict(base(shape, impl), **bench.timing_fields(flops, f_ms, fb_ms - f_ms, peak, act),
                        check=None if errs is None else _rounded(errs),
                        timed=peer.timed if mode == "experts" else peer.timed_layer, versions=ver,
@@ -523,6 +495,55 @@ def run_peer(spec, shapes, tokens, device, dtype="bf16", iters=20, warmup=3, che
         if device == "cuda":
             torch.cuda.empty_cache()
     return records
+
+
+def _one_mode(peer, mode, p, cp, dt, device, iters, warmup, check_tol):
+    """(errors, failed errors with their "tol" or {}, (fwd ms, fwd+bwd ms, peak GB, act GB) or None) of one peer
+    in one mode ("experts": routing given; "layer": its own router) on problem p; warm-up, check on cp (None:
+    no check), then the measurement only where the check passed. The leaves (the weights in the peer's layout:
+    copies of p's, 22.5 GB at deepseek-v3) live in this frame only, so two modes never hold two copies."""
+    import torch
+
+    from . import bench
+
+    top_k = p["ids"].shape[1]
+    gu, dn = peer.weights(p["gate_up_proj"], p["down_proj"])
+    gu, dn = _leaf(gu), _leaf(dn)
+    x = p["x"].detach().clone().requires_grad_(True)
+    if mode == "experts":
+        ids = peer.ids(p["ids"])  # outside the timed region
+        w = p["w"].detach().clone().requires_grad_(True)
+        leaves = [x, w, gu, dn]
+
+        def call():
+            return peer.experts(x, ids, w, gu, dn)
+
+    else:
+        rw = p["router"].to(dt, copy=True).requires_grad_(True)
+        leaves = [x, rw, gu, dn]
+
+        def call():
+            return peer.layer(x, rw, gu, dn, top_k)
+
+    bench.warm_up(call, leaves, p["dy"], warmup)
+    errs, bad = None, {}
+    if cp is not None:
+        if mode == "experts":
+            errs = check_experts(lambda x_, i_, w_, a_, b_: peer.experts(x_, peer.ids(i_), w_, a_, b_), cp, gu, dn,
+                                 peer.grads_to_mok)
+            tol = check_tol
+        else:
+            rw_c = p["router"].to(dt)
+            with torch.no_grad():
+                y = peer.layer(cp["x"], rw_c, gu, dn, top_k)
+            errs = reference_layer_check(cp, y, rw_c)
+            del y
+            tol = LAYER_CHECK_TOL
+        bad = _failed(errs, tol)
+        if bad:
+            return errs, dict(bad, tol=tol), None
+    name = "experts" if mode == "experts" else "layer"
+    return errs, {}, bench.measure_calls({name: call}, leaves, p["dy"], device, iters, 1)[name]
 
 
 def _rounded(errs):
