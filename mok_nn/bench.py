@@ -400,7 +400,8 @@ def _impls(device, backend, group, ep, shape, dtype, mxfp8):
 
 
 def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None, backend=None, dtype="bf16",
-        mxfp8=False, layer=False, peers=(), peers_only=False, peer_site=None, peer_timeout=600, check_tokens=1024):
+        mxfp8=False, layer=False, peers=(), peers_only=False, peer_site=None, peer_timeout=600, check_tokens=1024,
+        peer_budget=None):
     from .distributed import group_size_and_rank
 
     ep, rank = group_size_and_rank(group)
@@ -411,7 +412,7 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     commit = commit or _commit()
     peer_records = _peer_records(peers, peers_only, shapes, tokens, device, dtype, iters, warmup, layer, commit,
-                                 peer_site, peer_timeout, check_tokens, backend, ep, rank, check)
+                                 peer_site, peer_timeout, check_tokens, backend, ep, rank, check, peer_budget)
     records = []
     for shape in [] if peers_only else shapes:
         hidden, inter, _, top_k = SHAPES[shape]
@@ -456,7 +457,7 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
 
 
 def _peer_records(peers, peers_only, shapes, tokens, device, dtype, iters, warmup, layer, commit, site, timeout,
-                  check_tokens, backend, ep, rank, check):
+                  check_tokens, backend, ep, rank, check, budget=None):
     """The peers, each in its own process (bench_peers.run_subprocesses), before this process touches the GPU;
     "hf" runs in this process instead where --backend torch already has it (hf_default), not twice."""
     if not peers:
@@ -475,7 +476,7 @@ def _peer_records(peers, peers_only, shapes, tokens, device, dtype, iters, warmu
               flush=True)
         todo.remove("hf")
     return bench_peers.run_subprocesses(todo, shapes, tokens, device, dtype, iters, warmup,
-                                        check_tokens if check else 0, layer, commit, site, timeout)
+                                        check_tokens if check else 0, layer, commit, site, timeout, budget=budget)
 
 
 def _reference_errors(impls, p, shape, tokens, check_tokens):
@@ -609,6 +610,9 @@ def main(argv=None):
     ap.add_argument("--peer-timeout", type=int, default=int(os.environ.get("MOK_PEER_TIMEOUT", "600")),
                     help="seconds per peer process (QuACK and Liger autotune each new shape: minutes); the shapes "
                          "done by then are kept; default $MOK_PEER_TIMEOUT or %(default)s")
+    ap.add_argument("--peer-budget", type=int, default=None,
+                    help="seconds for all the peers' processes together (each gets at most what is left): keeps a "
+                         "run inside a time limit, with mok_nn's rows measured after the peers")
     ap.add_argument("--check-tokens", type=int, default=1024,
                     help="tokens of the fp32-reference check of the peers and the whole layers (0: none)")
     ap.add_argument("--commit", default=None, help="the records' commit field (default: git rev-parse HEAD)")
@@ -636,7 +640,7 @@ def main(argv=None):
     records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group,
                   commit=args.commit, backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer,
                   peers=peers, peers_only=args.peers_only, peer_site=args.peer_site, peer_timeout=args.peer_timeout,
-                  check_tokens=args.check_tokens)
+                  check_tokens=args.check_tokens, peer_budget=args.peer_budget)
     if group is None or dist.get_rank() == 0:
         out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -559,17 +559,20 @@ def _checkout_root() -> str:
 
 
 def run_subprocesses(peers, shapes, tokens, device, dtype="bf16", iters=20, warmup=3, check_tokens=1024,
-                     layer=False, commit=None, site=None, timeout=600, seed=0):
+                     layer=False, commit=None, site=None, timeout=600, seed=0, budget=None):
     """Each peer in `python -m mok_nn.bench_peers --impl NAME` (its own process: its own DSL, its own CUDA
-    context), one after the other; their records. A shape or mode a peer did not report (crash, time limit)
-    gets a skipped record naming the exit status."""
+    context), one after the other; their records. timeout: seconds per peer process; budget: seconds for all of
+    them (each gets at most what is left; one that would get under 30 s is not started). A shape or mode a peer
+    did not report (crash, time limit) gets a skipped record naming the exit status."""
     import torch
 
     from . import bench
 
     records = []
+    end = None if budget is None else time.monotonic() + budget
     for spec in peers:
         cls = resolve(spec)
+        limit = timeout if end is None else min(timeout, int(end - time.monotonic()))
         with tempfile.TemporaryDirectory(prefix="mok_peer_") as tmp:
             out = os.path.join(tmp, "records.json")
             cmd = [sys.executable, "-m", "mok_nn.bench_peers", "--impl", spec, "--shapes", ",".join(shapes),
@@ -581,25 +584,12 @@ def run_subprocesses(peers, shapes, tokens, device, dtype="bf16", iters=20, warm
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             path = [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q]
             env["PYTHONPATH"] = os.pathsep.join([_checkout_root()] + path)  # this mok_nn, wherever it was started
-            print(f"=== peer {spec} (own process, limit {timeout} s): {' '.join(cmd[1:])}", flush=True)
-            t0 = time.time()
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # a session: its compile workers die with it
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        break
-                    try:
-                        proc.wait(timeout=15)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
-                rc = f"killed after the {timeout} s limit"
-            got = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else []
-            print(f"=== peer {spec}: exit {rc}, {len(got)} record(s) in {time.time() - t0:.0f} s", flush=True)
+            if limit < 30:
+                rc = f"not started: {max(limit, 0)} s left of the peers' budget"
+                got = []
+                print(f"=== peer {spec}: {rc}", flush=True)
+            else:
+                rc, got = _run_one(cmd, env, out, spec, limit)
         have = {(r["shape"], r["impl"]) for r in got}
         gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -613,6 +603,30 @@ def run_subprocesses(peers, shapes, tokens, device, dtype="bf16", iters=20, warm
                                     commit=commit or bench._commit(), date=date, skipped=reason))
         records += got
     return records
+
+
+def _run_one(cmd, env, out, spec, limit):
+    """(exit status or why it stopped, records) of one peer's process, killed with its process group past limit s."""
+    print(f"=== peer {spec} (own process, limit {limit} s): {' '.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # a session: its compile workers die with it
+    try:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        rc = f"killed after the {limit} s limit"
+    got = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else []
+    print(f"=== peer {spec}: exit {rc}, {len(got)} record(s) in {time.time() - t0:.0f} s", flush=True)
+    return rc, got
 
 
 def main(argv=None):

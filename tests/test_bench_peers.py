@@ -205,3 +205,23 @@ def test_reference_layer_check_sees_a_wrong_router():
         bad = layer(cp["x"], rw.flip(0), cp["gate_up_proj"], cp["down_proj"])
     assert bench_peers.reference_layer_check(cp, good, rw)["y"] < 1e-4
     assert bench_peers.reference_layer_check(cp, bad, rw)["y"] > 0.1
+
+
+def test_the_peers_budget_bounds_their_processes(monkeypatch):
+    """--peer-budget: a peer that would get under 30 s of what is left is not started; its records say so."""
+    import types
+
+    clock, started = [1000.0], []
+
+    def run_one(cmd, env, out, spec, limit):  # takes 15 s of its limit, reports nothing
+        started.append(limit)
+        clock[0] += 15
+        return 0, []
+
+    monkeypatch.setattr(bench_peers, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0]))
+    monkeypatch.setattr(bench_peers, "_run_one", run_one)
+    recs = bench_peers.run_subprocesses(["hf", "liger"], ["tiny"], 16, "cpu", timeout=600, budget=40)
+    assert started == [40]  # hf got the budget (under its timeout); 25 s were left for liger: not started
+    assert [r["impl"] for r in recs] == ["hf_default", "liger"]
+    assert recs[0]["skipped"] == "no record from its process (exit 0)"
+    assert recs[1]["skipped"] == "no record from its process (exit not started: 25 s left of the peers' budget)"
