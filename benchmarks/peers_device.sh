@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mok_nn beside its peers (SonicMoE, Liger, transformers' default experts) on the GPU machine, issue 32. Run from
+# mok_nn beside its peers (SonicMoE, Liger, transformers' default experts) on the GPU machine. Run from
 # the repo root with the kernel library in build/kernels and the peers' wheels carried in benchmarks/peer_wheels/
 # (git-ignored; benchmarks/peers_fetch_wheels.sh makes them; the two halves travel in two calls: README.md "Peers").
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch the peers' wheels (issue 32) on the CPU machine into benchmarks/peer_wheels/ (git-ignored), split so that
+# Fetch the peers' wheels on the CPU machine into benchmarks/peer_wheels/ (git-ignored), split so that
 # each half travels in one device call (64 MiB per call, benchmarks/README.md "Peers"); every wheel is checked
 # against benchmarks/peers_manifest_<set>.sha256. Versions and why: /work/shared/peers/README.md (the harness
 # that ran them on an H200 on 2026-12-04).

@@ -1,4 +1,4 @@
-"""Peers of mok_nn in the benchmark, one implementation per process (BENCHMARKS.md, issue 32).
+"""Peers of mok_nn in the benchmark, one implementation per process (the protocol of the benchmark, mok_nn/bench.py).
 
     python -m mok_nn.bench --peers sonicmoe,liger,hf [--layer] ...     (the usual entry point: runs this module
                                                                          once per peer, in a subprocess)
