@@ -256,8 +256,10 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
 
 
 def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
-                 down_bias, activation, swiglu_limit, precision="bf16") -> GroupedMLPGrads:
-    """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert."""
+                 down_bias, activation, swiglu_limit, precision="bf16", needs=None) -> GroupedMLPGrads:
+    """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert. needs: the
+    parameter gradients to compute (reference.param_grads_needed); the others are None, their GEMMs not run."""
+    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = rows.dtype, gate_up_proj.dtype
     cdt = compute_dtype(dt)
     q, qr = _quantizer(precision), _row_quantizer(precision, groups)
@@ -268,14 +270,15 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     d_down_bias = None
     if down_bias is not None:
         dw = dw + (grad_out.to(cdt) * down_bias.to(cdt)[groups.expert]).sum(dim=1)
-        d_down_bias = groups.segment_sum(grad_out, row_weights).to(wdt)
-    d_down_proj = groups.wgrad(qr(grad_out), qr((w * h.to(cdt)).to(dt))).to(wdt)
+        if need_b2:
+            d_down_bias = groups.segment_sum(grad_out, row_weights).to(wdt)
+    d_down_proj = groups.wgrad(qr(grad_out), qr((w * h.to(cdt)).to(dt))).to(wdt).contiguous() if need2 else None
     dgu = activation_backward(gu, w * dh_raw, activation, swiglu_limit).to(dt)
-    d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt)
-    d_gate_up_bias = None if gate_up_bias is None else groups.segment_sum(dgu).to(wdt)
+    d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt).contiguous() if need13 else None
+    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else groups.segment_sum(dgu).to(wdt)
     grad_rows = groups.mm(q(dgu, -1), q(gate_up_proj, -2))
-    return GroupedMLPGrads(grad_rows, dw.to(row_weights.dtype), d_gate_up_proj.contiguous(),
-                           d_down_proj.contiguous(), d_gate_up_bias, d_down_bias)
+    return GroupedMLPGrads(grad_rows, dw.to(row_weights.dtype), d_gate_up_proj, d_down_proj, d_gate_up_bias,
+                           d_down_bias)
 
 
 # --------------------------------------------------------------------------
@@ -324,8 +327,9 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
 
 def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
                      gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16",
-                     grads_into=None):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts)."""
+                     grads_into=None, needs=None):
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts); needs: which
+    parameter gradients to compute (reference.param_grads_needed; None: all)."""
     num_tokens, top_k = topk_ids.shape
     schedule = saved.schedule
     dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype)[schedule.order // top_k])
@@ -334,7 +338,7 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     if h is None:
         h = activation_forward(saved.gate_up.to(compute_dtype(x.dtype)), activation, swiglu_limit).to(x.dtype)
     grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj, down_proj,
-                         gate_up_bias, down_bias, activation, swiglu_limit, precision)
+                         gate_up_bias, down_bias, activation, swiglu_limit, precision, needs)
     dx_slots = _from_rows(schedule, grads.grad_rows).view(num_tokens, top_k, saved.rows.shape[-1])
     dx = sum_slots(dx_slots, saved.rows.dtype)
     d_topk = _from_rows(schedule, grads.grad_weights).view(num_tokens, top_k)
