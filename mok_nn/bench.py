@@ -605,11 +605,11 @@ def main(argv=None):
                          "and a record saying why")
     ap.add_argument("--peers-only", action="store_true", help="only the peers' records (not mok_nn's, the baseline's)")
     ap.add_argument("--peer-site", default=None,
-                    help="the peers' install dir (pip --target .../site-packages; default $MOK_PEER_SITE or "
-                         "/tmp/site/site-packages where it exists), put on the path of the peers' processes only")
-    ap.add_argument("--peer-timeout", type=int, default=int(os.environ.get("MOK_PEER_TIMEOUT", "600")),
+                    help="the peers' install dir (pip --target .../site-packages; default /tmp/site/site-packages "
+                         "where it exists), put on the path of the peers' processes only")
+    ap.add_argument("--peer-timeout", type=int, default=600,
                     help="seconds per peer process (QuACK and Liger autotune each new shape: minutes); the shapes "
-                         "done by then are kept; default $MOK_PEER_TIMEOUT or %(default)s")
+                         "done by then are kept; default %(default)s")
     ap.add_argument("--peer-budget", type=int, default=None,
                     help="seconds for all the peers' processes together (each gets at most what is left): keeps a "
                          "run inside a time limit, with mok_nn's rows measured after the peers")

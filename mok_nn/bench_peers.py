@@ -642,9 +642,9 @@ def main(argv=None):
     ap.add_argument("--layer", action="store_true", help="also the whole layer, with the peer's own router")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--site", default=os.environ.get("MOK_PEER_SITE", DEFAULT_SITE),
+    ap.add_argument("--site", default=DEFAULT_SITE,
                     help="the peers' install dir (pip --target; a path with 'site-packages'), first on the path of "
-                         "peers that need it; default $MOK_PEER_SITE or %(default)s where it exists")
+                         "peers that need it; default %(default)s where it exists")
     ap.add_argument("--out", default=None, help="JSON list of the records, rewritten after each one")
     ap.add_argument("--import-only", action="store_true", help="import the peer, print versions, exit 0 / 1")
     args = ap.parse_args(argv)
