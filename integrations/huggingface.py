@@ -351,7 +351,7 @@ class MoKHFBlock(nn.Module):
     # -- forward -----------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor):
         # the layer computes in its parameter dtype (e.g. fp32 master weights under autocast)
-        dtype = self.mok.experts.gate_up_proj.dtype
+        dtype = self.mok.experts.weight_dtype  # (MXFP8-only experts: the dtype they dequantise to)
         y = self.mok(hidden_states.to(dtype).contiguous()).to(hidden_states.dtype)
         logits = self.mok.router_logits
         if self.returns == "hidden_dense_scores":          # GPT-OSS, transformers 4.x

@@ -15,6 +15,7 @@ import torch
 
 from . import distributed, functional
 from .functional import ExpertParams, Workspace
+from .mxfp8 import MXFP8Tensor, dequantize
 
 
 def autocast_off(device_type: str):
@@ -83,12 +84,29 @@ def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, 
     return pass_bounds(num_tokens, size)
 
 
+def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype):
+    """The expert weights the GEMMs take: the tensors given, or, with scales (MXFP8-only weights: E4M3 data and
+    E8M0 scales, blocks of 32 along the last dimension), W_q = dequantize(stored) in dtype, a new tensor."""
+    if gate_up_scale is None:
+        return gate_up_proj, down_proj
+    return (dequantize(MXFP8Tensor(gate_up_proj, gate_up_scale, 2), dtype),
+            dequantize(MXFP8Tensor(down_proj, down_scale, 2), dtype))
+
+
 class MoKFunction(torch.autograd.Function):
     """y = sum_j w_tj * expert_{ids_tj}(x_t), with gradients for x, w and the expert parameters.
 
     apply(x [T, H], topk_weights [T, k], gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I],
           gate_up_bias [E_l, 2I] | None, down_bias [E_l, H] | None, topk_ids [T, k] int64,
           workspace: functional.Workspace) -> y [T, H] in x.dtype
+
+    MXFP8-only expert weights (MoKMoELayer.quantize_experts_): gate_up_proj / down_proj are their float8_e4m3fn
+    data and gate_up_scale [E_l, 2I, H/32] / down_scale [E_l, H, I/32] their uint8 E8M0 scales; the GEMMs take
+    W_q = dequantize(stored) in x.dtype, computed anew in forward and in backward (a transient copy: only the
+    MXFP8 tensors are saved), and they get no gradient.
+
+    Expert tensors that do not require grad (frozen experts, ctx.needs_input_grad) get no gradient, and the
+    backends skip the GEMMs (and sums) that would compute it; d x and d topk-weights are the same bits either way.
 
     With MoKConfig.macrobatch_size set and more tokens than that, the tokens run in passes of that
     many (macrobatch_passes), forward and backward, so the per-pass buffers (the EP workspace, the
@@ -102,8 +120,9 @@ class MoKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
-                workspace: Workspace):
-        params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
+                workspace: Workspace, gate_up_scale=None, down_scale=None):
+        params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype),
+                              gate_up_bias, down_bias)
         passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
         ys, saved_passes = [], []
         with autocast_off(x.device.type):
@@ -121,17 +140,25 @@ class MoKFunction(torch.autograd.Function):
             saved_tensors += tensors
             ctx.rebuild_saved.append(rebuild)
             ctx.saved_counts.append(len(tensors))
+        del params  # (the dequantised copy of MXFP8-only weights is not kept for backward)
         ctx.passes = passes
         ctx.workspace = workspace
+        ctx.mxfp8_weights = gate_up_scale is not None
         ctx.save_for_backward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                              *saved_tensors)
+                              gate_up_scale, down_scale, *saved_tensors)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, *saved = ctx.saved_tensors
-        params = ExpertParams(gate_up_proj, down_proj, gate_up_bias, down_bias)
+        (x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scale, down_scale,
+         *saved) = ctx.saved_tensors
+        params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype),
+                              gate_up_bias, down_bias)
+        # which expert tensors get a gradient: MXFP8-only weights never (their data is frozen)
+        needs = tuple(ctx.needs_input_grad[2:6])
+        if ctx.mxfp8_weights:
+            needs = (False, False) + needs[2:]
         saved_passes, first = [], 0
         for rebuild, count in zip(ctx.rebuild_saved, ctx.saved_counts):
             saved_passes.append(rebuild(saved[first:first + count]))
@@ -143,10 +170,11 @@ class MoKFunction(torch.autograd.Function):
                 # later passes add their parameter gradients into the first one's (grads_into)
                 dx, d_topk, grads = functional.backward(
                     _rows(grad_y, start, end), saved_pass, _rows(x, start, end), _rows(topk_ids, start, end),
-                    _rows(topk_weights, start, end), params, ctx.workspace, grads_into=grads,
+                    _rows(topk_weights, start, end), params, ctx.workspace, grads_into=grads, needs=needs,
                 )
                 dxs.append(dx)
                 d_topks.append(d_topk)
         if len(dxs) > 1:
             dx, d_topk = torch.cat(dxs), torch.cat(d_topks)
-        return dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None
+        return (dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None,
+                None, None)

@@ -2,7 +2,8 @@
 
     python -m mok_nn.bench [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3] [--tokens 8192]
                            [--device cuda|cpu] [--iters 20] [--out docs/benchmarks/NAME.json]
-                           [--backend torch [--dtype bf16|fp32] [--mxfp8] [--layer]]
+                           [--backend torch [--dtype bf16|fp32] [--mxfp8]] [--layer]
+                           [--peers sonicmoe,liger,hf [--peers-only] [--peer-site DIR] [--peer-timeout S]]
     torchrun --nproc_per_node 2 -m mok_nn.bench ...     expert parallelism over the ranks (EP = world size)
 
 --backend torch adds the portable backend ("mok_nn_torch") beside the fused path (on CUDA) and the
@@ -10,8 +11,15 @@ baseline, and, where transformers is installed, transformers' own experts module
 experts implementation ("hf_default", grouped_mm) on the same weights and the same routing (the
 routing is passed in: its forward takes the top-k ids and weights). --dtype fp32 runs the problem in
 fp32 ("precision" records the dtype); --mxfp8 adds the portable backend with precision="mxfp8";
---layer adds the whole block (router, top-k, experts) of mok_nn's portable backend and of
-transformers' Qwen3MoeSparseMoeBlock with the same weights ("*_layer" records).
+--layer adds the whole block (router, top-k, experts), each implementation with its own router, on
+make_problem's weights and router ("*_layer" records): mok_nn's MoKMoELayer (the fused path on CUDA; with
+--backend torch also the portable backend's, and transformers' Qwen3MoeSparseMoeBlock), and each peer's.
+--peers runs each peer (SonicMoE, Liger, transformers' default experts "hf") in its own process
+(mok_nn/bench_peers.py: their CuTe DSL versions differ from mok_nn's) on the same problem, checked
+against a float32 reference (output and every gradient) before timing; a peer that is not importable,
+fails the check or crashes gets a record with "skipped" and null times. Records also hold act_mem_gb (the
+memory the forward keeps for the backward, CUDA) and, at EP=1, "check": each implementation's errors
+against the float32 reference.
 
 Both implementations run in this process, on the same inputs and the same
 routing (from a random router, so expert loads are uneven). Correctness
@@ -130,37 +138,15 @@ def mok_experts(backend: str, group=None, config=None, precision="bf16"):
 
 
 # --------------------------------------------------------------------------
-# transformers' own MoE experts / block, default experts implementation
-
-
-def _hf_config(shape: str, dtype):
-    """A Qwen3-MoE config of this shape (every benchmark shape is SwiGLU experts over [E, 2I, H] / [E, H, I]
-    weights with a softmax top-k router; Qwen3's block is the closest transformers block to each), with
-    transformers' default experts implementation, grouped_mm."""
-    import transformers
-
-    hidden, inter, num_experts, top_k = SHAPES[shape]
-    config = transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=num_experts,
-                                         num_experts_per_tok=top_k, norm_topk_prob=True, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=4, head_dim=8)
-    config._experts_implementation = "grouped_mm"  # what from_pretrained / from_config pick by default
-    return config
+# transformers' default experts / block (the "hf" peer, bench_peers.HfPeer) and mok_nn's whole layer
 
 
 def hf_experts(shape: str, device, dtype):
-    """transformers' Qwen3MoeExperts on the benchmark's weights and routing: the weights enter through
-    functional_call (the leaves every implementation shares), the routing as the forward's top-k arguments."""
-    from torch.func import functional_call
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    """transformers' Qwen3MoeExperts (default experts implementation, grouped_mm) on the benchmark's weights and
+    routing: bench_peers.HfPeer, the same code `--peers hf` runs in its own process."""
+    from .bench_peers import HfPeer
 
-    with torch.device("meta"):
-        module = Qwen3MoeExperts(_hf_config(shape, dtype))
-
-    def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
-        return functional_call(module, {"gate_up_proj": gate_up_proj, "down_proj": down_proj},
-                               (x, topk_ids, topk_weights.to(x.dtype)))
-
-    return run
+    return HfPeer(shape, device, dtype).experts
 
 
 def _hf_available() -> bool:
@@ -171,53 +157,23 @@ def _hf_available() -> bool:
     return True
 
 
-def layer_problem(shape, tokens, device, dtype, seed=0):
-    """mok_nn's layer (portable backend) and transformers' Qwen3MoeSparseMoeBlock holding the same weights."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+def mok_layer(shape: str, backend: str, dtype, precision: str = "bf16"):
+    """mok_nn's whole block, MoKMoELayer (router, top-k(softmax) renormalised, routed experts), built on the meta
+    device: the benchmark's leaves (x, router weight, gate_up, down) enter through functional_call."""
+    from torch.func import functional_call
 
     from .layer import MoKMoELayer
 
     hidden, inter, num_experts, top_k = SHAPES[shape]
-    torch.manual_seed(seed)
-    mok = MoKMoELayer(hidden, inter, num_experts, top_k, norm_topk_prob=True, backend="torch", device=device,
-                      dtype=dtype)
-    hf = Qwen3MoeSparseMoeBlock(_hf_config(shape, dtype)).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        hf.gate.weight.copy_(mok.router.weight)
-        hf.experts.gate_up_proj.copy_(mok.experts.gate_up_proj)
-        hf.experts.down_proj.copy_(mok.experts.down_proj)
-    g = torch.Generator(device=device).manual_seed(seed + 1)
-    x = torch.randn(1, tokens, hidden, device=device, generator=g).to(dtype)
-    dy = torch.randn(1, tokens, hidden, device=device, generator=g).to(dtype)
-    return {"mok_nn_torch_layer": mok, "hf_default_layer": hf}, x, dy
+    with torch.device("meta"):
+        module = MoKMoELayer(hidden, inter, num_experts, top_k, norm_topk_prob=True, backend=backend, dtype=dtype,
+                             precision=precision)
 
+    def run(x, router_w, gate_up_proj, down_proj, top_k=None):  # top_k: the layer's own (the peers' signature)
+        params = {"router.weight": router_w, "experts.gate_up_proj": gate_up_proj, "experts.down_proj": down_proj}
+        return functional_call(module, params, (x,))
 
-def measure_layers(modules, x, dy, device, iters, warmup):
-    """{name: (fwd ms, bwd ms)} of whole blocks, rotated as measure() does."""
-    timer = _timer(device)
-    xs = x.detach().clone().requires_grad_(True)
-
-    def fwd(m):
-        with torch.no_grad():
-            m(xs)
-
-    def fwd_bwd(m):
-        xs.grad = None
-        m.zero_grad(set_to_none=True)
-        m(xs).backward(dy)
-
-    for m in modules.values():
-        for _ in range(warmup):
-            fwd_bwd(m)
-    order = list(modules.items())
-    f = {n: [] for n in modules}
-    fb = {n: [] for n in modules}
-    for step, times in ((fwd, f), (fwd_bwd, fb)):
-        for i in range(iters):
-            k = i % len(order)
-            for name, m in order[k:] + order[:k]:
-                times[name].append(timer(lambda: step(m)))
-    return {n: (statistics.median(f[n]), statistics.median(fb[n]) - statistics.median(f[n])) for n in modules}
+    return run
 
 
 # --------------------------------------------------------------------------
@@ -226,7 +182,10 @@ def measure_layers(modules, x, dy, device, iters, warmup):
 
 def make_problem(shape: str, tokens: int, device: str, seed: int = 0, ep_size: int = 1, ep_rank: int = 0,
                  dtype=torch.bfloat16):
-    """With ep_size > 1: this rank's tokens and its E/ep_size experts; the router is shared."""
+    """x, top-k ids and renormalised softmax weights from a random fp32 router (kept as "router", for the
+    whole-layer rows), gate_up_proj, down_proj, dy. The same arguments give the same tensors in any process
+    on the same device (the peers' processes build their problem with this function). With ep_size > 1:
+    this rank's tokens and its E/ep_size experts; the router is shared."""
     if ep_size > 1:
         return _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank)
     hidden, inter, num_experts, top_k = SHAPES[shape]
@@ -240,7 +199,7 @@ def make_problem(shape: str, tokens: int, device: str, seed: int = 0, ep_size: i
     gate_up_proj = (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=g) / hidden**0.5).to(dt)
     down_proj = (torch.randn(num_experts, hidden, inter, device=device, generator=g) / inter**0.5).to(dt)
     dy = torch.randn(tokens, hidden, device=device, generator=g).to(dt)
-    return dict(x=x, ids=ids, w=w, gate_up_proj=gate_up_proj, down_proj=down_proj, dy=dy)
+    return dict(x=x, ids=ids, w=w, gate_up_proj=gate_up_proj, down_proj=down_proj, dy=dy, router=router)
 
 
 def _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank):
@@ -258,7 +217,7 @@ def _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank):
     w = w / w.sum(-1, keepdim=True)
     gate_up_proj = (torch.randn(e_l, 2 * inter, hidden, device=device, generator=gw) / hidden**0.5).to(dt)
     down_proj = (torch.randn(e_l, hidden, inter, device=device, generator=gw) / inter**0.5).to(dt)
-    return dict(x=x, ids=ids, w=w, gate_up_proj=gate_up_proj, down_proj=down_proj, dy=dy)
+    return dict(x=x, ids=ids, w=w, gate_up_proj=gate_up_proj, down_proj=down_proj, dy=dy, router=router)
 
 
 def _leaves(p):
@@ -288,69 +247,17 @@ def _timer(device):
 
 def measure(impls, p, device, iters, warmup, group=None):
     """{impl: (median fwd ms, bwd ms (= fwd+bwd minus fwd), peak GB above inputs+params,
-    activation GB kept for bwd)} for every implementation in impls {name: fn}.
+    activation GB kept for bwd)} for every implementation in impls {name: fn(x, ids, w, gate_up, down)}.
 
-    The implementations share the same leaf tensors, and their timed iterations
-    rotate (A B, B A, ... for two; A B C, B C A, C A B, ... for three), so clock and
-    temperature drift over the run affects all alike instead of favouring whichever
-    runs first or second. Gradients are
-    reset to None before every iteration, as optimizer.zero_grad() does in
-    training, so no implementation pays for accumulating into old grads. With a
-    process group, times and peak are the slowest rank's.
+    The implementations share the same leaf tensors (measure_calls). With a process group, times and peak
+    are the slowest rank's.
     """
     leaves = _leaves(p)
     x, w, gu, dn = leaves
-    ids, dy = p["ids"], p["dy"]
-
-    def fwd(fn):
-        with torch.no_grad():
-            fn(x, ids, w, gu, dn)
-
-    def fwd_bwd(fn):
-        for t in leaves:
-            t.grad = None
-        y = fn(x, ids, w, gu, dn)
-        y.backward(dy)
-
-    timer = _timer(device)
-    mem = {}
-    for name, fn in impls.items():
-        for _ in range(warmup):
-            fwd_bwd(fn)
-        for t in leaves:
-            t.grad = None
-        act = peak = None
-        if device == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            y = fn(x, ids, w, gu, dn)  # what the forward keeps alive for backward (+ y itself)
-            act = (torch.cuda.memory_allocated() - base) / 2**30
-            del y
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            fwd_bwd(fn)  # every iteration allocates alike: one shows the peak
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-            for t in leaves:
-                t.grad = None
-        mem[name] = (peak, act)
-    f = {name: [] for name in impls}
-    fb = {name: [] for name in impls}
-    order = list(impls.items())
-    for step, times in ((fwd, f), (fwd_bwd, fb)):
-        for i in range(iters):
-            # Rotated order: A B C, B C A, C A B, ... (two: A B, B A, ...): every implementation takes
-            # every position equally often (the mirrored A B C, C B A ran the first and the last twice
-            # in a row). Even so, one configuration listed twice differs by up to ~4% in the backward
-            # at deepseek-v3 and mixtral (v30, v31): compare layer variants with that in mind.
-            k = i % len(order)
-            for name, fn in order[k:] + order[:k]:
-                times[name].append(timer(lambda: step(fn)))
-    for t in leaves:
-        t.grad = None
+    ids = p["ids"]
+    calls = {name: (lambda fn=fn: fn(x, ids, w, gu, dn)) for name, fn in impls.items()}
     out = {}
-    for name in impls:
-        f_ms, fb_ms = statistics.median(f[name]), statistics.median(fb[name])
-        peak, act = mem[name]
+    for name, (f_ms, fb_ms, peak, act) in measure_calls(calls, leaves, p["dy"], device, iters, warmup).items():
         if group is not None:  # an iteration takes as long as its slowest rank
             import torch.distributed as dist
 
@@ -359,6 +266,81 @@ def measure(impls, p, device, iters, warmup, group=None):
             f_ms, fb_ms, peak = t.tolist()
         out[name] = (f_ms, fb_ms - f_ms, peak, act)
     return out
+
+
+def warm_up(call, leaves, dy, n):
+    """n forward+backward passes of call() (compilation, autotuning, allocation stay out of the timing)."""
+    for _ in range(n):
+        for t in leaves:
+            t.grad = None
+        call().backward(dy)
+    for t in leaves:
+        t.grad = None
+
+
+def measure_calls(calls, leaves, dy, device, iters, warmup):
+    """{name: (median fwd ms, median fwd+bwd ms, peak GB above inputs+params, activation GB kept for bwd)} of
+    calls {name: call() -> y} whose inputs and parameters are the tensors `leaves`, y.backward(dy).
+
+    Each call is warmed up (`warmup` forward+backward passes), then, on CUDA, its memory is read: what the
+    forward keeps alive for the backward (with y) and the peak of one forward+backward, both above what was
+    allocated before (inputs, parameters). The timed iterations rotate the calls (A B, B A, ... for two;
+    A B C, B C A, C A B, ... for three), so clock and temperature drift over the run affects all alike
+    instead of favouring whichever runs first or second. Gradients are reset to None before every
+    iteration, as optimizer.zero_grad() does in training, so no call pays for accumulating into old grads.
+    One call (a peer in its own process) is the same measurement without the rotation.
+    """
+
+    def zero():
+        for t in leaves:
+            t.grad = None
+
+    def fwd(call):
+        with torch.no_grad():
+            call()
+
+    def fwd_bwd(call):
+        zero()
+        call().backward(dy)
+
+    timer = _timer(device)
+    mem = {}
+    for name, call in calls.items():
+        warm_up(call, leaves, dy, warmup)
+        act = peak = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            y = call()  # what the forward keeps alive for backward (+ y itself)
+            act = (torch.cuda.memory_allocated() - base) / 2**30
+            del y
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fwd_bwd(call)  # every iteration allocates alike: one shows the peak
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            zero()
+        mem[name] = (peak, act)
+    f = {name: [] for name in calls}
+    fb = {name: [] for name in calls}
+    order = list(calls.items())
+    for step, times in ((fwd, f), (fwd_bwd, fb)):
+        for i in range(iters):
+            # Rotated order: A B C, B C A, C A B, ... (two: A B, B A, ...): every implementation takes
+            # every position equally often (the mirrored A B C, C B A ran the first and the last twice
+            # in a row). Even so, one configuration listed twice differs by up to ~4% in the backward
+            # at deepseek-v3 and mixtral (v30, v31): compare layer variants with that in mind.
+            k = i % len(order)
+            for name, call in order[k:] + order[:k]:
+                times[name].append(timer(lambda: step(call)))
+    zero()
+    return {name: (statistics.median(f[name]), statistics.median(fb[name])) + mem[name] for name in calls}
+
+
+def timing_fields(flops, fwd_ms, bwd_ms, peak, act):
+    """The timing fields of a record (TFLOP/s from the routed experts' FLOPs: forward flops, backward 2x)."""
+    return dict(fwd_ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4), fwd_tflops=round(flops / fwd_ms / 1e9, 2),
+                bwd_tflops=round(2 * flops / bwd_ms / 1e9, 2) if bwd_ms > 0 else None,
+                peak_mem_gb=None if peak is None else round(peak, 3), act_mem_gb=None if act is None else round(act, 3))
 
 
 def check_agreement(a, b, p):
@@ -418,7 +400,8 @@ def _impls(device, backend, group, ep, shape, dtype, mxfp8):
 
 
 def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None, backend=None, dtype="bf16",
-        mxfp8=False, layer=False):
+        mxfp8=False, layer=False, peers=(), peers_only=False, peer_site=None, peer_timeout=600, check_tokens=1024,
+        peer_budget=None):
     from .distributed import group_size_and_rank
 
     ep, rank = group_size_and_rank(group)
@@ -428,11 +411,14 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     commit = commit or _commit()
+    peer_records = _peer_records(peers, peers_only, shapes, tokens, device, dtype, iters, warmup, layer, commit,
+                                 peer_site, peer_timeout, check_tokens, backend, ep, rank, check, peer_budget)
     records = []
-    for shape in shapes:
+    for shape in [] if peers_only else shapes:
         hidden, inter, _, top_k = SHAPES[shape]
         impls = _impls(device, backend, group, ep, shape, dt, mxfp8)
         p = make_problem(shape, tokens, device, ep_size=ep, ep_rank=rank, dtype=dt)
+        ref_errs = {}
         if check:
             first = next(iter(impls))
             for other in impls:
@@ -445,71 +431,157 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
                 bad = {k: v for k, v in errs.items() if not v < limit}
                 if bad:
                     raise RuntimeError(f"{shape}: implementations disagree: {other} vs {first}: {bad}")
+            if ep == 1 and check_tokens:  # the fp32 reference the peers are checked against (bench_peers)
+                ref_errs = _reference_errors(impls, p, shape, tokens, check_tokens)
         flops = 6 * tokens * top_k * hidden * inter
         measured = measure(impls, p, device, iters, warmup, group)
         for impl, (fwd_ms, bwd_ms, peak, act) in measured.items():
             if act is not None and rank == 0:
                 print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB (rank 0)", flush=True)
             precision = "mxfp8" if impl.endswith("mxfp8") else dtype
-            rec = dict(
-                shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision=precision,
-                fwd_ms=round(fwd_ms, 4), bwd_ms=round(bwd_ms, 4),
-                fwd_tflops=round(flops / fwd_ms / 1e9, 2), bwd_tflops=round(2 * flops / bwd_ms / 1e9, 2),
-                peak_mem_gb=None if peak is None else round(peak, 3), gpu=gpu, torch=torch.__version__, commit=commit, date=date,
-            )  # fmt: skip
+            rec = dict(shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision=precision,
+                       **timing_fields(flops, fwd_ms, bwd_ms, peak, act), gpu=gpu, torch=torch.__version__,
+                       commit=commit, date=date)
+            if impl in ref_errs:
+                rec["check"] = ref_errs[impl]
             records.append(rec)
             if rank == 0:
                 print(json.dumps(rec), flush=True)
         del p
-        if layer and ep == 1 and _hf_available():
-            records += _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, commit, date)
+        if layer and ep == 1:
+            records += _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, commit, date,
+                                      impls, backend, check_tokens if check else 0)
         if device == "cuda":
             torch.cuda.empty_cache()
-    return records
+    return records + peer_records
 
 
-def _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, commit, date):
-    """The whole block (router, top-k, experts): mok_nn's portable backend vs transformers' Qwen3MoeSparseMoeBlock,
-    same weights; their routings agree up to near-ties of the top-k (the outputs are checked first)."""
-    modules, x, dy = layer_problem(shape, tokens, device, dt)
-    with torch.no_grad():
-        y_m, y_h = (m(x) for m in modules.values())
-    err = rel_l2(y_m.reshape(tokens, -1), y_h.reshape(tokens, -1))
-    print(f"{shape}: whole layer, mok_nn_torch vs transformers rel L2 y {err:.1e}", flush=True)
-    if not err < 5e-2:
-        raise RuntimeError(f"{shape}: whole layers disagree: rel L2 {err:.2e}")
+def _peer_records(peers, peers_only, shapes, tokens, device, dtype, iters, warmup, layer, commit, site, timeout,
+                  check_tokens, backend, ep, rank, check, budget=None):
+    """The peers, each in its own process (bench_peers.run_subprocesses), before this process touches the GPU;
+    "hf" runs in this process instead where --backend torch already has it (hf_default), not twice."""
+    if not peers:
+        return []
+    if ep > 1:
+        if rank == 0:
+            print(f"skip peers {','.join(peers)}: they run at EP=1 only (this run has EP={ep})", flush=True)
+        return []
+    from . import bench_peers
+
+    for spec in peers:
+        bench_peers.resolve(spec)  # an unknown name fails here, before any measurement
+    todo = list(peers)
+    if backend == "torch" and not peers_only and "hf" in todo and _hf_available():
+        print("peer hf: measured in this process beside mok_nn (hf_default, --backend torch), not again in its own",
+              flush=True)
+        todo.remove("hf")
+    return bench_peers.run_subprocesses(todo, shapes, tokens, device, dtype, iters, warmup,
+                                        check_tokens if check else 0, layer, commit, site, timeout, budget=budget)
+
+
+def _reference_errors(impls, p, shape, tokens, check_tokens):
+    """{impl: relative L2 errors of y and every gradient} against the float32 reference the peers are checked
+    against, on a check problem of min(check_tokens, tokens) tokens with the same weights."""
+    from .bench_peers import check_experts, check_problem
+
+    cp = check_problem(p, min(check_tokens, tokens))
+    out = {}
+    for impl, fn in impls.items():
+        gu = cp["gate_up_proj"].detach().requires_grad_(True)  # new leaves on the same storage: no copies
+        dn = cp["down_proj"].detach().requires_grad_(True)
+        errs = check_experts(fn, cp, gu, dn)
+        print(f"{shape} {impl}: rel L2 vs the fp32 reference (T={cp['x'].shape[0]}) "
+              + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+        out[impl] = {k: float(f"{v:.3e}") for k, v in errs.items()}
+        del gu, dn
+    return out
+
+
+def _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, commit, date, impls, backend,
+                   check_tokens):
+    """The whole block (router, top-k, experts) of the in-process implementations: mok_nn's layer (the path of
+    "mok_nn"; "mok_nn_torch": the portable backend) and transformers' Qwen3MoeSparseMoeBlock ("hf_default",
+    bench_peers.HfPeer), each with its own router, on make_problem's weights and router; each forward checked
+    against the float32 reference layer first (their routings agree up to near-ties of the top-k), then timed
+    side by side (measure_calls). FLOPs: the routed experts' (the TFLOP/s compare with the experts rows)."""
+    from .bench_peers import LAYER_CHECK_TOL, HfPeer, check_problem, reference_layer_check
+
+    layers = {}
+    if "mok_nn" in impls:
+        layers["mok_nn_layer"] = mok_layer(shape, "cuda" if backend == "torch" else backend, dt)
+    if "mok_nn_torch" in impls:
+        layers["mok_nn_torch_layer"] = mok_layer(shape, "torch", dt)
+    if "hf_default" in impls:
+        layers["hf_default_layer"] = HfPeer(shape, device, dt).layer
+    p = make_problem(shape, tokens, device, dtype=dt)
+    top_k = p["ids"].shape[1]
+    x = p["x"].detach().clone().requires_grad_(True)
+    rw = p["router"].to(dt, copy=True).requires_grad_(True)
+    gu = p["gate_up_proj"].detach().requires_grad_(True)  # new leaves on p's storage (22.5 GB at deepseek-v3)
+    dn = p["down_proj"].detach().requires_grad_(True)
+    calls = {name: (lambda fn=fn: fn(x, rw, gu, dn, top_k)) for name, fn in layers.items()}
+    checks = {}
+    if check_tokens:
+        cp = check_problem(p, min(check_tokens, tokens))
+        rw_c = p["router"].to(dt)
+        for name, fn in layers.items():
+            with torch.no_grad():
+                y = fn(cp["x"], rw_c, cp["gate_up_proj"], cp["down_proj"], top_k)
+            errs = reference_layer_check(cp, y, rw_c)
+            print(f"{shape}: whole layer {name} rel L2 vs the fp32 reference layer y {errs['y']:.1e}", flush=True)
+            if not errs["y"] < LAYER_CHECK_TOL:
+                raise RuntimeError(f"{shape}: whole layer {name} disagrees with the fp32 reference: {errs}")
+            checks[name] = {k: float(f"{v:.3e}") for k, v in errs.items()}
+        del cp
     out = []
-    for impl, (fwd_ms, bwd_ms) in measure_layers(modules, x, dy, device, iters, warmup).items():
-        rec = dict(shape=shape, ep=1, tokens_per_rank=tokens, impl=impl, precision=dtype, fwd_ms=round(fwd_ms, 4),
-                   bwd_ms=round(bwd_ms, 4), fwd_tflops=round(flops / fwd_ms / 1e9, 2),
-                   bwd_tflops=round(2 * flops / bwd_ms / 1e9, 2), peak_mem_gb=None, gpu=gpu, torch=torch.__version__,
+    measured = measure_calls(calls, [x, rw, gu, dn], p["dy"], device, iters, warmup)
+    for impl, (fwd_ms, fb_ms, peak, act) in measured.items():
+        rec = dict(shape=shape, ep=1, tokens_per_rank=tokens, impl=impl, precision=dtype,
+                   **timing_fields(flops, fwd_ms, fb_ms - fwd_ms, peak, act), gpu=gpu, torch=torch.__version__,
                    commit=commit, date=date)
+        if impl in checks:
+            rec["check"] = checks[impl]
         out.append(rec)
         print(json.dumps(rec), flush=True)
     return out
 
 
+def _num(v):
+    return float("nan") if v is None else v
+
+
 def summary(records):
-    lines = [f"{'shape':<16} {'impl':<15} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'bwd TF/s':>9} {'peak GB':>8}"]
+    lines = [f"{'shape':<16} {'impl':<20} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF/s':>9} {'bwd TF/s':>9} {'peak GB':>8} "
+             f"{'act GB':>7}"]
     by = {}
     for r in records:
+        if r.get("skipped"):
+            lines.append(f"{r['shape']:<16} {r['impl']:<20} skipped: {r['skipped'][:200]}")
+            continue
         by.setdefault(r["shape"], {})[r["impl"]] = r
         lines.append(
-            f"{r['shape']:<16} {r['impl']:<15} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} "
-            f"{r['fwd_tflops']:9.1f} {r['bwd_tflops']:9.1f} {r['peak_mem_gb'] or float('nan'):8.2f}"
+            f"{r['shape']:<16} {r['impl']:<20} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} "
+            f"{r['fwd_tflops']:9.1f} {_num(r['bwd_tflops']):9.1f} {_num(r['peak_mem_gb']):8.2f} "
+            f"{_num(r.get('act_mem_gb')):7.2f}"
         )
+    pairs = [("mok_nn", "torch_baseline"), ("mok_nn_torch", "torch_baseline"), ("mok_nn_torch", "hf_default"),
+             ("mok_nn_torch_layer", "hf_default_layer")]
     for shape, d in by.items():
-        for mine, theirs in (("mok_nn", "torch_baseline"), ("mok_nn_torch", "torch_baseline"),
-                             ("mok_nn_torch", "hf_default"), ("mok_nn_torch_layer", "hf_default_layer")):
+        for theirs in d:  # mok_nn against every peer, routed experts and whole layer
+            base = theirs[:-len("_layer")] if theirs.endswith("_layer") else theirs
+            if base not in ("mok_nn", "mok_nn_torch", "mok_nn_torch_mxfp8", "torch_baseline"):
+                pairs.append(("mok_nn_layer" if theirs.endswith("_layer") else "mok_nn", theirs))
+        for mine, theirs in dict.fromkeys(pairs):
             if mine in d and theirs in d:
                 m, b = d[mine], d[theirs]
-                lines.append(f"{shape}: {mine} vs {theirs}: ratio fwd {b['fwd_ms'] / m['fwd_ms']:.2f}x, "
-                             f"bwd {b['bwd_ms'] / m['bwd_ms']:.2f}x")
+                bwd = f"{b['bwd_ms'] / m['bwd_ms']:.2f}x" if m["bwd_ms"] > 0 and b["bwd_ms"] > 0 else "n/a"
+                lines.append(f"{shape}: {mine} vs {theirs}: ratio fwd {b['fwd_ms'] / m['fwd_ms']:.2f}x, bwd {bwd}")
     return "\n".join(lines)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="mok_nn vs torch baseline, routed experts (EP = torchrun world size)")
+    ap = argparse.ArgumentParser(description="mok_nn vs torch baseline and peers, routed experts and whole layer "
+                                             "(EP = torchrun world size)")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated; default: the three benchmark shapes on CUDA, 'tiny' on CPU")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per rank; default 8192 on CUDA, 64 on CPU")
@@ -523,7 +595,26 @@ def main(argv=None):
                          "the portable backend beside the fused path, the baseline and transformers' default")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the problem")
     ap.add_argument("--mxfp8", action="store_true", help="with --backend torch: also precision='mxfp8'")
-    ap.add_argument("--layer", action="store_true", help="with --backend torch: also the whole block")
+    ap.add_argument("--layer", action="store_true",
+                    help="also the whole block (router, top-k, experts) of every implementation, each with its own "
+                         "router: mok_nn's layer (and the portable backend's, hf's with --backend torch), the peers'")
+    ap.add_argument("--peers", default="",
+                    help="comma-separated peers, each timed in its own process on the same problem after a check "
+                         "against the fp32 reference: sonicmoe, liger, hf (transformers' default experts), or "
+                         "package.module:Class (mok_nn/bench_peers.py); one not importable is skipped, with a line "
+                         "and a record saying why")
+    ap.add_argument("--peers-only", action="store_true", help="only the peers' records (not mok_nn's, the baseline's)")
+    ap.add_argument("--peer-site", default=None,
+                    help="the peers' install dir (pip --target .../site-packages; default /tmp/site/site-packages "
+                         "where it exists), put on the path of the peers' processes only")
+    ap.add_argument("--peer-timeout", type=int, default=600,
+                    help="seconds per peer process (QuACK and Liger autotune each new shape: minutes); the shapes "
+                         "done by then are kept; default %(default)s")
+    ap.add_argument("--peer-budget", type=int, default=None,
+                    help="seconds for all the peers' processes together (each gets at most what is left): keeps a "
+                         "run inside a time limit, with mok_nn's rows measured after the peers")
+    ap.add_argument("--check-tokens", type=int, default=1024,
+                    help="tokens of the fp32-reference check of the peers and the whole layers (0: none)")
     ap.add_argument("--commit", default=None, help="the records' commit field (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
     on_cuda = args.device == "cuda"
@@ -543,8 +634,13 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
         group = dist.group.WORLD
+    peers = [q for q in args.peers.split(",") if q]
+    if args.peers_only and not peers:
+        ap.error("--peers-only needs --peers")
     records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group,
-                  commit=args.commit, backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer)
+                  commit=args.commit, backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer,
+                  peers=peers, peers_only=args.peers_only, peer_site=args.peer_site, peer_timeout=args.peer_timeout,
+                  check_tokens=args.check_tokens, peer_budget=args.peer_budget)
     if group is None or dist.get_rank() == 0:
         out = pathlib.Path(args.out or f"docs/benchmarks/{datetime.date.today()}_{args.device}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

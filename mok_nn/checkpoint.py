@@ -9,6 +9,7 @@ API::
     quantize_expert_weights(tensors)                           # float expert weights -> MXFP8Tensor
     gate_up, down = expert_weights(tensors, prefix="model.layers.0.mlp.")  # [E,2I,H], [E,H,I]
     load_experts_into_layer(layer, path_or_tensors, prefix="model.layers.0.mlp.")  # MoKMoELayer
+    load_experts_into_layer(layer, path_or_tensors, prefix, mxfp8_only=True)  # MXFP8-only (frozen) experts
 
 ``path_or_dir`` is one ``.safetensors`` file or a directory: all its
 ``*.safetensors`` shards are read, and its ``config.json`` /
@@ -540,8 +541,32 @@ def _values(t, dtype):
     return t.dequantize(dtype) if isinstance(t, MXFP8Tensor) else t.to(dtype)
 
 
+def _mx_rows(name: str, t, start: int, stop: int, scale_mode: str) -> MXFP8Tensor:
+    """Experts [start, stop) of a checkpoint's expert weight as MXFP8 along K in blocks of 32 (what an MXFP8-only
+    layer holds): the stored bits where they are that already; else quantised once here, expert by expert
+    ("rceil"): float weights of an unquantised checkpoint, and MXFP8 of another layout (column-wise, other block
+    sizes: their fp32 values requantised)."""
+    t = _slice0(t, start, stop)
+    if isinstance(t, MXFP8Tensor) and t.axis == t.data.dim() - 1 and t.block_size == 32:
+        return t
+    data, scales = [], []
+    for e in range(t.shape[0]):
+        if isinstance(t, MXFP8Tensor):
+            w = _slice0(t, e, e + 1).dequantize(torch.float32)[0]
+        else:
+            w = t[e] if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t[e].float()
+        try:
+            q = quantize(w, axis=-1, block_size=32, scale_mode=scale_mode)
+        except (ValueError, TypeError) as err:
+            raise CheckpointFormatError(f"expert weight {name}: {err}") from None
+        data.append(q.data)
+        scales.append(q.scale)
+    return MXFP8Tensor(torch.stack(data), torch.stack(scales), 2, 32)
+
+
 @torch.no_grad()
-def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=None) -> None:
+def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=None, *,
+                            mxfp8_only: bool | None = None) -> None:
     """Fill ``layer.experts`` (a MoKMoELayer) from a checkpoint of any supported format.
 
     ``tensors_or_path``: a path / directory, a raw ``{name: Tensor}`` dict, or the result of
@@ -559,12 +584,23 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
     lossless for power-of-two scales; DeepSeek-V3's non-power-of-two scales lose up to one E4M3
     rounding, ~2**-4 relative), so that the layer holds values its MXFP8 forward keeps unchanged.
     A dict returned by ``load_mxfp8_tensors`` holds block FP8 already requantised to MXFP8.
+
+    MXFP8-only layers (``layer.experts.mxfp8_only``, or ``mxfp8_only=True``, which makes the layer's expert
+    weights MXFP8-only first, dropping its parameters without converting them): the expert weights are written
+    as MXFP8 bits into the layer's buffers, never as values in the layer dtype. MXFP8 weights stored along K in
+    blocks of 32 (every MX format as written, fp8-block-ue8m0, which converts losslessly) are copied bit for bit;
+    block FP8 with non-power-of-two scales (fp8-block) is requantised to MXFP8 along K ("rceil") once here, as
+    for a ``precision="mxfp8"`` layer (one E4M3 rounding); float weights (unquantized) and MXFP8 of another
+    layout are quantised along K ("rceil") here, one expert at a time. ``mxfp8_only=False`` turns an MXFP8-only
+    layer's weights back into parameters and fills them as above.
     """
-    direct = getattr(layer, "precision", "bf16") != "mxfp8"
+    experts = layer.experts
+    if mxfp8_only is None:
+        mxfp8_only = bool(getattr(experts, "mxfp8_only", False))
+    direct = getattr(layer, "precision", "bf16") != "mxfp8" and not mxfp8_only
     # an already-read dict: checked, used as is
     tensors = load_mxfp8_tensors(tensors_or_path, config, dequantize_block=direct)
     gu, dn = expert_weights(tensors, prefix)
-    experts = layer.experts
     e_total, e_local = layer.num_experts, layer.num_local_experts
     want_gu = (e_total, 2 * layer.intermediate_size, layer.hidden_size)
     want_dn = (e_total, layer.hidden_size, layer.intermediate_size)
@@ -583,8 +619,14 @@ def load_experts_into_layer(layer, tensors_or_path, prefix: str = "", config=Non
     if absent:
         raise CheckpointFormatError(f"the layer has expert biases but the checkpoint lacks {absent}")
     start, stop = layer.ep_rank * e_local, (layer.ep_rank + 1) * e_local
-    experts.gate_up_proj.copy_(_values(_slice0(gu, start, stop), experts.gate_up_proj.dtype))
-    experts.down_proj.copy_(_values(_slice0(dn, start, stop), experts.down_proj.dtype))
+    if mxfp8_only:
+        experts.set_mxfp8_(_mx_rows(f"{prefix}experts.gate_up_proj", gu, start, stop, "rceil"),
+                           _mx_rows(f"{prefix}experts.down_proj", dn, start, stop, "rceil"))
+    else:
+        if getattr(experts, "mxfp8_only", False):
+            experts._set_storage(False, experts.gate_up_proj.device)
+        experts.gate_up_proj.copy_(_values(_slice0(gu, start, stop), experts.gate_up_proj.dtype))
+        experts.down_proj.copy_(_values(_slice0(dn, start, stop), experts.down_proj.dtype))
     for name in bias_names:
         param = getattr(experts, name)
         if param is not None:

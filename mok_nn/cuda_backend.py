@@ -785,10 +785,15 @@ def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
 
 def experts_backward(
     grad_y, saved: CudaSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
-    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, grads_into=None,
+    gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, grads_into=None, needs=None,
 ):
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads).
-    grads_into: a GroupedMLPGrads whose parameter gradients this call adds to (reference.add_param_grads)."""
+    grads_into: a GroupedMLPGrads whose parameter gradients this call adds to (reference.add_param_grads).
+    needs: which parameter gradients to compute (reference.param_grads_needed; None: all): frozen ones are None
+    and their weight-gradient GEMMs / bias sums are not launched."""
+    from . import reference
+
+    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     sched, gate_up = saved.sched, saved.gate_up
     num_tokens, top_k = topk_ids.shape
     gy = grad_y.to(x.dtype).contiguous()
@@ -806,26 +811,32 @@ def experts_backward(
 
     x_rows = saved.x_rows
     d_down_bias = None
-    if down_bias is not None:
+    if down_bias is not None and need_b2:
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
-    d_gate_up_bias = None if gate_up_bias is None else segment_sum(dgu, sched).to(gate_up_bias.dtype)
+    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
     grads = param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
-                        d_down_bias, grads_into)
+                        d_down_bias, grads_into, needs)
     return dx, d_topk, grads
 
 
-def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_up_bias, d_down_bias, grads_into=None):
+def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_up_bias, d_down_bias, grads_into=None,
+                needs=None):
     """GroupedMLPGrads of one backward: the weight gradients d down = dy_rows^T wh and d gate_up = dgu^T x_rows
     per expert (over sched.seg_rows real rows), with the given bias gradients; grads_into: added to its
-    parameter gradients instead (the weight gradients by the accumulating kernel, weight_grad(into=))."""
+    parameter gradients instead (the weight gradients by the accumulating kernel, weight_grad(into=)).
+    needs: (gate_up_proj, down_proj, ...) bools (reference.param_grads_needed; None: all): a frozen weight's
+    gradient is None and its weight-gradient GEMM is not launched."""
     from . import reference
 
+    need13, need2 = reference.param_grads_needed(needs)[:2]
     if grads_into is None:
-        d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt)
-        d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt)
+        d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt) if need2 else None
+        d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt) if need13 else None
         return reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
-    weight_grad(dy_rows, wh, sched, sched.seg_rows, into=grads_into.down_proj)
-    weight_grad(dgu, x_rows, sched, sched.seg_rows, into=grads_into.gate_up_proj)
+    if need2:
+        weight_grad(dy_rows, wh, sched, sched.seg_rows, into=grads_into.down_proj)
+    if need13:
+        weight_grad(dgu, x_rows, sched, sched.seg_rows, into=grads_into.gate_up_proj)
     biases = reference.GroupedMLPGrads(dx_rows, dw_rows, None, None, d_gate_up_bias, d_down_bias)
     return reference.add_param_grads(grads_into, biases, weights=False)
 
@@ -889,12 +900,12 @@ def forward(x, topk_ids, topk_weights, params, schedule, workspace):
     )
 
 
-def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into=None):
+def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into=None, needs=None):
     if workspace.ep_size > 1:
         from . import cuda_ep
 
-        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
+        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into, needs)
     return experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
-        grads_into,
+        grads_into, needs,
     )

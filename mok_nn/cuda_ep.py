@@ -1258,8 +1258,12 @@ def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_ta
     return out
 
 
-def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grads_into=None):
+def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grads_into=None, needs=None):
+    """needs: which parameter gradients to compute (reference.param_grads_needed; None: all)."""
+    from . import reference
+
     check_errors(ws, block=False)
+    _, _, need_b13, need_b2 = reference.param_grads_needed(needs)
     gate_up_proj, down_proj, gate_up_bias, down_bias = params.as_args()
     num_tokens, top_k = topk_ids.shape
     bufs = saved.bufs
@@ -1318,13 +1322,13 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
         bufs.push_partials(dx_rows, eps, ws.num_experts, weighted=False, ids_all=saved.ids_all,
                            copy_stream=dx_stream)
     d_down_bias = None
-    if down_bias is not None:
+    if down_bias is not None and need_b2:
         wd = (saved.w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype)
         d_down_bias = cb.segment_sum(wd, sched).to(down_bias.dtype)
-    d_gate_up_bias = None if gate_up_bias is None else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    # the weight gradients as at EP = 1 (MOK_GEMM=torch: torch._grouped_mm; grads_into: added to it)
+    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else cb.segment_sum(dgu, sched).to(gate_up_bias.dtype)
+    # the weight gradients as at EP = 1 (MOK_GEMM=torch: torch._grouped_mm; grads_into: added to it; frozen: none)
     grads = cb.param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
-                           d_down_bias, grads_into)
+                           d_down_bias, grads_into, needs)
     # 5. reverse dispatch: push d x rows into the source slots; d w as one dense row per source
     # into this rank's row of the source's dwslots. The source reads only the slots this rank
     # computed (gather by owner below), so the others are left unwritten (no zero fill).

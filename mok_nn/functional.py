@@ -221,7 +221,7 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
 
 
 def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace,
-             grads_into=None):
+             grads_into=None, needs=None):
     """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts). Its grad_rows (the d x of
     each expert row) may be None on the CUDA EP path, where the dgrad GEMM sends those rows to their sources
     instead of keeping them (cuda_ep.dx_push_mode); dx holds them summed.
@@ -229,12 +229,17 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     grads_into: the GroupedMLPGrads of an earlier backward (an earlier macrobatch pass); this call's
     parameter gradients are added to its tensors in place (each sum rounded to their dtype) and it is returned
     with this call's row gradients. The CUDA kernels add the weight gradients in their stores.
+
+    needs: which parameter gradients to compute, four bools in ExpertParams order (gate_up_proj, down_proj,
+    gate_up_bias, down_bias), None for all; those not needed (frozen experts) come back None and their GEMMs /
+    sums are not run. d x and d topk-weights do not depend on it.
     """
     if workspace.backend == "cuda":
         with on_device(x.device):
-            return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into)
+            return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into,
+                                            needs)
     impl = torch_backend if workspace.backend == "torch" else reference
     return impl.experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
-        workspace.precision, grads_into,
+        workspace.precision, grads_into, needs,
     )

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import router as routing
-from . import functional, ops
+from . import functional, mxfp8, ops
 from .autograd import MoKFunction, autocast_off, pass_bounds
 from .config import MoKConfig
 from .distributed import group_size_and_rank
@@ -68,21 +68,252 @@ class Router(nn.Module):
         return logits
 
 
-class Experts(nn.Module):
-    """The routed experts of this rank: gate_up_proj [E_l, 2I, H] (gate rows first), down_proj [E_l, H, I]."""
+_MX_WEIGHTS = ("gate_up_proj", "down_proj")
+_MX_BUFFERS = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
+MXFP8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what mxfp8.quantize takes
 
-    def __init__(self, num_local_experts, hidden_size, intermediate_size, bias, device, dtype):
+
+def _frozen_message(name: str) -> str:
+    return (f"experts.{name} holds MXFP8-only frozen expert weights (float8_e4m3fn data with E8M0 scales in "
+            f"experts.{name}_scale, no copy in the layer dtype): they get no gradient and cannot be trained. "
+            f"Call layer.dequantize_experts_() to get trainable {name} parameters in the layer dtype back "
+            "(docs/mxfp8.md, 'MXFP8-only expert weights').")
+
+
+class MXFP8Weight(torch.Tensor):
+    """The float8_e4m3fn data of an MXFP8-only expert weight (a buffer of Experts). It refuses to require
+    gradients (``requires_grad_(True)``, ``.requires_grad = True``) with an error saying why; everything else
+    is a plain tensor (operations on it return plain tensors)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def wrap(t: torch.Tensor, name: str = "gate_up_proj") -> "MXFP8Weight":
+        if t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"MXFP8 expert weight data must be float8_e4m3fn, got {t.dtype}")
+        w = torch.Tensor._make_subclass(MXFP8Weight, t.detach(), False)  # shares t's storage
+        w._mok_name = name
+        return w
+
+    def _refuse(self):
+        raise RuntimeError(_frozen_message(getattr(self, "_mok_name", "gate_up_proj / down_proj")))
+
+    def requires_grad_(self, requires_grad: bool = True):
+        if requires_grad:
+            self._refuse()
+        return self
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if value:
+            self._refuse()
+        torch._C.TensorBase.requires_grad.__set__(self, False)
+
+    def __deepcopy__(self, memo):
+        out = MXFP8Weight.wrap(self.detach().clone(), getattr(self, "_mok_name", "gate_up_proj"))
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol):
+        return MXFP8Weight.wrap, (torch.Tensor(self.detach()), getattr(self, "_mok_name", "gate_up_proj"))
+
+
+def _quantize_per_expert(w: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 data, E8M0 scale bytes) of w [E, N, K] quantised along K, one expert at a time (the transient
+    fp32 copies of quantize are one expert's; along K the experts are independent, so the bits are those of
+    quantizing w at once)."""
+    data = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(*w.shape[:-1], w.shape[-1] // 32, dtype=torch.uint8, device=w.device)
+    if w.is_meta:
+        return data, scale
+    for e in range(w.shape[0]):
+        q = mxfp8.quantize(w[e], axis=-1, block_size=32, scale_mode=scale_mode)
+        data[e].copy_(q.data)
+        scale[e].copy_(q.scale)
+    return data, scale
+
+
+class Experts(nn.Module):
+    """The routed experts of this rank: gate_up_proj [E_l, 2I, H] (gate rows first), down_proj [E_l, H, I].
+
+    Held either as parameters in the layer dtype, or as MXFP8 only (``mxfp8_only``, frozen: ``quantize_()``,
+    ``MoKMoELayer(mxfp8_experts=True)``, ``checkpoint.load_experts_into_layer``): then the buffers
+    ``gate_up_proj`` / ``down_proj`` hold float8_e4m3fn data (MXFP8Weight) and ``gate_up_proj_scale``
+    [E_l, 2I, H/32] / ``down_proj_scale`` [E_l, H, I/32] their uint8 E8M0 scales, blocks of 32 along each
+    weight's last dimension (mok_nn's checkpoint layout); the weights the layer computes with are their
+    dequantised values in ``weight_dtype``. Biases stay parameters in the layer dtype either way.
+    """
+
+    def __init__(self, num_local_experts, hidden_size, intermediate_size, bias, device, dtype, mxfp8_only=False):
         super().__init__()
-        shape13 = (num_local_experts, 2 * intermediate_size, hidden_size)
-        shape2 = (num_local_experts, hidden_size, intermediate_size)
-        self.gate_up_proj = nn.Parameter(torch.empty(shape13, device=device, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(shape2, device=device, dtype=dtype))
+        self.shape13 = (num_local_experts, 2 * intermediate_size, hidden_size)
+        self.shape2 = (num_local_experts, hidden_size, intermediate_size)
+        self._weight_dtype = dtype
+        if mxfp8_only:
+            _check_mxfp8_storage(hidden_size, intermediate_size, dtype)
+            self._set_storage(True, device)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(self.shape13, device=device, dtype=dtype))
+            self.down_proj = nn.Parameter(torch.empty(self.shape2, device=device, dtype=dtype))
         if bias:
-            self.gate_up_proj_bias = nn.Parameter(torch.empty(shape13[:2], device=device, dtype=dtype))
-            self.down_proj_bias = nn.Parameter(torch.empty(shape2[:2], device=device, dtype=dtype))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(self.shape13[:2], device=device, dtype=dtype))
+            self.down_proj_bias = nn.Parameter(torch.empty(self.shape2[:2], device=device, dtype=dtype))
         else:
             self.gate_up_proj_bias = None
             self.down_proj_bias = None
+
+    # -- what the weights are held as
+    @property
+    def mxfp8_only(self) -> bool:
+        """Whether the weights are held as MXFP8 only (frozen buffers, no copy in the layer dtype)."""
+        return "gate_up_proj" in self._buffers
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the layer computes in: the parameters', or the one MXFP8-only weights dequantise to."""
+        return self._weight_dtype if self.mxfp8_only else self.gate_up_proj.dtype
+
+    def quantized_weights(self) -> tuple[mxfp8.MXFP8Tensor, mxfp8.MXFP8Tensor]:
+        """(gate_up_proj, down_proj) as MXFP8Tensors (views of the buffers) of an MXFP8-only Experts."""
+        if not self.mxfp8_only:
+            raise RuntimeError("the expert weights are parameters, not MXFP8: call quantize_() first")
+        return (mxfp8.MXFP8Tensor(self.gate_up_proj, self.gate_up_proj_scale, 2),
+                mxfp8.MXFP8Tensor(self.down_proj, self.down_proj_scale, 2))
+
+    def dequantized_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_q = dequantize(stored) of (gate_up_proj, down_proj) in ``dtype`` (default weight_dtype), new tensors."""
+        dtype = dtype or self.weight_dtype
+        return tuple(mxfp8.dequantize(t, dtype) for t in self.quantized_weights())
+
+    def _set_storage(self, mxfp8_only: bool, device) -> None:
+        """Replace the weights by fresh storage of the given kind (zeros / uninitialised; values not converted)."""
+        if "gate_up_proj" in self._parameters:
+            self._weight_dtype = self._parameters["gate_up_proj"].dtype
+        for name in _MX_BUFFERS:
+            self._buffers.pop(name, None)
+            self._parameters.pop(name, None)
+        for name, shape in (("gate_up_proj", self.shape13), ("down_proj", self.shape2)):
+            if mxfp8_only:
+                data = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
+                scale = torch.zeros(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device=device)
+                self.register_buffer(name, MXFP8Weight.wrap(data, name))
+                self.register_buffer(name + "_scale", scale)
+            else:
+                empty = torch.empty(shape, dtype=self._weight_dtype, device=device)
+                self.register_parameter(name, nn.Parameter(empty))
+
+    @torch.no_grad()
+    def set_mxfp8_(self, gate_up_proj: mxfp8.MXFP8Tensor, down_proj: mxfp8.MXFP8Tensor) -> "Experts":
+        """Hold these MXFP8 weights (row-wise, blocks of 32, this rank's experts) as the only copy: the bits
+        are copied into the buffers (made MXFP8-only first where the weights were parameters)."""
+        for name, t, shape in (("gate_up_proj", gate_up_proj, self.shape13), ("down_proj", down_proj, self.shape2)):
+            if not isinstance(t, mxfp8.MXFP8Tensor) or t.axis != 2 or t.block_size != 32 or tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected an MXFP8Tensor of shape {shape} quantised along its last "
+                                 f"dimension in blocks of 32, got {t!r:.200}")
+        if not self.mxfp8_only:
+            _check_mxfp8_storage(self.shape13[2], self.shape2[2], self.weight_dtype)
+            self._set_storage(True, self.gate_up_proj.device)
+        for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            self._buffers[name].copy_(t.data)
+            self._buffers[name + "_scale"].copy_(t.scale)
+        return self
+
+    @torch.no_grad()
+    def quantize_(self, scale_mode: str = "rceil") -> "Experts":
+        """Quantise the weight parameters to MXFP8 (along their last dimension, blocks of 32, ``scale_mode``)
+        and hold only that: the parameters are dropped (their memory freed once nothing else, e.g. an
+        optimizer, refers to them). A no-op where the weights are MXFP8-only already."""
+        if self.mxfp8_only:
+            return self
+        if scale_mode not in mxfp8.SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {mxfp8.SCALE_MODES}, got {scale_mode!r}")
+        w13, w2 = self.gate_up_proj, self.down_proj
+        _check_mxfp8_storage(self.shape13[2], self.shape2[2], w13.dtype)
+        q13, q2 = _quantize_per_expert(w13, scale_mode), _quantize_per_expert(w2, scale_mode)
+        self._weight_dtype = w13.dtype
+        del self.gate_up_proj, self.down_proj, w13, w2
+        for name, (data, scale) in (("gate_up_proj", q13), ("down_proj", q2)):
+            self.register_buffer(name, MXFP8Weight.wrap(data, name))
+            self.register_buffer(name + "_scale", scale)
+        return self
+
+    @torch.no_grad()
+    def dequantize_(self) -> "Experts":
+        """Turn MXFP8-only weights back into trainable parameters holding W_q = dequantize(stored) in
+        weight_dtype. A no-op where the weights are parameters already."""
+        if not self.mxfp8_only:
+            return self
+        w13, w2 = self.dequantized_weights()
+        for name in _MX_BUFFERS:
+            del self._buffers[name]
+        self.gate_up_proj = nn.Parameter(w13)
+        self.down_proj = nn.Parameter(w2)
+        return self
+
+    def check_frozen(self) -> None:
+        """RuntimeError where MXFP8-only data was made to require gradients past MXFP8Weight's checks."""
+        for name in _MX_WEIGHTS:
+            t = self._buffers.get(name)
+            if t is not None and torch._C.TensorBase.requires_grad.__get__(t):
+                raise RuntimeError(_frozen_message(name))
+
+    # -- module plumbing
+    def _apply(self, fn, recurse=True):
+        # Module casts (.to(dtype), .half(), ...) must not turn the E4M3 data (a floating dtype) into the layer
+        # dtype: the buffers only move device; the dtype the weights dequantise to follows the cast.
+        if not self.mxfp8_only:
+            return super()._apply(fn, recurse)
+        held = {name: self._buffers.pop(name) for name in _MX_BUFFERS}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            probe = fn(torch.empty(0, dtype=self._weight_dtype, device=held["gate_up_proj"].device))
+            for name, t in held.items():
+                if t.device != probe.device:
+                    t = torch.empty_like(t, device=probe.device) if t.is_meta else t.to(probe.device)
+                self._buffers[name] = MXFP8Weight.wrap(t, name) if name in _MX_WEIGHTS else t
+            if probe.is_floating_point():
+                self._weight_dtype = probe.dtype
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wrong = []
+        for name in _MX_WEIGHTS:
+            t = state_dict.get(prefix + name)
+            if t is None or not isinstance(t, torch.Tensor):
+                continue
+            is_fp8 = t.dtype == torch.float8_e4m3fn
+            if self.mxfp8_only and not is_fp8:
+                wrong.append(f"{prefix}{name} is {t.dtype}, but this layer holds MXFP8-only expert weights "
+                             "(float8_e4m3fn data + uint8 E8M0 scales): load it into a layer with parameters and "
+                             "call layer.quantize_experts_(), or call layer.dequantize_experts_() first")
+            elif not self.mxfp8_only and is_fp8:
+                wrong.append(f"{prefix}{name} holds MXFP8 data (float8_e4m3fn), but this layer's expert weights are "
+                             f"{self.weight_dtype} parameters: build the layer with mxfp8_experts=True (or call "
+                             "layer.quantize_experts_() first), or use mok_nn.checkpoint.load_experts_into_layer, "
+                             "which dequantises")
+        if wrong:
+            error_msgs.extend(wrong)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for name in _MX_WEIGHTS:  # load_state_dict(assign=True) puts plain tensors in
+            t = self._buffers.get(name)
+            if t is not None and not isinstance(t, MXFP8Weight):
+                self._buffers[name] = MXFP8Weight.wrap(t, name)
+
+
+def _check_mxfp8_storage(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    if hidden_size % 32 or intermediate_size % 32:
+        raise ValueError(f"MXFP8 expert weights need hidden_size ({hidden_size}) and intermediate_size "
+                         f"({intermediate_size}) to be multiples of the MX block size 32")
+    if dtype not in MXFP8_DTYPES:
+        raise TypeError(f"MXFP8 expert weights need a layer dtype among bfloat16, float16, float32, got {dtype}")
 
 
 class SharedExpert(nn.Module):
@@ -151,6 +382,9 @@ class MoKMoELayer(nn.Module):
     router_bias: a bias on the router logits (GPT-OSS).
     aux_loss_coef / z_loss_coef: coefficients of the Switch load-balancing loss
         and the router z-loss; `layer.aux_loss` is None while both are 0.
+    mxfp8_experts: hold the routed expert weights as MXFP8 only (frozen, no copy in
+        `dtype`; `quantize_experts_()` converts a layer, `dequantize_experts_()` back;
+        docs/mxfp8.md "MXFP8-only expert weights").
     With `ep_group` of size P, router gradients are those of this rank's
     tokens (reduce them like any data-parallel gradient); expert gradients
     are complete for the local experts.
@@ -182,6 +416,7 @@ class MoKMoELayer(nn.Module):
         router_bias: bool = False,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        mxfp8_experts: bool = False,
     ):
         super().__init__()
         hidden_size = _as_int("hidden_size", hidden_size, 1)
@@ -195,6 +430,7 @@ class MoKMoELayer(nn.Module):
         shared_expert_gate = _as_bool("shared_expert_gate", shared_expert_gate)
         expert_proj_bias = _as_bool("expert_proj_bias", expert_proj_bias)
         router_bias = _as_bool("router_bias", router_bias)
+        mxfp8_experts = _as_bool("mxfp8_experts", mxfp8_experts)
         routed_scaling_factor = _as_float("routed_scaling_factor", routed_scaling_factor, positive=True)
         swiglu_limit = None if swiglu_limit is None else _as_float("swiglu_limit", swiglu_limit, positive=True)
         aux_loss_coef = _as_float("aux_loss_coef", aux_loss_coef, positive=False)
@@ -252,7 +488,8 @@ class MoKMoELayer(nn.Module):
         self.z_loss_coef = float(z_loss_coef)
 
         self.router = Router(hidden_size, num_experts, router_bias, use_expert_bias, device, dtype)
-        self.experts = Experts(self.num_local_experts, hidden_size, intermediate_size, expert_proj_bias, device, dtype)
+        self.experts = Experts(self.num_local_experts, hidden_size, intermediate_size, expert_proj_bias, device, dtype,
+                               mxfp8_only=mxfp8_experts)
         self.shared_expert = (
             SharedExpert(hidden_size, shared_intermediate_size, device, dtype) if shared_intermediate_size else None
         )
@@ -272,8 +509,21 @@ class MoKMoELayer(nn.Module):
             self.router.bias.zero_()
         if self.router.e_score_correction_bias is not None:
             self.router.e_score_correction_bias.zero_()
-        self.experts.gate_up_proj.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
-        self.experts.down_proj.normal_(0.0, 1.0 / math.sqrt(self.intermediate_size))
+        e = self.experts
+        if e.mxfp8_only:  # the same draws, quantised ("rceil") one expert at a time: no full copy in the layer dtype
+            for name, std in (("gate_up_proj", 1.0 / math.sqrt(self.hidden_size)),
+                              ("down_proj", 1.0 / math.sqrt(self.intermediate_size))):
+                data, scale = e._buffers[name], e._buffers[name + "_scale"]
+                if data.is_meta:
+                    continue
+                for i in range(data.shape[0]):
+                    w = torch.empty(data.shape[1:], dtype=e.weight_dtype, device=data.device).normal_(0.0, std)
+                    q = mxfp8.quantize(w)
+                    data[i].copy_(q.data)
+                    scale[i].copy_(q.scale)
+        else:
+            e.gate_up_proj.normal_(0.0, 1.0 / math.sqrt(self.hidden_size))
+            e.down_proj.normal_(0.0, 1.0 / math.sqrt(self.intermediate_size))
         for bias in (self.experts.gate_up_proj_bias, self.experts.down_proj_bias):
             if bias is not None:
                 bias.zero_()
@@ -290,7 +540,22 @@ class MoKMoELayer(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func}, "
                 f"activation={self.activation}, ep_size={self.ep_size}, precision={self.precision}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}" + (", mxfp8_experts=True" if self.experts.mxfp8_only else ""))
+
+    def quantize_experts_(self, scale_mode: str = "rceil") -> "MoKMoELayer":
+        """Hold the routed expert weights as MXFP8 only, from now on frozen: quantise gate_up_proj / down_proj
+        once (along their last dimension, blocks of 32, ``scale_mode`` "rceil" or "floor") and drop the
+        parameters (build optimizers after this call: one holding them keeps their memory alive). The layer then
+        computes with W_q = dequantize(stored); d x and the router still train, the expert weights get no
+        gradient (biases stay trainable parameters). Returns the layer."""
+        self.experts.quantize_(scale_mode)
+        return self
+
+    def dequantize_experts_(self) -> "MoKMoELayer":
+        """Make MXFP8-only expert weights trainable parameters again, holding W_q = dequantize(stored) in the
+        layer dtype. Returns the layer."""
+        self.experts.dequantize_()
+        return self
 
     # ------------------------------------------------------------------
     def _check_input(self, x) -> None:
@@ -298,8 +563,9 @@ class MoKMoELayer(nn.Module):
         _require(x.dim() >= 1 and x.shape[-1] == self.hidden_size,
                  f"x must have shape [..., hidden_size={self.hidden_size}], got {tuple(x.shape)}")
         weight = self.experts.gate_up_proj
-        _require(x.dtype == weight.dtype,
-                 f"x dtype {x.dtype} does not match the layer's parameter dtype {weight.dtype}", TypeError)
+        _require(x.dtype == self.experts.weight_dtype,
+                 f"x dtype {x.dtype} does not match the layer's parameter dtype {self.experts.weight_dtype}",
+                 TypeError)
         _require(x.device == weight.device,
                  f"x is on device {x.device} but the layer's parameters are on {weight.device}")
         _require(x.is_contiguous(), f"x must be contiguous (got strides {x.stride()}); call x.contiguous()")
@@ -321,6 +587,9 @@ class MoKMoELayer(nn.Module):
         return "torch"
 
     def _cuda_unsupported_reason(self, x: torch.Tensor) -> str | None:
+        if self.experts.mxfp8_only:
+            return ("the expert weights are held as MXFP8 only (frozen) and the fused kernels take bf16 weights: "
+                    "there are no MXFP8 kernels yet (layer.dequantize_experts_() gives bf16 parameters back)")
         if not x.is_cuda:
             return f"input is on {x.device.type}, the fused kernels need a CUDA device"
         if self.precision == "mxfp8":
@@ -351,7 +620,9 @@ class MoKMoELayer(nn.Module):
 
         backend = self._choose_backend(x)
         e = self.experts
-        if torch.compiler.is_compiling() and self.ep_size == 1 and self.precision == "bf16":
+        if e.mxfp8_only:
+            e.check_frozen()
+        if torch.compiler.is_compiling() and self.ep_size == 1 and self.precision == "bf16" and not e.mxfp8_only:
             # Under torch.compile the experts go through the custom ops, which Dynamo traces as
             # opaque nodes (same formulas and bits as MoKFunction, tested). Macrobatch passes: one
             # op call per pass, unrolled for the traced token count; autograd sums the passes'
@@ -372,9 +643,12 @@ class MoKMoELayer(nn.Module):
                 dtype=x.dtype, backend=backend, activation=self.activation, swiglu_limit=self.swiglu_limit,
                 config=self.config, precision=self.precision,
             )
+            # MXFP8-only weights go in as their E4M3 data and E8M0 scales: MoKFunction dequantises them for
+            # each forward and backward (a transient copy in the layer dtype), and they get no gradient
+            scales = (e.gate_up_proj_scale, e.down_proj_scale) if e.mxfp8_only else ()
             y = MoKFunction.apply(
                 x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids,
-                workspace,
+                workspace, *scales,
             )
         if self.shared_expert is not None:
             shared = self.shared_expert(x2d)

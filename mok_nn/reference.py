@@ -163,10 +163,16 @@ def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, dow
 class GroupedMLPGrads:
     grad_rows: torch.Tensor | None  # [N, H] d loss / d input row (None where the CUDA EP path sent them away)
     grad_weights: torch.Tensor  # [N], d loss / d top-k weight of each row (row_weights.dtype)
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    gate_up_proj: torch.Tensor | None  # None where not needed (frozen experts: param_grads_needed)
+    down_proj: torch.Tensor | None
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+
+
+def param_grads_needed(needs) -> tuple[bool, bool, bool, bool]:
+    """(gate_up_proj, down_proj, gate_up_bias, down_bias): which parameter gradients a backward computes; needs
+    None means all (the backends' default). A frozen tensor's gradient is None and its GEMM / sum is skipped."""
+    return (True, True, True, True) if needs is None else tuple(bool(n) for n in needs)
 
 
 def add_param_grads(total: GroupedMLPGrads, g: GroupedMLPGrads, weights: bool = True) -> GroupedMLPGrads:
@@ -184,23 +190,25 @@ def add_param_grads(total: GroupedMLPGrads, g: GroupedMLPGrads, weights: bool = 
 
 def grouped_mlp_backward(
     rows, grad_out, row_weights, gate_up, counts, gate_up_proj, down_proj, gate_up_bias, down_bias,
-    activation, swiglu_limit, precision="bf16",
+    activation, swiglu_limit, precision="bf16", needs=None,
 ) -> GroupedMLPGrads:
     """Backward of w * MLP(rows) on rows grouped by expert.
 
     grad_out [N, H]: d loss / d y of each row's token (not yet scaled by w).
     row_weights [N]: the top-k weight of each row.
+    needs: the parameter gradients to compute (param_grads_needed); the others are None.
     """
+    need13, need2, need_b13, need_b2 = param_grads_needed(needs)
     cdt = compute_dtype(rows.dtype)
     q = operand_quantizer(precision)  # axis 0 of a [rows, ...] operand: this expert's rows, padded to 32
     wdt = gate_up_proj.dtype
     num_rows = rows.shape[0]
     grad_rows = rows.new_empty(rows.shape)
     grad_w = torch.empty(num_rows, dtype=row_weights.dtype, device=rows.device)
-    d_gate_up_proj = torch.zeros_like(gate_up_proj)
-    d_down_proj = torch.zeros_like(down_proj)
-    d_gate_up_bias = None if gate_up_bias is None else torch.zeros_like(gate_up_bias)
-    d_down_bias = None if down_bias is None else torch.zeros_like(down_bias)
+    d_gate_up_proj = torch.zeros_like(gate_up_proj) if need13 else None
+    d_down_proj = torch.zeros_like(down_proj) if need2 else None
+    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else torch.zeros_like(gate_up_bias)
+    d_down_bias = None if down_bias is None or not need_b2 else torch.zeros_like(down_bias)
     for e, seg in expert_segments(counts):
         x_e = rows[seg].to(cdt)
         dy_e = grad_out[seg].to(cdt)
@@ -211,12 +219,15 @@ def grouped_mlp_backward(
         dw = (dh_raw * h).sum(dim=1)
         if down_bias is not None:
             dw = dw + dy_e @ down_bias[e].to(cdt)
+        if d_down_bias is not None:
             d_down_bias[e] = (w_e * dy_e).sum(dim=0).to(wdt)
         grad_w[seg] = dw.to(grad_w.dtype)
-        d_down_proj[e] = (q(dy_e, 0).T @ q(w_e * h, 0)).to(wdt)
+        if d_down_proj is not None:
+            d_down_proj[e] = (q(dy_e, 0).T @ q(w_e * h, 0)).to(wdt)
         dgu = activation_backward(gu, w_e * dh_raw, activation, swiglu_limit).to(rows.dtype).to(cdt)
-        d_gate_up_proj[e] = (q(dgu, 0).T @ q(x_e, 0)).to(wdt)
-        if gate_up_bias is not None:
+        if d_gate_up_proj is not None:
+            d_gate_up_proj[e] = (q(dgu, 0).T @ q(x_e, 0)).to(wdt)
+        if d_gate_up_bias is not None:
             d_gate_up_bias[e] = dgu.sum(dim=0).to(wdt)
         grad_rows[seg] = (q(dgu, -1) @ q(gate_up_proj[e].to(cdt), 0)).to(rows.dtype)
     return GroupedMLPGrads(grad_rows, grad_w, d_gate_up_proj, d_down_proj, d_gate_up_bias, d_down_bias)
@@ -332,9 +343,10 @@ def experts_forward(
 
 def experts_backward(
     grad_y, saved: ExpertsSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None,
-    down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16", grads_into=None,
+    down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16", grads_into=None, needs=None,
 ):
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of local experts).
+    needs: which parameter gradients to compute (param_grads_needed; None: all).
 
     x is not read here (saved.rows holds this rank's rows, which may come from
     peers); it is part of the signature every backend shares. grads_into: a GroupedMLPGrads
@@ -347,7 +359,7 @@ def experts_backward(
     w_rows = plan.dispatch(topk_weights.reshape(-1)[plan.order].contiguous())
     grads = grouped_mlp_backward(
         saved.rows, dy_rows, w_rows, saved.gate_up, plan.local.counts, gate_up_proj, down_proj,
-        gate_up_bias, down_bias, activation, swiglu_limit, precision,
+        gate_up_bias, down_bias, activation, swiglu_limit, precision, needs,
     )
     dx_back = plan.undispatch(grads.grad_rows)
     dw_back = plan.undispatch(grads.grad_weights)

@@ -443,15 +443,17 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
 
 
 def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
-                 down_bias, activation, swiglu_limit, precision="bf16") -> GroupedMLPGrads:
-    """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert."""
+                 down_bias, activation, swiglu_limit, precision="bf16", needs=None) -> GroupedMLPGrads:
+    """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert. needs: the
+    parameter gradients to compute (reference.param_grads_needed); the others are None, their GEMMs not run."""
+    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = rows.dtype, gate_up_proj.dtype
     cdt = compute_dtype(dt)
     q, qw, qr = _quantizer(precision), _weight_quantizer(precision), _row_quantizer(precision, groups)
     dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
     n, inter = h.shape
     dw = torch.empty(n, dtype=cdt, device=h.device)
-    wh = torch.empty_like(h)
+    wh = torch.empty_like(h) if need2 else None
     dgu = torch.empty(n, 2 * inter, dtype=dt, device=h.device)
     b2 = None if down_bias is None else down_bias.to(cdt)
     for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size()):
@@ -462,15 +464,16 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
         if b2 is not None:
             dw_c = dw_c + (grad_out[a:b].to(cdt) * b2.index_select(0, groups.expert[a:b])).sum(dim=1)
         dw[a:b] = dw_c
-        wh[a:b] = w * h32  # (w * h) rounded to dt
+        if wh is not None:
+            wh[a:b] = w * h32  # (w * h) rounded to dt
         _activation_backward(gate_up[a:b], dh.mul_(w), activation, swiglu_limit, dgu[a:b])  # d h = w * d h'
-    d_down_bias = None if down_bias is None else groups.segment_sum(grad_out, row_weights).to(wdt)
-    d_down_proj = groups.wgrad(qr(grad_out), qr(wh)).to(wdt)
-    d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt)
-    d_gate_up_bias = None if gate_up_bias is None else groups.segment_sum(dgu).to(wdt)
+    d_down_bias = None if down_bias is None or not need_b2 else groups.segment_sum(grad_out, row_weights).to(wdt)
+    d_down_proj = groups.wgrad(qr(grad_out), qr(wh)).to(wdt).contiguous() if need2 else None
+    d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt).contiguous() if need13 else None
+    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else groups.segment_sum(dgu).to(wdt)
     grad_rows = groups.mm(q(dgu, -1), qw(gate_up_proj, -2))
-    return GroupedMLPGrads(grad_rows, dw.to(row_weights.dtype), d_gate_up_proj.contiguous(),
-                           d_down_proj.contiguous(), d_gate_up_bias, d_down_bias)
+    return GroupedMLPGrads(grad_rows, dw.to(row_weights.dtype), d_gate_up_proj, d_down_proj, d_gate_up_bias,
+                           d_down_bias)
 
 
 # --------------------------------------------------------------------------
@@ -530,8 +533,9 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
 
 def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
                      gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16",
-                     grads_into=None):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts)."""
+                     grads_into=None, needs=None):
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts); needs: which
+    parameter gradients to compute (reference.param_grads_needed; None: all)."""
     num_tokens, top_k = topk_ids.shape
     schedule = saved.schedule
     dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype).index_select(0, schedule.token_of_rows(top_k)))
@@ -540,7 +544,7 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     if h is None:
         h = activation_forward(saved.gate_up, activation, swiglu_limit)
     grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj, down_proj,
-                         gate_up_bias, down_bias, activation, swiglu_limit, precision)
+                         gate_up_bias, down_bias, activation, swiglu_limit, precision, needs)
     dx_slots = _from_rows(schedule, grads.grad_rows).view(num_tokens, top_k, saved.rows.shape[-1])
     dx = sum_slots(dx_slots, saved.rows.dtype)
     d_topk = _from_rows(schedule, grads.grad_weights).view(num_tokens, top_k)

@@ -1,6 +1,6 @@
 """Independent float64 oracle of the MoKMoELayer function, for tests only.
 
-Written from ARCHITECTURE.md and issue 2, deliberately loop-based (one token,
+Written from the function the project specifies (README "Usage"), deliberately loop-based (one token,
 one routed slot at a time) so that it is obviously correct. It does not import
 mok_nn. It is differentiable with ordinary autograd, so gradients of the layer
 are checked against autograd through this code.

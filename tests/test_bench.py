@@ -8,7 +8,8 @@ import torch
 from mok_nn import bench
 
 KEYS = {"shape", "ep", "tokens_per_rank", "impl", "precision", "fwd_ms", "bwd_ms", "fwd_tflops",
-        "bwd_tflops", "peak_mem_gb", "gpu", "torch", "commit", "date"}  # fmt: skip
+        "bwd_tflops", "peak_mem_gb", "act_mem_gb", "gpu", "torch", "commit", "date"}  # fmt: skip
+CHECK = {"y", "dx", "dw", "d_gate_up", "d_down"}  # "check": errors against the fp32 reference (EP = 1)
 
 
 def test_bench_cpu_tiny(tmp_path):
@@ -18,7 +19,7 @@ def test_bench_cpu_tiny(tmp_path):
     recs = json.loads(out.read_text())
     assert [r["impl"] for r in recs] == ["mok_nn", "torch_baseline"]
     for r in recs:
-        assert set(r) == KEYS
+        assert set(r) == KEYS | {"check"} and set(r["check"]) == CHECK
         assert r["fwd_ms"] > 0 and r["tokens_per_rank"] == 64  # bwd_ms is a difference: noisy on CPU
 
 
@@ -137,7 +138,8 @@ def test_bench_cpu_portable_backend(tmp_path, dtype):
     assert [r["impl"] for r in recs] == ["mok_nn_torch", "mok_nn_torch_mxfp8", "torch_baseline", "hf_default",
                                          "mok_nn_torch_layer", "hf_default_layer"]
     for r in recs:
-        assert set(r) == KEYS
+        assert set(r) == KEYS | {"check"}
+        assert set(r["check"]) == ({"y"} if r["impl"].endswith("_layer") else CHECK)
         assert r["precision"] == ("mxfp8" if r["impl"].endswith("mxfp8") else dtype)
         assert r["fwd_ms"] > 0 and r["tokens_per_rank"] == 48
 
