@@ -17,6 +17,8 @@
 #   stages       per-stage times of the three benchmark shapes
 #   energy       energy per call, mok_nn vs the torch baseline (deepseek-v3)
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
+#   portable     the portable backend beside the fused path, the torch baseline and transformers' default experts:
+#                bf16 with the whole layer, fp32, and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
 #   ep           the EP = 2 checks under torchrun (only where 2 GPUs exist)
 #   ab           the benchmark alternately with the old tree and this one, AB_REPS times each (default 2),
 #                then the table (benchmarks/ab_table.py). The old tree: a source checkout at $OLD_SRC
@@ -101,6 +103,13 @@ for s in "$@"; do
             TAIL=20 step "stages_$sh" 120 python benchmarks/profile_stages.py --shape "$sh"
         done ;;
     energy) TAIL=6 step energy 300 python benchmarks/energy.py --shapes deepseek-v3 ;;
+    portable)
+        TAIL=20 step portable_bf16 300 python -m mok_nn.bench --backend torch --layer --commit "$COMMIT" \
+            --out "$OUT/portable_bf16.json"
+        TAIL=20 step portable_fp32 300 python -m mok_nn.bench --backend torch --dtype fp32 --commit "$COMMIT" \
+            --out "$OUT/portable_fp32.json"
+        TAIL=20 step portable_mxfp8 200 python -m mok_nn.bench --backend torch --mxfp8 --shapes qwen3-30b-a3b \
+            --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;
     macrobatch) step macrobatch 300 python benchmarks/macrobatch.py --commit "$COMMIT" ;;
     ep)
         if [ "$GPUS" -ge 2 ]; then
