@@ -7,21 +7,15 @@ time per step, the CUDA kernel time per step, and the kernels by total time, so 
 overhead (GPU waiting for launches) and the slow kernels show separately.
 """
 
-import argparse
 import time
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from steps import ep_steps  # benchmarks/ is on sys.path when run as a script
+from steps import ep_steps_from_args  # benchmarks/ is on sys.path when run as a script
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-ap.add_argument("--shape", default="qwen3-30b-a3b")
-ap.add_argument("--tokens", type=int, default=8192)
-args = ap.parse_args()
-shape, tokens = args.shape, args.tokens
-rank, world, steps = ep_steps(shape, tokens)
+shape, tokens, rank, world, steps = ep_steps_from_args(__doc__.split("\n\n")[0])
 
 
 for name, step in steps:

@@ -10,7 +10,6 @@ host time up to the gate/up GEMM's launch (where the GPU waits for the host), wi
 table by cumulative time.
 """
 
-import argparse
 import cProfile
 import os
 import pstats
@@ -19,14 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from steps import ep_steps  # benchmarks/ is on sys.path when run as a script
+from steps import ep_steps_from_args  # benchmarks/ is on sys.path when run as a script
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-ap.add_argument("--shape", default="qwen3-30b-a3b")
-ap.add_argument("--tokens", type=int, default=8192)
-args = ap.parse_args()
-shape, tokens = args.shape, args.tokens
-rank, world, steps = ep_steps(shape, tokens)
+shape, tokens, rank, world, steps = ep_steps_from_args(__doc__.split("\n\n")[0])
 
 
 for name, step in steps:

@@ -88,3 +88,14 @@ def ep_steps(shape, tokens):
     """Under torchrun: an NCCL process group, and (rank, world, bench_steps at EP = world size)."""
     group, rank, world = torchrun_group()
     return rank, world, bench_steps(shape, tokens, group, world, rank)
+
+
+def ep_steps_from_args(description: str):
+    """The EP profilers' command line (--shape, --tokens) and their ep_steps: (shape, tokens, rank, world, steps)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--tokens", type=int, default=8192)
+    args = ap.parse_args()
+    return (args.shape, args.tokens, *ep_steps(args.shape, args.tokens))

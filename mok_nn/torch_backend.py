@@ -354,11 +354,12 @@ def _activation_backward(gate_up, grad_h, activation: str, swiglu_limit, out) ->
 # the expert MLP on grouped rows
 
 
-def _quantizer(precision: str):
+def _quantizer(precision: str, mxfp8_fn=fake_quantize_fast):
+    """(tensor, axis) -> the GEMM operand: itself in bf16, its MXFP8 values along axis (mxfp8_fn) in mxfp8."""
     if precision == "bf16":
         return lambda t, axis: t
     if precision == "mxfp8":
-        return fake_quantize_fast
+        return mxfp8_fn
     raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
 
 
@@ -412,14 +413,6 @@ def mxfp8_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
     return q
 
 
-def _weight_quantizer(precision: str):
-    if precision == "bf16":
-        return lambda t, axis: t
-    if precision == "mxfp8":
-        return mxfp8_weight
-    raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
-
-
 def _row_quantizer(precision: str, groups: Groups):
     return (lambda t: t) if precision == "bf16" else groups.quantize_rows
 
@@ -435,7 +428,7 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
     """rows [N, H] grouped by expert -> (out [N, H], gate_up [N, 2I], h [N, I]), all in rows.dtype (gate_up and h
     are what backward needs: keeping h spares backward the activation's recomputation)."""
     cdt = compute_dtype(rows.dtype)
-    q, qw = _quantizer(precision), _weight_quantizer(precision)
+    q, qw = _quantizer(precision), _quantizer(precision, mxfp8_weight)
     gate_up = _add_bias(groups.mm(q(rows, -1), qw(gate_up_proj, -1).transpose(1, 2)), gate_up_bias, groups, cdt)
     h = activation_forward(gate_up, activation, swiglu_limit)
     out = _add_bias(groups.mm(q(h, -1), qw(down_proj, -1).transpose(1, 2)), down_bias, groups, cdt)
@@ -449,7 +442,7 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = rows.dtype, gate_up_proj.dtype
     cdt = compute_dtype(dt)
-    q, qw, qr = _quantizer(precision), _weight_quantizer(precision), _row_quantizer(precision, groups)
+    q, qw, qr = _quantizer(precision), _quantizer(precision, mxfp8_weight), _row_quantizer(precision, groups)
     dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
     n, inter = h.shape
     dw = torch.empty(n, dtype=cdt, device=h.device)
