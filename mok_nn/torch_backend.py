@@ -34,9 +34,12 @@ reference keeps d h' in fp32 up to the top-k weight gradient and d gate_up:
 the two agree within the storage dtype's rounding. In fp32 they agree within
 fp32 rounding (only the order of sums inside a GEMM differs).
 
-Expert parallelism: the reference's DispatchPlan moves the rows (one
-all-to-all each way, split sizes read on the host, as every EP baseline does);
-the local experts run the grouped GEMMs above.
+Expert parallelism: with MoKConfig.schedule_capacity_multiplier set (the
+default) the bounded exchange (BoundedPlan: fixed blocks of C rows per peer,
+the counts sent as data, nothing read on the host; an overflow makes the
+outputs NaN and raises EPError at the next call or check_errors); with None
+the reference's DispatchPlan (one all-to-all each way, split sizes read on the
+host, as every EP baseline does). The local experts run the grouped GEMMs above.
 
 precision="mxfp8": every GEMM operand is fake-quantised (mxfp8.fake_quantize_fast,
 the values of mxfp8.fake_quantize) along the GEMM's reduction dimension

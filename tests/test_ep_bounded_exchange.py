@@ -179,3 +179,20 @@ def test_overflow_is_nan_and_raised(run):
             msg = out[key]
             assert msg is not None, f"rank {r}: {key} raised nothing"
             assert "schedule_capacity_multiplier" in msg and "rows to one peer" in msg, msg
+
+
+def test_no_bound_option_and_the_cuda_meaning():
+    """schedule_capacity_multiplier=None is accepted (no bound: the host-split exchange here, the worst case on the
+    CUDA path); the portable per-pair capacity is the CUDA path's m x Tc*k split over P pairs, capped at the
+    worst case."""
+    from mok_nn import MoKConfig
+    from mok_nn.cuda_ep import TILE_M, schedule_capacity
+    from mok_nn.torch_backend import exchange_capacity
+
+    assert MoKConfig(schedule_capacity_multiplier=None).schedule_capacity_multiplier is None
+    worst = schedule_capacity(100, 8, 4, 8, None)
+    assert worst == schedule_capacity(100, 8, 4, 8, 8.0) == -(-(8 * 100 * 8 + 4 * (TILE_M - 1)) // TILE_M) * TILE_M
+    assert exchange_capacity(100, 8, 32, 8, 2.0) == 200  # ceil(2 * 100 * 8 / 8)
+    assert exchange_capacity(100, 8, 4, 8, 2.0) == 200  # the worst pair: 100 tokens x min(8, 4) experts
+    assert exchange_capacity(100, 8, 2, 8, 2.0) == 200 and exchange_capacity(100, 8, 1, 8, 2.0) == 100
+    assert exchange_capacity(7, 3, 5, 4, 1.0) == 6  # ceil(21 / 4)
