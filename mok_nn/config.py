@@ -29,8 +29,12 @@ class MoKConfig:
         eager bits for up to two passes, within rounding for more (inductor reorders the torch ops around
         the custom ops, so there it is within rounding anyway).
     schedule_capacity_multiplier: capacity of each rank's expert buffers as a multiple of the balanced load
-        (tokens * top_k / ep_size, padded), with expert parallelism; a routing that overflows it is reported
-        as an error, never truncated.
+        (tokens * top_k rows received per rank), with expert parallelism; a routing that overflows it is
+        reported as an error (NaN outputs, raised by the next call or check_errors), never truncated. The
+        portable backend (backend="torch") bounds each pair of ranks' exchange by its share,
+        ceil(multiplier * Tc * top_k / ep_size) rows (docs/portable.md). None: no bound; the CUDA path sizes
+        its buffers for the worst case, the portable backend exchanges exact split sizes, read on the host
+        (one device-to-host copy of the counts per call).
 
     Reserved (validated, read by no kernel yet; a value other than the default warns that it changes
     nothing): fwd_num_comm_sms / bwd_num_comm_sms, the SMs a forward / backward that overlaps the token
@@ -43,7 +47,7 @@ class MoKConfig:
     bwd_num_comm_sms: int = 16
     minibatch_size: int = 1024
     macrobatch_size: int | None = None
-    schedule_capacity_multiplier: float = 2.0
+    schedule_capacity_multiplier: float | None = 2.0
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
@@ -67,15 +71,19 @@ class MoKConfig:
             if self.macrobatch_size <= 0:
                 raise ValueError(f"MoKConfig.macrobatch_size must be positive, got {self.macrobatch_size}")
         mult = self.schedule_capacity_multiplier
-        if isinstance(mult, (bool, str, bytes)):
+        if mult is None:  # no bound (see above)
+            pass
+        elif isinstance(mult, (bool, str, bytes)):
             raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number")
-        try:
-            mult = float(mult)  # numpy floats too, kept as float
-        except (TypeError, ValueError):
-            raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number") from None
-        if not (mult >= 1.0 and math.isfinite(mult)):  # also rejects NaN and inf
-            raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be a finite number >= 1.0, got {mult}")
-        object.__setattr__(self, "schedule_capacity_multiplier", mult)
+        else:
+            try:
+                mult = float(mult)  # numpy floats too, kept as float
+            except (TypeError, ValueError):
+                raise TypeError("MoKConfig.schedule_capacity_multiplier must be a number or None") from None
+            if not (mult >= 1.0 and math.isfinite(mult)):  # also rejects NaN and inf
+                raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be a finite number >= 1.0 or None, "
+                                 f"got {mult}")
+            object.__setattr__(self, "schedule_capacity_multiplier", mult)
         for name, default in RESERVED.items():
             if getattr(self, name) != default:
                 warnings.warn(f"MoKConfig.{name} is reserved: no kernel reads it yet, so {getattr(self, name)} "

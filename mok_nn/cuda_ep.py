@@ -81,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_backend as cb
+from . import distributed
 from .envvars import getenv
 from .kernels.registry import EP_SCHED_THREADS, TILE_M
 
@@ -92,8 +93,7 @@ PULL_ALL_MIN_SHARE = 0.9
 COPY_CTAS_PER_SM = 4  # grid of the row copies: at most this many CTAs per SM
 
 
-class EPError(RuntimeError):
-    pass
+EPError = distributed.EPError  # one error type for both EP paths (the portable backend raises it too)
 
 
 def timeout_us(timeout_s: float) -> int:
@@ -105,12 +105,15 @@ def timeout_us(timeout_s: float) -> int:
 # pure logic (CPU-testable)
 
 
-def schedule_capacity(tokens_cap: int, top_k: int, experts_per_rank: int, ep_size: int, multiplier: float) -> int:
+def schedule_capacity(tokens_cap: int, top_k: int, experts_per_rank: int, ep_size: int,
+                      multiplier: float | None) -> int:
     """Rows of each rank's expert buffers: multiplier x the balanced load (Tc*k) plus per-expert padding,
-    never more than the worst case (every slot of every rank here), rounded to the GEMM tile."""
+    never more than the worst case (every slot of every rank here; multiplier None: the worst case), rounded
+    to the GEMM tile."""
     balanced = tokens_cap * top_k
     worst = ep_size * balanced
-    rows = min(int(-(-multiplier * balanced // 1)), worst) + experts_per_rank * (TILE_M - 1)
+    bound = worst if multiplier is None else min(int(-(-multiplier * balanced // 1)), worst)
+    rows = bound + experts_per_rank * (TILE_M - 1)
     return max(TILE_M, -(-rows // TILE_M) * TILE_M)
 
 

@@ -10,6 +10,11 @@ import torch
 import torch.distributed as dist
 
 
+class EPError(RuntimeError):
+    """An expert-parallel step that went wrong on the device (capacity overflow, a peer that never signalled,
+    ...): its outputs are NaN, and the next call on the workspace or check_errors raises this."""
+
+
 def group_size_and_rank(group) -> tuple[int, int]:
     if group is None:
         return 1, 0

@@ -61,6 +61,7 @@ class Workspace:
     config: MoKConfig = field(default_factory=MoKConfig)
     precision: str = "bf16"
     buffers: dict = field(default_factory=dict)
+    ep_state: dict = field(default_factory=dict)  # an EP path's state across calls (token capacity, error flags)
 
     @functools.cached_property
     def ep_size(self) -> int:
@@ -166,8 +167,25 @@ def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor
     if workspace.backend == "torch":
         return torch_backend.build_schedule(topk_ids, workspace.num_experts, workspace.hidden_size,
                                             workspace.intermediate_size, workspace.dtype, workspace.ep_group,
-                                            signature)
+                                            signature, workspace.config.schedule_capacity_multiplier,
+                                            workspace.ep_state)
     return reference.build_dispatch_plan(topk_ids, workspace.num_experts, workspace.ep_group, signature)
+
+
+def check_errors(workspace: Workspace | None = None, block: bool = True) -> None:
+    """Raise distributed.EPError for a finished expert-parallel call that flagged an error on the device (its
+    outputs are NaN): on `workspace`, or on every cached workspace. block=True waits for the calls' flags (on
+    CUDA, a synchronisation with them); call it on every rank at the same point (e.g. the end of each step), so
+    that all ranks raise together. The next EP call on a flagged workspace raises it too."""
+    for ws in [workspace] if workspace is not None else list(_WORKSPACES.values()):
+        if ws.ep_group is None:
+            continue
+        if ws.backend == "cuda":
+            from . import cuda_ep
+
+            cuda_ep.check_errors(ws, block)
+        elif ws.backend == "torch":
+            torch_backend.check_errors(ws.ep_state, block)
 
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
