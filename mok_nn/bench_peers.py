@@ -609,7 +609,8 @@ def _run_one(cmd, env, out, spec, limit):
     """(exit status or why it stopped, records) of one peer's process, killed with its process group past limit s."""
     print(f"=== peer {spec} (own process, limit {limit} s): {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)  # a session: its compile workers die with it
+    # its own process group (setsid), so that killpg also ends its compile workers
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=os.setsid)
     try:
         rc = proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:

@@ -1,4 +1,4 @@
-"""The portable backend's fast paths (issue 31), each against what it replaces on fresh random inputs: the few-pass
+"""The portable backend's fast paths, each against what it replaces on fresh random inputs: the few-pass
 activation / combine helpers against reference.py's formulas, the router's keyed top-k against the stable sort,
 the MXFP8 weight cache (reuse, invalidation on any in-place update, bounded memory, determinism)."""
 
