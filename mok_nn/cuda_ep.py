@@ -956,6 +956,10 @@ def unsupported_reason(layer) -> str | None:
     if layer.ep_size > torch.cuda.device_count():
         return (f"ep_group spans {layer.ep_size} ranks but this host sees {torch.cuda.device_count()} GPUs; "
                 "the EP kernels work inside one NVLink domain")
+    hosts = distributed.group_hosts(layer.ep_group)
+    if len(hosts) > 1:
+        return (f"ep_group spans {len(hosts)} hosts ({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''}); "
+                "the EP kernels work inside one NVLink domain")
     if layer.hidden_size % 8:
         return "expert parallelism on CUDA needs hidden_size % 8 == 0"
     return None

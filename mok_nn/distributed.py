@@ -6,6 +6,8 @@ The routed-expert math over these lives in reference.py (DispatchPlan).
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
@@ -13,6 +15,20 @@ import torch.distributed as dist
 class EPError(RuntimeError):
     """An expert-parallel step that went wrong on the device (capacity overflow, a peer that never signalled,
     ...): its outputs are NaN, and the next call on the workspace or check_errors raises this."""
+
+
+_HOSTS: dict = {}  # id(group) -> (group, sorted host names of its ranks); holding the group keeps its id unique
+
+
+def group_hosts(group) -> list[str]:
+    """The host names of the group's ranks, sorted, without repeats: one all_gather_object per group (collective:
+    every rank of the group calls it at the same point), cached."""
+    key = id(group)
+    if key not in _HOSTS:
+        names = [None] * dist.get_world_size(group)
+        dist.all_gather_object(names, socket.gethostname(), group=group)
+        _HOSTS[key] = (group, sorted(set(names)))
+    return _HOSTS[key][1]
 
 
 def group_size_and_rank(group) -> tuple[int, int]:
