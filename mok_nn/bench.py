@@ -328,7 +328,7 @@ def measure_calls(calls, leaves, dy, device, iters, warmup):
             # Rotated order: A B C, B C A, C A B, ... (two: A B, B A, ...): every implementation takes
             # every position equally often (the mirrored A B C, C B A ran the first and the last twice
             # in a row). Even so, one configuration listed twice differs by up to ~4% in the backward
-            # at deepseek-v3 and mixtral (v30, v31): compare layer variants with that in mind.
+            # at deepseek-v3 and mixtral: compare layer variants with that in mind.
             k = i % len(order)
             for name, call in order[k:] + order[:k]:
                 times[name].append(timer(lambda: step(call)))

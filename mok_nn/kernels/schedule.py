@@ -288,7 +288,7 @@ class ScheduleGather:
     """ScheduleMultiCta, then ep_copy.ScatterRows of x by the schedule just made (x_rows [M_cap, H], rows of
     tiles past the last segment unwritten), from one host call: the gather is queued right behind the
     schedule. Launched as two host calls, the EP = 1 forward's GPU waited ~60 us for the host between them
-    (the Python of the forward in between; docs/benchmarks/..._v106_gaps_qwen3_88f0ac1.txt). Same kernels,
+    (the Python of the forward in between, measured with benchmarks/profile_gaps.py). Same kernels,
     same order: the same outputs as make_schedule then gather_rows."""
 
     @cute.jit

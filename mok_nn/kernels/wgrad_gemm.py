@@ -42,7 +42,7 @@ class VarlenKGroupedGemm:
     """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major.
 
     The epilogue stores (128, epi_n) sub-tiles through epi_stages shared-memory buffers.
-    Measured on H200 (docs/benchmarks/2026-11-30_h200_ep1_v10_wgrad_variants.txt):
+    Measured on H200 (docs/kernels.md, "What was tried and lost"):
     (256, 32, 4) beats (256, 64, 2) and tile_n = 128, and reading the next tile's
     K range ahead of time gave nothing.
 
