@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, reference, torch_backend
+from . import distributed, reference, torch_backend, torch_ep
 from .config import MoKConfig
 
 BACKENDS = ("reference", "torch", "cuda")
@@ -185,7 +185,7 @@ def check_errors(workspace: Workspace | None = None, block: bool = True) -> None
 
             cuda_ep.check_errors(ws, block)
         elif ws.backend == "torch":
-            torch_backend.check_errors(ws.ep_state, block)
+            torch_ep.check_errors(ws.ep_state, block)
 
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}

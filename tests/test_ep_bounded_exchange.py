@@ -61,7 +61,7 @@ def _worker(rank, world, tmpdir):
     try:
         from mok_nn import MoKConfig, functional
         from mok_nn.distributed import EPError
-        from mok_nn.torch_backend import BoundedPlan
+        from mok_nn.torch_ep import BoundedPlan
 
         data = torch.load(os.path.join(tmpdir, "inputs.pt"))
         x, dy, ids, w = (data[name][rank] for name in ("x", "dy", "ids", "w"))
@@ -187,7 +187,7 @@ def test_no_bound_option_and_the_cuda_meaning():
     worst case."""
     from mok_nn import MoKConfig
     from mok_nn.cuda_ep import TILE_M, schedule_capacity
-    from mok_nn.torch_backend import exchange_capacity
+    from mok_nn.torch_ep import exchange_capacity
 
     assert MoKConfig(schedule_capacity_multiplier=None).schedule_capacity_multiplier is None
     worst = schedule_capacity(100, 8, 4, 8, None)
