@@ -8,17 +8,6 @@ import time
 import torch
 
 
-def rel_err(a, b):
-    """||a - b|| / ||b|| in float64, in chunks along dim 0 (weight gradients can be large)."""
-    assert a.shape == b.shape, (a.shape, b.shape)
-    num = den = 0.0
-    for u, v in zip(a.reshape(a.shape[0], -1).split(16), b.reshape(b.shape[0], -1).split(16)):
-        u, v = u.double(), v.double()
-        num += (u - v).pow(2).sum().item()
-        den += v.pow(2).sum().item()
-    return (num / max(den, 1e-300)) ** 0.5
-
-
 def median_ms(fn, reps):
     """Median ms of fn() over reps calls, each between two CUDA events and synchronised, after one warm-up."""
     fn()

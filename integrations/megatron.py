@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from . import routed
+from mok_nn import ops
 
 __all__ = [
     "MegatronConfigError", "check_config", "expert_activation", "mok_layer_kwargs",
@@ -374,26 +374,20 @@ def _require_megatron():
         raise ImportError("mok_nn.integrations.megatron needs megatron-core (0.19): pip install megatron-core")
 
 
-BACKENDS = routed.BACKENDS
+BACKENDS = ops.BACKENDS
 
 
 def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, activation: str, ep_size: int = 1) -> str:
-    """routed.choose_backend for this layer: the fused kernels where they run these inputs, else the portable
+    """mok_nn.ops.resolve_backend for this layer: the fused kernels where they run these inputs, else the portable
     backend; with expert parallelism (the Megatron layer's own group) the portable backend, whose exchange runs
     over torch.distributed. requested='cuda' raises instead of falling back."""
-    if requested not in BACKENDS:
-        raise ValueError(f"mok_backend must be one of {BACKENDS}, got {requested!r}")
-    if ep_size > 1 and requested in ("auto", "cuda"):
-        if requested == "cuda":
-            raise RuntimeError("mok_backend='cuda' cannot run this layer: its expert parallelism runs on the "
-                               "portable backend")
-        return routed.portable_backend()
-    try:
-        return routed.choose_backend(requested, x, topk_ids, gate_up, down, activation)
-    except RuntimeError as err:
-        raise RuntimeError(str(err).replace("backend='cuda' cannot run these experts", "mok_backend='cuda' cannot "
-                                            "run this layer")) from None
+    if ep_size > 1 and requested == "cuda":
+        raise RuntimeError("mok_backend='cuda' cannot run this layer: its expert parallelism runs on the portable "
+                           "backend")
+    if ep_size > 1 and requested == "auto":
+        return "torch"
+    return ops.resolve_backend(requested, x, topk_ids, gate_up, down, activation, label="mok_backend")
 
 
 if HAVE_MEGATRON:

@@ -15,42 +15,21 @@ from __future__ import annotations
 
 import torch
 
-from mok_nn import functional
+from mok_nn import functional, ops
 from mok_nn.autograd import MoKFunction
 from mok_nn.reference import compute_dtype
 
-__all__ = ["BACKENDS", "choose_backend", "portable_backend", "routed_experts"]
+__all__ = ["BACKENDS", "choose_backend", "routed_experts"]
 
-BACKENDS = ("auto", "cuda", *[b for b in functional.BACKENDS if b != "cuda"])
-
-
-def portable_backend() -> str:
-    """The backend where the fused kernels do not run: the portable torch backend."""
-    return "torch"
+BACKENDS = ops.BACKENDS
 
 
 def choose_backend(requested: str, x: torch.Tensor, topk_ids: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor, activation: str) -> str:
-    """The backend that runs these operands: requested, or for "auto" the fused
-    kernels where they can run and the portable path elsewhere.
-    requested="cuda" raises RuntimeError where the kernels cannot run."""
-    if requested not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
-    if requested not in ("auto", "cuda"):
-        return requested
-    if not x.is_cuda:
-        reason = f"input is on {x.device.type}, the fused kernels need a CUDA device"
-    else:
-        try:
-            from mok_nn import cuda_backend
-            reason = cuda_backend.unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
-        except (ImportError, AttributeError) as err:
-            reason = f"the CUDA backend is unavailable ({err})"
-    if reason is None:
-        return "cuda"
-    if requested == "cuda":
-        raise RuntimeError(f"backend='cuda' cannot run these experts: {reason}")
-    return portable_backend()
+    """The backend that runs these operands (mok_nn.ops.resolve_backend): requested, or for "auto" the fused
+    kernels where they can run and the portable backend elsewhere. requested="cuda" raises RuntimeError where
+    the kernels cannot run."""
+    return ops.resolve_backend(requested, x, topk_ids, gate_up_proj, down_proj, activation)
 
 
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -46,17 +46,22 @@ def _cuda():
     return cuda_backend
 
 
-def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation) -> str:
-    """'reference', 'torch' or 'cuda'; backend='cuda' raises where the kernels cannot run."""
+def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation, label="backend") -> str:
+    """'reference', 'torch' or 'cuda': "auto" takes the kernels where they can run these operands, else the
+    portable backend; backend='cuda' raises where the kernels cannot run. label: the argument's name in the
+    errors (the integrations' own keyword)."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"{label} must be one of {BACKENDS}, got {backend!r}")
     if backend in ("reference", "torch"):
         return backend
-    why = _cuda().unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
+    if not x.is_cuda:
+        why = f"input is on {x.device.type}, the fused kernels need a CUDA device"
+    else:
+        why = _cuda().unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is None:
         return "cuda"
     if backend == "cuda":
-        raise RuntimeError(f"mok_nn.ops backend='cuda' cannot run: {why}")
+        raise RuntimeError(f"{label}='cuda' cannot run these experts: {why}")
     return "torch"
 
 
