@@ -19,6 +19,7 @@ def _worker(rank, world, init_file, names, out_dir):
         second = distributed.group_hosts(dist.group.WORLD)  # cached: no second collective
         with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
             f.write(",".join(first) + "|" + ",".join(second))
+        dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
     finally:
         dist.destroy_process_group()
 
