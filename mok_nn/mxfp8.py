@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.weak
 
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
@@ -281,3 +282,53 @@ def _fake_quantize_fast(x: torch.Tensor, axis: int, out: torch.Tensor | None) ->
     rounded = mag.add_(c).sub_(c)  # |s| on the E4M3 grid, >= +0
     res = rounded.view(torch.int32).bitwise_or_(sign).view(torch.float32).mul_(up)  # x's sign put back
     return res.view(shape).to(x.dtype) if out is None else out.copy_(res.view(shape))
+
+
+# --------------------------------------------------------------------------
+# MXFP8 values of the expert weights, cached per weight tensor and version
+#
+# Every backend of precision="mxfp8" quantises each expert weight along H for the forward GEMMs and along 2I / H
+# for the backward's d x and d h' GEMMs. The values depend on the weight's values only, so they are kept, per weight
+# tensor (weakly: an entry goes with its tensor) and axis, with the state they were computed from: the tensor's
+# version counter (bumped by every in-place update through the tensor or any view of it: optimizer steps,
+# load_state_dict, copy_ / add_ under no_grad), its data pointer, shape, strides, dtype and device. Any change
+# recomputes them; nothing else is kept, so the cache holds at most one quantised copy per weight and axis (two
+# per weight: the experts' weight memory once more in their dtype), each replaced when the weight changes. Reuse:
+# the forward's values across the forward's passes and calls while the weights do not change (frozen experts,
+# gradient accumulation, evaluation), the backward's likewise. The values are those of fake_quantize_fast on
+# the weight: cached or not, the same bits. Writes that bypass the version counter (through `.data` or another
+# alias of the storage with its own counter) are not seen: call clear_weight_cache() after them.
+
+_MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def clear_weight_cache() -> int:
+    """Forget every cached MXFP8 weight; returns how many weight tensors had entries."""
+    n = len(_MX_WEIGHTS)
+    _MX_WEIGHTS.clear()
+    return n
+
+
+def _weight_state(w: torch.Tensor):
+    """What the cached values of w were computed from, or None where w cannot be cached (no version counter:
+    inference tensors; tracing)."""
+    if torch.compiler.is_compiling() or w.is_inference():
+        return None
+    return w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
+
+
+def weight_values(w: torch.Tensor, axis: int) -> torch.Tensor:
+    """fake_quantize_fast(w, axis), from the cache while w is unchanged (see above)."""
+    state = _weight_state(w)
+    if state is None:
+        return fake_quantize_fast(w.detach(), axis)
+    entries = _MX_WEIGHTS.get(w)
+    if entries is None:
+        entries = _MX_WEIGHTS[w] = {}
+    hit = entries.get(axis)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    entries.pop(axis, None)  # the stale copy goes before the new one is made
+    q = fake_quantize_fast(w.detach(), axis)
+    entries[axis] = (state, q)
+    return q

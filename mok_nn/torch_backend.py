@@ -45,7 +45,7 @@ precision="mxfp8": every GEMM operand is fake-quantised (mxfp8.fake_quantize_fas
 the values of mxfp8.fake_quantize) along the GEMM's reduction dimension
 (docs/mxfp8.md); weight-gradient operands in blocks of 32 rows of each
 expert's own rows, the last block zero-padded. Then the same grouped GEMMs. The weights' MXFP8 values are
-cached per weight tensor and version (mxfp8_weight): quantised once while the weights do not change.
+cached per weight tensor and version (mxfp8.weight_values): quantised once while the weights do not change.
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.weak
 
-from . import reference
+from . import mxfp8, reference
 from .mxfp8 import fake_quantize_fast
 from .reference import DispatchPlan, GroupedMLPGrads, compute_dtype
 from .torch_ep import BoundedPlan, build_bounded_plan
@@ -385,56 +384,6 @@ def _quantizer(precision: str, mxfp8_fn=fake_quantize_fast):
     raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
 
 
-# --------------------------------------------------------------------------
-# MXFP8 values of the expert weights, cached per weight tensor and version
-#
-# precision="mxfp8" quantises each expert weight along H for the forward GEMMs and along 2I / H for the
-# backward's d x and d h' GEMMs. The values depend on the weight's values only, so they are kept, per weight
-# tensor (weakly: an entry goes with its tensor) and axis, with the state they were computed from: the tensor's
-# version counter (bumped by every in-place update through the tensor or any view of it: optimizer steps,
-# load_state_dict, copy_ / add_ under no_grad), its data pointer, shape, strides, dtype and device. Any change
-# recomputes them; nothing else is kept, so the cache holds at most one quantised copy per weight and axis (two
-# per weight: the experts' weight memory once more in their dtype), each replaced when the weight changes. Reuse:
-# the forward's values across the forward's passes and calls while the weights do not change (frozen experts,
-# gradient accumulation, evaluation), the backward's likewise. The values are those of fake_quantize_fast on
-# the weight: cached or not, the same bits. Writes that bypass the version counter (through `.data` or another
-# alias of the storage with its own counter) are not seen: call clear_mxfp8_weight_cache() after them.
-
-_MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
-
-
-def clear_mxfp8_weight_cache() -> int:
-    """Forget every cached MXFP8 weight; returns how many weight tensors had entries."""
-    n = len(_MX_WEIGHTS)
-    _MX_WEIGHTS.clear()
-    return n
-
-
-def _weight_state(w: torch.Tensor):
-    """What the cached values of w were computed from, or None where w cannot be cached (no version counter:
-    inference tensors; tracing)."""
-    if torch.compiler.is_compiling() or w.is_inference():
-        return None
-    return w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
-
-
-def mxfp8_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
-    """fake_quantize_fast(w, axis), from the cache while w is unchanged (see above)."""
-    state = _weight_state(w)
-    if state is None:
-        return fake_quantize_fast(w.detach(), axis)
-    entries = _MX_WEIGHTS.get(w)
-    if entries is None:
-        entries = _MX_WEIGHTS[w] = {}
-    hit = entries.get(axis)
-    if hit is not None and hit[0] == state:
-        return hit[1]
-    entries.pop(axis, None)  # the stale copy goes before the new one is made
-    q = fake_quantize_fast(w.detach(), axis)
-    entries[axis] = (state, q)
-    return q
-
-
 def _row_quantizer(precision: str, groups: Groups):
     return (lambda t: t) if precision == "bf16" else groups.quantize_rows
 
@@ -450,7 +399,7 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
     """rows [N, H] grouped by expert -> (out [N, H], gate_up [N, 2I], h [N, I]), all in rows.dtype (gate_up and h
     are what backward needs: keeping h spares backward the activation's recomputation)."""
     cdt = compute_dtype(rows.dtype)
-    q, qw = _quantizer(precision), _quantizer(precision, mxfp8_weight)
+    q, qw = _quantizer(precision), _quantizer(precision, mxfp8.weight_values)
     gate_up = _add_bias(groups.mm(q(rows, -1), qw(gate_up_proj, -1).transpose(1, 2)), gate_up_bias, groups, cdt)
     h = activation_forward(gate_up, activation, swiglu_limit)
     out = _add_bias(groups.mm(q(h, -1), qw(down_proj, -1).transpose(1, 2)), down_bias, groups, cdt)
@@ -464,7 +413,7 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = rows.dtype, gate_up_proj.dtype
     cdt = compute_dtype(dt)
-    q, qw, qr = _quantizer(precision), _quantizer(precision, mxfp8_weight), _row_quantizer(precision, groups)
+    q, qw, qr = _quantizer(precision), _quantizer(precision, mxfp8.weight_values), _row_quantizer(precision, groups)
     dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
     n, inter = h.shape
     dw = torch.empty(n, dtype=cdt, device=h.device)

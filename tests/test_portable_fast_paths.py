@@ -5,7 +5,7 @@ the MXFP8 weight cache (reuse, invalidation on any in-place update, bounded memo
 import pytest
 import torch
 
-from mok_nn import torch_backend
+from mok_nn import mxfp8, torch_backend
 
 
 # --- the few-pass elementwise helpers (activation, combine, inverse permutation)
@@ -160,7 +160,7 @@ def _count_weight_quantisations(monkeypatch):
             calls.append(axis)
         return real(t, axis)
 
-    monkeypatch.setattr(torch_backend, "fake_quantize_fast", counting)
+    monkeypatch.setattr(mxfp8, "fake_quantize_fast", counting)
     return calls
 
 
@@ -181,7 +181,7 @@ def test_mxfp8_weight_cache_reuses_and_is_bitwise_the_uncached_result(monkeypatc
     values are MXFP8 ones (they differ from precision="bf16")."""
     from helpers import random_x
 
-    torch_backend.clear_mxfp8_weight_cache()
+    mxfp8.clear_weight_cache()
     calls = _count_weight_quantisations(monkeypatch)
     layer = _mx_layer()
     x, dy = random_x((70, 64), torch.bfloat16, 1), random_x((70, 64), torch.bfloat16, 2)
@@ -190,7 +190,7 @@ def test_mxfp8_weight_cache_reuses_and_is_bitwise_the_uncached_result(monkeypatc
     for _ in range(3):
         assert _same(_run(layer, x, dy), first)
     assert len(calls) == 4  # no weight quantised again
-    torch_backend.clear_mxfp8_weight_cache()
+    mxfp8.clear_weight_cache()
     assert _same(_run(layer, x, dy), first) and len(calls) == 8
     bf16 = _mx_layer(precision="bf16")
     assert not torch.equal(_run(bf16, x, dy)[0], first[0])
@@ -203,7 +203,7 @@ def test_mxfp8_weight_cache_sees_every_update(how):
     the next call uses the new values: bit for bit a fresh layer with those weights, with an empty cache."""
     from helpers import random_state, random_x
 
-    torch_backend.clear_mxfp8_weight_cache()
+    mxfp8.clear_weight_cache()
     layer = _mx_layer(seed=3)
     x, dy = random_x((50, 64), torch.bfloat16, 4), random_x((50, 64), torch.bfloat16, 5)
     before = _run(layer, x, dy)
@@ -227,7 +227,7 @@ def test_mxfp8_weight_cache_sees_every_update(how):
     assert not torch.equal(after[0], before[0])
     fresh = _mx_layer(seed=3)
     fresh.load_state_dict(layer.state_dict())
-    torch_backend.clear_mxfp8_weight_cache()
+    mxfp8.clear_weight_cache()
     assert _same(_run(fresh, x, dy), after)
 
 
@@ -239,14 +239,14 @@ def test_mxfp8_weight_cache_is_bounded_and_goes_with_its_weights():
 
     from helpers import random_x
 
-    torch_backend.clear_mxfp8_weight_cache()
+    mxfp8.clear_weight_cache()
     layer = _mx_layer(seed=8)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     x, dy = random_x((40, 64), torch.bfloat16, 9), random_x((40, 64), torch.bfloat16, 10)
     for _ in range(4):
         _run(layer, x, dy)
         opt.step()
-    cache = torch_backend._MX_WEIGHTS
+    cache = mxfp8._MX_WEIGHTS
     assert len(cache) == 2 and all(len(v) == 2 for v in cache.values())
     assert {id(k) for k in cache.keys()} == {id(layer.experts.gate_up_proj), id(layer.experts.down_proj)}
     for _ in range(3):
