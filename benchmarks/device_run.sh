@@ -19,6 +19,8 @@
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
 #   portable     the portable backend beside the fused path, the torch baseline and transformers' default experts:
 #                bf16 with the whole layer, fp32, and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
+#   mxfp8        precision="mxfp8" on the fused path: its GPU tests, then the benchmark beside bf16 (trained and
+#                frozen weights) and the baseline -> $OUT/mxfp8.json
 #   ep           the EP = 2 checks under torchrun (only where 2 GPUs exist)
 #   ab           the benchmark alternately with the old tree and this one, AB_REPS times each (default 2),
 #                then the table (benchmarks/ab_table.py). The old tree: a source checkout at $OLD_SRC
@@ -108,8 +110,12 @@ for s in "$@"; do
             --out "$OUT/portable_bf16.json"
         TAIL=20 step portable_fp32 300 python -m mok_nn.bench --backend torch --dtype fp32 --commit "$COMMIT" \
             --out "$OUT/portable_fp32.json"
-        TAIL=20 step portable_mxfp8 200 python -m mok_nn.bench --backend torch --mxfp8 --shapes qwen3-30b-a3b \
-            --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;
+        TAIL=20 step portable_mxfp8 200 python -m mok_nn.bench --backend torch --precision mxfp8 \
+            --shapes qwen3-30b-a3b --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;
+    mxfp8)
+        TAIL=20 step mxfp8_tests 300 python -m pytest -q tests/gpu/test_mxfp8_cuda.py
+        TAIL=30 step mxfp8_bench 420 python -m mok_nn.bench --precision mxfp8 --commit "$COMMIT" \
+            --out "$OUT/mxfp8.json" ;;
     macrobatch) step macrobatch 300 python benchmarks/macrobatch.py --commit "$COMMIT" ;;
     ep)
         if [ "$GPUS" -ge 2 ]; then

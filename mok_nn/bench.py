@@ -2,7 +2,7 @@
 
     python -m mok_nn.bench [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3] [--tokens 8192]
                            [--device cuda|cpu] [--iters 20] [--out docs/benchmarks/NAME.json]
-                           [--backend torch [--dtype bf16|fp32] [--mxfp8]] [--layer]
+                           [--backend torch [--dtype bf16|fp32]] [--precision mxfp8] [--layer]
                            [--peers sonicmoe,liger,hf [--peers-only] [--peer-site DIR] [--peer-timeout S]]
     torchrun --nproc_per_node 2 -m mok_nn.bench ...     expert parallelism over the ranks (EP = world size)
 
@@ -10,7 +10,10 @@
 baseline, and, where transformers is installed, transformers' own experts module with its default
 experts implementation ("hf_default", grouped_mm) on the same weights and the same routing (the
 routing is passed in: its forward takes the top-k ids and weights). --dtype fp32 runs the problem in
-fp32 ("precision" records the dtype); --mxfp8 adds the portable backend with precision="mxfp8";
+fp32 ("precision" records the dtype); --precision mxfp8 adds mok_nn with precision="mxfp8" on its path
+(fused on CUDA, portable with --backend torch; "precision": "mxfp8" in the record): trained weights
+("*_mxfp8": their MXFP8 values computed anew every call, as in training), and frozen weights side by side,
+MXFP8-only ("*_mxfp8_frozen") and bf16 ("*_frozen"), whose backward is d x and d topk-weights only;
 --layer adds the whole block (router, top-k, experts), each implementation with its own router, on
 make_problem's weights and router ("*_layer" records): mok_nn's MoKMoELayer (the fused path on CUDA; with
 --backend torch also the portable backend's, and transformers' Qwen3MoeSparseMoeBlock), and each peer's.
@@ -117,14 +120,23 @@ def baseline_experts_ep(group):
 # mok_nn, as one autograd function over the experts
 
 
-def mok_experts(backend: str, group=None, config=None, precision="bf16"):
+WEIGHT_MODES = ("trained", "frozen", "mxfp8_only")
+
+
+def mok_experts(backend: str, group=None, config=None, precision="bf16", weights="trained"):
     """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs);
-    config: a MoKConfig (None: the default)."""
-    from . import functional
+    config: a MoKConfig (None: the default). weights: "trained" (they get gradients; with precision="mxfp8"
+    their MXFP8 values are computed anew every call, as after an optimizer step, so the time includes that),
+    "frozen" (no weight gradients: those GEMMs do not run), "mxfp8_only" (frozen and held as MXFP8 data and
+    scales, quantised once per weight tensor outside the timing: MoKMoELayer(mxfp8_experts=True))."""
+    from . import functional, mxfp8
     from .autograd import MoKFunction
     from .distributed import group_size_and_rank
 
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     world = group_size_and_rank(group)[0]
+    held = {}  # mxfp8_only: (weight tensors, their MXFP8 tensors) of the last call
 
     def run(x, topk_ids, topk_weights, gate_up_proj, down_proj):
         ws = functional.get_workspace(
@@ -132,7 +144,19 @@ def mok_experts(backend: str, group=None, config=None, precision="bf16"):
             top_k=topk_ids.shape[1], device=x.device, dtype=x.dtype, backend=backend, ep_group=group, config=config,
             precision=precision,
         )  # fmt: skip
-        return MoKFunction.apply(x, topk_weights, gate_up_proj, down_proj, None, None, topk_ids, ws)
+        scales = ()
+        if weights == "mxfp8_only":
+            if held.get("of", (None, None))[0] is not gate_up_proj or held["of"][1] is not down_proj:
+                held.clear()  # the old copies go first
+                held.update(of=(gate_up_proj, down_proj),
+                            q=[mxfp8.quantize(t.detach(), axis=-1) for t in (gate_up_proj, down_proj)])
+            q13, q2 = held["q"]
+            gate_up_proj, down_proj, scales = q13.data, q2.data, (q13.scale, q2.scale)
+        elif weights == "frozen":
+            gate_up_proj, down_proj = gate_up_proj.detach(), down_proj.detach()
+        elif precision == "mxfp8":
+            mxfp8.clear_weight_cache()
+        return MoKFunction.apply(x, topk_weights, gate_up_proj, down_proj, None, None, topk_ids, ws, *scales)
 
     return run
 
@@ -344,7 +368,8 @@ def timing_fields(flops, fwd_ms, bwd_ms, peak, act):
 
 
 def check_agreement(a, b, p):
-    """Forward output and input gradient of two implementations on the same problem."""
+    """Relative L2 errors of the forward output and the gradients (those both give) of implementation a against
+    b on the same problem."""
     outs = []
     for fn in (a, b):
         x, w, gu, dn = _leaves(p)
@@ -354,7 +379,8 @@ def check_agreement(a, b, p):
         del x, w, gu, dn, y
     errs = {}
     for name, u, v in zip(("y", "dx", "dw", "d_gate_up", "d_down"), *outs):
-        errs[name] = rel_l2(u, v)
+        if u is not None and v is not None:  # (frozen weights have no gradient)
+            errs[name] = rel_l2(u, v)
     return errs
 
 
@@ -381,26 +407,35 @@ def _commit():
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _impls(device, backend, group, ep, shape, dtype, mxfp8):
+def _impls(device, backend, group, ep, shape, dtype, precision="bf16"):
     """{impl: fn}: mok_nn's fused path (CUDA) or reference path, or with backend "torch" the portable backend
-    beside the fused path (on CUDA, bf16), the baseline and transformers' default experts."""
+    beside the fused path (on CUDA, bf16), the baseline and transformers' default experts. precision "mxfp8"
+    adds mok_nn's MXFP8 rows: trained weights ("_mxfp8"), and frozen ones beside frozen bf16 weights
+    ("_mxfp8_frozen": MXFP8-only weights; "_frozen": bf16), on the path of the first row."""
     baseline = baseline_experts if ep == 1 else baseline_experts_ep(group)
-    if backend != "torch":
-        return {"mok_nn": mok_experts(backend, group), "torch_baseline": baseline}
     impls = {}
-    if device == "cuda" and dtype == torch.bfloat16:
-        impls["mok_nn"] = mok_experts("cuda", group)
-    impls["mok_nn_torch"] = mok_experts("torch", group)
-    if mxfp8:
-        impls["mok_nn_torch_mxfp8"] = mok_experts("torch", group, precision="mxfp8")
+    if backend != "torch":
+        impls["mok_nn"] = mok_experts(backend, group)
+        mine = backend
+    else:
+        if device == "cuda" and dtype == torch.bfloat16:
+            impls["mok_nn"] = mok_experts("cuda", group)
+        impls["mok_nn_torch"] = mok_experts("torch", group)
+        mine = "torch"
+    if precision == "mxfp8" and (ep == 1 or mine == "torch"):  # (the fused path's MXFP8 is one-GPU for now)
+        name = "mok_nn_torch" if mine == "torch" else "mok_nn"
+        impls[f"{name}_mxfp8"] = mok_experts(mine, group, precision="mxfp8")
+        if ep == 1:  # (MXFP8-only weights are local experts)
+            impls[f"{name}_frozen"] = mok_experts(mine, group, weights="frozen")
+            impls[f"{name}_mxfp8_frozen"] = mok_experts(mine, group, precision="mxfp8", weights="mxfp8_only")
     impls["torch_baseline"] = baseline
-    if ep == 1 and _hf_available():
+    if backend == "torch" and ep == 1 and _hf_available():
         impls["hf_default"] = hf_experts(shape, device, dtype)
     return impls
 
 
 def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=None, backend=None, dtype="bf16",
-        mxfp8=False, layer=False, peers=(), peers_only=False, peer_site=None, peer_timeout=600, check_tokens=1024,
+        precision="bf16", layer=False, peers=(), peers_only=False, peer_site=None, peer_timeout=600, check_tokens=1024,
         peer_budget=None):
     from .distributed import group_size_and_rank
 
@@ -416,7 +451,7 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
     records = []
     for shape in [] if peers_only else shapes:
         hidden, inter, _, top_k = SHAPES[shape]
-        impls = _impls(device, backend, group, ep, shape, dt, mxfp8)
+        impls = _impls(device, backend, group, ep, shape, dt, precision)
         p = make_problem(shape, tokens, device, ep_size=ep, ep_rank=rank, dtype=dt)
         ref_errs = {}
         if check:
@@ -427,7 +462,7 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
                 errs = check_agreement(impls[other], impls[first], p)
                 print(f"{shape} (rank {rank}): {other} vs {first} rel L2 "
                       + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
-                limit = 0.1 if other.endswith("mxfp8") else 2e-2  # MXFP8: ~3 mantissa bits per operand
+                limit = 0.1 if "mxfp8" in other else 2e-2  # MXFP8: ~3 mantissa bits per operand
                 bad = {k: v for k, v in errs.items() if not v < limit}
                 if bad:
                     raise RuntimeError(f"{shape}: implementations disagree: {other} vs {first}: {bad}")
@@ -438,8 +473,8 @@ def run(shapes, tokens, device, iters, warmup, check=True, group=None, commit=No
         for impl, (fwd_ms, bwd_ms, peak, act) in measured.items():
             if act is not None and rank == 0:
                 print(f"{shape} {impl}: activation memory kept for backward {act:.3f} GB (rank 0)", flush=True)
-            precision = "mxfp8" if impl.endswith("mxfp8") else dtype
-            rec = dict(shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl, precision=precision,
+            rec = dict(shape=shape, ep=ep, tokens_per_rank=tokens, impl=impl,
+                       precision="mxfp8" if "mxfp8" in impl else dtype,
                        **timing_fields(flops, fwd_ms, bwd_ms, peak, act), gpu=gpu, torch=torch.__version__,
                        commit=commit, date=date)
             if impl in ref_errs:
@@ -566,10 +601,13 @@ def summary(records):
         )
     pairs = [("mok_nn", "torch_baseline"), ("mok_nn_torch", "torch_baseline"), ("mok_nn_torch", "hf_default"),
              ("mok_nn_torch_layer", "hf_default_layer")]
+    for mine in ("mok_nn", "mok_nn_torch"):  # MXFP8 against bf16 on the same path: "ratio" = speed of bf16's
+        pairs += [(f"{mine}_mxfp8", mine), (f"{mine}_mxfp8_frozen", f"{mine}_frozen"),
+                  (f"{mine}_mxfp8", "torch_baseline")]
     for shape, d in by.items():
         for theirs in d:  # mok_nn against every peer, routed experts and whole layer
             base = theirs[:-len("_layer")] if theirs.endswith("_layer") else theirs
-            if base not in ("mok_nn", "mok_nn_torch", "mok_nn_torch_mxfp8", "torch_baseline"):
+            if not base.startswith("mok_nn") and base != "torch_baseline":
                 pairs.append(("mok_nn_layer" if theirs.endswith("_layer") else "mok_nn", theirs))
         for mine, theirs in dict.fromkeys(pairs):
             if mine in d and theirs in d:
@@ -594,7 +632,9 @@ def main(argv=None):
                     help="mok_nn's path: default the fused kernels on CUDA, the reference on CPU; 'torch' records "
                          "the portable backend beside the fused path, the baseline and transformers' default")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the problem")
-    ap.add_argument("--mxfp8", action="store_true", help="with --backend torch: also precision='mxfp8'")
+    ap.add_argument("--precision", choices=("bf16", "mxfp8"), default="bf16",
+                    help="mxfp8: also mok_nn with precision='mxfp8' on its path (trained weights, re-quantised every "
+                         "call), and frozen weights: MXFP8-only beside bf16 (no weight gradients)")
     ap.add_argument("--layer", action="store_true",
                     help="also the whole block (router, top-k, experts) of every implementation, each with its own "
                          "router: mok_nn's layer (and the portable backend's, hf's with --backend torch), the peers'")
@@ -638,7 +678,8 @@ def main(argv=None):
     if args.peers_only and not peers:
         ap.error("--peers-only needs --peers")
     records = run(shapes, args.tokens, args.device, args.iters, args.warmup, check=not args.no_check, group=group,
-                  commit=args.commit, backend=args.backend, dtype=args.dtype, mxfp8=args.mxfp8, layer=args.layer,
+                  commit=args.commit, backend=args.backend, dtype=args.dtype, precision=args.precision,
+                  layer=args.layer,
                   peers=peers, peers_only=args.peers_only, peer_site=args.peer_site, peer_timeout=args.peer_timeout,
                   check_tokens=args.check_tokens, peer_budget=args.peer_budget)
     if group is None or dist.get_rank() == 0:

@@ -329,7 +329,8 @@ def check_problem(p: dict, tokens: int, seed: int = 1) -> dict:
 
 def reference_check(cp, y, dx=None, dw=None, d_gate_up=None, d_down=None) -> dict:
     """Relative L2 errors against a float32 reference on problem cp: of y only where dx is None, else of y, dx,
-    dw (routing weights), d_gate_up and d_down (mok's layout; d[e] is all that is read)."""
+    dw (routing weights), d_gate_up and d_down (mok's layout; d[e] is all that is read; None: frozen weights,
+    not checked)."""
     import torch
     import torch.nn.functional as F
 
@@ -348,8 +349,9 @@ def reference_check(cp, y, dx=None, dw=None, d_gate_up=None, d_down=None) -> dic
         dne = dn[e].float().requires_grad_(need_grads)
         if t_idx.numel() == 0:
             if need_grads:  # an idle expert: its gradients must be zero (or absent)
-                for k, g in (("d_gate_up", d_gate_up[e]), ("d_down", d_down[e])):
-                    num[k] += g.float().pow(2).sum().item()
+                for k, g in (("d_gate_up", d_gate_up), ("d_down", d_down)):
+                    if g is not None:
+                        num[k] += g[e].float().pow(2).sum().item()
             continue
         with torch.enable_grad():
             xe = x[t_idx].float().requires_grad_(need_grads)
@@ -362,15 +364,18 @@ def reference_check(cp, y, dx=None, dw=None, d_gate_up=None, d_down=None) -> dic
         if need_grads:
             dx_ref.index_add_(0, t_idx, xe.grad)
             dw_ref[t_idx, j_idx] = we.grad
-            for k, ref, got in (("d_gate_up", gue.grad, d_gate_up[e]), ("d_down", dne.grad, d_down[e])):
-                num[k] += (got.float() - ref).pow(2).sum().item()
+            for k, ref, got in (("d_gate_up", gue.grad, d_gate_up), ("d_down", dne.grad, d_down)):
+                if got is None:  # frozen weights: no gradient to check
+                    continue
+                num[k] += (got[e].float() - ref).pow(2).sum().item()
                 den[k] += ref.pow(2).sum().item()
     errs = {"y": rel_l2(y.reshape(y_ref.shape), y_ref)}
     if need_grads:
         errs["dx"] = rel_l2(dx, dx_ref)
         errs["dw"] = rel_l2(dw, dw_ref)
-        for k in num:
-            errs[k] = (num[k] / max(den[k], 1e-30)) ** 0.5
+        for k, g in (("d_gate_up", d_gate_up), ("d_down", d_down)):
+            if g is not None:
+                errs[k] = (num[k] / max(den[k], 1e-30)) ** 0.5
     return errs
 
 

@@ -16,6 +16,9 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
   + dSwiGLU       mok_gemm_dact_<act>_ppc, where H <= 4096 and I % 256 == 0; else mok_gemm_bn_f32_dyn
                   (fp32 out), then mok_act_bwd_<act>
   dgrad gate/up   the plain GEMM; d x by the combine kernels with w = 1
+  precision=      every GEMM operand replaced by its MXFP8 values in bf16 (GemmOperands: x and d y quantised
+  "mxfp8"         before their gathers, h and d gate_up after their kernels, the weight-gradient operands per
+                  expert in blocks of 32 rows, the weights once per change); then the same kernels
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM on 2-CTA clusters sharing B by TMA
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
                   macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc)
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .envvars import getenv
+from .mxfp8 import fake_quantize_fast, weight_values
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
     COMBINE_LEAVES, GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS,
@@ -712,6 +716,54 @@ def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------
+# precision="mxfp8": every expert GEMM takes its operands' MXFP8 values (docs/mxfp8.md)
+
+
+class GemmOperands:
+    """What the expert GEMMs take for a precision. "bf16": the tensors themselves. "mxfp8": their MXFP8 values
+    ("rceil", blocks of 32; mxfp8.fake_quantize_fast) along each GEMM's reduction dimension, in bf16: an E4M3
+    value times its power-of-two scale is a bf16 value, so the bf16 kernels then compute the MX products
+    exactly, with fp32 sums, and every other step (activation, combine, top-k weight gradient, biases) keeps
+    the unquantised values, as the definition says."""
+
+    def __init__(self, precision: str):
+        if precision not in ("bf16", "mxfp8"):
+            raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
+        self.mxfp8 = precision == "mxfp8"
+
+    def tokens(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
+        """t [T, K] gathered into schedule order as a GEMM's rows, quantised along K: quantised before the
+        gather (blocks lie inside a row: the same values, over T rows instead of the k-times-as-many rows)."""
+        return gather_rows(fake_quantize_fast(t, -1) if self.mxfp8 else t, sched, skip_tail=True)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows [M, K] in schedule order as a GEMM's A operand: along K."""
+        return fake_quantize_fast(t, -1) if self.mxfp8 else t
+
+    def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
+        """An expert weight [E, N, K] along `axis` (-1: K, the forward; -2: N, the backward's d x / d h),
+        cached while the weight does not change (mxfp8.weight_values)."""
+        return weight_values(w, axis) if self.mxfp8 else w
+
+    def segments(self, t: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """Rows [M_cap, N] in schedule order as an operand of a weight-gradient GEMM, which sums over the
+        rows: blocks of 32 rows of each expert from its first row (its segment starts at a multiple of
+        TILE_M); the rows that are not routed rows (real_rows(sched) False: padding, past the last segment)
+        count as zeros, whatever a kernel left there."""
+        if not self.mxfp8:
+            return t
+        return fake_quantize_fast(torch.where(real.unsqueeze(1), t, t.new_zeros(())), 0)
+
+
+def real_rows(sched: Schedule) -> torch.Tensor:
+    """[M_cap] bool: the routed rows (the first seg_rows of each expert's segment)."""
+    start = torch.cat([sched.seg_end.new_zeros(1), sched.seg_end[:-1], sched.seg_end.new_zeros(1)]).long()
+    count = torch.cat([sched.seg_rows, sched.seg_rows.new_zeros(1)]).long()  # rows past the last segment: none
+    e = sched.expert_of_rows()
+    return (torch.arange(sched.capacity, device=e.device) - start[e]) < count[e]
+
+
+# --------------------------------------------------------------------------
 # the experts
 
 
@@ -752,26 +804,30 @@ class CudaSaved:
 
 def experts_forward(
     x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-    activation="swiglu", swiglu_limit=None, sched: Schedule | None = None,
+    activation="swiglu", swiglu_limit=None, sched: Schedule | None = None, precision: str = "bf16",
 ):
-    """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved)."""
+    """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved). precision: "bf16", or "mxfp8"
+    (every GEMM operand's MXFP8 values: GemmOperands)."""
     why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
+    q = GemmOperands(precision)
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
     # x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten
     x_rows = sched.take_gathered(x)  # gathered by the schedule's call (build_schedule), or None
     if x_rows is None:
         x_rows = gather_rows(x.contiguous(), sched, skip_tail=True)
+    a = q.tokens(x.contiguous(), sched) if q.mxfp8 else x_rows
+    w13 = q.weight(gate_up_proj, -1)
     if use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1]):
-        gate_up, h = gate_up_act(x_rows, gate_up_proj, sched, activation, swiglu_limit)
+        gate_up, h = gate_up_act(a, w13, sched, activation, swiglu_limit)
     else:
-        gate_up = grouped_gemm(x_rows, gate_up_proj, sched, transpose_w=False)
+        gate_up = grouped_gemm(a, w13, sched, transpose_w=False)
         if gate_up_bias is not None:
             gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(x.dtype)
         h = act_forward(gate_up, sched, activation, swiglu_limit)
-    out_rows = grouped_gemm(h, down_proj, sched, transpose_w=False)
+    out_rows = grouped_gemm(q.rows(h), q.weight(down_proj, -1), sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(x.dtype)
     y = combine(out_rows, sched.pos, topk_weights, topk_ids, gate_up_proj.shape[0], x.dtype)
@@ -786,13 +842,15 @@ def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
 def experts_backward(
     grad_y, saved: CudaSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
     gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, grads_into=None, needs=None,
+    precision: str = "bf16",
 ):
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads).
     grads_into: a GroupedMLPGrads whose parameter gradients this call adds to (reference.add_param_grads).
     needs: which parameter gradients to compute (reference.param_grads_needed; None: all): frozen ones are None
-    and their weight-gradient GEMMs / bias sums are not launched."""
+    and their weight-gradient GEMMs / bias sums are not launched. precision: the forward's."""
     from . import reference
 
+    q = GemmOperands(precision)
     need_b13, need_b2 = reference.param_grads_needed(needs)[2:]
     sched, gate_up = saved.sched, saved.gate_up
     num_tokens, top_k = topk_ids.shape
@@ -800,11 +858,13 @@ def experts_backward(
     # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows
     dy_rows = gather_rows(gy, sched, skip_tail=down_bias is None)
     w_rows = row_weights(sched, topk_weights)
-    dgu, wh, dw_rows = dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
+    dy_a = q.tokens(gy, sched) if q.mxfp8 else dy_rows
+    dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
+                                      swiglu_limit)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
     w_rows = w_rows.unsqueeze(1)
-    dx_rows = grouped_gemm(dgu, gate_up_proj, sched, transpose_w=True)
+    dx_rows = grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
     dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
@@ -815,20 +875,27 @@ def experts_backward(
         d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
     grads = param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
-                        d_down_bias, grads_into, needs)
+                        d_down_bias, grads_into, needs, q)
     return dx, d_topk, grads
 
 
 def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_up_bias, d_down_bias, grads_into=None,
-                needs=None):
+                needs=None, operands: GemmOperands | None = None):
     """GroupedMLPGrads of one backward: the weight gradients d down = dy_rows^T wh and d gate_up = dgu^T x_rows
     per expert (over sched.seg_rows real rows), with the given bias gradients; grads_into: added to its
     parameter gradients instead (the weight gradients by the accumulating kernel, weight_grad(into=)).
     needs: (gate_up_proj, down_proj, ...) bools (reference.param_grads_needed; None: all): a frozen weight's
-    gradient is None and its weight-gradient GEMM is not launched."""
+    gradient is None and its weight-gradient GEMM is not launched. operands: what the GEMMs take (bf16: the
+    rows themselves)."""
     from . import reference
 
     need13, need2 = reference.param_grads_needed(needs)[:2]
+    if operands is not None and operands.mxfp8 and (need13 or need2):
+        real = real_rows(sched)
+        if need2:
+            dy_rows, wh = operands.segments(dy_rows, real), operands.segments(wh, real)
+        if need13:
+            dgu, x_rows = operands.segments(dgu, real), operands.segments(x_rows, real)
     if grads_into is None:
         d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt) if need2 else None
         d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt) if need13 else None
@@ -865,14 +932,16 @@ def unsupported_reason(layer, x: torch.Tensor) -> str | None:
     if not x.is_cuda:
         return f"input is on {x.device.type}"
     e = layer.experts
-    return unavailable_reason(x, torch.empty(0, layer.top_k, dtype=torch.int64), e.gate_up_proj, e.down_proj,
-                              layer.activation)
+    w13, w2 = e.gate_up_proj, e.down_proj
+    if e.mxfp8_only:  # the GEMMs take W_q dequantised into x's dtype (autograd.expert_weights)
+        w13, w2 = (torch.empty(t.shape, dtype=x.dtype, device="meta") for t in (w13, w2))
+    return unavailable_reason(x, torch.empty(0, layer.top_k, dtype=torch.int64), w13, w2, layer.activation)
 
 
 def init_workspace(ws) -> None:
     """Check what the kernels need; with expert parallelism, also check the group (cuda_ep)."""
-    if ws.precision != "bf16":
-        raise ValueError(f"the CUDA kernels take bf16, not {ws.precision}")
+    if ws.precision == "mxfp8" and ws.ep_size > 1:
+        raise ValueError("precision='mxfp8' with expert parallelism has no CUDA path yet: use backend='torch'")
     if ws.activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"activation {ws.activation!r} has no CUDA kernel")
     if ws.ep_size > 1:
@@ -896,7 +965,8 @@ def forward(x, topk_ids, topk_weights, params, schedule, workspace):
 
         return cuda_ep.forward(x, topk_ids, topk_weights, params, schedule, workspace)
     return experts_forward(
-        x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule
+        x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
+        workspace.precision,
     )
 
 
@@ -907,5 +977,5 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_
         return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into, needs)
     return experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
-        grads_into, needs,
+        grads_into, needs, workspace.precision,
     )

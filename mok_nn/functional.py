@@ -94,8 +94,6 @@ def get_workspace(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if precision not in ("bf16", "mxfp8"):
         raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
-    if backend == "cuda" and precision != "bf16":
-        raise ValueError(f"precision={precision!r} has no CUDA kernels yet; use backend='reference'")
     config = config if config is not None else _DEFAULT_CONFIG
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig or None, got {type(config).__name__}")

@@ -587,13 +587,10 @@ class MoKMoELayer(nn.Module):
         return "torch"
 
     def _cuda_unsupported_reason(self, x: torch.Tensor) -> str | None:
-        if self.experts.mxfp8_only:
-            return ("the expert weights are held as MXFP8 only (frozen) and the fused kernels take bf16 weights: "
-                    "there are no MXFP8 kernels yet (layer.dequantize_experts_() gives bf16 parameters back)")
         if not x.is_cuda:
             return f"input is on {x.device.type}, the fused kernels need a CUDA device"
-        if self.precision == "mxfp8":
-            return "precision='mxfp8' has no fused kernels yet"
+        if self.precision == "mxfp8" and self.ep_size > 1:
+            return "precision='mxfp8' with expert parallelism has no CUDA path yet"
         try:
             from . import cuda_backend
         except ImportError as err:

@@ -277,14 +277,26 @@ def test_training_the_weights_is_refused_with_the_way_out():
     assert layer.experts.gate_up_proj.grad is not None
 
 
-def test_backend_cuda_refused_and_auto_takes_torch(caplog):
+def test_backend_choice_on_cpu_and_what_the_cuda_check_is_asked(monkeypatch):
+    """On the CPU: backend='cuda' refused (no CUDA input), auto takes the portable backend. On CUDA the fused path
+    takes MXFP8-only layers: its check is asked about the weights the GEMMs will get, W_q in x's dtype (the
+    float8 data itself would be refused as not bf16)."""
+    from mok_nn import cuda_backend
+
     layer = make()
     layer.backend = "cuda"
-    with pytest.raises(RuntimeError, match="MXFP8 only.*no MXFP8 kernels"):
+    with pytest.raises(RuntimeError, match="need a CUDA device"):
         layer(random_x((T, H), torch.bfloat16, 1))
     layer.backend = "auto"
     assert layer._choose_backend(random_x((T, H), torch.bfloat16, 1)) == "torch"
-    assert "MXFP8 only" in layer._cuda_unsupported_reason(torch.empty(0, H, dtype=torch.bfloat16))
+    asked = []
+    monkeypatch.setattr(cuda_backend, "unavailable_reason", lambda x, ids, w13, w2, act: asked.append((w13, w2)))
+    x = torch.empty(T, H, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert cuda_backend.unsupported_reason(layer, x) is None
+    (w13, w2), = asked
+    assert (w13.dtype, w2.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert tuple(w13.shape) == (E, 2 * I, H) and tuple(w2.shape) == (E, H, I)
 
 
 def test_quantize_experts_requirements():

@@ -57,3 +57,130 @@ def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
         # fp32 GEMMs round differently on the two devices; a value that lands on an FP8
         # rounding boundary can flip one E4M3 ulp, so allow a little more than fp32 rounding
         assert _rel(a, c) < 1e-3
+
+
+# ----------------------------------------------------------------------------- the fused path (backend="cuda")
+
+from mok_nn import cuda_backend as cb  # noqa: E402
+from mok_nn import reference  # noqa: E402
+
+
+def _routing(T, E, K, kind, g):
+    if kind == "hot":  # every token's first choice is expert 0
+        rest = torch.stack([torch.randperm(E - 1, generator=g)[:K - 1] + 1 for _ in range(T)])
+        return torch.cat([torch.zeros(T, 1, dtype=torch.int64), rest], dim=1)
+    if kind == "few":  # only the first K + 1 experts get tokens: the others have none
+        return torch.stack([torch.randperm(K + 1, generator=g)[:K] for _ in range(T)])
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+
+
+def _problem(T, H, I, E, K, kind="random", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def spread(*shape, scale=1.0):  # magnitudes over 2**-8..2**8: the MX blocks show in the values
+        return torch.randn(*shape, generator=g) * torch.exp2(torch.rand(*shape, generator=g) * 16 - 8) * scale
+
+    x, dy = spread(T, H), spread(T, H)
+    W13, W2 = spread(E, 2 * I, H, scale=H**-0.5 / 16), spread(E, H, I, scale=I**-0.5 / 16)
+    ids = _routing(T, E, K, kind, g)
+    w = torch.rand(T, K, generator=g)
+    bf = (t.bfloat16().cuda() for t in (x, dy, W13, W2))
+    x, dy, W13, W2 = bf
+    return x, ids.cuda(), w.cuda(), dy, W13, W2
+
+
+def _experts(backend, precision, problem):
+    x, ids, w, dy, W13, W2 = problem
+    args = (W13, W2, None, None, "swiglu", None)
+    if backend == "cuda":
+        y, saved = cb.experts_forward(x, ids, w, *args, precision=precision)
+        dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, *args, precision=precision)
+    else:
+        y, saved = reference.experts_forward(x, ids, w, *args, precision=precision)
+        dx, dtk, g = reference.experts_backward(dy, saved, x, ids, w, *args, precision=precision)
+    return [y, dx, dtk, g.gate_up_proj, g.down_proj]
+
+
+NAMES = ("y", "dx", "d_topk_weights", "d_gate_up_proj", "d_down_proj")
+
+
+@pytest.mark.parametrize("T,H,I,E,K,kind", [
+    (777, 256, 128, 16, 4, "random"),  # T not a multiple of the 128-row tile
+    (1, 256, 128, 16, 4, "random"),
+    (300, 256, 128, 16, 4, "hot"),
+    (300, 256, 128, 16, 4, "few"),  # experts without tokens
+    (512, 2048, 768, 8, 2, "random"),  # qwen3-like widths: the clustered fused gate/up and d act kernels
+    (256, 1024, 512, 8, 2, "random"),
+])
+def test_fused_mxfp8_against_the_reference_path(T, H, I, E, K, kind):
+    """backend="cuda", precision="mxfp8": the bf16 kernels on the MXFP8 operand values, against the reference
+    path's MXFP8 on the same GPU. Bounds: y, d x, d topk-weights and d W13 within 5e-3 relative (the two paths
+    sum the same exact products in other orders; a bf16 rounding of an intermediate that flips moves one
+    operand by an E4M3 step), d W2 within 3e-2 (its operand w h is rounded to bf16 before it is quantised,
+    the reference quantises the fp32 product); every result far closer to the reference than the bf16 path's;
+    bitwise the same on a second run."""
+    problem = _problem(T, H, I, E, K, kind, seed=T + H)
+    got = _experts("cuda", "mxfp8", problem)
+    again = _experts("cuda", "mxfp8", problem)
+    ref = _experts("reference", "mxfp8", problem)
+    plain = _experts("cuda", "bf16", problem)
+    for name, a, b, r, p in zip(NAMES, got, again, ref, plain):
+        assert torch.equal(a, b), name
+        assert torch.isfinite(a).all(), name
+        err = _rel(a, r)
+        assert err < (3e-2 if name == "d_down_proj" else 5e-3), (name, err)
+        assert _rel(p, r) > 2 * err, (name, err, _rel(p, r))
+
+
+def test_fused_mxfp8_nan_inf_and_scale_extremes():
+    """A token row holding NaN / Inf makes its own outputs NaN (its blocks dequantise to NaN), as on the
+    reference path, and no other token's; all-zero rows and blocks at the top of E4M3's range (448 * 2**k)
+    agree with the reference."""
+    T, H, I, E, K = 300, 256, 128, 16, 4
+    x, ids, w, dy, W13, W2 = _problem(T, H, I, E, K, seed=9)
+    x = x.clone()
+    x[3, 5], x[7, 100] = float("nan"), float("inf")
+    x[11] = 0
+    x[13, :32] = 448 * 2.0**10
+    x[13, 31] = -448 * 2.0**10
+    problem = (x, ids, w, dy, W13, W2)
+    got, ref = _experts("cuda", "mxfp8", problem), _experts("reference", "mxfp8", problem)
+    y, y_ref = got[0], ref[0]
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    bad = torch.zeros(T, dtype=torch.bool, device=y.device)
+    bad[[3, 7]] = True
+    assert torch.isnan(y[bad]).all(dim=1).all() and torch.isfinite(y[~bad]).all()
+    assert _rel(y[~bad], y_ref[~bad]) < 5e-3
+
+
+def test_mxfp8_layer_takes_the_fused_path(launched_kernels):
+    """MoKMoELayer(precision="mxfp8") on CUDA runs the kernels (auto picks them), close to the reference
+    layer, every gradient; MXFP8-only weights too (frozen: d x and the router train)."""
+    H, I, E, K, T = 256, 128, 16, 4, 333
+
+    def run(backend, **kw):
+        torch.manual_seed(0)
+        layer = MoKMoELayer(H, I, E, K, precision="mxfp8", backend=backend, device="cuda", **kw)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(T, H, generator=g).bfloat16().cuda().requires_grad_(True)
+        dy = torch.randn(T, H, generator=g).bfloat16().cuda()
+        y = layer(x)
+        (y.float() * dy.float()).sum().backward()
+        grads = [x.grad, layer.router.weight.grad] + [p.grad for p in (layer.experts.gate_up_proj,
+                                                                        layer.experts.down_proj)
+                                                      if isinstance(p, torch.nn.Parameter)]
+        return layer, [y.detach()] + grads
+
+    layer, got = run("auto")
+    assert layer._choose_backend(torch.empty(1, H, dtype=torch.bfloat16, device="cuda")) == "cuda"
+    assert any(n.startswith("mok_gemm") for n in launched_kernels)
+    _, ref = run("reference")
+    for a, r in zip(got, ref):
+        assert _rel(a, r) < 3e-2
+    launched_kernels.clear()
+    _, got_q = run("auto", mxfp8_experts=True)
+    _, ref_q = run("torch", mxfp8_experts=True)
+    assert any(n.startswith("mok_gemm") for n in launched_kernels)
+    assert not any(n.startswith("mok_gemm_wgrad") for n in launched_kernels)  # frozen: no weight gradients
+    for a, r in zip(got_q, ref_q):
+        assert _rel(a, r) < 5e-3
