@@ -44,8 +44,8 @@ from .envvars import getenv
 from .mxfp8 import fake_quantize_fast, weight_values
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
-    COMBINE_LEAVES, GEMM_TILE_N, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS, SCHEDULE_MC_WARPS,
-    TILE_M, WGRAD_ACC_KERNELS, tile_n_of,
+    COMBINE_LEAVES, GEMM_TILE_N, MX_QUANT_THREADS, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS,
+    SCHEDULE_MC_WARPS, TILE_M, WGRAD_ACC_KERNELS, tile_n_of,
 )  # fmt: skip
 from .kernels import loader
 
@@ -265,7 +265,8 @@ def _use_torch_gemm() -> bool:
 
 
 def _use_torch_act() -> bool:
-    """MOK_ACT=torch: the activation and its backward by torch ops (a debugging oracle)."""
+    """MOK_ACT=torch: the elementwise steps by torch ops (a debugging oracle): the activation and its backward, and
+    precision="mxfp8"'s quantisation (mx_values)."""
     return env_choice("MOK_ACT", ("kernel", "torch"), "kernel") == "torch"
 
 
@@ -721,10 +722,10 @@ def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
 
 class GemmOperands:
     """What the expert GEMMs take for a precision. "bf16": the tensors themselves. "mxfp8": their MXFP8 values
-    ("rceil", blocks of 32; mxfp8.fake_quantize_fast) along each GEMM's reduction dimension, in bf16: an E4M3
-    value times its power-of-two scale is a bf16 value, so the bf16 kernels then compute the MX products
-    exactly, with fp32 sums, and every other step (activation, combine, top-k weight gradient, biases) keeps
-    the unquantised values, as the definition says."""
+    ("rceil", blocks of 32) along each GEMM's reduction dimension, in bf16 (mx_values): an E4M3 value times its
+    power-of-two scale is a bf16 value, so the bf16 kernels then compute the MX products exactly, with fp32
+    sums, and every other step (activation, combine, top-k weight gradient, biases) keeps the unquantised
+    values, as the definition says."""
 
     def __init__(self, precision: str):
         if precision not in ("bf16", "mxfp8"):
@@ -734,25 +735,68 @@ class GemmOperands:
     def tokens(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """t [T, K] gathered into schedule order as a GEMM's rows, quantised along K: quantised before the
         gather (blocks lie inside a row: the same values, over T rows instead of the k-times-as-many rows)."""
-        return gather_rows(fake_quantize_fast(t, -1) if self.mxfp8 else t, sched, skip_tail=True)
+        return gather_rows(mx_values(t, MX_ALONG_COLS) if self.mxfp8 else t, sched, skip_tail=True)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """Rows [M, K] in schedule order as a GEMM's A operand: along K."""
-        return fake_quantize_fast(t, -1) if self.mxfp8 else t
+        return mx_values(t, MX_ALONG_COLS) if self.mxfp8 else t
 
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         """An expert weight [E, N, K] along `axis` (-1: K, the forward; -2: N, the backward's d x / d h),
         cached while the weight does not change (mxfp8.weight_values)."""
-        return weight_values(w, axis) if self.mxfp8 else w
+        return weight_values(w, axis, _mx_weight) if self.mxfp8 else w
 
-    def segments(self, t: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    def segments(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """Rows [M_cap, N] in schedule order as an operand of a weight-gradient GEMM, which sums over the
         rows: blocks of 32 rows of each expert from its first row (its segment starts at a multiple of
-        TILE_M); the rows that are not routed rows (real_rows(sched) False: padding, past the last segment)
-        count as zeros, whatever a kernel left there."""
-        if not self.mxfp8:
-            return t
-        return fake_quantize_fast(torch.where(real.unsqueeze(1), t, t.new_zeros(())), 0)
+        TILE_M); the rows that are not routed rows (padding, past the last segment) count as zeros, whatever
+        a kernel left there."""
+        return mx_values(t, MX_SEGMENTS, sched) if self.mxfp8 else t
+
+
+# mok_mx_quant's modes (kernels/mx_quant.py)
+MX_ALONG_COLS, MX_ALONG_ROWS, MX_SEGMENTS = 0, 1, 2
+MX_CTAS_PER_SM = 8  # mok_mx_quant's grid: CTAs of 256 threads per SM (a full SM)
+
+
+def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torch.Tensor:
+    """The MXFP8 values of t [R, C] (bf16 on CUDA: mok_mx_quant; elsewhere and under MOK_ACT=torch,
+    mxfp8.fake_quantize_fast, the same bits) in blocks of 32 along C (MX_ALONG_COLS) or R (MX_ALONG_ROWS;
+    MX_SEGMENTS: rows in sched's order, the rows that are not routed rows as zeros)."""
+    if mode == MX_SEGMENTS and sched is None:
+        raise ValueError("mx_values: MX_SEGMENTS needs the schedule")
+    rows, cols = t.shape
+    if (cols if mode == MX_ALONG_COLS else rows) % 32:
+        raise ValueError(f"mx_values: {tuple(t.shape)} has no whole blocks of 32 along the quantised axis")
+    if not _mx_kernel_runs(t):
+        if mode == MX_SEGMENTS:
+            t = torch.where(real_rows(sched).unsqueeze(1), t, t.new_zeros(()))
+        return fake_quantize_fast(t, -1 if mode == MX_ALONG_COLS else 0)
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    if t.numel() == 0:
+        return out
+    zero = _cached_zero_tile(t.device)
+    te, se, sr = (sched.tile_expert, sched.seg_end, sched.seg_rows) if mode == MX_SEGMENTS else (zero, zero, zero)
+    units = rows * cols // 8 if mode == MX_ALONG_COLS else rows // 32 * (cols // 2)
+    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_CTAS_PER_SM))
+    _lib().launch("mok_mx_quant", t, out, te, se, sr, mode, grid, stream=_stream())
+    return out
+
+
+def _mx_kernel_runs(t: torch.Tensor) -> bool:
+    """mok_mx_quant runs on t: bf16 on CUDA with rows of 16-byte vectors, not under the MOK_ACT=torch oracle."""
+    return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] % 32 == 0 and not _use_torch_act()
+
+
+def _mx_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
+    """The MXFP8 values of an expert weight [E, N, K] along K (axis -1) or N (-2: blocks of 32 rows of [E N, K],
+    none straddling two experts since N % 32 == 0)."""
+    e, n, k = w.shape
+    if axis not in (-1, 2, -2, 1) or n % 32:
+        raise ValueError(f"_mx_weight: axis {axis} of {tuple(w.shape)}")
+    mode = MX_ALONG_COLS if axis in (-1, 2) else MX_ALONG_ROWS
+    return mx_values(w.detach().reshape(e * n, k), mode).view(e, n, k)
 
 
 def real_rows(sched: Schedule) -> torch.Tensor:
@@ -890,12 +934,11 @@ def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_u
     from . import reference
 
     need13, need2 = reference.param_grads_needed(needs)[:2]
-    if operands is not None and operands.mxfp8 and (need13 or need2):
-        real = real_rows(sched)
+    if operands is not None:
         if need2:
-            dy_rows, wh = operands.segments(dy_rows, real), operands.segments(wh, real)
+            dy_rows, wh = operands.segments(dy_rows, sched), operands.segments(wh, sched)
         if need13:
-            dgu, x_rows = operands.segments(dgu, real), operands.segments(x_rows, real)
+            dgu, x_rows = operands.segments(dgu, sched), operands.segments(x_rows, sched)
     if grads_into is None:
         d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt) if need2 else None
         d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt) if need13 else None

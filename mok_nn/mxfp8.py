@@ -317,11 +317,13 @@ def _weight_state(w: torch.Tensor):
     return w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
 
 
-def weight_values(w: torch.Tensor, axis: int) -> torch.Tensor:
-    """fake_quantize_fast(w, axis), from the cache while w is unchanged (see above)."""
+def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
+    """fake_quantize_fast(w, axis), from the cache while w is unchanged (see above). quantize(w, axis): what
+    computes it on a miss (a backend's kernel giving the same bits; default fake_quantize_fast)."""
+    quantize = quantize or fake_quantize_fast
     state = _weight_state(w)
     if state is None:
-        return fake_quantize_fast(w.detach(), axis)
+        return quantize(w.detach(), axis)
     entries = _MX_WEIGHTS.get(w)
     if entries is None:
         entries = _MX_WEIGHTS[w] = {}
@@ -329,6 +331,6 @@ def weight_values(w: torch.Tensor, axis: int) -> torch.Tensor:
     if hit is not None and hit[0] == state:
         return hit[1]
     entries.pop(axis, None)  # the stale copy goes before the new one is made
-    q = fake_quantize_fast(w.detach(), axis)
+    q = quantize(w.detach(), axis)
     entries[axis] = (state, q)
     return q

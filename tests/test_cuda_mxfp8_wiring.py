@@ -28,16 +28,28 @@ def _problem(seed=0, bias=False):
     return x, ids, w, dy, W13, W2, b13, b2
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def quantiser(request, fake_lib, monkeypatch):
+    """The MXFP8 values by mok_mx_quant (its CPU stand-in: mxfp8.fake_quantize) or by torch ops
+    (fake_quantize_fast, what runs off CUDA and under MOK_ACT=torch)."""
+    monkeypatch.setattr(cb, "_mx_kernel_runs", lambda t: request.param == "kernel")
+    monkeypatch.setattr(cb, "num_sms", lambda device: 132)
+    monkeypatch.setattr(cb, "_cached_zero_tile", lambda device: torch.zeros(1, dtype=torch.int32))
+    return request.param
+
+
 @pytest.fixture
-def spied(fake_lib, monkeypatch):
-    """Records every GEMM launch's A rows and B operand, the activations' outputs and the weight-gradient
-    operands."""
-    rec = {"gemm": [], "wgrad": [], "act": [], "dact": []}
+def spied(quantiser, fake_lib, monkeypatch):
+    """Records every GEMM launch's A rows and B operand, the quantisation launches' modes, the activations'
+    outputs and the weight-gradient operands."""
+    rec = {"gemm": [], "wgrad": [], "act": [], "dact": [], "mx": []}
     launch = fake_lib.launch
 
     def recording(name, *args, stream):
         if name.startswith("mok_gemm"):
             rec["gemm"].append((name, args[0][:, :, 0].clone(), args[1].clone()))
+        if name == "mok_mx_quant":
+            rec["mx"].append(args[5])
         return launch(name, *args, stream=stream)
 
     fake_lib.launch = recording
@@ -60,6 +72,7 @@ def spied(fake_lib, monkeypatch):
     monkeypatch.setattr(cb, "weight_grad", spy_wgrad)
     monkeypatch.setattr(cb, "act_forward", spy_act)
     monkeypatch.setattr(cb, "act_backward", spy_dact)
+    rec["quantiser"] = quantiser
     return rec
 
 
@@ -109,6 +122,10 @@ def test_every_gemm_takes_the_mxfp8_operands(spied):
     assert torch.equal(b4, fake_quantize(W13, -2).permute(2, 1, 0))
     # the operands differ from the bf16 ones (the test can tell them apart)
     assert not torch.equal(b1, W13.permute(1, 2, 0)) and not _routed_equal(a2, h, sched, T)
+    # with the kernel: x, W13, h, W2 along their columns (forward); d y, W2 along its rows, d gate_up, W13 along
+    # its rows; the four weight-gradient operands in schedule blocks
+    expected = [0, 0, 0, 0, 0, 1, 0, 1, 2, 2, 2, 2] if spied["quantiser"] == "kernel" else []
+    assert spied["mx"] == expected
 
 
 def test_weight_gradients_take_per_expert_blocks_of_rows(spied):
@@ -128,7 +145,7 @@ def test_weight_gradients_take_per_expert_blocks_of_rows(spied):
         assert not torch.equal(got_a[:n], ua[:n])  # quantised: not the rows themselves
 
 
-def test_segments_ignore_what_padding_rows_hold():
+def test_segments_ignore_what_padding_rows_hold(quantiser):
     """GemmOperands.segments treats rows that are not routed rows as zeros, whatever a kernel left there
     (NaN, huge values): each expert's blocks are those of its routed rows alone."""
     g = torch.Generator().manual_seed(3)
@@ -140,7 +157,7 @@ def test_segments_ignore_what_padding_rows_hold():
     junk = rows.clone()
     junk[~real] = float("nan")
     junk[~real][::2] = 1e30
-    got = cb.GemmOperands("mxfp8").segments(junk, real)
+    got = cb.GemmOperands("mxfp8").segments(junk, sched)
     for start, n in _segments(sched):
         assert torch.equal(got[start:start + n], fake_quantize_padded(rows[start:start + n], 0))
     assert torch.equal(got[~real], torch.zeros_like(got[~real]))
@@ -179,7 +196,7 @@ def _reference(problem):
     return y, dx, dtk, g.gate_up_proj, g.down_proj
 
 
-def test_function_against_the_reference_and_float64_and_bitwise_repeatable(fake_lib):
+def test_function_against_the_reference_and_float64_and_bitwise_repeatable(quantiser):
     """The whole forward and backward: bitwise the same on a second run; against the reference path's MXFP8
     (fp32 sums, the same bf16 roundings) within summation rounding, and far closer to it than the bf16 path;
     within the bf16 roundings of the float64 model. d W2 is looser: its operand w h is rounded to bf16 before it
@@ -207,7 +224,7 @@ def test_frozen_weights_skip_the_quantised_weight_gradients(spied):
     assert torch.equal(frozen[1], full[1]) and torch.equal(frozen[2], full[2])
 
 
-def test_unknown_precision_is_refused(fake_lib):
+def test_unknown_precision_is_refused(quantiser):
     x, ids, w, dy, W13, W2, b13, b2 = _problem(seed=6)
     with pytest.raises(ValueError, match="precision"):
         cb.experts_forward(x, ids, w, W13, W2, precision="fp8")

@@ -41,8 +41,29 @@ class _FakeLib:
             a, b, c, te, seg_end, seg_rows, _, counter = args
             assert int(counter[0]) == 0, f"{name}: tile counter not zeroed before the launch"
             _gemm(a[:, :, 0], b, c, te)
+        elif spec.factory == "MxQuant":
+            src, dst, te, seg_end, seg_rows, mode, grid = args
+            assert mode in (0, 1, 2) and grid >= 1
+            dst.copy_(_mx_quant(src, mode, seg_end, seg_rows))
         else:
             raise AssertionError(f"stand-in has no {name}")
+
+
+def _mx_quant(src, mode, seg_end, seg_rows):
+    """mok_mx_quant's contract, from mxfp8.fake_quantize (the slow quantiser): along the columns (mode 0), the
+    rows (1), or the rows with only each expert's routed rows (the first seg_rows of its segment) kept (2)."""
+    from mok_nn.mxfp8 import fake_quantize
+
+    if mode == 0:
+        return fake_quantize(src, -1)
+    if mode == 2:
+        kept = torch.zeros_like(src)
+        start = 0
+        for end, n in zip(seg_end.tolist(), seg_rows.tolist()):
+            kept[start:start + n] = src[start:start + n]
+            start = end
+        src = kept
+    return fake_quantize(src, 0)
 
 
 def _gemm(a, b, c, tile_expert):

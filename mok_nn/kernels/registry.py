@@ -26,6 +26,7 @@ SCHEDULE_MC_WARPS = 16  # warps per CTA of the multi-CTA schedule; a chunk is a 
 SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA schedule, at most
 EP_COPY_THREADS = 256  # threads per CTA of the grid-stride row copies (ep_copy.py); a warp copies whole rows
 EP_SCHED_THREADS = 256  # threads per CTA of mok_ep_schedule_outputs (ep_schedule.py)
+MX_QUANT_THREADS = 256  # threads per CTA of mok_mx_quant (mx_quant.py)
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
@@ -459,6 +460,20 @@ def _ep_publish_spec() -> KernelSpec:
     )
 
 
+def _mx_quant_spec() -> KernelSpec:
+    # dst = the MXFP8 values of src (bf16) along its columns (mode 0) or rows (1; 2: schedule rows, those that
+    # are not routed rows as zeros), cuda_backend.mx_values; the schedule arguments are read in mode 2 only
+    mat = TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 32))
+    return KernelSpec(
+        name="mok_mx_quant",
+        module="mx_quant",
+        factory="MxQuant",
+        factory_kwargs=(),
+        args=(mat, dataclasses.replace(mat, name="dst"), *_SCHEDULE_ARGS, ScalarArg("mode", "i32"),
+              ScalarArg("grid", "i32")),
+    )
+
+
 SPECS = (
     # Varlen-M grouped GEMMs (grouped_gemm.py). The layer picks the form per GEMM (cuda_backend.gemm_kernel):
     # cooperative 128 x 256 tiles with the output tile split in four smem buffers where K is long (bk, bn);
@@ -497,6 +512,7 @@ SPECS = (
     *_ep_copy_specs(),
     _ep_publish_spec(),
     _ep_schedule_outputs_spec(),  # mok_ep_schedule_outputs: make_ep_schedule's derived outputs, one launch
+    _mx_quant_spec(),  # precision="mxfp8": every GEMM operand's MXFP8 values
 )
 
 SPECS_BY_NAME = {s.name: s for s in SPECS}

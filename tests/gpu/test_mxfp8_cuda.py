@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mok_nn import MoKMoELayer
-from mok_nn.mxfp8 import dequantize, quantize
+from mok_nn.mxfp8 import dequantize, fake_quantize, quantize
 
 from layer_runs import rel_err as _rel
 
@@ -63,6 +63,37 @@ def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
 
 from mok_nn import cuda_backend as cb  # noqa: E402
 from mok_nn import reference  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", [cb.MX_ALONG_COLS, cb.MX_ALONG_ROWS])
+def test_mx_quant_kernel_is_bitwise_fake_quantize(mode):
+    """mok_mx_quant against mxfp8.fake_quantize on the CPU, bit for bit (NaN where it has NaN): every bf16 bit
+    pattern, blocks of wide range, NaN / inf / subnormals / zeros / 1.75 * 2**p, and a grid that walks its
+    units more than once."""
+    cases = [x.bfloat16() for x in _cases()[:2]] + [_cases()[2], _cases()[4]]
+    big = torch.randn(4096, 1024).bfloat16()  # more units than one grid-stride pass
+    for x in cases + [big]:
+        if x.shape[0] % 32 or x.shape[1] % 32:
+            continue
+        got = cb.mx_values(x.cuda(), mode).cpu()
+        want = fake_quantize(x, -1 if mode == cb.MX_ALONG_COLS else 0)
+        assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+        assert torch.equal(got.isnan(), want.isnan())
+
+
+def test_mx_quant_kernel_segments():
+    """Mode MX_SEGMENTS: each expert's routed rows quantised in blocks of 32 from its first row, whatever the
+    other rows hold (NaN here), those rows zero."""
+    g = torch.Generator().manual_seed(2)
+    T, E, K = 700, 16, 4
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    sched = cb.make_schedule(ids, E)
+    rows = torch.randn(sched.capacity, 384, generator=g).bfloat16().cuda()
+    real = cb.real_rows(sched)
+    rows[~real] = float("nan")
+    got = cb.mx_values(rows, cb.MX_SEGMENTS, sched)
+    want = fake_quantize(torch.where(real.unsqueeze(1), rows, 0).cpu(), 0).cuda()
+    assert torch.equal(got, want)
 
 
 def _routing(T, E, K, kind, g):

@@ -1,0 +1,182 @@
+"""MXFP8 values of a bf16 matrix, in bf16: the operands of precision="mxfp8" (docs/mxfp8.md).
+
+dst = fake_quantize(src) along one axis ("rceil", blocks of 32): per block, e from the amax's bits, each
+element rounded to E4M3 at the scale 2**e, times 2**e. The arithmetic is that of mxfp8.fake_quantize_fast,
+step for step in fp32, so the bits are those of the torch ops (and of mxfp8.quantize + dequantize):
+
+  |s| = |x| * 2**-e                          exact (a power of two; |s| <= 448)
+  r   = (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20), E = |s|'s exponent: |s| on E4M3's grid, ties to even
+  out = bf16((r | sign(x)) * 2**e)           NaN for a block holding NaN / inf
+
+The adds go through add.rn / sub.rn explicitly, so no compiler can fold (|s| + C) - C.
+
+mode (a run-time scalar: one compiled kernel for every operand):
+  0  blocks along the columns (a row's 32 consecutive values): the GEMMs' A rows, the weights forward.
+     A warp takes 32 vectors of 8 columns (16-byte loads); the 4 lanes of a block share its amax by shuffle.
+  1  blocks along the rows (32 consecutive rows of a column): the weights' backward axis. A thread takes two
+     adjacent columns of one 32-row block (4-byte loads: a warp reads 128 contiguous bytes per row).
+  2  as 1, for rows in schedule order (the weight-gradient operands): each expert's blocks start at its
+     segment's first row, and the rows that are not routed rows (padding, past the last segment) count as
+     zeros, whatever they hold. A 32-row block lies in one TILE_M tile, so one expert: its routed rows are a
+     prefix of the block, from tile_expert, seg_end and seg_rows.
+The work units are walked by a fixed grid (grid-stride, whole warps together: the shuffles need every lane);
+each output element is written once, by one thread: the result does not depend on the grid.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .registry import MX_QUANT_THREADS as THREADS
+from .registry import TILE_M
+
+BLOCK = 32
+VEC = 8  # mode 0: columns per lane (one 16-byte load)
+LANES_PER_BLOCK = BLOCK // VEC
+PAIR = 2  # modes 1 and 2: columns per thread (one 4-byte load per row)
+MAG_MASK = 0x7FFFFFFF
+SIGN_BIT = -(2**31)
+EXP_MASK = 0x7F800000
+C_MIN = (127 - 6) << 23  # C's exponent never below E4M3's subnormal range (2**-6)
+C_ADD = (20 << 23) | (1 << 22)  # C = 1.5 * 2**(E + 20)
+
+
+def _rn(op: str):
+    @dsl_user_op
+    def f(a, b, *, loc=None, ip=None) -> cutlass.Float32:
+        args = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b)]
+        return cutlass.Float32(
+            llvm.inline_asm(T.f32(), args, f"{op}.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        )
+
+    return f
+
+
+_add_rn = _rn("add")
+_sub_rn = _rn("sub")
+
+
+@cute.jit
+def _scales(amax_bits: cutlass.Int32):
+    """(2**-e, 2**e) as fp32 for a block whose largest magnitude has these bits (the rceil rule: e = p - 8, one
+    more where the significand exceeds 1.75; e = -127 for zero and subnormal amax; 2**e NaN for NaN / inf)."""
+    biased = (amax_bits >> 23) & 0xFF
+    e = biased - 135
+    if (amax_bits & 0x7FFFFF) > 0x600000:
+        e = e + 1
+    if biased == 0:
+        e = cutlass.Int32(-127)
+    e = cutlass.max(cutlass.min(e, cutlass.Int32(127)), cutlass.Int32(-127))
+    down = cutlass.Int32((127 - e) << 23).bitcast(cutlass.Float32)
+    up_bits = (e + 127) << 23
+    if e == -127:
+        up_bits = cutlass.Int32(1 << 22)  # 2**-127, an fp32 subnormal
+    if biased == 255:
+        up_bits = cutlass.Int32(0x7FC00000)  # NaN
+    return down, up_bits.bitcast(cutlass.Float32)
+
+
+@cute.jit
+def _quantize(x: cutlass.Float32, down: cutlass.Float32, up: cutlass.Float32) -> cutlass.Float32:
+    bits = x.bitcast(cutlass.Int32)
+    s = (bits & MAG_MASK).bitcast(cutlass.Float32) * down
+    c = cutlass.max((s.bitcast(cutlass.Int32) & EXP_MASK), cutlass.Int32(C_MIN)) + C_ADD
+    cf = c.bitcast(cutlass.Float32)
+    r = _sub_rn(_add_rn(s, cf), cf)
+    return (r.bitcast(cutlass.Int32) | (bits & SIGN_BIT)).bitcast(cutlass.Float32) * up
+
+
+class MxQuant:
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Tensor,  # (R, C) bf16
+        dst: cute.Tensor,  # (R, C) bf16
+        tile_expert: cute.Tensor,  # (R / TILE_M,) int32 (mode 2; any one-element tensor otherwise)
+        seg_end: cute.Tensor,  # (E,) int32
+        seg_rows: cute.Tensor,  # (E,) int32
+        mode: cutlass.Int32,
+        grid: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(src, dst, tile_expert, seg_end, seg_rows, mode).launch(
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, dst: cute.Tensor, tile_expert: cute.Tensor, seg_end: cute.Tensor,
+               seg_rows: cute.Tensor, mode: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        first = bidx * THREADS + tidx
+        stride = gdim * THREADS
+        rows = cute.size(src, mode=[0])
+        cols = cute.size(src, mode=[1])
+        if mode == 0:
+            n_vec = cols // VEC
+            units = rows * n_vec
+            whole = (units + 31) // 32 * 32  # every lane of a warp takes every step (the shuffles)
+            fin = cute.make_rmem_tensor((VEC,), src.element_type)
+            acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            res = cute.make_rmem_tensor((VEC,), dst.element_type)
+            for u in range(first, whole, stride):
+                r = u // cutlass.max(n_vec, 1)
+                v = u - r * n_vec
+                live = u < units
+                amax = cutlass.Int32(0)
+                if live:
+                    cute.autovec_copy(cute.zipped_divide(src[(r, None)], (VEC,))[(None, v)], fin)
+                    for i in cutlass.range_constexpr(VEC):
+                        acc[i] = fin[i].to(cutlass.Float32)
+                        amax = cutlass.max(amax, acc[i].bitcast(cutlass.Int32) & MAG_MASK)
+                for k in cutlass.range_constexpr(2):  # the 4 lanes of the block (lanes 4j .. 4j + 3)
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                if live:
+                    down, up = _scales(amax)
+                    for i in cutlass.range_constexpr(VEC):
+                        acc[i] = _quantize(acc[i], down, up)
+                    res.store(acc.load().to(dst.element_type))
+                    cute.autovec_copy(res, cute.zipped_divide(dst[(r, None)], (VEC,))[(None, v)])
+        else:
+            n_pair = cols // PAIR
+            units = (rows // BLOCK) * n_pair
+            fin = cute.make_rmem_tensor((PAIR,), src.element_type)
+            vals = cute.make_rmem_tensor((BLOCK, PAIR), cutlass.Float32)
+            res = cute.make_rmem_tensor((PAIR,), dst.element_type)
+            for u in range(first, units, stride):
+                b = u // cutlass.max(n_pair, 1)
+                p = u - b * n_pair
+                r0 = b * BLOCK
+                routed = cutlass.Int32(BLOCK)  # rows of the block that count (a prefix)
+                if mode == 2:
+                    e = tile_expert[r0 // TILE_M]
+                    routed = 0
+                    if e >= 0:
+                        start = cutlass.Int32(0)
+                        if e > 0:
+                            start = seg_end[e - 1]
+                        routed = cutlass.max(cutlass.min(start + seg_rows[e] - r0, cutlass.Int32(BLOCK)),
+                                             cutlass.Int32(0))
+                amax0 = cutlass.Int32(0)
+                amax1 = cutlass.Int32(0)
+                for i in cutlass.range_constexpr(BLOCK):
+                    vals[(i, 0)] = 0.0
+                    vals[(i, 1)] = 0.0
+                    if i < routed:
+                        cute.autovec_copy(cute.zipped_divide(src[(r0 + i, None)], (PAIR,))[(None, p)], fin)
+                        vals[(i, 0)] = fin[0].to(cutlass.Float32)
+                        vals[(i, 1)] = fin[1].to(cutlass.Float32)
+                        amax0 = cutlass.max(amax0, vals[(i, 0)].bitcast(cutlass.Int32) & MAG_MASK)
+                        amax1 = cutlass.max(amax1, vals[(i, 1)].bitcast(cutlass.Int32) & MAG_MASK)
+                down0, up0 = _scales(amax0)
+                down1, up1 = _scales(amax1)
+                for i in cutlass.range_constexpr(BLOCK):
+                    res[0] = _quantize(vals[(i, 0)], down0, up0).to(dst.element_type)
+                    res[1] = _quantize(vals[(i, 1)], down1, up1).to(dst.element_type)
+                    cute.autovec_copy(res, cute.zipped_divide(dst[(r0 + i, None)], (PAIR,))[(None, p)])
