@@ -15,7 +15,7 @@ import torch
 
 from . import distributed, functional
 from .functional import ExpertParams, Workspace
-from .mxfp8 import MXFP8Tensor, dequantize
+from .mxfp8 import MXFP8Tensor, dequantize, mark_values
 
 
 def autocast_off(device_type: str):
@@ -86,11 +86,16 @@ def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, 
 
 def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype):
     """The expert weights the GEMMs take: the tensors given, or, with scales (MXFP8-only weights: E4M3 data and
-    E8M0 scales, blocks of 32 along the last dimension), W_q = dequantize(stored) in dtype, a new tensor."""
+    E8M0 scales, blocks of 32 along the last dimension), W_q = dequantize(stored) in dtype, a new tensor, marked
+    as its own MXFP8 values along that dimension (mxfp8.mark_values)."""
     if gate_up_scale is None:
         return gate_up_proj, down_proj
-    return (dequantize(MXFP8Tensor(gate_up_proj, gate_up_scale, 2), dtype),
-            dequantize(MXFP8Tensor(down_proj, down_scale, 2), dtype))
+    weights = (dequantize(MXFP8Tensor(gate_up_proj, gate_up_scale, 2), dtype),
+               dequantize(MXFP8Tensor(down_proj, down_scale, 2), dtype))
+    if dtype in (torch.bfloat16, torch.float32):  # (fp16 overflows near its top: there the values may differ)
+        for w in weights:  # precision="mxfp8"'s forward operands: W_q itself, no second pass
+            mark_values(w, -1)
+    return weights
 
 
 class MoKFunction(torch.autograd.Function):

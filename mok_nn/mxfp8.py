@@ -174,7 +174,8 @@ def quantize(
 
 
 def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``float(data) * 2**(scale - 127)`` in ``dtype`` (NaN where the scale byte is 0xFF)."""
+    """``float(data) * 2**(scale - 127)`` in ``dtype`` (NaN where the scale byte is 0xFF; a NaN's sign bit is
+    unspecified)."""
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
     data = t.data.movedim(t.axis, -1)
@@ -182,6 +183,12 @@ def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     s = t.scale.movedim(t.axis, -1).to(torch.int32)
     factor = _pow2((s - E8M0_BIAS).clamp(max=E8M0_BIAS))
     factor = torch.where(s == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
+    if dtype == torch.bfloat16:
+        # E4M3 values and 2**e (e >= -127, NaN) are bf16 values, and a bf16 product is the fp32 product rounded
+        # once to bf16: the fp32 route's bits, with a third of its memory traffic (the expert weights of an
+        # MXFP8-only layer are dequantised every forward and backward)
+        out = blocks.to(torch.bfloat16) * factor.to(torch.bfloat16).unsqueeze(-1)
+        return out.reshape(data.shape).movedim(-1, t.axis).contiguous()
     # fp32 product is exact: 4 significant bits times a power of two.
     out = blocks.float() * factor.unsqueeze(-1)
     return out.reshape(data.shape).movedim(-1, t.axis).to(dtype).contiguous()
@@ -317,6 +324,16 @@ def _weight_state(w: torch.Tensor):
     return w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
 
 
+def mark_values(w: torch.Tensor, axis: int) -> None:
+    """Record that w holds MXFP8 values along axis already (W_q of MXFP8-only weights along their storage axis):
+    weight_values(w, axis) then returns w itself while w is unchanged, with no pass over it (requantising MXFP8
+    values along their own axis gives them back, in bf16 / fp32; except blocks whose values overflowed to inf,
+    from scale bytes >= 248, which requantising would make NaN)."""
+    state = _weight_state(w)
+    if state is not None:
+        _MX_WEIGHTS.setdefault(w, {})[axis] = (state, None)  # None: w itself (a reference would keep w alive)
+
+
 def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
     """fake_quantize_fast(w, axis), from the cache while w is unchanged (see above). quantize(w, axis): what
     computes it on a miss (a backend's kernel giving the same bits; default fake_quantize_fast)."""
@@ -329,7 +346,7 @@ def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
         entries = _MX_WEIGHTS[w] = {}
     hit = entries.get(axis)
     if hit is not None and hit[0] == state:
-        return hit[1]
+        return w if hit[1] is None else hit[1]
     entries.pop(axis, None)  # the stale copy goes before the new one is made
     q = quantize(w.detach(), axis)
     entries[axis] = (state, q)

@@ -255,3 +255,22 @@ def test_every_bf16_value(mode):
     shuf = x[torch.randperm(x.numel(), generator=g)].reshape(-1, 64)
     assert_matches_ref(srt, -1, mode)
     assert_matches_ref(shuf, -1, mode)
+
+
+def test_dequantize_bf16_route_is_the_fp32_route_bit_for_bit():
+    """dequantize(..., bfloat16) multiplies in bf16 (E4M3 values and 2**e are bf16 values; the product is rounded
+    once): every E4M3 byte against every scale byte gives the bits of the fp32 product rounded to bf16, NaN
+    where that is NaN."""
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize
+
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(torch.float8_e4m3fn)  # [scale byte, elements]
+    data = data.repeat_interleave(32, dim=1)[:, : 256 * 32]  # 256 blocks of one value each per row
+    scale = torch.arange(256, dtype=torch.uint8).view(256, 1).expand(256, 256).contiguous()
+    t = MXFP8Tensor(data, scale, 1)
+    got = dequantize(t, torch.bfloat16)
+    want = (data.float().view(256, 256, 32) * torch.exp2(scale.double() - 127).float().unsqueeze(-1)).view(256, -1)
+    want = torch.where(scale.repeat_interleave(32, dim=1) == 255, float("nan"), want).bfloat16()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert got[~nan].ne(0).any() and (got[~nan] != got[~nan].float().bfloat16()).sum() == 0

@@ -438,3 +438,33 @@ def test_checkpoint_shard_and_column_wise_layout(tmp_path):
     assert torch.equal(w_q(local, "down_proj"), quantize(w2).dequantize(torch.float64)[E // 2:])
     assert torch.equal(w_q(local, "gate_up_proj"),
                        quantize(col.dequantize(torch.float32)).dequantize(torch.float64)[E // 2:])
+
+
+def test_mxfp8_precision_forward_takes_w_q_without_requantising(monkeypatch):
+    """precision="mxfp8" on MXFP8-only weights: the forward's weight operands are W_q itself (it is MXFP8 along
+    that axis), with no quantisation pass; the backward quantises W_q column-wise; the same bits as requantising."""
+    from mok_nn import autograd, mxfp8
+
+    def run():
+        layer = make(precision="mxfp8", backend="torch")
+        x = random_x((T, H), torch.bfloat16, 3).requires_grad_(True)
+        y = layer(x)
+        y.float().pow(2).sum().backward()
+        return y.detach(), x.grad
+
+    calls = []
+    real = mxfp8.fake_quantize_fast
+
+    def counting(t, axis=-1):
+        if t.dim() == 3:
+            calls.append(axis)
+        return real(t, axis)
+
+    monkeypatch.setattr(mxfp8, "fake_quantize_fast", counting)
+    marked = run()
+    assert sorted(calls) == [-2, -2]  # W13 and W2 along their backward axis; none along the forward's
+    calls.clear()
+    monkeypatch.setattr(autograd, "mark_values", lambda w, axis: None)
+    requantised = run()
+    assert sorted(calls) == [-2, -2, -1, -1]
+    assert all(torch.equal(a, b) for a, b in zip(marked, requantised))

@@ -135,7 +135,9 @@ def test_fast_fake_quantize_rounds_ties_to_even(dtype):
             a, b = fake_quantize(t, axis), fake_quantize_fast(t, axis)
             assert a.dtype == b.dtype == dtype
             assert torch.equal(a.isnan(), b.isnan()) and a.isnan().any()
-            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.signbit(), b.signbit())
+            num = ~a.isnan()  # (a NaN's sign bit means nothing: the two routes may differ there)
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.signbit()[num],
+                                                                                     b.signbit()[num])
 
 
 # --- MXFP8: the expert weights' quantised values, cached per weight tensor and version
