@@ -888,15 +888,21 @@ def experts_backward(
     gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, grads_into=None, needs=None,
     precision: str = "bf16",
 ):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads).
-    grads_into: a GroupedMLPGrads whose parameter gradients this call adds to (reference.add_param_grads).
-    needs: which parameter gradients to compute (reference.param_grads_needed; None: all): frozen ones are None
-    and their weight-gradient GEMMs / bias sums are not launched. precision: the forward's."""
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads; its grad_rows None: the d x
+    rows are summed into dx and freed). grads_into: a GroupedMLPGrads whose parameter gradients this call adds
+    to (reference.add_param_grads). needs: which parameter gradients to compute (reference.param_grads_needed;
+    None: all): frozen ones are None and their weight-gradient GEMMs / bias sums are not launched. precision:
+    the forward's.
+
+    Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows
+    and w h are freed before the d x rows exist; the d x rows freed once summed, before the gate/up weight's
+    gradient."""
     from . import reference
 
     q = GemmOperands(precision)
-    need_b13, need_b2 = reference.param_grads_needed(needs)[2:]
-    sched, gate_up = saved.sched, saved.gate_up
+    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
+    into13, into2 = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
+    sched, gate_up, wdt = saved.sched, saved.gate_up, gate_up_proj.dtype
     num_tokens, top_k = topk_ids.shape
     gy = grad_y.to(x.dtype).contiguous()
     # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows
@@ -905,50 +911,60 @@ def experts_backward(
     dy_a = q.tokens(gy, sched) if q.mxfp8 else dy_rows
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
                                       swiglu_limit)
+    del dy_a
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
-    w_rows = w_rows.unsqueeze(1)
+    d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
+    d_down_bias = None
+    if down_bias is not None and need_b2:
+        d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
+    d_down = weight_grad_of(dy_rows, wh, sched, wdt, into2, q) if need2 else None
+    del dy_rows, wh
     dx_rows = grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
     dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
-    d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
-
-    x_rows = saved.x_rows
-    d_down_bias = None
-    if down_bias is not None and need_b2:
-        d_down_bias = segment_sum((w_rows * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
+    del dx_rows
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    grads = param_grads(dy_rows, wh, dgu, x_rows, sched, gate_up_proj.dtype, dx_rows, dw_rows, d_gate_up_bias,
-                        d_down_bias, grads_into, needs, q)
-    return dx, d_topk, grads
+    d_gate_up = weight_grad_of(dgu, saved.x_rows, sched, wdt, into13, q) if need13 else None
+    return dx, d_topk, _grads(None, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into)
+
+
+def weight_grad_of(a_rows, b_rows, sched: Schedule, wdt, into=None, operands: GemmOperands | None = None):
+    """d W = a_rows^T b_rows per expert (over sched.seg_rows real rows) in wdt, each operand as the GEMM takes
+    it (operands; bf16: the rows themselves); into: added to that gradient instead (the accumulating kernel,
+    weight_grad(into=)), which is returned."""
+    if operands is not None:
+        a_rows, b_rows = operands.segments(a_rows, sched), operands.segments(b_rows, sched)
+    if into is None:
+        return weight_grad(a_rows, b_rows, sched, sched.seg_rows).to(wdt)
+    weight_grad(a_rows, b_rows, sched, sched.seg_rows, into=into)
+    return into
+
+
+def _grads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into):
+    """The GroupedMLPGrads of a backward; with grads_into, that one, whose weight gradients were added to in
+    place, with the bias gradients added and this call's rows (reference.add_param_grads)."""
+    from . import reference
+
+    if grads_into is None:
+        return reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
+    biases = reference.GroupedMLPGrads(dx_rows, dw_rows, None, None, d_gate_up_bias, d_down_bias)
+    return reference.add_param_grads(grads_into, biases, weights=False)
 
 
 def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_up_bias, d_down_bias, grads_into=None,
-                needs=None, operands: GemmOperands | None = None):
-    """GroupedMLPGrads of one backward: the weight gradients d down = dy_rows^T wh and d gate_up = dgu^T x_rows
-    per expert (over sched.seg_rows real rows), with the given bias gradients; grads_into: added to its
-    parameter gradients instead (the weight gradients by the accumulating kernel, weight_grad(into=)).
-    needs: (gate_up_proj, down_proj, ...) bools (reference.param_grads_needed; None: all): a frozen weight's
-    gradient is None and its weight-gradient GEMM is not launched. operands: what the GEMMs take (bf16: the
-    rows themselves)."""
+                needs=None):
+    """GroupedMLPGrads of one backward (the EP path's): the weight gradients d down = dy_rows^T wh and
+    d gate_up = dgu^T x_rows per expert (weight_grad_of), with the given bias gradients; grads_into: added to
+    its parameter gradients instead. needs: (gate_up_proj, down_proj, ...) bools (reference.param_grads_needed;
+    None: all): a frozen weight's gradient is None and its weight-gradient GEMM is not launched."""
     from . import reference
 
     need13, need2 = reference.param_grads_needed(needs)[:2]
-    if operands is not None:
-        if need2:
-            dy_rows, wh = operands.segments(dy_rows, sched), operands.segments(wh, sched)
-        if need13:
-            dgu, x_rows = operands.segments(dgu, sched), operands.segments(x_rows, sched)
-    if grads_into is None:
-        d_down = weight_grad(dy_rows, wh, sched, sched.seg_rows).to(wdt) if need2 else None
-        d_gate_up = weight_grad(dgu, x_rows, sched, sched.seg_rows).to(wdt) if need13 else None
-        return reference.GroupedMLPGrads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
-    if need2:
-        weight_grad(dy_rows, wh, sched, sched.seg_rows, into=grads_into.down_proj)
-    if need13:
-        weight_grad(dgu, x_rows, sched, sched.seg_rows, into=grads_into.gate_up_proj)
-    biases = reference.GroupedMLPGrads(dx_rows, dw_rows, None, None, d_gate_up_bias, d_down_bias)
-    return reference.add_param_grads(grads_into, biases, weights=False)
+    into13, into2 = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
+    d_down = weight_grad_of(dy_rows, wh, sched, wdt, into2) if need2 else None
+    d_gate_up = weight_grad_of(dgu, x_rows, sched, wdt, into13) if need13 else None
+    return _grads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into)
 
 
 # --------------------------------------------------------------------------

@@ -239,8 +239,9 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
 def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace,
              grads_into=None, needs=None):
     """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts). Its grad_rows (the d x of
-    each expert row) may be None on the CUDA EP path, where the dgrad GEMM sends those rows to their sources
-    instead of keeping them (cuda_ep.dx_push_mode); dx holds them summed.
+    each expert row) are None on the CUDA path: at EP = 1 they are freed once summed (peak memory), at EP > 1
+    the dgrad GEMM may send them to their sources instead of keeping them (cuda_ep.dx_push_mode); dx holds them
+    summed.
 
     grads_into: the GroupedMLPGrads of an earlier backward (an earlier macrobatch pass); this call's
     parameter gradients are added to its tensors in place (each sum rounded to their dtype) and it is returned

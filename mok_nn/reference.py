@@ -161,7 +161,7 @@ def grouped_mlp_forward(rows, counts, gate_up_proj, down_proj, gate_up_bias, dow
 
 @dataclass
 class GroupedMLPGrads:
-    grad_rows: torch.Tensor | None  # [N, H] d loss / d input row (None where the CUDA EP path sent them away)
+    grad_rows: torch.Tensor | None  # [N, H] d loss / d input row (None on the CUDA path: summed into dx, freed)
     grad_weights: torch.Tensor  # [N], d loss / d top-k weight of each row (row_weights.dtype)
     gate_up_proj: torch.Tensor | None  # None where not needed (frozen experts: param_grads_needed)
     down_proj: torch.Tensor | None

@@ -122,9 +122,9 @@ def test_every_gemm_takes_the_mxfp8_operands(spied):
     assert torch.equal(b4, fake_quantize(W13, -2).permute(2, 1, 0))
     # the operands differ from the bf16 ones (the test can tell them apart)
     assert not torch.equal(b1, W13.permute(1, 2, 0)) and not _routed_equal(a2, h, sched, T)
-    # with the kernel: x, W13, h, W2 along their columns (forward); d y, W2 along its rows, d gate_up, W13 along
-    # its rows; the four weight-gradient operands in schedule blocks
-    expected = [0, 0, 0, 0, 0, 1, 0, 1, 2, 2, 2, 2] if spied["quantiser"] == "kernel" else []
+    # with the kernel: x, W13, h, W2 along their columns (forward); d y, W2 along its rows, d y and w h in
+    # schedule blocks (the down weight's gradient), d gate_up, W13 along its rows, d gate_up and x in blocks
+    expected = [0, 0, 0, 0, 0, 1, 2, 2, 0, 1, 2, 2] if spied["quantiser"] == "kernel" else []
     assert spied["mx"] == expected
 
 

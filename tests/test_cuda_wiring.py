@@ -129,3 +129,51 @@ def test_default_path_launches_and_function(fake_lib, T, H, I, bias, activation,
     for got, want in ((y, y_ref), (dx, dx_r), (dtk, dtk_r), (grads.gate_up_proj, grads_r.gate_up_proj),
                       (grads.down_proj, grads_r.down_proj)):
         assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
+
+
+def test_backward_frees_each_row_buffer_before_the_next_one(fake_lib, monkeypatch):
+    """Peak memory of the backward: the d y rows and w h are gone when the d x rows are computed (the down
+    weight's gradient ran first), and the d x rows are gone when the gate/up weight's gradient runs; the result
+    is the same as before the spies."""
+    import weakref
+
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, False, seed=7)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    _, saved = cb.experts_forward(x, ids, w, *args)
+    want = cb.experts_backward(dy, saved, x, ids, w, *args)
+    refs, events = {}, []
+    gather, act_b, gemm, wgrad = cb.gather_rows, cb.act_backward, cb.grouped_gemm, cb.weight_grad
+
+    def alive(name):
+        return name in refs and refs[name]() is not None
+
+    def spy_gather(t, sched, skip_tail=False):
+        out = gather(t, sched, skip_tail)
+        refs["dy_rows"] = weakref.ref(out)
+        return out
+
+    def spy_act_b(*a, **kw):
+        dgu, wh, dw = act_b(*a, **kw)
+        refs["wh"] = weakref.ref(wh)
+        return dgu, wh, dw
+
+    def spy_gemm(a, wt, sched, transpose_w, out_dtype=torch.bfloat16):
+        if transpose_w and out_dtype == torch.bfloat16:  # the dgrad of gate/up: the d x rows
+            events.append(("dx_rows", alive("dy_rows"), alive("wh")))
+            out = gemm(a, wt, sched, transpose_w, out_dtype)
+            refs["dx_rows"] = weakref.ref(out)
+            return out
+        return gemm(a, wt, sched, transpose_w, out_dtype)
+
+    def spy_wgrad(*a, **kw):
+        events.append(("wgrad", alive("dx_rows")))
+        return wgrad(*a, **kw)
+
+    for name, f in (("gather_rows", spy_gather), ("act_backward", spy_act_b), ("grouped_gemm", spy_gemm),
+                    ("weight_grad", spy_wgrad)):
+        monkeypatch.setattr(cb, name, f)
+    got = cb.experts_backward(dy, saved, x, ids, w, *args)
+    assert events == [("wgrad", False), ("dx_rows", False, False), ("wgrad", False)], events
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2].gate_up_proj, want[2].gate_up_proj) and torch.equal(got[2].down_proj,
+                                                                                  want[2].down_proj)
