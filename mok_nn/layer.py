@@ -619,7 +619,7 @@ class MoKMoELayer(nn.Module):
         e = self.experts
         if e.mxfp8_only:
             e.check_frozen()
-        if torch.compiler.is_compiling() and self.ep_size == 1 and self.precision == "bf16" and not e.mxfp8_only:
+        if torch.compiler.is_compiling() and self.ep_size == 1 and not e.mxfp8_only:
             # Under torch.compile the experts go through the custom ops, which Dynamo traces as
             # opaque nodes (same formulas and bits as MoKFunction, tested). Macrobatch passes: one
             # op call per pass, unrolled for the traced token count; autograd sums the passes'
@@ -630,7 +630,7 @@ class MoKMoELayer(nn.Module):
                 bounds = pass_bounds(x2d.shape[0], size)
             outs = [ops.routed_experts(
                 x2d[s:t], topk_ids[s:t], topk_weights[s:t], e.gate_up_proj, e.down_proj, e.gate_up_proj_bias,
-                e.down_proj_bias, self.activation, self.swiglu_limit, backend,
+                e.down_proj_bias, self.activation, self.swiglu_limit, backend, self.precision,
             ) for s, t in bounds]
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:

@@ -5,8 +5,10 @@ code that calls them without running them, and the forward op has its
 backward registered, so autograd works through `routed_experts`.
 
     y = mok_nn.ops.routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj,
-                                  gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None)
+                                  gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None,
+                                  backend="auto", precision="bf16")
 
+`precision` is "bf16" or "mxfp8" (every expert GEMM's operands quantised, docs/mxfp8.md).
 `backend` picks who runs them: "cuda" (the CuTe DSL kernels, bf16 on sm_90a),
 "torch" (the portable backend, torch_backend.py), "reference" (pure PyTorch,
 the oracle), or "auto" (the kernels where they can run, else "torch"). The
@@ -66,7 +68,7 @@ def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation, l
 
 
 def check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-                      activation="swiglu", swiglu_limit=None) -> None:
+                      activation="swiglu", swiglu_limit=None, precision="bf16") -> None:
     """Raise ValueError / TypeError naming the argument where the shapes, dtypes or devices do not fit
     y = routed_experts(x [T, H], topk_ids [T, k] int64, topk_weights [T, k], gate_up_proj [E, 2I, H],
     down_proj [E, H, I], gate_up_bias [E, 2I], down_bias [E, H]). Shapes only: no values are read (no host
@@ -107,6 +109,12 @@ def check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_u
          TypeError)
     need(all(t.device == x.device for t in (topk_ids, topk_weights, *floats)),
          "every tensor must be on x's device")
+    need(precision in ("bf16", "mxfp8"), f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
+    if precision == "mxfp8":
+        need(H % 32 == 0 and two_i % 64 == 0,
+             f"precision='mxfp8' needs hidden and intermediate sizes that are multiples of 32, got {H} and {two_i // 2}")
+        need(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+             f"precision='mxfp8' needs bfloat16, float16 or float32 tensors, got {x.dtype}", TypeError)
 
 
 def _saved_rows(backend, num_tokens, top_k, num_experts) -> int:
@@ -120,20 +128,21 @@ def _saved_rows(backend, num_tokens, top_k, num_experts) -> int:
 def routed_experts_fwd(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, swiglu_limit: Optional[float],
-    backend: str,
+    backend: str, precision: str = "bf16",
 ) -> tuple[Tensor, Tensor]:
     """Returns (y [T, H], gate_up in the backend's row order, kept for backward)."""
     impl = {"cuda": _cuda, "torch": lambda: torch_backend}.get(backend, lambda: reference)()
     with autocast_off(x.device.type), on_device(x.device):  # the inputs' dtype, as the backward op computes
         y, saved = impl.experts_forward(
-            x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit
+            x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
+            precision=precision,
         )
     return y, saved.gate_up
 
 
 @routed_experts_fwd.register_fake
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
-      backend):
+      backend, precision="bf16"):
     y = x.new_empty(x.shape)
     rows = _saved_rows(backend, topk_ids.shape[0], topk_ids.shape[1], gate_up_proj.shape[0])
     gate_up = x.new_empty(rows, gate_up_proj.shape[1])
@@ -144,7 +153,7 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bia
 def routed_experts_bwd(
     grad_y: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, gate_up_proj: Tensor,
     down_proj: Tensor, gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str,
-    swiglu_limit: Optional[float], backend: str,
+    swiglu_limit: Optional[float], backend: str, precision: str = "bf16",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, d_topk_weights, d_gate_up_proj, d_down_proj, d_gate_up_bias, d_down_bias).
 
@@ -166,7 +175,7 @@ def routed_experts_bwd(
         with autocast_off(x.device.type):
             dx, d_topk, g = impl.experts_backward(
                 grad_y, saved, x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                activation, swiglu_limit,
+                activation, swiglu_limit, precision=precision,
             )
     return dx, d_topk, g.gate_up_proj, g.down_proj, _or_empty(g.gate_up_bias, x), _or_empty(g.down_bias, x)
 
@@ -177,7 +186,7 @@ def _or_empty(t, like):
 
 @routed_experts_bwd.register_fake
 def _(grad_y, x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
-      activation, swiglu_limit, backend):
+      activation, swiglu_limit, backend, precision="bf16"):
     # contiguous, as both backends return them (empty_like would keep a non-contiguous input's strides: the fake
     # then disagreed with the real op, and inductor asserted on the strides)
     def like(t):
@@ -189,27 +198,27 @@ def _(grad_y, x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_
 
 def _setup_context(ctx, inputs, output):
     (x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
-     backend) = inputs
+     backend, precision) = inputs
     ctx.save_for_backward(x, topk_ids, topk_weights, output[1], gate_up_proj, down_proj, gate_up_bias, down_bias)
-    ctx.activation, ctx.swiglu_limit, ctx.backend = activation, swiglu_limit, backend
+    ctx.activation, ctx.swiglu_limit, ctx.backend, ctx.precision = activation, swiglu_limit, backend, precision
 
 
 def _backward(ctx, grad_y, _grad_gate_up):
     x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias = ctx.saved_tensors
     dx, d_topk, d13, d2, db13, db2 = routed_experts_bwd(
         grad_y.contiguous(), x, topk_ids, topk_weights, gate_up, gate_up_proj, down_proj, gate_up_bias, down_bias,
-        ctx.activation, ctx.swiglu_limit, ctx.backend,
+        ctx.activation, ctx.swiglu_limit, ctx.backend, ctx.precision,
     )
     db13 = db13 if gate_up_bias is not None else None
     db2 = db2 if down_bias is not None else None
-    return dx, None, d_topk, d13, d2, db13, db2, None, None, None
+    return dx, None, d_topk, d13, d2, db13, db2, None, None, None, None
 
 
 routed_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-                   activation="swiglu", swiglu_limit=None, backend="auto"):
+                   activation="swiglu", swiglu_limit=None, backend="auto", precision="bf16"):
     """y [T, H] = sum_j w_tj * expert_{ids_tj}(x_t), through the custom ops (differentiable).
 
     Under torch.compile(fullgraph=True) pass backend="cuda", "torch" or "reference": resolving "auto"
@@ -218,10 +227,10 @@ def routed_experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_b
     kernels cannot run.
     """
     check_expert_args(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
-                      swiglu_limit)
+                      swiglu_limit, precision)
     if not (torch.compiler.is_compiling() and backend in ("cuda", "torch", "reference")):
         backend = resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation)
     return routed_experts_fwd(
         x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
-        backend,
+        backend, precision,
     )[0]

@@ -245,3 +245,45 @@ def test_reference_rejects_expert_ids_out_of_range():
         bad[3, 1] = bad_value
         with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
             ops.routed_experts(x, bad, wt, w13, w2, b13, b2, backend="reference")
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_mxfp8_precision_through_the_ops(backend):
+    """precision="mxfp8" through the custom ops: the backend's MXFP8 forward and backward bit for bit (MoKFunction's
+    path), opcheck passes, and it is not the bf16 result."""
+    from mok_nn import functional
+    from mok_nn.autograd import MoKFunction
+
+    g = torch.Generator().manual_seed(3)
+    T, H, I, E, K = 21, 64, 32, 4, 2
+    x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / 8).bfloat16().requires_grad_()
+    w2 = (torch.randn(E, H, I, generator=g) / 6).bfloat16().requires_grad_()
+    ids, wt, _ = router.route(torch.randn(T, E, generator=g), K)
+    wt = wt.requires_grad_()
+    dy = torch.randn(T, H, generator=g).bfloat16()
+
+    def run(f):
+        for t in (x, wt, w13, w2):
+            t.grad = None
+        y = f()
+        y.backward(dy)
+        return [y.detach()] + [t.grad.clone() for t in (x, wt, w13, w2)]
+
+    got = run(lambda: ops.routed_experts(x, ids, wt, w13, w2, backend=backend, precision="mxfp8"))
+    ws = functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, dtype=x.dtype,
+                                  backend=backend, precision="mxfp8")
+    want = run(lambda: MoKFunction.apply(x, wt, w13, w2, None, None, ids, ws))
+    plain = run(lambda: ops.routed_experts(x, ids, wt, w13, w2, backend=backend))
+    for a, b, c in zip(got, want, plain):
+        assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.library.opcheck(ops.routed_experts_fwd, (x.detach().float(), ids, wt.detach(), w13.detach().float(),
+                                                   w2.detach().float(), None, None, "swiglu", None, backend, "mxfp8"))
+
+
+def test_mxfp8_precision_arguments_are_checked():
+    x, ids, wt, w13, w2, _, _ = _inputs(dtype=torch.float32, bias=False)  # H = 16: not a multiple of 32
+    with pytest.raises(ValueError, match="multiples of 32"):
+        ops.routed_experts(x, ids, wt, w13, w2, precision="mxfp8")
+    with pytest.raises(ValueError, match="precision"):
+        ops.routed_experts(x, ids, wt, w13, w2, precision="fp8")
