@@ -90,8 +90,9 @@ class Schedule:
     seg_end: torch.Tensor
     seg_rows: torch.Tensor
     row_expert: torch.Tensor | None = None  # [M_cap] int64, E past the end; derived when absent
-    # (x, x_rows): x gathered in schedule order by the call that made the schedule (make_schedule(gather_x=x));
-    # taken once (take_gathered), so the schedule does not keep x_rows alive after the forward
+    # (x, x_rows, precision): x gathered in schedule order by the call that made the schedule (make_schedule(
+    # gather_x=x)), with precision "mxfp8" its MXFP8 values (build_schedule); taken once (take_gathered), so the
+    # schedule does not keep x_rows alive after the forward
     gathered: tuple | None = field(default=None, repr=False)
     # gemm_seg_rows: written by the schedule kernels (make_schedule), else computed once on first use; every
     # GEMM of a forward+backward takes it (3 torch ops each time otherwise, host time the GPU can wait for)
@@ -115,11 +116,11 @@ class Schedule:
             return self.seg_rows
         return self.gemm_seg_rows()
 
-    def take_gathered(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x_rows (= gather_rows(x, self, skip_tail=True)) where make_schedule gathered this very x, else None;
-        forgets them either way."""
+    def take_gathered(self, x: torch.Tensor, precision: str = "bf16") -> torch.Tensor | None:
+        """x_rows (= gather_rows(x, self, skip_tail=True); precision "mxfp8": of x's MXFP8 values) where the
+        schedule's call gathered this very x so, else None; forgets them either way."""
         gathered, self.gathered = self.gathered, None
-        return gathered[1] if gathered is not None and gathered[0] is x else None
+        return gathered[1] if gathered is not None and gathered[0] is x and gathered[2] == precision else None
 
     @property
     def capacity(self) -> int:
@@ -197,7 +198,7 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
         x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
         _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
                       _scatter_rows_grid(num_tokens, cap, num_sms(dev)), stream=_stream())
-        sched.gathered = (gather_x, x_rows)
+        sched.gathered = (gather_x, x_rows, "bf16")
     else:
         _lib().launch("mok_schedule_mc", *outs, scratch, top_k, chunk, stream=_stream())
     return sched
@@ -842,7 +843,9 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     sched: Schedule
-    x_rows: torch.Tensor  # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient
+    # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient; None with precision="mxfp8"
+    # (the GEMM took x's MXFP8 values: the backward gathers x where the gradient is wanted)
+    x_rows: torch.Tensor | None
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
 
 
@@ -858,11 +861,18 @@ def experts_forward(
     q = GemmOperands(precision)
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
-    # x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten
-    x_rows = sched.take_gathered(x)  # gathered by the schedule's call (build_schedule), or None
-    if x_rows is None:
-        x_rows = gather_rows(x.contiguous(), sched, skip_tail=True)
-    a = q.tokens(x.contiguous(), sched) if q.mxfp8 else x_rows
+    # x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten.
+    # Gathered by the schedule's call (build_schedule) where it could, else here.
+    if q.mxfp8:
+        x_rows = None
+        a = sched.take_gathered(x, "mxfp8")
+        if a is None:
+            a = q.tokens(x.contiguous(), sched)
+    else:
+        x_rows = sched.take_gathered(x)
+        if x_rows is None:
+            x_rows = gather_rows(x.contiguous(), sched, skip_tail=True)
+        a = x_rows
     w13 = q.weight(gate_up_proj, -1)
     if use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, x.shape[1]):
         gate_up, h = gate_up_act(a, w13, sched, activation, swiglu_limit)
@@ -925,7 +935,9 @@ def experts_backward(
     dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
     del dx_rows
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    d_gate_up = weight_grad_of(dgu, saved.x_rows, sched, wdt, into13, q) if need13 else None
+    if need13:
+        x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
+    d_gate_up = weight_grad_of(dgu, x_rows, sched, wdt, into13, q) if need13 else None
     return dx, d_topk, _grads(None, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into)
 
 
@@ -1014,8 +1026,15 @@ def build_schedule(topk_ids: torch.Tensor, workspace, x: torch.Tensor | None = N
     # all-gather it shares with the token exchange.
     if workspace.ep_size > 1:
         return None
-    # x (the forward's tokens): gathered in schedule order by the same host call
-    return make_schedule(topk_ids, workspace.num_experts, gather_x=x)
+    # x (the forward's tokens): gathered in schedule order by the same host call; with precision="mxfp8" its MXFP8
+    # values, what the gate/up GEMM takes (the forward then gathers nothing)
+    if (workspace.precision != "mxfp8" or x is None or workspace.num_experts > SCHEDULE_MAX_EXPERTS
+            or not _gathers_with_schedule(x, topk_ids)):  # (topk_ids: the shape of the schedule's pos)
+        return make_schedule(topk_ids, workspace.num_experts, gather_x=x)
+    sched = make_schedule(topk_ids, workspace.num_experts, gather_x=mx_values(x.contiguous(), MX_ALONG_COLS))
+    if sched.gathered is not None:
+        sched.gathered = (x, sched.gathered[1], "mxfp8")
+    return sched
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, workspace):

@@ -228,3 +228,37 @@ def test_unknown_precision_is_refused(quantiser):
     x, ids, w, dy, W13, W2, b13, b2 = _problem(seed=6)
     with pytest.raises(ValueError, match="precision"):
         cb.experts_forward(x, ids, w, W13, W2, precision="fp8")
+
+
+def test_schedule_call_gathers_the_mxfp8_rows(quantiser, monkeypatch):
+    """With precision="mxfp8" the schedule's call gathers x's MXFP8 values (build_schedule), which the gate/up
+    GEMM takes as they are: no other gather of x in the forward, none kept for the backward (x_rows None; the
+    backward gathers x for the weight gradient), and the same bits as without the schedule's gather."""
+    from types import SimpleNamespace
+
+    problem = _problem(seed=8)
+    x, ids, w, dy, W13, W2, _, _ = problem
+    args = (W13, W2, None, None, "swiglu", None)
+
+    def schedule_gathering(topk_ids, num_experts, capacity=None, gather_x=None):
+        sched = cb.make_schedule_torch(topk_ids, num_experts, capacity)
+        if gather_x is not None:  # as mok_schedule_gather does on the GPU
+            sched.gathered = (gather_x, cb.gather_rows(gather_x, sched), "bf16")
+        return sched
+
+    monkeypatch.setattr(cb, "make_schedule", schedule_gathering)
+    monkeypatch.setattr(cb, "_gathers_with_schedule", lambda x, pos: True)
+    ws = SimpleNamespace(precision="mxfp8", ep_size=1, num_experts=E)
+    sched = cb.build_schedule(ids, ws, x)
+    assert sched.gathered[0] is x and sched.gathered[2] == "mxfp8"
+    gathers = []
+    gather = cb.gather_rows
+    monkeypatch.setattr(cb, "gather_rows", lambda t, *a, **kw: gathers.append(t) or gather(t, *a, **kw))
+    y, saved = cb.experts_forward(x, ids, w, *args, sched=sched, precision="mxfp8")
+    assert gathers == [] and saved.x_rows is None and sched.gathered is None
+    back = cb.experts_backward(dy, saved, x, ids, w, *args, precision="mxfp8")
+    assert any(t is x for t in gathers)  # x gathered for d W13
+    y2, saved2 = cb.experts_forward(x, ids, w, *args, precision="mxfp8")
+    back2 = cb.experts_backward(dy, saved2, x, ids, w, *args, precision="mxfp8")
+    assert torch.equal(y, y2) and torch.equal(back[0], back2[0])
+    assert torch.equal(back[2].gate_up_proj, back2[2].gate_up_proj)

@@ -97,9 +97,11 @@ def test_take_gathered_gives_the_rows_of_that_very_x_once():
     assert s.gathered is None and s.take_gathered(torch.zeros(1)) is None  # the torch schedule gathers nothing
     x = torch.randn(10, 8)
     rows = cb.gather_rows(x, s)
-    s.gathered = (x, rows)
+    s.gathered = (x, rows, "bf16")
     assert s.take_gathered(x.clone()) is None and s.gathered is None  # equal values, another tensor: not taken
-    s.gathered = (x, rows)
+    s.gathered = (x, rows, "bf16")
+    assert s.take_gathered(x, "mxfp8") is None and s.gathered is None  # x's rows, not its MXFP8 values
+    s.gathered = (x, rows, "bf16")
     assert s.take_gathered(x) is rows and s.gathered is None and s.take_gathered(x) is None
 
 
