@@ -60,6 +60,9 @@ class Workspace:
     swiglu_limit: float | None = None
     config: MoKConfig = field(default_factory=MoKConfig)
     precision: str = "bf16"
+    # backend "torch": where its local experts' MLP runs: "torch", or "cuda" (the fused one-GPU kernels; the
+    # layer picks it for expert parallelism the EP kernels cannot take, e.g. across hosts, on Hopper)
+    local_experts: str = "torch"
     buffers: dict = field(default_factory=dict)
     ep_state: dict = field(default_factory=dict)  # an EP path's state across calls (token capacity, error flags)
 
@@ -88,12 +91,17 @@ def get_workspace(
     *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, ep_group=None, device=None,
     dtype: torch.dtype = torch.bfloat16, backend: str = "reference", activation: str = "swiglu",
     swiglu_limit: float | None = None, config: MoKConfig | None = None, precision: str = "bf16",
+    local_experts: str = "torch",
 ) -> Workspace:
-    """The workspace for these shapes, created once and reused."""
+    """The workspace for these shapes, created once and reused. local_experts (backend "torch"): "torch", or
+    "cuda" to run the local experts' MLP on the fused kernels (Workspace.local_experts)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if precision not in ("bf16", "mxfp8"):
         raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
+    if local_experts not in ("torch", "cuda") or (local_experts == "cuda" and backend != "torch"):
+        raise ValueError(f"local_experts must be 'torch', or 'cuda' with backend='torch', got {local_experts!r} "
+                         f"with backend={backend!r}")
     config = config if config is not None else _DEFAULT_CONFIG
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig or None, got {type(config).__name__}")
@@ -103,12 +111,12 @@ def get_workspace(
     # id(ep_group) cannot be reused by another group while the entry exists: the workspace holds
     # the group. Entries live until release_workspaces() (a workspace may hold GPU buffers).
     key = (hidden_size, intermediate_size, num_experts, top_k, id(ep_group), str(device), dtype, backend,
-           activation, swiglu_limit, config, precision)
+           activation, swiglu_limit, config, precision, local_experts)
     ws = _WORKSPACES.get(key)
     if ws is None:
         _check_workspace_args(hidden_size, intermediate_size, num_experts, top_k, dtype, activation, swiglu_limit)
         ws = Workspace(hidden_size, intermediate_size, num_experts, top_k, ep_group, device, dtype, backend,
-                       activation, swiglu_limit, config, precision)
+                       activation, swiglu_limit, config, precision, local_experts)
         if backend == "cuda":
             _cuda_backend().init_workspace(ws)
         _WORKSPACES[key] = ws
@@ -229,8 +237,13 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     if workspace.backend == "cuda":
         with on_device(x.device):
             return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
-    impl = torch_backend if workspace.backend == "torch" else reference
-    return impl.experts_forward(
+    if workspace.backend == "torch":
+        with on_device(x.device):
+            return torch_backend.experts_forward(
+                x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
+                workspace.precision, local_kernels=workspace.local_experts == "cuda",
+            )
+    return reference.experts_forward(
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
         workspace.precision,
     )

@@ -586,6 +586,16 @@ class MoKMoELayer(nn.Module):
             logger.log(level, "mok_nn: using the portable backend (backend='torch'): %s", reason)
         return "torch"
 
+    def _local_experts(self, x: torch.Tensor, backend: str) -> str:
+        """Where the portable backend's local experts run: "cuda" (the fused one-GPU kernels) where "auto" took the
+        portable backend for expert parallelism alone (an EP group the EP kernels cannot take, e.g. across hosts,
+        or MXFP8 over EP) and the kernels run this layer on one GPU; else "torch"."""
+        if backend != "torch" or self.backend != "auto" or self.ep_size == 1 or not x.is_cuda:
+            return "torch"
+        from . import cuda_backend
+
+        return "cuda" if cuda_backend.unsupported_reason(self, x) is None else "torch"
+
     def _cuda_unsupported_reason(self, x: torch.Tensor) -> str | None:
         if not x.is_cuda:
             return f"input is on {x.device.type}, the fused kernels need a CUDA device"
@@ -638,7 +648,7 @@ class MoKMoELayer(nn.Module):
                 hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                 num_experts=self.num_experts, top_k=self.top_k, ep_group=self.ep_group, device=x.device,
                 dtype=x.dtype, backend=backend, activation=self.activation, swiglu_limit=self.swiglu_limit,
-                config=self.config, precision=self.precision,
+                config=self.config, precision=self.precision, local_experts=self._local_experts(x, backend),
             )
             # MXFP8-only weights go in as their E4M3 data and E8M0 scales: MoKFunction dequantises them for
             # each forward and backward (a transient copy in the layer dtype), and they get no gradient

@@ -448,8 +448,9 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
 class TorchSaved:
     schedule: Schedule
     rows: torch.Tensor  # the local expert rows, grouped by expert
-    gate_up: torch.Tensor  # [N_local, 2I]
+    gate_up: torch.Tensor  # [N_local, 2I]; with local kernels [M_cap, 2I] in their schedule's order
     h: torch.Tensor | None = None  # [N_local, I] act(gate_up); None: recomputed in backward
+    local: object = None  # cuda_backend.LocalRows where the local experts ran on the kernels
 
 
 def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -483,19 +484,31 @@ def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype, terms) -> torch.T
 
 
 def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-                    activation="swiglu", swiglu_limit=None, schedule: Schedule | None = None, precision="bf16"):
-    """Routed experts (reference.experts_forward's function). Returns (y [T, H], TorchSaved)."""
+                    activation="swiglu", swiglu_limit=None, schedule: Schedule | None = None, precision="bf16",
+                    local_kernels: bool = False):
+    """Routed experts (reference.experts_forward's function). Returns (y [T, H], TorchSaved). local_kernels: the
+    local experts' MLP on the fused one-GPU kernels (cuda_backend.local_mlp_forward), the exchange and the
+    combine as here (expert parallelism across hosts on Hopper)."""
     num_tokens, top_k = topk_ids.shape
     if schedule is None:
         schedule = build_schedule(topk_ids, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], x.dtype)
     rows = _to_rows(schedule, x.index_select(0, schedule.token_of_rows(top_k)))
-    out, gate_up, h = mlp_forward(rows, schedule.groups, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                  activation, swiglu_limit, precision)
+    mlp_args = (gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit, precision)
+    local = None
+    if local_kernels:
+        from . import cuda_backend
+
+        g = schedule.groups
+        local = cuda_backend.local_rows(g.expert, g.rank, g.counts)
+        out, gate_up = cuda_backend.local_mlp_forward(rows, local, *mlp_args)
+        h = None
+    else:
+        out, gate_up, h = mlp_forward(rows, schedule.groups, *mlp_args)
     slots = _from_rows(schedule, out).view(num_tokens, top_k, out.shape[-1])
     y = combine_slots(slots, topk_weights, x.dtype)
     if isinstance(schedule.plan, BoundedPlan):
         y = schedule.plan.poison(y)
-    return y, TorchSaved(schedule, rows, gate_up, h)
+    return y, TorchSaved(schedule, rows, gate_up, h, local)
 
 
 def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
@@ -507,11 +520,18 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     schedule = saved.schedule
     dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype).index_select(0, schedule.token_of_rows(top_k)))
     w_rows = _to_rows(schedule, topk_weights.reshape(-1).index_select(0, schedule.order))
-    h = saved.h
-    if h is None:
-        h = activation_forward(saved.gate_up, activation, swiglu_limit)
-    grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj, down_proj,
-                         gate_up_bias, down_bias, activation, swiglu_limit, precision, needs)
+    if saved.local is not None:
+        from . import cuda_backend
+
+        grads = cuda_backend.local_mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, saved.local,
+                                                gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+                                                swiglu_limit, precision, needs)
+    else:
+        h = saved.h
+        if h is None:
+            h = activation_forward(saved.gate_up, activation, swiglu_limit)
+        grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj,
+                             down_proj, gate_up_bias, down_bias, activation, swiglu_limit, precision, needs)
     dx_slots = _from_rows(schedule, grads.grad_rows).view(num_tokens, top_k, saved.rows.shape[-1])
     dx = sum_slots(dx_slots, saved.rows.dtype)
     d_topk = _from_rows(schedule, grads.grad_weights).view(num_tokens, top_k)
