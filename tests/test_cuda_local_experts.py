@@ -11,34 +11,35 @@ import torch
 from mok_nn import cuda_backend as cb
 from mok_nn import torch_backend
 
-from test_cuda_wiring import fake_lib  # noqa: F401
+from test_cuda_wiring import fake_lib, random_problem  # noqa: F401
 
 H, I, E = 64, 32, 4
 
 
-def _grouped_rows(seed, n_valid=45, n_pad=11, bias=False, dtype=torch.bfloat16):
+def grouped_rows(seed, n_valid=45, n_pad=11, bias=False, device="cpu"):
     """Rows sorted by expert (each expert's rows in order) and n_pad padding rows at the end (NaN), as the bounded
-    exchange leaves them; their Groups (ids past the last expert: padding)."""
+    exchange leaves them; their Groups (ids past the last expert: padding); weights, d y and w: bf16 / fp32."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, E, (n_valid,), generator=g)
     ids = torch.sort(torch.where(ids == 1, 0, ids)).values  # expert 1 gets no row; the padding rows follow E - 1's
-    rows = torch.randn(n_valid, H, generator=g).to(dtype)
-    sorted_ids = torch.cat([ids, torch.full((n_pad,), E)])
-    rows = torch.cat([rows, torch.full((n_pad, H), float("nan"), dtype=dtype)])
-    groups = torch_backend.groups_from_sorted_ids(sorted_ids, E, fused=False, capacity=rows.shape[0], padded=True)
-    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dtype) if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dtype) if bias else None
-    dy = torch.randn(rows.shape[0], H, generator=g).to(dtype)
+    rows = torch.cat([torch.randn(n_valid, H, generator=g), torch.full((n_pad, H), float("nan"))]).bfloat16()
+    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16() if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).bfloat16() if bias else None
+    dy = torch.randn(rows.shape[0], H, generator=g).bfloat16()
     w = torch.rand(rows.shape[0], generator=g)
-    return rows, ids, groups, (W13, W2, b13, b2), dy, w
+    rows, ids, dy, w = (t.to(device) for t in (rows, ids, dy, w))
+    weights = tuple(None if t is None else t.to(device) for t in (W13, W2, b13, b2))
+    sorted_ids = torch.cat([ids, torch.full((n_pad,), E, device=device)])
+    groups = torch_backend.groups_from_sorted_ids(sorted_ids, E, fused=False, capacity=rows.shape[0], padded=True)
+    return rows, ids, groups, weights, dy, w
 
 
 def test_local_rows_schedule():
     """Each expert's routed rows fill the start of its segment (padded to TILE_M) in their order; padding rows
     get no schedule row; the tiles past the segments (one at least) belong to no expert."""
-    rows, ids, groups, *_ = _grouped_rows(0)
+    rows, ids, groups, *_ = grouped_rows(0)
     lr = cb.local_rows(groups.expert, groups.rank, groups.counts)
     n = ids.shape[0]
     assert lr.valid.tolist() == [True] * n + [False] * (rows.shape[0] - n)
@@ -54,41 +55,38 @@ def test_local_rows_schedule():
     assert (lr.sched.tile_expert[start // 128:] == -1).all() and lr.sched.capacity > start
 
 
-@pytest.mark.parametrize("bias,precision", [(False, "bf16"), (True, "bf16"), (False, "mxfp8")])
-def test_local_mlp_is_the_one_gpu_path_bit_for_bit(fake_lib, bias, precision):
-    rows, ids, groups, weights, dy, w = _grouped_rows(1, bias=bias)
+def check_local_is_the_one_gpu_path(rows, ids, groups, weights, dy, w, precision):
+    """local_mlp_forward / _backward against experts_forward / _backward on the routed rows (each routed to its
+    expert with weight 1 in the forward, w in the backward), bitwise; frozen weights: no weight gradients."""
     n = ids.shape[0]
     args = (*weights, "swiglu", None)
     lr = cb.local_rows(groups.expert, groups.rank, groups.counts)
     out, gate_up = cb.local_mlp_forward(rows, lr, *args, precision=precision)
     g = cb.local_mlp_backward(rows, dy, w, gate_up, lr, *args, precision=precision)
-    # the one-GPU path on the routed rows, each routed to its expert with weight 1 (forward) / w (backward)
     ids1 = ids.view(-1, 1)
-    y, saved = cb.experts_forward(rows[:n], ids1, torch.ones(n, 1), *args, precision=precision)
+    y, saved = cb.experts_forward(rows[:n], ids1, torch.ones(n, 1, device=rows.device), *args, precision=precision)
     dx, dtk, g1 = cb.experts_backward(dy[:n], saved, rows[:n], ids1, w[:n].view(-1, 1), *args, precision=precision)
     assert torch.equal(out[:n], y) and torch.isfinite(out[:n]).all()
     assert torch.equal(g.grad_rows[:n], dx) and torch.equal(g.grad_weights[:n], dtk.view(-1))
     for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
         a, b = getattr(g, name), getattr(g1, name)
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-    # frozen weights: no weight-gradient GEMM, the same d x
     frozen = cb.local_mlp_backward(rows, dy, w, gate_up, lr, *args, precision=precision,
                                    needs=(False, False, True, True))
     assert frozen.gate_up_proj is None and frozen.down_proj is None
     assert torch.equal(frozen.grad_rows[:n], dx)
 
 
+@pytest.mark.parametrize("bias,precision", [(False, "bf16"), (True, "bf16"), (False, "mxfp8")])
+def test_local_mlp_is_the_one_gpu_path_bit_for_bit(fake_lib, bias, precision):
+    rows, ids, groups, weights, dy, w = grouped_rows(1, bias=bias)
+    check_local_is_the_one_gpu_path(rows, ids, groups, weights, dy, w, precision)
+
+
 def test_torch_backend_with_local_kernels(fake_lib):
     """torch_backend.experts_forward / backward with local_kernels: the same function as its own MLP (within the
     bf16 roundings the two paths store differently), bitwise repeatable."""
-    g = torch.Generator().manual_seed(2)
-    T, K = 37, 2
-    x = torch.randn(T, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    dy = torch.randn(T, H, generator=g).bfloat16()
-    W13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
-    W2 = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    x, ids, w, dy, W13, W2, _, _ = random_problem(37, H, I, E, 2, False, seed=2)
     args = (W13, W2, None, None, "swiglu", None)
 
     def run(local):

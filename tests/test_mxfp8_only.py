@@ -443,7 +443,8 @@ def test_checkpoint_shard_and_column_wise_layout(tmp_path):
 def test_mxfp8_precision_forward_takes_w_q_without_requantising(monkeypatch):
     """precision="mxfp8" on MXFP8-only weights: the forward's weight operands are W_q itself (it is MXFP8 along
     that axis), with no quantisation pass; the backward quantises W_q column-wise; the same bits as requantising."""
-    from mok_nn import autograd, mxfp8
+    from mok_nn import autograd
+    from test_portable_fast_paths import _count_weight_quantisations
 
     def run():
         layer = make(precision="mxfp8", backend="torch")
@@ -452,15 +453,7 @@ def test_mxfp8_precision_forward_takes_w_q_without_requantising(monkeypatch):
         y.float().pow(2).sum().backward()
         return y.detach(), x.grad
 
-    calls = []
-    real = mxfp8.fake_quantize_fast
-
-    def counting(t, axis=-1):
-        if t.dim() == 3:
-            calls.append(axis)
-        return real(t, axis)
-
-    monkeypatch.setattr(mxfp8, "fake_quantize_fast", counting)
+    calls = _count_weight_quantisations(monkeypatch)
     marked = run()
     assert sorted(calls) == [-2, -2]  # W13 and W2 along their backward axis; none along the forward's
     calls.clear()
