@@ -889,15 +889,15 @@ def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, 
     else:
         gate_up = grouped_gemm(a, w13, sched, transpose_w=False)
         if gate_up_bias is not None:
-            gate_up = (gate_up.float() + _bias_rows(gate_up_bias, sched)).to(a.dtype)
+            gate_up = (gate_up.float() + bias_rows(gate_up_bias, sched)).to(a.dtype)
         h = act_forward(gate_up, sched, activation, swiglu_limit)
     out_rows = grouped_gemm(q.rows(h), q.weight(down_proj, -1), sched, transpose_w=False)
     if down_bias is not None:
-        out_rows = (out_rows.float() + _bias_rows(down_bias, sched)).to(a.dtype)
+        out_rows = (out_rows.float() + bias_rows(down_bias, sched)).to(a.dtype)
     return out_rows, gate_up
 
 
-def _bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
+def bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
     b = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
     return b.index_select(0, sched.expert_of_rows())
 
@@ -932,7 +932,7 @@ def experts_backward(
                                       swiglu_limit)
     del dy_a
     if down_bias is not None:
-        dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
+        dw_rows = dw_rows + (dy_rows.float() * bias_rows(down_bias, sched)).sum(dim=1)
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
     d_down_bias = None
     if down_bias is not None and need_b2:
@@ -986,92 +986,6 @@ def param_grads(dy_rows, wh, dgu, x_rows, sched, wdt, dx_rows, dw_rows, d_gate_u
     d_down = weight_grad_of(dy_rows, wh, sched, wdt, into2) if need2 else None
     d_gate_up = weight_grad_of(dgu, x_rows, sched, wdt, into13) if need13 else None
     return _grads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into)
-
-
-# --------------------------------------------------------------------------
-# the local experts of the portable backend's expert parallelism (EP groups the EP kernels cannot take, e.g.
-# across hosts): its exchange brings each rank's rows grouped by local expert (torch_backend.Groups); these
-# run their MLP on the kernels above, in the order the GEMMs read (a schedule of those rows)
-
-
-@dataclass
-class LocalRows:
-    """A schedule over N rows sorted by expert (rows past their expert's count are padding of the bounded
-    exchange: no schedule row), and how the rows map to it."""
-
-    sched: Schedule
-    src: torch.Tensor  # [M_cap] int64: the row each schedule row takes (N: none, a zero row)
-    dst: torch.Tensor  # [N] int64: each row's schedule row (padding rows: the last one, in an unused tile)
-    valid: torch.Tensor  # [N] bool: not padding
-
-
-def local_rows(expert: torch.Tensor, rank: torch.Tensor, counts: torch.Tensor) -> LocalRows:
-    """LocalRows of N rows sorted by expert: expert / rank [N] each row's expert and place among its rows,
-    counts [E] routed rows per expert (torch_backend.Groups' fields; on the device, no host read). Capacity: the
-    worst case N + E (TILE_M - 1), rounded up, and one more tile that no expert owns (the padding rows' row)."""
-    n, e = expert.shape[0], counts.shape[0]
-    dev = expert.device
-    cap = -(-(n + e * (TILE_M - 1)) // TILE_M) * TILE_M + TILE_M
-    counts = counts.long()
-    padded = (counts + TILE_M - 1) // TILE_M * TILE_M
-    seg_end = torch.cumsum(padded, 0)
-    valid = rank < counts.index_select(0, expert)
-    dst = torch.where(valid, (seg_end - padded).index_select(0, expert) + rank, cap - 1)
-    src = torch.full((cap,), n, dtype=torch.int64, device=dev)
-    src.scatter_(0, dst, torch.where(valid, torch.arange(n, device=dev), n))  # (padding rows all write n)
-    tiles = torch.arange(0, cap, TILE_M, device=dev)
-    tile_expert = torch.searchsorted(seg_end, tiles, right=True)
-    tile_expert = torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
-    sched = Schedule(dst.view(n, 1), src, tile_expert, seg_end.to(torch.int32), counts.to(torch.int32))
-    return LocalRows(sched, src, dst, valid)
-
-
-def local_mlp_forward(rows, lr: LocalRows, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
-                      swiglu_limit, precision="bf16"):
-    """(out [N, H], gate_up [M_cap, 2I] in schedule order): the experts' MLP of each row (unweighted; padding
-    rows' out unspecified), on the kernels, as experts_forward computes it."""
-    q = GemmOperands(precision)
-    a = take_rows(mx_values(rows, MX_ALONG_COLS) if q.mxfp8 else rows, lr.src, tile_expert=lr.sched.tile_expert)
-    out_rows, gate_up = mlp_rows_forward(a, lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                         activation, swiglu_limit, q)
-    return out_rows.index_select(0, lr.dst), gate_up
-
-
-def local_mlp_backward(rows, grad_out, row_weights, gate_up, lr: LocalRows, gate_up_proj, down_proj, gate_up_bias,
-                       down_bias, activation, swiglu_limit, precision="bf16", needs=None):
-    """torch_backend.mlp_backward's GroupedMLPGrads (grad_rows [N, H], grad_weights [N], parameter gradients) on the
-    kernels: the backward of w * MLP(rows) with grad_out [N, H] the rows' d y (not scaled by w)."""
-    from . import reference
-
-    q = GemmOperands(precision)
-    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
-    sched, wdt, dt = lr.sched, gate_up_proj.dtype, rows.dtype
-    dy_rows = take_rows(grad_out.to(dt).contiguous(), lr.src, tile_expert=sched.tile_expert if down_bias is None
-                        else None)
-    w_rows = torch.zeros(sched.capacity, dtype=torch.float32, device=rows.device)
-    w_rows.scatter_(0, lr.dst, torch.where(lr.valid, row_weights.float(), 0.0))  # (padding rows all write 0)
-    dy_a = take_rows(mx_values(grad_out.to(dt).contiguous(), MX_ALONG_COLS), lr.src,
-                     tile_expert=sched.tile_expert) if q.mxfp8 else dy_rows
-    dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
-                                      swiglu_limit)
-    del dy_a
-    if down_bias is not None:
-        dw_rows = dw_rows + (dy_rows.float() * _bias_rows(down_bias, sched)).sum(dim=1)
-    d_down_bias = None
-    if down_bias is not None and need_b2:
-        d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(dt), sched).to(down_bias.dtype)
-    d_down = weight_grad_of(dy_rows, wh, sched, wdt, None, q) if need2 else None
-    del dy_rows, wh
-    dx_rows = grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True)
-    grad_rows = dx_rows.index_select(0, lr.dst)
-    del dx_rows
-    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    d_gate_up = None
-    if need13:
-        x_rows = take_rows(rows, lr.src, tile_expert=sched.tile_expert)
-        d_gate_up = weight_grad_of(dgu, x_rows, sched, wdt, None, q)
-    grad_weights = dw_rows.index_select(0, lr.dst).to(row_weights.dtype)
-    return reference.GroupedMLPGrads(grad_rows, grad_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
 
 
 # --------------------------------------------------------------------------

@@ -1197,7 +1197,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     ids_all = bufs.local("ids").clone()
     w_rows = bufs.local("weights").index_select(0, eps.row_gslot)  # padding: the zero last element
     if gate_up_bias is not None:
-        gate_up = (gate_up.float() + cb._bias_rows(gate_up_bias, sched)).to(x.dtype)
+        gate_up = (gate_up.float() + cb.bias_rows(gate_up_bias, sched)).to(x.dtype)
     if h is None:
         h = cb.act_forward(gate_up, sched, ws.activation, ws.swiglu_limit)
     gemm_push = down_push(h, down_bias is not None)
@@ -1208,7 +1208,7 @@ def forward(x, topk_ids, topk_weights, params, schedule, ws):
     else:
         out_rows = cb.grouped_gemm(h, down_proj, sched, transpose_w=False)
         if down_bias is not None:
-            out_rows = (out_rows.float() + cb._bias_rows(down_bias, sched)).to(x.dtype)
+            out_rows = (out_rows.float() + cb.bias_rows(down_bias, sched)).to(x.dtype)
         # 6. combine push into each source's partials (one fp32 node per token) or slots (a row per slot)
         if sums == "rank":
             bufs.push_partials(out_rows, eps, ws.num_experts, weighted=True)
@@ -1308,7 +1308,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit)
     if down_bias is not None:
-        dw_rows = dw_rows + (dy_rows.float() * cb._bias_rows(down_bias, sched)).sum(dim=1)
+        dw_rows = dw_rows + (dy_rows.float() * cb.bias_rows(down_bias, sched)).sum(dim=1)
     dx_mode = dx_push_mode(x.shape[1])
     dx_rows = None  # (stays None where the dgrad GEMM sends the rows: the returned grads' grad_rows too)
     copy_engine = False

@@ -450,7 +450,7 @@ class TorchSaved:
     rows: torch.Tensor  # the local expert rows, grouped by expert
     gate_up: torch.Tensor  # [N_local, 2I]; with local kernels [M_cap, 2I] in their schedule's order
     h: torch.Tensor | None = None  # [N_local, I] act(gate_up); None: recomputed in backward
-    local: object = None  # cuda_backend.LocalRows where the local experts ran on the kernels
+    local: object = None  # cuda_local.LocalRows where the local experts ran on the kernels
 
 
 def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -487,7 +487,7 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
                     activation="swiglu", swiglu_limit=None, schedule: Schedule | None = None, precision="bf16",
                     local_kernels: bool = False):
     """Routed experts (reference.experts_forward's function). Returns (y [T, H], TorchSaved). local_kernels: the
-    local experts' MLP on the fused one-GPU kernels (cuda_backend.local_mlp_forward), the exchange and the
+    local experts' MLP on the fused one-GPU kernels (cuda_local.local_mlp_forward), the exchange and the
     combine as here (expert parallelism across hosts on Hopper)."""
     num_tokens, top_k = topk_ids.shape
     if schedule is None:
@@ -496,11 +496,11 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
     mlp_args = (gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit, precision)
     local = None
     if local_kernels:
-        from . import cuda_backend
+        from . import cuda_local
 
         g = schedule.groups
-        local = cuda_backend.local_rows(g.expert, g.rank, g.counts)
-        out, gate_up = cuda_backend.local_mlp_forward(rows, local, *mlp_args)
+        local = cuda_local.local_rows(g.expert, g.rank, g.counts)
+        out, gate_up = cuda_local.local_mlp_forward(rows, local, *mlp_args)
         h = None
     else:
         out, gate_up, h = mlp_forward(rows, schedule.groups, *mlp_args)
@@ -521,9 +521,9 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype).index_select(0, schedule.token_of_rows(top_k)))
     w_rows = _to_rows(schedule, topk_weights.reshape(-1).index_select(0, schedule.order))
     if saved.local is not None:
-        from . import cuda_backend
+        from . import cuda_local
 
-        grads = cuda_backend.local_mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, saved.local,
+        grads = cuda_local.local_mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, saved.local,
                                                 gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                                                 swiglu_limit, precision, needs)
     else:

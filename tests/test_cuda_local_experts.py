@@ -1,5 +1,5 @@
 """The portable backend's local experts on the fused one-GPU kernels (expert parallelism the EP kernels cannot take,
-e.g. across hosts): cuda_backend.local_rows / local_mlp_forward / local_mlp_backward, on the CPU with
+e.g. across hosts): cuda_local.local_rows / local_mlp_forward / local_mlp_backward, on the CPU with
 test_cuda_wiring's stand-in kernel library. Oracle: the one-GPU path (experts_forward / experts_backward) on the
 same rows routed to their experts with top_k = 1, which runs the same kernels: bitwise equal on every routed row
 and every gradient, whatever the padding rows of the bounded exchange hold; and torch_backend's own MLP within
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mok_nn import cuda_backend as cb
+from mok_nn import cuda_local
 from mok_nn import torch_backend
 
 from test_cuda_wiring import fake_lib, random_problem  # noqa: F401
@@ -40,7 +41,7 @@ def test_local_rows_schedule():
     """Each expert's routed rows fill the start of its segment (padded to TILE_M) in their order; padding rows
     get no schedule row; the tiles past the segments (one at least) belong to no expert."""
     rows, ids, groups, *_ = grouped_rows(0)
-    lr = cb.local_rows(groups.expert, groups.rank, groups.counts)
+    lr = cuda_local.local_rows(groups.expert, groups.rank, groups.counts)
     n = ids.shape[0]
     assert lr.valid.tolist() == [True] * n + [False] * (rows.shape[0] - n)
     start = 0
@@ -60,9 +61,9 @@ def check_local_is_the_one_gpu_path(rows, ids, groups, weights, dy, w, precision
     expert with weight 1 in the forward, w in the backward), bitwise; frozen weights: no weight gradients."""
     n = ids.shape[0]
     args = (*weights, "swiglu", None)
-    lr = cb.local_rows(groups.expert, groups.rank, groups.counts)
-    out, gate_up = cb.local_mlp_forward(rows, lr, *args, precision=precision)
-    g = cb.local_mlp_backward(rows, dy, w, gate_up, lr, *args, precision=precision)
+    lr = cuda_local.local_rows(groups.expert, groups.rank, groups.counts)
+    out, gate_up = cuda_local.local_mlp_forward(rows, lr, *args, precision=precision)
+    g = cuda_local.local_mlp_backward(rows, dy, w, gate_up, lr, *args, precision=precision)
     ids1 = ids.view(-1, 1)
     y, saved = cb.experts_forward(rows[:n], ids1, torch.ones(n, 1, device=rows.device), *args, precision=precision)
     dx, dtk, g1 = cb.experts_backward(dy[:n], saved, rows[:n], ids1, w[:n].view(-1, 1), *args, precision=precision)
@@ -71,7 +72,7 @@ def check_local_is_the_one_gpu_path(rows, ids, groups, weights, dy, w, precision
     for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
         a, b = getattr(g, name), getattr(g1, name)
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-    frozen = cb.local_mlp_backward(rows, dy, w, gate_up, lr, *args, precision=precision,
+    frozen = cuda_local.local_mlp_backward(rows, dy, w, gate_up, lr, *args, precision=precision,
                                    needs=(False, False, True, True))
     assert frozen.gate_up_proj is None and frozen.down_proj is None
     assert torch.equal(frozen.grad_rows[:n], dx)

@@ -1,4 +1,4 @@
-"""The portable backend's local experts on the fused kernels (cuda_backend.local_mlp_forward / _backward) on the
+"""The portable backend's local experts on the fused kernels (cuda_local.local_mlp_forward / _backward) on the
 GPU: bitwise the one-GPU path on the same rows (top_k = 1) with the real kernels, padding rows holding NaN, bf16
 (with and without biases) and MXFP8 (tests/test_cuda_local_experts.py's check)."""
 
