@@ -15,7 +15,7 @@ import torch
 
 from . import distributed, functional
 from .functional import ExpertParams, Workspace
-from .mxfp8 import MXFP8Tensor, dequantize, mark_values
+from .mxfp8 import MXFP8Tensor, dequantize, mark_values, weight_scope
 
 
 def autocast_off(device_type: str):
@@ -130,7 +130,7 @@ class MoKFunction(torch.autograd.Function):
                               gate_up_bias, down_bias)
         passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
         ys, saved_passes = [], []
-        with autocast_off(x.device.type):
+        with autocast_off(x.device.type), weight_scope():  # (MXFP8 weight values: once for all the passes)
             for start, end in passes:
                 ids, xs = _rows(topk_ids, start, end), _rows(x, start, end)
                 schedule = functional.build_schedule(ids, workspace, xs)
@@ -170,7 +170,8 @@ class MoKFunction(torch.autograd.Function):
             first += count
         grad_y = grad_y.contiguous()
         dxs, d_topks, grads = [], [], None
-        with autocast_off(grad_y.device.type):  # a backward called inside an autocast region
+        # (autocast off: a backward called inside an autocast region; weight_scope: as in forward)
+        with autocast_off(grad_y.device.type), weight_scope():
             for (start, end), saved_pass in zip(ctx.passes, saved_passes):
                 # later passes add their parameter gradients into the first one's (grads_into)
                 dx, d_topk, grads = functional.backward(

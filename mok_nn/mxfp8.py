@@ -54,6 +54,7 @@ combine are not quantised.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -292,21 +293,26 @@ def _fake_quantize_fast(x: torch.Tensor, axis: int, out: torch.Tensor | None) ->
 
 
 # --------------------------------------------------------------------------
-# MXFP8 values of the expert weights, cached per weight tensor and version
+# MXFP8 values of the expert weights, kept while they are reused
 #
 # Every backend of precision="mxfp8" quantises each expert weight along H for the forward GEMMs and along 2I / H
-# for the backward's d x and d h' GEMMs. The values depend on the weight's values only, so they are kept, per weight
-# tensor (weakly: an entry goes with its tensor) and axis, with the state they were computed from: the tensor's
-# version counter (bumped by every in-place update through the tensor or any view of it: optimizer steps,
-# load_state_dict, copy_ / add_ under no_grad), its data pointer, shape, strides, dtype and device. Any change
-# recomputes them; nothing else is kept, so the cache holds at most one quantised copy per weight and axis (two
-# per weight: the experts' weight memory once more in their dtype), each replaced when the weight changes. Reuse:
-# the forward's values across the forward's passes and calls while the weights do not change (frozen experts,
-# gradient accumulation, evaluation), the backward's likewise. The values are those of fake_quantize_fast on
-# the weight: cached or not, the same bits. Writes that bypass the version counter (through `.data` or another
-# alias of the storage with its own counter) are not seen: call clear_weight_cache() after them.
+# for the backward's d x and d h' GEMMs. The values depend on the weight's values only, so they are kept:
+#
+# - for a weight that does not require grad (frozen experts, evaluation, W_q of MXFP8-only weights): per tensor
+#   (weakly: an entry goes with its tensor) and axis, with the state they were computed from: the tensor's
+#   version counter (bumped by every in-place update through the tensor or any view of it: copy_ / add_ under
+#   no_grad, load_state_dict), its data pointer, shape, strides, dtype and device. Any change recomputes them.
+#   At most one copy per weight and axis: once more the weights' memory in their dtype, per axis used.
+# - for a trained weight: only inside a weight_scope() (MoKFunction opens one around a forward's macrobatch
+#   passes, and one around a backward's), dropped at its end. Keeping them longer would hold two more copies
+#   of every trained weight for values an optimizer step makes stale.
+#
+# Cached or not, the values are those of fake_quantize_fast: the same bits. Writes that bypass the version
+# counter (through `.data` or another alias of the storage with its own counter) are not seen: call
+# clear_weight_cache() after them.
 
 _MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
+_SCOPED: dict | None = None  # inside a weight_scope: {(id(w), axis): (state, values)} of trained weights
 
 
 def clear_weight_cache() -> int:
@@ -314,6 +320,21 @@ def clear_weight_cache() -> int:
     n = len(_MX_WEIGHTS)
     _MX_WEIGHTS.clear()
     return n
+
+
+@contextlib.contextmanager
+def weight_scope():
+    """Inside it, trained weights' MXFP8 values are kept too (computed once for the passes of a forward or a
+    backward), and dropped at its end; nested scopes share the outermost one."""
+    global _SCOPED
+    outer = _SCOPED is not None
+    if not outer:
+        _SCOPED = {}
+    try:
+        yield
+    finally:
+        if not outer:
+            _SCOPED = None
 
 
 def _weight_state(w: torch.Tensor):
@@ -325,22 +346,30 @@ def _weight_state(w: torch.Tensor):
 
 
 def mark_values(w: torch.Tensor, axis: int) -> None:
-    """Record that w holds MXFP8 values along axis already (W_q of MXFP8-only weights along their storage axis):
-    weight_values(w, axis) then returns w itself while w is unchanged, with no pass over it (requantising MXFP8
-    values along their own axis gives them back, in bf16 / fp32; except blocks whose values overflowed to inf,
-    from scale bytes >= 248, which requantising would make NaN)."""
+    """Record that w (a weight that does not require grad) holds MXFP8 values along axis already (W_q of
+    MXFP8-only weights along their storage axis): weight_values(w, axis) then returns w itself while w is
+    unchanged, with no pass over it (requantising MXFP8 values along their own axis gives them back, in bf16 /
+    fp32; except blocks whose values overflowed to inf, from scale bytes >= 248, which requantising would make
+    NaN)."""
     state = _weight_state(w)
-    if state is not None:
+    if state is not None and not w.requires_grad:
         _MX_WEIGHTS.setdefault(w, {})[axis] = (state, None)  # None: w itself (a reference would keep w alive)
 
 
 def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
-    """fake_quantize_fast(w, axis), from the cache while w is unchanged (see above). quantize(w, axis): what
+    """fake_quantize_fast(w, axis), kept while w is unchanged and reused (see above). quantize(w, axis): what
     computes it on a miss (a backend's kernel giving the same bits; default fake_quantize_fast)."""
     quantize = quantize or fake_quantize_fast
     state = _weight_state(w)
-    if state is None:
+    if state is None or (w.requires_grad and _SCOPED is None):
         return quantize(w.detach(), axis)
+    if w.requires_grad:
+        hit = _SCOPED.get((id(w), axis))
+        if hit is not None and hit[0] == state:
+            return hit[1]
+        q = quantize(w.detach(), axis)
+        _SCOPED[(id(w), axis)] = (state, q)
+        return q
     entries = _MX_WEIGHTS.get(w)
     if entries is None:
         entries = _MX_WEIGHTS[w] = {}

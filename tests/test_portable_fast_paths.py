@@ -174,7 +174,13 @@ def _run(layer, x, dy):
 
 def _same(a, b):
     (ya, ga), (yb, gb) = a, b
-    return torch.equal(ya, yb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+    return torch.equal(ya, yb) and all((ga[n] is None and gb[n] is None) or torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def _freeze(layer):
+    layer.experts.gate_up_proj.requires_grad_(False)
+    layer.experts.down_proj.requires_grad_(False)
+    return layer
 
 
 def test_mxfp8_weight_cache_reuses_and_is_bitwise_the_uncached_result(monkeypatch):
@@ -185,7 +191,7 @@ def test_mxfp8_weight_cache_reuses_and_is_bitwise_the_uncached_result(monkeypatc
 
     mxfp8.clear_weight_cache()
     calls = _count_weight_quantisations(monkeypatch)
-    layer = _mx_layer()
+    layer = _freeze(_mx_layer())
     x, dy = random_x((70, 64), torch.bfloat16, 1), random_x((70, 64), torch.bfloat16, 2)
     first = _run(layer, x, dy)
     assert sorted(calls) == [-2, -2, -1, -1]
@@ -194,8 +200,30 @@ def test_mxfp8_weight_cache_reuses_and_is_bitwise_the_uncached_result(monkeypatc
     assert len(calls) == 4  # no weight quantised again
     mxfp8.clear_weight_cache()
     assert _same(_run(layer, x, dy), first) and len(calls) == 8
-    bf16 = _mx_layer(precision="bf16")
+    bf16 = _freeze(_mx_layer(precision="bf16"))
     assert not torch.equal(_run(bf16, x, dy)[0], first[0])
+
+
+def test_trained_weights_are_quantised_once_per_forward_and_backward(monkeypatch):
+    """Trained weights: no copy kept between calls (an optimizer step would make it stale); inside one call each
+    weight is quantised once per axis, however many macrobatch passes it runs; the same bits as frozen ones."""
+    from helpers import random_x
+
+    from mok_nn import MoKConfig
+
+    mxfp8.clear_weight_cache()
+    calls = _count_weight_quantisations(monkeypatch)
+    x, dy = random_x((70, 64), torch.bfloat16, 1), random_x((70, 64), torch.bfloat16, 2)
+    for config in (None, MoKConfig(macrobatch_size=16)):  # one pass; five
+        calls.clear()
+        layer = _mx_layer(config=config)
+        got = _run(layer, x, dy)
+        assert sorted(calls) == [-2, -2, -1, -1]
+        _run(layer, x, dy)
+        assert sorted(calls) == [-2, -2, -2, -2, -1, -1, -1, -1]
+        assert len(mxfp8._MX_WEIGHTS) == 0
+    frozen = _run(_freeze(_mx_layer()), x, dy)
+    assert torch.equal(frozen[0], _run(_mx_layer(), x, dy)[0])
 
 
 @pytest.mark.parametrize("how", ["in_place_add", "copy_", "optimizer_step", "load_state_dict", "new_storage",
@@ -234,28 +262,29 @@ def test_mxfp8_weight_cache_sees_every_update(how):
 
 
 def test_mxfp8_weight_cache_is_bounded_and_goes_with_its_weights():
-    """Training steps (weights change every step): at most one entry per weight tensor and axis, old values
+    """Frozen weights changed between calls (e.g. an EMA): at most one entry per weight tensor and axis, old values
     replaced; the entries go when the layer goes (weak keys), nothing accumulates across layers built and
-    dropped."""
+    dropped; trained weights keep none."""
     import gc
 
     from helpers import random_x
 
     mxfp8.clear_weight_cache()
-    layer = _mx_layer(seed=8)
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    layer = _freeze(_mx_layer(seed=8))
     x, dy = random_x((40, 64), torch.bfloat16, 9), random_x((40, 64), torch.bfloat16, 10)
     for _ in range(4):
         _run(layer, x, dy)
-        opt.step()
+        with torch.no_grad():
+            layer.experts.down_proj.mul_(0.99)
     cache = mxfp8._MX_WEIGHTS
     assert len(cache) == 2 and all(len(v) == 2 for v in cache.values())
     assert {id(k) for k in cache.keys()} == {id(layer.experts.gate_up_proj), id(layer.experts.down_proj)}
     for _ in range(3):
-        _run(_mx_layer(seed=11), x, dy)
+        _run(_freeze(_mx_layer(seed=11)), x, dy)
+        _run(_mx_layer(seed=12), x, dy)
     gc.collect()
     assert len(cache) == 2
-    del layer, opt
+    del layer
     gc.collect()
     assert len(cache) == 0
 
