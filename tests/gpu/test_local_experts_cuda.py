@@ -7,9 +7,10 @@ import pytest
 import layer_runs
 
 local = layer_runs.load_cpu_test("test_cuda_local_experts")
+DEVICE = "cuda"
 
 
 @pytest.mark.parametrize("bias,precision", [(False, "bf16"), (True, "bf16"), (False, "mxfp8")])
 def test_local_mlp_is_the_one_gpu_path_bit_for_bit(bias, precision):
-    problem = local.grouped_rows(1, n_valid=700, n_pad=90, bias=bias, device="cuda")
+    problem = local.grouped_rows(1, n_valid=700, n_pad=90, bias=bias, device=DEVICE)
     local.check_local_is_the_one_gpu_path(*problem, precision)
