@@ -16,12 +16,13 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
   + dSwiGLU       mok_gemm_dact_<act>_ppc, where H <= 4096 and I % 256 == 0; else mok_gemm_bn_f32_dyn
                   (fp32 out), then mok_act_bwd_<act>
   dgrad gate/up   the plain GEMM; d x by the combine kernels with w = 1
-  precision=      every GEMM operand replaced by its MXFP8 values in bf16 (GemmOperands: x and d y quantised
-  "mxfp8"         before their gathers, h and d gate_up after their kernels, the weight-gradient operands per
-                  expert in blocks of 32 rows, the weights once per change); then the same kernels
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM on 2-CTA clusters sharing B by TMA
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
-                  macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc)
+                  macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc).
+                  d down_proj runs right after the dgrad of down, before the dgrad of gate/up (peak memory)
+  precision=      mok_mx_quant gives every GEMM operand's MXFP8 values in bf16 (GemmOperands: x and d y before
+  "mxfp8"         their gathers, h and d gate_up after their kernels, the weight-gradient operands per expert in
+                  blocks of 32 rows, the weights once per call, or per change where frozen); the same kernels then
 
 The plain bf16 grouped GEMM has three forms (gemm_kernel): clustered ping-pong (_ppc) where K <= 1024; the
 whole output tile in shared memory with tiles claimed by atomic add (_ef_dyn, whose consumer warp groups skip
