@@ -287,3 +287,28 @@ def test_mxfp8_precision_arguments_are_checked():
         ops.routed_experts(x, ids, wt, w13, w2, precision="mxfp8")
     with pytest.raises(ValueError, match="precision"):
         ops.routed_experts(x, ids, wt, w13, w2, precision="fp8")
+
+
+def test_mxfp8_layer_compiles_fullgraph_with_the_same_bits():
+    """precision="mxfp8" under torch.compile(fullgraph=True): the experts go through the custom ops with the
+    precision, the eager layer's bits (output and every gradient)."""
+    from mok_nn import MoKMoELayer
+
+    torch.manual_seed(0)
+    layer = MoKMoELayer(64, 32, 8, 2, dtype=torch.bfloat16, precision="mxfp8")
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = fn(xx)
+        y.float().square().sum().backward()
+        return [y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    eager = run(layer)
+    plain = MoKMoELayer(64, 32, 8, 2, dtype=torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    assert not torch.equal(plain(x), eager[0])  # (MXFP8, not bf16)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
