@@ -98,6 +98,13 @@ def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype):
     return weights
 
 
+def _needs(ctx, mxfp8_weights: bool) -> tuple:
+    """Which expert tensors get a gradient (gate_up_proj, down_proj and their biases): those that require grad;
+    MXFP8-only weights never (their data is frozen)."""
+    needs = tuple(ctx.needs_input_grad[2:6])
+    return (False, False) + needs[2:] if mxfp8_weights else needs
+
+
 class MoKFunction(torch.autograd.Function):
     """y = sum_j w_tj * expert_{ids_tj}(x_t), with gradients for x, w and the expert parameters.
 
@@ -129,13 +136,14 @@ class MoKFunction(torch.autograd.Function):
         params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype),
                               gate_up_bias, down_bias)
         passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
+        needs = _needs(ctx, gate_up_scale is not None)
         ys, saved_passes = [], []
         with autocast_off(x.device.type), weight_scope():  # (MXFP8 weight values: once for all the passes)
             for start, end in passes:
                 ids, xs = _rows(topk_ids, start, end), _rows(x, start, end)
                 schedule = functional.build_schedule(ids, workspace, xs)
                 y_pass, saved = functional.forward(xs, ids, _rows(topk_weights, start, end), params, schedule,
-                                                   workspace)
+                                                   workspace, needs)
                 ys.append(y_pass)
                 saved_passes.append(saved)
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
@@ -160,10 +168,7 @@ class MoKFunction(torch.autograd.Function):
          *saved) = ctx.saved_tensors
         params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype),
                               gate_up_bias, down_bias)
-        # which expert tensors get a gradient: MXFP8-only weights never (their data is frozen)
-        needs = tuple(ctx.needs_input_grad[2:6])
-        if ctx.mxfp8_weights:
-            needs = (False, False) + needs[2:]
+        needs = _needs(ctx, ctx.mxfp8_weights)
         saved_passes, first = [], 0
         for rebuild, count in zip(ctx.rebuild_saved, ctx.saved_counts):
             saved_passes.append(rebuild(saved[first:first + count]))

@@ -227,12 +227,14 @@ def _check_against_workspace(x, topk_ids, params: ExpertParams, ws: Workspace) -
             f"{tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, gate_up_proj {tuple(w13.shape)} (local experts)")
 
 
-def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace: Workspace):
+def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace: Workspace, needs=None):
     """Routed experts. Returns (y [T, H] in x.dtype, saved-for-backward). Expert ids must lie in [0, num_experts):
     the reference backend raises ValueError otherwise; the CUDA backend reads no values back to the host: its
     schedule kernel (at EP > 1 the publish kernel) prints an id outside that range and stops with a device-side
     trap (the CUDA context fails at the next synchronisation, as with torch's device-side index checks). The
-    layer's router only gives valid ids."""
+    layer's router only gives valid ids. needs: the parameter gradients the backward will compute (as backward
+    takes it; None: all): with precision="mxfp8" and frozen gate/up weights the portable backend's expert
+    parallelism sends the token rows as MXFP8 bytes."""
     _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
         with on_device(x.device):
@@ -241,7 +243,7 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
         with on_device(x.device):
             return torch_backend.experts_forward(
                 x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
-                workspace.precision, local_kernels=workspace.local_experts == "cuda",
+                workspace.precision, local_kernels=workspace.local_experts == "cuda", needs=needs,
             )
     return reference.experts_forward(
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,

@@ -262,6 +262,18 @@ def _to_rows(schedule: Schedule, t: torch.Tensor) -> torch.Tensor:
     return t if schedule.plan is None else schedule.plan.dispatch(t)
 
 
+def _dispatch_mxfp8(schedule: Schedule, t: torch.Tensor, top_k: int) -> torch.Tensor:
+    """t's token rows [T, H] to the local expert rows as MXFP8 bytes (E4M3 data and E8M0 scales along H: H + H/32
+    bytes a row instead of 2H in bf16), dequantised on arrival in t.dtype: the rows' MXFP8 values along H, the
+    same bits as quantising the rows there. Only where nothing but GEMMs taking them along H reads the rows (no
+    weight gradient of theirs, no bias term)."""
+    q = mxfp8.quantize(t, axis=-1)
+    tok = schedule.token_of_rows(top_k)
+    data = _to_rows(schedule, q.data.view(torch.uint8).index_select(0, tok))
+    scale = _to_rows(schedule, q.scale.index_select(0, tok))
+    return mxfp8.dequantize(mxfp8.MXFP8Tensor(data.view(torch.float8_e4m3fn), scale, 1), t.dtype)
+
+
 def _from_rows(schedule: Schedule, rows: torch.Tensor) -> torch.Tensor:
     """Local expert rows -> per-slot values in slot order t*k + j."""
     if isinstance(schedule.plan, BoundedPlan):
@@ -485,14 +497,19 @@ def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype, terms) -> torch.T
 
 def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
                     activation="swiglu", swiglu_limit=None, schedule: Schedule | None = None, precision="bf16",
-                    local_kernels: bool = False):
+                    local_kernels: bool = False, needs=None):
     """Routed experts (reference.experts_forward's function). Returns (y [T, H], TorchSaved). local_kernels: the
     local experts' MLP on the fused one-GPU kernels (cuda_local.local_mlp_forward), the exchange and the
-    combine as here (expert parallelism across hosts on Hopper)."""
+    combine as here (expert parallelism across hosts on Hopper). needs: the parameter gradients the backward
+    will compute (reference.param_grads_needed): where the gate/up weights get none, precision="mxfp8" sends
+    the token rows to the expert ranks as MXFP8 bytes (_dispatch_mxfp8)."""
     num_tokens, top_k = topk_ids.shape
     if schedule is None:
         schedule = build_schedule(topk_ids, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2], x.dtype)
-    rows = _to_rows(schedule, x.index_select(0, schedule.token_of_rows(top_k)))
+    if precision == "mxfp8" and schedule.plan is not None and not reference.param_grads_needed(needs)[0]:
+        rows = _dispatch_mxfp8(schedule, x, top_k)
+    else:
+        rows = _to_rows(schedule, x.index_select(0, schedule.token_of_rows(top_k)))
     mlp_args = (gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit, precision)
     local = None
     if local_kernels:
@@ -518,7 +535,12 @@ def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_
     parameter gradients to compute (reference.param_grads_needed; None: all)."""
     num_tokens, top_k = topk_ids.shape
     schedule = saved.schedule
-    dy_rows = _to_rows(schedule, grad_y.to(saved.rows.dtype).index_select(0, schedule.token_of_rows(top_k)))
+    dt = saved.rows.dtype
+    if (precision == "mxfp8" and schedule.plan is not None and not reference.param_grads_needed(needs)[1]
+            and down_bias is None):  # (d y itself would feed d W2, the down bias's terms)
+        dy_rows = _dispatch_mxfp8(schedule, grad_y.to(dt), top_k)
+    else:
+        dy_rows = _to_rows(schedule, grad_y.to(dt).index_select(0, schedule.token_of_rows(top_k)))
     w_rows = _to_rows(schedule, topk_weights.reshape(-1).index_select(0, schedule.order))
     if saved.local is not None:
         from . import cuda_local
