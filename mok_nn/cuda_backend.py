@@ -925,8 +925,11 @@ def experts_backward(
     sched, gate_up, wdt = saved.sched, saved.gate_up, gate_up_proj.dtype
     num_tokens, top_k = topk_ids.shape
     gy = grad_y.to(x.dtype).contiguous()
-    # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows
-    dy_rows = gather_rows(gy, sched, skip_tail=down_bias is None)
+    # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows. With
+    # precision="mxfp8" the dgrad takes d y's MXFP8 values, and d y itself only d W2 and the bias terms need.
+    dy_rows = None
+    if not q.mxfp8 or need2 or down_bias is not None:
+        dy_rows = gather_rows(gy, sched, skip_tail=down_bias is None)
     w_rows = row_weights(sched, topk_weights)
     dy_a = q.tokens(gy, sched) if q.mxfp8 else dy_rows
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,

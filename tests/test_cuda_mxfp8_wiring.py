@@ -262,3 +262,17 @@ def test_schedule_call_gathers_the_mxfp8_rows(quantiser, monkeypatch):
     back2 = cb.experts_backward(dy, saved2, x, ids, w, *args, precision="mxfp8")
     assert torch.equal(y, y2) and torch.equal(back[0], back2[0])
     assert torch.equal(back[2].gate_up_proj, back2[2].gate_up_proj)
+
+
+def test_frozen_mxfp8_backward_gathers_no_plain_rows(spied, monkeypatch):
+    """Frozen weights without biases: the backward gathers d y's MXFP8 values only (the plain d y rows would feed
+    d W2 and the bias terms alone); the same d x and d topk-weights."""
+    problem = _problem(seed=9)
+    x, ids, w, dy, *_ = problem
+    full, _ = _run("mxfp8", problem)
+    gathered = []
+    gather = cb.gather_rows
+    monkeypatch.setattr(cb, "gather_rows", lambda t, *a, **kw: gathered.append(t) or gather(t, *a, **kw))
+    frozen, _ = _run("mxfp8", problem, needs=(False, False, True, True))
+    assert not any(t is dy or torch.equal(t, dy) for t in gathered)  # only its MXFP8 values were gathered
+    assert torch.equal(frozen[1], full[1]) and torch.equal(frozen[2], full[2])
