@@ -844,18 +844,19 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     sched: Schedule
-    # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient; None with precision="mxfp8"
-    # (the GEMM took x's MXFP8 values: the backward gathers x where the gradient is wanted)
+    # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient; None where d W13 is not wanted
+    # (frozen) and with precision="mxfp8" (the GEMM took x's MXFP8 values: the backward gathers x where needed)
     x_rows: torch.Tensor | None
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
 
 
 def experts_forward(
     x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
-    activation="swiglu", swiglu_limit=None, sched: Schedule | None = None, precision: str = "bf16",
+    activation="swiglu", swiglu_limit=None, sched: Schedule | None = None, precision: str = "bf16", needs=None,
 ):
     """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved). precision: "bf16", or "mxfp8"
-    (every GEMM operand's MXFP8 values: GemmOperands)."""
+    (every GEMM operand's MXFP8 values: GemmOperands). needs: the parameter gradients the backward will compute
+    (reference.param_grads_needed; None: all): the x rows are kept for the backward only where d W13 is."""
     why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
@@ -876,7 +877,10 @@ def experts_forward(
         a = x_rows
     out_rows, gate_up = mlp_rows_forward(a, sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                                          swiglu_limit, q)
+    del a
     y = combine(out_rows, sched.pos, topk_weights, topk_ids, gate_up_proj.shape[0], x.dtype)
+    if needs is not None and not needs[0]:
+        x_rows = None  # (frozen gate/up weights: no d W13, nothing reads them)
     return y, CudaSaved(sched, x_rows, gate_up)
 
 
@@ -1050,14 +1054,14 @@ def build_schedule(topk_ids: torch.Tensor, workspace, x: torch.Tensor | None = N
     return sched
 
 
-def forward(x, topk_ids, topk_weights, params, schedule, workspace):
+def forward(x, topk_ids, topk_weights, params, schedule, workspace, needs=None):
     if workspace.ep_size > 1:
         from . import cuda_ep
 
         return cuda_ep.forward(x, topk_ids, topk_weights, params, schedule, workspace)
     return experts_forward(
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
-        workspace.precision,
+        workspace.precision, needs,
     )
 
 

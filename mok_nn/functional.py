@@ -233,12 +233,12 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     schedule kernel (at EP > 1 the publish kernel) prints an id outside that range and stops with a device-side
     trap (the CUDA context fails at the next synchronisation, as with torch's device-side index checks). The
     layer's router only gives valid ids. needs: the parameter gradients the backward will compute (as backward
-    takes it; None: all): with precision="mxfp8" and frozen gate/up weights the portable backend's expert
-    parallelism sends the token rows as MXFP8 bytes."""
+    takes it; None: all): with frozen gate/up weights the CUDA path keeps no x rows for the backward, and with
+    precision="mxfp8" the portable backend's expert parallelism sends the token rows as MXFP8 bytes."""
     _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
         with on_device(x.device):
-            return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace)
+            return _cuda_backend().forward(x, topk_ids, topk_weights, params, schedule, workspace, needs)
     if workspace.backend == "torch":
         with on_device(x.device):
             return torch_backend.experts_forward(

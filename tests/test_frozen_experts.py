@@ -147,3 +147,20 @@ def test_cuda_ep_backward_skips_the_weight_gradient_kernels(cpu_kernels, monkeyp
         assert torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
         assert g1.gate_up_proj is None and g1.down_proj is None and g1.down_bias is None
         assert torch.equal(g1.gate_up_bias, g0.gate_up_bias)
+
+
+def test_cuda_forward_keeps_no_x_rows_for_frozen_gate_up(fake_lib):
+    """The one-GPU forward told that d W13 is not wanted keeps no x rows for the backward (activation memory);
+    y, d x and d topk-weights are the bits of the full run; a later need for d W13 gathers them again."""
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, True, seed=6)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    y0, saved0 = cb.experts_forward(x, ids, w, *args)
+    dx0, dtk0, g0 = cb.experts_backward(dy, saved0, x, ids, w, *args)
+    needs = (False, True, True, True)
+    y, saved = cb.experts_forward(x, ids, w, *args, needs=needs)
+    assert saved.x_rows is None and saved0.x_rows is not None
+    dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, *args, needs=needs)
+    assert torch.equal(y, y0) and torch.equal(dx, dx0) and torch.equal(dtk, dtk0)
+    assert g.gate_up_proj is None and torch.equal(g.down_proj, g0.down_proj)
+    _, _, g_all = cb.experts_backward(dy, saved, x, ids, w, *args)  # d W13 after all: x gathered again
+    assert torch.equal(g_all.gate_up_proj, g0.gate_up_proj)
