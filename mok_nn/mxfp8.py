@@ -235,6 +235,14 @@ def operand_quantizer(precision: str):
     raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+def chunk_bytes(device: torch.device) -> int:
+    """Bytes of fp32 temporaries per chunk of the chunked elementwise passes (fake_quantize_fast, the portable
+    backend's activation and sums): on CPU 1 MiB, so the passes stay in the L2 cache and no temporary is a fresh
+    mapping (page faults) each call; elsewhere (GPUs) 256 MiB, a bound on the temporaries that keeps the
+    launches few (1 MiB chunks there cost a launch per op per MiB: thousands a layer)."""
+    return 1 << 20 if device.type == "cpu" else 1 << 28
+
+
 def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     """``fake_quantize(x, axis)`` ("rceil", blocks of 32): the same values bit for bit, from fp32 arithmetic
     instead of frexp, float64 powers and float8 round trips (torch converts float8 to float unvectorised on CPU),
@@ -252,11 +260,10 @@ def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     axis = _normalize_axis(axis, x.dim())
     if x.shape[axis] % block:
         raise ValueError(f"size {x.shape[axis]} of dimension {axis} is not a multiple of the MX block size {block}")
-    # chunks along dim 0 (whole blocks: multiples of 32 rows where axis is 0) of about 1 MiB of fp32: the passes
-    # stay in the L2 cache and no temporary is a fresh mapping (page faults) each call; blocks are independent,
-    # so the values do not depend on the chunking
+    # chunks along dim 0 (whole blocks: multiples of 32 rows where axis is 0) of chunk_bytes(device) of fp32; blocks
+    # are independent, so the values do not depend on the chunking
     row = 4 * x[:1].numel() * (block if axis == 0 else 1)
-    step = max(1, (1 << 20) // max(row, 1)) * (block if axis == 0 else 1)
+    step = max(1, chunk_bytes(x.device) // max(row, 1)) * (block if axis == 0 else 1)
     if x.dim() < 2 or x.shape[0] <= step:
         return _fake_quantize_fast(x, axis, out=None)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

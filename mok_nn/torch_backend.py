@@ -313,14 +313,12 @@ def _plus_one(up: torch.Tensor, fresh: bool) -> torch.Tensor:
     return up.add_(1) if fresh else up + 1
 
 
-_CHUNK_BYTES = 1 << 20
-
-
-def row_chunks(num_rows: int, row_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges [a, b) whose compute-dtype temporaries take about 1 MiB each: the elementwise passes over a
-    chunk stay in the L2 cache, and no temporary reaches glibc's mmap threshold (a fresh mapping, page faults on
-    every first touch, each call). Fixed by the sizes alone: the same chunks, the same bits, run after run."""
-    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+def row_chunks(num_rows: int, row_bytes: int, device: torch.device) -> list[tuple[int, int]]:
+    """Row ranges [a, b) whose compute-dtype temporaries take about mxfp8.chunk_bytes(device) each (on CPU 1 MiB:
+    the elementwise passes over a chunk stay in the L2 cache, and no temporary reaches glibc's mmap threshold; on
+    a GPU 256 MiB: a bound on the temporaries, few launches). Fixed by the sizes and the device type alone: the
+    same chunks, the same bits, run after run."""
+    step = max(1, mxfp8.chunk_bytes(device) // max(row_bytes, 1))
     return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
 
 
@@ -330,7 +328,7 @@ def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> 
     gate_up2 = gate_up.reshape(-1, 2 * inter)
     h = torch.empty(gate_up2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     cdt = compute_dtype(gate_up.dtype)
-    for a, b in row_chunks(gate_up2.shape[0], inter * torch.empty((), dtype=cdt).element_size()):
+    for a, b in row_chunks(gate_up2.shape[0], inter * torch.empty((), dtype=cdt).element_size(), gate_up.device):
         h[a:b].copy_(_activation_forward(gate_up2[a:b], activation, swiglu_limit))
     return h.view(gate_up.shape[:-1] + (inter,))
 
@@ -341,7 +339,7 @@ def activation_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, activation:
     inter = gate_up.shape[-1] // 2
     gate_up2, grad_h2 = gate_up.reshape(-1, 2 * inter), grad_h.reshape(-1, inter)
     out = torch.empty(gate_up2.shape, dtype=gate_up.dtype, device=gate_up.device)
-    for a, b in row_chunks(gate_up2.shape[0], inter * grad_h.element_size()):
+    for a, b in row_chunks(gate_up2.shape[0], inter * grad_h.element_size(), gate_up.device):
         _activation_backward(gate_up2[a:b], grad_h2[a:b], activation, swiglu_limit, out[a:b])
     return out.view(gate_up.shape)
 
@@ -432,7 +430,7 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     wh = torch.empty_like(h) if need2 else None
     dgu = torch.empty(n, 2 * inter, dtype=dt, device=h.device)
     b2 = None if down_bias is None else down_bias.to(cdt)
-    for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size()):
+    for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):
         w = row_weights[a:b].to(cdt).unsqueeze(1)
         dh = dh_raw[a:b].to(cdt)  # (in fp32 a view of the fresh GEMM output: ours to update)
         h32 = h[a:b].to(cdt)
@@ -486,7 +484,7 @@ def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype, terms) -> torch.T
     num_tokens, k, hidden = slots.shape
     out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=slots.device)
     cdt = compute_dtype(slots.dtype)
-    for a, b in row_chunks(num_tokens, k * hidden * torch.empty((), dtype=cdt).element_size()):
+    for a, b in row_chunks(num_tokens, k * hidden * torch.empty((), dtype=cdt).element_size(), slots.device):
         t = terms(a, b)
         acc = t[:, 0] if k == 1 else t[:, 0] + t[:, 1]
         for j in range(2, k):

@@ -300,3 +300,21 @@ def test_fast_fake_quantize_in_chunks(shape, axis):
     x.view(-1)[[7, x.numel() - 3]] = float("nan")
     a, b = fake_quantize(x, axis), fake_quantize_fast(x, axis)
     assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(3.0), b.nan_to_num(3.0))
+
+
+def test_chunking_changes_no_bit_and_gpus_take_few_chunks(monkeypatch):
+    """The chunked passes (activation, its backward, the combine's sums, the MXFP8 quantisation) give the same bits
+    whatever the chunk size: tiny chunks against one chunk, a training step of the layer at precision "mxfp8". On a
+    GPU the chunks are 256 MiB (1 MiB there would cost a launch per op per MiB), on CPU 1 MiB."""
+    from helpers import random_x
+
+    x, dy = random_x((70, 64), torch.bfloat16, 1), random_x((70, 64), torch.bfloat16, 2)
+    runs = []
+    for size in (256, 1 << 30):
+        monkeypatch.setattr(mxfp8, "chunk_bytes", lambda device, size=size: size)
+        mxfp8.clear_weight_cache()
+        runs.append(_run(_mx_layer(), x, dy))
+    assert _same(runs[0], runs[1])
+    monkeypatch.undo()
+    assert len(torch_backend.row_chunks(65536, 4 * 768, torch.device("cuda"))) == 1
+    assert len(torch_backend.row_chunks(65536, 4 * 768, torch.device("cpu"))) == 193  # 341 rows each
