@@ -1,40 +1,41 @@
-"""distributed.group_hosts: the host names of a group's ranks (gloo, two processes), which cuda_ep uses to keep
-the symmetric-memory EP kernels to groups inside one host. Each rank reports the host name given to it."""
+"""distributed.group_hosts: the host names of a group's ranks, which cuda_ep uses to keep the symmetric-memory EP
+kernels to groups inside one host. The collective is torch's; here a stand-in for all_gather_object gives each
+rank's host name, and the test checks what group_hosts makes of them: sorted, without repeats, one collective per
+group (cached), another group asked anew."""
 
-import os
+import pytest
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _worker(rank, world, init_file, names, out_dir):
-    import socket
-
-    from mok_nn import distributed
-
-    socket.gethostname = lambda: names[rank]  # this process only: a rank "on" another host
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        first = distributed.group_hosts(dist.group.WORLD)
-        second = distributed.group_hosts(dist.group.WORLD)  # cached: no second collective
-        with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
-            f.write(",".join(first) + "|" + ",".join(second))
-        dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
-    finally:
-        dist.destroy_process_group()
+from mok_nn import distributed
 
 
-def _hosts_seen(tmp_path, names):
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), names, str(out)), nprocs=2, join=True,
-                       start_method="spawn")
-    return [(out / f"{r}.txt").read_text() for r in range(2)]
+@pytest.fixture
+def gathered(monkeypatch):
+    """The host names the stand-in collective reports per group, and the groups it was called for."""
+    names, calls = {}, []
+
+    def all_gather_object(out, obj, group=None):
+        calls.append(group)
+        out[:] = names[group]
+
+    monkeypatch.setattr(distributed.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: len(names[group]))
+    monkeypatch.setattr(distributed, "_HOSTS", {})
+    return names, calls
 
 
-def test_two_hosts(tmp_path):
-    assert _hosts_seen(tmp_path, ["node-b", "node-a"]) == ["node-a,node-b|node-a,node-b"] * 2
+def test_two_hosts_sorted_and_cached(gathered):
+    names, calls = gathered
+    group = object()
+    names[group] = ["node-b", "node-a", "node-b", "node-a"]
+    assert distributed.group_hosts(group) == ["node-a", "node-b"]
+    assert distributed.group_hosts(group) == ["node-a", "node-b"]
+    assert calls == [group]  # cached: no second collective
 
 
-def test_one_host(tmp_path):
-    assert _hosts_seen(tmp_path, ["node-a", "node-a"]) == ["node-a|node-a"] * 2
+def test_one_host_and_another_group_asked_anew(gathered):
+    names, calls = gathered
+    a, b = object(), object()
+    names[a], names[b] = ["node-a", "node-a"], ["node-c", "node-a"]
+    assert distributed.group_hosts(a) == ["node-a"]
+    assert distributed.group_hosts(b) == ["node-a", "node-c"]
+    assert calls == [a, b]
