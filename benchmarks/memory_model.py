@@ -1,0 +1,80 @@
+"""The one-GPU path's memory, without a GPU: every kernel replaced by the allocation of its outputs (the kernels
+allocate nothing else), then the forward's saved tensors and the backward's peak above its inputs, from the
+profiler's allocation events on the CPU. Run it on two source trees to compare an ordering or a saving:
+
+    PYTHONPATH=. python benchmarks/memory_model.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 8192]
+    PYTHONPATH=/path/to/other/tree python benchmarks/memory_model.py ...
+
+It models allocations only: no kernel runs, no value is computed, the routing is random (uneven loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mok_nn import cuda_backend as cb
+from mok_nn.bench import SHAPES
+
+
+def _allocation_only() -> None:
+    """Each kernel-launching step of cuda_backend becomes the allocation of what it returns."""
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype)
+
+    cb.check_supported = lambda *a: None
+    cb.gather_rows = lambda x, sched, skip_tail=False: empty(sched.capacity, x.shape[1], dtype=x.dtype)
+    cb.gate_up_act = lambda a, w, sched, act, lim: (empty(a.shape[0], w.shape[1]), empty(a.shape[0], w.shape[1] // 2))
+    cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
+        a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
+    cb.dgrad_down_act = lambda dy, w2, gu, wr, sched, act, lim: (
+        torch.empty_like(gu), empty(gu.shape[0], gu.shape[1] // 2), empty(gu.shape[0], dtype=torch.float32))
+    cb.weight_grad = lambda a, b, sched, counts, into=None: (
+        into if into is not None else empty(sched.num_experts, a.shape[1], b.shape[1]))
+    cb.combine = lambda rows, pos, w, ids, e, dt: empty(pos.shape[0], rows.shape[1], dtype=dt)
+
+
+def _peak(fn) -> int:
+    """Largest sum of live bytes allocated by fn (freed ones subtracted), in allocation order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def measure(shape: str, tokens: int) -> dict:
+    hidden, inter, experts, top_k = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    x, dy = torch.empty(tokens, hidden, dtype=torch.bfloat16), torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    w = torch.rand(tokens, top_k, generator=g)
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+    sched = cb.make_schedule_torch(ids, experts)
+    _, saved = cb.experts_forward(x, ids, w, w13, w2, None, None, "swiglu", None, sched)
+    kept = sum(t.numel() * t.element_size() for t in (saved.x_rows, saved.gate_up) if t is not None)
+    backward = _peak(lambda: cb.experts_backward(dy, saved, x, ids, w, w13, w2))
+    grads = (w13.numel() + w2.numel()) * 2
+    return {"shape": shape, "tokens": tokens, "saved_gib": round(kept / 2**30, 3),
+            "backward_peak_gib": round(backward / 2**30, 3), "weight_grads_gib": round(grads / 2**30, 3)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
+    ap.add_argument("--tokens", type=int, default=8192)
+    args = ap.parse_args(argv)
+    _allocation_only()
+    for shape in args.shapes.split(","):
+        print(json.dumps(measure(shape, args.tokens)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
