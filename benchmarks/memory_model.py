@@ -28,6 +28,7 @@ def _allocation_only() -> None:
     cb.check_supported = lambda *a: None
     cb.gather_rows = lambda x, sched, skip_tail=False: empty(sched.capacity, x.shape[1], dtype=x.dtype)
     cb.gate_up_act = lambda a, w, sched, act, lim: (empty(a.shape[0], w.shape[1]), empty(a.shape[0], w.shape[1] // 2))
+    cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)
     cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
         a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
     cb.dgrad_down_act = lambda dy, w2, gu, wr, sched, act, lim: (
@@ -62,8 +63,9 @@ def measure(shape: str, tokens: int) -> dict:
     kept = sum(t.numel() * t.element_size() for t in (saved.x_rows, saved.gate_up) if t is not None)
     backward = _peak(lambda: cb.experts_backward(dy, saved, x, ids, w, w13, w2))
     grads = (w13.numel() + w2.numel()) * 2
-    return {"shape": shape, "tokens": tokens, "saved_gib": round(kept / 2**30, 3),
-            "backward_peak_gib": round(backward / 2**30, 3), "weight_grads_gib": round(grads / 2**30, 3)}
+    sizes = {"saved": kept, "backward_peak": backward, "weight_grads": grads}
+    return {"shape": shape, "tokens": tokens, **{f"{k}_gib": round(v / 2**30, 3) for k, v in sizes.items()},
+            **{f"{k}_bytes": v for k, v in sizes.items()}}
 
 
 def main(argv=None) -> None:
