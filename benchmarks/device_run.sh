@@ -19,8 +19,8 @@
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
 #   portable     the portable backend beside the fused path, the torch baseline and transformers' default experts:
 #                bf16 with the whole layer, fp32, and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
-#   mxfp8        precision="mxfp8" on the fused path: its GPU tests, then the benchmark beside bf16 (trained and
-#                frozen weights) and the baseline -> $OUT/mxfp8.json
+#   mxfp8        precision="mxfp8" on the fused path: its GPU tests, mok_mx_quant's bandwidth beside a copy, then the
+#                benchmark beside bf16 (trained and frozen weights) and the baseline -> $OUT/mxfp8.json
 #   ep           the EP = 2 checks under torchrun (only where 2 GPUs exist)
 #   ab           the benchmark alternately with the old tree and this one, AB_REPS times each (default 2),
 #                then the table (benchmarks/ab_table.py). The old tree: a source checkout at $OLD_SRC
@@ -114,6 +114,7 @@ for s in "$@"; do
             --shapes qwen3-30b-a3b --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;
     mxfp8)
         TAIL=20 step mxfp8_tests 300 python -m pytest -q tests/gpu/test_mxfp8_cuda.py
+        TAIL=6 step mx_quant_bandwidth 120 python benchmarks/mx_quant_bandwidth.py --out "$OUT/mx_quant_bandwidth.json"
         TAIL=30 step mxfp8_bench 420 python -m mok_nn.bench --precision mxfp8 --commit "$COMMIT" \
             --out "$OUT/mxfp8.json" ;;
     macrobatch) step macrobatch 300 python benchmarks/macrobatch.py --commit "$COMMIT" ;;
