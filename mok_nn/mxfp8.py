@@ -55,6 +55,7 @@ combine are not quantised.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -319,7 +320,7 @@ def _fake_quantize_fast(x: torch.Tensor, axis: int, out: torch.Tensor | None) ->
 # clear_weight_cache() after them.
 
 _MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
-_SCOPED: dict | None = None  # inside a weight_scope: {(id(w), axis): (state, values)} of trained weights
+_SCOPE = threading.local()  # .values inside a weight_scope (per thread): {(id(w), axis): (state, values)}
 
 
 def clear_weight_cache() -> int:
@@ -332,16 +333,15 @@ def clear_weight_cache() -> int:
 @contextlib.contextmanager
 def weight_scope():
     """Inside it, trained weights' MXFP8 values are kept too (computed once for the passes of a forward or a
-    backward), and dropped at its end; nested scopes share the outermost one."""
-    global _SCOPED
-    outer = _SCOPED is not None
+    backward), and dropped at its end; nested scopes share the outermost one; each thread has its own."""
+    outer = getattr(_SCOPE, "values", None) is not None
     if not outer:
-        _SCOPED = {}
+        _SCOPE.values = {}
     try:
         yield
     finally:
         if not outer:
-            _SCOPED = None
+            _SCOPE.values = None
 
 
 def _weight_state(w: torch.Tensor):
@@ -368,14 +368,15 @@ def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
     computes it on a miss (a backend's kernel giving the same bits; default fake_quantize_fast)."""
     quantize = quantize or fake_quantize_fast
     state = _weight_state(w)
-    if state is None or (w.requires_grad and _SCOPED is None):
+    scoped = getattr(_SCOPE, "values", None)
+    if state is None or (w.requires_grad and scoped is None):
         return quantize(w.detach(), axis)
     if w.requires_grad:
-        hit = _SCOPED.get((id(w), axis))
+        hit = scoped.get((id(w), axis))
         if hit is not None and hit[0] == state:
             return hit[1]
         q = quantize(w.detach(), axis)
-        _SCOPED[(id(w), axis)] = (state, q)
+        scoped[(id(w), axis)] = (state, q)
         return q
     entries = _MX_WEIGHTS.get(w)
     if entries is None:

@@ -318,3 +318,24 @@ def test_chunking_changes_no_bit_and_gpus_take_few_chunks(monkeypatch):
     monkeypatch.undo()
     assert len(torch_backend.row_chunks(65536, 4 * 768, torch.device("cuda"))) == 1
     assert len(torch_backend.row_chunks(65536, 4 * 768, torch.device("cpu"))) == 193  # 341 rows each
+
+
+def test_weight_scope_is_per_thread():
+    """A weight_scope kept open in one thread does not serve (or get closed by) another thread's calls."""
+    import threading
+
+    w = torch.randn(2, 64, 32).requires_grad_(True)
+    seen = {}
+
+    def other():
+        seen["outside"] = mxfp8.weight_values(w, -1) is not mxfp8.weight_values(w, -1)  # no scope here: fresh
+        with mxfp8.weight_scope():
+            seen["inside"] = mxfp8.weight_values(w, -1) is mxfp8.weight_values(w, -1)  # kept in its own scope
+
+    with mxfp8.weight_scope():
+        first = mxfp8.weight_values(w, -1)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert mxfp8.weight_values(w, -1) is first  # this thread's scope still open and intact
+    assert seen == {"outside": True, "inside": True}
