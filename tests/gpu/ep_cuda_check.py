@@ -22,6 +22,8 @@ Checks, each printed as one PASS/FAIL line by rank 0, exit status non-zero if an
     counts) -> NaN + EPError on every rank, the next call grows the buffer on every rank, results
     close to the reference path and, for an earlier batch, bitwise unchanged; reserve_tokens
   - a peer that never signals -> the barrier returns within its timeout with the error flag set
+  - the group made to look like two hosts: auto takes the portable exchange over NCCL (bounded and host-split)
+    with its local experts on the kernels, close to the EP kernels (bf16) / the reference path (MXFP8), repeatable
   - workspace shapes that differ across ranks -> ValueError on every rank
 INFO lines are diagnostics (not pass/fail).
 Filter (to repeat one case quickly): MOK_EP_CHECK_ONLY="fixed oai,two layers" runs only the checks of those
@@ -604,6 +606,44 @@ def case_auto_picks_cuda():
     report("backend='auto' with EP picks the CUDA kernels", lay._choose_backend(x) == "cuda")
 
 
+def case_cross_host_mode(name, H, I, E, K, T_by_rank, precision="bf16"):
+    """The group made to look like two hosts (distributed.group_hosts patched): backend="auto" takes the portable
+    backend's exchange over NCCL with its local experts on the kernels; against the symmetric-memory EP path
+    (bf16) or the reference path (MXFP8) within bf16 rounding; bitwise repeatable; the exchange bounded and
+    host-split alike."""
+    from mok_nn import distributed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    sd = MoKMoELayer(H, I, E, K, device="cuda", precision=precision).state_dict()
+    g = torch.Generator(device="cuda").manual_seed(300 + rank)
+    x = torch.randn(T_by_rank[rank], H, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(T_by_rank[rank], H, device="cuda", generator=g).to(torch.bfloat16)
+
+    def layer(backend, config=None):
+        lay = MoKMoELayer(H, I, E, K, device="cuda", backend=backend, precision=precision,
+                          ep_group=dist.group.WORLD, config=config)
+        lay.load_state_dict(shard(sd, rank, E // world))
+        return lay
+
+    want = run_layer(layer("cuda" if precision == "bf16" else "reference"), x, dy)
+    real = distributed.group_hosts
+    distributed.group_hosts = lambda group: ["host-a", "host-b"]
+    try:
+        for mode, config in (("bounded", None), ("host-split", MoKConfig(schedule_capacity_multiplier=None))):
+            lay = layer("auto", config)
+            picked = (lay._choose_backend(x), lay._local_experts(x, lay._choose_backend(x)))
+            got, again = run_layer(lay, x, dy), run_layer(lay, x, dy)
+            errs = {k: rel(got[k], want[k]) for k in want}
+            report(f"{name} ({mode}): auto picks the portable exchange with local experts on the kernels",
+                   picked == ("torch", "cuda"), str(picked))
+            report(f"{name} ({mode}): vs the {'EP kernels' if precision == 'bf16' else 'reference path'}",
+                   all(e < 2e-2 for e in errs.values()), " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+            report(f"{name} ({mode}): bitwise identical across runs", all(torch.equal(got[k], again[k]) for k in got))
+    finally:
+        distributed.group_hosts = real
+
+
 def main():
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -630,6 +670,9 @@ def main():
                                                         [257, 1]))
     check("two layers", lambda: case_two_layers("two layers, one workspace", 1024, 256, 32, 8, [1500, 1201]))
     check("macrobatch", lambda: case_macrobatch("macrobatch", 768, 256, 32, 8, 2500, 1024))
+    check("cross host", lambda: case_cross_host_mode("cross-host mode", 512, 256, 32, 4, [1000, 777]))
+    check("cross host mxfp8", lambda: case_cross_host_mode("cross-host mode, mxfp8", 512, 256, 32, 4, [700, 301],
+                                                            precision="mxfp8"))
     check("overflow", case_overflow)
     check("growth", case_growth)
     check("shapes", case_shapes_differ)
