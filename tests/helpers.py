@@ -1,6 +1,8 @@
 """Shared helpers of the CPU tests: building layers with random state, running
 the layer and the oracle with gradients, comparing with stated tolerances."""
 
+import contextlib
+import datetime
 import math
 
 import pytest
@@ -164,3 +166,19 @@ def routed_experts(layer, x, ids, w, dy, ep_group=None, config=None, backend="re
     (y * dy).sum().backward()
     return {"y": y.detach(), "x": x.grad, "w": w.grad, "params": [p.grad if p is not None else None for p in params]}
 
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, tmpdir: str):
+    """A worker process's gloo group over a file store in tmpdir, one thread, a 60 s timeout (a hang fails fast).
+    After the body every rank meets at a barrier before the group goes: a rank closing its connections while a
+    peer still receives makes gloo abort."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

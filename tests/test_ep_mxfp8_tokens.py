@@ -5,14 +5,12 @@ gradient are bitwise those of the run sending bf16 rows (the GEMMs take the rows
 both exchanges (bounded, host-split). Trained weights (which need the rows themselves) keep bf16 rows."""
 
 import os
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import single_thread  # noqa: F401
+from helpers import gloo_rank, single_thread  # noqa: F401
 
 H, I, E, K = 64, 32, 4, 2
 COUNTS = [13, 9]
@@ -27,10 +25,7 @@ def _run(layer, x, dy):
 
 
 def _worker(rank, world, tmpdir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, tmpdir):
         from mok_nn import MoKConfig, MoKMoELayer, functional, torch_backend
 
         data = torch.load(os.path.join(tmpdir, "inputs.pt"))
@@ -66,9 +61,6 @@ def _worker(rank, world, tmpdir):
         _run(trained, x, dy)
         out["trained"] = list(sent)
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,14 @@ across the ranks are a clear error on every rank.
 """
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import (ACTIVATIONS, E, H, K, assert_close, make_layer, random_x, routed_experts,  # noqa: F401
-                     single_thread)
+from helpers import (ACTIVATIONS, E, H, K, assert_close, gloo_rank, make_layer, random_x,  # noqa: F401
+                     routed_experts, single_thread)
 from mok_nn import MoKConfig, functional
 from mok_nn.autograd import macrobatch_passes
 
@@ -101,10 +100,7 @@ def test_layer_with_macrobatches():
 # two ranks (gloo)
 
 def _worker(rank, world, tmpdir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, tmpdir):
         data = torch.load(os.path.join(tmpdir, "inputs.pt"))
         layer = make_layer(OPTS, dtype=torch.float32, seed=90, inter=I_MB)
         n = E // world
@@ -132,9 +128,6 @@ def _worker(rank, world, tmpdir):
         out["unequal_one_pass"] = all(torch.equal(big[k], one[k]) for k in ("y", "x", "w")) and all(
             torch.equal(a, b) for a, b in zip(big["params"], one["params"]))
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_macrobatch_with_expert_parallelism(tmp_path):
