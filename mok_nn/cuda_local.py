@@ -29,8 +29,17 @@ class LocalRows:
 
     sched: Schedule
     src: torch.Tensor  # [M_cap] int64: the row each schedule row takes (N: none, a zero row)
-    dst: torch.Tensor  # [N] int64: each row's schedule row (padding rows: the last one, in an unused tile)
+    dst: torch.Tensor  # [N] int64: each row's schedule row to read (padding rows: the last one, in an unused tile)
     valid: torch.Tensor  # [N] bool: not padding
+    # [N] int64: where each row writes into a buffer of M_cap + N (padding rows: M_cap + their index, past the
+    # schedule's rows, each its own: a scatter with no repeated index, deterministic)
+    scatter_to: torch.Tensor
+
+    def scatter(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """[M_cap] buffer of values [N] at their rows' schedule rows, fill elsewhere."""
+        cap = self.src.shape[0]
+        buf = torch.full((cap + values.shape[0],), fill, dtype=values.dtype, device=values.device)
+        return buf.scatter_(0, self.scatter_to, values)[:cap]
 
 
 def local_rows(expert: torch.Tensor, rank: torch.Tensor, counts: torch.Tensor) -> LocalRows:
@@ -44,14 +53,16 @@ def local_rows(expert: torch.Tensor, rank: torch.Tensor, counts: torch.Tensor) -
     padded = (counts + TILE_M - 1) // TILE_M * TILE_M
     seg_end = torch.cumsum(padded, 0)
     valid = rank < counts.index_select(0, expert)
-    dst = torch.where(valid, (seg_end - padded).index_select(0, expert) + rank, cap - 1)
-    src = torch.full((cap,), n, dtype=torch.int64, device=dev)
-    src.scatter_(0, dst, torch.where(valid, torch.arange(n, device=dev), n))  # (padding rows all write n)
+    row = torch.arange(n, device=dev)
+    at = (seg_end - padded).index_select(0, expert) + rank
+    dst = torch.where(valid, at, cap - 1)
+    scatter_to = torch.where(valid, at, cap + row)
+    src = torch.full((cap + n,), n, dtype=torch.int64, device=dev).scatter_(0, scatter_to, row)[:cap]
     tiles = torch.arange(0, cap, TILE_M, device=dev)
     tile_expert = torch.searchsorted(seg_end, tiles, right=True)
     tile_expert = torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
     sched = Schedule(dst.view(n, 1), src, tile_expert, seg_end.to(torch.int32), counts.to(torch.int32))
-    return LocalRows(sched, src, dst, valid)
+    return LocalRows(sched, src, dst, valid, scatter_to)
 
 
 def local_mlp_forward(rows, lr: LocalRows, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
@@ -74,8 +85,7 @@ def local_mlp_backward(rows, grad_out, row_weights, gate_up, lr: LocalRows, gate
     sched, wdt, dt = lr.sched, gate_up_proj.dtype, rows.dtype
     dy_rows = take_rows(grad_out.to(dt).contiguous(), lr.src, tile_expert=sched.tile_expert if down_bias is None
                         else None)
-    w_rows = torch.zeros(sched.capacity, dtype=torch.float32, device=rows.device)
-    w_rows.scatter_(0, lr.dst, torch.where(lr.valid, row_weights.float(), 0.0))  # (padding rows all write 0)
+    w_rows = lr.scatter(row_weights.float(), 0.0)  # (0 on padding rows and past the segments)
     dy_a = take_rows(mx_values(grad_out.to(dt).contiguous(), MX_ALONG_COLS), lr.src,
                      tile_expert=sched.tile_expert) if q.mxfp8 else dy_rows
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,

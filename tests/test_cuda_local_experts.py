@@ -53,6 +53,9 @@ def test_local_rows_schedule():
         assert lr.src[start:start + c].tolist() == mine.tolist()
         start = int(lr.sched.seg_end[e])
     assert (lr.src[lr.src < rows.shape[0]].sort().values == torch.arange(n)).all()  # each routed row once
+    assert lr.scatter_to.unique().numel() == rows.shape[0]  # scatters repeat no index (deterministic on a GPU)
+    w = torch.rand(rows.shape[0])
+    assert torch.equal(lr.scatter(w, 0.0)[lr.dst[:n]], w[:n]) and lr.scatter(w, 0.0).shape == (lr.sched.capacity,)
     assert (lr.sched.tile_expert[start // 128:] == -1).all() and lr.sched.capacity > start
 
 
