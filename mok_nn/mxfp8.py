@@ -188,8 +188,13 @@ def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     if dtype == torch.bfloat16:
         # E4M3 values and 2**e (e >= -127, NaN) are bf16 values, and a bf16 product is the fp32 product rounded
         # once to bf16: the fp32 route's bits, with a third of its memory traffic (the expert weights of an
-        # MXFP8-only layer are dequantised every forward and backward)
-        out = blocks.to(torch.bfloat16) * factor.to(torch.bfloat16).unsqueeze(-1)
+        # MXFP8-only layer are dequantised every forward and backward); in chunks along dim 0 into the result,
+        # so the transient bf16 copy of the data is a chunk's, not a second copy of the whole
+        factor = factor.to(torch.bfloat16).unsqueeze(-1)
+        out = torch.empty(blocks.shape, dtype=torch.bfloat16, device=blocks.device)
+        step = max(1, chunk_bytes(blocks.device) // max(2 * blocks[:1].numel(), 1))  # (blocks: 2-D at least)
+        for a in range(0, blocks.shape[0], step):
+            torch.mul(blocks[a:a + step].to(torch.bfloat16), factor[a:a + step], out=out[a:a + step])
         return out.reshape(data.shape).movedim(-1, t.axis).contiguous()
     # fp32 product is exact: 4 significant bits times a power of two.
     out = blocks.float() * factor.unsqueeze(-1)

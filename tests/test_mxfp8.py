@@ -274,3 +274,18 @@ def test_dequantize_bf16_route_is_the_fp32_route_bit_for_bit():
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
     assert got[~nan].ne(0).any() and (got[~nan] != got[~nan].float().bfloat16()).sum() == 0
+
+
+def test_dequantize_in_chunks_is_the_whole(monkeypatch):
+    """dequantize to bf16 runs in chunks along dim 0 (one transient bf16 chunk): the bits of one pass, for
+    every chunk size."""
+    from mok_nn import mxfp8
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(5, 8, 64, generator=g) * torch.exp2(torch.randint(-20, 20, (5, 8, 64), generator=g).float())
+    q = mxfp8.quantize(w, axis=-1)
+    whole = mxfp8.dequantize(q, torch.bfloat16)
+    for size in (1, 100, 1 << 30):  # one block row, a few, all
+        monkeypatch.setattr(mxfp8, "chunk_bytes", lambda device, size=size: size)
+        assert torch.equal(mxfp8.dequantize(q, torch.bfloat16), whole)
+    assert torch.equal(whole.float(), mxfp8.dequantize(q, torch.float32).bfloat16().float())
