@@ -282,7 +282,8 @@ def test_fast_fake_quantize_equals_fake_quantize():
             a, b = fake_quantize(xd, axis), fake_quantize_fast(xd, axis)
             assert a.dtype == b.dtype == dtype
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), (dtype, axis)
-            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.signbit(), b.signbit())
+            num = ~a.isnan()  # (a NaN's sign bit means nothing: the two routes may differ there)
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.signbit()[num], b.signbit()[num])
 
 
 # --- backend="auto"
