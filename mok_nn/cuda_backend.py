@@ -916,46 +916,63 @@ def experts_backward(
     rows are summed into dx and freed). grads_into: a GroupedMLPGrads whose parameter gradients this call adds
     to (reference.add_param_grads). needs: which parameter gradients to compute (reference.param_grads_needed;
     None: all): frozen ones are None and their weight-gradient GEMMs / bias sums are not launched. precision:
-    the forward's.
+    the forward's. The order of the steps: mlp_rows_backward."""
+    q = GemmOperands(precision)
+    sched = saved.sched
+    num_tokens, top_k = topk_ids.shape
+    into = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
+    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
 
-    Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows
-    and w h are freed before the d x rows exist; the d x rows freed once summed, before the gate/up weight's
-    gradient."""
+    def x_rows():
+        return saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
+
+    dx, dw_rows, *param = mlp_rows_backward(
+        grad_y.to(x.dtype).contiguous(), lambda t, skip_tail: gather_rows(t, sched, skip_tail=skip_tail),
+        row_weights(sched, topk_weights), saved.gate_up, x_rows, sched, gate_up_proj, down_proj, gate_up_bias,
+        down_bias, activation, swiglu_limit, q, needs, into,
+        lambda dx_rows: combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype),
+    )  # fmt: skip
+    d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
+    return dx, d_topk, _grads(None, dw_rows, *param, grads_into)
+
+
+def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_rows, sched: Schedule, gate_up_proj, down_proj,
+                      gate_up_bias, down_bias, activation, swiglu_limit, q: GemmOperands, needs, into, take_dx):
+    """The backward of the experts' MLP on rows in schedule order, shared by the one-GPU path and the portable
+    backend's local experts (cuda_local): returns (take_dx(d x rows), dw per row [M_cap] fp32, d gate_up_proj,
+    d down_proj, d gate_up_bias, d down_bias), frozen ones None (needs: reference.param_grads_needed).
+
+    grad_out [N, H]: the d y of the rows' sources (not scaled by w); gather(t, skip_tail): t's rows in schedule
+    order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten); w_rows [M_cap]
+    fp32 the top-k weight of each row (0 on padding rows); x_rows(): the input rows in schedule order (called only
+    for d gate_up_proj); into: (d gate_up_proj, d down_proj) to add to (macrobatch passes), or Nones; take_dx: what
+    is made of the d x rows (summed per token, or read back per row) before they are freed.
+
+    Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows and
+    w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient.
+    With precision="mxfp8" the dgrad takes d y's MXFP8 values, and d y itself only d W2 and the bias terms need."""
     from . import reference
 
-    q = GemmOperands(precision)
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
-    into13, into2 = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
-    sched, gate_up, wdt = saved.sched, saved.gate_up, gate_up_proj.dtype
-    num_tokens, top_k = topk_ids.shape
-    gy = grad_y.to(x.dtype).contiguous()
-    # zero on padding rows; the tail past the last segment unwritten unless the down bias sums the rows. With
-    # precision="mxfp8" the dgrad takes d y's MXFP8 values, and d y itself only d W2 and the bias terms need.
+    dt, wdt = gate_up.dtype, gate_up_proj.dtype
     dy_rows = None
     if not q.mxfp8 or need2 or down_bias is not None:
-        dy_rows = gather_rows(gy, sched, skip_tail=down_bias is None)
-    w_rows = row_weights(sched, topk_weights)
-    dy_a = q.tokens(gy, sched) if q.mxfp8 else dy_rows
+        dy_rows = gather(grad_out, down_bias is None)  # (the down bias sums every row, the tail too)
+    dy_a = gather(mx_values(grad_out, MX_ALONG_COLS), True) if q.mxfp8 else dy_rows
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
                                       swiglu_limit)
     del dy_a
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * bias_rows(down_bias, sched)).sum(dim=1)
-    d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
     d_down_bias = None
     if down_bias is not None and need_b2:
-        d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(x.dtype), sched).to(down_bias.dtype)
-    d_down = weight_grad_of(dy_rows, wh, sched, wdt, into2, q) if need2 else None
+        d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(dt), sched).to(down_bias.dtype)
+    d_down = weight_grad_of(dy_rows, wh, sched, wdt, into[1], q) if need2 else None
     del dy_rows, wh
-    dx_rows = grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True)
-    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    dx = combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype)
-    del dx_rows
+    dx = take_dx(grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True))
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    if need13:
-        x_rows = saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
-    d_gate_up = weight_grad_of(dgu, x_rows, sched, wdt, into13, q) if need13 else None
-    return dx, d_topk, _grads(None, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into)
+    d_gate_up = weight_grad_of(dgu, x_rows(), sched, wdt, into[0], q) if need13 else None
+    return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
 def weight_grad_of(a_rows, b_rows, sched: Schedule, wdt, into=None, operands: GemmOperands | None = None):

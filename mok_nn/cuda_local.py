@@ -17,8 +17,7 @@ import torch
 
 from . import reference
 from .cuda_backend import (
-    MX_ALONG_COLS, TILE_M, GemmOperands, Schedule, bias_rows, dgrad_down_act, grouped_gemm, mlp_rows_forward,
-    mx_values, segment_sum, take_rows, weight_grad_of,
+    MX_ALONG_COLS, TILE_M, GemmOperands, Schedule, mlp_rows_backward, mlp_rows_forward, mx_values, take_rows,
 )  # fmt: skip
 
 
@@ -34,6 +33,10 @@ class LocalRows:
     # [N] int64: where each row writes into a buffer of M_cap + N (padding rows: M_cap + their index, past the
     # schedule's rows, each its own: a scatter with no repeated index, deterministic)
     scatter_to: torch.Tensor
+
+    def gather(self, t: torch.Tensor, skip_tail: bool = True) -> torch.Tensor:
+        """t's rows [N, K] in schedule order, zero on padding rows (skip_tail: past the last segment unwritten)."""
+        return take_rows(t, self.src, tile_expert=self.sched.tile_expert if skip_tail else None)
 
     def scatter(self, values: torch.Tensor, fill) -> torch.Tensor:
         """[M_cap] buffer of values [N] at their rows' schedule rows, fill elsewhere."""
@@ -70,7 +73,7 @@ def local_mlp_forward(rows, lr: LocalRows, gate_up_proj, down_proj, gate_up_bias
     """(out [N, H], gate_up [M_cap, 2I] in schedule order): the experts' MLP of each row (unweighted; padding
     rows' out unspecified), on the kernels, as experts_forward computes it."""
     q = GemmOperands(precision)
-    a = take_rows(mx_values(rows, MX_ALONG_COLS) if q.mxfp8 else rows, lr.src, tile_expert=lr.sched.tile_expert)
+    a = lr.gather(mx_values(rows, MX_ALONG_COLS) if q.mxfp8 else rows)
     out_rows, gate_up = mlp_rows_forward(a, lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                          activation, swiglu_limit, q)
     return out_rows.index_select(0, lr.dst), gate_up
@@ -80,31 +83,10 @@ def local_mlp_backward(rows, grad_out, row_weights, gate_up, lr: LocalRows, gate
                        down_bias, activation, swiglu_limit, precision="bf16", needs=None):
     """torch_backend.mlp_backward's GroupedMLPGrads (grad_rows [N, H], grad_weights [N], parameter gradients) on the
     kernels: the backward of w * MLP(rows) with grad_out [N, H] the rows' d y (not scaled by w)."""
-    q = GemmOperands(precision)
-    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
-    sched, wdt, dt = lr.sched, gate_up_proj.dtype, rows.dtype
-    dy_rows = take_rows(grad_out.to(dt).contiguous(), lr.src, tile_expert=sched.tile_expert if down_bias is None
-                        else None)
-    w_rows = lr.scatter(row_weights.float(), 0.0)  # (0 on padding rows and past the segments)
-    dy_a = take_rows(mx_values(grad_out.to(dt).contiguous(), MX_ALONG_COLS), lr.src,
-                     tile_expert=sched.tile_expert) if q.mxfp8 else dy_rows
-    dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
-                                      swiglu_limit)
-    del dy_a
-    if down_bias is not None:
-        dw_rows = dw_rows + (dy_rows.float() * bias_rows(down_bias, sched)).sum(dim=1)
-    d_down_bias = None
-    if down_bias is not None and need_b2:
-        d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(dt), sched).to(down_bias.dtype)
-    d_down = weight_grad_of(dy_rows, wh, sched, wdt, None, q) if need2 else None
-    del dy_rows, wh
-    dx_rows = grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True)
-    grad_rows = dx_rows.index_select(0, lr.dst)
-    del dx_rows
-    d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    d_gate_up = None
-    if need13:
-        x_rows = take_rows(rows, lr.src, tile_expert=sched.tile_expert)
-        d_gate_up = weight_grad_of(dgu, x_rows, sched, wdt, None, q)
+    grad_rows, dw_rows, *param = mlp_rows_backward(
+        grad_out.to(rows.dtype).contiguous(), lr.gather, lr.scatter(row_weights.float(), 0.0), gate_up,
+        lambda: lr.gather(rows), lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+        swiglu_limit, GemmOperands(precision), needs, (None, None), lambda dx_rows: dx_rows.index_select(0, lr.dst),
+    )  # fmt: skip
     grad_weights = dw_rows.index_select(0, lr.dst).to(row_weights.dtype)
-    return reference.GroupedMLPGrads(grad_rows, grad_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias)
+    return reference.GroupedMLPGrads(grad_rows, grad_weights, *param)
