@@ -192,9 +192,8 @@ def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
         # so the transient bf16 copy of the data is a chunk's, not a second copy of the whole
         factor = factor.to(torch.bfloat16).unsqueeze(-1)
         out = torch.empty(blocks.shape, dtype=torch.bfloat16, device=blocks.device)
-        step = max(1, chunk_bytes(blocks.device) // max(2 * blocks[:1].numel(), 1))  # (blocks: 2-D at least)
-        for a in range(0, blocks.shape[0], step):
-            torch.mul(blocks[a:a + step].to(torch.bfloat16), factor[a:a + step], out=out[a:a + step])
+        for a, b in row_chunks(blocks.shape[0], 2 * blocks[:1].numel(), blocks.device):  # (blocks: 2-D at least)
+            torch.mul(blocks[a:b].to(torch.bfloat16), factor[a:b], out=out[a:b])
         return out.reshape(data.shape).movedim(-1, t.axis).contiguous()
     # fp32 product is exact: 4 significant bits times a power of two.
     out = blocks.float() * factor.unsqueeze(-1)
@@ -247,6 +246,13 @@ def chunk_bytes(device: torch.device) -> int:
     mapping (page faults) each call; elsewhere (GPUs) 256 MiB, a bound on the temporaries that keeps the
     launches few (1 MiB chunks there cost a launch per op per MiB: thousands a layer)."""
     return 1 << 20 if device.type == "cpu" else 1 << 28
+
+
+def row_chunks(num_rows: int, row_bytes: int, device: torch.device) -> list[tuple[int, int]]:
+    """Row ranges [a, b) whose temporaries take about chunk_bytes(device) each, row_bytes a row. Fixed by the sizes
+    and the device type alone: the same chunks, the same bits, run after run."""
+    step = max(1, chunk_bytes(device) // max(row_bytes, 1))
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
 
 
 def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
@@ -325,7 +331,7 @@ def _fake_quantize_fast(x: torch.Tensor, axis: int, out: torch.Tensor | None) ->
 # clear_weight_cache() after them.
 
 _MX_WEIGHTS = torch.utils.weak.WeakIdKeyDictionary()
-_SCOPE = threading.local()  # .values inside a weight_scope (per thread): {(id(w), axis): (state, values)}
+_SCOPE = threading.local()  # .values inside a weight_scope (per thread): {id(w): {axis: (state, values)}}
 
 
 def clear_weight_cache() -> int:
@@ -376,16 +382,7 @@ def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
     scoped = getattr(_SCOPE, "values", None)
     if state is None or (w.requires_grad and scoped is None):
         return quantize(w.detach(), axis)
-    if w.requires_grad:
-        hit = scoped.get((id(w), axis))
-        if hit is not None and hit[0] == state:
-            return hit[1]
-        q = quantize(w.detach(), axis)
-        scoped[(id(w), axis)] = (state, q)
-        return q
-    entries = _MX_WEIGHTS.get(w)
-    if entries is None:
-        entries = _MX_WEIGHTS[w] = {}
+    entries = scoped.setdefault(id(w), {}) if w.requires_grad else _MX_WEIGHTS.setdefault(w, {})
     hit = entries.get(axis)
     if hit is not None and hit[0] == state:
         return w if hit[1] is None else hit[1]

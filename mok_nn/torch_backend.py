@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import mxfp8, reference
-from .mxfp8 import fake_quantize_fast
+from .mxfp8 import fake_quantize_fast, row_chunks
 from .reference import DispatchPlan, GroupedMLPGrads, compute_dtype
 from .torch_ep import BoundedPlan, build_bounded_plan
 
@@ -311,15 +311,6 @@ def _halves(gate_up: torch.Tensor, limit):
 def _plus_one(up: torch.Tensor, fresh: bool) -> torch.Tensor:
     """up + 1, a fresh tensor (in place where up is one already)."""
     return up.add_(1) if fresh else up + 1
-
-
-def row_chunks(num_rows: int, row_bytes: int, device: torch.device) -> list[tuple[int, int]]:
-    """Row ranges [a, b) whose compute-dtype temporaries take about mxfp8.chunk_bytes(device) each (on CPU 1 MiB:
-    the elementwise passes over a chunk stay in the L2 cache, and no temporary reaches glibc's mmap threshold; on
-    a GPU 256 MiB: a bound on the temporaries, few launches). Fixed by the sizes and the device type alone: the
-    same chunks, the same bits, run after run."""
-    step = max(1, mxfp8.chunk_bytes(device) // max(row_bytes, 1))
-    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
 
 
 def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:

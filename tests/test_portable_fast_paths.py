@@ -316,8 +316,8 @@ def test_chunking_changes_no_bit_and_gpus_take_few_chunks(monkeypatch):
         runs.append(_run(_mx_layer(), x, dy))
     assert _same(runs[0], runs[1])
     monkeypatch.undo()
-    assert len(torch_backend.row_chunks(65536, 4 * 768, torch.device("cuda"))) == 1
-    assert len(torch_backend.row_chunks(65536, 4 * 768, torch.device("cpu"))) == 193  # 341 rows each
+    assert len(mxfp8.row_chunks(65536, 4 * 768, torch.device("cuda"))) == 1
+    assert len(mxfp8.row_chunks(65536, 4 * 768, torch.device("cpu"))) == 193  # 341 rows each
 
 
 def test_weight_scope_is_per_thread():
