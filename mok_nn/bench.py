@@ -123,15 +123,6 @@ def baseline_experts_ep(group):
 WEIGHT_MODES = ("trained", "frozen", "mxfp8_only")
 
 
-def _quantize_experts(w):
-    """mxfp8.quantize(w, -1) of expert weights [E, N, K], one expert at a time (fp32 temporaries of one expert,
-    not of all: deepseek-v3's would take tens of GB)."""
-    from . import mxfp8
-
-    parts = [mxfp8.quantize(w[e], axis=-1) for e in range(w.shape[0])]
-    return mxfp8.MXFP8Tensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), 2)
-
-
 def mok_experts(backend: str, group=None, config=None, precision="bf16", weights="trained"):
     """mok_nn's routed experts through its functional layer and MoKFunction (what the layer runs);
     config: a MoKConfig (None: the default). weights: "trained" (they get gradients; with precision="mxfp8"
@@ -157,8 +148,8 @@ def mok_experts(backend: str, group=None, config=None, precision="bf16", weights
         if weights == "mxfp8_only":
             if held.get("of", (None, None))[0] is not gate_up_proj or held["of"][1] is not down_proj:
                 held.clear()  # the old copies go first
-                held.update(of=(gate_up_proj, down_proj), q=[_quantize_experts(t.detach()) for t in (gate_up_proj,
-                                                                                                    down_proj)])
+                held.update(of=(gate_up_proj, down_proj),
+                            q=[mxfp8.quantize_experts(t.detach()) for t in (gate_up_proj, down_proj)])
             q13, q2 = held["q"]
             gate_up_proj, down_proj, scales = q13.data, q2.data, (q13.scale, q2.scale)
         elif weights == "frozen":

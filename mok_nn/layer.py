@@ -122,21 +122,6 @@ class MXFP8Weight(torch.Tensor):
         return MXFP8Weight.wrap, (torch.Tensor(self.detach()), getattr(self, "_mok_name", "gate_up_proj"))
 
 
-def _quantize_per_expert(w: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 data, E8M0 scale bytes) of w [E, N, K] quantised along K, one expert at a time (the transient
-    fp32 copies of quantize are one expert's; along K the experts are independent, so the bits are those of
-    quantizing w at once)."""
-    data = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-    scale = torch.empty(*w.shape[:-1], w.shape[-1] // 32, dtype=torch.uint8, device=w.device)
-    if w.is_meta:
-        return data, scale
-    for e in range(w.shape[0]):
-        q = mxfp8.quantize(w[e], axis=-1, block_size=32, scale_mode=scale_mode)
-        data[e].copy_(q.data)
-        scale[e].copy_(q.scale)
-    return data, scale
-
-
 class Experts(nn.Module):
     """The routed experts of this rank: gate_up_proj [E_l, 2I, H] (gate rows first), down_proj [E_l, H, I].
 
@@ -233,12 +218,12 @@ class Experts(nn.Module):
             raise ValueError(f"scale_mode must be one of {mxfp8.SCALE_MODES}, got {scale_mode!r}")
         w13, w2 = self.gate_up_proj, self.down_proj
         _check_mxfp8_storage(self.shape13[2], self.shape2[2], w13.dtype)
-        q13, q2 = _quantize_per_expert(w13, scale_mode), _quantize_per_expert(w2, scale_mode)
+        q13, q2 = mxfp8.quantize_experts(w13, scale_mode), mxfp8.quantize_experts(w2, scale_mode)
         self._weight_dtype = w13.dtype
         del self.gate_up_proj, self.down_proj, w13, w2
-        for name, (data, scale) in (("gate_up_proj", q13), ("down_proj", q2)):
-            self.register_buffer(name, MXFP8Weight.wrap(data, name))
-            self.register_buffer(name + "_scale", scale)
+        for name, q in (("gate_up_proj", q13), ("down_proj", q2)):
+            self.register_buffer(name, MXFP8Weight.wrap(q.data, name))
+            self.register_buffer(name + "_scale", q.scale)
         return self
 
     @torch.no_grad()

@@ -175,6 +175,20 @@ def quantize(
     return MXFP8Tensor(data, scale, axis, block_size)
 
 
+def quantize_experts(w: torch.Tensor, scale_mode: str = "rceil") -> MXFP8Tensor:
+    """quantize(w, axis=-1) of expert weights w [E, N, K], one expert at a time: the transient fp32 copies of
+    quantize are one expert's (along K the experts are independent, so the bits are those of quantising w at
+    once). A meta tensor gives empty data and scales of the right shapes."""
+    data = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(*w.shape[:-1], w.shape[-1] // 32, dtype=torch.uint8, device=w.device)
+    if not w.is_meta:
+        for e in range(w.shape[0]):
+            q = quantize(w[e], axis=-1, block_size=32, scale_mode=scale_mode)
+            data[e].copy_(q.data)
+            scale[e].copy_(q.scale)
+    return MXFP8Tensor(data, scale, w.dim() - 1)
+
+
 def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``float(data) * 2**(scale - 127)`` in ``dtype`` (NaN where the scale byte is 0xFF; a NaN's sign bit is
     unspecified)."""
