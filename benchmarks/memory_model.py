@@ -11,6 +11,8 @@ It models allocations only: no kernel runs, no value is computed, the routing is
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 
 import torch
@@ -38,19 +40,45 @@ def _allocation_only() -> None:
     cb.combine = lambda rows, pos, w, ids, e, dt: empty(pos.shape[0], rows.shape[1], dtype=dt)
 
 
-def _peak(fn) -> int:
-    """Largest sum of live bytes allocated by fn (freed ones subtracted), in allocation order."""
+def _peak(fn) -> tuple[int, object]:
+    """(largest sum of live bytes allocated by fn, freed ones subtracted, in allocation order; fn's result).
+
+    Each event counts its own allocations only (self_cpu_memory_usage): an op's total would count its
+    children's again (empty_like allocates through empty_strided). The bytes still live at the end must be
+    those of what fn returned, or the count is wrong (checked)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
+        result = fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
     live = peak = 0
     for e in events:
-        live += e.cpu_memory_usage
+        live += e.self_cpu_memory_usage
         peak = max(peak, live)
-    return peak
+    kept = _bytes(result)
+    if live != kept:
+        raise AssertionError(f"allocation model: {live} bytes live after the call, {kept} bytes returned")
+    return peak, result
+
+
+def _bytes(obj, seen=None) -> int:
+    """Bytes of the distinct tensor storages in obj (tensors, tuples / lists, dataclasses)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen or not obj.untyped_storage().nbytes():
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, (tuple, list)):
+        return sum(_bytes(o, seen) for o in obj)
+    if dataclasses.is_dataclass(obj):
+        return sum(_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+    return 0
 
 
 def measure(shape: str, tokens: int) -> dict:
+    """Bytes of one call: what the forward keeps for the backward (its saved rows), the backward's peak above
+    its inputs (saved rows included), the peak of a whole forward + backward above the inputs and weights (the
+    benchmark's peak_mem_gb), and the weight gradients alone."""
     hidden, inter, experts, top_k = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
@@ -59,11 +87,23 @@ def measure(shape: str, tokens: int) -> dict:
     w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
     w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
     sched = cb.make_schedule_torch(ids, experts)
-    _, saved = cb.experts_forward(x, ids, w, w13, w2, None, None, "swiglu", None, sched)
-    kept = sum(t.numel() * t.element_size() for t in (saved.x_rows, saved.gate_up) if t is not None)
-    backward = _peak(lambda: cb.experts_backward(dy, saved, x, ids, w, w13, w2))
+    # as MoKFunction's backward runs it where the graph is not retained (trees without the argument: as they ran)
+    once = {"consume_saved": True} if "consume_saved" in inspect.signature(cb.experts_backward).parameters else {}
+
+    def forward():
+        return cb.experts_forward(x, ids, w, w13, w2, None, None, "swiglu", None, sched)
+
+    def forward_backward():
+        y, saved = forward()
+        return y, cb.experts_backward(dy, saved, x, ids, w, w13, w2, **once)
+
+    _, saved = forward()
+    kept = _bytes(saved) - _bytes(saved.sched)
+    backward, _ = _peak(lambda: cb.experts_backward(dy, saved, x, ids, w, w13, w2, **once))
+    del saved
+    whole, _ = _peak(forward_backward)
     grads = (w13.numel() + w2.numel()) * 2
-    sizes = {"saved": kept, "backward_peak": backward, "weight_grads": grads}
+    sizes = {"saved": kept, "backward_peak": backward, "fwd_bwd_peak": whole, "weight_grads": grads}
     return {"shape": shape, "tokens": tokens, **{f"{k}_gib": round(v / 2**30, 3) for k, v in sizes.items()},
             **{f"{k}_bytes": v for k, v in sizes.items()}}
 
