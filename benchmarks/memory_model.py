@@ -33,10 +33,11 @@ def _allocation_only() -> None:
     cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)
     cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
         a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
-    cb.dgrad_down_act = lambda dy, w2, gu, wr, sched, act, lim: (
-        torch.empty_like(gu), empty(gu.shape[0], gu.shape[1] // 2), empty(gu.shape[0], dtype=torch.float32))
-    cb.weight_grad = lambda a, b, sched, counts, into=None: (
-        into if into is not None else empty(sched.num_experts, a.shape[1], b.shape[1]))
+    cb.dgrad_down_act = lambda dy, w2, gu, wr, sched, act, lim, in_place=False: (
+        gu if in_place else torch.empty_like(gu), empty(gu.shape[0], gu.shape[1] // 2),
+        empty(gu.shape[0], dtype=torch.float32))
+    cb.weight_grad = lambda a, b, sched, counts, into=None, out=None, cols=None: (
+        into if into is not None else out if out is not None else empty(sched.num_experts, a.shape[1], b.shape[1]))
     cb.combine = lambda rows, pos, w, ids, e, dt: empty(pos.shape[0], rows.shape[1], dtype=dt)
 
 

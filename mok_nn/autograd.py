@@ -98,6 +98,14 @@ def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype):
     return weights
 
 
+def graph_kept() -> bool:
+    """Whether the running backward keeps the autograd graph (retain_graph=True, create_graph): then the saved
+    tensors may be read by a later backward and must not be overwritten. True outside a backward, and where
+    torch does not say."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
+
+
 def _needs(ctx, mxfp8_weights: bool) -> tuple:
     """Which expert tensors get a gradient (gate_up_proj, down_proj and their biases): those that require grad;
     MXFP8-only weights never (their data is frozen)."""
@@ -174,6 +182,7 @@ class MoKFunction(torch.autograd.Function):
             saved_passes.append(rebuild(saved[first:first + count]))
             first += count
         grad_y = grad_y.contiguous()
+        consume = not graph_kept()  # (the saved activations' buffers may then be reused: peak memory)
         dxs, d_topks, grads = [], [], None
         # (autocast off: a backward called inside an autocast region; weight_scope: as in forward)
         with autocast_off(grad_y.device.type), weight_scope():
@@ -182,6 +191,7 @@ class MoKFunction(torch.autograd.Function):
                 dx, d_topk, grads = functional.backward(
                     _rows(grad_y, start, end), saved_pass, _rows(x, start, end), _rows(topk_ids, start, end),
                     _rows(topk_weights, start, end), params, ctx.workspace, grads_into=grads, needs=needs,
+                    consume_saved=consume,
                 )
                 dxs.append(dx)
                 d_topks.append(d_topk)

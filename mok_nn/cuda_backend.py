@@ -19,10 +19,15 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM on 2-CTA clusters sharing B by TMA
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
                   macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc).
-                  d down_proj runs right after the dgrad of down, before the dgrad of gate/up (peak memory)
+                  d down_proj runs right after the dgrad of down, before the dgrad of gate/up; d gate_up_proj
+                  last, in four column blocks of x, each block's x rows gathered (mok_scatter_rows) for it
+  memory          the forward keeps gate_up only (no x rows); where autograd keeps no graph, d gate_up
+                  overwrites it (the dSwiGLU epilogue reads each element before it writes it); every row
+                  buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
   precision=      mok_mx_quant gives every GEMM operand's MXFP8 values in bf16 (GemmOperands: x and d y before
   "mxfp8"         their gathers, h and d gate_up after their kernels, the weight-gradient operands per expert in
                   blocks of 32 rows, the weights once per call, or per change where frozen); the same kernels then
+                  run on those values
 
 The plain bf16 grouped GEMM has three forms (gemm_kernel): clustered ping-pong (_ppc) where K <= 1024; the
 whole output tile in shared memory with tiles claimed by atomic add (_ef_dyn, whose consumer warp groups skip
@@ -494,7 +499,8 @@ def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, counts: torch.Tensor,
-                into: torch.Tensor | None = None) -> torch.Tensor:
+                into: torch.Tensor | None = None, out: torch.Tensor | None = None, cols: int | None = None
+                ) -> torch.Tensor:
     """[E, Na, Nb] bf16: per expert e, a_rows[seg e]^T @ b_rows[seg e] (fp32 accumulation, rows ascending).
 
     a_rows [M_cap, Na], b_rows [M_cap, Nb] in schedule order with zero padding rows;
@@ -502,18 +508,23 @@ def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, cou
     into: add the (bf16-rounded) result into this [E, Na, Nb] tensor and return it (macrobatch passes):
     by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
     no second gradient buffer), else computed apart and added (bf16 round of the sum either way).
+    out: write the result into this [E, Na, Nb] tensor (a view: a column block of a larger gradient) and
+    return it. cols: the columns of the whole gradient where b_rows is a block of them (the kernel is chosen
+    for the whole, so that every block runs the kernel the whole would: wgrad_kernel).
     """
-    name = wgrad_kernel(sched, b_rows.shape[1], into is not None)
+    name = wgrad_kernel(sched, cols or b_rows.shape[1], into is not None)
     acc_name = WGRAD_ACC_KERNELS.get(name)
-    if into is not None and (_use_torch_gemm() or acc_name is None or not _accumulates_in_place(into)):
-        return into.add_(weight_grad(a_rows, b_rows, sched, counts).to(into.dtype))
+    if into is not None and (_use_torch_gemm() or acc_name is None or not _kernel_stores_into(into)):
+        return into.add_(weight_grad(a_rows, b_rows, sched, counts, cols=cols).to(into.dtype))
+    if out is not None and (_use_torch_gemm() or not _kernel_stores_into(out)):
+        return out.copy_(weight_grad(a_rows, b_rows, sched, counts, cols=cols))
     if _use_torch_gemm():
         return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     na, nb = a_rows.shape[1], b_rows.shape[1]
-    if into is None:
-        out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
-    else:
+    if into is not None:
         out, name = into, acc_name
+    elif out is None:
+        out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
     _lib().launch(
         name, a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
         sched.seg_end, counts, wgrad_group_m(name, nb), stream=_stream(),
@@ -531,9 +542,17 @@ def wgrad_kernel(sched: Schedule, cols: int, accumulate: bool = False) -> str:
     return WGRAD_KERNEL
 
 
-def _accumulates_in_place(t: torch.Tensor) -> bool:
-    """The accumulating kernel can add into t: a contiguous bf16 CUDA tensor (as the gradients it made)."""
-    return t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous()
+def _kernel_stores_into(t: torch.Tensor) -> bool:
+    """The weight-gradient kernels (and their accumulating twins) can store into t: a CUDA tensor of
+    wgrad_output_layout (a contiguous gradient, or a column block of one)."""
+    return t.is_cuda and wgrad_output_layout(t)
+
+
+def wgrad_output_layout(t: torch.Tensor) -> bool:
+    """t [E, Na, Nb] has a layout the weight-gradient kernels store into: bf16, unit column stride, the other
+    strides whole 16-byte vectors, a 16-byte aligned start."""
+    return (t.dtype == torch.bfloat16 and t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % 8 == 0
+            and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0)
 
 
 def wgrad_group_m(name: str, nb: int) -> int:
@@ -625,8 +644,9 @@ def act_forward(gate_up: torch.Tensor, sched: Schedule, activation: str, swiglu_
     return h
 
 
-def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swiglu_limit):
-    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the saved gate_up and dh = dy @ W2[e]."""
+def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swiglu_limit, in_place: bool = False):
+    """(d gate_up bf16, w*h bf16, dw fp32 per row) from the saved gate_up and dh = dy @ W2[e]. in_place: d gate_up
+    overwrites gate_up (each element read before it is written, by the thread that writes it)."""
     if _use_torch_act():
         from . import reference
 
@@ -634,9 +654,9 @@ def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swig
         w = w_rows.unsqueeze(1)
         dw = (dh_raw * h.float()).sum(dim=1)
         dgu = reference.activation_backward(gate_up.float(), w * dh_raw, activation, swiglu_limit).to(gate_up.dtype)
-        return dgu, (w * h.float()).to(gate_up.dtype), dw
+        return gate_up.copy_(dgu) if in_place else dgu, (w * h.float()).to(gate_up.dtype), dw
     m, inter = dh_raw.shape
-    dgu = torch.empty_like(gate_up)
+    dgu = gate_up if in_place else torch.empty_like(gate_up)
     wh = gate_up.new_empty(m, inter)
     dw = torch.empty(m, dtype=torch.float32, device=gate_up.device)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
@@ -677,16 +697,19 @@ def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
+def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
+              in_place: bool = False):
     """act_backward(gate_up, dy_rows @ W2[e], ...) in one kernel (mok_gemm_dact_<act>_ppc): the dgrad of down
     with the activation backward in its epilogue, so dh never goes to memory. d gate_up and w*h are
-    bitwise what the two kernels give; dw sums per 128-column tile in the kernel, then pairwise_sum."""
+    bitwise what the two kernels give; dw sums per 128-column tile in the kernel, then pairwise_sum.
+    in_place: d gate_up overwrites gate_up (each output tile's gate / up values are loaded into registers by the
+    threads that then store that tile's d gate / d up; no other tile reads them)."""
     m, two_i = gate_up.shape
     inter = two_i // 2
     if not fused_dact_supported(inter, activation):
         raise ValueError(f"mok_gemm_dact: needs I % {GEMM_TILE_N} == 0 and a SwiGLU activation, got I={inter}, "
                          f"{activation!r}")
-    dgu = torch.empty_like(gate_up)
+    dgu = gate_up if in_place else torch.empty_like(gate_up)
     wh = gate_up.new_empty(m, inter)
     name = f"mok_gemm_dact_{activation}_ppc"
     tile_n = tile_n_of(name)
@@ -703,13 +726,15 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
     return dgu, wh, pairwise_sum(parts)
 
 
-def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit):
+def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
+                   in_place: bool = False):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
-    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward."""
+    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
+    gate_up (the same bits)."""
     if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]):
-        return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit)
+        return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-    return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit)
+    return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)
 
 
 def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -843,10 +868,11 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 
 @dataclass
 class CudaSaved:
+    """What the forward keeps for the backward: the schedule and gate_up. No x rows (k T x H values): the
+    backward gathers x's rows again, a column block at a time, for the gate/up weight's gradient
+    (gate_up_weight_grad)."""
+
     sched: Schedule
-    # [M_cap, H] x in schedule order (zero padding rows), for the weight gradient; None where d W13 is not wanted
-    # (frozen) and with precision="mxfp8" (the GEMM took x's MXFP8 values: the backward gathers x where needed)
-    x_rows: torch.Tensor | None
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
 
 
@@ -855,33 +881,24 @@ def experts_forward(
     activation="swiglu", swiglu_limit=None, sched: Schedule | None = None, precision: str = "bf16", needs=None,
 ):
     """Routed experts on one GPU. Returns (y [T, H] in x.dtype, CudaSaved). precision: "bf16", or "mxfp8"
-    (every GEMM operand's MXFP8 values: GemmOperands). needs: the parameter gradients the backward will compute
-    (reference.param_grads_needed; None: all): the x rows are kept for the backward only where d W13 is."""
+    (every GEMM operand's MXFP8 values: GemmOperands). needs: accepted for the backends' common signature (the
+    forward keeps the same tensors whatever the backward computes)."""
     why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
     q = GemmOperands(precision)
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
-    # x_rows feeds the gate/up GEMM and the weight gradient only: the tail past the last segment stays unwritten.
-    # Gathered by the schedule's call (build_schedule) where it could, else here.
-    if q.mxfp8:
-        x_rows = None
-        a = sched.take_gathered(x, "mxfp8")
-        if a is None:
-            a = q.tokens(x.contiguous(), sched)
-    else:
-        x_rows = sched.take_gathered(x)
-        if x_rows is None:
-            x_rows = gather_rows(x.contiguous(), sched, skip_tail=True)
-        a = x_rows
+    # x's rows (precision="mxfp8": of its MXFP8 values) feed the gate/up GEMM only: the tail past the last segment
+    # stays unwritten. Gathered by the schedule's call (build_schedule) where it could, else here; not kept.
+    a = sched.take_gathered(x, precision)
+    if a is None:
+        a = q.tokens(x.contiguous(), sched) if q.mxfp8 else gather_rows(x.contiguous(), sched, skip_tail=True)
     out_rows, gate_up = mlp_rows_forward(a, sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                                          swiglu_limit, q)
     del a
     y = combine(out_rows, sched.pos, topk_weights, topk_ids, gate_up_proj.shape[0], x.dtype)
-    if needs is not None and not needs[0]:
-        x_rows = None  # (frozen gate/up weights: no d W13, nothing reads them)
-    return y, CudaSaved(sched, x_rows, gate_up)
+    return y, CudaSaved(sched, gate_up)
 
 
 def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
@@ -910,47 +927,52 @@ def bias_rows(bias: torch.Tensor, sched: Schedule) -> torch.Tensor:
 def experts_backward(
     grad_y, saved: CudaSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
     gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, grads_into=None, needs=None,
-    precision: str = "bf16",
+    precision: str = "bf16", consume_saved: bool = False,
 ):
     """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads; its grad_rows None: the d x
     rows are summed into dx and freed). grads_into: a GroupedMLPGrads whose parameter gradients this call adds
     to (reference.add_param_grads). needs: which parameter gradients to compute (reference.param_grads_needed;
     None: all): frozen ones are None and their weight-gradient GEMMs / bias sums are not launched. precision:
-    the forward's. The order of the steps: mlp_rows_backward."""
+    the forward's. consume_saved: saved is used by this backward only (autograd does not keep the graph), so
+    d gate_up overwrites saved.gate_up instead of taking a buffer of its own. The order of the steps:
+    mlp_rows_backward."""
     q = GemmOperands(precision)
     sched = saved.sched
     num_tokens, top_k = topk_ids.shape
     into = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
-
-    def x_rows():
-        return saved.x_rows if saved.x_rows is not None else gather_rows(x.contiguous(), sched, skip_tail=True)
+    x = x.contiguous()
 
     dx, dw_rows, *param = mlp_rows_backward(
         grad_y.to(x.dtype).contiguous(), lambda t, skip_tail: gather_rows(t, sched, skip_tail=skip_tail),
-        row_weights(sched, topk_weights), saved.gate_up, x_rows, sched, gate_up_proj, down_proj, gate_up_bias,
-        down_bias, activation, swiglu_limit, q, needs, into,
+        row_weights(sched, topk_weights), saved.gate_up, lambda c0, c1: gather_rows(x[:, c0:c1], sched, True),
+        sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit, q, needs, into,
         lambda dx_rows: combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype),
+        consume_gate_up=consume_saved,
     )  # fmt: skip
     d_topk = dw_rows.index_select(0, sched.pos.reshape(-1)).view(num_tokens, top_k).to(topk_weights.dtype)
     return dx, d_topk, _grads(None, dw_rows, *param, grads_into)
 
 
-def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_rows, sched: Schedule, gate_up_proj, down_proj,
-                      gate_up_bias, down_bias, activation, swiglu_limit, q: GemmOperands, needs, into, take_dx):
+def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule, gate_up_proj, down_proj,
+                      gate_up_bias, down_bias, activation, swiglu_limit, q: GemmOperands, needs, into, take_dx,
+                      consume_gate_up: bool = False):
     """The backward of the experts' MLP on rows in schedule order, shared by the one-GPU path and the portable
     backend's local experts (cuda_local): returns (take_dx(d x rows), dw per row [M_cap] fp32, d gate_up_proj,
     d down_proj, d gate_up_bias, d down_bias), frozen ones None (needs: reference.param_grads_needed).
 
     grad_out [N, H]: the d y of the rows' sources (not scaled by w); gather(t, skip_tail): t's rows in schedule
     order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten); w_rows [M_cap]
-    fp32 the top-k weight of each row (0 on padding rows); x_rows(): the input rows in schedule order (called only
-    for d gate_up_proj); into: (d gate_up_proj, d down_proj) to add to (macrobatch passes), or Nones; take_dx: what
-    is made of the d x rows (summed per token, or read back per row) before they are freed.
+    fp32 the top-k weight of each row (0 on padding rows); x_cols(c0, c1): the input rows' columns [c0, c1) in
+    schedule order (called only for d gate_up_proj, block by block: gate_up_weight_grad); into: (d gate_up_proj,
+    d down_proj) to add to (macrobatch passes), or Nones; take_dx: what is made of the d x rows (summed per token,
+    or read back per row) before they are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it
+    after this backward).
 
     Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows and
-    w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient.
-    With precision="mxfp8" the dgrad takes d y's MXFP8 values, and d y itself only d W2 and the bias terms need."""
+    w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient,
+    whose x rows exist a column block at a time. With precision="mxfp8" the dgrad takes d y's MXFP8 values, and
+    d y itself only d W2 and the bias terms need."""
     from . import reference
 
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
@@ -960,8 +982,8 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_rows, sched: Schedule
         dy_rows = gather(grad_out, down_bias is None)  # (the down bias sums every row, the tail too)
     dy_a = gather(mx_values(grad_out, MX_ALONG_COLS), True) if q.mxfp8 else dy_rows
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
-                                      swiglu_limit)
-    del dy_a
+                                      swiglu_limit, in_place=consume_gate_up)
+    del dy_a, gate_up
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * bias_rows(down_bias, sched)).sum(dim=1)
     d_down_bias = None
@@ -971,20 +993,58 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_rows, sched: Schedule
     del dy_rows, wh
     dx = take_dx(grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True))
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    d_gate_up = weight_grad_of(dgu, x_rows(), sched, wdt, into[0], q) if need13 else None
+    d_gate_up = gate_up_weight_grad(dgu, x_cols, sched, gate_up_proj, into[0], q) if need13 else None
     return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
-def weight_grad_of(a_rows, b_rows, sched: Schedule, wdt, into=None, operands: GemmOperands | None = None):
+# d gate_up_proj = dgu^T x_rows runs in about this many column blocks of x, each block's x rows gathered just for
+# its GEMM: the forward keeps no x rows, and the backward holds a quarter of them at a time
+# (benchmarks/memory_model.py). The blocks are whole GEMM_TILE_N tiles.
+X_COLUMN_BLOCKS = 4
+
+
+def x_column_blocks(hidden: int) -> list[tuple[int, int]]:
+    """[c0, c1) column blocks of x (H = hidden) for gate_up_weight_grad: X_COLUMN_BLOCKS blocks of whole
+    GEMM_TILE_N tiles (fewer where H is small, the last one shorter where H is not a multiple of the width)."""
+    width = -(-hidden // (X_COLUMN_BLOCKS * GEMM_TILE_N)) * GEMM_TILE_N
+    return [(c0, min(c0 + width, hidden)) for c0 in range(0, hidden, width)]
+
+
+def gate_up_weight_grad(dgu, x_cols, sched: Schedule, gate_up_proj, into=None, operands=None):
+    """d gate_up_proj [E, 2I, H] = dgu^T x_rows per expert (weight_grad_of), one column block of H at a time
+    (x_column_blocks): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order, gathered for that
+    block alone and freed after it. The same bits as one GEMM over every column: each output element's sum
+    over the rows does not depend on the blocks, and every block runs the kernel the whole would (cols).
+    into: added to instead (macrobatch passes), which is returned. operands: as weight_grad_of's (dgu's MXFP8
+    values are computed once, each block's x rows' for that block)."""
+    hidden = gate_up_proj.shape[2]
+    grad = into
+    if grad is None:
+        grad = torch.empty(gate_up_proj.shape, dtype=gate_up_proj.dtype, device=dgu.device)
+    a = operands.segments(dgu, sched) if operands is not None else dgu
+    for c0, c1 in x_column_blocks(hidden):
+        b = x_cols(c0, c1)
+        if operands is not None:
+            b = operands.segments(b, sched)
+        block = grad[:, :, c0:c1]
+        weight_grad_of(a, b, sched, grad.dtype, block if into is not None else None,
+                       out=None if into is not None else block, cols=hidden)
+        del b  # (this block's x rows, before the next block's are gathered)
+    return grad
+
+
+def weight_grad_of(a_rows, b_rows, sched: Schedule, wdt, into=None, operands: GemmOperands | None = None,
+                   out=None, cols: int | None = None):
     """d W = a_rows^T b_rows per expert (over sched.seg_rows real rows) in wdt, each operand as the GEMM takes
     it (operands; bf16: the rows themselves); into: added to that gradient instead (the accumulating kernel,
-    weight_grad(into=)), which is returned."""
+    weight_grad(into=)), which is returned; out: written into this tensor (a column block of a gradient),
+    which is returned; cols: weight_grad's."""
     if operands is not None:
         a_rows, b_rows = operands.segments(a_rows, sched), operands.segments(b_rows, sched)
-    if into is None:
-        return weight_grad(a_rows, b_rows, sched, sched.seg_rows).to(wdt)
-    weight_grad(a_rows, b_rows, sched, sched.seg_rows, into=into)
-    return into
+    if into is not None or out is not None:
+        weight_grad(a_rows, b_rows, sched, sched.seg_rows, into=into, out=out, cols=cols)
+        return into if into is not None else out
+    return weight_grad(a_rows, b_rows, sched, sched.seg_rows, cols=cols).to(wdt)
 
 
 def _grads(dx_rows, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias, grads_into):
@@ -1082,12 +1142,13 @@ def forward(x, topk_ids, topk_weights, params, schedule, workspace, needs=None):
     )
 
 
-def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into=None, needs=None):
+def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into=None, needs=None,
+             consume_saved=False):
     if workspace.ep_size > 1:
         from . import cuda_ep
 
         return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into, needs)
     return experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
-        grads_into, needs, workspace.precision,
+        grads_into, needs, workspace.precision, consume_saved,
     )

@@ -252,7 +252,7 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
 
 
 def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace,
-             grads_into=None, needs=None):
+             grads_into=None, needs=None, consume_saved=False):
     """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts). Its grad_rows (the d x of
     each expert row) are None on the CUDA path: at EP = 1 they are freed once summed (peak memory), at EP > 1
     the dgrad GEMM may send them to their sources instead of keeping them (cuda_ep.dx_push_mode); dx holds them
@@ -265,11 +265,14 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     needs: which parameter gradients to compute, four bools in ExpertParams order (gate_up_proj, down_proj,
     gate_up_bias, down_bias), None for all; those not needed (frozen experts) come back None and their GEMMs /
     sums are not run. d x and d topk-weights do not depend on it.
+
+    consume_saved: nothing will read saved after this call (autograd does not keep the graph), so the CUDA path
+    at EP = 1 may overwrite its tensors (d gate_up takes the forward's gate_up buffer). Same results.
     """
     if workspace.backend == "cuda":
         with on_device(x.device):
             return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into,
-                                            needs)
+                                            needs, consume_saved)
     impl = torch_backend if workspace.backend == "torch" else reference
     return impl.experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,

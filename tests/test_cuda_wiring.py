@@ -7,6 +7,8 @@ kernel's arguments, and that the results are the experts' function; the kernels 
 on the GPU (tests/gpu/test_cuda_kernels.py).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,10 +104,13 @@ def fake_lib(monkeypatch):
     return lib
 
 
-def _torch_weight_grad(a_rows, b_rows, sched, counts, into=None):
-    """The weight gradients by torch._grouped_mm (the kernels' contract; MOK_GEMM=torch's formula)."""
-    out = torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
-    return out if into is None else into.add_(out.to(into.dtype))
+def _torch_weight_grad(a_rows, b_rows, sched, counts, into=None, out=None, cols=None):
+    """The weight gradients by torch._grouped_mm (the kernels' contract; MOK_GEMM=torch's formula): returned,
+    added into `into`, or written into `out`."""
+    grad = torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
+    if into is not None:
+        return into.add_(grad.to(into.dtype))
+    return grad if out is None else out.copy_(grad)
 
 
 @pytest.mark.parametrize("T,H,I,bias,activation,limit", [
@@ -122,7 +127,8 @@ def test_default_path_launches_and_function(fake_lib, T, H, I, bias, activation,
     # forward gate/up (K = H), down (K = I); backward dgrad of down (fp32), dgrad of gate/up (K = 2I)
     assert gemms == [cb.gemm_kernel(False, k=H), cb.gemm_kernel(False, k=I), "mok_gemm_bn_f32_dyn",
                      cb.gemm_kernel(True, k=2 * I)], gemms
-    assert saved.x_rows is not None
+    # the forward keeps the schedule and gate_up only (no x rows: the backward gathers them again)
+    assert [f.name for f in dataclasses.fields(saved)] == ["sched", "gate_up"]
     # the experts' function (fp32 stand-ins, bf16 roundings: close to the reference)
     y_ref, saved_r = reference.experts_forward(x, ids, w, *args)
     dx_r, dtk_r, grads_r = reference.experts_backward(dy, saved_r, x, ids, w, *args)
@@ -177,3 +183,144 @@ def test_backward_frees_each_row_buffer_before_the_next_one(fake_lib, monkeypatc
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2].gate_up_proj, want[2].gate_up_proj) and torch.equal(got[2].down_proj,
                                                                                   want[2].down_proj)
+
+
+def test_x_column_blocks():
+    """d gate_up_proj's column blocks of x: four of whole 256-column tiles where H allows, fewer where H is small,
+    the last one shorter where H is not a multiple of the width."""
+    assert cb.x_column_blocks(2048) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert cb.x_column_blocks(7168) == [(0, 1792), (1792, 3584), (3584, 5376), (5376, 7168)]
+    assert cb.x_column_blocks(4096) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert cb.x_column_blocks(1040) == [(0, 512), (512, 1024), (1024, 1040)]
+    assert cb.x_column_blocks(32) == [(0, 32)]
+
+
+def _exact_weight_grad(a_rows, b_rows, sched, counts, into=None, out=None, cols=None):
+    """_torch_weight_grad with each expert's products summed in float64 (exact for these sizes), so the result
+    of a column block does not depend on how a BLAS blocks its sums."""
+    grad = torch.zeros(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(sched.seg_end.tolist()):
+        grad[e] = a_rows[start:end].double().T @ b_rows[start:end].double()
+        start = end
+    grad = grad.to(a_rows.dtype)
+    if into is not None:
+        return into.add_(grad.to(into.dtype))
+    return grad if out is None else out.copy_(grad)
+
+
+@pytest.mark.parametrize("macrobatch", [False, True])
+def test_gate_up_weight_grad_in_column_blocks(fake_lib, monkeypatch, macrobatch):
+    """d gate_up_proj a column block of x at a time: each block's x rows gathered from x's columns alone and
+    gone before the next block's are gathered; bitwise the one-block result (also adding into an earlier
+    pass's gradients), which is the experts' function."""
+    import weakref
+
+    monkeypatch.setattr(cb, "weight_grad", _exact_weight_grad)
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(20, 1040, 520, 4, 2, False, seed=11)
+    args = (W13, W2, b13, b2, "swiglu", None)
+
+    def backward():
+        _, saved = cb.experts_forward(x, ids, w, *args)
+        into = None
+        if macrobatch:  # a first pass's gradients to add into
+            into = cb.experts_backward(dy, cb.experts_forward(x, ids, w, *args)[1], x, ids, w, *args)[2]
+        return cb.experts_backward(dy, saved, x, ids, w, *args, grads_into=into)[2].gate_up_proj
+
+    gathers, gather = [], cb.gather_rows
+
+    def spy_gather(t, sched, skip_tail=False):
+        if t._base is x:  # a column block of x: the previous block's rows are gone
+            assert all(ref() is None for _, ref in gathers), "x rows of an earlier block still alive"
+        out = gather(t, sched, skip_tail)
+        if t._base is x:
+            gathers.append((t.shape[1], weakref.ref(out)))
+        return out
+
+    monkeypatch.setattr(cb, "gather_rows", spy_gather)
+    blocks = backward()
+    assert [width for width, _ in gathers] == [512, 512, 16] * (2 if macrobatch else 1)
+    monkeypatch.setattr(cb, "x_column_blocks", lambda hidden: [(0, hidden)])
+    whole = backward()
+    assert torch.equal(blocks, whole)
+    _, saved_r = reference.experts_forward(x, ids, w, *args)
+    want = reference.experts_backward(dy, saved_r, x, ids, w, *args)[2].gate_up_proj * (2 if macrobatch else 1)
+    assert (blocks.float() - want.float()).norm() <= 1e-2 * want.float().norm()
+
+
+class _WgradLib:
+    """VarlenKGroupedGemm's contract on CPU (float64 sums: exact here), storing into the c it is given."""
+
+    def __init__(self):
+        self.stores = []
+
+    def launch(self, name, a, b, c, seg_end, seg_rows, group_m, stream):
+        spec = registry.SPECS_BY_NAME[name]
+        assert spec.factory == "VarlenKGroupedGemm", name
+        self.stores.append((name, c.data_ptr()))
+        start = 0
+        for e, end in enumerate(seg_end.tolist()):
+            n = int(seg_rows[e])
+            res = (a[:, start:start + n, 0].double() @ b[:, start:start + n, 0].double().T).to(torch.bfloat16)
+            if dict(spec.factory_kwargs).get("accumulate"):
+                res = (c[:, :, e].float() + res.float()).to(torch.bfloat16)
+            c[:, :, e] = res
+            start = end
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_weight_grad_kernel_stores_into_column_blocks(monkeypatch, accumulate):
+    """weight_grad(out=) / (into=) on a column block of a gradient launches the kernel on the block's view itself
+    (its strides checked against the kernel's spec, as the library checks them), with the kernel the whole
+    gradient's columns choose; the blocks give the whole gradient's bits. A block at an unaligned column takes
+    the copying path."""
+    from test_cuda_ep_simulated import SpecChecked
+
+    lib = _WgradLib()
+    monkeypatch.setattr(cb, "_lib", lambda: SpecChecked(lib))
+    monkeypatch.setattr(cb, "_stream", lambda: 0)
+    monkeypatch.setattr(cb, "_kernel_stores_into", cb.wgrad_output_layout)  # (no CUDA tensors here)
+    monkeypatch.delenv("MOK_GEMM", raising=False)
+    g = torch.Generator().manual_seed(4)
+    E, Na, H = 4, 48, 1040
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(50)])
+    sched = cb.make_schedule_torch(ids, E)
+    a = torch.randn(sched.capacity, Na, generator=g).to(torch.bfloat16)
+    b = torch.randn(sched.capacity, H, generator=g).to(torch.bfloat16)
+    start = torch.randn(E, Na, H, generator=g).to(torch.bfloat16)
+    whole = start.clone() if accumulate else torch.empty(E, Na, H, dtype=torch.bfloat16)
+    cb.weight_grad(a, b, sched, sched.seg_rows, **({"into": whole} if accumulate else {"out": whole}))
+    grad = start.clone() if accumulate else torch.empty(E, Na, H, dtype=torch.bfloat16)
+    lib.stores.clear()
+    for c0, c1 in cb.x_column_blocks(H):
+        block = grad[:, :, c0:c1]
+        got = cb.weight_grad(a, b[:, c0:c1].contiguous(), sched, sched.seg_rows, cols=H,
+                             **({"into": block} if accumulate else {"out": block}))
+        assert got.data_ptr() == block.data_ptr()
+    name = cb.wgrad_kernel(sched, H, accumulate)
+    kernel = cb.WGRAD_ACC_KERNELS[name] if accumulate else name
+    assert lib.stores == [(kernel, grad[:, :, c0].data_ptr()) for c0, _ in cb.x_column_blocks(H)]
+    assert torch.equal(grad, whole)
+    odd = grad[:, :, 3:11]  # 6 bytes past a 16-byte boundary: not a layout the kernels store into
+    assert not cb.wgrad_output_layout(odd)
+    lib.stores.clear()
+    cb.weight_grad(a, b[:, 3:11].contiguous(), sched, sched.seg_rows, out=odd)
+    assert len(lib.stores) == 1 and lib.stores[0][1] != odd.data_ptr()
+    assert torch.equal(odd, whole[:, :, 3:11]) or accumulate
+
+
+def test_consumed_gate_up_takes_d_gate_up(fake_lib):
+    """experts_backward(consume_saved=True) (autograd keeps no graph): d gate_up overwrites the saved gate_up
+    (no buffer of its own) and every result is the bits of the backward that keeps it."""
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, True, seed=9)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    _, saved = cb.experts_forward(x, ids, w, *args)
+    used = int(saved.sched.seg_end[-1])  # (rows past the last segment stay unwritten)
+    kept = saved.gate_up.clone()
+    want = cb.experts_backward(dy, saved, x, ids, w, *args)
+    assert torch.equal(saved.gate_up[:used], kept[:used])
+    got = cb.experts_backward(dy, saved, x, ids, w, *args, consume_saved=True)
+    assert not torch.equal(saved.gate_up[:used], kept[:used])
+    for a, b in zip((got[0], got[1], *dataclasses.astuple(got[2])[2:]), (want[0], want[1],
+                                                                          *dataclasses.astuple(want[2])[2:])):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -169,3 +169,36 @@ def test_kernel_choice_rules(monkeypatch):
     assert names <= set(registry.SPECS_BY_NAME)
     for name in [s.name for s in registry.SPECS if s.name.endswith("_ppc")]:
         assert registry.tile_n_of(name) == registry.PINGPONG_TILE_N
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_consumed_gate_up_is_the_activation_kernels_output(dact_lib, monkeypatch, fused):
+    """consume_saved (autograd keeps no graph): the fused dSwiGLU GEMM, or mok_act_bwd_*, gets the saved gate_up
+    as its d gate_up output too (one buffer, read and overwritten element by element), with the bits of the
+    backward that gives them a buffer of their own."""
+    import dataclasses
+
+    lib = dact_lib("swiglu")
+    if not fused:
+        monkeypatch.setattr(cb, "_use_fused_dact", lambda *a: False)
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(41, 32, 256, 4, 2, False, seed=3)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    _, saved = cb.experts_forward(x, ids, w, *args)
+    buffers, launch = [], lib.launch
+
+    def recording(name, *a, stream):
+        if "dact" in name:  # (a, b, d gate_up, wh, gate_up, ...)
+            buffers.append((a[2].data_ptr(), a[4].data_ptr()))
+        elif name.startswith("mok_act_bwd"):  # (gate_up, dh, w, d gate_up, ...)
+            buffers.append((a[3].data_ptr(), a[0].data_ptr()))
+        return launch(name, *a, stream=stream)
+
+    monkeypatch.setattr(lib, "launch", recording)
+    want = cb.experts_backward(dy, saved, x, ids, w, *args)
+    assert len(buffers) == 1 and buffers[0][0] != buffers[0][1]
+    buffers.clear()
+    got = cb.experts_backward(dy, saved, x, ids, w, *args, consume_saved=True)
+    assert buffers == [(saved.gate_up.data_ptr(), saved.gate_up.data_ptr())]
+    for a, b in zip((got[0], got[1], *dataclasses.astuple(got[2])[2:]),
+                    (want[0], want[1], *dataclasses.astuple(want[2])[2:])):
+        assert (a is None and b is None) or torch.equal(a, b)

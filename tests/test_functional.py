@@ -256,3 +256,30 @@ def test_build_schedule_checks_the_ids_first():
         with pytest.raises(ValueError, match=word):
             functional.build_schedule(bad, ws)
     functional.build_schedule(ids, ws)  # the good ones pass
+
+
+def test_backward_told_whether_its_saved_tensors_are_read_again(monkeypatch):
+    """MoKFunction's backward lets the backend overwrite what the forward saved (consume_saved) only where
+    autograd keeps no graph: a plain backward does, a backward with retain_graph=True does not (a second backward
+    reads them again), and that second one does."""
+    from mok_nn import functional
+
+    seen, real = [], functional.backward
+
+    def spy(*args, consume_saved=False, **kw):
+        seen.append(consume_saved)
+        return real(*args, consume_saved=consume_saved, **kw)
+
+    monkeypatch.setattr(functional, "backward", spy)
+    layer = make_layer(OPTS, dtype=torch.float32, seed=89)
+    x = random_x((T, H), torch.float32, 90).requires_grad_(True)
+    layer(x).sum().backward()
+    assert seen == [True]
+    seen.clear()
+    x.grad = None
+    y = layer(x)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    y.sum().backward()
+    assert seen == [False, True] and torch.equal(x.grad, first)

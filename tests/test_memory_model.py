@@ -1,5 +1,6 @@
 """benchmarks/memory_model.py runs (in its own process: it replaces cuda_backend's kernels by allocations) and
-reports a backward peak that holds at least the weight gradients and the saved rows' size."""
+reports the sizes worked out by hand for the tiny shape. (On the GPU, at the commit the peers were measured at,
+the model's forward+backward peaks were the benchmark's measured ones: 2.71 / 5.47 / 27.0 GiB.)"""
 
 import json
 import pathlib
@@ -17,4 +18,9 @@ def test_memory_model_reports_plausible_bytes():
     assert rec["shape"] == "tiny" and rec["tokens"] == 512
     # tiny: H 64, I 32, E 8, k 2: weight gradients 8 * (64*64 + 64*32) bf16 = 96 KiB
     assert rec["weight_grads_bytes"] == 8 * (64 * 64 + 64 * 32) * 2
-    assert rec["backward_peak_bytes"] >= rec["weight_grads_bytes"] and rec["saved_bytes"] > 0
+    # schedule capacity: 512 * 2 slots + 8 * 127 padding rows, rounded up to 128-row tiles = 2048 rows;
+    # the forward keeps gate_up [2048, 2I] bf16 only
+    assert rec["saved_bytes"] == 2048 * 64 * 2
+    # the peak is the forward's down GEMM: x rows [2048, H], gate_up [2048, 2I], h [2048, I], out rows [2048, H]
+    assert rec["fwd_bwd_peak_bytes"] == 2048 * (64 + 64 + 32 + 64) * 2
+    assert rec["weight_grads_bytes"] < rec["backward_peak_bytes"] < rec["fwd_bwd_peak_bytes"]

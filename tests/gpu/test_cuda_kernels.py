@@ -383,6 +383,33 @@ def test_weight_grad_accumulates(lib, case, launched_kernels):
     assert torch.equal(strided, want)
 
 
+@pytest.mark.parametrize("case", WGRAD_EDGE_CASES, ids=["edges", "many_tiles"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_weight_grad_into_column_blocks(lib, case, accumulate, launched_kernels):
+    """weight_grad(out= / into=) on column blocks of a gradient (gate_up_weight_grad's blocks; and blocks of 8 and
+    40 columns): the kernel stores into each block's view itself, the kernel the whole gradient's width picks
+    (cols), and the blocks give the bits of the whole gradient in one call."""
+    from mok_nn import cuda_backend as cb
+
+    _, sched, counts, a, b, g = _wgrad_edge_problem(case, seed_base=2)
+    E, Na, Nb = len(case[0]), case[1], case[2]
+    before = torch.randn(E, Na, Nb, device="cuda", generator=g).to(torch.bfloat16) * 8
+    whole = cb.weight_grad(a, b, sched, counts, into=before.clone() if accumulate else None)
+    name = cb.wgrad_kernel(sched, Nb, accumulate)
+    kernel = registry.WGRAD_ACC_KERNELS[name] if accumulate else name
+    for blocks in (cb.x_column_blocks(Nb), [(0, 8), (8, 48), (48, Nb)]):
+        grad = before.clone() if accumulate else torch.full_like(before, float("nan"))
+        launched_kernels.clear()
+        for c0, c1 in blocks:
+            block = grad[:, :, c0:c1]
+            got = cb.weight_grad(a, b[:, c0:c1].contiguous(), sched, counts, cols=Nb,
+                                 **({"into": block} if accumulate else {"out": block}))
+            assert got.data_ptr() == block.data_ptr()
+        torch.cuda.synchronize()
+        assert launched_kernels == [kernel] * len(blocks), launched_kernels
+        assert torch.equal(_bits(grad), _bits(whole)), f"blocks {blocks}: not the whole gradient's bits"
+
+
 def _combine_problem(T, k, H, E, seed):
     """rows [T*k + 5, H] bf16, pos [T, k] (distinct rows), w [T, k] fp32, ids [T, k] (distinct experts per token)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -606,7 +633,10 @@ def _rule_kernels(T, H, I, E, k, activation, bias, sched):
         bwd.append(f"mok_gemm_dact_{activation}_ppc")
     else:
         bwd += ["mok_gemm_bn_f32_dyn", f"mok_act_bwd_{activation}"]
-    bwd += [cb.gemm_kernel(True, k=2 * I), combine, cb.wgrad_kernel(sched, I), cb.wgrad_kernel(sched, H)]
+    # d down_proj right after the dgrad of down; then d x; then d gate_up_proj a column block of x at a time,
+    # each block's x rows gathered for it
+    bwd += [cb.wgrad_kernel(sched, I), cb.gemm_kernel(True, k=2 * I), combine]
+    bwd += ["mok_scatter_rows", cb.wgrad_kernel(sched, H)] * len(cb.x_column_blocks(H))
     return fwd, bwd
 
 
@@ -891,6 +921,15 @@ def test_dgrad_act_fused(lib, case, raster):
         dgu_p, wh_p, dw_p = cb.dgrad_act(dy_rows, W2, gate_up, w_rows, sched, act, limit)
         assert torch.equal(_bits(dgu_p[:used]), _bits(dgu)) and torch.equal(_bits(wh_p[:used]), _bits(wh))
         assert torch.equal(_bits(dw_p[:used]), _bits(dw))
+        # in place (the layer's backward where autograd keeps no graph): d gate_up over gate_up, the same bits
+        for run in (lambda gu: cb.dgrad_act(dy_rows, W2, gu, w_rows, sched, act, limit, in_place=True),
+                    lambda gu: cb.act_backward(gu, dh, w_rows, sched, act, limit, in_place=True)):
+            gu = gate_up.clone()
+            dgu_i, wh_i, _ = run(gu)
+            torch.cuda.synchronize()
+            assert dgu_i.data_ptr() == gu.data_ptr(), "d gate_up not written over gate_up"
+            assert torch.equal(_bits(dgu_i[:used]), _bits(dgu)), "d gate_up in place differs"
+            assert torch.equal(_bits(wh_i[:used]), _bits(wh)), "w*h with d gate_up in place differs"
 
 
 @pytest.mark.parametrize("T,H,M", [(1, 8, 128), (333, 200, 1024), (4097, 2048, 9000), (64, 7168, 640)])
@@ -949,6 +988,14 @@ def test_scatter_rows_kernel(lib, launched_kernels, T, H, k, E, mode):
     torch.cuda.synchronize()
     assert launched_kernels == ["mok_scatter_rows"]
     assert torch.equal(_bits(got), _bits(want))
+    # a column block of src (the gate/up weight gradient's x rows: a view with src's row stride)
+    c0, c1 = 8 * (H // 16), H - 8 * (H // 32)
+    if c1 > c0:
+        launched_kernels.clear()
+        block = cb.gather_rows(src[:, c0:c1], sched)
+        torch.cuda.synchronize()
+        assert launched_kernels == ["mok_scatter_rows"]
+        assert torch.equal(_bits(block), _bits(want[:, c0:c1])), "column block"
     stream = _stream()
     poisoned = torch.full_like(want, float("nan"))
     all_rows = torch.zeros(1, dtype=torch.int32, device="cuda")  # a tile table that skips no row
