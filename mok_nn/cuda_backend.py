@@ -1147,7 +1147,8 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_
     if workspace.ep_size > 1:
         from . import cuda_ep
 
-        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into, needs)
+        return cuda_ep.backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into, needs,
+                                consume_saved)
     return experts_backward(
         grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
         grads_into, needs, workspace.precision, consume_saved,

@@ -1265,8 +1265,10 @@ def scatter_from_ranks(bufs: SymmBuffers, eps: EPSchedule, section: str, skip_ta
     return out
 
 
-def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grads_into=None, needs=None):
-    """needs: which parameter gradients to compute (reference.param_grads_needed; None: all)."""
+def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grads_into=None, needs=None,
+             consume_saved=False):
+    """needs: which parameter gradients to compute (reference.param_grads_needed; None: all). consume_saved:
+    nothing reads saved after this call (autograd keeps no graph), so d gate_up overwrites saved.gate_up."""
     from . import reference
 
     check_errors(ws, block=False)
@@ -1306,7 +1308,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
         dy_rows = eps.gather_rows(dy, skip_tail=skip_tail)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
     dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
-                                         ws.swiglu_limit)
+                                         ws.swiglu_limit, in_place=consume_saved)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb.bias_rows(down_bias, sched)).sum(dim=1)
     dx_mode = dx_push_mode(x.shape[1])

@@ -125,7 +125,7 @@ def _rank_workspace(raws, r, tc, E, H, K, barrier, activation="swiglu", limit=No
                            ep_state={"bufs": _ThreadBuffers(raws, r, tc, H, K, barrier), "pending": [], "seen": []})
 
 
-def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limit):
+def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limit, consume_saved=False):
     """cuda_ep forward + backward on ep_size threads sharing CPU 'symmetric' buffers; per rank
     (y, dx, d topk-weights, grads). Every rank's step must finish without an error flag."""
     E, H = W13.shape[0], W13.shape[2]
@@ -137,7 +137,8 @@ def _simulated_ep(ep_size, W13, W2, b13, b2, xs, dys, ids, ws_, activation, limi
         params = ExpertParams(W13[sl], W2[sl], None if b13 is None else b13[sl], None if b2 is None else b2[sl])
         ws = _rank_workspace(raws, r, tc, E, H, K, barrier, activation, limit)
         y, saved = cuda_ep.forward(xs[r], ids[r], ws_[r], params, None, ws)
-        dx, dw, grads = cuda_ep.backward(dys[r], saved, xs[r], ids[r], ws_[r], params, ws)
+        dx, dw, grads = cuda_ep.backward(dys[r], saved, xs[r], ids[r], ws_[r], params, ws,
+                                         consume_saved=consume_saved)
         assert all(int(f.sum()) == 0 for f in ws.ep_state["seen"]) and len(ws.ep_state["seen"]) == 2
         return y, dx, dw, grads
 
@@ -178,6 +179,29 @@ def test_simulated_ep_matches_reference(cpu_kernels, ep_size, tokens, bias, acti
             assert rel(grads.gate_up_bias, g_ref.gate_up_bias[sl]) < 2e-2
             assert rel(grads.down_bias, g_ref.down_bias[sl]) < 2e-2
         lo += t
+
+
+def test_simulated_ep_consumed_gate_up_keeps_the_bits(cpu_kernels, monkeypatch):
+    """cuda_ep.backward(consume_saved=True) (autograd keeps no graph): each rank's dgrad writes d gate_up over the
+    saved gate_up (dgrad_down_act in place), with the bits of the backward that keeps it."""
+    from mok_nn import cuda_backend as cb
+
+    g = torch.Generator().manual_seed(12)
+    W13, W2, b13, b2, xs, dys, ids, ws_ = _problem(g, [37, 20], 32, 16, 8, 2, True, bias_scale=0.1)
+    seen, real = [], cb.dgrad_down_act
+
+    def spy(*args, in_place=False):
+        seen.append(in_place)
+        return real(*args, in_place=in_place)
+
+    monkeypatch.setattr(cb, "dgrad_down_act", spy)
+    kept = _simulated_ep(2, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None)
+    consumed = _simulated_ep(2, W13, W2, b13, b2, xs, dys, ids, ws_, "swiglu", None, consume_saved=True)
+    assert seen == [False, False, True, True]
+    for (y0, dx0, dw0, g0), (y1, dx1, dw1, g1) in zip(kept, consumed):
+        assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and torch.equal(dw0, dw1)
+        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+            assert torch.equal(getattr(g0, name), getattr(g1, name)), name
 
 
 def test_simulated_batch_above_capacity_flags_every_rank(cpu_kernels):
