@@ -163,8 +163,7 @@ def routed_experts_bwd(
         if backend == "cuda":
             cb = _cuda()
             sched = cb.make_schedule(topk_ids, gate_up_proj.shape[0])
-            x_rows = None if precision == "mxfp8" else cb.gather_rows(x.contiguous(), sched)  # (mxfp8: its own)
-            saved, impl = cb.CudaSaved(sched, x_rows, gate_up), cb
+            saved, impl = cb.CudaSaved(sched, gate_up), cb  # (the backward gathers x's rows itself)
         elif backend == "torch":
             sched = torch_backend.build_schedule(topk_ids, gate_up_proj.shape[0], x.shape[1], down_proj.shape[2],
                                                  x.dtype)

@@ -324,3 +324,21 @@ def test_consumed_gate_up_takes_d_gate_up(fake_lib):
     for a, b in zip((got[0], got[1], *dataclasses.astuple(got[2])[2:]), (want[0], want[1],
                                                                           *dataclasses.astuple(want[2])[2:])):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_backward_op_on_the_cuda_path(fake_lib, monkeypatch):
+    """mok_nn.ops' backward op with backend="cuda" (torch.compile's path): the schedule rebuilt from the ids and
+    the forward op's gate_up give the bits of experts_backward on the forward's own saved tensors."""
+    from mok_nn import ops
+
+    monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None:
+                        cb.make_schedule_torch(ids, num_experts, capacity))
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, True, seed=13)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    y, gate_up = ops.routed_experts_fwd(x, ids, w, *args, "cuda")
+    got = ops.routed_experts_bwd(dy, x, ids, w, gate_up, *args, "cuda")
+    y0, saved = cb.experts_forward(x, ids, w, *args)
+    dx, dtk, g = cb.experts_backward(dy, saved, x, ids, w, *args)
+    assert torch.equal(y, y0)
+    for a, b in zip(got, (dx, dtk, g.gate_up_proj, g.down_proj, g.gate_up_bias, g.down_bias)):
+        assert torch.equal(a, b)
