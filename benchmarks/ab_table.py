@@ -4,8 +4,9 @@ of `device_run.sh ab` (ab_old_<i>.json, ab_new_<i>.json: records of python -m mo
     python benchmarks/ab_table.py DIR
 
 Each table lists every run (mok_nn's fwd / bwd ms and the torch baseline's of the same run: a drifting
-baseline shows a drifting GPU), then the median over the runs of each tree and the ratio new / old
-(below 1: the new tree is faster).
+baseline shows a drifting GPU; mok_nn's peak GB of a forward+backward and activation GB kept for the
+backward), then the median over the runs of each tree and the ratio new / old (below 1: the new tree is
+faster, or takes less memory).
 """
 import argparse
 import json
@@ -25,6 +26,10 @@ def load(directory):
     return sorted(runs, key=lambda r: (r[1], r[0] != "old"))
 
 
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def tables(runs):
     """The markdown text: one table per shape (and EP size where it is not 1)."""
     keys = []
@@ -35,24 +40,30 @@ def tables(runs):
                 keys.append(key)
     out = []
     for key in keys:
-        out += [f"### {key}", "", "| run | fwd ms | bwd ms | baseline fwd ms | baseline bwd ms |", "|---|---:|---:|---:|---:|"]
-        times = {"old": ([], []), "new": ([], [])}
+        out += [f"### {key}", "", "| run | fwd ms | bwd ms | baseline fwd ms | baseline bwd ms | peak GB | act GB |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        times = {"old": ([], [], [], []), "new": ([], [], [], [])}
         for tree, i, records in runs:
             got = {r["impl"]: r for r in records
                    if (r["shape"] if r.get("ep", 1) == 1 else f"{r['shape']} EP={r['ep']}") == key}
             mok, base = got.get("mok_nn"), got.get("torch_baseline")
             if mok is None:
                 continue
-            times[tree][0].append(mok["fwd_ms"])
-            times[tree][1].append(mok["bwd_ms"])
+            for column, field in enumerate(("fwd_ms", "bwd_ms", "peak_mem_gb", "act_mem_gb")):
+                if mok.get(field) is not None:
+                    times[tree][column].append(mok[field])
             bf, bb = (f"{base['fwd_ms']:.3f}", f"{base['bwd_ms']:.3f}") if base else ("-", "-")
-            out.append(f"| {tree} {i} | {mok['fwd_ms']:.3f} | {mok['bwd_ms']:.3f} | {bf} | {bb} |")
-        med = {t: [statistics.median(v) if v else None for v in fb] for t, fb in times.items()}
+            out.append(f"| {tree} {i} | {mok['fwd_ms']:.3f} | {mok['bwd_ms']:.3f} | {bf} | {bb} | "
+                       f"{_num(mok.get('peak_mem_gb'))} | {_num(mok.get('act_mem_gb'))} |")
+        med = {t: [statistics.median(v) if v else None for v in cols] for t, cols in times.items()}
         for tree in ("old", "new"):
             if med[tree][0] is not None:
-                out.append(f"| {tree} (median of {len(times[tree][0])}) | {med[tree][0]:.3f} | {med[tree][1]:.3f} | | |")
+                m = med[tree]
+                out.append(f"| {tree} (median of {len(times[tree][0])}) | {m[0]:.3f} | {m[1]:.3f} | | | "
+                           f"{_num(m[2])} | {_num(m[3])} |")
         if med["old"][0] is not None and med["new"][0] is not None:
-            out.append(f"| new / old | {med['new'][0] / med['old'][0]:.3f} | {med['new'][1] / med['old'][1]:.3f} | | |")
+            ratio = [_num(n / o if n is not None and o else None) for n, o in zip(med["new"], med["old"])]
+            out.append(f"| new / old | {ratio[0]} | {ratio[1]} | | | {ratio[2]} | {ratio[3]} |")
         out.append("")
     return "\n".join(out)
 
