@@ -132,3 +132,26 @@ def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
     assert not {"mok_schedule_gather", "mok_schedule_mc", "mok_scatter_rows", "mok_gather_rows"} & set(launched_kernels)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+def test_retained_graph_backward_keeps_the_bits():
+    """backward(retain_graph=True) keeps gate_up (a second backward reads it again); a plain backward writes d
+    gate_up over it. Both backwards of a retained graph, and a plain one, give the same bits."""
+    torch.manual_seed(3)
+    layer = MoKMoELayer(512, 256, 16, 4, device="cuda", backend="cuda")
+    x = torch.randn(700, 512, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(700, 512, device="cuda").to(torch.bfloat16)
+    plain = _run(layer, x, dy)
+    layer.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_()
+    y = layer(xr)
+    runs = []
+    for retain in (True, False):
+        layer.zero_grad(set_to_none=True)
+        xr.grad = None
+        y.backward(dy, retain_graph=retain)
+        e = layer.experts
+        runs.append([xr.grad, e.gate_up_proj.grad, e.down_proj.grad, layer.router.weight.grad])
+    for name, a, b, c in zip(("dx", "d gate_up_proj", "d down_proj", "d router"), runs[0], runs[1], plain[1:]):
+        assert torch.equal(a, b), f"{name}: the second backward of a retained graph differs"
+        assert torch.equal(a, c), f"{name}: differs from a plain backward"
