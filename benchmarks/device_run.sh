@@ -21,6 +21,8 @@
 #                bf16 with the whole layer, fp32, and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
 #   mxfp8        precision="mxfp8" on the fused path: its GPU tests, mok_mx_quant's bandwidth beside a copy, then the
 #                benchmark beside bf16 (trained and frozen weights) and the baseline -> $OUT/mxfp8.json
+#   router       the routing's forms side by side (benchmarks/router_variants.py): stable top-k by int64 keys or by
+#                a stable sort, router GEMM in fp32 or bf16 with fp32 output -> $OUT/router_variants.jsonl
 #   ep           the EP = 2 checks under torchrun (only where 2 GPUs exist)
 #   ab           the benchmark alternately with the old tree and this one, AB_REPS times each (default 2),
 #                then the table (benchmarks/ab_table.py). The old tree: a source checkout at $OLD_SRC
@@ -118,6 +120,9 @@ for s in "$@"; do
         TAIL=30 step mxfp8_bench 420 python -m mok_nn.bench --precision mxfp8 --commit "$COMMIT" \
             --out "$OUT/mxfp8.json" ;;
     macrobatch) step macrobatch 300 python benchmarks/macrobatch.py --commit "$COMMIT" ;;
+    router)
+        TAIL=12 step router_variants 180 python benchmarks/router_variants.py --shapes qwen3-30b-a3b,deepseek-v3
+        grep '^{' "$OUT/router_variants.log" > "$OUT/router_variants.jsonl" ;;
     ep)
         if [ "$GPUS" -ge 2 ]; then
             TAIL=30 step ep_checks 300 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
