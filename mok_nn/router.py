@@ -110,7 +110,10 @@ def load_balancing_loss(scores: torch.Tensor, topk_ids: torch.Tensor, score_func
     if scores.shape[0] == 0:
         return scores.sum() * 0.0
     probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    counts = torch.bincount(topk_ids.reshape(-1), minlength=num_experts).to(scores.dtype)
+    # integer scatter_add_, not bincount: bincount reads the ids' range back to the host (a synchronisation)
+    flat = topk_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts.to(scores.dtype)
     fraction = counts / topk_ids.numel()
     return num_experts * torch.sum(fraction * probs.mean(dim=0))
 

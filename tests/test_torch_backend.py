@@ -303,3 +303,24 @@ def test_auto_picks_the_portable_backend_on_cpu(caplog, monkeypatch):
     _assert_same((y_auto, g_auto), (y_torch, g_torch))
     msgs = [r.getMessage() for r in caplog.records if r.name == "mok_nn"]
     assert len(msgs) == 1 and "portable backend" in msgs[0] and "cpu" in msgs[0], msgs
+
+
+def test_layer_with_router_losses_reads_nothing_back():
+    """The whole layer on the torch backend with both router losses on (load balancing, z-loss), forward and
+    backward, every aten op recorded: none reads device values on the host (the load-balancing counts are an
+    integer scatter_add_, not bincount), and the loss is the Switch formula with bincount's counts."""
+    from mok_nn import MoKMoELayer
+
+    torch.manual_seed(11)
+    layer = MoKMoELayer(64, 32, 8, 2, backend="torch", dtype=torch.float32, aux_loss_coef=0.01, z_loss_coef=0.001)
+    x = torch.randn(40, 64, requires_grad=True)
+    with _RecordOps() as rec:
+        y = layer(x)
+        (y.square().sum() + layer.aux_loss).backward()
+    assert not set(rec.ops) & SYNC_OPS, set(rec.ops) & SYNC_OPS
+    logits = layer.router_logits.detach().double()
+    scores = logits.softmax(-1)
+    ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :2]
+    f = torch.bincount(ids.reshape(-1), minlength=8).double() / ids.numel()
+    want = 0.01 * 8 * (f * scores.mean(0)).sum() + 0.001 * torch.logsumexp(logits, -1).square().mean()
+    assert abs(layer.aux_loss.item() - want.item()) <= 1e-6 * abs(want.item())
