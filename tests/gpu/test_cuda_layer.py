@@ -155,3 +155,31 @@ def test_retained_graph_backward_keeps_the_bits():
     for name, a, b, c in zip(("dx", "d gate_up_proj", "d down_proj", "d router"), runs[0], runs[1], plain[1:]):
         assert torch.equal(a, b), f"{name}: the second backward of a retained graph differs"
         assert torch.equal(a, c), f"{name}: differs from a plain backward"
+
+
+@pytest.mark.parametrize("opts", [
+    dict(aux_loss_coef=0.01, z_loss_coef=0.001),
+    dict(score_func="sigmoid", n_group=4, topk_group=2, use_expert_bias=True, routed_scaling_factor=2.5,
+         shared_intermediate_size=64, shared_expert_gate=True, aux_loss_coef=0.01),
+])
+def test_layer_reads_nothing_back(opts):
+    """The whole layer (router, top-k, router losses, fused experts, shared expert), forward and backward, under
+    torch.cuda.set_sync_debug_mode("error"): no host synchronisation anywhere (after a warm-up call)."""
+    torch.manual_seed(4)
+    layer = MoKMoELayer(256, 128, 16, 4, device="cuda", backend="cuda", dtype=torch.bfloat16, **opts)
+    x = torch.randn(777, 256, device="cuda").to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(777, 256, device="cuda").to(torch.bfloat16)
+
+    def step():
+        y = layer(x)
+        torch.autograd.backward([y, layer.aux_loss], [dy, torch.ones((), device="cuda")])
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(x.grad).all()
