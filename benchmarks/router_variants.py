@@ -20,12 +20,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from mok_nn import router as routing
-from mok_nn.bench import SHAPES
+from mok_nn.bench import SHAPES, _timer
 
 # shape -> routing options of the layer (deepseek-v3: sigmoid scores, 8 groups keep 4, selection bias, scaling)
 ROUTING = {
@@ -60,23 +59,6 @@ def route(x, weight, bias, k, opts, gemm: str, topk: str):
     finally:
         routing.stable_topk_indices = real
     return ids, w
-
-
-def _timer(device):
-    if device == "cuda":
-        def t(fn):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e)
-    else:
-        def t(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-    return t
 
 
 def main(argv=None) -> int:
