@@ -24,3 +24,15 @@ def test_memory_model_reports_plausible_bytes():
     # the peak is the forward's down GEMM: x rows [2048, H], gate_up [2048, 2I], h [2048, I], out rows [2048, H]
     assert rec["fwd_bwd_peak_bytes"] == 2048 * (64 + 64 + 32 + 64) * 2
     assert rec["weight_grads_bytes"] < rec["backward_peak_bytes"] < rec["fwd_bwd_peak_bytes"]
+
+
+def test_peak_within_the_peers_measured_peak():
+    """A guard on the one-GPU path's memory: by the allocation model (which reproduced the GPU's measured peaks
+    at 6a36dff), a forward+backward at 8192 tokens peaks at or below SonicMoE's measured peak (1.626 GiB at
+    qwen3-30b-a3b, 22.595 at deepseek-v3: docs/benchmarks/2026-12-04_h200_peers.json), the issue's target."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_model.py"), "--shapes",
+                          "qwen3-30b-a3b,deepseek-v3"], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    recs = {r["shape"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    assert recs["qwen3-30b-a3b"]["fwd_bwd_peak_bytes"] <= 1.626 * 2**30
+    assert recs["deepseek-v3"]["fwd_bwd_peak_bytes"] <= 22.595 * 2**30
