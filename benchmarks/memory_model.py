@@ -18,6 +18,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mok_nn import autograd, mxfp8
 from mok_nn import cuda_backend as cb
 from mok_nn.bench import SHAPES
 
@@ -39,6 +40,7 @@ def _allocation_only() -> None:
     cb.weight_grad = lambda a, b, sched, counts, into=None, out=None, cols=None: (
         into if into is not None else out if out is not None else empty(sched.num_experts, a.shape[1], b.shape[1]))
     cb.combine = lambda rows, pos, w, ids, e, dt: empty(pos.shape[0], rows.shape[1], dtype=dt)
+    cb.mx_values = lambda t, mode, sched=None: torch.empty_like(t)
 
 
 def _peak(fn) -> tuple[int, object]:
@@ -76,36 +78,47 @@ def _bytes(obj, seen=None) -> int:
     return 0
 
 
-def measure(shape: str, tokens: int) -> dict:
+def measure(shape: str, tokens: int, precision: str = "bf16") -> dict:
     """Bytes of one call: what the forward keeps for the backward (its saved rows), the backward's peak above
     its inputs (saved rows included), the peak of a whole forward + backward above the inputs and weights (the
-    benchmark's peak_mem_gb), and the weight gradients alone."""
+    benchmark's peak_mem_gb), and the weight gradients alone. precision="mxfp8": trained weights (their MXFP8
+    values made for each forward and backward, as MoKFunction has them made)."""
     hidden, inter, experts, top_k = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     x, dy = torch.empty(tokens, hidden, dtype=torch.bfloat16), torch.empty(tokens, hidden, dtype=torch.bfloat16)
     w = torch.rand(tokens, top_k, generator=g)
-    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
-    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=precision == "mxfp8")
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=precision == "mxfp8")
     sched = cb.make_schedule_torch(ids, experts)
     # as MoKFunction's backward runs it where the graph is not retained (trees without the argument: as they ran)
     once = {"consume_saved": True} if "consume_saved" in inspect.signature(cb.experts_backward).parameters else {}
+    if precision != "bf16":
+        once["precision"] = precision
+    # the scope MoKFunction opens for one pass (trees before weight_scope_for: mxfp8.weight_scope)
+    scope = getattr(autograd, "weight_scope_for", None) or (lambda passes: mxfp8.weight_scope())
 
     def forward():
-        return cb.experts_forward(x, ids, w, w13, w2, None, None, "swiglu", None, sched)
+        with scope(1):
+            return cb.experts_forward(x, ids, w, w13, w2, None, None, "swiglu", None, sched, precision=precision)
+
+    def backward(saved):
+        with scope(1):
+            return cb.experts_backward(dy, saved, x, ids, w, w13, w2, **once)
 
     def forward_backward():
         y, saved = forward()
-        return y, cb.experts_backward(dy, saved, x, ids, w, w13, w2, **once)
+        return y, backward(saved)
 
     _, saved = forward()
     kept = _bytes(saved) - _bytes(saved.sched)
-    backward, _ = _peak(lambda: cb.experts_backward(dy, saved, x, ids, w, w13, w2, **once))
+    backward_peak, _ = _peak(lambda: backward(saved))
     del saved
     whole, _ = _peak(forward_backward)
     grads = (w13.numel() + w2.numel()) * 2
-    sizes = {"saved": kept, "backward_peak": backward, "fwd_bwd_peak": whole, "weight_grads": grads}
-    return {"shape": shape, "tokens": tokens, **{f"{k}_gib": round(v / 2**30, 3) for k, v in sizes.items()},
+    sizes = {"saved": kept, "backward_peak": backward_peak, "fwd_bwd_peak": whole, "weight_grads": grads}
+    return {"shape": shape, "tokens": tokens, "precision": precision,
+            **{f"{k}_gib": round(v / 2**30, 3) for k, v in sizes.items()},
             **{f"{k}_bytes": v for k, v in sizes.items()}}
 
 
@@ -113,10 +126,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--precision", choices=("bf16", "mxfp8"), default="bf16")
     args = ap.parse_args(argv)
     _allocation_only()
     for shape in args.shapes.split(","):
-        print(json.dumps(measure(shape, args.tokens)), flush=True)
+        print(json.dumps(measure(shape, args.tokens, args.precision)), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,14 @@ def _split_saved(saved):
     return [getattr(saved, n) for n in names], lambda tensors: cls(**others, **dict(zip(names, tensors)))
 
 
+def weight_scope_for(num_passes: int):
+    """mxfp8.weight_scope where a forward or backward runs several macrobatch passes (trained weights' MXFP8
+    values made once for all of them), else nothing: one pass asks for each weight's values once, and outside a
+    scope they are freed right after their GEMM instead of held to the end of the pass (a copy of the expert
+    weights at the backward's peak)."""
+    return weight_scope() if num_passes > 1 else contextlib.nullcontext()
+
+
 def pass_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
     """Token ranges [start, end) of passes of `size` tokens over num_tokens (the last one shorter)."""
     return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
@@ -146,7 +154,7 @@ class MoKFunction(torch.autograd.Function):
         passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
         needs = _needs(ctx, gate_up_scale is not None)
         ys, saved_passes = [], []
-        with autocast_off(x.device.type), weight_scope():  # (MXFP8 weight values: once for all the passes)
+        with autocast_off(x.device.type), weight_scope_for(len(passes)):
             for start, end in passes:
                 ids, xs = _rows(topk_ids, start, end), _rows(x, start, end)
                 schedule = functional.build_schedule(ids, workspace, xs)
@@ -184,8 +192,8 @@ class MoKFunction(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         consume = not graph_kept()  # (the saved activations' buffers may then be reused: peak memory)
         dxs, d_topks, grads = [], [], None
-        # (autocast off: a backward called inside an autocast region; weight_scope: as in forward)
-        with autocast_off(grad_y.device.type), weight_scope():
+        # (autocast off: a backward called inside an autocast region)
+        with autocast_off(grad_y.device.type), weight_scope_for(len(ctx.passes)):
             for (start, end), saved_pass in zip(ctx.passes, saved_passes):
                 # later passes add their parameter gradients into the first one's (grads_into)
                 dx, d_topk, grads = functional.backward(

@@ -913,6 +913,7 @@ def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, 
         if gate_up_bias is not None:
             gate_up = (gate_up.float() + bias_rows(gate_up_bias, sched)).to(a.dtype)
         h = act_forward(gate_up, sched, activation, swiglu_limit)
+    del w13  # (precision="mxfp8": the gate/up weight's values go before the down weight's are made)
     out_rows = grouped_gemm(q.rows(h), q.weight(down_proj, -1), sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + bias_rows(down_bias, sched)).to(a.dtype)

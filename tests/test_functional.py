@@ -283,3 +283,16 @@ def test_backward_told_whether_its_saved_tensors_are_read_again(monkeypatch):
     x.grad = None
     y.sum().backward()
     assert seen == [False, True] and torch.equal(x.grad, first)
+
+
+def test_weight_scope_only_for_several_passes():
+    """MoKFunction keeps trained weights' MXFP8 values across the passes of a forward or backward only where there
+    are several (macrobatch): one pass asks for each once, and a scope would hold them to its end."""
+    from mok_nn import mxfp8
+    from mok_nn.autograd import weight_scope_for
+
+    with weight_scope_for(1):
+        assert getattr(mxfp8._SCOPE, "values", None) is None
+    with weight_scope_for(3):
+        assert getattr(mxfp8._SCOPE, "values", None) == {}
+    assert getattr(mxfp8._SCOPE, "values", None) is None
