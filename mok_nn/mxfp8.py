@@ -337,8 +337,10 @@ def _fake_quantize_fast(x: torch.Tensor, axis: int, out: torch.Tensor | None) ->
 #   no_grad, load_state_dict), its data pointer, shape, strides, dtype and device. Any change recomputes them.
 #   At most one copy per weight and axis: once more the weights' memory in their dtype, per axis used.
 # - for a trained weight: only inside a weight_scope() (MoKFunction opens one around a forward's macrobatch
-#   passes, and one around a backward's), dropped at its end. Keeping them longer would hold two more copies
-#   of every trained weight for values an optimizer step makes stale.
+#   passes, and one around a backward's, where there are several: autograd.weight_scope_for), dropped at its
+#   end. Otherwise each value is made for its GEMM and freed after it: one pass asks for each once, and a scope
+#   would hold a copy of the expert weights to the end of the pass (at the backward's peak). Keeping them
+#   longer would hold two more copies of every trained weight for values an optimizer step makes stale.
 #
 # Cached or not, the values are those of fake_quantize_fast: the same bits. Writes that bypass the version
 # counter (through `.data` or another alias of the storage with its own counter) are not seen: call
