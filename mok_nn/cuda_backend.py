@@ -48,6 +48,7 @@ import torch
 
 from .envvars import getenv
 from .mxfp8 import fake_quantize_fast, weight_values
+from .router import expert_counts
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
     COMBINE_LEAVES, GEMM_TILE_N, MX_QUANT_THREADS, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS,
@@ -234,8 +235,7 @@ def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int 
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     cap = _checked_capacity(num_tokens, top_k, num_experts, capacity)
-    # scatter_add_ of ints, not bincount: bincount reads min/max back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = expert_counts(flat, num_experts)
     padded = (counts + (TILE_M - 1)) // TILE_M * TILE_M
     seg_end = torch.cumsum(padded, 0)
     seg_start = seg_end - padded
@@ -492,10 +492,8 @@ def gemm_group_m(n: int, tile_n: int = GEMM_TILE_N) -> int:
 
 
 def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int32: routed rows per expert (integer adds: order-free, exact)."""
-    flat = topk_ids.reshape(-1)
-    ones = torch.ones_like(flat, dtype=torch.int32)
-    return torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(0, flat, ones)
+    """[E] int32: routed rows per expert (router.expert_counts, as the kernels take them)."""
+    return expert_counts(topk_ids, num_experts, torch.int32)
 
 
 def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, counts: torch.Tensor,

@@ -99,6 +99,14 @@ def route(
     return topk_ids, topk_weights, scores
 
 
+def expert_counts(topk_ids: torch.Tensor, num_experts: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[E] routed (token, slot) pairs per expert, by an integer scatter_add_ (exact and order-free), not bincount:
+    bincount reads the ids' range back to the host, a synchronisation on a GPU."""
+    flat = topk_ids.reshape(-1)
+    ones = torch.ones_like(flat, dtype=dtype)
+    return torch.zeros(num_experts, dtype=dtype, device=flat.device).scatter_add_(0, flat, ones)
+
+
 def load_balancing_loss(scores: torch.Tensor, topk_ids: torch.Tensor, score_func: str) -> torch.Tensor:
     """Switch-style load-balancing loss  E * sum_e f_e * P_e  (1.0 at perfect balance).
 
@@ -110,10 +118,7 @@ def load_balancing_loss(scores: torch.Tensor, topk_ids: torch.Tensor, score_func
     if scores.shape[0] == 0:
         return scores.sum() * 0.0
     probs = scores if score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    # integer scatter_add_, not bincount: bincount reads the ids' range back to the host (a synchronisation)
-    flat = topk_ids.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    counts = counts.to(scores.dtype)
+    counts = expert_counts(topk_ids, num_experts).to(scores.dtype)
     fraction = counts / topk_ids.numel()
     return num_experts * torch.sum(fraction * probs.mean(dim=0))
 
