@@ -891,7 +891,7 @@ def experts_forward(
     # stays unwritten. Gathered by the schedule's call (build_schedule) where it could, else here; not kept.
     a = sched.take_gathered(x, precision)
     if a is None:
-        a = q.tokens(x.contiguous(), sched) if q.mxfp8 else gather_rows(x.contiguous(), sched, skip_tail=True)
+        a = q.tokens(x.contiguous(), sched)
     out_rows, gate_up = mlp_rows_forward(a, sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                                          swiglu_limit, q)
     del a
@@ -1026,8 +1026,10 @@ def gate_up_weight_grad(dgu, x_cols, sched: Schedule, gate_up_proj, into=None, o
         if operands is not None:
             b = operands.segments(b, sched)
         block = grad[:, :, c0:c1]
-        weight_grad_of(a, b, sched, grad.dtype, block if into is not None else None,
-                       out=None if into is not None else block, cols=hidden)
+        if into is not None:  # (added to the earlier passes' gradient)
+            weight_grad_of(a, b, sched, grad.dtype, into=block, cols=hidden)
+        else:
+            weight_grad_of(a, b, sched, grad.dtype, out=block, cols=hidden)
         del b  # (this block's x rows, before the next block's are gathered)
     return grad
 

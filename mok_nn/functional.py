@@ -233,8 +233,8 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
     schedule kernel (at EP > 1 the publish kernel) prints an id outside that range and stops with a device-side
     trap (the CUDA context fails at the next synchronisation, as with torch's device-side index checks). The
     layer's router only gives valid ids. needs: the parameter gradients the backward will compute (as backward
-    takes it; None: all): with frozen gate/up weights the CUDA path keeps no x rows for the backward, and with
-    precision="mxfp8" the portable backend's expert parallelism sends the token rows as MXFP8 bytes."""
+    takes it; None: all): with precision="mxfp8" and frozen experts the portable backend's expert parallelism
+    sends the token rows as MXFP8 bytes."""
     _check_against_workspace(x, topk_ids, params, workspace)
     if workspace.backend == "cuda":
         with on_device(x.device):
@@ -267,7 +267,7 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     sums are not run. d x and d topk-weights do not depend on it.
 
     consume_saved: nothing will read saved after this call (autograd does not keep the graph), so the CUDA path
-    at EP = 1 may overwrite its tensors (d gate_up takes the forward's gate_up buffer). Same results.
+    may overwrite its tensors (d gate_up takes the forward's gate_up buffer). Same results.
     """
     if workspace.backend == "cuda":
         with on_device(x.device):
