@@ -286,15 +286,15 @@ def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     axis = _normalize_axis(axis, x.dim())
     if x.shape[axis] % block:
         raise ValueError(f"size {x.shape[axis]} of dimension {axis} is not a multiple of the MX block size {block}")
-    # chunks along dim 0 (whole blocks: multiples of 32 rows where axis is 0) of chunk_bytes(device) of fp32; blocks
+    # chunks along dim 0 (whole blocks: units of 32 rows where axis is 0) of chunk_bytes(device) of fp32; blocks
     # are independent, so the values do not depend on the chunking
-    row = 4 * x[:1].numel() * (block if axis == 0 else 1)
-    step = max(1, chunk_bytes(x.device) // max(row, 1)) * (block if axis == 0 else 1)
-    if x.dim() < 2 or x.shape[0] <= step:
+    unit = block if axis == 0 else 1
+    chunks = row_chunks(x.shape[0] // unit, 4 * x[:1].numel() * unit, x.device) if x.dim() >= 2 else []
+    if len(chunks) <= 1:
         return _fake_quantize_fast(x, axis, out=None)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for a in range(0, x.shape[0], step):
-        _fake_quantize_fast(x[a:a + step], axis, out=out[a:a + step])
+    for a, b in chunks:
+        _fake_quantize_fast(x[a * unit:b * unit], axis, out=out[a * unit:b * unit])
     return out
 
 
