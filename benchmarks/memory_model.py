@@ -1,8 +1,10 @@
 """The one-GPU path's memory, without a GPU: every kernel replaced by the allocation of its outputs (the kernels
-allocate nothing else), then the forward's saved tensors and the backward's peak above its inputs, from the
-profiler's allocation events on the CPU. Run it on two source trees to compare an ordering or a saving:
+allocate nothing else), then the forward's saved tensors, the backward's peak above its inputs and the whole
+forward+backward's peak (the benchmark's peak_mem_gb), from the profiler's allocation events on the CPU. Run it
+on two source trees to compare an ordering or a saving:
 
     PYTHONPATH=. python benchmarks/memory_model.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 8192]
+                                                   [--precision bf16|mxfp8]
     PYTHONPATH=/path/to/other/tree python benchmarks/memory_model.py ...
 
 It models allocations only: no kernel runs, no value is computed, the routing is random (uneven loads).
