@@ -845,7 +845,7 @@ def _capability(device_index: int) -> tuple[int, int]:
 def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | None:
     """None where the CUDA path runs these inputs, else the reason it does not."""
     if not x.is_cuda:
-        return "inputs are not on a CUDA device"
+        return f"input is on {x.device.type}, the fused kernels need a CUDA device"
     major, minor = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
     if (major, minor) != (9, 0):
         return f"kernels are built for sm_90a, device is sm_{major}{minor}"
@@ -1095,8 +1095,6 @@ def unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation) -> str 
 
 def unsupported_reason(layer, x: torch.Tensor) -> str | None:
     """None where the fused path runs this layer on x, else why not (backend="auto" logs it)."""
-    if not x.is_cuda:
-        return f"input is on {x.device.type}"
     e = layer.experts
     w13, w2 = e.gate_up_proj, e.down_proj
     if e.mxfp8_only:  # the GEMMs take W_q dequantised into x's dtype (autograd.expert_weights)

@@ -56,10 +56,7 @@ def resolve_backend(backend, x, topk_ids, gate_up_proj, down_proj, activation, l
         raise ValueError(f"{label} must be one of {BACKENDS}, got {backend!r}")
     if backend in ("reference", "torch"):
         return backend
-    if not x.is_cuda:
-        why = f"input is on {x.device.type}, the fused kernels need a CUDA device"
-    else:
-        why = _cuda().unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
+    why = _cuda().unavailable_reason(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is None:
         return "cuda"
     if backend == "cuda":
