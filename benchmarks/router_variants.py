@@ -1,13 +1,13 @@
 """What would a faster router cost, and is it the same function? The layer's routing (router GEMM with fp32 logits,
 scores, stable top-k, weights) timed forward+backward beside alternative forms of two of its steps:
 
-  top-k    "keys": torch.topk on unique int64 keys (router.stable_topk_indices, the layer's form: 3x faster on
-           CPU than a sort) against "sort": the first k of torch.sort(stable=True). The same ids by definition;
-           checked on every run.
+  top-k    "keys": torch.topk on unique int64 keys (router.topk_by_keys, the layer's form on CPU: 3x faster there
+           than a sort) against "sort": the first k of torch.sort(stable=True) (router.topk_by_sort, the layer's
+           form on the GPU). The same ids by definition; checked on every run.
   GEMM     "fp32": x and the router weight cast to fp32, then mm (the layer's form) against "bf16_out_fp32":
            torch.mm(x, W^T, out_dtype=torch.float32), bf16 products summed in fp32 on the tensor cores (CUDA
-           only, where torch has it). Not the same bits: the logits' largest difference and the share of tokens
-           whose experts change are reported.
+           only, where torch has it; its backward as the fp32 form's). Not the same bits: the logits' largest
+           difference and the share of tokens whose experts change are reported.
 
     python benchmarks/router_variants.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--device cuda]
 
@@ -36,23 +36,32 @@ ROUTING = {
 }
 
 
-def sort_topk(values: torch.Tensor, k: int) -> torch.Tensor:
-    """The first k of a stable descending sort: the choice and order stable_topk_indices gives."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+class _Bf16OutFp32(torch.autograd.Function):
+    """x @ w^T with bf16 products summed in fp32 (torch.mm out_dtype, which has no derivative); the backward is the
+    fp32 form's (fp32 GEMMs, gradients cast to the inputs' dtypes), so only the forward differs."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.mm(x, weight.T, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (grad @ weight.float()).to(x.dtype), (grad.T @ x.float()).to(weight.dtype)
 
 
 def logits_of(x, weight, gemm: str):
     if gemm == "fp32":
         return x.float() @ weight.float().T
-    return torch.mm(x, weight.T, out_dtype=torch.float32)
+    return _Bf16OutFp32.apply(x, weight)
 
 
 def route(x, weight, bias, k, opts, gemm: str, topk: str):
     """(ids, weights) of the layer's routing with the GEMM and top-k forms named."""
     logits = logits_of(x, weight, gemm)
     real = routing.stable_topk_indices
-    if topk == "sort":
-        routing.stable_topk_indices = sort_topk
+    routing.stable_topk_indices = routing.topk_by_sort if topk == "sort" else routing.topk_by_keys
     try:
         ids, w, _ = routing.route(logits, k, opts["score_func"], opts["norm_topk_prob"], opts.get("n_group"),
                                   opts.get("topk_group"), opts.get("routed_scaling_factor", 1.0), bias)
@@ -81,7 +90,7 @@ def main(argv=None) -> int:
         bias = 0.1 * torch.randn(experts, device=dev, generator=g) if opts.get("bias") else None
         dw = torch.randn(args.tokens, top_k, device=dev, generator=g)
         gemms = ["fp32"] + (["bf16_out_fp32"] if dev.type == "cuda" else [])
-        base_ids, _ = route(x, weight, bias, top_k, opts, "fp32", "keys")
+        base_ids, _ = route(x, weight, bias, top_k, opts, "fp32", "keys")  # (both forms give these ids)
         base_logits = logits_of(x, weight, "fp32")
         for gemm in gemms:
             for topk in ("keys", "sort"):

@@ -86,8 +86,9 @@ def test_inverse_permutation():
                          ids=["f32", "bf16", "f16", "f64"])
 def test_keyed_topk_is_the_stable_sort(dtype):
     """stable_topk_indices == the first k of a stable descending sort, order included, on values full of ties,
-    -0 / +0, +-inf, NaN of both signs and subnormals (fp32 and 16-bit run the keyed top-k, float64 the sort)."""
-    from mok_nn.router import stable_topk_indices
+    -0 / +0, +-inf, NaN of both signs and subnormals (fp32 and 16-bit run the keyed top-k, float64 the sort); the
+    keyed form itself too, which the CPU runs (the GPU sorts)."""
+    from mok_nn.router import stable_topk_indices, topk_by_keys
 
     g = torch.Generator().manual_seed(7)
     for _ in range(60):
@@ -102,6 +103,7 @@ def test_keyed_topk_is_the_stable_sort(dtype):
         v = v.to(dtype)
         want = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
         assert torch.equal(stable_topk_indices(v, k), want)
+        assert torch.equal(topk_by_keys(v, k), want)
     # random scores, no ties: also the plain top-k
     s = torch.softmax(torch.randn(300, 32, generator=g), -1).to(dtype)
     assert torch.equal(stable_topk_indices(s, 4), torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :4])
