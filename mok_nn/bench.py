@@ -537,17 +537,18 @@ def _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, 
     """The whole block (router, top-k, experts) of the in-process implementations: mok_nn's layer (the path of
     "mok_nn"; "mok_nn_torch": the portable backend) and transformers' Qwen3MoeSparseMoeBlock ("hf_default",
     bench_peers.HfPeer), each with its own router, on make_problem's weights and router; each forward checked
-    against the float32 reference layer first (their routings agree up to near-ties of the top-k), then timed
+    against the float32 reference layer first (transformers' under the routing its bf16 router picked), then timed
     side by side (measure_calls). FLOPs: the routed experts' (the TFLOP/s compare with the experts rows)."""
     from .bench_peers import LAYER_CHECK_TOL, HfPeer, check_problem, reference_layer_check
 
-    layers = {}
+    layers, routings = {}, {}  # routings: how a layer's own router routes (the check's); mok_nn's is the fp32 one
     if "mok_nn" in impls:
         layers["mok_nn_layer"] = mok_layer(shape, "cuda" if backend == "torch" else backend, dt)
     if "mok_nn_torch" in impls:
         layers["mok_nn_torch_layer"] = mok_layer(shape, "torch", dt)
     if "hf_default" in impls:
-        layers["hf_default_layer"] = HfPeer(shape, device, dt).layer
+        hf = HfPeer(shape, device, dt)
+        layers["hf_default_layer"], routings["hf_default_layer"] = hf.layer, hf.routing
     p = make_problem(shape, tokens, device, dtype=dt)
     top_k = p["ids"].shape[1]
     x = p["x"].detach().clone().requires_grad_(True)
@@ -562,8 +563,11 @@ def _layer_records(shape, tokens, device, dt, dtype, iters, warmup, flops, gpu, 
         for name, fn in layers.items():
             with torch.no_grad():
                 y = fn(cp["x"], rw_c, cp["gate_up_proj"], cp["down_proj"], top_k)
-            errs = reference_layer_check(cp, y, rw_c)
-            print(f"{shape}: whole layer {name} rel L2 vs the fp32 reference layer y {errs['y']:.1e}", flush=True)
+                routing = routings[name](cp["x"], rw_c, top_k) if name in routings else None
+            errs, rerouted = reference_layer_check(cp, y, rw_c, routing)
+            print(f"{shape}: whole layer {name} rel L2 vs the fp32 reference layer y {errs['y']:.1e}"
+                  + (f" (under its own routing: {rerouted:.2%} of the tokens routed otherwise than by the fp32 "
+                     "router)" if routing is not None else ""), flush=True)
             if not errs["y"] < LAYER_CHECK_TOL:
                 raise RuntimeError(f"{shape}: whole layer {name} disagrees with the fp32 reference: {errs}")
             checks[name] = {k: float(f"{v:.3e}") for k, v in errs.items()}

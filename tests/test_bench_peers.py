@@ -203,8 +203,28 @@ def test_reference_layer_check_sees_a_wrong_router():
     with torch.no_grad():
         good = layer(cp["x"], rw, cp["gate_up_proj"], cp["down_proj"])
         bad = layer(cp["x"], rw.flip(0), cp["gate_up_proj"], cp["down_proj"])
-    assert bench_peers.reference_layer_check(cp, good, rw)["y"] < 1e-4
-    assert bench_peers.reference_layer_check(cp, bad, rw)["y"] > 0.1
+    assert bench_peers.reference_layer_check(cp, good, rw)[0]["y"] < 1e-4
+    assert bench_peers.reference_layer_check(cp, bad, rw)[0]["y"] > 0.1
+
+
+def test_layer_check_takes_the_layers_own_routing():
+    """transformers' block routes with bf16 logits, which pick other experts than the fp32 router for near-ties:
+    checked under the routing it picked, its output agrees with the fp32 reference experts, the share of
+    rerouted tokens is counted, and a routing it did not pick is caught."""
+    pytest.importorskip("transformers.models.qwen3_moe")
+    p = bench.make_problem("tiny", 512, "cpu", dtype=torch.bfloat16)
+    cp = bench_peers.check_problem(p, 512)
+    rw = p["router"].to(torch.bfloat16)
+    k = cp["ids"].shape[1]
+    hf = bench_peers.HfPeer("tiny", "cpu", torch.bfloat16)
+    with torch.no_grad():
+        y = hf.layer(cp["x"], rw, cp["gate_up_proj"], cp["down_proj"], k)
+        ids, w = hf.routing(cp["x"], rw, k)
+    errs, rerouted = bench_peers.reference_layer_check(cp, y, rw, (ids, w))
+    assert errs["y"] < bench_peers.LAYER_CHECK_TOL
+    fp32_ids = torch.topk(cp["x"].float() @ rw.float().T, k, dim=-1).indices.sort(-1).values
+    assert rerouted == (ids.sort(-1).values != fp32_ids).any(-1).float().mean().item()
+    assert bench_peers.reference_layer_check(cp, y, rw, (ids.roll(1, dims=0), w.roll(1, dims=0)))[0]["y"] > 0.1
 
 
 def test_the_peers_budget_bounds_their_processes(monkeypatch):
