@@ -59,7 +59,10 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 @pytest.mark.parametrize("tokens", [1, 77, 1024])
 def test_matches_reference_backend_and_float64(opts, dtype, tokens):
     """Every output and gradient against the reference backend on the GPU (tolerance: a few ulps of the storage
-    dtype, relative L2) and against a float64 CPU run of the reference backend on the same (rounded) state."""
+    dtype, relative L2) and against a float64 CPU run of the reference backend on the same (rounded) state: within
+    3 TOL, or no further from it than the reference backend in the same dtype is (with a clamp, an element within
+    the dtype's rounding of the limit is clamped in one precision and not in the other, and its gradient jumps:
+    both backends then differ from float64 alike)."""
     x, dy = _inputs(tokens, 128, dtype)
     y_t, g_t = _run(_layer("torch", dtype, OPTIONS[opts]), x, dy)
     y_r, g_r = _run(_layer("reference", dtype, OPTIONS[opts]), x, dy)
@@ -74,7 +77,7 @@ def test_matches_reference_backend_and_float64(opts, dtype, tokens):
         if g_64[name].abs().max() == 0:
             continue
         assert _rel(g_t[name].cpu(), g_r[name].cpu()) < TOL[dtype], name
-        assert _rel(g_t[name].cpu(), g_64[name]) < 3 * TOL[dtype], name
+        assert _rel(g_t[name].cpu(), g_64[name]) < max(3 * TOL[dtype], 1.5 * _rel(g_r[name].cpu(), g_64[name])), name
 
 
 def test_experts_without_tokens():
