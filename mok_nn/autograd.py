@@ -15,7 +15,7 @@ import torch
 
 from . import distributed, functional
 from .functional import ExpertParams, Workspace
-from .mxfp8 import MXFP8Tensor, dequantize, mark_values, weight_scope
+from .mxfp8 import MXFP8Tensor, dequantize, mark_values, row_chunks, weight_scope
 
 
 def autocast_off(device_type: str):
@@ -106,6 +106,25 @@ def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype):
     return weights
 
 
+def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, workspace: Workspace):
+    """The expert weights the backward takes. MXFP8-only weights with precision="mxfp8": the backward reads them
+    only as its d x / d h GEMMs' operands, MXFP8 values of W_q along N (they get no gradient), so it gets those,
+    computed a few experts at a time from the stored data (functional.weight_values_along_n) and marked as such:
+    no whole copy of W_q is held beside them, which halves the weights' transient memory (45 -> 22.5 GB at
+    deepseek-v3). Otherwise what expert_weights gives."""
+    if gate_up_scale is None or workspace.precision != "mxfp8" or dtype not in (torch.bfloat16, torch.float32):
+        return expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype)
+    weights = []
+    for data, scale in ((gate_up_proj, gate_up_scale), (down_proj, down_scale)):
+        w = torch.empty(data.shape, dtype=dtype, device=data.device)
+        for a, b in row_chunks(data.shape[0], data[:1].numel() * w.element_size(), data.device):  # whole experts
+            w[a:b] = functional.weight_values_along_n(dequantize(MXFP8Tensor(data[a:b], scale[a:b], 2), dtype),
+                                                       workspace)
+        mark_values(w, -2)
+        weights.append(w)
+    return weights
+
+
 def graph_kept() -> bool:
     """Whether the running backward keeps the autograd graph (retain_graph=True, create_graph): then the saved
     tensors may be read by a later backward and must not be overwritten. True outside a backward, and where
@@ -130,8 +149,9 @@ class MoKFunction(torch.autograd.Function):
 
     MXFP8-only expert weights (MoKMoELayer.quantize_experts_): gate_up_proj / down_proj are their float8_e4m3fn
     data and gate_up_scale [E_l, 2I, H/32] / down_scale [E_l, H, I/32] their uint8 E8M0 scales; the GEMMs take
-    W_q = dequantize(stored) in x.dtype, computed anew in forward and in backward (a transient copy: only the
-    MXFP8 tensors are saved), and they get no gradient.
+    W_q = dequantize(stored) in x.dtype, computed anew in forward (a transient copy: only the MXFP8 tensors are
+    saved), and in backward, with precision="mxfp8", W_q's values along N, which its GEMMs take
+    (backward_expert_weights); they get no gradient.
 
     Expert tensors that do not require grad (frozen experts, ctx.needs_input_grad) get no gradient, and the
     backends skip the GEMMs (and sums) that would compute it; d x and d topk-weights are the same bits either way.
@@ -182,8 +202,8 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         (x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scale, down_scale,
          *saved) = ctx.saved_tensors
-        params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype),
-                              gate_up_bias, down_bias)
+        params = ExpertParams(*backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype,
+                                                       ctx.workspace), gate_up_bias, down_bias)
         needs = _needs(ctx, ctx.mxfp8_weights)
         saved_passes, first = [], 0
         for rebuild, count in zip(ctx.rebuild_saved, ctx.saved_counts):

@@ -769,7 +769,7 @@ class GemmOperands:
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         """An expert weight [E, N, K] along `axis` (-1: K, the forward; -2: N, the backward's d x / d h),
         cached while the weight does not change (mxfp8.weight_values)."""
-        return weight_values(w, axis, _mx_weight) if self.mxfp8 else w
+        return weight_values(w, axis, mx_weight) if self.mxfp8 else w
 
     def segments(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """Rows [M_cap, N] in schedule order as an operand of a weight-gradient GEMM, which sums over the
@@ -814,12 +814,12 @@ def _mx_kernel_runs(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] % 32 == 0 and not _use_torch_act()
 
 
-def _mx_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
+def mx_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
     """The MXFP8 values of an expert weight [E, N, K] along K (axis -1) or N (-2: blocks of 32 rows of [E N, K],
     none straddling two experts since N % 32 == 0)."""
     e, n, k = w.shape
     if axis not in (-1, 2, -2, 1) or n % 32:
-        raise ValueError(f"_mx_weight: axis {axis} of {tuple(w.shape)}")
+        raise ValueError(f"mx_weight: axis {axis} of {tuple(w.shape)}")
     mode = MX_ALONG_COLS if axis in (-1, 2) else MX_ALONG_ROWS
     return mx_values(w.detach().reshape(e * n, k), mode).view(e, n, k)
 

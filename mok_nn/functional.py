@@ -25,6 +25,7 @@ import torch
 
 from . import distributed, reference, torch_backend, torch_ep
 from .config import MoKConfig
+from .mxfp8 import fake_quantize_fast
 
 BACKENDS = ("reference", "torch", "cuda")
 
@@ -249,6 +250,15 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
         x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit, schedule,
         workspace.precision,
     )
+
+
+def weight_values_along_n(w: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+    """The MXFP8 values of expert weights w [E_l, N, K] along N, the operand of the backward's d x / d h GEMMs with
+    precision="mxfp8", computed as the workspace's backend computes them (mok_mx_quant on the CUDA path,
+    fake_quantize_fast elsewhere: the same bits)."""
+    if workspace.backend == "cuda":
+        return _cuda_backend().mx_weight(w, -2)
+    return fake_quantize_fast(w, -2)
 
 
 def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace,

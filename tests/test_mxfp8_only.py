@@ -144,6 +144,33 @@ def test_bitwise_a_layer_holding_w_q_and_deterministic(backend, precision):
     assert dense.experts.gate_up_proj.grad is not None
 
 
+def test_backward_takes_the_values_along_n_a_few_experts_at_a_time(monkeypatch):
+    """With precision="mxfp8" the backward reads MXFP8-only weights only as its d x / d h GEMMs' operands, W_q's
+    MXFP8 values along N: it gets those (fake_quantize of the dequantised weights along N, marked as such),
+    dequantised a few experts at a time, so that no whole copy of W_q is held beside them."""
+    import types
+
+    from mok_nn import autograd
+
+    e = make("torch", "mxfp8", seed=1).experts
+    calls = []
+    real = autograd.dequantize
+    monkeypatch.setattr(autograd, "dequantize", lambda t, dtype: calls.append(t.data.shape[0]) or real(t, dtype))
+    monkeypatch.setattr(mxfp8, "chunk_bytes", lambda device: 3 * 2 * I * H * 2)  # three experts of W13 in bf16
+    ws = types.SimpleNamespace(backend="torch", precision="mxfp8")
+    w13, w2 = autograd.backward_expert_weights(e.gate_up_proj, e.down_proj, e.gate_up_proj_scale, e.down_proj_scale,
+                                               torch.bfloat16, ws)
+    full13, full2 = e.dequantized_weights(torch.bfloat16)
+    assert torch.equal(w13, fake_quantize(full13, axis=-2)) and torch.equal(w2, fake_quantize(full2, axis=-2))
+    assert mxfp8.weight_values(w13, -2) is w13 and mxfp8.weight_values(w2, -2) is w2
+    assert calls[:3] == [3, 3, 2] and max(calls) < E  # W13 in chunks of whole experts (W2: rows half as long)
+    # in bf16 precision the GEMMs take W_q itself
+    w13_bf16, _ = autograd.backward_expert_weights(e.gate_up_proj, e.down_proj, e.gate_up_proj_scale,
+                                                   e.down_proj_scale, torch.bfloat16,
+                                                   types.SimpleNamespace(backend="torch", precision="bf16"))
+    assert torch.equal(w13_bf16, full13)
+
+
 def test_constructed_mxfp8_only_and_init():
     """MoKMoELayer(mxfp8_experts=True) holds MXFP8 from the start; under one seed its weights are the rceil
     quantisation of the bf16 layer's (CPU); quantize_experts_ keeps every bit of quantize()."""
@@ -442,7 +469,8 @@ def test_checkpoint_shard_and_column_wise_layout(tmp_path):
 
 def test_mxfp8_precision_forward_takes_w_q_without_requantising(monkeypatch):
     """precision="mxfp8" on MXFP8-only weights: the forward's weight operands are W_q itself (it is MXFP8 along
-    that axis), with no quantisation pass; the backward quantises W_q column-wise; the same bits as requantising."""
+    that axis), the backward's W_q's values along N, made from the stored data (backward_expert_weights), with no
+    quantisation pass in the GEMMs' operands; the same bits as requantising each along its axis."""
     from mok_nn import autograd
     from test_portable_fast_paths import _count_weight_quantisations
 
@@ -455,7 +483,7 @@ def test_mxfp8_precision_forward_takes_w_q_without_requantising(monkeypatch):
 
     calls = _count_weight_quantisations(monkeypatch)
     marked = run()
-    assert sorted(calls) == [-2, -2]  # W13 and W2 along their backward axis; none along the forward's
+    assert calls == []  # every weight operand already marked as its values along its GEMM's axis
     calls.clear()
     monkeypatch.setattr(autograd, "mark_values", lambda w, axis: None)
     requantised = run()
