@@ -61,6 +61,8 @@ from dataclasses import dataclass
 import torch
 import torch.utils.weak
 
+from . import triton_ops
+
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
@@ -281,11 +283,14 @@ def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     for |s|'s exponent E: C's fp32 spacing 2**(max(E, -6) - 3) is E4M3's grid there (3 mantissa bits, the
     subnormal spacing 2**-9 below 2**-6), the sum stays in C's binade and is rounded once, to even (C is an even
     multiple of the grid); x's sign bit put back (zeros keep theirs); then one multiply by 2**e (down to the
-    subnormal 2**-127; NaN for a block holding NaN / inf), rounded once as dequantize's."""
+    subnormal 2**-127; NaN for a block holding NaN / inf), rounded once as dequantize's. On CUDA, where Triton is
+    importable, the same steps run as one kernel (triton_ops)."""
     block = 32
     axis = _normalize_axis(axis, x.dim())
     if x.shape[axis] % block:
         raise ValueError(f"size {x.shape[axis]} of dimension {axis} is not a multiple of the MX block size {block}")
+    if triton_ops.runs_on(x):  # CUDA: the same arithmetic as one Triton kernel (the passes below cost ~15x the bytes)
+        return triton_ops.fake_quantize(x, axis)
     # chunks along dim 0 (whole blocks: units of 32 rows where axis is 0) of chunk_bytes(device) of fp32; blocks
     # are independent, so the values do not depend on the chunking
     unit = block if axis == 0 else 1

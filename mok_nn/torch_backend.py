@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import mxfp8, reference
+from . import mxfp8, reference, triton_ops
 from .mxfp8 import fake_quantize_fast, row_chunks
 from .reference import DispatchPlan, GroupedMLPGrads, compute_dtype
 from .torch_ep import BoundedPlan, build_bounded_plan
@@ -317,6 +317,8 @@ def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> 
     """reference.activation_forward(gate_up.to(cdt), ...).to(gate_up.dtype) (see above), in row chunks."""
     inter = gate_up.shape[-1] // 2
     gate_up2 = gate_up.reshape(-1, 2 * inter)
+    if triton_ops.runs_on(gate_up):  # CUDA: one kernel (the chunks below make a dozen passes)
+        return triton_ops.activation_forward(gate_up2, activation, swiglu_limit).view(gate_up.shape[:-1] + (inter,))
     h = torch.empty(gate_up2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     cdt = compute_dtype(gate_up.dtype)
     for a, b in row_chunks(gate_up2.shape[0], inter * torch.empty((), dtype=cdt).element_size(), gate_up.device):
@@ -407,20 +409,14 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
     return out, gate_up, h
 
 
-def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
-                 down_bias, activation, swiglu_limit, precision="bf16", needs=None) -> GroupedMLPGrads:
-    """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert. needs: the
-    parameter gradients to compute (reference.param_grads_needed); the others are None, their GEMMs not run."""
-    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
-    dt, wdt = rows.dtype, gate_up_proj.dtype
-    cdt = compute_dtype(dt)
-    q, qw, qr = _quantizer(precision), _quantizer(precision, mxfp8.weight_values), _row_quantizer(precision, groups)
-    dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
+def _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups: Groups, b2, activation, swiglu_limit,
+                       need_wh: bool):
+    """(dw, w h or None, d gate_up) of the rows in torch ops, a chunk of rows at a time (mlp_backward)."""
     n, inter = h.shape
+    cdt = compute_dtype(h.dtype)
     dw = torch.empty(n, dtype=cdt, device=h.device)
-    wh = torch.empty_like(h) if need2 else None
-    dgu = torch.empty(n, 2 * inter, dtype=dt, device=h.device)
-    b2 = None if down_bias is None else down_bias.to(cdt)
+    wh = torch.empty_like(h) if need_wh else None
+    dgu = torch.empty(n, 2 * inter, dtype=h.dtype, device=h.device)
     for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):
         w = row_weights[a:b].to(cdt).unsqueeze(1)
         dh = dh_raw[a:b].to(cdt)  # (in fp32 a view of the fresh GEMM output: ours to update)
@@ -432,6 +428,28 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
         if wh is not None:
             wh[a:b] = w * h32  # (w * h) rounded to dt
         _activation_backward(gate_up[a:b], dh.mul_(w), activation, swiglu_limit, dgu[a:b])  # d h = w * d h'
+    return dw, wh, dgu
+
+
+def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
+                 down_bias, activation, swiglu_limit, precision="bf16", needs=None) -> GroupedMLPGrads:
+    """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert. needs: the
+    parameter gradients to compute (reference.param_grads_needed); the others are None, their GEMMs not run."""
+    need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
+    dt, wdt = rows.dtype, gate_up_proj.dtype
+    cdt = compute_dtype(dt)
+    q, qw, qr = _quantizer(precision), _quantizer(precision, mxfp8.weight_values), _row_quantizer(precision, groups)
+    dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
+    n, inter = h.shape
+    b2 = None if down_bias is None else down_bias.to(cdt)
+    if triton_ops.runs_on(h):  # CUDA: dw, w h and d gate_up in one kernel (the chunks below: ~20 passes)
+        dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, need2)
+        if b2 is not None:
+            for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):
+                dw[a:b] += (grad_out[a:b].to(cdt) * b2.index_select(0, groups.expert[a:b])).sum(dim=1)
+    else:
+        dw, wh, dgu = _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups, b2, activation,
+                                         swiglu_limit, need2)
     d_down_bias = None if down_bias is None or not need_b2 else groups.segment_sum(grad_out, row_weights).to(wdt)
     d_down_proj = groups.wgrad(qr(grad_out), qr(wh)).to(wdt).contiguous() if need2 else None
     d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt).contiguous() if need13 else None

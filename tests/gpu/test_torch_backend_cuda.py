@@ -167,3 +167,32 @@ def test_no_host_synchronisation(dtype, precision):
             torch._grouped_mm = real
     torch.cuda.synchronize()
     assert not syncs or grouped_calls  # the exemption was used by the grouped GEMMs, not by something else
+
+
+def _same_bits(a, b):
+    nan = torch.isnan(b)
+    return torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan], b[~nan]) and \
+        torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan]))
+
+
+def test_fake_quantize_on_cuda_is_bitwise_the_cpu_one():
+    """mxfp8.fake_quantize_fast on CUDA (triton_ops' kernel, the portable backend's MXFP8 operands) against
+    mxfp8.fake_quantize on the CPU: every bf16 bit pattern along either axis; fp32 / fp16 over wide scales with NaN,
+    inf, zero, subnormal and top-of-range blocks, 3-D along the middle axis; more blocks than one program takes."""
+    from mok_nn import triton_ops
+    from mok_nn.mxfp8 import fake_quantize, fake_quantize_fast
+
+    assert triton_ops.runs_on(torch.ones(32, device=DEV, dtype=torch.bfloat16))
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(0))].reshape(64, 1024)
+    for axis in (0, 1):
+        assert _same_bits(fake_quantize_fast(x.to(DEV), axis).cpu(), fake_quantize(x, axis)), axis
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float16):
+        scale = torch.exp2(torch.randint(-140 if dtype == torch.float32 else -24, 14, (5, 64, 1), generator=g).float())
+        y = (torch.randn(5, 64, 96, generator=g) * scale).to(dtype)
+        y[0, 5, 7], y[1, 33, 2], y[2, :32, 0], y[3, 32:64, 1] = float("nan"), float("inf"), 0, 448 * 2.0**-3
+        for axis in (1, 2):
+            assert _same_bits(fake_quantize_fast(y.to(DEV), axis).cpu(), fake_quantize(y, axis)), (dtype, axis)
+    big = torch.randn(3000, 4096, generator=g).bfloat16()
+    assert _same_bits(fake_quantize_fast(big.to(DEV), 0).cpu(), fake_quantize(big, 0))

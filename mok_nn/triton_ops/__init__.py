@@ -1,0 +1,96 @@
+"""The portable backend's memory-bound steps as Triton kernels, on CUDA tensors where Triton is importable (it
+ships with PyTorch's CUDA builds); everywhere else the torch ops run. In torch ops each of these steps is a dozen
+or more elementwise passes over fp32 copies; here it is one read of the inputs and one write of the outputs.
+
+  fake_quantize       mxfp8.fake_quantize_fast's arithmetic step for step (fp32 and integer bit operations): the
+                      same bits. The tensor is seen as [outer, L, inner], blocks of 32 along L; a program takes 64
+                      blocks, consecutive along inner (or along L where inner is 1): coalesced loads either way.
+  activation_forward  h = act(gate, up) for gate_up [n, 2I]
+  mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
+                      operand, optional) and d gate_up = act'(gate, up) applied to w dh'
+
+The activation kernels compute reference.activation_forward / activation_backward's formulas in fp32, not their
+bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
+"swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
+gradient does not pass a clamped element.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+MX_BLOCK = 32
+MX_ROWS = 64  # MXFP8 blocks per program
+ACT_BLOCK = 1024  # columns of a row per step of the activation kernels
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton is installed here (not imported until a kernel runs)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """The kernels run on t: a CUDA tensor in bf16 / fp16 / fp32, where Triton is installed."""
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and available()
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """mxfp8.fake_quantize_fast(x, axis) ("rceil", blocks of 32 along axis, normalised, its size a multiple of
+    32), bit for bit: a new contiguous tensor in x's dtype and shape."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    inner = 1
+    for d in x.shape[axis + 1:]:
+        inner *= d
+    n_blocks = x.numel() // MX_BLOCK
+    _kernels().fake_quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, out, n_blocks, x.shape[axis], inner,
+                                                                 ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+    return out
+
+
+def _activation_options(activation: str, swiglu_limit) -> dict:
+    from .. import reference
+
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    return dict(limit=0.0 if swiglu_limit is None else float(swiglu_limit), HAS_LIMIT=swiglu_limit is not None,
+                OAI=activation == "swiglu_oai", ALPHA=reference.OAI_ALPHA)
+
+
+def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> torch.Tensor:
+    """h [n, I] in gate_up's dtype from gate_up [n, 2I]."""
+    gate_up = gate_up.contiguous()
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    h = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if n:
+        opts = _activation_options(activation, swiglu_limit)
+        _kernels().activation_forward_kernel[(n,)](gate_up, h, inter, opts.pop("limit"), **opts, BLOCK=ACT_BLOCK)
+    return h
+
+
+def mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation: str, swiglu_limit, write_wh: bool):
+    """(dw [n] fp32, w h [n, I] or None, d gate_up [n, 2I]) of the rows (the last two in gate_up's dtype): dw =
+    sum_i dh'_i h_i and d gate_up = act'(gate_up) applied to w dh'; dh', h [n, I], row_weights (w) [n]."""
+    gate_up, dh_raw, h = gate_up.contiguous(), dh_raw.contiguous(), h.contiguous()
+    n, inter = h.shape
+    dw = torch.empty(n, dtype=torch.float32, device=h.device)
+    wh = torch.empty_like(h) if write_wh else None
+    dgu = torch.empty(n, 2 * inter, dtype=gate_up.dtype, device=h.device)
+    if n:
+        opts = _activation_options(activation, swiglu_limit)
+        _kernels().mlp_backward_rows_kernel[(n,)](
+            gate_up, dh_raw, h, row_weights.float().contiguous(), dw, wh if write_wh else dgu, dgu, inter,
+            opts.pop("limit"), **opts, WRITE_WH=write_wh, BLOCK=ACT_BLOCK)
+    return dw, wh, dgu

@@ -1,0 +1,99 @@
+"""The Triton kernels behind mok_nn.triton_ops (imported on first use, where Triton is importable)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # block b = (o, lb, i) with i fastest (inner > 1) or (o, lb) (inner == 1); element j of it at
+    # o * length * inner + (lb * BLOCK + j) * inner + i
+    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    i = b % inner
+    lb = (b // inner) % (length // BLOCK)
+    o = b // inner // (length // BLOCK)
+    j = tl.arange(0, BLOCK).to(tl.int64)
+    offs = (o * length * inner + lb * BLOCK * inner + i)[:, None] + (j * inner)[None, :]
+    mask = (b < n_blocks)[:, None]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -(2**31)
+    mag_bits = bits ^ sign
+    # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
+    # pattern lies above inf's, and both give the biased exponent 255 the NaN rule below keys on)
+    amax = tl.max(mag_bits, axis=1)
+    biased = (amax >> 23) & 0xFF
+    e = biased - (127 + 8) + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.where(biased == 0, -127, e)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e
+    up = tl.where(e == -127, 1 << 22, (e + 127) << 23).to(tl.float32, bitcast=True)  # 2**e (2**-127 subnormal)
+    up = tl.where(biased == 255, float("nan"), up)
+    s = mag_bits.to(tl.float32, bitcast=True) * down[:, None]  # |s| = |x| * 2**-e, exact
+    # C = 1.5 * 2**(max(E, -6) + 20) for |s|'s exponent E: (|s| + C) - C rounds |s| to E4M3's grid, ties to even
+    c_bits = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
+    c = c_bits.to(tl.float32, bitcast=True)
+    rounded = (s + c) - c
+    res = (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * up[:, None]
+    tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activation(g, u, OAI: tl.constexpr, ALPHA: tl.constexpr):
+    if OAI:
+        sig = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
+        return (u + 1.0) * g * sig
+    return g / (1.0 + tl.exp(-g)) * u
+
+@triton.jit
+def activation_forward_kernel(gu_ptr, h_ptr, inter, limit, HAS_LIMIT: tl.constexpr, OAI: tl.constexpr,
+                   ALPHA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < inter
+        g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        tl.store(h_ptr + row * inter + cols, _activation(g, u, OAI, ALPHA).to(h_ptr.dtype.element_ty), mask=m)
+
+@triton.jit
+def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_ptr, inter, limit,
+                    HAS_LIMIT: tl.constexpr, OAI: tl.constexpr, ALPHA: tl.constexpr, WRITE_WH: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.load(w_ptr + row).to(tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < inter
+        dh_raw = tl.load(dh_ptr + row * inter + cols, mask=m, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + row * inter + cols, mask=m, other=0.0).to(tl.float32)
+        acc += dh_raw * h
+        if WRITE_WH:
+            tl.store(wh_ptr + row * inter + cols, (w * h).to(wh_ptr.dtype.element_ty), mask=m)
+        dh = dh_raw * w
+        g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            g_ok = g <= limit
+            u_ok = (u >= -limit) & (u <= limit)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        if OAI:
+            sig = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
+            d_act = ((g * ALPHA) * (1.0 - sig) + 1.0) * sig  # d/dg of g sigmoid(alpha g)
+            d_gate = ((u + 1.0) * dh) * d_act
+        else:
+            sig = 1.0 / (1.0 + tl.exp(-g))
+            d_act = ((1.0 - sig) * g + 1.0) * sig  # silu'(g)
+            d_gate = (dh * u) * d_act
+        d_up = (g * sig) * dh
+        if HAS_LIMIT:  # times the masks, as the reference (a NaN stays NaN)
+            d_gate = d_gate * g_ok.to(tl.float32)
+            d_up = d_up * u_ok.to(tl.float32)
+        tl.store(dgu_ptr + row * 2 * inter + cols, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
+        tl.store(dgu_ptr + row * 2 * inter + inter + cols, d_up.to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + row, tl.sum(acc, axis=0))

@@ -1,0 +1,109 @@
+"""mok_nn.triton_ops against the torch ops they replace, run by Triton's interpreter on the CPU (where Triton is
+installed; tests/gpu/test_torch_backend_cuda.py runs the compiled kernels): fake_quantize bit for bit against
+mxfp8.fake_quantize_fast (every bf16 bit pattern in blocks along either axis; fp32 and fp16 over wide scales with
+NaN, inf and all-zero blocks, 3-D along the middle); the activation kernels within fp32 / bf16 rounding of the
+portable backend's torch ops, every activation with and without a limit, rows longer than one step."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # (the interpreter mode would reach every later Triton launch of the process)
+    pytest.skip("on a GPU machine tests/gpu/test_torch_backend_cuda.py runs the compiled kernels", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's import: the interpreter runs the kernels
+pytest.importorskip("triton")
+
+from mok_nn import torch_backend, triton_ops  # noqa: E402
+from mok_nn.mxfp8 import fake_quantize_fast  # noqa: E402
+
+
+def _same(a, b):
+    """Equal bits, NaN where NaN (a NaN's sign and payload unspecified)."""
+    nan = torch.isnan(b)
+    return torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan], b[~nan]) and \
+        torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan]))
+
+
+def test_every_bf16_bit_pattern_along_either_axis():
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(0))].reshape(64, 1024)
+    for axis in (0, 1):
+        assert _same(triton_ops.fake_quantize(x, axis), fake_quantize_fast(x, axis)), axis
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_wide_scales_and_special_values(dtype):
+    g = torch.Generator().manual_seed(1)
+    scale = torch.exp2(torch.randint(-140 if dtype == torch.float32 else -24, 14, (3, 64, 1), generator=g).float())
+    y = (torch.randn(3, 64, 96, generator=g) * scale).to(dtype)
+    y[0, 5, 7], y[1, 33, 2], y[2, :32, 0] = float("nan"), float("inf"), 0
+    y[2, 32:64, 1] = 448 * 2.0**-3
+    for axis in (1, 2):
+        got = triton_ops.fake_quantize(y, axis)
+        assert got.dtype == dtype and got.shape == y.shape
+        assert _same(got, fake_quantize_fast(y, axis)), axis
+
+
+def test_chooses_itself_only_on_cuda():
+    assert not triton_ops.runs_on(torch.ones(32))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+CASES = [("swiglu", None), ("swiglu", 1.5), ("swiglu_oai", 7.0), ("swiglu_oai", None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("activation,limit", CASES)
+def test_kernels_match_the_torch_ops(activation, limit, dtype):
+    g = torch.Generator().manual_seed(0)
+    n, inter = 37, 1100  # a row takes two steps of BLOCK_I
+    gate_up = (3 * torch.randn(n, 2 * inter, generator=g)).to(dtype)
+    dh_raw = torch.randn(n, inter, generator=g).to(dtype)
+    w = torch.rand(n, generator=g)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+
+    h = triton_ops.activation_forward(gate_up, activation, limit)
+    h_ref = torch_backend._activation_forward(gate_up, activation, limit).to(dtype)
+    assert h.dtype == dtype and _rel(h, h_ref) < tol
+
+    dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, h_ref, w, activation, limit, True)
+    dw_ref, wh_ref, dgu_ref = torch_backend._mlp_backward_rows(None, w, gate_up, h_ref, dh_raw.clone(), None, None,
+                                                               activation, limit, True)  # (updates its dh' in fp32)
+    assert _rel(dw, dw_ref) < tol and _rel(wh, wh_ref) < tol and _rel(dgu, dgu_ref) < tol
+    if limit is not None:  # no gradient through a clamped element, exactly
+        g_, u_ = gate_up[:, :inter].float(), gate_up[:, inter:].float()
+        assert (dgu[:, :inter][g_ > limit] == 0).all() and (dgu[:, inter:][u_.abs() > limit] == 0).all()
+        assert (g_ > limit).any() and (u_.abs() > limit).any()
+    _, none, dgu2 = triton_ops.mlp_backward_rows(gate_up, dh_raw, h_ref, w, activation, limit, False)
+    assert none is None and torch.equal(dgu2, dgu)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("opts", [dict(), dict(activation="swiglu_oai", swiglu_limit=7.0, expert_proj_bias=True),
+                                  dict(swiglu_limit=1.0)], ids=["plain", "oai_bias", "clamp"])
+def test_the_portable_layer_with_the_kernels(monkeypatch, opts, precision):
+    """The portable backend's layer with every step the kernels take (made to run on the CPU tensors here) against
+    the same layer in torch ops: y and every gradient within bf16 rounding (with MXFP8, whose steps of 1/8 to 1/16
+    move a value on either side of a bf16 rounding by a step, within 4e-2)."""
+    from mok_nn import MoKMoELayer
+
+    def run(kernels: bool):
+        monkeypatch.setattr(triton_ops, "runs_on", lambda t: kernels and t.dtype != torch.float64)
+        torch.manual_seed(0)
+        layer = MoKMoELayer(64, 64, 8, 2, backend="torch", dtype=torch.bfloat16, precision=precision, **opts)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.3)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(40, 64, generator=g).bfloat16().requires_grad_(True)
+        y = layer(x)
+        (y.float() * torch.randn(40, 64, generator=g)).sum().backward()
+        return [y, x.grad] + [p.grad for p in layer.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert _rel(a, b) < (1e-2 if precision == "bf16" else 4e-2)
