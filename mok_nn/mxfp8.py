@@ -289,8 +289,16 @@ def fake_quantize_fast(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     axis = _normalize_axis(axis, x.dim())
     if x.shape[axis] % block:
         raise ValueError(f"size {x.shape[axis]} of dimension {axis} is not a multiple of the MX block size {block}")
-    if triton_ops.runs_on(x):  # CUDA: the same arithmetic as one Triton kernel (the passes below cost ~15x the bytes)
-        return triton_ops.fake_quantize(x, axis)
+    if triton_ops.runs_on(x) and triton_ops.verified(
+            ("fake_quantize", x.dtype, axis == x.dim() - 1), x.device,
+            lambda: (triton_ops.fake_quantize(x[:64], axis), _fake_quantize_chunks(x[:64], axis)), exact=True):
+        return triton_ops.fake_quantize(x, axis)  # CUDA: the same arithmetic as one kernel (below: ~15 passes)
+    return _fake_quantize_chunks(x, axis)
+
+
+def _fake_quantize_chunks(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """fake_quantize_fast in torch ops, a chunk of rows at a time (axis normalised)."""
+    block = 32
     # chunks along dim 0 (whole blocks: units of 32 rows where axis is 0) of chunk_bytes(device) of fp32; blocks
     # are independent, so the values do not depend on the chunking
     unit = block if axis == 0 else 1

@@ -317,7 +317,7 @@ def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> 
     """reference.activation_forward(gate_up.to(cdt), ...).to(gate_up.dtype) (see above), in row chunks."""
     inter = gate_up.shape[-1] // 2
     gate_up2 = gate_up.reshape(-1, 2 * inter)
-    if triton_ops.runs_on(gate_up):  # CUDA: one kernel (the chunks below make a dozen passes)
+    if _triton_forward_ok(gate_up2, activation, swiglu_limit):  # CUDA: one kernel (the chunks below: a dozen passes)
         return triton_ops.activation_forward(gate_up2, activation, swiglu_limit).view(gate_up.shape[:-1] + (inter,))
     h = torch.empty(gate_up2.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     cdt = compute_dtype(gate_up.dtype)
@@ -409,6 +409,26 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
     return out, gate_up, h
 
 
+def _triton_forward_ok(gate_up, activation, swiglu_limit) -> bool:
+    """triton_ops.activation_forward runs here (checked once against _activation_forward, triton_ops.verified)."""
+    sample = gate_up[:8]
+    return triton_ops.runs_on(gate_up) and triton_ops.verified(
+        ("activation_forward", gate_up.dtype, activation, swiglu_limit is None), gate_up.device,
+        lambda: (triton_ops.activation_forward(sample, activation, swiglu_limit),
+                 _activation_forward(sample, activation, swiglu_limit).to(gate_up.dtype)), exact=False)
+
+
+def _triton_backward_ok(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, write_wh) -> bool:
+    """triton_ops.mlp_backward_rows runs here (checked once against _mlp_backward_rows, triton_ops.verified)."""
+    s = slice(0, 8)
+    return triton_ops.runs_on(h) and triton_ops.verified(
+        ("mlp_backward_rows", h.dtype, activation, swiglu_limit is None, write_wh), h.device,
+        lambda: (triton_ops.mlp_backward_rows(gate_up[s], dh_raw[s], h[s], row_weights[s], activation, swiglu_limit,
+                                              write_wh),
+                 _mlp_backward_rows(None, row_weights[s], gate_up[s], h[s], dh_raw[s].clone(), None, None, activation,
+                                    swiglu_limit, write_wh)), exact=False)
+
+
 def _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups: Groups, b2, activation, swiglu_limit,
                        need_wh: bool):
     """(dw, w h or None, d gate_up) of the rows in torch ops, a chunk of rows at a time (mlp_backward)."""
@@ -442,7 +462,7 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
     dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
     n, inter = h.shape
     b2 = None if down_bias is None else down_bias.to(cdt)
-    if triton_ops.runs_on(h):  # CUDA: dw, w h and d gate_up in one kernel (the chunks below: ~20 passes)
+    if _triton_backward_ok(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, need2):  # CUDA: one kernel
         dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, need2)
         if b2 is not None:
             for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):

@@ -341,3 +341,65 @@ def test_weight_scope_is_per_thread():
         t.join()
         assert mxfp8.weight_values(w, -1) is first  # this thread's scope still open and intact
     assert seen == {"outside": True, "inside": True}
+
+
+# --- the Triton kernels' first-use check (mok_nn.triton_ops.verified): a kernel form that fails or disagrees is
+# not used, with a warning, and the torch ops run in its place
+
+
+def test_a_triton_form_that_disagrees_or_fails_is_not_used(monkeypatch):
+    from mok_nn import mxfp8, triton_ops
+
+    monkeypatch.setattr(triton_ops, "_VERDICTS", {})
+    monkeypatch.setattr(triton_ops, "runs_on", lambda t: True)  # as on a CUDA device
+    x = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = mxfp8.fake_quantize(x, -1)
+    calls = []
+
+    def wrong(t, axis):
+        calls.append(t.shape[0])
+        return torch.zeros_like(t)
+
+    monkeypatch.setattr(triton_ops, "fake_quantize", wrong)
+    with pytest.warns(RuntimeWarning, match="disagree"):
+        got = mxfp8.fake_quantize_fast(x, -1)
+    assert torch.equal(got, want) and calls == [64]  # checked on 64 rows, then never used
+    assert torch.equal(mxfp8.fake_quantize_fast(x, -1), want) and calls == [64]
+
+    def broken(t, axis):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(triton_ops, "fake_quantize", broken)
+    with pytest.warns(RuntimeWarning, match="no such instruction"):
+        assert torch.equal(mxfp8.fake_quantize_fast(x, 0), mxfp8.fake_quantize(x, 0))  # another form: checked anew
+
+
+def test_a_triton_form_that_agrees_is_checked_once(monkeypatch):
+    from mok_nn import mxfp8, triton_ops
+
+    monkeypatch.setattr(triton_ops, "_VERDICTS", {})
+    monkeypatch.setattr(triton_ops, "runs_on", lambda t: True)
+    calls = []
+
+    def right(t, axis):
+        calls.append(t.shape[0])
+        return mxfp8._fake_quantize_chunks(t, axis)
+
+    monkeypatch.setattr(triton_ops, "fake_quantize", right)
+    x = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for _ in range(3):
+        assert torch.equal(mxfp8.fake_quantize_fast(x, -1), mxfp8.fake_quantize(x, -1))
+    assert calls == [64, 96, 96, 96]  # the check once, then the kernel on the whole
+
+
+def test_agreement_rule_of_the_first_use_check():
+    from mok_nn.triton_ops import _agree
+
+    a = torch.tensor([1.0, float("nan"), -0.0])
+    assert _agree(a, a.clone(), exact=True)
+    assert not _agree(a, torch.tensor([1.0, float("nan"), 0.0]), exact=True)  # the sign of a zero
+    assert not _agree(a, torch.tensor([1.0, 2.0, -0.0]), exact=True)  # NaN where NaN
+    b = torch.randn(100, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert _agree(b, (b.float() * (1 + 1e-3)).bfloat16(), exact=False)
+    assert not _agree(b, (b.float() * 1.05).bfloat16(), exact=False)
+    assert not _agree(b, None, exact=False) and _agree(None, None, exact=False)

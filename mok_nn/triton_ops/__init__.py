@@ -13,12 +13,18 @@ The activation kernels compute reference.activation_forward / activation_backwar
 bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
 "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
 gradient does not pass a clamped element.
+
+Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
+replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, fp32 / storage rounding
+for the activation): one synchronisation, once. A form that fails to compile or disagrees is not used again in the
+process; a warning says which and why, and the torch ops run in its place.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -36,6 +42,41 @@ def available() -> bool:
 def runs_on(t: torch.Tensor) -> bool:
     """The kernels run on t: a CUDA tensor in bf16 / fp16 / fp32, where Triton is installed."""
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and available()
+
+
+_VERDICTS: dict = {}  # (form, device) -> whether the kernel form agreed with the torch ops on its first use
+
+
+def verified(form: tuple, device: torch.device, pair, exact: bool) -> bool:
+    """Whether the kernel form may run: on its first use (per device) pair() gives (the kernel's result, the torch
+    ops' result) on a few rows, each a tensor or a tuple of tensors, which must agree: bit for bit (exact; NaN
+    where NaN) or within the storage dtype's rounding (relative L2 below 1e-2 in 16-bit, 1e-5 in fp32)."""
+    key = (form, str(device))
+    if key not in _VERDICTS:
+        try:
+            got, want = pair()
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            bad = [i for i, (a, b) in enumerate(zip(got, want)) if not _agree(a, b, exact)]
+            why = f"results {bad} disagree with the torch ops" if bad else None
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here is not used
+            why = f"{type(err).__name__}: {err}"
+        if why is not None:
+            warnings.warn(f"mok_nn: the Triton kernel form {form} is not used on {device} ({why}); the torch ops run "
+                          "instead", RuntimeWarning, stacklevel=3)
+        _VERDICTS[key] = why is None
+    return _VERDICTS[key]
+
+
+def _agree(a: torch.Tensor | None, b: torch.Tensor | None, exact: bool) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    a, b = a[~a.isnan()], b[~b.isnan()]
+    if exact:
+        return torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+    tol = 1e-5 if b.dtype == torch.float32 else 1e-2
+    return bool(((a.double() - b.double()).norm() <= tol * b.double().norm()).item())
 
 
 def _kernels():
