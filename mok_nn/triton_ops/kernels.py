@@ -39,13 +39,6 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, ROWS: tl.const
 
 
 @triton.jit
-def _activation(g, u, OAI: tl.constexpr, ALPHA: tl.constexpr):
-    if OAI:
-        sig = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
-        return (u + 1.0) * g * sig
-    return g / (1.0 + tl.exp(-g)) * u
-
-@triton.jit
 def activation_forward_kernel(gu_ptr, h_ptr, inter, limit, HAS_LIMIT: tl.constexpr, OAI: tl.constexpr,
                    ALPHA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +50,11 @@ def activation_forward_kernel(gu_ptr, h_ptr, inter, limit, HAS_LIMIT: tl.constex
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        tl.store(h_ptr + row * inter + cols, _activation(g, u, OAI, ALPHA).to(h_ptr.dtype.element_ty), mask=m)
+        if OAI:  # (u + 1) g sigmoid(alpha g)
+            h = (u + 1.0) * g * (1.0 / (1.0 + tl.exp(-(g * ALPHA))))
+        else:  # silu(g) u
+            h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + row * inter + cols, h.to(h_ptr.dtype.element_ty), mask=m)
 
 @triton.jit
 def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_ptr, inter, limit,
