@@ -196,6 +196,17 @@ def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     unspecified)."""
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
+    if t.block_size == 32 and triton_ops.dequantize_runs_on(t.data, t.axis, dtype):
+        k = t.data.shape[-1]
+        few = MXFP8Tensor(t.data.reshape(-1, k)[:8], t.scale.reshape(-1, k // 32)[:8], 1)
+        if triton_ops.verified(("dequantize", dtype), t.data.device, lambda: (
+                triton_ops.dequantize(few.data, few.scale, dtype), _dequantize(few, dtype)), exact=True):
+            return triton_ops.dequantize(t.data, t.scale, dtype)  # CUDA: one pass (below: about six)
+    return _dequantize(t, dtype)
+
+
+def _dequantize(t: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize in torch ops."""
     data = t.data.movedim(t.axis, -1)
     blocks = data.reshape(*data.shape[:-1], data.shape[-1] // t.block_size, t.block_size)
     s = t.scale.movedim(t.axis, -1).to(torch.int32)

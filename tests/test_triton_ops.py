@@ -108,3 +108,43 @@ def test_the_portable_layer_with_the_kernels(monkeypatch, opts, precision):
     assert triton_ops._VERDICTS and all(triton_ops._VERDICTS.values())  # the kernels ran: none fell back
     for a, b in zip(with_kernels, run(False)):
         assert _rel(a, b) < (1e-2 if precision == "bf16" else 4e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
+def test_dequantize_every_e4m3_byte_at_every_scale(dtype):
+    """triton_ops.dequantize against mxfp8.dequantize's torch ops bit for bit: every E4M3 byte (NaN, -0, subnormals)
+    under every E8M0 scale byte (2**-127 up to 2**127 and NaN), 3-D data along the last dimension. In bf16 from scale
+    byte 16 up: the interpreter rounds fp32 to bf16 wrongly where the result is below bf16's normal range (the GPU
+    test, tests/gpu/test_torch_backend_cuda.py, takes every scale)."""
+    from mok_nn.mxfp8 import MXFP8Tensor, _dequantize
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data = every.repeat(256, 1).view(torch.float8_e4m3fn).reshape(4, 64, 256)  # 8 blocks per row
+    scale = torch.arange(256 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(4, 64, 8)
+    if dtype == torch.bfloat16:
+        scale = scale.clamp(min=16)
+    got = triton_ops.dequantize(data, scale, dtype)
+    assert _same(got, _dequantize(MXFP8Tensor(data, scale, 2), dtype))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_mxfp8_only_layer_with_the_dequantize_kernel(monkeypatch, precision):
+    """An MXFP8-only layer whose weights dequantise through the kernel (made to run on the CPU tensors here) computes
+    bit for bit what it computes with the torch ops: y, d x, d router."""
+    from mok_nn import MoKMoELayer
+
+    def run(kernel: bool):
+        monkeypatch.setattr(triton_ops, "dequantize_runs_on", lambda data, axis, dtype: kernel)
+        torch.manual_seed(0)
+        layer = MoKMoELayer(64, 64, 8, 2, backend="torch", dtype=torch.bfloat16, precision=precision,
+                            mxfp8_experts=True)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(40, 64, generator=g).bfloat16().requires_grad_(True)
+        y = layer(x)
+        (y.float() * torch.randn(40, 64, generator=g)).sum().backward()
+        return [y, x.grad, layer.router.weight.grad]
+
+    with_kernel = run(True)
+    assert any(k[0][0] == "dequantize" and ok for k, ok in triton_ops._VERDICTS.items())
+    for a, b in zip(with_kernel, run(False)):
+        assert torch.equal(a, b)

@@ -5,10 +5,14 @@ or more elementwise passes over fp32 copies; here it is one read of the inputs a
   fake_quantize       mxfp8.fake_quantize_fast's arithmetic step for step (fp32 and integer bit operations): the
                       same bits. The tensor is seen as [outer, L, inner], blocks of 32 along L; a program takes 64
                       blocks, consecutive along inner (or along L where inner is 1): coalesced loads either way.
+  dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
+                      the E4M3 bits decoded by integer operations, times the scale in fp32, rounded once: the same
+                      bits, one read of the bytes and one write (the torch ops: about six passes).
   activation_forward  h = act(gate, up) for gate_up [n, 2I]
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
 
+These kernels serve every backend where they apply (dequantize also the fused path's MXFP8-only weights).
 The activation kernels compute reference.activation_forward / activation_backward's formulas in fp32, not their
 bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
 "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
@@ -79,6 +83,13 @@ def _agree(a: torch.Tensor | None, b: torch.Tensor | None, exact: bool) -> bool:
     return bool(((a.double() - b.double()).norm() <= tol * b.double().norm()).item())
 
 
+def dequantize_runs_on(data: torch.Tensor, axis: int, dtype: torch.dtype) -> bool:
+    """dequantize runs on E4M3 data blocked along axis, into dtype: CUDA data blocked along its last dimension,
+    into bf16 / fp16 / fp32, where Triton is installed."""
+    return (data.is_cuda and axis in (-1, data.dim() - 1) and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and available())
+
+
 def _kernels():
     from . import kernels
 
@@ -97,6 +108,18 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
         inner *= d
     n_blocks = x.numel() // MX_BLOCK
     _kernels().fake_quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, out, n_blocks, x.shape[axis], inner,
+                                                                 ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+    return out
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mxfp8.dequantize of E4M3 data [..., K] and E8M0 scales [..., K / 32] (blocks of 32 along the last dimension)
+    in dtype, bit for bit: a new contiguous tensor."""
+    data, scale = data.contiguous(), scale.contiguous()
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    n_blocks = data.numel() // MX_BLOCK
+    if n_blocks:
+        _kernels().dequantize_kernel[(-(-n_blocks // MX_ROWS),)](data.view(torch.uint8), scale, out, n_blocks,
                                                                  ROWS=MX_ROWS, BLOCK=MX_BLOCK)
     return out
 

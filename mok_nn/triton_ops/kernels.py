@@ -94,3 +94,23 @@ def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_p
         tl.store(dgu_ptr + row * 2 * inter + cols, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
         tl.store(dgu_ptr + row * 2 * inter + inter + cols, d_up.to(dgu_ptr.dtype.element_ty), mask=m)
     tl.store(dw_ptr + row, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # data: E4M3 bytes, blocks of BLOCK consecutive ones, an E8M0 scale byte each; value * 2**(scale - 127) in fp32
+    # (exact: 4 significant bits times a power of two), rounded once to out's dtype
+    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    offs = b[:, None] * BLOCK + tl.arange(0, BLOCK).to(tl.int64)[None, :]
+    in_range = b < n_blocks
+    q = tl.load(data_ptr + offs, mask=in_range[:, None], other=0).to(tl.int32)
+    s = tl.load(scale_ptr + b, mask=in_range, other=127).to(tl.int32)
+    exp = (q >> 3) & 0xF
+    man = q & 0x7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 2**(exp - 7) * (1 + man / 8)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormals: man * 2**-9
+    mag = tl.where((exp == 15) & (man == 7), float("nan"), mag)  # E4M3FN's only NaN (no inf)
+    value = tl.where((q & 0x80) != 0, -mag, mag)
+    factor = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)  # 2**(s - 127); 2**-127 subnormal
+    factor = tl.where(s == 255, float("nan"), factor)
+    tl.store(out_ptr + offs, (value * factor[:, None]).to(out_ptr.dtype.element_ty), mask=in_range[:, None])

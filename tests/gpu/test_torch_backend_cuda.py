@@ -196,3 +196,16 @@ def test_fake_quantize_on_cuda_is_bitwise_the_cpu_one():
             assert _same_bits(fake_quantize_fast(y.to(DEV), axis).cpu(), fake_quantize(y, axis)), (dtype, axis)
     big = torch.randn(3000, 4096, generator=g).bfloat16()
     assert _same_bits(fake_quantize_fast(big.to(DEV), 0).cpu(), fake_quantize(big, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
+def test_dequantize_on_cuda_is_bitwise_the_cpu_one(dtype):
+    """mxfp8.dequantize on CUDA (triton_ops' kernel: MXFP8-only expert weights, every call) against the CPU's torch
+    ops: every E4M3 byte under every E8M0 scale byte (results below bf16's normal range rounded once)."""
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data = every.repeat(256, 1).view(torch.float8_e4m3fn).reshape(4, 64, 256)
+    scale = torch.arange(256 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(4, 64, 8)
+    got = dequantize(MXFP8Tensor(data.to(DEV), scale.to(DEV), 2), dtype).cpu()
+    assert _same_bits(got, dequantize(MXFP8Tensor(data, scale, 2), dtype))
