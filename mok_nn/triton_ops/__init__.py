@@ -1,6 +1,7 @@
-"""The portable backend's memory-bound steps as Triton kernels, on CUDA tensors where Triton is importable (it
-ships with PyTorch's CUDA builds); everywhere else the torch ops run. In torch ops each of these steps is a dozen
-or more elementwise passes over fp32 copies; here it is one read of the inputs and one write of the outputs.
+"""Memory-bound steps as Triton kernels, on CUDA tensors where Triton is importable (it ships with PyTorch's CUDA
+builds): the portable backend's activation and MXFP8 quantisation, and the MXFP8 dequantisation of every backend;
+everywhere else the torch ops run. In torch ops each of these steps is several to a dozen or more elementwise
+passes, over fp32 copies; here it is one read of the inputs and one write of the outputs.
 
   fake_quantize       mxfp8.fake_quantize_fast's arithmetic step for step (fp32 and integer bit operations): the
                       same bits. The tensor is seen as [outer, L, inner], blocks of 32 along L; a program takes 64
@@ -12,15 +13,15 @@ or more elementwise passes over fp32 copies; here it is one read of the inputs a
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
 
-These kernels serve every backend where they apply (dequantize also the fused path's MXFP8-only weights).
 The activation kernels compute reference.activation_forward / activation_backward's formulas in fp32, not their
 bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
 "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
 gradient does not pass a clamped element.
 
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
-replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, fp32 / storage rounding
-for the activation): one synchronisation, once. A form that fails to compile or disagrees is not used again in the
+replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize and dequantize, fp32 /
+storage rounding for the activation): one synchronisation, once (so not inside a CUDA graph capture: run a call
+before capturing). A form that fails to compile or disagrees is not used again in the
 process; a warning says which and why, and the torch ops run in its place.
 """
 
