@@ -143,7 +143,7 @@ class Peer:
         return torch_router(x, router_w, top_k)
 
     def layer(self, x, router_w, gate_up, down, top_k):
-        ids, w = torch_router(x, router_w, top_k)
+        ids, w = self.routing(x, router_w, top_k)
         return self.experts(x, self.ids(ids), w, gate_up, down)
 
 

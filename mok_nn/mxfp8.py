@@ -196,13 +196,22 @@ def dequantize(t: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     unspecified)."""
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"dequantize expects an MXFP8Tensor, got {type(t).__name__}")
-    if t.block_size == 32 and triton_ops.dequantize_runs_on(t.data, t.axis, dtype):
-        k = t.data.shape[-1]
-        few = MXFP8Tensor(t.data.reshape(-1, k)[:8], t.scale.reshape(-1, k // 32)[:8], 1)
-        if triton_ops.verified(("dequantize", dtype), t.data.device, lambda: (
-                triton_ops.dequantize(few.data, few.scale, dtype), _dequantize(few, dtype)), exact=True):
-            return triton_ops.dequantize(t.data, t.scale, dtype)  # CUDA: one pass (below: about six)
+    if (t.block_size == 32 and triton_ops.dequantize_runs_on(t.data, t.axis, dtype)
+            and triton_ops.verified(("dequantize", dtype), t.data.device, lambda: _dequantize_both(_rows(t, 8), dtype),
+                                    exact=True)):
+        return triton_ops.dequantize(t.data, t.scale, dtype)  # CUDA: one pass (below: about six)
     return _dequantize(t, dtype)
+
+
+def _rows(t: MXFP8Tensor, n: int) -> MXFP8Tensor:
+    """The first n rows of t's data and scales seen as [rows, K] (blocks along the last dimension)."""
+    k = t.data.shape[-1]
+    return MXFP8Tensor(t.data.reshape(-1, k)[:n], t.scale.reshape(-1, k // t.block_size)[:n], 1, t.block_size)
+
+
+def _dequantize_both(t: MXFP8Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the Triton kernel's, the torch ops') dequantize of t: triton_ops.verified's pair."""
+    return triton_ops.dequantize(t.data, t.scale, dtype), _dequantize(t, dtype)
 
 
 def _dequantize(t: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:

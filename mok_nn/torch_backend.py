@@ -411,11 +411,11 @@ def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, dow
 
 def _triton_forward_ok(gate_up, activation, swiglu_limit) -> bool:
     """triton_ops.activation_forward runs here (checked once against _activation_forward, triton_ops.verified)."""
-    sample = gate_up[:8]
+    s = slice(0, 8)
     return triton_ops.runs_on(gate_up) and triton_ops.verified(
         ("activation_forward", gate_up.dtype, activation, swiglu_limit is None), gate_up.device,
-        lambda: (triton_ops.activation_forward(sample, activation, swiglu_limit),
-                 _activation_forward(sample, activation, swiglu_limit).to(gate_up.dtype)), exact=False)
+        lambda: (triton_ops.activation_forward(gate_up[s], activation, swiglu_limit),
+                 _activation_forward(gate_up[s], activation, swiglu_limit).to(gate_up.dtype)), exact=False)
 
 
 def _triton_backward_ok(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, write_wh) -> bool:
@@ -427,6 +427,11 @@ def _triton_backward_ok(gate_up, dh_raw, h, row_weights, activation, swiglu_limi
                                               write_wh),
                  _mlp_backward_rows(None, row_weights[s], gate_up[s], h[s], dh_raw[s].clone(), None, None, activation,
                                     swiglu_limit, write_wh)), exact=False)
+
+
+def _down_bias_dw(grad_out, b2, expert, cdt):
+    """The down bias's term of the rows' top-k weight gradient: <d y, b2 of the row's expert> in cdt."""
+    return (grad_out.to(cdt) * b2.index_select(0, expert)).sum(dim=1)
 
 
 def _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups: Groups, b2, activation, swiglu_limit,
@@ -443,7 +448,7 @@ def _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups: Groups
         h32 = h[a:b].to(cdt)
         dw_c = (dh * h32).sum(dim=1)
         if b2 is not None:
-            dw_c = dw_c + (grad_out[a:b].to(cdt) * b2.index_select(0, groups.expert[a:b])).sum(dim=1)
+            dw_c = dw_c + _down_bias_dw(grad_out[a:b], b2, groups.expert[a:b], cdt)
         dw[a:b] = dw_c
         if wh is not None:
             wh[a:b] = w * h32  # (w * h) rounded to dt
@@ -466,7 +471,7 @@ def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_u
         dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, need2)
         if b2 is not None:
             for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):
-                dw[a:b] += (grad_out[a:b].to(cdt) * b2.index_select(0, groups.expert[a:b])).sum(dim=1)
+                dw[a:b] += _down_bias_dw(grad_out[a:b], b2, groups.expert[a:b], cdt)
     else:
         dw, wh, dgu = _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups, b2, activation,
                                          swiglu_limit, need2)
