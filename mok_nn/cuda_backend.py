@@ -51,7 +51,7 @@ from .mxfp8 import fake_quantize_fast, weight_values
 from .router import expert_counts
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
-    COMBINE_LEAVES, GEMM_TILE_N, MX_QUANT_THREADS, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS,
+    COMBINE_LEAVES, GEMM_TILE_N, MX_QUANT_CTAS_PER_SM, MX_QUANT_THREADS, MX_QUANT_UNROLL, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS,
     SCHEDULE_MC_WARPS, TILE_M, WGRAD_ACC_KERNELS, tile_n_of,
 )  # fmt: skip
 from .kernels import loader
@@ -781,7 +781,6 @@ class GemmOperands:
 
 # mok_mx_quant's modes (kernels/mx_quant.py)
 MX_ALONG_COLS, MX_ALONG_ROWS, MX_SEGMENTS = 0, 1, 2
-MX_CTAS_PER_SM = 8  # mok_mx_quant's grid: CTAs of 256 threads per SM (a full SM)
 
 
 def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torch.Tensor:
@@ -803,8 +802,9 @@ def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torc
         return out
     zero = _cached_zero_tile(t.device)
     te, se, sr = (sched.tile_expert, sched.seg_end, sched.seg_rows) if mode == MX_SEGMENTS else (zero, zero, zero)
-    units = rows * cols // 8 if mode == MX_ALONG_COLS else rows // 32 * (cols // 2)
-    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_CTAS_PER_SM))
+    # work units (kernels/mx_quant.py): UNROLL vectors of 8 columns per thread, or a 32-row block of 2 columns
+    units = -(-rows * cols // (8 * MX_QUANT_UNROLL)) if mode == MX_ALONG_COLS else rows // 32 * (cols // 2)
+    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_QUANT_CTAS_PER_SM))
     _lib().launch("mok_mx_quant", t, out, te, se, sr, mode, grid, stream=_stream())
     return out
 

@@ -13,14 +13,17 @@ The adds go through add.rn / sub.rn explicitly, so no compiler can fold (|s| + C
 mode (a run-time scalar: one compiled kernel for every operand):
   0  blocks along the columns (a row's 32 consecutive values): the GEMMs' A rows, the weights forward.
      A warp takes 32 vectors of 8 columns (16-byte loads); the 4 lanes of a block share its amax by shuffle.
+     Each thread loads UNROLL vectors (one per grid stride) before it computes any: memory-level parallelism.
   1  blocks along the rows (32 consecutive rows of a column): the weights' backward axis. A thread takes two
-     adjacent columns of one 32-row block (4-byte loads: a warp reads 128 contiguous bytes per row).
+     adjacent columns of one 32-row block as 32-bit words (a warp reads 128 contiguous bytes per row), all 32
+     loads issued before any arithmetic, the amax taken on the bf16 bits.
   2  as 1, for rows in schedule order (the weight-gradient operands): each expert's blocks start at its
      segment's first row, and the rows that are not routed rows (padding, past the last segment) count as
      zeros, whatever they hold. A 32-row block lies in one TILE_M tile, so one expert: its routed rows are a
      prefix of the block, from tile_expert, seg_end and seg_rows.
 The work units are walked by a fixed grid (grid-stride, whole warps together: the shuffles need every lane);
-each output element is written once, by one thread: the result does not depend on the grid.
+each output element is written once, by one thread: the result does not depend on the grid. The grid is
+MX_QUANT_CTAS_PER_SM resident CTAs per SM, the register budget the launch bound gives each thread.
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import cuda.bindings.driver as cuda
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .registry import MX_QUANT_CTAS_PER_SM, MX_QUANT_UNROLL as UNROLL
 from .registry import MX_QUANT_THREADS as THREADS
 from .registry import TILE_M
 
 BLOCK = 32
 VEC = 8  # mode 0: columns per lane (one 16-byte load)
 LANES_PER_BLOCK = BLOCK // VEC
-PAIR = 2  # modes 1 and 2: columns per thread (one 4-byte load per row)
+BF16_MAG = 0x7FFF
+HIGH_HALF = -(2**16)  # 0xFFFF0000: the upper bf16 of a 32-bit word, in place
 MAG_MASK = 0x7FFFFFFF
 SIGN_BIT = -(2**31)
 EXP_MASK = 0x7F800000
@@ -105,7 +110,8 @@ class MxQuant:
         stream: cuda.CUstream,
     ):
         self.kernel(src, dst, tile_expert, seg_end, seg_rows, mode).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[grid, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=MX_QUANT_CTAS_PER_SM,
+            preferred_smem_carveout=0, stream=stream,  # no shared memory (a carveout: no device query at build)
         )
 
     @cute.kernel
@@ -122,37 +128,51 @@ class MxQuant:
             n_vec = cols // VEC
             units = rows * n_vec
             whole = (units + 31) // 32 * 32  # every lane of a warp takes every step (the shuffles)
-            fin = cute.make_rmem_tensor((VEC,), src.element_type)
+            fin = cute.make_rmem_tensor((VEC, UNROLL), src.element_type)  # column j: unit j's vector
+            row = cute.make_rmem_tensor((UNROLL,), cutlass.Int32)  # unit j's row and vector (one division each)
+            vec = cute.make_rmem_tensor((UNROLL,), cutlass.Int32)
             acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             res = cute.make_rmem_tensor((VEC,), dst.element_type)
-            for u in range(first, whole, stride):
-                r = u // cutlass.max(n_vec, 1)
-                v = u - r * n_vec
-                live = u < units
-                amax = cutlass.Int32(0)
-                if live:
-                    cute.autovec_copy(cute.zipped_divide(src[(r, None)], (VEC,))[(None, v)], fin)
-                    for i in cutlass.range_constexpr(VEC):
-                        acc[i] = fin[i].to(cutlass.Float32)
-                        amax = cutlass.max(amax, acc[i].bitcast(cutlass.Int32) & MAG_MASK)
-                for k in cutlass.range_constexpr(2):  # the 4 lanes of the block (lanes 4j .. 4j + 3)
-                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-                if live:
-                    down, up = _scales(amax)
-                    for i in cutlass.range_constexpr(VEC):
-                        acc[i] = _quantize(acc[i], down, up)
-                    res.store(acc.load().to(dst.element_type))
-                    cute.autovec_copy(res, cute.zipped_divide(dst[(r, None)], (VEC,))[(None, v)])
+            for base in range(first, whole, stride * UNROLL):
+                for j in cutlass.range_constexpr(UNROLL):  # the loads first
+                    u = base + j * stride
+                    row[j] = u // cutlass.max(n_vec, 1)
+                    vec[j] = u - row[j] * n_vec
+                    if u < units:
+                        cute.autovec_copy(cute.zipped_divide(src[(row[j], None)], (VEC,))[(None, vec[j])],
+                                          fin[(None, j)])
+                for j in cutlass.range_constexpr(UNROLL):
+                    live = base + j * stride < units
+                    amax = cutlass.Int32(0)
+                    if live:
+                        for i in cutlass.range_constexpr(VEC):
+                            acc[i] = fin[(i, j)].to(cutlass.Float32)
+                            amax = cutlass.max(amax, acc[i].bitcast(cutlass.Int32) & MAG_MASK)
+                    for k in cutlass.range_constexpr(2):  # the 4 lanes of the block (lanes 4j .. 4j + 3)
+                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                    if live:
+                        down, up = _scales(amax)
+                        for i in cutlass.range_constexpr(VEC):
+                            acc[i] = _quantize(acc[i], down, up)
+                        res.store(acc.load().to(dst.element_type))
+                        cute.autovec_copy(res, cute.zipped_divide(dst[(row[j], None)], (VEC,))[(None, vec[j])])
         else:
-            n_pair = cols // PAIR
+            # 32-bit words: two adjacent bf16 columns (the low half is the even column)
+            src2 = cute.recast_tensor(src, cutlass.Int32)
+            dst2 = cute.recast_tensor(dst, cutlass.Int32)
+            n_pair = cols // 2
             units = (rows // BLOCK) * n_pair
-            fin = cute.make_rmem_tensor((PAIR,), src.element_type)
-            vals = cute.make_rmem_tensor((BLOCK, PAIR), cutlass.Float32)
-            res = cute.make_rmem_tensor((PAIR,), dst.element_type)
+            words = cute.make_rmem_tensor((BLOCK,), cutlass.Int32)
+            res = cute.make_rmem_tensor((2,), dst.element_type)
             for u in range(first, units, stride):
                 b = u // cutlass.max(n_pair, 1)
                 p = u - b * n_pair
                 r0 = b * BLOCK
+                # the block's 32 words of column pair p: one base address, the row stride apart
+                src_blk = cute.zipped_divide(src2[(None, p)], (BLOCK,))[(None, b)]
+                dst_blk = cute.zipped_divide(dst2[(None, p)], (BLOCK,))[(None, b)]
+                for i in cutlass.range_constexpr(BLOCK):  # every row exists (rows % 32 == 0): no predicate
+                    words[i] = src_blk[i]
                 routed = cutlass.Int32(BLOCK)  # rows of the block that count (a prefix)
                 if mode == 2:
                     e = tile_expert[r0 // TILE_M]
@@ -163,20 +183,19 @@ class MxQuant:
                             start = seg_end[e - 1]
                         routed = cutlass.max(cutlass.min(start + seg_rows[e] - r0, cutlass.Int32(BLOCK)),
                                              cutlass.Int32(0))
+                # amax on the bf16 magnitude bits (ordered as the magnitudes; NaN above inf): an fp32's bits
+                # are the bf16's shifted up by 16
                 amax0 = cutlass.Int32(0)
                 amax1 = cutlass.Int32(0)
                 for i in cutlass.range_constexpr(BLOCK):
-                    vals[(i, 0)] = 0.0
-                    vals[(i, 1)] = 0.0
-                    if i < routed:
-                        cute.autovec_copy(cute.zipped_divide(src[(r0 + i, None)], (PAIR,))[(None, p)], fin)
-                        vals[(i, 0)] = fin[0].to(cutlass.Float32)
-                        vals[(i, 1)] = fin[1].to(cutlass.Float32)
-                        amax0 = cutlass.max(amax0, vals[(i, 0)].bitcast(cutlass.Int32) & MAG_MASK)
-                        amax1 = cutlass.max(amax1, vals[(i, 1)].bitcast(cutlass.Int32) & MAG_MASK)
-                down0, up0 = _scales(amax0)
-                down1, up1 = _scales(amax1)
+                    if i >= routed:
+                        words[i] = 0
+                    amax0 = cutlass.max(amax0, words[i] & BF16_MAG)
+                    amax1 = cutlass.max(amax1, (words[i] >> 16) & BF16_MAG)
+                down0, up0 = _scales(amax0 << 16)
+                down1, up1 = _scales(amax1 << 16)
                 for i in cutlass.range_constexpr(BLOCK):
-                    res[0] = _quantize(vals[(i, 0)], down0, up0).to(dst.element_type)
-                    res[1] = _quantize(vals[(i, 1)], down1, up1).to(dst.element_type)
-                    cute.autovec_copy(res, cute.zipped_divide(dst[(r0 + i, None)], (PAIR,))[(None, p)])
+                    w = words[i]
+                    res[0] = _quantize((w << 16).bitcast(cutlass.Float32), down0, up0).to(dst.element_type)
+                    res[1] = _quantize((w & HIGH_HALF).bitcast(cutlass.Float32), down1, up1).to(dst.element_type)
+                    dst_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]

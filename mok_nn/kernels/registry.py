@@ -27,6 +27,8 @@ SCHEDULE_MC_MAX_CHUNKS = 128  # chunks (count / place CTAs) of the multi-CTA sch
 EP_COPY_THREADS = 256  # threads per CTA of the grid-stride row copies (ep_copy.py); a warp copies whole rows
 EP_SCHED_THREADS = 256  # threads per CTA of mok_ep_schedule_outputs (ep_schedule.py)
 MX_QUANT_THREADS = 256  # threads per CTA of mok_mx_quant (mx_quant.py)
+MX_QUANT_CTAS_PER_SM = 4  # its resident CTAs per SM: the launch bound (64 registers a thread) and the grid
+MX_QUANT_UNROLL = 4  # its 16-byte loads in flight per thread along the columns (mode 0)
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
