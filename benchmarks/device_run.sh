@@ -18,8 +18,7 @@
 #   energy       energy per call, mok_nn vs the torch baseline (deepseek-v3)
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
 #   portable     the portable backend beside the fused path, the torch baseline and transformers' default experts:
-#                bf16 with the whole layer, fp32 (qwen3, mixtral: deepseek-v3's experts are 45 GB in fp32, and
-#                that run did not fit beside its gradients), and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
+#                bf16 with the whole layer, fp32, and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
 #   mxfp8        precision="mxfp8" on the fused path: its GPU tests, mok_mx_quant's bandwidth beside a copy, then the
 #                benchmark beside bf16 (trained and frozen weights) and the baseline -> $OUT/mxfp8.json
 #   router       the routing's forms side by side (benchmarks/router_variants.py): stable top-k by int64 keys or by
@@ -112,7 +111,6 @@ for s in "$@"; do
         TAIL=20 step portable_bf16 300 python -m mok_nn.bench --backend torch --layer --commit "$COMMIT" \
             --out "$OUT/portable_bf16.json"
         TAIL=20 step portable_fp32 300 python -m mok_nn.bench --backend torch --dtype fp32 --commit "$COMMIT" \
-            --shapes qwen3-30b-a3b,mixtral-8x7b \
             --out "$OUT/portable_fp32.json"
         TAIL=20 step portable_mxfp8 200 python -m mok_nn.bench --backend torch --precision mxfp8 \
             --shapes qwen3-30b-a3b --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;

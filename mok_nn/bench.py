@@ -245,7 +245,9 @@ def _make_problem_ep(shape, tokens, device, seed, ep_size, ep_rank):
 
 
 def _leaves(p):
-    return [t.detach().clone().requires_grad_(True) for t in (p["x"], p["w"], p["gate_up_proj"], p["down_proj"])]
+    """Fresh leaves: copies of x and w; the weights on p's own storage (no second copy: 45 GB at deepseek-v3 fp32)."""
+    return [p["x"].detach().clone().requires_grad_(True), p["w"].detach().clone().requires_grad_(True),
+            p["gate_up_proj"].detach().requires_grad_(True), p["down_proj"].detach().requires_grad_(True)]
 
 
 def _timer(device):
@@ -375,8 +377,11 @@ def check_agreement(a, b, p):
         x, w, gu, dn = _leaves(p)
         y = fn(x, p["ids"], w, gu, dn)
         y.backward(p["dy"])
-        outs.append((y.detach(), x.grad, w.grad, gu.grad, dn.grad))
-        del x, w, gu, dn, y
+        out = (y.detach(), x.grad, w.grad, gu.grad, dn.grad)
+        if not outs:
+            out = _spill_if_large(out)
+        outs.append(out)
+        del x, w, gu, dn, y, out
     errs = {}
     for name, u, v in zip(("y", "dx", "dw", "d_gate_up", "d_down"), *outs):
         if u is not None and v is not None:  # (frozen weights have no gradient)
@@ -384,11 +389,21 @@ def check_agreement(a, b, p):
     return errs
 
 
+def _spill_if_large(tensors):
+    """The tensors, those on a GPU moved to host memory where together they take more than a third of the GPU's
+    free memory: the first implementation's weight gradients, while the second computes its own (deepseek-v3
+    in fp32: 45 GB each)."""
+    cuda = [t for t in tensors if t is not None and t.is_cuda]
+    if not cuda or sum(t.numel() * t.element_size() for t in cuda) < torch.cuda.mem_get_info()[0] / 3:
+        return tensors
+    return tuple(None if t is None else t.cpu() for t in tensors)
+
+
 def rel_l2(u, v):
-    """||u - v|| / ||v||, fp32, in chunks (weight gradients are large)."""
+    """||u - v|| / ||v||, fp32, in chunks (weight gradients are large); u may lie in host memory."""
     num = den = 0.0
     for a, b in zip(u.reshape(u.shape[0], -1).split(8), v.reshape(v.shape[0], -1).split(8)):
-        a, b = a.float(), b.float()
+        a, b = a.to(b.device).float(), b.float()
         num += (a - b).pow(2).sum().item()
         den += b.pow(2).sum().item()
     return (num / max(den, 1e-30)) ** 0.5
