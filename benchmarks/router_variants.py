@@ -2,8 +2,9 @@
 scores, stable top-k, weights) timed forward+backward beside alternative forms of two of its steps:
 
   top-k    "keys": torch.topk on unique int64 keys (router.topk_by_keys, the layer's form on CPU: 3x faster there
-           than a sort) against "sort": the first k of torch.sort(stable=True) (router.topk_by_sort, the layer's
-           form on the GPU). The same ids by definition; checked on every run.
+           than a sort), "sort": the first k of torch.sort(stable=True) (router.topk_by_sort) and, on CUDA,
+           "triton": one Triton kernel (triton_ops.topk_indices, the layer's form on CUDA). The same ids by
+           definition; checked on every run.
   GEMM     "fp32": x and the router weight cast to fp32, then mm (the layer's form) against "bf16_out_fp32":
            torch.mm(x, W^T, out_dtype=torch.float32), bf16 products summed in fp32 on the tensor cores (CUDA
            only, where torch has it; its backward as the fp32 form's). Not the same bits: the logits' largest
@@ -24,6 +25,7 @@ import sys
 import torch
 
 from mok_nn import router as routing
+from mok_nn import triton_ops
 from mok_nn.bench import SHAPES, _timer
 
 # shape -> routing options of the layer (deepseek-v3: sigmoid scores, 8 groups keep 4, selection bias, scaling)
@@ -51,6 +53,9 @@ class _Bf16OutFp32(torch.autograd.Function):
         return (grad @ weight.float()).to(x.dtype), (grad.T @ x.float()).to(weight.dtype)
 
 
+TOPK_FORMS = {"keys": routing.topk_by_keys, "sort": routing.topk_by_sort, "triton": triton_ops.topk_indices}
+
+
 def logits_of(x, weight, gemm: str):
     if gemm == "fp32":
         return x.float() @ weight.float().T
@@ -61,7 +66,7 @@ def route(x, weight, bias, k, opts, gemm: str, topk: str):
     """(ids, weights) of the layer's routing with the GEMM and top-k forms named."""
     logits = logits_of(x, weight, gemm)
     real = routing.stable_topk_indices
-    routing.stable_topk_indices = routing.topk_by_sort if topk == "sort" else routing.topk_by_keys
+    routing.stable_topk_indices = TOPK_FORMS[topk]
     try:
         ids, w, _ = routing.route(logits, k, opts["score_func"], opts["norm_topk_prob"], opts.get("n_group"),
                                   opts.get("topk_group"), opts.get("routed_scaling_factor", 1.0), bias)
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
         base_ids, _ = route(x, weight, bias, top_k, opts, "fp32", "keys")  # (both forms give these ids)
         base_logits = logits_of(x, weight, "fp32")
         for gemm in gemms:
-            for topk in ("keys", "sort"):
+            for topk in ("keys", "sort") + (("triton",) if triton_ops.topk_runs_on(base_logits, top_k) else ()):
                 with torch.no_grad():
                     ids, _ = route(x, weight, bias, top_k, opts, gemm, topk)
                     diff = (logits_of(x, weight, gemm) - base_logits).abs().max().item()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from . import triton_ops
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -29,11 +31,16 @@ def stable_topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries along the last dim; ties to the lower index: the first k of a stable
     descending sort (-0 equals +0, NaN above everything, NaNs equal).
 
-    The faster of two forms with that result, by device (benchmarks/router_variants.py): on CPU torch.topk on
-    unique keys (topk_by_keys, 3x faster there than the sort), elsewhere the stable sort itself (on the H200 the
-    keys took 0.55 ms against the sort's 0.26 ms for 8192 x 128 scores)."""
+    The fastest form with that result, by device (benchmarks/router_variants.py): on CPU torch.topk on unique keys
+    (topk_by_keys, 3x faster there than the sort); on CUDA one Triton kernel (triton_ops.topk_indices, checked
+    on its first use against the sort), else the stable sort itself (on the H200 the keys took 0.55 ms against
+    the sort's 0.26 ms for 8192 x 128 scores)."""
     if values.device.type == "cpu":
         return topk_by_keys(values, k)
+    if triton_ops.topk_runs_on(values, k) and triton_ops.verified(
+            ("topk_indices", k), values.device,
+            lambda: (triton_ops.topk_indices(values[:64], k), topk_by_sort(values[:64], k)), exact=True):
+        return triton_ops.topk_indices(values, k)
     return topk_by_sort(values, k)
 
 

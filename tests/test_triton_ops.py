@@ -2,7 +2,8 @@
 installed; tests/gpu/test_torch_backend_cuda.py runs the compiled kernels): fake_quantize bit for bit against
 mxfp8.fake_quantize_fast (every bf16 bit pattern in blocks along either axis; fp32 and fp16 over wide scales with
 NaN, inf and all-zero blocks, 3-D along the middle); the activation kernels within fp32 / bf16 rounding of the
-portable backend's torch ops, every activation with and without a limit, rows longer than one step."""
+portable backend's torch ops, every activation with and without a limit, rows longer than one step; topk_indices
+against router.topk_by_sort (the stable sort): ties, NaN, +-0, +-inf, widths not a power of two, k up to the width."""
 
 import os
 
@@ -148,3 +149,19 @@ def test_mxfp8_only_layer_with_the_dequantize_kernel(monkeypatch, precision):
     assert any(k[0][0] == "dequantize" and ok for k, ok in triton_ops._VERDICTS.items())
     for a, b in zip(with_kernel, run(False)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows,cols,k", [(1, 8, 2), (37, 128, 8), (70, 60, 60), (5, 256, 20), (300, 16, 1)])
+def test_topk_indices_is_the_stable_sort(rows, cols, k):
+    from mok_nn.router import topk_by_sort
+
+    g = torch.Generator().manual_seed(rows * cols + k)
+    v = torch.randint(-3, 4, (rows, cols), generator=g).float() / 2  # many ties, -0 from the negation below
+    v[::3] = torch.randn(v[::3].shape, generator=g)
+    v[1::4, ::5] = -v[1::4, ::5]
+    flat = v.view(-1)
+    for value in (float("nan"), float("inf"), -float("inf"), -0.0, float("nan")):
+        flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)] = value
+    got = triton_ops.topk_indices(v, k)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    assert torch.equal(got, topk_by_sort(v, k))

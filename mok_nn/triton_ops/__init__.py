@@ -1,5 +1,6 @@
 """Memory-bound steps as Triton kernels, on CUDA tensors where Triton is importable (it ships with PyTorch's CUDA
-builds): the portable backend's activation and MXFP8 quantisation, and the MXFP8 dequantisation of every backend;
+builds): the portable backend's activation and MXFP8 quantisation, the MXFP8 dequantisation of every backend and
+the router's top-k selection;
 everywhere else the torch ops run. In torch ops each of these steps is several to a dozen or more elementwise
 passes, over fp32 copies; here it is one read of the inputs and one write of the outputs.
 
@@ -12,6 +13,9 @@ passes, over fp32 copies; here it is one read of the inputs and one write of the
   activation_forward  h = act(gate, up) for gate_up [n, 2I]
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
+  topk_indices        the router's selection (router.stable_topk_indices): per row, k rounds of the largest
+                      order-preserving integer key, ties to the lowest column; the same ids as the stable sort
+                      (a sort of every row, several passes) in one read of the scores
 
 The activation kernels compute reference.activation_forward / activation_backward's formulas in fp32, not their
 bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
@@ -36,6 +40,8 @@ import torch
 MX_BLOCK = 32
 MX_ROWS = 64  # MXFP8 blocks per program
 ACT_BLOCK = 1024  # columns of a row per step of the activation kernels
+TOPK_MAX_COLS = 4096  # topk_indices holds a whole row in registers: up to this many experts
+TOPK_ELEMENTS = 4096  # scores per topk_indices program (rows of a power-of-two width)
 
 
 @functools.cache
@@ -159,3 +165,23 @@ def mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation: str, swiglu_l
             gate_up, dh_raw, h, row_weights.float().contiguous(), dw, wh if write_wh else dgu, dgu, inter,
             opts.pop("limit"), **opts, WRITE_WH=write_wh, BLOCK=ACT_BLOCK)
     return dw, wh, dgu
+
+
+def topk_runs_on(values: torch.Tensor, k: int) -> bool:
+    """topk_indices runs on values [T, E]: CUDA, 2-D, E <= TOPK_MAX_COLS, 1 <= k <= E, where Triton is installed."""
+    return (runs_on(values) and values.dim() == 2 and 0 < k <= values.shape[1] <= TOPK_MAX_COLS)
+
+
+def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] int64: per row the columns of the k largest values, largest first, ties to the lower column (-0
+    equals +0, NaN above everything, NaNs equal): router.topk_by_sort's ids."""
+    values = values.contiguous()
+    rows, cols = values.shape
+    ids = torch.empty(rows, k, dtype=torch.int64, device=values.device)
+    if rows:
+        import triton
+
+        block = triton.next_power_of_2(cols)
+        per = max(1, TOPK_ELEMENTS // block)
+        _kernels().topk_kernel[(-(-rows // per),)](values, ids, rows, cols, K=k, ROWS=per, BLOCK=block)
+    return ids

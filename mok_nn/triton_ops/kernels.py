@@ -114,3 +114,26 @@ def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr
     factor = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)  # 2**(s - 127); 2**-127 subnormal
     factor = tl.where(s == 255, float("nan"), factor)
     tl.store(out_ptr + offs, (value * factor[:, None]).to(out_ptr.dtype.element_ty), mask=in_range[:, None])
+
+
+@triton.jit
+def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS rows per program, a whole row (n_cols <= BLOCK) in registers; K rounds of the largest key, the winner
+    # then removed
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = r < n_rows
+    mask = live[:, None] & (c < n_cols)[None, :]
+    v = tl.load(v_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = v.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order = float order (negatives below the positives)
+    key = tl.where(v == 0.0, 0, key)  # -0 equals +0
+    key = tl.where(v != v, 0x7F800001, key)  # every NaN one key, above +inf's (0x7F800000)
+    # unique keys: ties to the lower column by construction (whatever argmax does with equal values)
+    key = key.to(tl.int64) * BLOCK + (BLOCK - 1 - c)[None, :]
+    gone = -(2**63)  # padding and removed entries: below every value's key
+    key = tl.where(mask, key, gone)
+    for j in tl.static_range(K):
+        best = tl.argmax(key, axis=1)
+        tl.store(ids_ptr + r * K + j, best.to(tl.int64), mask=live)
+        key = tl.where(c[None, :] == best[:, None], gone, key)

@@ -209,3 +209,21 @@ def test_dequantize_on_cuda_is_bitwise_the_cpu_one(dtype):
     scale = torch.arange(256 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(4, 64, 8)
     got = dequantize(MXFP8Tensor(data.to(DEV), scale.to(DEV), 2), dtype).cpu()
     assert _same_bits(got, dequantize(MXFP8Tensor(data, scale, 2), dtype))
+
+
+def test_router_topk_kernel_is_the_stable_sort():
+    """triton_ops.topk_indices compiled, against router.topk_by_sort on the GPU: ties, NaN, +-0, +-inf; the layer's
+    selection takes it (not dropped by its first-use check)."""
+    from mok_nn import router, triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for rows, cols, k in ((8192, 128, 8), (333, 256, 8), (70, 60, 60), (4096, 8, 2)):
+        v = torch.randint(-3, 4, (rows, cols), device="cuda", generator=g).float() / 2
+        v[::3] = torch.randn(v[::3].shape, device="cuda", generator=g)
+        v[1::4, ::5] = -v[1::4, ::5]
+        flat = v.view(-1)
+        for value in (float("nan"), float("inf"), -float("inf"), -0.0):
+            flat[torch.randint(0, flat.numel(), (flat.numel() // 50,), device="cuda", generator=g)] = value
+        assert torch.equal(triton_ops.topk_indices(v, k), router.topk_by_sort(v, k)), (rows, cols, k)
+        assert torch.equal(router.stable_topk_indices(v, k), router.topk_by_sort(v, k))
+        assert triton_ops._VERDICTS[(("topk_indices", k), str(v.device))]
