@@ -13,7 +13,8 @@
 #                the old tree (-> fingerprint_old.json) and the comparison: do both compute the same bits?
 #   sanitize     compute-sanitizer memcheck, a planted out-of-bounds read it must catch, racecheck, synccheck
 #                (benchmarks/sanitize_layer.py; SANITIZE_CASES limits racecheck / synccheck, the slow ones)
-#   profile      the kernel table of the qwen3 and deepseek-v3 layers, ncu of deepseek-v3's gate/up GEMM
+#   profile      the kernel table of the qwen3 and deepseek-v3 routed experts, of qwen3's whole layer (forward,
+#                forward+backward), ncu of deepseek-v3's gate/up GEMM
 #   stages       per-stage times of the three benchmark shapes
 #   energy       energy per call, mok_nn vs the torch baseline (deepseek-v3)
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
@@ -98,6 +99,10 @@ for s in "$@"; do
     profile)
         for sh in qwen3-30b-a3b deepseek-v3; do
             TAIL=20 step "profile_layer_$sh" 120 python benchmarks/profile_layer.py --shape "$sh"
+        done
+        for what in --forward ""; do
+            TAIL=30 step "profile_layer_qwen3_whole$what" 120 python benchmarks/profile_layer.py --shape qwen3-30b-a3b \
+                --layer $what
         done
         TAIL=60 step ncu_gate_up 180 ncu --launch-skip 2 --launch-count 1 -k regex:GroupedGemm \
             --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \

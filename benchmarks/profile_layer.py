@@ -1,6 +1,7 @@
-"""Which CUDA kernels make up one forward+backward of mok_nn's routed experts, and how long does each take?
+"""Which CUDA kernels make up one forward+backward of mok_nn's routed experts (or with --layer its whole layer:
+router, top-k and weights included; --forward: the forward alone), and how long does each take?
 
-    python benchmarks/profile_layer.py [--shape deepseek-v3] [--tokens 8192]
+    python benchmarks/profile_layer.py [--shape deepseek-v3] [--tokens 8192] [--layer] [--forward]
 
 Runs the benchmark's mok_nn step under torch.profiler and prints the kernels sorted by total CUDA time;
 wall time above kernel time is the GPU waiting for the host.
@@ -12,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mok_nn import bench
-from steps import bench_steps  # benchmarks/ is on sys.path when run as a script
+from steps import bench_steps, layer_steps  # benchmarks/ is on sys.path when run as a script
 
 
 def main():
@@ -21,8 +22,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
+    ap.add_argument("--layer", action="store_true", help="the whole layer, not the routed experts alone")
+    ap.add_argument("--forward", action="store_true", help="the forward alone")
     a = ap.parse_args()
-    step = dict(bench_steps(a.shape, a.tokens))["forward+backward"]
+    what = "forward" if a.forward else "forward+backward"
+    step = dict((layer_steps if a.layer else bench_steps)(a.shape, a.tokens))[what]
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -38,7 +42,8 @@ def main():
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / a.reps / 1e3
-    print(f"{a.shape}: {total:.3f} ms of kernel time per forward+backward, {wall:.3f} ms wall ({a.reps} reps)")
+    print(f"{a.shape} {'layer' if a.layer else 'routed experts'}: {total:.3f} ms of kernel time per {what}, "
+          f"{wall:.3f} ms wall ({a.reps} reps)")
     for e in events[:a.top]:
         print(f"{e.device_time_total / a.reps / 1e3:9.3f} ms  x{e.count // a.reps:<3} {e.key[:110]}")
 

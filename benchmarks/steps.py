@@ -73,6 +73,29 @@ def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False)
     return [("forward", fwd), ("forward+backward", fwd_bwd)]
 
 
+def layer_steps(shape, tokens):
+    """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's whole layer (MoKMoELayer: router, top-k, weights,
+    routed experts) on the problem of mok_nn.bench, as its --layer mode times it."""
+    from mok_nn import bench
+
+    p = bench.make_problem(shape, tokens, "cuda")
+    fn = bench.mok_layer(shape, "cuda", p["x"].dtype)
+    x = p["x"].detach().clone().requires_grad_(True)
+    leaves = [x, p["router"].to(x.dtype).requires_grad_(True), p["gate_up_proj"].detach().requires_grad_(True),
+              p["down_proj"].detach().requires_grad_(True)]
+
+    def fwd():
+        with torch.no_grad():
+            fn(*leaves)
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(p["dy"])
+
+    return [("forward", fwd), ("forward+backward", fwd_bwd)]
+
+
 def ep_steps(shape, tokens):
     """Under torchrun: an NCCL process group, and (rank, world, bench_steps at EP = world size)."""
     group, rank, world = torchrun_group()
