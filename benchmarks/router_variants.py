@@ -3,8 +3,10 @@ scores, stable top-k, weights) timed forward+backward beside alternative forms o
 
   top-k    "keys": torch.topk on unique int64 keys (router.topk_by_keys, the layer's form on CPU: 3x faster there
            than a sort), "sort": the first k of torch.sort(stable=True) (router.topk_by_sort) and, on CUDA,
-           "triton": one Triton kernel (triton_ops.topk_indices, the layer's form on CUDA). The same ids by
-           definition; checked on every run.
+           "triton": one Triton kernel (triton_ops.topk_indices, the layer's form on CUDA with expert groups).
+           The same ids by definition; checked on every run. "fused" (CUDA, no expert groups): the whole routing
+           after the GEMM as one Triton kernel each way (triton_ops.route, the layer's form there); scores
+           within fp32 rounding, so its ids may differ on near-ties (reported).
   GEMM     "fp32": x and the router weight cast to fp32, then mm (the layer's form) against "bf16_out_fp32":
            torch.mm(x, W^T, out_dtype=torch.float32), bf16 products summed in fp32 on the tensor cores (CUDA
            only, where torch has it; its backward as the fp32 form's). Not the same bits: the logits' largest
@@ -65,11 +67,15 @@ def logits_of(x, weight, gemm: str):
 def route(x, weight, bias, k, opts, gemm: str, topk: str):
     """(ids, weights) of the layer's routing with the GEMM and top-k forms named."""
     logits = logits_of(x, weight, gemm)
+    if topk == "fused":
+        ids, w, _ = triton_ops.route(logits, k, opts["score_func"], opts["norm_topk_prob"],
+                                     opts.get("routed_scaling_factor", 1.0), bias)
+        return ids, w
     real = routing.stable_topk_indices
     routing.stable_topk_indices = TOPK_FORMS[topk]
     try:
-        ids, w, _ = routing.route(logits, k, opts["score_func"], opts["norm_topk_prob"], opts.get("n_group"),
-                                  opts.get("topk_group"), opts.get("routed_scaling_factor", 1.0), bias)
+        ids, w, _ = routing.route_torch(logits, k, opts["score_func"], opts["norm_topk_prob"], opts.get("n_group"),
+                                        opts.get("topk_group"), opts.get("routed_scaling_factor", 1.0), bias)
     finally:
         routing.stable_topk_indices = real
     return ids, w
@@ -98,7 +104,10 @@ def main(argv=None) -> int:
         base_ids, _ = route(x, weight, bias, top_k, opts, "fp32", "keys")  # (both forms give these ids)
         base_logits = logits_of(x, weight, "fp32")
         for gemm in gemms:
-            for topk in ("keys", "sort") + (("triton",) if triton_ops.topk_runs_on(base_logits, top_k) else ()):
+            forms = ("keys", "sort") + (("triton",) if triton_ops.topk_runs_on(base_logits, top_k) else ())
+            if triton_ops.route_runs_on(base_logits, top_k, opts.get("n_group")):
+                forms += ("fused",)
+            for topk in forms:
                 with torch.no_grad():
                     ids, _ = route(x, weight, bias, top_k, opts, gemm, topk)
                     diff = (logits_of(x, weight, gemm) - base_logits).abs().max().item()
@@ -123,7 +132,7 @@ def main(argv=None) -> int:
                            tokens_with_other_experts=round(moved, 6), logits_max_abs_diff=diff, device=str(dev),
                            torch=torch.__version__)
                 print(json.dumps(rec), flush=True)
-                if gemm == "fp32" and not same_ids:  # the top-k forms must agree exactly
+                if gemm == "fp32" and topk != "fused" and not same_ids:  # the top-k forms must agree exactly
                     failed += 1
     return 1 if failed else 0
 

@@ -33,11 +33,11 @@ def stable_topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
 
     The fastest form with that result, by device (benchmarks/router_variants.py): on CPU torch.topk on unique keys
     (topk_by_keys, 3x faster there than the sort); on CUDA one Triton kernel (triton_ops.topk_indices, checked
-    on its first use against the sort), else the stable sort itself (on the H200 the keys took 0.55 ms against
-    the sort's 0.26 ms for 8192 x 128 scores)."""
+    on its first use against the sort; not under torch.compile), else the stable sort itself (on the H200 the keys
+    took 0.55 ms against the sort's 0.26 ms for 8192 x 128 scores)."""
     if values.device.type == "cpu":
         return topk_by_keys(values, k)
-    if triton_ops.topk_runs_on(values, k) and triton_ops.verified(
+    if not torch.compiler.is_compiling() and triton_ops.topk_runs_on(values, k) and triton_ops.verified(
             ("topk_indices", k), values.device,
             lambda: (triton_ops.topk_indices(values[:64], k), topk_by_sort(values[:64], k)), exact=True):
         return triton_ops.topk_indices(values, k)
@@ -107,7 +107,23 @@ def route(
     Returns (topk_ids int64 [T, k], topk_weights fp32 [T, k], scores fp32 [T, E]).
     The weights are differentiable w.r.t. the logits; the ids are not. The
     correction bias only affects which experts are selected, never the weights.
+
+    On CUDA without expert groups the whole routing is one Triton kernel each way (triton_ops.route: the same
+    selection rule, scores and weights within fp32 rounding of these torch ops, checked on its first use); under
+    torch.compile the torch ops, which the compiler fuses itself.
     """
+    opts = (top_k, score_func, norm_topk_prob, routed_scaling_factor, e_score_correction_bias)
+    if not torch.compiler.is_compiling() and triton_ops.route_runs_on(logits, top_k, n_group) and triton_ops.verified(
+            ("route", top_k, score_func, bool(norm_topk_prob), e_score_correction_bias is not None), logits.device,
+            lambda: _route_forms(logits[:64], *opts), exact=False):
+        return triton_ops.route(logits, *opts)
+    return route_torch(logits, top_k, score_func, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
+                       e_score_correction_bias)
+
+
+def route_torch(logits, top_k, score_func="softmax", norm_topk_prob=True, n_group=None, topk_group=None,
+                routed_scaling_factor=1.0, e_score_correction_bias=None):
+    """route by torch ops (any device, expert groups)."""
     scores = compute_scores(logits, score_func)
     with torch.no_grad():
         choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
@@ -118,6 +134,24 @@ def route(
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
     return topk_ids, topk_weights, scores
+
+
+def _route_forms(logits, top_k, score_func, norm_topk_prob, routed_scaling_factor, bias):
+    """(the Triton kernels', the torch ops') (ids, weights, scores, d logits) on these rows, d logits for fixed
+    pseudo-random gradients of the weights and the scores: triton_ops.verified's pair."""
+    g = torch.Generator(device=logits.device).manual_seed(0)
+    d_w = torch.randn(logits.shape[0], top_k, device=logits.device, generator=g)
+    d_s = torch.randn(logits.shape, device=logits.device, generator=g)
+    out = []
+    for fn in (triton_ops.route, route_torch):
+        x = logits.detach().clone().requires_grad_(True)
+        if fn is triton_ops.route:
+            ids, w, s = fn(x, top_k, score_func, norm_topk_prob, routed_scaling_factor, bias)
+        else:
+            ids, w, s = fn(x, top_k, score_func, norm_topk_prob, None, None, routed_scaling_factor, bias)
+        (d_l,) = torch.autograd.grad((w * d_w).sum() + (s * d_s).sum(), x)
+        out.append((ids, w.detach(), s.detach(), d_l))
+    return tuple(out)
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:

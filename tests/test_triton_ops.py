@@ -165,3 +165,39 @@ def test_topk_indices_is_the_stable_sort(rows, cols, k):
     got = triton_ops.topk_indices(v, k)
     assert got.dtype == torch.int64 and got.shape == (rows, k)
     assert torch.equal(got, topk_by_sort(v, k))
+
+
+@pytest.mark.parametrize("score_func,norm,scale,bias,k,cols", [
+    ("softmax", True, 1.0, False, 8, 128), ("softmax", False, 2.5, True, 2, 8), ("sigmoid", True, 2.5, True, 8, 60),
+    ("sigmoid", False, 1.0, False, 4, 32), ("softmax", True, 1.0, True, 20, 256)])
+def test_route_matches_the_torch_ops(score_func, norm, scale, bias, k, cols):
+    """triton_ops.route against router.route_torch: the same ids, weights and scores within fp32 rounding, and the
+    logits' gradient from both outputs' gradients."""
+    from mok_nn.router import route_torch
+
+    g = torch.Generator().manual_seed(cols + k)
+    logits = torch.randn(77, cols, generator=g) * 3
+    logits[5] = 0.0  # one row of exact ties: the lower experts
+    b = 0.1 * torch.randn(cols, generator=g) if bias else None
+    d_w, d_s = torch.randn(77, k, generator=g), torch.randn(77, cols, generator=g)
+    res = []
+    for fused in (True, False):
+        x = logits.clone().requires_grad_(True)
+        if fused:
+            ids, w, s = triton_ops.route(x, k, score_func, norm, scale, b)
+        else:
+            ids, w, s = route_torch(x, k, score_func, norm, None, None, scale, b)
+        ((w * d_w).sum() + (s * d_s).sum()).backward()
+        res.append((ids, w.detach(), s.detach(), x.grad))
+    (ids, w, s, dl), (ids_t, w_t, s_t, dl_t) = res
+    assert torch.equal(ids, ids_t)
+    for a, b_ in ((w, w_t), (s, s_t), (dl, dl_t)):
+        assert _rel(a, b_) < 1e-6
+    # only the weights' gradient (the layer without aux losses): d scores None
+    x = logits.clone().requires_grad_(True)
+    _, w, _ = triton_ops.route(x, k, score_func, norm, scale, b)
+    (w * d_w).sum().backward()
+    x2 = logits.clone().requires_grad_(True)
+    _, w2, _ = route_torch(x2, k, score_func, norm, None, None, scale, b)
+    (w2 * d_w).sum().backward()
+    assert _rel(x.grad, x2.grad) < 1e-6

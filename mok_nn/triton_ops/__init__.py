@@ -16,8 +16,11 @@ passes, over fp32 copies; here it is one read of the inputs and one write of the
   topk_indices        the router's selection (router.stable_topk_indices): per row, k rounds of the largest
                       order-preserving integer key, ties to the lowest column; the same ids as the stable sort
                       (a sort of every row, several passes) in one read of the scores
+  route               router.route without expert groups as one kernel each way: scores, selection (as
+                      topk_indices), weights, renormalisation and scaling forward (the torch ops: about eight
+                      kernels); d logits from d weights and d scores backward
 
-The activation kernels compute reference.activation_forward / activation_backward's formulas in fp32, not their
+The activation and routing kernels compute the torch ops' formulas in fp32, not their
 bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
 "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
 gradient does not pass a clamped element.
@@ -185,3 +188,62 @@ def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
         per = max(1, TOPK_ELEMENTS // block)
         _kernels().topk_kernel[(-(-rows // per),)](values, ids, rows, cols, K=k, ROWS=per, BLOCK=block)
     return ids
+
+
+def route_runs_on(logits: torch.Tensor, top_k: int, n_group) -> bool:
+    """route runs on logits [T, E]: fp32 on CUDA, no expert groups, E <= TOPK_MAX_COLS, where Triton is installed."""
+    return (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and (n_group or 1) == 1
+            and 0 < top_k <= logits.shape[1] <= TOPK_MAX_COLS and available())
+
+
+def route(logits: torch.Tensor, top_k: int, score_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
+          bias: torch.Tensor | None):
+    """(topk_ids int64 [T, k], topk_weights fp32 [T, k], scores fp32 [T, E]) of router.route without expert groups;
+    the weights and the scores differentiable with respect to the logits."""
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    bias = None if bias is None else bias.float().contiguous()
+    return _Route.apply(logits, bias, top_k, score_func == "softmax", bool(norm_topk_prob), float(routed_scaling_factor))
+
+
+def _route_launch(rows: int, cols: int, k: int):
+    import triton
+
+    block = triton.next_power_of_2(cols)
+    per = max(1, TOPK_ELEMENTS // block)
+    return (-(-rows // per),), dict(K=k, KP=triton.next_power_of_2(k), ROWS=per, BLOCK=block)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, k, softmax, norm, scale):
+        logits = logits.contiguous()
+        rows, cols = logits.shape
+        ids = torch.empty(rows, k, dtype=torch.int64, device=logits.device)
+        weights = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
+        scores = torch.empty_like(logits)
+        if rows:
+            grid, meta = _route_launch(rows, cols, k)
+            _kernels().route_forward_kernel[grid](logits, logits if bias is None else bias, ids, weights, scores,
+                                                  rows, cols, scale, SOFTMAX=softmax, HAS_BIAS=bias is not None,
+                                                  NORM=norm, **meta)
+        ctx.save_for_backward(scores, ids)
+        ctx.opts = (k, softmax, norm, scale)
+        ctx.mark_non_differentiable(ids)
+        return ids, weights, scores
+
+    @staticmethod
+    def backward(ctx, _d_ids, d_weights, d_scores):
+        scores, ids = ctx.saved_tensors
+        k, softmax, norm, scale = ctx.opts
+        rows, cols = scores.shape
+        if d_weights is None:
+            d_weights = scores.new_zeros(rows, k)
+        d_logits = torch.empty_like(scores)
+        if rows:
+            grid, meta = _route_launch(rows, cols, k)
+            ds = None if d_scores is None else d_scores.float().contiguous()
+            _kernels().route_backward_kernel[grid](scores, ids, d_weights.float().contiguous(),
+                                                   scores if ds is None else ds, d_logits, rows, cols, scale,
+                                                   SOFTMAX=softmax, HAS_DS=ds is not None, NORM=norm, **meta)
+        return d_logits, None, None, None, None, None

@@ -137,3 +137,83 @@ def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.conste
         best = tl.argmax(key, axis=1)
         tl.store(ids_ptr + r * K + j, best.to(tl.int64), mask=live)
         key = tl.where(c[None, :] == best[:, None], gone, key)
+
+
+@triton.jit
+def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_rows, n_cols, scale, K: tl.constexpr,
+                         KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # router.route for ROWS rows of fp32 logits: scores (softmax / sigmoid), the top-k of scores (+ bias) as
+    # topk_kernel selects it, their scores as weights, renormalised and scaled
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = r < n_rows
+    mask = live[:, None] & (c < n_cols)[None, :]
+    x = tl.load(logits_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=-float("inf"))
+    x = tl.where(live[:, None], x, 0.0)  # rows past the end: no NaN from an all -inf row
+    if SOFTMAX:
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        s = e / tl.sum(e, axis=1)[:, None]
+    else:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    tl.store(scores_ptr + r[:, None] * n_cols + c[None, :], s, mask=mask)
+    v = s
+    if HAS_BIAS:
+        v = s + tl.load(bias_ptr + c, mask=c < n_cols, other=0.0)[None, :]
+    bits = v.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(v == 0.0, 0, key)
+    key = tl.where(v != v, 0x7F800001, key)
+    key = key.to(tl.int64) * BLOCK + (BLOCK - 1 - c)[None, :]
+    gone = -(2**63)
+    key = tl.where(mask, key, gone)
+    j_col = tl.arange(0, KP)
+    w = tl.zeros((ROWS, KP), dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.argmax(key, axis=1)
+        tl.store(ids_ptr + r * K + j, best.to(tl.int64), mask=live)
+        picked = c[None, :] == best[:, None]
+        w = tl.where(j_col[None, :] == j, tl.sum(tl.where(picked, s, 0.0), axis=1)[:, None], w)
+        key = tl.where(picked, gone, key)
+    if NORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+    w = w * scale
+    tl.store(w_ptr + r[:, None] * K + j_col[None, :], w, mask=live[:, None] & (j_col < K)[None, :])
+
+
+@triton.jit
+def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, n_rows, n_cols, scale, K: tl.constexpr,
+                          KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_DS: tl.constexpr, NORM: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # d logits of route_forward_kernel from d weights [rows, K] and (HAS_DS) d scores [rows, E]: through the
+    # scaling and renormalisation to the selected scores, then through softmax / sigmoid
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = r < n_rows
+    mask = live[:, None] & (c < n_cols)[None, :]
+    s = tl.load(scores_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0)
+    ds = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    if HAS_DS:
+        ds = tl.load(ds_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0)
+    j_col = tl.arange(0, KP)
+    kmask = live[:, None] & (j_col < K)[None, :]
+    ids = tl.load(ids_ptr + r[:, None] * K + j_col[None, :], mask=kmask, other=-1)
+    dw = tl.load(dw_ptr + r[:, None] * K + j_col[None, :], mask=kmask, other=0.0) * scale
+    sel = tl.zeros((ROWS, KP), dtype=tl.float32)  # the selected scores
+    for j in tl.static_range(K):
+        id_j = tl.sum(tl.where(j_col[None, :] == j, ids, 0), axis=1)
+        sel = tl.where(j_col[None, :] == j, tl.sum(tl.where(c[None, :] == id_j[:, None], s, 0.0), axis=1)[:, None],
+                       sel)
+    d_sel = dw
+    if NORM:  # w = sel / (sum(sel) + eps): d sel_j = (dw_j - sum_k dw_k w_k) / (sum(sel) + eps)
+        denom = tl.sum(sel, axis=1) + 1e-20
+        d_sel = (dw - (tl.sum(dw * sel, axis=1) / denom)[:, None]) / denom[:, None]
+    for j in tl.static_range(K):
+        id_j = tl.sum(tl.where(j_col[None, :] == j, ids, 0), axis=1)
+        d_j = tl.sum(tl.where(j_col[None, :] == j, d_sel, 0.0), axis=1)
+        ds = ds + tl.where(c[None, :] == id_j[:, None], d_j[:, None], 0.0)
+    if SOFTMAX:
+        dl = s * (ds - tl.sum(ds * s, axis=1)[:, None])
+    else:
+        dl = ds * s * (1.0 - s)
+    tl.store(dlogits_ptr + r[:, None] * n_cols + c[None, :], dl, mask=mask)

@@ -227,3 +227,34 @@ def test_router_topk_kernel_is_the_stable_sort():
         assert torch.equal(triton_ops.topk_indices(v, k), router.topk_by_sort(v, k)), (rows, cols, k)
         assert torch.equal(router.stable_topk_indices(v, k), router.topk_by_sort(v, k))
         assert triton_ops._VERDICTS[(("topk_indices", k), str(v.device))]
+
+
+@pytest.mark.parametrize("score_func,norm,scale,bias,k,cols", [
+    ("softmax", True, 1.0, False, 8, 128), ("softmax", True, 1.0, False, 2, 8), ("sigmoid", True, 2.5, True, 8, 256),
+    ("softmax", False, 1.0, True, 4, 32)])
+def test_fused_route_matches_the_torch_ops(score_func, norm, scale, bias, k, cols):
+    """triton_ops.route compiled, against router.route_torch on the GPU (8192 tokens): ids equal (random logits,
+    one row of exact ties), weights, scores and the logits' gradient within fp32 rounding; router.route takes it."""
+    from mok_nn import router, triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(cols + k)
+    logits = torch.randn(8192, cols, device="cuda", generator=g) * 3
+    logits[5] = 0.0
+    b = 0.1 * torch.randn(cols, device="cuda", generator=g) if bias else None
+    d_w = torch.randn(8192, k, device="cuda", generator=g)
+    d_s = torch.randn(8192, cols, device="cuda", generator=g)
+    res = []
+    for fused in (True, False):
+        x = logits.clone().requires_grad_(True)
+        if fused:
+            ids, w, s = triton_ops.route(x, k, score_func, norm, scale, b)
+        else:
+            ids, w, s = router.route_torch(x, k, score_func, norm, None, None, scale, b)
+        ((w * d_w).sum() + (s * d_s).sum()).backward()
+        res.append((ids, w.detach(), s.detach(), x.grad))
+    (ids, w, s, dl), (ids_t, w_t, s_t, dl_t) = res
+    assert torch.equal(ids, ids_t)
+    for a, b_ in ((w, w_t), (s, s_t), (dl, dl_t)):
+        assert ((a - b_).norm() / b_.norm()).item() < 1e-6
+    ids2, w2, _ = router.route(logits, k, score_func, norm, None, None, scale, b)
+    assert torch.equal(ids2, ids) and torch.equal(w2, w)  # router.route took the kernel: the same bits
