@@ -84,7 +84,7 @@ def select_experts(
         grouped = scores_for_choice.view(num_tokens, n_group, group_size)
         # each group's two best scores, largest first (the first two of its stable descending sort)
         top2 = stable_topk_indices(grouped.reshape(num_tokens * n_group, group_size), min(2, group_size))
-        group_scores = grouped.gather(-1, top2.view(num_tokens, n_group, -1)).sum(dim=-1)
+        group_scores = grouped.gather(-1, top2.view(num_tokens, n_group, top2.shape[-1])).sum(dim=-1)
         keep_groups = stable_topk_indices(group_scores, topk_group)
         group_mask = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=scores_for_choice.device)
         group_mask.scatter_(1, keep_groups, True)
