@@ -76,7 +76,7 @@ ab_bench() {  # ab_bench old|new I: one benchmark run of that tree -> $OUT/ab_<t
 
 for s in "$@"; do
     case $s in
-    tests) step gpu_tests 300 python -m pytest -q -p no:cacheprovider tests/gpu ;;
+    tests) step gpu_tests 540 python -m pytest -q -p no:cacheprovider tests/gpu ;;
     bench) TAIL=20 step bench 300 python -m mok_nn.bench --out "$OUT/bench.json" --commit "$COMMIT" ;;
     fingerprint)
         step fingerprint_new 300 python benchmarks/fingerprint.py --out "$OUT/fingerprint_new.json"

@@ -145,12 +145,13 @@ def _route_forms(logits, top_k, score_func, norm_topk_prob, routed_scaling_facto
     d_s = torch.randn(logits.shape, device=logits.device, generator=g)
     out = []
     for fn in (triton_ops.route, route_torch):
-        x = logits.detach().clone().requires_grad_(True)
-        if fn is triton_ops.route:
-            ids, w, s = fn(x, top_k, score_func, norm_topk_prob, routed_scaling_factor, bias)
-        else:
-            ids, w, s = fn(x, top_k, score_func, norm_topk_prob, None, None, routed_scaling_factor, bias)
-        (d_l,) = torch.autograd.grad((w * d_w).sum() + (s * d_s).sum(), x)
+        with torch.enable_grad():  # (the first call may come under no_grad, e.g. in inference)
+            x = logits.detach().clone().requires_grad_(True)
+            if fn is triton_ops.route:
+                ids, w, s = fn(x, top_k, score_func, norm_topk_prob, routed_scaling_factor, bias)
+            else:
+                ids, w, s = fn(x, top_k, score_func, norm_topk_prob, None, None, routed_scaling_factor, bias)
+            (d_l,) = torch.autograd.grad((w * d_w).sum() + (s * d_s).sum(), x)
         out.append((ids, w.detach(), s.detach(), d_l))
     return tuple(out)
 

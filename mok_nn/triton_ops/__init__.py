@@ -20,7 +20,10 @@ passes, over fp32 copies; here it is one read of the inputs and one write of the
                       topk_indices), weights, renormalisation and scaling forward (the torch ops: about eight
                       kernels); d logits from d weights and d scores backward
 
-The activation and routing kernels compute the torch ops' formulas in fp32, not their
+The bit-exact kernels (fake_quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's normal
+range, which the compiled code may flush to zero: powers of two scale the exponent bits, bf16 rounds by integer
+operations. The activation and routing kernels compute the torch ops' formulas in fp32 (a score below the normal range
+may come out as zero), not their
 bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
 "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
 gradient does not pass a clamped element.
@@ -118,7 +121,8 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
         inner *= d
     n_blocks = x.numel() // MX_BLOCK
     _kernels().fake_quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, out, n_blocks, x.shape[axis], inner,
-                                                                 ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+                                                                 IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS,
+                                                                 BLOCK=MX_BLOCK)
     return out
 
 

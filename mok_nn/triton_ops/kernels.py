@@ -5,7 +5,44 @@ import triton.language as tl
 
 
 @triton.jit
-def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _load_bits(ptr, offs, mask, IN_BF16: tl.constexpr):
+    # the fp32 bits of the values at ptr (bf16 shifted up by integer operations; fp16 / fp32 by a conversion, which
+    # is exact: no float arithmetic touches a subnormal here or below, which the compiled code may flush to zero)
+    if IN_BF16:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _store_bits(ptr, offs, bits, mask):
+    # fp32 bits rounded once to ptr's dtype: bf16 by integer round-to-nearest-even on the bits (NaN kept NaN),
+    # fp16 by a conversion (what it would flush lies below fp16's range), fp32 as they are
+    dt = ptr.dtype.element_ty
+    if dt == tl.bfloat16:
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        half = tl.where(nan, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptr + offs, half.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + offs, bits.to(tl.float32, bitcast=True).to(dt), mask=mask)
+
+
+@triton.jit
+def _times_pow2_bits(bits, k):
+    # the fp32 bits of v * 2**k for v's bits (non-negative, 0 or normal, at most 4 significant bits: values on
+    # E4M3's grid) and integer k, exactly, by integer operations: the exponent moved, or for a subnormal result
+    # the significand shifted right (its low bits are zero: nothing is lost); inf past fp32's range
+    v_exp = bits >> 23
+    o_exp = v_exp + k
+    sig = (bits & 0x7FFFFF) | 0x800000
+    sub = sig >> tl.minimum(tl.maximum(1 - o_exp, 0), 31)
+    out = tl.where(o_exp >= 1, bits + (k << 23), sub)
+    out = tl.where(o_exp >= 255, 0x7F800000, out)
+    return tl.where(bits == 0, 0, out)
+
+
+@triton.jit
+def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
     # block b = (o, lb, i) with i fastest (inner > 1) or (o, lb) (inner == 1); element j of it at
     # o * length * inner + (lb * BLOCK + j) * inner + i
     b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -15,8 +52,7 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, ROWS: tl.const
     j = tl.arange(0, BLOCK).to(tl.int64)
     offs = (o * length * inner + lb * BLOCK * inner + i)[:, None] + (j * inner)[None, :]
     mask = (b < n_blocks)[:, None]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
+    bits = _load_bits(x_ptr, offs, mask, IN_BF16)
     sign = bits & -(2**31)
     mag_bits = bits ^ sign
     # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
@@ -25,17 +61,22 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, ROWS: tl.const
     biased = (amax >> 23) & 0xFF
     e = biased - (127 + 8) + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.where(biased == 0, -127, e)
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e
-    up = tl.where(e == -127, 1 << 22, (e + 127) << 23).to(tl.float32, bitcast=True)  # 2**e (2**-127 subnormal)
-    up = tl.where(biased == 255, float("nan"), up)
-    s = mag_bits.to(tl.float32, bitcast=True) * down[:, None]  # |s| = |x| * 2**-e, exact
+    e = tl.minimum(tl.maximum(e, -127), 127)[:, None]
+    # |s| = |x| * 2**-e by integer operations (a subnormal x: its mantissa m as a float, times 2**-149); an |s|
+    # below fp32's normal range rounds to 0 on E4M3's grid (its smallest step is 2**-9): taken as 0
+    x_exp = mag_bits >> 23
+    sub_x = x_exp == 0
+    src = tl.where(sub_x, (mag_bits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True), mag_bits)
+    shift = tl.where(sub_x, -149, 0) - e
+    s_bits = tl.where((src >> 23) + shift >= 1, src + (shift << 23), 0)
+    s = s_bits.to(tl.float32, bitcast=True)
     # C = 1.5 * 2**(max(E, -6) + 20) for |s|'s exponent E: (|s| + C) - C rounds |s| to E4M3's grid, ties to even
-    c_bits = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
+    c_bits = tl.maximum(s_bits & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
     c = c_bits.to(tl.float32, bitcast=True)
-    rounded = (s + c) - c
-    res = (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True) * up[:, None]
-    tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+    rounded = ((s + c) - c).to(tl.int32, bitcast=True)
+    out = _times_pow2_bits(rounded, e) | sign
+    out = tl.where((biased == 255)[:, None], 0x7FC00000, out)  # a block holding NaN / inf: NaN
+    _store_bits(out_ptr, offs, out, mask)
 
 
 @triton.jit
@@ -98,22 +139,32 @@ def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_p
 
 @triton.jit
 def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # data: E4M3 bytes, blocks of BLOCK consecutive ones, an E8M0 scale byte each; value * 2**(scale - 127) in fp32
-    # (exact: 4 significant bits times a power of two), rounded once to out's dtype
+    # data: E4M3 bytes, blocks of BLOCK consecutive ones, an E8M0 scale byte each; value * 2**(scale - 127) as fp32
+    # bits by integer operations (exact: 4 significant bits times a power of two), rounded once to out's dtype
     b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     offs = b[:, None] * BLOCK + tl.arange(0, BLOCK).to(tl.int64)[None, :]
     in_range = b < n_blocks
     q = tl.load(data_ptr + offs, mask=in_range[:, None], other=0).to(tl.int32)
-    s = tl.load(scale_ptr + b, mask=in_range, other=127).to(tl.int32)
+    s = tl.load(scale_ptr + b, mask=in_range, other=127).to(tl.int32)[:, None]
     exp = (q >> 3) & 0xF
     man = q & 0x7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)  # 2**(exp - 7) * (1 + man / 8)
-    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormals: man * 2**-9
-    mag = tl.where((exp == 15) & (man == 7), float("nan"), mag)  # E4M3FN's only NaN (no inf)
-    value = tl.where((q & 0x80) != 0, -mag, mag)
-    factor = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)  # 2**(s - 127); 2**-127 subnormal
-    factor = tl.where(s == 255, float("nan"), factor)
-    tl.store(out_ptr + offs, (value * factor[:, None]).to(out_ptr.dtype.element_ty), mask=in_range[:, None])
+    # |value| = sig * 2**k: normals (8 + man) * 2**(exp - 10), subnormals man * 2**-9, then the block's scale
+    sig = tl.where(exp == 0, man, man | 8)
+    k = tl.where(exp == 0, -9, exp - 10) + s - 127
+    bits = _times_pow2_bits(sig.to(tl.float32).to(tl.int32, bitcast=True), k)  # (sig: 0..15, exact as a float)
+    bits = bits | ((q & 0x80) << 24)
+    nan = ((exp == 15) & (man == 7)) | (s == 255)  # E4M3FN's only NaN (no inf); the scale's NaN byte
+    _store_bits(out_ptr, offs, tl.where(nan, 0x7FC00000, bits), in_range[:, None])
+
+
+@triton.jit
+def _order_key(v):
+    # int32 keys in the order of the fp32 values v, by integer operations only (a float comparison could flush
+    # subnormals to zero): negatives below the positives, -0 equal to +0, every NaN one key above +inf's
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    key = tl.where(bits < 0, -mag, mag)
+    return tl.where(mag > 0x7F800000, 0x7F800001, key)
 
 
 @triton.jit
@@ -125,10 +176,7 @@ def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.conste
     live = r < n_rows
     mask = live[:, None] & (c < n_cols)[None, :]
     v = tl.load(v_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    bits = v.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order = float order (negatives below the positives)
-    key = tl.where(v == 0.0, 0, key)  # -0 equals +0
-    key = tl.where(v != v, 0x7F800001, key)  # every NaN one key, above +inf's (0x7F800000)
+    key = _order_key(v)
     # unique keys: ties to the lower column by construction (whatever argmax does with equal values)
     key = key.to(tl.int64) * BLOCK + (BLOCK - 1 - c)[None, :]
     gone = -(2**63)  # padding and removed entries: below every value's key
@@ -160,10 +208,7 @@ def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_row
     v = s
     if HAS_BIAS:
         v = s + tl.load(bias_ptr + c, mask=c < n_cols, other=0.0)[None, :]
-    bits = v.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = tl.where(v == 0.0, 0, key)
-    key = tl.where(v != v, 0x7F800001, key)
+    key = _order_key(v)
     key = key.to(tl.int64) * BLOCK + (BLOCK - 1 - c)[None, :]
     gone = -(2**63)
     key = tl.where(mask, key, gone)

@@ -176,11 +176,14 @@ def _same_bits(a, b):
 
 
 def test_fake_quantize_on_cuda_is_bitwise_the_cpu_one():
-    """mxfp8.fake_quantize_fast on CUDA (triton_ops' kernel, the portable backend's MXFP8 operands) against
-    mxfp8.fake_quantize on the CPU: every bf16 bit pattern along either axis; fp32 / fp16 over wide scales with NaN,
-    inf, zero, subnormal and top-of-range blocks, 3-D along the middle axis; more blocks than one program takes."""
+    """triton_ops.fake_quantize compiled (the portable backend's MXFP8 operands) against mxfp8.fake_quantize on the
+    CPU: every bf16 bit pattern along either axis; fp32 / fp16 over wide scales with NaN, inf, zero, subnormal and
+    top-of-range blocks, 3-D along the middle axis; more blocks than one program takes. mxfp8.fake_quantize_fast
+    then takes the kernel (its first-use check passed)."""
     from mok_nn import triton_ops
-    from mok_nn.mxfp8 import fake_quantize, fake_quantize_fast
+    from mok_nn.mxfp8 import fake_quantize
+
+    fake_quantize_fast = triton_ops.fake_quantize
 
     assert triton_ops.runs_on(torch.ones(32, device=DEV, dtype=torch.bfloat16))
     every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -196,19 +199,27 @@ def test_fake_quantize_on_cuda_is_bitwise_the_cpu_one():
             assert _same_bits(fake_quantize_fast(y.to(DEV), axis).cpu(), fake_quantize(y, axis)), (dtype, axis)
     big = torch.randn(3000, 4096, generator=g).bfloat16()
     assert _same_bits(fake_quantize_fast(big.to(DEV), 0).cpu(), fake_quantize(big, 0))
+    from mok_nn import mxfp8
+
+    assert _same_bits(mxfp8.fake_quantize_fast(x.to(DEV), 1).cpu(), fake_quantize(x, 1))
+    assert all(ok for k, ok in triton_ops._VERDICTS.items() if k[0][0] == "fake_quantize")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
 def test_dequantize_on_cuda_is_bitwise_the_cpu_one(dtype):
-    """mxfp8.dequantize on CUDA (triton_ops' kernel: MXFP8-only expert weights, every call) against the CPU's torch
-    ops: every E4M3 byte under every E8M0 scale byte (results below bf16's normal range rounded once)."""
+    """triton_ops.dequantize compiled (MXFP8-only expert weights, every call) against the CPU's torch ops: every E4M3
+    byte under every E8M0 scale byte (results below the normal range rounded once); mxfp8.dequantize on CUDA then
+    takes the kernel (its first-use check passed)."""
+    from mok_nn import triton_ops
     from mok_nn.mxfp8 import MXFP8Tensor, dequantize
 
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     data = every.repeat(256, 1).view(torch.float8_e4m3fn).reshape(4, 64, 256)
     scale = torch.arange(256 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(4, 64, 8)
-    got = dequantize(MXFP8Tensor(data.to(DEV), scale.to(DEV), 2), dtype).cpu()
-    assert _same_bits(got, dequantize(MXFP8Tensor(data, scale, 2), dtype))
+    want = dequantize(MXFP8Tensor(data, scale, 2), dtype)
+    assert _same_bits(triton_ops.dequantize(data.to(DEV), scale.to(DEV), dtype).cpu(), want)
+    assert _same_bits(dequantize(MXFP8Tensor(data.to(DEV), scale.to(DEV), 2), dtype).cpu(), want)
+    assert triton_ops._VERDICTS[(("dequantize", dtype), "cuda:0")]
 
 
 def test_router_topk_kernel_is_the_stable_sort():
