@@ -158,16 +158,6 @@ def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr
 
 
 @triton.jit
-def _row_block(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # this program's ROWS rows of a [n_rows, n_cols] matrix, each whole (n_cols <= BLOCK): (row ids, column ids,
-    # live rows, live elements)
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    live = r < n_rows
-    return r, c, live, live[:, None] & (c < n_cols)[None, :]
-
-
-@triton.jit
 def _order_key(v):
     # int32 keys in the order of the fp32 values v, by integer operations only (a float comparison could flush
     # subnormals to zero): negatives below the positives, -0 equal to +0, every NaN one key above +inf's
@@ -181,7 +171,10 @@ def _order_key(v):
 def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # ROWS rows per program, a whole row (n_cols <= BLOCK) in registers; K rounds of the largest key, the winner
     # then removed
-    r, c, live, mask = _row_block(n_rows, n_cols, ROWS, BLOCK)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = r < n_rows
+    mask = live[:, None] & (c < n_cols)[None, :]
     v = tl.load(v_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
     key = _order_key(v)
     # unique keys: ties to the lower column by construction (whatever argmax does with equal values)
@@ -200,7 +193,10 @@ def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_row
                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # router.route for ROWS rows of fp32 logits: scores (softmax / sigmoid), the top-k of scores (+ bias) as
     # topk_kernel selects it, their scores as weights, renormalised and scaled
-    r, c, live, mask = _row_block(n_rows, n_cols, ROWS, BLOCK)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = r < n_rows
+    mask = live[:, None] & (c < n_cols)[None, :]
     x = tl.load(logits_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=-float("inf"))
     x = tl.where(live[:, None], x, 0.0)  # rows past the end: no NaN from an all -inf row
     if SOFTMAX:
@@ -236,7 +232,10 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, n_ro
                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # d logits of route_forward_kernel from d weights [rows, K] and (HAS_DS) d scores [rows, E]: through the
     # scaling and renormalisation to the selected scores, then through softmax / sigmoid
-    r, c, live, mask = _row_block(n_rows, n_cols, ROWS, BLOCK)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = r < n_rows
+    mask = live[:, None] & (c < n_cols)[None, :]
     s = tl.load(scores_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0)
     ds = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     if HAS_DS:

@@ -246,7 +246,7 @@ def test_router_topk_kernel_is_the_stable_sort():
 def test_fused_route_matches_the_torch_ops(score_func, norm, scale, bias, k, cols):
     """triton_ops.route compiled, against router.route_torch on the GPU (8192 tokens): ids equal (random logits,
     one row of exact ties), weights, scores and the logits' gradient within fp32 rounding; router.route takes it."""
-    from mok_nn import router, triton_ops
+    from mok_nn import router
 
     g = torch.Generator(device="cuda").manual_seed(cols + k)
     logits = torch.randn(8192, cols, device="cuda", generator=g) * 3
