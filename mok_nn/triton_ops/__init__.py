@@ -23,10 +23,9 @@ passes, over fp32 copies; here it is one read of the inputs and one write of the
 The bit-exact kernels (fake_quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's normal
 range, which the compiled code may flush to zero: powers of two scale the exponent bits, bf16 rounds by integer
 operations. The activation and routing kernels compute the torch ops' formulas in fp32 (a score below the normal range
-may come out as zero), not their
-bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act: "swiglu" silu(g) u,
-"swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit, limit], and the
-gradient does not pass a clamped element.
+may come out as zero), not their bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to
+run). act: "swiglu" silu(g) u, "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u
+to [-limit, limit], and the gradient does not pass a clamped element.
 
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
 replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize and dequantize, fp32 /
