@@ -1,15 +1,14 @@
 """Memory-bound steps as Triton kernels, on CUDA tensors where Triton is importable (it ships with PyTorch's CUDA
 builds): the portable backend's activation and MXFP8 quantisation, the MXFP8 dequantisation of every backend and
-the router's top-k selection;
-everywhere else the torch ops run. In torch ops each of these steps is several to a dozen or more elementwise
-passes, over fp32 copies; here it is one read of the inputs and one write of the outputs.
+the router's selection; everywhere else the torch ops run. In torch ops each of these steps is several to a dozen
+or more elementwise passes, over fp32 copies; here it is one read of the inputs and one write of the outputs.
 
   fake_quantize       mxfp8.fake_quantize_fast's arithmetic step for step (fp32 and integer bit operations): the
                       same bits. The tensor is seen as [outer, L, inner], blocks of 32 along L; a program takes 64
                       blocks, consecutive along inner (or along L where inner is 1): coalesced loads either way.
   dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
-                      the E4M3 bits decoded by integer operations, times the scale in fp32, rounded once: the same
-                      bits, one read of the bytes and one write (the torch ops: about six passes).
+                      the E4M3 bits and the scale combined into fp32 bits by integer operations, rounded once:
+                      the same bits, one read of the bytes and one write (the torch ops: about six passes).
   activation_forward  h = act(gate, up) for gate_up [n, 2I]
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
@@ -28,8 +27,8 @@ run). act: "swiglu" silu(g) u, "swiglu_oai" (u + 1) g sigmoid(alpha g); with a l
 to [-limit, limit], and the gradient does not pass a clamped element.
 
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
-replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize and dequantize, fp32 /
-storage rounding for the activation): one synchronisation, once (so not inside a CUDA graph capture: run a call
+replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, dequantize and
+topk_indices, fp32 / storage rounding for the activation and the routing): one synchronisation, once (so not inside a CUDA graph capture: run a call
 before capturing). A form that fails to compile or disagrees is not used again in the
 process; a warning says which and why, and the torch ops run in its place.
 """
@@ -185,18 +184,24 @@ def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     rows, cols = values.shape
     ids = torch.empty(rows, k, dtype=torch.int64, device=values.device)
     if rows:
-        import triton
-
-        block = triton.next_power_of_2(cols)
-        per = max(1, TOPK_ELEMENTS // block)
-        _kernels().topk_kernel[(-(-rows // per),)](values, ids, rows, cols, K=k, ROWS=per, BLOCK=block)
+        grid, meta = _row_launch(rows, cols, k)
+        _kernels().topk_kernel[grid](values, ids, rows, cols, **meta)
     return ids
+
+
+def _row_launch(rows: int, cols: int, k: int):
+    """(grid, meta-parameters) of the kernels that hold whole rows of [rows, cols] (topk_kernel, the routing
+    kernels): TOPK_ELEMENTS values a program, rows padded to a power-of-two width."""
+    import triton
+
+    block = triton.next_power_of_2(cols)
+    per = max(1, TOPK_ELEMENTS // block)
+    return (-(-rows // per),), dict(K=k, ROWS=per, BLOCK=block)
 
 
 def route_runs_on(logits: torch.Tensor, top_k: int, n_group) -> bool:
     """route runs on logits [T, E]: fp32 on CUDA, no expert groups, E <= TOPK_MAX_COLS, where Triton is installed."""
-    return (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and (n_group or 1) == 1
-            and 0 < top_k <= logits.shape[1] <= TOPK_MAX_COLS and available())
+    return logits.dtype == torch.float32 and (n_group or 1) == 1 and topk_runs_on(logits, top_k)
 
 
 def route(logits: torch.Tensor, top_k: int, score_func: str, norm_topk_prob: bool, routed_scaling_factor: float,
@@ -210,11 +215,11 @@ def route(logits: torch.Tensor, top_k: int, score_func: str, norm_topk_prob: boo
 
 
 def _route_launch(rows: int, cols: int, k: int):
+    """_row_launch's, and KP: k padded to a power of two (the routing kernels' [rows, k] tiles)."""
     import triton
 
-    block = triton.next_power_of_2(cols)
-    per = max(1, TOPK_ELEMENTS // block)
-    return (-(-rows // per),), dict(K=k, KP=triton.next_power_of_2(k), ROWS=per, BLOCK=block)
+    grid, meta = _row_launch(rows, cols, k)
+    return grid, dict(meta, KP=triton.next_power_of_2(k))
 
 
 class _Route(torch.autograd.Function):
