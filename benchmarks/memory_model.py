@@ -1,13 +1,18 @@
-"""The one-GPU path's memory, without a GPU: every kernel replaced by the allocation of its outputs (the kernels
-allocate nothing else), then the forward's saved tensors, the backward's peak above its inputs and the whole
-forward+backward's peak (the benchmark's peak_mem_gb), from the profiler's allocation events on the CPU. Run it
-on two source trees to compare an ordering or a saving:
+"""The routed experts' memory on one GPU, without a GPU: every kernel replaced by the allocation of its outputs
+(the kernels allocate nothing else), from the profiler's allocation events on the CPU. Run it on two source trees
+to compare an ordering or a saving:
 
     PYTHONPATH=. python benchmarks/memory_model.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 8192]
-                                                   [--precision bf16|mxfp8]
+                                                   [--precision bf16|mxfp8] [--backend cuda|torch]
     PYTHONPATH=/path/to/other/tree python benchmarks/memory_model.py ...
 
-It models allocations only: no kernel runs, no value is computed, the routing is random (uneven loads).
+--backend cuda (the fused path): the forward's saved tensors, the backward's peak above its inputs and the whole
+forward+backward's peak (the benchmark's peak_mem_gb). --backend torch: the forward+backward peak above the inputs
+and weights of the portable backend (its Triton kernels' outputs as on CUDA), transformers' default experts (if
+installed) and the torch baseline, each through autograd as the benchmark runs it (torch._grouped_mm replaced by
+the allocation of its output, keeping its inputs for the backward as its derivative does).
+
+It models allocations only: no GEMM runs, no value is meaningful, the routing is random (uneven loads).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import inspect
 import json
 
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from mok_nn import autograd, mxfp8
@@ -47,21 +53,35 @@ def _allocation_only() -> None:
 
 def _peak(fn) -> tuple[int, object]:
     """(largest sum of live bytes allocated by fn, freed ones subtracted, in allocation order; fn's result).
-
-    Each event counts its own allocations only (self_cpu_memory_usage): an op's total would count its
-    children's again (empty_like allocates through empty_strided). The bytes still live at the end must be
-    those of what fn returned, or the count is wrong (checked)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-    live = peak = 0
-    for e in events:
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
+    The bytes still live at the end must be those of what fn returned, or the count is wrong (checked)."""
+    peak, live, result = _allocations(fn)
     kept = _bytes(result)
     if live != kept:
         raise AssertionError(f"allocation model: {live} bytes live after the call, {kept} bytes returned")
     return peak, result
+
+
+def _allocations(fn) -> tuple[int, int, object]:
+    """(peak, bytes still live at the end, fn's result) of the allocations fn makes, from the profiler's
+    allocation records in time order (each allocation and free with its size; the ops' self memory would place
+    a Python-level free inside a long op, e.g. an autograd Function's, at that op's start)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    records = []
+
+    def walk(event):
+        if event.tag == _EventType.Allocation:
+            records.append((event.start_time_ns, event.extra_fields.alloc_size))
+        for child in event.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live = peak = 0
+    for _, size in sorted(records, key=lambda r: r[0]):
+        live += size
+        peak = max(peak, live)
+    return peak, live, result
 
 
 def _bytes(obj, seen=None) -> int:
@@ -124,12 +144,109 @@ def measure(shape: str, tokens: int, precision: str = "bf16") -> dict:
             **{f"{k}_bytes": v for k, v in sizes.items()}}
 
 
+class _AllocOnlyGroupedMM(torch.autograd.Function):
+    """torch._grouped_mm's allocations: its output, and in backward its operands' gradients; it keeps both
+    operands for the backward (torch's derivative reads each to make the other's gradient)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs, out_dtype):
+        ctx.save_for_backward(a, b)
+        dt = out_dtype or a.dtype
+        if a.dim() == 2 and b.dim() == 3:  # rows [N, K] @ weights [E, K, M] -> [N, M]
+            return torch.empty(a.shape[0], b.shape[2], dtype=dt)
+        return torch.empty(offs.shape[0], a.shape[0], b.shape[1], dtype=dt)  # [M, N] @ [N, K] -> [E, M, K]
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        # each in its operand's layout, as torch's derivative makes it (a weight's gradient then reaches .grad
+        # without a copy: AccumulateGrad takes it as it is)
+        grads = [torch.empty_like(t) if need else None for t, need in zip((a, b), ctx.needs_input_grad)]
+        return grads[0], grads[1], None, None
+
+
+class _NoLaunch:
+    """A Triton kernel whose launches do nothing (kernel[grid](...)): the wrappers around it allocate as on CUDA."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _portable_allocation_only() -> None:
+    """The portable backend as it runs on CUDA (its Triton kernels: their wrappers allocate, nothing launches; its
+    chunked passes in chunks of a GPU's size), transformers' experts and the baseline, with every grouped GEMM an
+    allocation."""
+    from types import SimpleNamespace
+
+    from mok_nn import triton_ops
+
+    def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+        return _AllocOnlyGroupedMM.apply(a, b, offs, out_dtype)
+
+    torch._grouped_mm = grouped_mm
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        torch.nn.functional.grouped_mm = grouped_mm
+    triton_ops.runs_on = lambda t: t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    mxfp8.chunk_bytes = lambda device: 1 << 28  # the chunked passes' temporaries as on a GPU (mxfp8.chunk_bytes)
+    triton_ops.verified = lambda *args, **kwargs: True
+    triton_ops._kernels = lambda: SimpleNamespace(**{name: _NoLaunch() for name in (
+        "fake_quantize_kernel", "dequantize_kernel", "activation_forward_kernel", "mlp_backward_rows_kernel")})
+
+
+def measure_portable(shape: str, tokens: int, dtype=torch.bfloat16) -> list[dict]:
+    """Forward+backward peak above the inputs and weights (the benchmark's peak_mem_gb, measure_calls) and what
+    the forward keeps for the backward (act_mem_gb, y included), per implementation."""
+    from mok_nn import bench
+
+    hidden, inter, experts, top_k = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    leaves = [torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_(True),
+              torch.rand(tokens, top_k, generator=g).requires_grad_(True),
+              torch.empty(experts, 2 * inter, hidden, dtype=dtype).requires_grad_(True),
+              torch.empty(experts, hidden, inter, dtype=dtype).requires_grad_(True)]
+    dy = torch.empty(tokens, hidden, dtype=dtype)
+    impls = {"mok_nn portable": bench.mok_experts("torch"), "torch baseline": bench.baseline_experts}
+    if bench._hf_available():
+        impls["hf_default"] = bench.hf_experts(shape, "cpu", dtype)
+    records = []
+    for name, impl in impls.items():
+        def call():
+            x, w, w13, w2 = leaves
+            return impl(x, ids, w, w13, w2)
+
+        def forward_backward():
+            for t in leaves:
+                t.grad = None
+            call().backward(dy)
+            return [t.grad for t in leaves]
+
+        forward_backward()  # first-call allocations (the workspace's) outside the count
+        _, kept, y = _allocations(call)  # y and what its graph keeps
+        del y
+        peak, _ = _peak(forward_backward)
+        for t in leaves:
+            t.grad = None
+        records.append({"shape": shape, "tokens": tokens, "dtype": str(dtype).removeprefix("torch."), "impl": name,
+                        "fwd_bwd_peak_gib": round(peak / 2**30, 3), "act_gib": round(kept / 2**30, 3),
+                        "fwd_bwd_peak_bytes": peak, "act_bytes": kept})
+    return records
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--precision", choices=("bf16", "mxfp8"), default="bf16")
+    ap.add_argument("--backend", choices=("cuda", "torch"), default="cuda")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="--backend torch: the tensors' dtype")
     args = ap.parse_args(argv)
+    if args.backend == "torch":
+        _portable_allocation_only()
+        for shape in args.shapes.split(","):
+            for rec in measure_portable(shape, args.tokens, torch.bfloat16 if args.dtype == "bf16" else torch.float32):
+                print(json.dumps(rec), flush=True)
+        return
     _allocation_only()
     for shape in args.shapes.split(","):
         print(json.dumps(measure(shape, args.tokens, args.precision)), flush=True)

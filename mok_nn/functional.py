@@ -264,9 +264,9 @@ def weight_values_along_n(w: torch.Tensor, workspace: Workspace) -> torch.Tensor
 def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, workspace: Workspace,
              grads_into=None, needs=None, consume_saved=False):
     """Returns (dx, d_topk_weights, reference.GroupedMLPGrads of the local experts). Its grad_rows (the d x of
-    each expert row) are None on the CUDA path: at EP = 1 they are freed once summed (peak memory), at EP > 1
-    the dgrad GEMM may send them to their sources instead of keeping them (cuda_ep.dx_push_mode); dx holds them
-    summed.
+    each expert row) are None on the CUDA path and the portable backend: they are freed once summed into dx (peak
+    memory; at EP > 1 the CUDA dgrad GEMM may send them to their sources instead of keeping them,
+    cuda_ep.dx_push_mode).
 
     grads_into: the GroupedMLPGrads of an earlier backward (an earlier macrobatch pass); this call's
     parameter gradients are added to its tensors in place (each sum rounded to their dtype) and it is returned
@@ -277,14 +277,15 @@ def backward(grad_y, saved, x, topk_ids, topk_weights, params: ExpertParams, wor
     sums are not run. d x and d topk-weights do not depend on it.
 
     consume_saved: nothing will read saved after this call (autograd does not keep the graph), so the CUDA path
-    may overwrite its tensors (d gate_up takes the forward's gate_up buffer). Same results.
+    and the portable backend may overwrite its tensors (d gate_up takes the forward's gate_up buffer). Same
+    results.
     """
     if workspace.backend == "cuda":
         with on_device(x.device):
             return _cuda_backend().backward(grad_y, saved, x, topk_ids, topk_weights, params, workspace, grads_into,
                                             needs, consume_saved)
-    impl = torch_backend if workspace.backend == "torch" else reference
-    return impl.experts_backward(
-        grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
-        workspace.precision, grads_into, needs,
-    )
+    args = (grad_y, saved, x, topk_ids, topk_weights, *params.as_args(), workspace.activation, workspace.swiglu_limit,
+            workspace.precision, grads_into, needs)
+    if workspace.backend == "torch":
+        return torch_backend.experts_backward(*args, consume_saved=consume_saved)
+    return reference.experts_backward(*args)

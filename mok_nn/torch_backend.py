@@ -274,6 +274,15 @@ def _dispatch_mxfp8(schedule: Schedule, t: torch.Tensor, top_k: int) -> torch.Te
     return mxfp8.dequantize(mxfp8.MXFP8Tensor(data.view(torch.float8_e4m3fn), scale, 1), t.dtype)
 
 
+def _dy_rows(grad_y, schedule: Schedule, dt, top_k: int, precision: str, needs, down_bias) -> torch.Tensor:
+    """d y's rows in the local expert rows' order (dispatched to the expert ranks as MXFP8 bytes where only GEMMs
+    taking them along H read them: precision="mxfp8" with no d W2 and no down bias term)."""
+    if (precision == "mxfp8" and schedule.plan is not None and not reference.param_grads_needed(needs)[1]
+            and down_bias is None):
+        return _dispatch_mxfp8(schedule, grad_y.to(dt), top_k)
+    return _to_rows(schedule, grad_y.to(dt).index_select(0, schedule.token_of_rows(top_k)))
+
+
 def _from_rows(schedule: Schedule, rows: torch.Tensor) -> torch.Tensor:
     """Local expert rows -> per-slot values in slot order t*k + j."""
     if isinstance(schedule.plan, BoundedPlan):
@@ -399,8 +408,8 @@ def _add_bias(t, bias, groups, cdt):
 
 def mlp_forward(rows, groups: Groups, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
                 precision="bf16"):
-    """rows [N, H] grouped by expert -> (out [N, H], gate_up [N, 2I], h [N, I]), all in rows.dtype (gate_up and h
-    are what backward needs: keeping h spares backward the activation's recomputation)."""
+    """rows [N, H] grouped by expert -> (out [N, H], gate_up [N, 2I], h [N, I]), all in rows.dtype (what backward
+    needs: gate_up, and h where the backward's rows kernel does not make it again, experts_forward)."""
     cdt = compute_dtype(rows.dtype)
     q, qw = _quantizer(precision), _quantizer(precision, mxfp8.weight_values)
     gate_up = _add_bias(groups.mm(q(rows, -1), qw(gate_up_proj, -1).transpose(1, 2)), gate_up_bias, groups, cdt)
@@ -418,15 +427,19 @@ def _triton_forward_ok(gate_up, activation, swiglu_limit) -> bool:
                  _activation_forward(gate_up[s], activation, swiglu_limit).to(gate_up.dtype)), exact=False)
 
 
-def _triton_backward_ok(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, write_wh) -> bool:
+def _triton_backward_ok(gate_up, dh_raw, row_weights, activation, swiglu_limit, write_wh) -> bool:
     """triton_ops.mlp_backward_rows runs here (checked once against _mlp_backward_rows, triton_ops.verified)."""
     s = slice(0, 8)
-    return triton_ops.runs_on(h) and triton_ops.verified(
-        ("mlp_backward_rows", h.dtype, activation, swiglu_limit is None, write_wh), h.device,
-        lambda: (triton_ops.mlp_backward_rows(gate_up[s], dh_raw[s], h[s], row_weights[s], activation, swiglu_limit,
-                                              write_wh),
-                 _mlp_backward_rows(None, row_weights[s], gate_up[s], h[s], dh_raw[s].clone(), None, None, activation,
-                                    swiglu_limit, write_wh)), exact=False)
+
+    def pair():  # (the torch ops given the forward kernel's h, which the kernel makes again)
+        h = triton_ops.activation_forward(gate_up[s], activation, swiglu_limit)
+        return (triton_ops.mlp_backward_rows(gate_up[s], dh_raw[s], row_weights[s], activation, swiglu_limit, write_wh),
+                _mlp_backward_rows(None, row_weights[s], gate_up[s], h, dh_raw[s].clone(), None, None, activation,
+                                   swiglu_limit, write_wh))
+
+    return triton_ops.runs_on(gate_up) and triton_ops.verified(
+        ("mlp_backward_rows", gate_up.dtype, activation, swiglu_limit is None, write_wh), gate_up.device, pair,
+        exact=False)
 
 
 def _down_bias_dw(grad_out, b2, expert, cdt):
@@ -435,13 +448,14 @@ def _down_bias_dw(grad_out, b2, expert, cdt):
 
 
 def _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups: Groups, b2, activation, swiglu_limit,
-                       need_wh: bool):
-    """(dw, w h or None, d gate_up) of the rows in torch ops, a chunk of rows at a time (mlp_backward)."""
+                       need_wh: bool, dgu_out=None):
+    """(dw, w h or None, d gate_up) of the rows in torch ops, a chunk of rows at a time (mlp_backward). dgu_out:
+    where d gate_up goes (gate_up itself may: each chunk reads its rows of it before writing them)."""
     n, inter = h.shape
     cdt = compute_dtype(h.dtype)
     dw = torch.empty(n, dtype=cdt, device=h.device)
     wh = torch.empty_like(h) if need_wh else None
-    dgu = torch.empty(n, 2 * inter, dtype=h.dtype, device=h.device)
+    dgu = torch.empty(n, 2 * inter, dtype=h.dtype, device=h.device) if dgu_out is None else dgu_out
     for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):
         w = row_weights[a:b].to(cdt).unsqueeze(1)
         dh = dh_raw[a:b].to(cdt)  # (in fp32 a view of the fresh GEMM output: ours to update)
@@ -457,29 +471,45 @@ def _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups: Groups
 
 
 def mlp_backward(rows, grad_out, row_weights, gate_up, h, groups: Groups, gate_up_proj, down_proj, gate_up_bias,
-                 down_bias, activation, swiglu_limit, precision="bf16", needs=None) -> GroupedMLPGrads:
+                 down_bias, activation, swiglu_limit, precision="bf16", needs=None, consume=False,
+                 finish_rows=None) -> GroupedMLPGrads:
     """Backward of w * MLP(rows) (reference.grouped_mlp_backward's formulas), rows grouped by expert. needs: the
-    parameter gradients to compute (reference.param_grads_needed); the others are None, their GEMMs not run."""
+    parameter gradients to compute (reference.param_grads_needed); the others are None, their GEMMs not run.
+
+    Peak memory: the steps run in the order that frees each operand soonest (d h', then the rows' activation
+    terms, d down_proj, the rows' gradient, d gate_up_proj), so a caller that holds no reference to grad_out has
+    it freed after d down_proj. h: the forward's activation, or None where it kept none (the rows kernel makes it
+    again; the torch ops here). consume: gate_up is this call's to overwrite (d gate_up takes its buffer).
+    finish_rows: applied to the rows' gradient as soon as it exists (the caller sums it into d x), before the
+    gate/up weight's gradient is allocated, so the two are never held together; grad_rows is what it returns."""
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = rows.dtype, gate_up_proj.dtype
     cdt = compute_dtype(dt)
     q, qw, qr = _quantizer(precision), _quantizer(precision, mxfp8.weight_values), _row_quantizer(precision, groups)
     dh_raw = groups.mm(q(grad_out, -1), qw(down_proj, -2))  # d h' rows, rounded to dt by the GEMM
-    n, inter = h.shape
+    n, inter = dh_raw.shape
     b2 = None if down_bias is None else down_bias.to(cdt)
-    if _triton_backward_ok(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, need2):  # CUDA: one kernel
-        dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation, swiglu_limit, need2)
+    dgu_out = gate_up if consume and gate_up.is_contiguous() else None
+    if _triton_backward_ok(gate_up, dh_raw, row_weights, activation, swiglu_limit, need2):  # CUDA: one kernel
+        dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, row_weights, activation, swiglu_limit, need2,
+                                                   dgu_out)
         if b2 is not None:
-            for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), h.device):
+            for a, b in row_chunks(n, inter * torch.empty((), dtype=cdt).element_size(), dh_raw.device):
                 dw[a:b] += _down_bias_dw(grad_out[a:b], b2, groups.expert[a:b], cdt)
     else:
+        if h is None:
+            h = activation_forward(gate_up, activation, swiglu_limit)
         dw, wh, dgu = _mlp_backward_rows(grad_out, row_weights, gate_up, h, dh_raw, groups, b2, activation,
-                                         swiglu_limit, need2)
+                                         swiglu_limit, need2, dgu_out)
+    del dh_raw, h
     d_down_bias = None if down_bias is None or not need_b2 else groups.segment_sum(grad_out, row_weights).to(wdt)
     d_down_proj = groups.wgrad(qr(grad_out), qr(wh)).to(wdt).contiguous() if need2 else None
+    del grad_out, wh
+    grad_rows = groups.mm(q(dgu, -1), qw(gate_up_proj, -2))
+    if finish_rows is not None:
+        grad_rows = finish_rows(grad_rows)
     d_gate_up_proj = groups.wgrad(qr(dgu), qr(rows)).to(wdt).contiguous() if need13 else None
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else groups.segment_sum(dgu).to(wdt)
-    grad_rows = groups.mm(q(dgu, -1), qw(gate_up_proj, -2))
     return GroupedMLPGrads(grad_rows, dw.to(row_weights.dtype), d_gate_up_proj, d_down_proj, d_gate_up_bias,
                            d_down_bias)
 
@@ -493,26 +523,27 @@ class TorchSaved:
     schedule: Schedule
     rows: torch.Tensor  # the local expert rows, grouped by expert
     gate_up: torch.Tensor  # [N_local, 2I]; with local kernels [M_cap, 2I] in their schedule's order
-    h: torch.Tensor | None = None  # [N_local, I] act(gate_up); None: recomputed in backward
+    h: torch.Tensor | None = None  # [N_local, I] act(gate_up); None: made again in backward (CUDA: by its kernel)
     local: object = None  # cuda_local.LocalRows where the local experts ran on the kernels
 
 
-def combine_slots(slots: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_slots(slots, topk_weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """y_t = sum_j w_tj * slots[t, j] in fp32 (or wider), j = 0..k-1 in order, the sums of reference.combine_slots
     (which adds the first product to +0: a -0 result reads +0 there): per chunk of tokens the k products in one
-    multiply, then k - 1 adds in order."""
+    multiply, then k - 1 adds in order. slots: [T, k, H], a tensor or GatheredSlots."""
     cdt = compute_dtype(slots.dtype)
     w = topk_weights.to(cdt).unsqueeze(2)
     return _sum_in_order(slots, out_dtype, lambda a, b: slots[a:b].to(cdt) * w[a:b])
 
 
-def sum_slots(slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """sum_j slots[t, j], j = 0..k-1 in order, in fp32 (or wider) (reference.sum_slots's sums)."""
+def sum_slots(slots, out_dtype: torch.dtype) -> torch.Tensor:
+    """sum_j slots[t, j], j = 0..k-1 in order, in fp32 (or wider) (reference.sum_slots's sums). slots: [T, k, H], a
+    tensor or GatheredSlots."""
     cdt = compute_dtype(slots.dtype)
     return _sum_in_order(slots, out_dtype, lambda a, b: slots[a:b].to(cdt))
 
 
-def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype, terms) -> torch.Tensor:
+def _sum_in_order(slots, out_dtype: torch.dtype, terms) -> torch.Tensor:
     """((s_0 + s_1) + s_2) + ... over dim 1 of terms(a, b) (the slots of tokens [a, b) in the compute dtype), per
     chunk of tokens, stored in out_dtype."""
     num_tokens, k, hidden = slots.shape
@@ -525,6 +556,28 @@ def _sum_in_order(slots: torch.Tensor, out_dtype: torch.dtype, terms) -> torch.T
             acc.add_(t[:, j])
         out[a:b] = acc
     return out
+
+
+class GatheredSlots:
+    """The slots [T, k, H] of rows in send order at EP = 1, read a chunk of tokens at a time (slots[a:b]: one
+    index_select of their k rows each), so the sums never hold a whole [T*k, H] copy of the rows."""
+
+    def __init__(self, rows: torch.Tensor, inverse: torch.Tensor, num_tokens: int, top_k: int):
+        self.rows, self.inverse = rows, inverse
+        self.shape = (num_tokens, top_k, rows.shape[-1])
+        self.dtype, self.device = rows.dtype, rows.device
+
+    def __getitem__(self, tokens: slice) -> torch.Tensor:
+        a, b, k = tokens.start, tokens.stop, self.shape[1]
+        return self.rows.index_select(0, self.inverse[a * k:b * k]).view(b - a, k, self.shape[2])
+
+
+def _slots(schedule: Schedule, rows: torch.Tensor, num_tokens: int, top_k: int):
+    """The per-slot values [T, k, H] of the local expert rows (_from_rows): at EP = 1 gathered by chunk, with an
+    exchange its result."""
+    if schedule.plan is None:
+        return GatheredSlots(rows, schedule.inverse, num_tokens, top_k)
+    return _from_rows(schedule, rows).view(num_tokens, top_k, rows.shape[-1])
 
 
 def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias=None, down_bias=None,
@@ -553,8 +606,9 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
         h = None
     else:
         out, gate_up, h = mlp_forward(rows, schedule.groups, *mlp_args)
-    slots = _from_rows(schedule, out).view(num_tokens, top_k, out.shape[-1])
-    y = combine_slots(slots, topk_weights, x.dtype)
+        if triton_ops.runs_on(gate_up):  # the backward's rows kernel makes h again: not kept (peak memory)
+            h = None
+    y = combine_slots(_slots(schedule, out, num_tokens, top_k), topk_weights, x.dtype)
     if isinstance(schedule.plan, BoundedPlan):
         y = schedule.plan.poison(y)
     return y, TorchSaved(schedule, rows, gate_up, h, local)
@@ -562,32 +616,34 @@ def experts_forward(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_
 
 def experts_backward(grad_y, saved: TorchSaved, x, topk_ids, topk_weights, gate_up_proj, down_proj,
                      gate_up_bias=None, down_bias=None, activation="swiglu", swiglu_limit=None, precision="bf16",
-                     grads_into=None, needs=None):
-    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts); needs: which
-    parameter gradients to compute (reference.param_grads_needed; None: all)."""
+                     grads_into=None, needs=None, consume_saved=False):
+    """Backward of experts_forward. Returns (dx, d_topk_weights, GroupedMLPGrads of the local experts, grad_rows
+    None: summed into dx); needs: which parameter gradients to compute (reference.param_grads_needed; None: all).
+    consume_saved: nothing reads saved after this call (autograd keeps no graph), so d gate_up takes the saved
+    gate_up's buffer (peak memory; the same results)."""
     num_tokens, top_k = topk_ids.shape
     schedule = saved.schedule
     dt = saved.rows.dtype
-    if (precision == "mxfp8" and schedule.plan is not None and not reference.param_grads_needed(needs)[1]
-            and down_bias is None):  # (d y itself would feed d W2, the down bias's terms)
-        dy_rows = _dispatch_mxfp8(schedule, grad_y.to(dt), top_k)
-    else:
-        dy_rows = _to_rows(schedule, grad_y.to(dt).index_select(0, schedule.token_of_rows(top_k)))
     w_rows = _to_rows(schedule, topk_weights.reshape(-1).index_select(0, schedule.order))
+
+    def to_dx(grad_rows):
+        return sum_slots(_slots(schedule, grad_rows, num_tokens, top_k), dt)
+
+    # (d y's rows are passed on, not held here: mlp_backward frees them after d down_proj)
     if saved.local is not None:
         from . import cuda_local
 
-        grads = cuda_local.local_mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, saved.local,
+        grads = cuda_local.local_mlp_backward(saved.rows, _dy_rows(grad_y, schedule, dt, top_k, precision, needs,
+                                                                   down_bias), w_rows, saved.gate_up, saved.local,
                                                 gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                                                 swiglu_limit, precision, needs)
+        dx = to_dx(grads.grad_rows)
     else:
-        h = saved.h
-        if h is None:
-            h = activation_forward(saved.gate_up, activation, swiglu_limit)
-        grads = mlp_backward(saved.rows, dy_rows, w_rows, saved.gate_up, h, schedule.groups, gate_up_proj,
-                             down_proj, gate_up_bias, down_bias, activation, swiglu_limit, precision, needs)
-    dx_slots = _from_rows(schedule, grads.grad_rows).view(num_tokens, top_k, saved.rows.shape[-1])
-    dx = sum_slots(dx_slots, saved.rows.dtype)
+        grads = mlp_backward(saved.rows, _dy_rows(grad_y, schedule, dt, top_k, precision, needs, down_bias), w_rows,
+                             saved.gate_up, saved.h, schedule.groups, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                             activation, swiglu_limit, precision, needs, consume=consume_saved, finish_rows=to_dx)
+        dx = grads.grad_rows
+    grads = dataclasses.replace(grads, grad_rows=None)
     d_topk = _from_rows(schedule, grads.grad_weights).view(num_tokens, top_k)
     if isinstance(schedule.plan, BoundedPlan):  # a flagged step: every output NaN, the expert gradients too
         bad = schedule.plan.poison

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import (ACTIVATIONS, H, ROUTINGS, assert_close, layer_forward_backward, make_layer,
                      oracle_forward_backward, random_x, single_thread)  # noqa: F401
-from mok_nn import torch_backend
+from mok_nn import reference, torch_backend
 
 T = 13
 # As tests/test_layer.py: float64 differs from the oracle only in the order of sums; fp32 by a few ulps.
@@ -324,3 +324,66 @@ def test_layer_with_router_losses_reads_nothing_back():
     f = torch.bincount(ids.reshape(-1), minlength=8).double() / ids.numel()
     want = 0.01 * 8 * (f * scores.mean(0)).sum() + 0.001 * torch.logsumexp(logits, -1).square().mean()
     assert abs(layer.aux_loss.item() - want.item()) <= 1e-6 * abs(want.item())
+
+
+# --- peak memory
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_consumed_saved_tensors_keep_the_bits(act, dtype):
+    """experts_backward(consume_saved=True) (autograd keeps no graph) writes d gate_up over the saved gate_up and
+    gives the bits of the backward that keeps it, for every activation option and with biases."""
+    g = torch.Generator().manual_seed(60)
+    t, h, inter, e, k = 29, 64, 32, 8, 3
+    opts = ACTIVATIONS[act]
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g).to(dtype)
+    w13, w2 = (torch.randn(e, 2 * inter, h, generator=g) / 8).to(dtype), (torch.randn(e, h, inter, generator=g) / 6).to(dtype)
+    b13, b2 = torch.randn(e, 2 * inter, generator=g).to(dtype), torch.randn(e, h, generator=g).to(dtype)
+    dy = torch.randn(t, h, generator=g).to(dtype)
+    args = (x, ids, w, w13, w2, b13, b2, opts.get("activation", "swiglu"), opts.get("swiglu_limit"))
+
+    def backward(consume):
+        _, saved = torch_backend.experts_forward(*args)
+        before = saved.gate_up.clone()
+        dx, d_topk, grads = torch_backend.experts_backward(dy, saved, *args, consume_saved=consume)
+        return dx, d_topk, grads, not torch.equal(saved.gate_up, before)
+
+    dx0, dt0, g0, changed0 = backward(False)
+    dx1, dt1, g1, changed1 = backward(True)
+    assert not changed0 and changed1  # the kept backward leaves gate_up alone; the consuming one reuses it
+    assert torch.equal(dx0, dx1) and torch.equal(dt0, dt1)
+    for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+        assert torch.equal(getattr(g0, name), getattr(g1, name)), name
+    assert g0.grad_rows is None and g1.grad_rows is None  # summed into dx, not kept
+    if dtype == torch.float32:  # and the function itself: the reference backend's (in bf16 a clamp may flip)
+        ref_dx, _, ref_g = reference.experts_backward(dy, reference.experts_forward(*args)[1], *args)
+        for got, want in ((dx1, ref_dx), (g1.gate_up_proj, ref_g.gate_up_proj), (g1.down_proj, ref_g.down_proj)):
+            assert_close(got, want, 1e-5, "against the reference backend")
+
+
+def test_gathered_slots_sum_as_the_whole_copy():
+    """combine_slots / sum_slots over GatheredSlots (the rows read a chunk of tokens at a time) give the bits of the
+    same sums over the whole [T, k, H] copy of the rows, across several chunks."""
+    from mok_nn import mxfp8
+
+    g = torch.Generator().manual_seed(61)
+    t, k, h = 300, 3, 64
+    rows = torch.randn(t * k, h, generator=g).bfloat16()
+    inverse = torch.randperm(t * k, generator=g)
+    w = torch.rand(t, k, generator=g)
+    whole = rows.index_select(0, inverse).view(t, k, h)
+    gathered = torch_backend.GatheredSlots(rows, inverse, t, k)
+    chunks = mxfp8.row_chunks(t, k * h * 4, rows.device)
+    old = mxfp8.chunk_bytes
+    try:
+        mxfp8.chunk_bytes = lambda device: 64 * k * h * 4  # chunks of 64 tokens
+        assert len(mxfp8.row_chunks(t, k * h * 4, rows.device)) == 5
+        assert torch.equal(torch_backend.combine_slots(gathered, w, torch.bfloat16),
+                           torch_backend.combine_slots(whole, w, torch.bfloat16))
+        assert torch.equal(torch_backend.sum_slots(gathered, torch.float32), torch_backend.sum_slots(whole, torch.float32))
+    finally:
+        mxfp8.chunk_bytes = old
+    assert chunks  # (the default chunking, restored)

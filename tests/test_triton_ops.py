@@ -70,7 +70,7 @@ def test_kernels_match_the_torch_ops(activation, limit, dtype):
     h_ref = torch_backend._activation_forward(gate_up, activation, limit).to(dtype)
     assert h.dtype == dtype and _rel(h, h_ref) < tol
 
-    dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, h_ref, w, activation, limit, True)
+    dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, w, activation, limit, True)
     dw_ref, wh_ref, dgu_ref = torch_backend._mlp_backward_rows(None, w, gate_up, h_ref, dh_raw.clone(), None, None,
                                                                activation, limit, True)  # (updates its dh' in fp32)
     assert _rel(dw, dw_ref) < tol and _rel(wh, wh_ref) < tol and _rel(dgu, dgu_ref) < tol
@@ -78,8 +78,16 @@ def test_kernels_match_the_torch_ops(activation, limit, dtype):
         g_, u_ = gate_up[:, :inter].float(), gate_up[:, inter:].float()
         assert (dgu[:, :inter][g_ > limit] == 0).all() and (dgu[:, inter:][u_.abs() > limit] == 0).all()
         assert (g_ > limit).any() and (u_.abs() > limit).any()
-    _, none, dgu2 = triton_ops.mlp_backward_rows(gate_up, dh_raw, h_ref, w, activation, limit, False)
+    # the h the backward kernel makes again is the forward kernel's, bit for bit (w h with w = 1 is h)
+    assert torch.equal(triton_ops.mlp_backward_rows(gate_up, dh_raw, torch.ones(n), activation, limit, True)[1], h)
+    _, none, dgu2 = triton_ops.mlp_backward_rows(gate_up, dh_raw, w, activation, limit, False)
     assert none is None and torch.equal(dgu2, dgu)
+    # d gate_up into gate_up's own buffer (the portable backward where autograd keeps no graph): the same bits
+    buf = gate_up.clone()
+    dw3, wh3, dgu3 = triton_ops.mlp_backward_rows(buf, dh_raw, w, activation, limit, True, dgu_out=buf)
+    assert dgu3 is buf and torch.equal(buf, dgu) and torch.equal(dw3, dw) and torch.equal(wh3, wh)
+    with pytest.raises(ValueError, match="dgu_out"):
+        triton_ops.mlp_backward_rows(gate_up, dh_raw, w, activation, limit, True, dgu_out=gate_up[:, :inter])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])

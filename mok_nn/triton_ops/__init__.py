@@ -156,18 +156,23 @@ def activation_forward(gate_up: torch.Tensor, activation: str, swiglu_limit) -> 
     return h
 
 
-def mlp_backward_rows(gate_up, dh_raw, h, row_weights, activation: str, swiglu_limit, write_wh: bool):
+def mlp_backward_rows(gate_up, dh_raw, row_weights, activation: str, swiglu_limit, write_wh: bool, dgu_out=None):
     """(dw [n] fp32, w h [n, I] or None, d gate_up [n, 2I]) of the rows (the last two in gate_up's dtype): dw =
-    sum_i dh'_i h_i and d gate_up = act'(gate_up) applied to w dh'; dh', h [n, I], row_weights (w) [n]."""
-    gate_up, dh_raw, h = gate_up.contiguous(), dh_raw.contiguous(), h.contiguous()
-    n, inter = h.shape
-    dw = torch.empty(n, dtype=torch.float32, device=h.device)
-    wh = torch.empty_like(h) if write_wh else None
-    dgu = torch.empty(n, 2 * inter, dtype=gate_up.dtype, device=h.device)
+    sum_i dh'_i h_i and d gate_up = act'(gate_up) applied to w dh'; dh' [n, I], row_weights (w) [n]. h is made
+    again from gate_up, the bits of activation_forward's (the forward need not keep it). dgu_out: a contiguous
+    [n, 2I] tensor d gate_up goes into, gate_up itself included (each program reads its row's values before it
+    writes them)."""
+    gate_up, dh_raw = gate_up.contiguous(), dh_raw.contiguous()
+    n, inter = dh_raw.shape
+    dw = torch.empty(n, dtype=torch.float32, device=gate_up.device)
+    wh = torch.empty_like(dh_raw, dtype=gate_up.dtype) if write_wh else None
+    dgu = torch.empty_like(gate_up) if dgu_out is None else dgu_out
+    if dgu.shape != gate_up.shape or dgu.dtype != gate_up.dtype or not dgu.is_contiguous():
+        raise ValueError(f"mlp_backward_rows: dgu_out must be a contiguous {tuple(gate_up.shape)} {gate_up.dtype}")
     if n:
         opts = _activation_options(activation, swiglu_limit)
         _kernels().mlp_backward_rows_kernel[(n,)](
-            gate_up, dh_raw, h, row_weights.float().contiguous(), dw, wh if write_wh else dgu, dgu, inter,
+            gate_up, dh_raw, row_weights.float().contiguous(), dw, wh if write_wh else dgu, dgu, inter,
             opts.pop("limit"), **opts, WRITE_WH=write_wh, BLOCK=ACT_BLOCK)
     return dw, wh, dgu
 

@@ -80,6 +80,24 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.co
 
 
 @triton.jit
+def _clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
+    # gate and up as the activation takes them (clamped where there is a limit), fp32
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g, u
+
+
+@triton.jit
+def _act(g, u, OAI: tl.constexpr, ALPHA: tl.constexpr):
+    # h in fp32 from clamped gate and up; one expression for the forward and the backward kernel, so the
+    # backward's h is the forward's bit for bit
+    if OAI:  # (u + 1) g sigmoid(alpha g)
+        return (u + 1.0) * g * (1.0 / (1.0 + tl.exp(-(g * ALPHA))))
+    return g / (1.0 + tl.exp(-g)) * u  # silu(g) u
+
+
+@triton.jit
 def activation_forward_kernel(gu_ptr, h_ptr, inter, limit, HAS_LIMIT: tl.constexpr, OAI: tl.constexpr,
                    ALPHA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -88,19 +106,16 @@ def activation_forward_kernel(gu_ptr, h_ptr, inter, limit, HAS_LIMIT: tl.constex
         m = cols < inter
         g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_LIMIT:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-        if OAI:  # (u + 1) g sigmoid(alpha g)
-            h = (u + 1.0) * g * (1.0 / (1.0 + tl.exp(-(g * ALPHA))))
-        else:  # silu(g) u
-            h = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h_ptr + row * inter + cols, h.to(h_ptr.dtype.element_ty), mask=m)
+        g, u = _clamped(g, u, limit, HAS_LIMIT)
+        tl.store(h_ptr + row * inter + cols, _act(g, u, OAI, ALPHA).to(h_ptr.dtype.element_ty), mask=m)
+
 
 @triton.jit
-def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_ptr, inter, limit,
+def mlp_backward_rows_kernel(gu_ptr, dh_ptr, w_ptr, dw_ptr, wh_ptr, dgu_ptr, inter, limit,
                     HAS_LIMIT: tl.constexpr, OAI: tl.constexpr, ALPHA: tl.constexpr, WRITE_WH: tl.constexpr,
                     BLOCK: tl.constexpr):
+    # h is not read: it is made again from gate_up as the forward made it (_act, rounded to the storage dtype),
+    # so the forward need not keep it. dgu_ptr may be gu_ptr (each element is read before it is written).
     row = tl.program_id(0).to(tl.int64)
     w = tl.load(w_ptr + row).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -108,18 +123,14 @@ def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_p
         cols = start + tl.arange(0, BLOCK)
         m = cols < inter
         dh_raw = tl.load(dh_ptr + row * inter + cols, mask=m, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + row * inter + cols, mask=m, other=0.0).to(tl.float32)
+        g_in = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
+        u_in = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
+        g, u = _clamped(g_in, u_in, limit, HAS_LIMIT)
+        h = _act(g, u, OAI, ALPHA).to(dgu_ptr.dtype.element_ty).to(tl.float32)
         acc += dh_raw * h
         if WRITE_WH:
             tl.store(wh_ptr + row * inter + cols, (w * h).to(wh_ptr.dtype.element_ty), mask=m)
         dh = dh_raw * w
-        g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_LIMIT:
-            g_ok = g <= limit
-            u_ok = (u >= -limit) & (u <= limit)
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
         if OAI:
             sig = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
             d_act = ((g * ALPHA) * (1.0 - sig) + 1.0) * sig  # d/dg of g sigmoid(alpha g)
@@ -130,8 +141,8 @@ def mlp_backward_rows_kernel(gu_ptr, dh_ptr, h_ptr, w_ptr, dw_ptr, wh_ptr, dgu_p
             d_gate = (dh * u) * d_act
         d_up = (g * sig) * dh
         if HAS_LIMIT:  # times the masks, as the reference (a NaN stays NaN)
-            d_gate = d_gate * g_ok.to(tl.float32)
-            d_up = d_up * u_ok.to(tl.float32)
+            d_gate = d_gate * (g_in <= limit).to(tl.float32)
+            d_up = d_up * ((u_in >= -limit) & (u_in <= limit)).to(tl.float32)
         tl.store(dgu_ptr + row * 2 * inter + cols, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
         tl.store(dgu_ptr + row * 2 * inter + inter + cols, d_up.to(dgu_ptr.dtype.element_ty), mask=m)
     tl.store(dw_ptr + row, tl.sum(acc, axis=0))

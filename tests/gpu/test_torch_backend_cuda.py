@@ -259,3 +259,24 @@ def test_fused_route_matches_the_torch_ops(score_func, norm, scale, bias, k, col
         assert ((a - b_).norm() / b_.norm()).item() < 1e-6
     ids2, w2, _ = router.route(logits, k, score_func, norm, None, None, scale, b)
     assert torch.equal(ids2, ids) and torch.equal(w2, w)  # router.route took the kernel: the same bits
+
+
+@pytest.mark.parametrize("activation,limit", [("swiglu", None), ("swiglu_oai", 7.0)])
+def test_backward_rows_kernel_in_place_and_its_h(activation, limit):
+    """triton_ops.mlp_backward_rows writing d gate_up over gate_up (the portable backward where autograd keeps no
+    graph) gives the bits of its separate output; the h it makes again is the forward kernel's."""
+    from mok_nn import triton_ops
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    n, inter = 300, 1100
+    gate_up = (3 * torch.randn(n, 2 * inter, generator=g)).bfloat16().to(DEV)
+    dh_raw = torch.randn(n, inter, generator=g).bfloat16().to(DEV)
+    w = torch.rand(n, generator=g).to(DEV)
+    dw, wh, dgu = triton_ops.mlp_backward_rows(gate_up, dh_raw, w, activation, limit, True)
+    buf = gate_up.clone()
+    dw2, wh2, dgu2 = triton_ops.mlp_backward_rows(buf, dh_raw, w, activation, limit, True, dgu_out=buf)
+    assert dgu2 is buf and torch.equal(buf, dgu) and torch.equal(dw2, dw) and torch.equal(wh2, wh)
+    # the h it makes again from gate_up is the forward kernel's, bit for bit (w h with w = 1 is h)
+    h = triton_ops.activation_forward(gate_up, activation, limit)
+    assert torch.equal(triton_ops.mlp_backward_rows(gate_up, dh_raw, torch.ones_like(w), activation, limit, True)[1], h)
+
