@@ -119,16 +119,22 @@ def test_the_portable_layer_with_the_kernels(monkeypatch, opts, precision):
         assert _rel(a, b) < (1e-2 if precision == "bf16" else 4e-2)
 
 
+@pytest.mark.parametrize("programs_slow", [False, True], ids=["fast_programs", "general_programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
-def test_dequantize_every_e4m3_byte_at_every_scale(dtype):
+def test_dequantize_every_e4m3_byte_at_every_scale(dtype, programs_slow):
     """triton_ops.dequantize against mxfp8.dequantize's torch ops bit for bit: every E4M3 byte (NaN, -0, subnormals)
     under every E8M0 scale byte (2**-127 up to 2**127 and NaN: results below the normal range, past fp32's), 3-D
-    data along the last dimension."""
+    data along the last dimension; each scale in a program whose scales all lie in the kernel's fast range where
+    it does (bf16 / fp32 build the bits directly there), and each in a program that takes the general way."""
+    from helpers import every_e4m3_byte_at_every_scale
     from mok_nn.mxfp8 import MXFP8Tensor, _dequantize
+    from mok_nn.triton_ops import kernels
 
-    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    data = every.repeat(256, 1).view(torch.float8_e4m3fn).reshape(4, 64, 256)  # 8 blocks per row
-    scale = torch.arange(256 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(4, 64, 8)
+    data, scale = every_e4m3_byte_at_every_scale(programs_slow, triton_ops.MX_ROWS)
+    per_program = scale[:, 0].int().split(triton_ops.MX_ROWS // 8)
+    fast = [bool(((p >= kernels.FAST_LO) & (p <= kernels.FAST_HI)).all()) for p in per_program]
+    assert not any(fast) if programs_slow else sum(fast) >= 20  # both ways taken, every scale in each
+    data, scale = data.reshape(1, -1, 256), scale.reshape(1, -1, 8)
     got = triton_ops.dequantize(data, scale, dtype)
     assert _same(got, _dequantize(MXFP8Tensor(data, scale, 2), dtype))
 

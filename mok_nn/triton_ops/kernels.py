@@ -148,24 +148,62 @@ def mlp_backward_rows_kernel(gu_ptr, dh_ptr, w_ptr, dw_ptr, wh_ptr, dgu_ptr, int
     tl.store(dw_ptr + row, tl.sum(acc, axis=0))
 
 
+FAST_LO: tl.constexpr = 10  # the scale bytes under which every E4M3 value, subnormals included, is a normal
+FAST_HI: tl.constexpr = 246  # bf16 / fp32 value (the NaN scale, 255, lies outside)
+
+
 @triton.jit
 def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # data: E4M3 bytes, blocks of BLOCK consecutive ones, an E8M0 scale byte each; value * 2**(scale - 127) as fp32
-    # bits by integer operations (exact: 4 significant bits times a power of two), rounded once to out's dtype
-    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    offs = b[:, None] * BLOCK + tl.arange(0, BLOCK).to(tl.int64)[None, :]
-    in_range = b < n_blocks
+    # data: E4M3 bytes, blocks of BLOCK consecutive ones, an E8M0 scale byte each; value * 2**(scale - 127), exact
+    # (4 significant bits times a power of two), by integer operations. A program whose scales all lie in
+    # [FAST_LO, FAST_HI] builds each bf16 / fp32 result's bits directly (_dequantize_bits_fast: every value is
+    # normal there, nothing to round); others, and fp16, go the general way (_dequantize_bits_exact).
+    first = tl.program_id(0).to(tl.int64) * ROWS  # (int64 once per program, int32 offsets within it)
+    local = tl.arange(0, ROWS)
+    in_range = first + local < n_blocks
+    offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    data_ptr += first * BLOCK
+    out_ptr += first * BLOCK
     q = tl.load(data_ptr + offs, mask=in_range[:, None], other=0).to(tl.int32)
-    s = tl.load(scale_ptr + b, mask=in_range, other=127).to(tl.int32)[:, None]
+    s = tl.load(scale_ptr + first + local, mask=in_range, other=127).to(tl.int32)
+    if out_ptr.dtype.element_ty == tl.float16:
+        _store_bits(out_ptr, offs, _dequantize_bits_exact(q, s[:, None]), in_range[:, None])
+    elif (tl.min(s, axis=0) >= FAST_LO) & (tl.max(s, axis=0) <= FAST_HI):
+        bits = _dequantize_bits_fast(q, s[:, None])  # bf16 bits
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(out_ptr + offs, bits.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=in_range[:, None])
+        else:  # fp32: the same value, its low 16 bits zero
+            tl.store(out_ptr + offs, (bits << 16).to(tl.float32, bitcast=True), mask=in_range[:, None])
+    else:
+        _store_bits(out_ptr, offs, _dequantize_bits_exact(q, s[:, None]), in_range[:, None])
+
+
+@triton.jit
+def _dequantize_bits_fast(q, s):
+    # bf16 bits of E4M3 byte q times 2**(s - 127) for FAST_LO <= s <= FAST_HI. A normal q (exponent field e >= 1)
+    # has the biased exponent e + s - 7 and its 3 mantissa bits on top of bf16's: one add on [e | m] and a shift.
+    # A subnormal m * 2**-9 (e = 0): m's fp32 bits (exact: m < 8) with the exponent moved by s - 136, of which the
+    # top 16 bits are all (3 significant bits). E4M3FN's NaN (0x7F / 0xFF) gives bf16's NaN.
+    mag = q & 0x7F
+    normal = (mag + ((s - 7) << 3)) << 4
+    m = mag & 0x7
+    sub = (m.to(tl.float32).to(tl.int32, bitcast=True) + ((s - 136) << 23)) >> 16
+    bits = tl.where(mag >= 8, normal, tl.where(m == 0, 0, sub))
+    return tl.where(mag == 0x7F, 0x7FC0, bits | ((q & 0x80) << 8))
+
+
+@triton.jit
+def _dequantize_bits_exact(q, s):
+    # fp32 bits of E4M3 byte q times 2**(s - 127) for any scale byte s (NaN for 255), rounded nowhere:
+    # |value| = sig * 2**k, normals (8 + man) * 2**(exp - 10), subnormals man * 2**-9, then the block's scale
     exp = (q >> 3) & 0xF
     man = q & 0x7
-    # |value| = sig * 2**k: normals (8 + man) * 2**(exp - 10), subnormals man * 2**-9, then the block's scale
     sig = tl.where(exp == 0, man, man | 8)
     k = tl.where(exp == 0, -9, exp - 10) + s - 127
     bits = _times_pow2_bits(sig.to(tl.float32).to(tl.int32, bitcast=True), k)  # (sig: 0..15, exact as a float)
     bits = bits | ((q & 0x80) << 24)
     nan = ((exp == 15) & (man == 7)) | (s == 255)  # E4M3FN's only NaN (no inf); the scale's NaN byte
-    _store_bits(out_ptr, offs, tl.where(nan, 0x7FC00000, bits), in_range[:, None])
+    return tl.where(nan, 0x7FC00000, bits)
 
 
 @triton.jit

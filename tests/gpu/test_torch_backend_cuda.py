@@ -208,17 +208,19 @@ def test_fake_quantize_on_cuda_is_bitwise_the_cpu_one():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
 def test_dequantize_on_cuda_is_bitwise_the_cpu_one(dtype):
     """triton_ops.dequantize compiled (MXFP8-only expert weights, every call) against the CPU's torch ops: every E4M3
-    byte under every E8M0 scale byte (results below the normal range rounded once); mxfp8.dequantize on CUDA then
-    takes the kernel (its first-use check passed)."""
+    byte under every E8M0 scale byte (results below the normal range rounded once), in programs whose scales all lie
+    in the kernel's fast range (bf16 / fp32: the bits built directly) and in programs that go the general way;
+    mxfp8.dequantize on CUDA then takes the kernel (its first-use check passed)."""
+    from layer_runs import load_cpu_test
     from mok_nn import triton_ops
     from mok_nn.mxfp8 import MXFP8Tensor, dequantize
 
-    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    data = every.repeat(256, 1).view(torch.float8_e4m3fn).reshape(4, 64, 256)
-    scale = torch.arange(256 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(4, 64, 8)
-    want = dequantize(MXFP8Tensor(data, scale, 2), dtype)
-    assert _same_bits(triton_ops.dequantize(data.to(DEV), scale.to(DEV), dtype).cpu(), want)
-    assert _same_bits(dequantize(MXFP8Tensor(data.to(DEV), scale.to(DEV), 2), dtype).cpu(), want)
+    for slow in (False, True):
+        data, scale = load_cpu_test("helpers").every_e4m3_byte_at_every_scale(slow, triton_ops.MX_ROWS)
+        data, scale = data.reshape(1, -1, 256), scale.reshape(1, -1, 8)
+        want = dequantize(MXFP8Tensor(data, scale, 2), dtype)
+        assert _same_bits(triton_ops.dequantize(data.to(DEV), scale.to(DEV), dtype).cpu(), want), slow
+        assert _same_bits(dequantize(MXFP8Tensor(data.to(DEV), scale.to(DEV), 2), dtype).cpu(), want), slow
     assert triton_ops._VERDICTS[(("dequantize", dtype), "cuda:0")]
 
 
