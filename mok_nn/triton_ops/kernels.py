@@ -148,8 +148,8 @@ def mlp_backward_rows_kernel(gu_ptr, dh_ptr, w_ptr, dw_ptr, wh_ptr, dgu_ptr, int
     tl.store(dw_ptr + row, tl.sum(acc, axis=0))
 
 
-FAST_LO: tl.constexpr = 10  # the scale bytes under which every E4M3 value, subnormals included, is a normal
-FAST_HI: tl.constexpr = 246  # bf16 / fp32 value (the NaN scale, 255, lies outside)
+FAST_LO = tl.constexpr(10)  # the scale bytes under which every E4M3 value, subnormals included, is a normal
+FAST_HI = tl.constexpr(246)  # bf16 / fp32 value (the NaN scale, 255, lies outside)
 
 
 @triton.jit

@@ -1,0 +1,104 @@
+"""Compiles every Triton kernel form mok_nn.triton_ops launches for sm_90 (Hopper), without a GPU: Triton's own
+compiler and the ptxas its wheel ships. Run by tests/test_triton_compile.py in its own process, without
+TRITON_INTERPRET (under the interpreter @triton.jit gives functions that do not compile).
+
+The wrappers of mok_nn.triton_ops run on small CPU tensors with each kernel's launch replaced by a record of its
+arguments (nothing runs); each distinct form (argument dtypes and meta-parameters) is then compiled from those
+arguments. Prints one line per form, "ok <kernel> <form>" or "FAIL <kernel> <form>: <error>"; exit status 1 if one
+failed. The interpreter tests (tests/test_triton_ops.py) check what the kernels compute; this catches what only the
+compiler rejects (e.g. a global that is not a tl.constexpr).
+"""
+
+import os
+import sys
+import time
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from mok_nn import triton_ops  # noqa: E402
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+          torch.int32: "i32", torch.uint8: "u8"}
+
+
+class _Recorder:
+    """A kernel whose launches record (kernel, positional arguments, meta-parameters)."""
+
+    def __init__(self, fn, forms):
+        self.fn, self.forms = fn, forms
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            sig = {}
+            names = [n for n in self.fn.arg_names if n not in meta]
+            for name, a in zip(names, args):
+                if isinstance(a, torch.Tensor):
+                    sig[name] = "*" + _TYPES[a.dtype]
+                elif isinstance(a, bool):
+                    sig[name] = "i1"
+                elif isinstance(a, int):
+                    sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+                else:
+                    sig[name] = "fp32"
+            key = (self.fn.__name__, tuple(sig.items()), tuple(sorted(meta.items())))
+            self.forms.setdefault(key, (self.fn, sig, meta))
+        return launch
+
+
+def record_forms() -> dict:
+    """Runs the wrappers over the dtypes and options the library uses; returns the distinct launches."""
+    from mok_nn.triton_ops import kernels
+
+    forms = {}
+    names = [n for n in dir(kernels) if n.endswith("_kernel")]
+    fake = type("Kernels", (), {n: _Recorder(getattr(kernels, n), forms) for n in names})
+    triton_ops._kernels = lambda: fake
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(64, 96, generator=g).to(dt)
+        for axis in (0, 1):
+            triton_ops.fake_quantize(x, axis)
+        data = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        triton_ops.dequantize(data, torch.randint(0, 256, (4, 2), dtype=torch.uint8, generator=g), dt)
+        gate_up, dh = torch.randn(8, 64, generator=g).to(dt), torch.randn(8, 32, generator=g).to(dt)
+        for act in ("swiglu", "swiglu_oai"):
+            for limit in (None, 7.0):
+                triton_ops.activation_forward(gate_up, act, limit)
+                for write_wh in (False, True):
+                    triton_ops.mlp_backward_rows(gate_up, dh, torch.rand(8, generator=g), act, limit, write_wh)
+    for cols, k in ((8, 2), (128, 8), (256, 8), (60, 20)):
+        triton_ops.topk_indices(torch.randn(16, cols, generator=g), k)
+    for cols, k in ((128, 8),):  # (the routing kernels' branches: score function, bias, renormalisation, d scores)
+        for softmax in ("softmax", "sigmoid"):
+            for bias in (None, torch.randn(cols, generator=g)):
+                for norm in (False, True):
+                    logits = torch.randn(16, cols, generator=g, requires_grad=True)
+                    _, w, scores = triton_ops.route(logits, k, softmax, norm, 2.5, bias)
+                    for grads in ((w,), (w, scores)):
+                        torch.autograd.backward(grads, [torch.ones_like(t) for t in grads], retain_graph=True)
+    return forms
+
+
+def main() -> int:
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for (name, sig, meta), (fn, signature, constexprs) in record_forms().items():
+        form = ", ".join([f"{k}={v}" for k, v in sig] + [f"{k}={v}" for k, v in meta])
+        t0 = time.perf_counter()
+        try:
+            triton.compile(ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs),
+                           target=target)
+            print(f"ok {name} {form} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception as err:  # noqa: BLE001 - every form is reported
+            failed += 1
+            print(f"FAIL {name} {form}: {type(err).__name__}: {str(err)[-1500:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
