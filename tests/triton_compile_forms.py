@@ -34,19 +34,26 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
-            sig = {}
+            sig, aligned = {}, []
             names = [n for n in self.fn.arg_names if n not in meta]
             for name, a in zip(names, args):
                 if isinstance(a, torch.Tensor):
                     sig[name] = "*" + _TYPES[a.dtype]
+                    aligned.append(a.data_ptr() % 16 == 0)
                 elif isinstance(a, bool):
                     sig[name] = "i1"
+                    aligned.append(False)
                 elif isinstance(a, int):
                     sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+                    aligned.append(a % 16 == 0)
                 else:
                     sig[name] = "fp32"
-            key = (self.fn.__name__, tuple(sig.items()), tuple(sorted(meta.items())))
-            self.forms.setdefault(key, (self.fn, sig, meta))
+                    aligned.append(False)
+            # as the JIT specialises a launch: pointers and integers that are multiples of 16 say so (the
+            # vector width of loads and stores follows from it)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, ok in enumerate(aligned) if ok}
+            key = (self.fn.__name__, tuple(sig.items()), tuple(sorted(meta.items())), tuple(sorted(attrs)))
+            self.forms.setdefault(key, (self.fn, sig, meta, attrs))
         return launch
 
 
@@ -87,12 +94,12 @@ def record_forms() -> dict:
 def main() -> int:
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for (name, sig, meta), (fn, signature, constexprs) in record_forms().items():
+    for (name, sig, meta, _), (fn, signature, constexprs, attrs) in record_forms().items():
         form = ", ".join([f"{k}={v}" for k, v in sig] + [f"{k}={v}" for k, v in meta])
         t0 = time.perf_counter()
         try:
-            triton.compile(ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs),
-                           target=target)
+            triton.compile(ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
+                                     attrs=attrs), target=target)
             print(f"ok {name} {form} ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as err:  # noqa: BLE001 - every form is reported
             failed += 1
