@@ -118,9 +118,11 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
     for d in x.shape[axis + 1:]:
         inner *= d
     n_blocks = x.numel() // MX_BLOCK
-    _kernels().fake_quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, out, n_blocks, x.shape[axis], inner,
-                                                                 IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS,
-                                                                 BLOCK=MX_BLOCK)
+    strided = inner > 1  # (a program takes MX_ROWS consecutive i of one block row: its memory rows are contiguous)
+    programs = n_blocks // inner * -(-inner // MX_ROWS) if strided else -(-n_blocks // MX_ROWS)
+    _kernels().fake_quantize_kernel[(programs,)](x, out, n_blocks, x.shape[axis], inner,
+                                                 IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS, BLOCK=MX_BLOCK,
+                                                 STRIDED=strided)
     return out
 
 

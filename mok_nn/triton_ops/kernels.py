@@ -42,26 +42,43 @@ def _times_pow2_bits(bits, k):
 
 @triton.jit
 def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, STRIDED: tl.constexpr):
     # block b = (o, lb, i) with i fastest (inner > 1) or (o, lb) (inner == 1); element j of it at
-    # o * length * inner + (lb * BLOCK + j) * inner + i
-    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    i = b % inner
-    lb = (b // inner) % (length // BLOCK)
-    o = b // inner // (length // BLOCK)
-    j = tl.arange(0, BLOCK).to(tl.int64)
-    offs = (o * length * inner + lb * BLOCK * inner + i)[:, None] + (j * inner)[None, :]
-    mask = (b < n_blocks)[:, None]
-    bits = _load_bits(x_ptr, offs, mask, IN_BF16)
+    # o * length * inner + (lb * BLOCK + j) * inner + i.
+    # inner == 1 (not STRIDED): a program takes ROWS consecutive blocks, a [ROWS, BLOCK] tile (rows contiguous).
+    # STRIDED: a program takes one (o, lb) and ROWS consecutive i, a [BLOCK, ROWS] tile whose rows (fixed j, i
+    # consecutive) are contiguous in memory, so its loads and stores are 16-byte vectors (as blocks of the
+    # first kind, they would be single elements)
+    if STRIDED:
+        chunks = (inner + ROWS - 1) // ROWS
+        row = tl.program_id(0) // chunks  # o * (length // BLOCK) + lb
+        i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
+        base = row.to(tl.int64) * BLOCK * inner
+        offs = tl.arange(0, BLOCK)[:, None] * inner + i[None, :]
+        mask = (i < inner)[None, :]
+        out = _mx_round_bits(_load_bits(x_ptr + base, offs, mask, IN_BF16), 0)
+        _store_bits(out_ptr + base, offs, out, mask)
+    else:
+        first = tl.program_id(0).to(tl.int64) * ROWS
+        local = tl.arange(0, ROWS)
+        offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = (first + local < n_blocks)[:, None]
+        out = _mx_round_bits(_load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), 1)
+        _store_bits(out_ptr + first * BLOCK, offs, out, mask)
+
+
+@triton.jit
+def _mx_round_bits(bits, AXIS: tl.constexpr):
+    # fp32 bits of the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile
     sign = bits & -(2**31)
     mag_bits = bits ^ sign
     # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
     # pattern lies above inf's, and both give the biased exponent 255 the NaN rule below keys on)
-    amax = tl.max(mag_bits, axis=1)
+    amax = tl.max(mag_bits, axis=AXIS)
     biased = (amax >> 23) & 0xFF
     e = biased - (127 + 8) + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.where(biased == 0, -127, e)
-    e = tl.minimum(tl.maximum(e, -127), 127)[:, None]
+    e = tl.expand_dims(tl.minimum(tl.maximum(e, -127), 127), AXIS)
     # |s| = |x| * 2**-e by integer operations (a subnormal x: its mantissa m as a float, times 2**-149); an |s|
     # below fp32's normal range rounds to 0 on E4M3's grid (its smallest step is 2**-9): taken as 0
     x_exp = mag_bits >> 23
@@ -75,8 +92,7 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.co
     c = c_bits.to(tl.float32, bitcast=True)
     rounded = ((s + c) - c).to(tl.int32, bitcast=True)
     out = _times_pow2_bits(rounded, e) | sign
-    out = tl.where((biased == 255)[:, None], 0x7FC00000, out)  # a block holding NaN / inf: NaN
-    _store_bits(out_ptr, offs, out, mask)
+    return tl.where(tl.expand_dims(biased == 255, AXIS), 0x7FC00000, out)  # a block holding NaN / inf: NaN
 
 
 @triton.jit
