@@ -111,6 +111,7 @@ class Groups:
     capacity: int
     fused: bool
     _mx_index: tuple | None = field(default=None, init=False, repr=False)
+    _mx_blocks: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -158,9 +159,37 @@ class Groups:
         n = rows.shape[0]
         if n == 0:
             return rows
+        if rows.dim() == 2 and triton_ops.runs_on(rows) and triton_ops.verified(
+                ("fake_quantize_rows", rows.dtype), rows.device, lambda: self._quantize_rows_both(rows), exact=True):
+            return triton_ops.fake_quantize_rows(rows, *self._mx_row_blocks(n, rows.device))  # CUDA: one pass
         src, back = self._mx_row_index(n, rows.device)
         buf = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, src)
         return fake_quantize_fast(buf, axis=0).index_select(0, back)
+
+    def _quantize_rows_both(self, rows):
+        """(the kernel's, the torch ops') quantize_rows of rows, on the rows of the experts (not padding rows)."""
+        src, back = self._mx_row_index(rows.shape[0], rows.device)
+        buf = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, src)
+        want = fake_quantize_fast(buf, axis=0).index_select(0, back)
+        got = triton_ops.fake_quantize_rows(rows, *self._mx_row_blocks(rows.shape[0], rows.device))
+        real = self.rank < self.counts.index_select(0, self.expert)
+        return got[real], want[real]
+
+    def _mx_row_blocks(self, n: int, device):
+        """(row0, nrows) of triton_ops.fake_quantize_rows, computed once per Groups: per block of 32 rows of an
+        expert (_mx_row_index's blocks, the same static count) its first row and rows (0 past the last block)."""
+        if self._mx_blocks is None:
+            blocks = (self.counts + MX_BLOCK - 1) // MX_BLOCK
+            block_end = torch.cumsum(blocks, 0)
+            block_start = block_end - blocks
+            b = torch.arange((n + (MX_BLOCK - 1) * self.num_experts + MX_BLOCK - 1) // MX_BLOCK, device=device)
+            e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
+            within = (b - block_start.index_select(0, e)) * MX_BLOCK
+            nrows = (self.counts.index_select(0, e) - within).clamp_(0, MX_BLOCK)
+            nrows = torch.where(b < block_end[-1], nrows, 0)
+            row0 = torch.where(nrows > 0, self.starts.index_select(0, e) + within, 0)
+            self._mx_blocks = (row0.contiguous(), nrows.contiguous())
+        return self._mx_blocks
 
     def _mx_row_index(self, n: int, device):
         """(src, back) of quantize_rows, computed once per Groups: src [P] the row each row of the padded

@@ -140,6 +140,24 @@ def test_dequantize_every_e4m3_byte_at_every_scale(dtype, programs_slow):
     assert _same(got, _dequantize(MXFP8Tensor(data, scale, 2), dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
+def test_fake_quantize_rows_is_the_padded_copy_way(dtype):
+    """triton_ops.fake_quantize_rows (the portable backend's weight-gradient operands: blocks of 32 rows of each
+    expert, the last one short) bit for bit what Groups.quantize_rows computes in torch ops (a copy with every
+    expert's rows zero-padded to blocks of 32, fake_quantize along the rows, the rows gathered back): experts
+    without rows, with fewer than 32, with 32, with several blocks and a short last one; columns not a multiple of
+    the program's 64; special values."""
+    g = torch.Generator().manual_seed(7)
+    counts = torch.tensor([0, 5, 32, 70, 0, 33, 1, 64])
+    ids = torch.repeat_interleave(torch.arange(8), counts)
+    groups = torch_backend.groups_from_sorted_ids(ids, 8, fused=True, capacity=ids.numel())
+    scale = torch.exp2(torch.randint(-30, 30, (ids.numel(), 1), generator=g).float())
+    rows = (torch.randn(ids.numel(), 100, generator=g) * scale).to(dtype)
+    rows[3, 7], rows[40, 99], rows[100:110, 0] = float("nan"), float("inf"), 0
+    got, want = groups._quantize_rows_both(rows)
+    assert got.shape == rows.shape and _same(got, want)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
 def test_mxfp8_only_layer_with_the_dequantize_kernel(monkeypatch, precision):
     """An MXFP8-only layer whose weights dequantise through the kernel (made to run on the CPU tensors here) computes

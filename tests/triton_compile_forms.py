@@ -70,6 +70,7 @@ def record_forms() -> dict:
         x = torch.randn(64, 96, generator=g).to(dt)
         for axis in (0, 1):
             triton_ops.fake_quantize(x, axis)
+        triton_ops.fake_quantize_rows(x, torch.tensor([0, 32], dtype=torch.int64), torch.tensor([32, 20]))
         data = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
         triton_ops.dequantize(data, torch.randint(0, 256, (4, 2), dtype=torch.uint8, generator=g), dt)
         gate_up, dh = torch.randn(8, 64, generator=g).to(dt), torch.randn(8, 32, generator=g).to(dt)

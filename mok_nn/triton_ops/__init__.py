@@ -126,6 +126,20 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
     return out
 
 
+def fake_quantize_rows(x: torch.Tensor, row0: torch.Tensor, nrows: torch.Tensor) -> torch.Tensor:
+    """The MXFP8 values ("rceil") of x [N, C] in blocks of 32 rows given as row blocks: block r is rows row0[r] ..
+    row0[r] + nrows[r] - 1 (int64; nrows at most 32, 0 for a block that holds none), the rows it lacks taken as
+    zeros; every row in exactly one block. The bits of fake_quantize(axis 0) on a copy of x with each block padded
+    to 32 rows by zeros (torch_backend.Groups.quantize_rows): a new tensor in x's dtype and shape."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel() and row0.numel():
+        cols = x.shape[1]
+        _kernels().fake_quantize_rows_kernel[(row0.numel() * -(-cols // MX_ROWS),)](
+            x, out, row0, nrows, cols, IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+    return out
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """mxfp8.dequantize of E4M3 data [..., K] and E8M0 scales [..., K / 32] (blocks of 32 along the last dimension)
     in dtype, bit for bit: a new contiguous tensor."""

@@ -68,6 +68,24 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.co
 
 
 @triton.jit
+def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    # x [N, cols] in blocks of BLOCK consecutive rows of one segment (an expert's rows), the last block of a
+    # segment short (its missing rows count as zeros, which move no block's amax); row block r starts at row
+    # row0[r] and holds nrows[r] rows (0: past the last). A program takes one row block and ROWS consecutive
+    # columns, a [BLOCK, ROWS] tile of contiguous rows, as fake_quantize_kernel's STRIDED form.
+    chunks = (cols + ROWS - 1) // ROWS
+    blk = tl.program_id(0) // chunks
+    i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, BLOCK)
+    base = tl.load(row0_ptr + blk) * cols  # (int64)
+    offs = j[:, None] * cols + i[None, :]
+    mask = (j < tl.load(nrows_ptr + blk))[:, None] & (i < cols)[None, :]
+    out = _mx_round_bits(_load_bits(x_ptr + base, offs, mask, IN_BF16), 0)
+    _store_bits(out_ptr + base, offs, out, mask)
+
+
+@triton.jit
 def _mx_round_bits(bits, AXIS: tl.constexpr):
     # fp32 bits of the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile
     sign = bits & -(2**31)

@@ -282,3 +282,24 @@ def test_backward_rows_kernel_in_place_and_its_h(activation, limit):
     h = triton_ops.activation_forward(gate_up, activation, limit)
     assert torch.equal(triton_ops.mlp_backward_rows(gate_up, dh_raw, torch.ones_like(w), activation, limit, True)[1], h)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_fake_quantize_rows_kernel_is_the_cpu_torch_ops(dtype):
+    """triton_ops.fake_quantize_rows compiled (the weight-gradient operands of precision="mxfp8": blocks of 32 rows
+    of each expert) against Groups.quantize_rows's torch ops on the CPU, bit for bit; experts without rows, short
+    and several blocks; on CUDA quantize_rows then takes the kernel (its first-use check passed)."""
+    from mok_nn import triton_ops
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    counts = torch.tensor([0, 5, 32, 70, 0, 33, 1, 640])
+    ids = torch.repeat_interleave(torch.arange(8), counts)
+    scale = torch.exp2(torch.randint(-30, 30, (ids.numel(), 1), generator=g).float())
+    rows = (torch.randn(ids.numel(), 200, generator=g) * scale).to(dtype)
+    rows[3, 7], rows[40, 99] = float("nan"), float("inf")
+    want = torch_backend.groups_from_sorted_ids(ids, 8, fused=True, capacity=ids.numel()).quantize_rows(rows)
+    groups = torch_backend.groups_from_sorted_ids(ids.to(DEV), 8, fused=True, capacity=ids.numel())
+    got = triton_ops.fake_quantize_rows(rows.to(DEV), *groups._mx_row_blocks(ids.numel(), torch.device(DEV)))
+    assert _same_bits(got.cpu(), want)
+    assert _same_bits(groups.quantize_rows(rows.to(DEV)).cpu(), want)
+    assert triton_ops._VERDICTS[(("fake_quantize_rows", dtype), "cuda:0")]
