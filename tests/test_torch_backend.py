@@ -387,3 +387,19 @@ def test_gathered_slots_sum_as_the_whole_copy():
     finally:
         mxfp8.chunk_bytes = old
     assert chunks  # (the default chunking, restored)
+
+
+def test_retained_graph_backward_twice_gives_the_same_gradients():
+    """With retain_graph=True the portable backward leaves the saved gate_up alone (it overwrites it only where
+    autograd keeps no graph), so a second backward through the same graph gives the first one's gradients."""
+    layer = make_layer({**ACTIVATIONS["oai"]}, dtype=torch.float32, seed=62, backend="torch")
+    x = random_x((T, H), torch.float32, 63).requires_grad_(True)
+    dy = random_x((T, H), torch.float32, 64)
+    y = layer(x)
+    (y * dy).sum().backward(retain_graph=True)
+    first = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    (y * dy).sum().backward()
+    second = [x.grad] + [p.grad for p in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
