@@ -54,7 +54,7 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.co
         row = tl.program_id(0) // chunks  # o * (length // BLOCK) + lb
         i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
         base = row.to(tl.int64) * BLOCK * inner
-        offs = tl.arange(0, BLOCK)[:, None] * inner + i[None, :]
+        offs = (tl.arange(0, BLOCK).to(tl.int64) * inner)[:, None] + i[None, :]  # (int64: 32 inner may pass 2**31)
         mask = (i < inner)[None, :]
         out = _mx_round_bits(_load_bits(x_ptr + base, offs, mask, IN_BF16), 0)
         _store_bits(out_ptr + base, offs, out, mask)
