@@ -5,7 +5,10 @@ TRITON_INTERPRET (under the interpreter @triton.jit gives functions that do not 
 The wrappers of mok_nn.triton_ops run on small CPU tensors with each kernel's launch replaced by a record of its
 arguments (nothing runs); each distinct form (argument dtypes and meta-parameters) is then compiled from those
 arguments. Prints one line per form, "ok <kernel> <form>" or "FAIL <kernel> <form>: <error>"; exit status 1 if one
-failed. The interpreter tests (tests/test_triton_ops.py) check what the kernels compute; this catches what only the
+failed. With --sass each "ok" line also gives the form's SASS instruction count and its global loads / stores by
+width (reading the SASS needs no GPU):
+
+    env -u TRITON_INTERPRET python tests/triton_compile_forms.py --sass The interpreter tests (tests/test_triton_ops.py) check what the kernels compute; this catches what only the
 compiler rejects (e.g. a global that is not a tl.constexpr).
 """
 
@@ -92,16 +95,40 @@ def record_forms() -> dict:
     return forms
 
 
-def main() -> int:
+def sass_summary(kernel) -> str:
+    """SASS instructions of a compiled kernel and its global loads / stores by width (cuobjdump of Triton's wheel):
+    what shows whether the accesses are 16-byte vectors."""
+    import pathlib
+    import re
+    import subprocess
+    import tempfile
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    mem = {}
+    for op in ops:
+        name = op.split()[1] if op.startswith("@") else op.split()[0]
+        if name.startswith(("LDG", "STG")):
+            mem[name] = mem.get(name, 0) + 1
+    return f"{len(ops)} instructions, " + ", ".join(f"{k} x{v}" for k, v in sorted(mem.items()))
+
+
+def main(argv=None) -> int:
+    sass = "--sass" in (sys.argv[1:] if argv is None else argv)  # also each form's SASS summary (sass_summary)
     target = GPUTarget("cuda", 90, 32)
     failed = 0
     for (name, sig, meta, _), (fn, signature, constexprs, attrs) in record_forms().items():
         form = ", ".join([f"{k}={v}" for k, v in sig] + [f"{k}={v}" for k, v in meta])
         t0 = time.perf_counter()
         try:
-            triton.compile(ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
-                                     attrs=attrs), target=target)
-            print(f"ok {name} {form} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            kernel = triton.compile(ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}},
+                                              constexprs=constexprs, attrs=attrs), target=target)
+            extra = f"; {sass_summary(kernel)}" if sass else ""
+            print(f"ok {name} {form} ({time.perf_counter() - t0:.1f} s{extra})", flush=True)
         except Exception as err:  # noqa: BLE001 - every form is reported
             failed += 1
             print(f"FAIL {name} {form}: {type(err).__name__}: {str(err)[-1500:]}", flush=True)
