@@ -162,28 +162,37 @@ class Groups:
         if rows.dim() == 2 and triton_ops.runs_on(rows) and triton_ops.verified(
                 ("fake_quantize_rows", rows.dtype), rows.device, lambda: self._quantize_rows_both(rows), exact=True):
             return triton_ops.fake_quantize_rows(rows, *self._mx_row_blocks(n, rows.device))  # CUDA: one pass
-        src, back = self._mx_row_index(n, rows.device)
+        return self._quantize_rows_torch(rows)
+
+    def _quantize_rows_torch(self, rows: torch.Tensor) -> torch.Tensor:
+        """quantize_rows in torch ops: a copy of the rows with every expert's padded to blocks of 32 by zero rows,
+        quantised along the rows, each row gathered back."""
+        src, back = self._mx_row_index(rows.shape[0], rows.device)
         buf = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, src)
         return fake_quantize_fast(buf, axis=0).index_select(0, back)
 
     def _quantize_rows_both(self, rows):
         """(the kernel's, the torch ops') quantize_rows of rows, on the rows of the experts (not padding rows)."""
-        src, back = self._mx_row_index(rows.shape[0], rows.device)
-        buf = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, src)
-        want = fake_quantize_fast(buf, axis=0).index_select(0, back)
         got = triton_ops.fake_quantize_rows(rows, *self._mx_row_blocks(rows.shape[0], rows.device))
         real = self.rank < self.counts.index_select(0, self.expert)
-        return got[real], want[real]
+        return got[real], self._quantize_rows_torch(rows)[real]
+
+    def _mx_blocks_of(self, n: int, device):
+        """(block_start [E], block_end [E], block b [B], its expert [B]): the blocks of 32 rows of each expert
+        (B a static bound on their count, (n + 31 E) / 32 rounded up; blocks past the last belong to none and
+        carry the last expert)."""
+        blocks = (self.counts + MX_BLOCK - 1) // MX_BLOCK
+        block_end = torch.cumsum(blocks, 0)  # int: exact
+        block_start = block_end - blocks
+        b = torch.arange((n + (MX_BLOCK - 1) * self.num_experts + MX_BLOCK - 1) // MX_BLOCK, device=device)
+        e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
+        return block_start, block_end, b, e
 
     def _mx_row_blocks(self, n: int, device):
         """(row0, nrows) of triton_ops.fake_quantize_rows, computed once per Groups: per block of 32 rows of an
-        expert (_mx_row_index's blocks, the same static count) its first row and rows (0 past the last block)."""
+        expert (_mx_blocks_of) its first row and rows (0 past the last block)."""
         if self._mx_blocks is None:
-            blocks = (self.counts + MX_BLOCK - 1) // MX_BLOCK
-            block_end = torch.cumsum(blocks, 0)
-            block_start = block_end - blocks
-            b = torch.arange((n + (MX_BLOCK - 1) * self.num_experts + MX_BLOCK - 1) // MX_BLOCK, device=device)
-            e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
+            block_start, block_end, b, e = self._mx_blocks_of(n, device)
             within = (b - block_start.index_select(0, e)) * MX_BLOCK
             nrows = (self.counts.index_select(0, e) - within).clamp_(0, MX_BLOCK)
             nrows = torch.where(b < block_end[-1], nrows, 0)
@@ -193,16 +202,13 @@ class Groups:
 
     def _mx_row_index(self, n: int, device):
         """(src, back) of quantize_rows, computed once per Groups: src [P] the row each row of the padded
-        buffer reads (n: the zero row appended; P a static bound, T*k + 31*E rounded up to 32), back [n] each
-        row's place in the buffer."""
+        buffer reads (n: the zero row appended; P = 32 x _mx_blocks_of's bound), back [n] each row's place in the
+        buffer."""
         if self._mx_index is None:
-            blocks = (self.counts + MX_BLOCK - 1) // MX_BLOCK
-            block_end = torch.cumsum(blocks, 0)  # int: exact
-            block_start = block_end - blocks
-            padded = MX_BLOCK * ((n + (MX_BLOCK - 1) * self.num_experts + MX_BLOCK - 1) // MX_BLOCK)
-            q = torch.arange(padded, device=device)
+            block_start, block_end, blocks, block_expert = self._mx_blocks_of(n, device)
+            q = torch.arange(blocks.numel() * MX_BLOCK, device=device)
             b = q // MX_BLOCK
-            e = torch.searchsorted(block_end, b, right=True).clamp_(max=self.num_experts - 1)
+            e = block_expert.index_select(0, b)
             r = (b - block_start.index_select(0, e)) * MX_BLOCK + q % MX_BLOCK
             valid = (b < block_end[-1]) & (r < self.counts.index_select(0, e))
             # padding rows read the zero row n (a gather; torch.where over the rows is slow on CPU)

@@ -117,12 +117,12 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
     inner = 1
     for d in x.shape[axis + 1:]:
         inner *= d
+    if inner > 1:  # blocks along the rows of x viewed as [x.numel() / inner, inner]: rows r * 32 ..
+        _launch_rows(x.view(-1, inner), out.view(-1, inner), x, x, x.numel() // inner // MX_BLOCK, segments=False)
+        return out
     n_blocks = x.numel() // MX_BLOCK
-    strided = inner > 1  # (a program takes MX_ROWS consecutive i of one block row: its memory rows are contiguous)
-    programs = n_blocks // inner * -(-inner // MX_ROWS) if strided else -(-n_blocks // MX_ROWS)
-    _kernels().fake_quantize_kernel[(programs,)](x, out, n_blocks, x.shape[axis], inner,
-                                                 IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS, BLOCK=MX_BLOCK,
-                                                 STRIDED=strided)
+    _kernels().fake_quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, out, n_blocks, IN_BF16=x.dtype == torch.bfloat16,
+                                                                 ROWS=MX_ROWS, BLOCK=MX_BLOCK)
     return out
 
 
@@ -134,10 +134,16 @@ def fake_quantize_rows(x: torch.Tensor, row0: torch.Tensor, nrows: torch.Tensor)
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel() and row0.numel():
-        cols = x.shape[1]
-        _kernels().fake_quantize_rows_kernel[(row0.numel() * -(-cols // MX_ROWS),)](
-            x, out, row0, nrows, cols, IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+        _launch_rows(x, out, row0, nrows, row0.numel(), segments=True)
     return out
+
+
+def _launch_rows(x, out, row0, nrows, blocks: int, segments: bool):
+    """fake_quantize_rows_kernel over `blocks` row blocks of x [N, C] into out: a program per block and MX_ROWS
+    columns."""
+    cols = x.shape[1]
+    _kernels().fake_quantize_rows_kernel[(blocks * -(-cols // MX_ROWS),)](
+        x, out, row0, nrows, cols, IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS, BLOCK=MX_BLOCK, SEGMENTS=segments)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

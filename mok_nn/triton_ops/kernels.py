@@ -41,46 +41,36 @@ def _times_pow2_bits(bits, k):
 
 
 @triton.jit
-def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, length, inner, IN_BF16: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK: tl.constexpr, STRIDED: tl.constexpr):
-    # block b = (o, lb, i) with i fastest (inner > 1) or (o, lb) (inner == 1); element j of it at
-    # o * length * inner + (lb * BLOCK + j) * inner + i.
-    # inner == 1 (not STRIDED): a program takes ROWS consecutive blocks, a [ROWS, BLOCK] tile (rows contiguous).
-    # STRIDED: a program takes one (o, lb) and ROWS consecutive i, a [BLOCK, ROWS] tile whose rows (fixed j, i
-    # consecutive) are contiguous in memory, so its loads and stores are 16-byte vectors (as blocks of the
-    # first kind, they would be single elements)
-    if STRIDED:
-        chunks = (inner + ROWS - 1) // ROWS
-        row = tl.program_id(0) // chunks  # o * (length // BLOCK) + lb
-        i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
-        base = row.to(tl.int64) * BLOCK * inner
-        offs = (tl.arange(0, BLOCK).to(tl.int64) * inner)[:, None] + i[None, :]  # (int64: 32 inner may pass 2**31)
-        mask = (i < inner)[None, :]
-        out = _mx_round_bits(_load_bits(x_ptr + base, offs, mask, IN_BF16), 0)
-        _store_bits(out_ptr + base, offs, out, mask)
-    else:
-        first = tl.program_id(0).to(tl.int64) * ROWS
-        local = tl.arange(0, ROWS)
-        offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-        mask = (first + local < n_blocks)[:, None]
-        out = _mx_round_bits(_load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), 1)
-        _store_bits(out_ptr + first * BLOCK, offs, out, mask)
+def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, IN_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # blocks of BLOCK consecutive elements (along the last axis); a program takes ROWS consecutive blocks, a
+    # [ROWS, BLOCK] tile (along another axis: fake_quantize_rows_kernel)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    local = tl.arange(0, ROWS)
+    offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (first + local < n_blocks)[:, None]
+    out = _mx_round_bits(_load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), 1)
+    _store_bits(out_ptr + first * BLOCK, offs, out, mask)
 
 
 @triton.jit
 def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    # x [N, cols] in blocks of BLOCK consecutive rows of one segment (an expert's rows), the last block of a
-    # segment short (its missing rows count as zeros, which move no block's amax); row block r starts at row
-    # row0[r] and holds nrows[r] rows (0: past the last). A program takes one row block and ROWS consecutive
-    # columns, a [BLOCK, ROWS] tile of contiguous rows, as fake_quantize_kernel's STRIDED form.
+                              BLOCK: tl.constexpr, SEGMENTS: tl.constexpr):
+    # x [N, cols] in blocks of BLOCK consecutive rows. A program takes one row block and ROWS consecutive columns, a
+    # [BLOCK, ROWS] tile whose rows are contiguous in memory (16-byte loads and stores; a block's elements lie
+    # cols apart). Without SEGMENTS block r is rows r * BLOCK ..; with them (an expert's rows, the last block of a
+    # segment short: its missing rows count as zeros, which move no block's amax) it starts at row row0[r] and
+    # holds nrows[r] rows (0: past the last).
     chunks = (cols + ROWS - 1) // ROWS
     blk = tl.program_id(0) // chunks
     i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK)
-    base = tl.load(row0_ptr + blk) * cols  # (int64)
-    offs = j[:, None] * cols + i[None, :]
-    mask = (j < tl.load(nrows_ptr + blk))[:, None] & (i < cols)[None, :]
+    if SEGMENTS:
+        base = tl.load(row0_ptr + blk) * cols  # (int64)
+        mask = (j < tl.load(nrows_ptr + blk))[:, None] & (i < cols)[None, :]
+    else:
+        base = blk.to(tl.int64) * BLOCK * cols
+        mask = (i < cols)[None, :]
+    offs = (j.to(tl.int64) * cols)[:, None] + i[None, :]  # (int64: BLOCK rows of a long row may pass 2**31)
     out = _mx_round_bits(_load_bits(x_ptr + base, offs, mask, IN_BF16), 0)
     _store_bits(out_ptr + base, offs, out, mask)
 
