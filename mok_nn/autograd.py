@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from . import distributed, functional
+from . import cuda_mx, distributed, functional
 from .functional import ExpertParams, Workspace
 from .mxfp8 import MXFP8Tensor, dequantize, mark_values, row_chunks, weight_scope
 
@@ -92,12 +92,16 @@ def macrobatch_passes(num_tokens: int, workspace: Workspace) -> list[tuple[int, 
     return pass_bounds(num_tokens, size)
 
 
-def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype):
+def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, workspace: Workspace | None = None):
     """The expert weights the GEMMs take: the tensors given, or, with scales (MXFP8-only weights: E4M3 data and
     E8M0 scales, blocks of 32 along the last dimension), W_q = dequantize(stored) in dtype, a new tensor, marked
-    as its own MXFP8 values along that dimension (mxfp8.mark_values)."""
+    as its own MXFP8 values along that dimension (mxfp8.mark_values). Where the fused forward reads them as
+    MXFP8 (cuda_mx.forward_reason), cuda_mx.MxWeight views of the stored tensors instead: no copy."""
     if gate_up_scale is None:
         return gate_up_proj, down_proj
+    if workspace is not None and cuda_mx.forward_reason(workspace, gate_up_proj, gate_up_scale, down_proj, down_scale,
+                                                        dtype) is None:
+        return cuda_mx.MxWeight(gate_up_proj, gate_up_scale), cuda_mx.MxWeight(down_proj, down_scale)
     weights = (dequantize(MXFP8Tensor(gate_up_proj, gate_up_scale, 2), dtype),
                dequantize(MXFP8Tensor(down_proj, down_scale, 2), dtype))
     if dtype in (torch.bfloat16, torch.float32):  # (fp16 overflows near its top: there the values may differ)
@@ -169,7 +173,7 @@ class MoKFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
                 workspace: Workspace, gate_up_scale=None, down_scale=None):
-        params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype),
+        params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype, workspace),
                               gate_up_bias, down_bias)
         passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
         needs = _needs(ctx, gate_up_scale is not None)

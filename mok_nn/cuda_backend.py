@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cuda_mx
+from .cuda_mx import MxWeight
 from .envvars import getenv
 from .mxfp8 import fake_quantize_fast, weight_values
 from .router import expert_counts
@@ -396,7 +398,10 @@ def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
-    """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N])."""
+    """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N]).
+    W may be an MxWeight (transpose_w=False): mok_gemm_bk_mx reads it as MXFP8 (cuda_mx)."""
+    if isinstance(w, MxWeight):
+        return _grouped_gemm_mx(a, w, sched)
     m = a.shape[0]
     if _use_torch_gemm():
         wt = w if transpose_w else w.transpose(1, 2)
@@ -409,6 +414,25 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
         b = w.permute(1, 2, 0)
     launch_gemm(gemm_kernel(transpose_w, out_dtype, k=a.shape[1]), a, b, out, sched)
     return out
+
+
+def _grouped_gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule) -> torch.Tensor:
+    """a[r] @ W_q[e(r)]^T, W_q = w dequantised, by mok_gemm_bk_mx (checked on first use: cuda_mx.verified)."""
+    def run_bf16():
+        return grouped_gemm(a, w.dequantized(), sched, transpose_w=False)
+
+    if _use_torch_gemm():
+        return run_bf16()
+
+    def run_mx():
+        b, pairs = w.kernel_operands()
+        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+        name = "mok_gemm_bk_mx"
+        _lib().launch(name, a.unsqueeze(-1), b, pairs, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+                      sched.seg_rows_for(name), gemm_group_m(out.shape[1]), stream=_stream())
+        return out
+
+    return cuda_mx.verified("mok_gemm_bk_mx", sched, run_mx, run_bf16)
 
 
 def grouped_gemm_push(a: torch.Tensor, w: torch.Tensor, sched: Schedule, dst_base: torch.Tensor,
@@ -438,8 +462,11 @@ def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
 def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: str, swiglu_limit):
     """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel.
 
-    Rows past the last segment are left unwritten (as act_forward leaves h).
+    Rows past the last segment are left unwritten (as act_forward leaves h). W13 may be an MxWeight:
+    mok_gemm_gate_up_<act>_mx reads it as MXFP8 (cuda_mx).
     """
+    if isinstance(w, MxWeight):
+        return _gate_up_act_mx(a, w, sched, activation, swiglu_limit)
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
@@ -451,6 +478,25 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
         h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name), limit, group_m, stream=_stream(),
     )  # fmt: skip
     return gate_up, h
+
+
+def _gate_up_act_mx(a: torch.Tensor, w: MxWeight, sched: Schedule, activation: str, swiglu_limit):
+    """gate_up_act with W13 as MXFP8, by mok_gemm_gate_up_<act>_mx (checked on first use: cuda_mx.verified)."""
+    name = f"mok_gemm_gate_up_{activation}_mx"
+
+    def run_mx():
+        m, two_i = a.shape[0], w.shape[1]
+        gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
+        h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
+        b, pairs = w.kernel_operands()
+        limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+        _lib().launch(name, a.unsqueeze(-1), b, pairs, gate_up.unsqueeze(-1), h.unsqueeze(-1), sched.tile_expert,
+                      sched.seg_end, sched.seg_rows_for(name), limit, gemm_group_m(two_i, tile_n_of(name)),
+                      stream=_stream())
+        return gate_up, h
+
+    return cuda_mx.verified(name, sched, run_mx, lambda: gate_up_act(a, w.dequantized(), sched, activation,
+                                                                     swiglu_limit))
 
 
 def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, k: int = 0) -> str:
@@ -768,7 +814,12 @@ class GemmOperands:
 
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         """An expert weight [E, N, K] along `axis` (-1: K, the forward; -2: N, the backward's d x / d h),
-        cached while the weight does not change (mxfp8.weight_values)."""
+        cached while the weight does not change (mxfp8.weight_values). An MxWeight (the forward's MXFP8-only
+        weights) holds MXFP8 values along K already: itself."""
+        if isinstance(w, MxWeight):
+            if axis not in (-1, 2):
+                raise ValueError("an MxWeight is read along K (the forward's GEMMs)")
+            return w
         return weight_values(w, axis, mx_weight) if self.mxfp8 else w
 
     def segments(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:

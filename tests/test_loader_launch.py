@@ -12,7 +12,8 @@ import torch
 
 from mok_nn.kernels import loader, registry
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
+          "u16": torch.uint16}
 
 
 class FakeTensor:

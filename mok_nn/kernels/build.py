@@ -43,7 +43,8 @@ def _fake_args(spec: registry.KernelSpec):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "i64": cutlass.Int64}
+    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "i64": cutlass.Int64,
+              "u8": cutlass.Uint8, "u16": cutlass.Uint16}
     out = []
     for a in spec.args:
         if isinstance(a, registry.ScalarArg):

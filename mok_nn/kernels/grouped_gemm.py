@@ -79,6 +79,7 @@ from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
     step_over, store_sync, store_tile_full, store_tile_split,
 )
+from .mx_operand import MxOperandB
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -97,6 +98,7 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         dact: str | None = None, pingpong: bool = False, cluster_n: int = 1, push: bool = False,
+        b_mx: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -117,6 +119,11 @@ class VarlenMGroupedGemm:
         # section (row_rank / row_slot / dst_base, e.g. the EP combine's slots) instead of the output
         assert not push or (full_epi and not (pingpong or act or dact)), "push: the cooperative _ef kernel"
         self.push = push
+        # b_mx (VarlenMGroupedGemmMx, VarlenMGroupedGemmActMx): B is MXFP8 (E4M3 bytes K-major and scale
+        # pairs), made bf16 in each stage's B buffer by the consumer threads, one B row each (mx_operand.py):
+        # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
+        assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
+        self.b_mx = b_mx
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
         # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
         # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
@@ -148,6 +155,8 @@ class VarlenMGroupedGemm:
     def _stages(self, ab_dtype, c_dtype) -> int:
         bm, bn, bk = self.tile_mnk
         ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
+        if self.b_mx:
+            ab_bytes += bn * 2  # the stage's scale pairs (its E4M3 bytes live in its bf16 B buffer)
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_buffers
         return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
 
@@ -167,8 +176,9 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, tile_counter=None,
-                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None):
+                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None, b_scale=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
+        b_scale (b_mx): B's scale pairs (N, K / 64, E) u16, mB its E4M3 bytes (N, K, E) u8 K-major.
 
         The kernel has three auxiliary tensor slots (row_idx, ready, ready_err) and one int (epoch), each
         variant passing its own operands in them (tile_expert and 0 where unused: kernel arguments cannot
@@ -191,7 +201,11 @@ class VarlenMGroupedGemm:
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
-        if cutlass.const_expr(self.ab_dtype != mB.element_type):
+        if cutlass.const_expr(self.b_mx):
+            if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.ROW_MAJOR
+                                  or self.ab_dtype != cutlass.BFloat16):
+                raise TypeError("b_mx: bf16 A and B as E4M3 bytes (uint8), K-major")
+        elif cutlass.const_expr(self.ab_dtype != mB.element_type):
             raise TypeError("A and B must share a dtype")
         if cutlass.const_expr(self.full_epi and self.c_dtype.width != 16):
             raise TypeError("the full-tile epilogue takes a 16-bit output (an fp32 tile does not fit)")
@@ -233,12 +247,24 @@ class VarlenMGroupedGemm:
             b_tma_smem = sm90_utils.make_smem_layout_b(
                 self.b_layout, (bm, bn // 2, bk), self.ab_dtype, 2 * self.ab_stages
             )
+        # b_mx: B's bytes arrive as two (bn/2, bk) boxes into the upper half of each stage's bf16 buffer (the
+        # byte layout's pieces 4s + 2, 4s + 3, mx_operand.py), its scale pairs as two (bn/2, 1) boxes.
+        s_smem = cute.make_layout((bn // 2, 1, 2 * self.ab_stages), stride=(1, bn // 2, bn // 2))
+        if cutlass.const_expr(self.b_mx):
+            b_tma_smem = sm90_utils.make_smem_layout_b(self.b_layout, (bm, bn // 2, bk), cutlass.Uint8,
+                                                       4 * self.ab_stages)
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mB,
             cute.slice_(b_tma_smem, (None, None, 0)),
-            (bn // 2, bk) if cutlass.const_expr(self.act is not None) else (bn, bk),
+            (bn // 2, bk) if cutlass.const_expr(self.act is not None or self.b_mx) else (bn, bk),
         )
+        tma_s, tma_mS = tma_b, tma_mB  # (kernel arguments cannot be None)
+        if cutlass.const_expr(self.b_mx):
+            tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)),
+                (bn // 2, 1),
+            )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             mC,
@@ -277,7 +303,8 @@ class VarlenMGroupedGemm:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // 2)
 
         self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
-                                           epi_barriers=self.epi_helper)
+                                           epi_barriers=self.epi_helper,
+                                           b_scale_smem=s_smem if cutlass.const_expr(self.b_mx) else None)
         if cutlass.const_expr(self.dynamic):
             # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
             @cute.struct
@@ -299,7 +326,7 @@ class VarlenMGroupedGemm:
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
-            row_idx, ready, ready_err, epoch,
+            row_idx, ready, ready_err, epoch, tma_s, tma_mS, s_smem,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -667,6 +694,9 @@ class VarlenMGroupedGemm:
         ready: cute.Tensor,
         ready_err: cute.Tensor,
         epoch: cutlass.Int32,
+        tma_s: cute.CopyAtom,
+        mS: cute.Tensor,
+        s_smem: cute.Layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -678,6 +708,8 @@ class VarlenMGroupedGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
             if cutlass.const_expr(self.act is not None or self.dact is not None):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_h)
+            if cutlass.const_expr(self.b_mx):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -685,6 +717,10 @@ class VarlenMGroupedGemm:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
         )
+        if cutlass.const_expr(self.b_mx):  # A, two boxes of B's bytes, two of its scale pairs
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + 2 * (
+                cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
+                + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
         if cutlass.const_expr(self.pingpong):
             # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
             # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
@@ -728,7 +764,20 @@ class VarlenMGroupedGemm:
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
-        if cutlass.const_expr(self.act is not None):
+        if cutlass.const_expr(self.b_mx):
+            # B's bytes: piece 4s + 2 + h of the byte view is half h of stage s; gmem tiles of bn/2 rows
+            # (gate n, up n + I/(bn/2) with act; rows 2n, 2n + 1 without); the scale pairs likewise, 2s + h.
+            sB8 = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner, dtype=cutlass.Uint8)
+            gB8 = cute.local_tile(mB, (self.tile_mnk[1] // 2, self.tile_mnk[2]), (None, None, None))
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB8, 0, 2), cute.group_modes(gB8, 0, 2)
+            )
+            sS = storage.sS.get_tensor(s_smem)
+            gS = cute.local_tile(mS, (self.tile_mnk[1] // 2, 1), (None, None, None))
+            tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
+                tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2)
+            )
+        elif cutlass.const_expr(self.act is not None):
             # Half-tile views: smem stage 2s + h, gmem tiles of bn/2 rows (gate n, up n + I/(bn/2)).
             sB_tma = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner)
             gB_tma = cute.local_tile(mB, (self.tile_mnk[1] // 2, self.tile_mnk[2]), (None, None, None))
@@ -778,6 +827,9 @@ class VarlenMGroupedGemm:
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
                         if cutlass.const_expr(self.act is not None):
                             tBgB_u = tBgB[(None, n_tile + tiles_n, None, expert)]  # the up half
+                        if cutlass.const_expr(self.b_mx):  # the two halves' row tiles of bn/2
+                            halves = (n_tile, n_tile + tiles_n) if cutlass.const_expr(self.act is not None) else (
+                                2 * n_tile, 2 * n_tile + 1)
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
@@ -786,7 +838,13 @@ class VarlenMGroupedGemm:
                                           mcast_mask=a_mask)
                             else:
                                 cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            if cutlass.const_expr(self.act is not None):
+                            if cutlass.const_expr(self.b_mx):
+                                for h in cutlass.range_constexpr(2):
+                                    cute.copy(tma_b, tBgB[(None, halves[h], k, expert)],
+                                              tBsB[(None, 4 * state.index + 2 + h)], tma_bar_ptr=bar)
+                                    cute.copy(tma_s, tSgS[(None, halves[h], k, expert)],
+                                              tSsS[(None, 2 * state.index + h)], tma_bar_ptr=bar)
+                            elif cutlass.const_expr(self.act is not None):
                                 cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
                                 cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)], tma_bar_ptr=bar)
                             else:
@@ -814,6 +872,9 @@ class VarlenMGroupedGemm:
             )
             first_row = 0 if self.pingpong else wg * (TILE_M // self.num_consumer_wg)  # of this warp group's rows
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
+            mx_b = None
+            if cutlass.const_expr(self.b_mx):
+                mx_b = MxOperandB(sB, sB8, sS, ctid, self.tile_mnk[1] // 2, self.num_consumer_threads)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
@@ -894,6 +955,12 @@ class VarlenMGroupedGemm:
                                     tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
                                     first_m_only=True,
                                 )
+                        elif cutlass.const_expr(self.b_mx):
+                            # every consumer thread converts its B row of every stage: no warp group skips
+                            tiled_mma, acc, read_state, release_state = mma_mainloop(
+                                tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
+                                b_operand=mx_b,
+                            )
                         elif real_rows > first_row:
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
@@ -1062,3 +1129,52 @@ class VarlenMGroupedGemmDyn(VarlenMGroupedGemm):
     ):
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
                      tile_counter=tile_counter)
+
+
+class VarlenMGroupedGemmMx(VarlenMGroupedGemm):
+    """The plain GEMM with B as MXFP8 (mx_operand.py): C = A @ dequantize(B)^T, bitwise the bf16 kernel on the
+    dequantised weights (the same wgmma batches in the same order). B K-major; K % 64 == 0."""
+
+    def __init__(self, tile_n: int = 256, full_epi: bool = False):
+        super().__init__(tile_n=tile_n, full_epi=full_epi, b_mx=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major bf16
+        mB: cute.Tensor,  # (N, K, E) K-major u8: E4M3 bytes
+        b_scale: cute.Tensor,  # (N, K / 64, E) u16, N fastest: the E8M0 scales of K blocks 2j (low), 2j + 1
+        mC: cute.Tensor,  # (M, N, 1) N-major
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     b_scale=b_scale)
+
+
+class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
+    """The gate/up GEMM with the activation epilogue, B = gate_up_proj as MXFP8 (mx_operand.py): bitwise
+    VarlenMGroupedGemmAct on the dequantised weights."""
+
+    def __init__(self, act: str, full_epi: bool = True):
+        VarlenMGroupedGemm.__init__(self, tile_n=256, act=act, full_epi=full_epi, b_mx=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major bf16: x rows
+        mB: cute.Tensor,  # (2I, K, E) K-major u8: gate_up_proj's E4M3 bytes, rows [gate; up]
+        b_scale: cute.Tensor,  # (2I, K / 64, E) u16: its scale pairs
+        mC: cute.Tensor,  # (M, 2I, 1) N-major: gate_up
+        mH: cute.Tensor,  # (M, I, 1) N-major: h = act(gate, up)
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        limit: cutlass.Float32,
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, b_scale=b_scale)

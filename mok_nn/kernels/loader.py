@@ -148,7 +148,7 @@ class KernelLibrary:
         raise KernelLibraryError(f"{name} failed to launch: {self._error_string(rc)} ({rc})")
 
 
-_TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "int64"}
+_TORCH_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "int64", "u8": "uint8", "u16": "uint16"}
 
 
 def _to_ctypes(a, t, kname: str):

@@ -29,7 +29,7 @@ EP_SCHED_THREADS = 256  # threads per CTA of mok_ep_schedule_outputs (ep_schedul
 MX_QUANT_THREADS = 256  # threads per CTA of mok_mx_quant (mx_quant.py)
 MX_QUANT_CTAS_PER_SM = 4  # its resident CTAs per SM: the launch bound (64 registers a thread) and the grid
 MX_QUANT_UNROLL = 4  # its 16-byte loads in flight per thread along the columns (mode 0)
-ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
+ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "u16": 2}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
 COMBINE_LEAVES = 8
@@ -46,7 +46,7 @@ def combine_leaves(num_experts: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class TensorArg:
     name: str
-    dtype: str  # "bf16", "f32", "i32", "i64"
+    dtype: str  # "bf16", "f32", "i32", "i64", "u8", "u16"
     shape: tuple  # ints or DYN
     stride: tuple  # ints or DYN
     divisibility: tuple = ()  # per mode, for DYN extents (default 1)
@@ -159,6 +159,29 @@ def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1, full_e
             ScalarArg("group_m", "i32"),
         ),
     )
+
+
+# An MXFP8 B operand (kernels/mx_operand.py): the weights' E4M3 bytes (N, K, E) K-major and their scale pairs
+# (N, K / 64, E), N fastest (cuda_backend.MxWeight arranges them).
+def _mx_b_args(n_div: int) -> tuple:
+    return (TensorArg("b", "u8", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(n_div, 64, 1)),
+            TensorArg("b_scale", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(8, 1, 1)))
+
+
+def _gemm_mx_spec() -> KernelSpec:
+    # x_rows @ dequantize(W[e])^T with W as MXFP8: the plain GEMM (split epilogue, 4 stages)
+    base = _gemm_spec("mok_gemm_bk_mx", "k", GEMM_TILE_N)
+    a, _, c, *rest = base.args
+    return dataclasses.replace(base, factory="VarlenMGroupedGemmMx", factory_kwargs=(),
+                               args=(a, *_mx_b_args(8), c, *rest))
+
+
+def _gemm_act_mx_spec(kind: str) -> KernelSpec:
+    # the gate/up GEMM + activation with gate_up_proj as MXFP8 (whole-tile epilogue on the helper warps)
+    base = _gemm_act_spec(kind, full_epi=True)
+    a, _, *rest = base.args
+    return dataclasses.replace(base, name=f"mok_gemm_gate_up_{kind}_mx", factory="VarlenMGroupedGemmActMx",
+                               factory_kwargs=(("act", kind),), args=(a, *_mx_b_args(256), *rest))
 
 
 def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
@@ -492,6 +515,8 @@ SPECS = (
     # H <= 2048, else the cooperative kernel whose idle producer warps compute the activation
     _gemm_act_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_act_spec("swiglu", full_epi=True),
+    _gemm_mx_spec(),
+    _gemm_act_mx_spec("swiglu"),
     # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096)
     _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_dact_spec("swiglu_oai", pingpong=True, cluster_n=2),

@@ -1,0 +1,143 @@
+"""MXFP8-only expert weights read as MXFP8 by the forward's GEMMs on the fused path.
+
+Where forward_reason() is None, autograd.expert_weights gives the CUDA backend an MxWeight for each routed expert
+weight instead of W_q = dequantize(stored) in bf16. Its forward GEMMs (mok_gemm_gate_up_<act>_mx: gate/up with
+the activation epilogue, where the bf16 path fuses it; mok_gemm_bk_mx: the plain GEMM) then read the E4M3 bytes
+and E8M0 scales and make each B tile bf16 in shared memory (kernels/mx_operand.py): no dequantised copy of the
+weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The backward takes
+W_q as before (autograd.backward_expert_weights).
+
+Each of the two kernels is checked on its first use in a process (per device) against dequantize + the bf16
+kernel, bit for bit (one synchronisation); one that disagrees or fails is not used again in the process, with a
+warning, and W_q runs in its place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .mxfp8 import MXFP8Tensor, dequantize
+
+MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
+_VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
+_PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
+_NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
+
+
+@dataclass(eq=False)
+class MxWeight:
+    """An expert weight [E, N, K] held as MXFP8 (E4M3 data, E8M0 scales in blocks of 32 along K), standing where
+    W_q = dequantize(stored) in bf16 would: the fused forward's GEMMs read it as it is stored."""
+
+    data: torch.Tensor  # [E, N, K] float8_e4m3fn
+    scale: torch.Tensor  # [E, N, K / 32] uint8
+
+    dtype = torch.bfloat16  # the values it stands for
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def dequantized(self) -> torch.Tensor:
+        """W_q in bf16 (a new tensor)."""
+        return dequantize(MXFP8Tensor(self.data, self.scale, 2), torch.bfloat16)
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b (N, K, E) uint8 K-major: the E4M3 bytes, pairs (N, K / 64, E) uint16 with N fastest: the scales
+        of K blocks 2j (low byte) and 2j + 1 of each row), as the _mx kernels take them. The pairs are
+        arranged once per scale tensor while it is unchanged."""
+        return self.data.view(torch.uint8).permute(1, 2, 0), scale_pairs(self.scale)
+
+
+def _state(t: torch.Tensor):
+    return t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.device
+
+
+def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
+    """scale [E, N, K / 32] uint8 -> (N, K / 64, E) uint16 (a view of an [E, K / 64, N] array): the two scale
+    bytes of K blocks 2j, 2j + 1 of row n of expert e in one little-endian word, rows of one K pair adjacent
+    (what one TMA box of a kernel stage reads). Cached while scale is unchanged."""
+    hit = _PAIRS.get(scale)
+    if hit is not None and hit[0] == _state(scale):
+        return hit[1]
+    e, n, kb = scale.shape
+    pairs = scale.view(e, n, kb // 2, 2).permute(0, 2, 1, 3).contiguous().view(torch.uint16).view(e, kb // 2, n)
+    pairs = pairs.permute(2, 1, 0)
+    _PAIRS[scale] = (_state(scale), pairs)
+    return pairs
+
+
+def nan_free(data: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether no E4M3 NaN byte (0x7F / 0xFF) lies in a block whose scale is not the NaN scale 255 (the kernels
+    would make such a byte a finite value; quantize never writes one). Checked a few experts at a time, once
+    while data and scale are unchanged."""
+    state = (_state(data), _state(scale))
+    hit = _NAN_FREE.get(data)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    e, n, k = data.shape
+    step = max(1, (1 << 28) // max(1, n * k))  # experts per chunk: a bool byte per value, 256 MiB at most
+    ok = True
+    for a in range(0, e, step):
+        nan_bytes = (data[a:a + step].view(torch.uint8) & 0x7F) == 0x7F
+        if bool((nan_bytes.view(-1, n, k // 32, 32).any(-1) & (scale[a:a + step] != 255)).any()):
+            ok = False
+            break
+    _NAN_FREE[data] = (state, ok)
+    return ok
+
+
+def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor, scale2, dtype) -> str | None:
+    """None where the fused forward reads these MXFP8-only weights as MXFP8 (MxWeight), else why not."""
+    if workspace.backend != "cuda" or workspace.ep_size != 1:
+        return "the MXFP8 GEMMs run on the fused path at EP = 1"
+    if dtype != torch.bfloat16 or not data13.is_cuda:
+        return "the MXFP8 GEMMs take bf16 activations on CUDA"
+    hidden, inter = data2.shape[1], data2.shape[2]
+    if hidden % MX_K_MULTIPLE or inter % MX_K_MULTIPLE:
+        return f"hidden and intermediate sizes must be multiples of {MX_K_MULTIPLE}"
+    if not (nan_free(data13, scale13) and nan_free(data2, scale2)):
+        return "E4M3 NaN bytes in blocks with a finite scale"
+    return None
+
+
+def _agree(got, want, rows: int) -> bool:
+    """Bit for bit in the first `rows` rows of each result (a tensor or a tuple of them)."""
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    return all(torch.equal(a[:rows].view(torch.int16), b[:rows].view(torch.int16)) for a, b in zip(got, want))
+
+
+def verified(kernel: str, sched, run_mx, run_bf16):
+    """The result of run_mx(), or, where the kernel failed its first-use check (here or earlier in the process),
+    that of run_bf16() (dequantize + the bf16 kernel). On the first use both run and their rows up to the end
+    of the schedule's last segment (the kernels leave the rest unwritten) must agree bit for bit."""
+    device = sched.seg_end.device
+    key = (kernel, str(device))
+    verdict = _VERDICTS.get(key)
+    if verdict is True:
+        return run_mx()
+    if verdict is False:
+        return run_bf16()
+    try:
+        got = run_mx()
+        want = run_bf16()
+        rows = int(sched.seg_end[-1]) if sched.seg_end.numel() else 0
+        why = None if _agree(got, want, rows) else "its results differ from the bf16 kernel's on the dequantised weights"
+    except Exception as err:  # noqa: BLE001 - a kernel that fails to launch here is not used
+        got, why = None, f"{type(err).__name__}: {err}"
+        want = run_bf16()
+    if why is not None:
+        warnings.warn(f"mok_nn: {kernel} is not used on {device} ({why}); the weights are dequantised for the bf16 "
+                      "kernels instead", RuntimeWarning, stacklevel=3)
+    _VERDICTS[key] = why is None
+    return got if why is None else want

@@ -1,0 +1,125 @@
+"""A GEMM's B operand stored as MXFP8, made bf16 in shared memory before the wgmma (the grouped GEMM's b_mx).
+
+The weights' E4M3 bytes and E8M0 scales (blocks of 32 along K) arrive by TMA; the consumer warp groups turn
+each stage into the bf16 B tile the bf16 wgmma reads, in the stage's own bf16 buffer. An E4M3 value times a
+power of two is a bf16 value, so the GEMM is bitwise the bf16 GEMM of dequantize(W) (mxfp8.dequantize), with
+no dequantised copy of the weights in global memory.
+
+Shared memory of one stage (the bf16 B buffer, bn x 64 bf16 = 4 pieces of bn/2 x 64 bytes):
+
+    [ bf16 rows 0 .. bn/2-1 | bf16 rows bn/2 .. bn-1 ]
+                            [ E4M3 half 0 | E4M3 half 1 ]     (TMA: two (bn/2, 64) boxes of bytes)
+
+The E4M3 bytes land in the upper half, so the bf16 rows of the second half overwrite them: every thread reads
+its row's 64 bytes and 2 scale bytes into registers, a barrier, then each writes its 64 bf16 values, a proxy
+fence and a barrier before the wgmma reads them. Consumer thread t (of bn) converts row t.
+
+The bits (per E4M3 byte b = s eeee mmm, block scale byte S):
+
+    r = (s << 15) | (eeee mmm << 4)     as bf16: b's value times 2**-120, for normal and subnormal b alike
+    out = r * 2**(S - 7)                one bf16 multiply (mul.rn.bf16x2, no flush of subnormals), S <= 134
+    out = (r * 2**127) * 2**(S - 134)   S > 134 (the first product is exact); S = 255: NaN (a NaN block)
+
+so each value is rounded once from its exact value, as dequantize rounds its fp32 product to bf16. Data bytes
+0x7F / 0xFF (E4M3 NaN) under a scale that is not 255 would come out finite: the caller does not take this path
+for such weights (cuda_backend.MxWeight). tests/test_mx_operand_bits.py checks this recipe on every byte
+under every scale against mxfp8.dequantize; tests/gpu the kernels against dequantize + the bf16 kernels.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+BK = 64  # K per stage (the GEMM's tile_mnk[2]): two scale blocks
+BYTES_PER_LOAD = 16
+SINGLE_MAX = 134  # scale bytes up to this take one multiply (2**(S - 7) is a normal bf16 up to 2**127)
+MX_BARRIER_ID = 4  # named barrier of the consumer threads around each stage's conversion
+
+
+def _asm_b32(ptx: str, *values):
+    """One 32-bit result of an inline PTX block over 32-bit operands."""
+    @dsl_user_op
+    def f(*args, loc=None, ip=None) -> cutlass.Int32:
+        ops = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in args]
+        constraints = ",".join(["=r"] + ["r"] * len(ops))
+        return cutlass.Int32(llvm.inline_asm(T.i32(), ops, ptx, constraints, has_side_effects=False,
+                                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return f(*values)
+
+
+# The bits r of two E4M3 bytes as a bf16x2 word: PRMT puts bytes (LOW: 0, 1; HIGH: 2, 3) of the 32-bit word into
+# the high bytes of two 16-bit lanes (each lane s eeee mmm 0000 0000), then r = (t & SIGN) | ((t >> 4) & MAG).
+LOW_SELECTOR, HIGH_SELECTOR = 0x1404, 0x3424
+SIGN_BITS, MAG_BITS = 0x80008000, 0x07F007F0
+
+
+def _e4m3_pair_ptx(selector: int) -> str:
+    return ("{ .reg .b32 t, u;"
+            f" prmt.b32 t, $1, 0, {selector:#x};"
+            f" shr.b32 u, t, 4; and.b32 u, u, {MAG_BITS:#x}; and.b32 t, t, {SIGN_BITS:#x}; or.b32 t, t, u;"
+            " mul.rn.bf16x2 $0, t, $2; }")  # times the bf16x2 factor $2
+
+
+_LOW_PAIR = _e4m3_pair_ptx(LOW_SELECTOR)  # elements k, k + 1 of the word's 4
+_HIGH_PAIR = _e4m3_pair_ptx(HIGH_SELECTOR)  # elements k + 2, k + 3
+
+
+@cute.jit
+def _factors(scale: cutlass.Int32):
+    """(f1, f2) as bf16x2 words for one block's scale byte: out = r * f1 (* f2 where scale > SINGLE_MAX)."""
+    one = cutlass.min(scale, cutlass.Int32(SINGLE_MAX))
+    f1 = (one + 120) << 7
+    f2 = (scale - 7) << 7
+    if scale == 255:
+        f2 = cutlass.Int32(0x7FC0)
+    return f1 | (f1 << 16), f2 | (f2 << 16)
+
+
+class MxOperandB:
+    """Consumer side of an MXFP8 B operand: to_bf16(stage) turns the stage's E4M3 rows into its bf16 B tile.
+
+    sB: the bf16 B buffers (bn, 64, stages), as the wgmma reads them; sB8: the same memory as E4M3 bytes,
+    (bn/2, 64, 4 stages): half h of stage s is piece 4 s + 2 + h; sS: the scale pairs (bn/2, 1, 2 stages) u16,
+    half h of stage s at 2 s + h, the low byte the scale of K block 0. row: this thread's row (0 .. bn - 1);
+    threads: the consumer threads (one per row)."""
+
+    def __init__(self, sB, sB8, sS, row, half: int, threads: int):
+        self.sB, self.sB8, self.sS, self.row, self.half = sB, sB8, sS, row, half
+        self.barrier = pipeline.NamedBarrier(barrier_id=MX_BARRIER_ID, num_threads=threads)
+        self.raw = cute.make_rmem_tensor((BK,), cutlass.Uint8)
+        self.out = cute.make_rmem_tensor((BK,), cutlass.BFloat16)
+
+    @cute.jit
+    def to_bf16(self, stage):
+        h = self.row // self.half
+        r = self.row - h * self.half
+        src = cute.zipped_divide(self.sB8[(r, None, 4 * stage + 2 + h)], (BYTES_PER_LOAD,))
+        raw_v = cute.zipped_divide(self.raw, (BYTES_PER_LOAD,))
+        for q in cutlass.range_constexpr(BK // BYTES_PER_LOAD):
+            cute.autovec_copy(src[(None, q)], raw_v[(None, q)])
+        pair = self.sS[(r, 0, 2 * stage + h)].to(cutlass.Int32) & 0xFFFF
+        self.barrier.arrive_and_wait()  # every row is in registers: the bf16 rows may overwrite the bytes
+        words = cute.recast_tensor(self.raw, cutlass.Int32)  # BK / 4 words, 4 elements each
+        out = cute.recast_tensor(self.out, cutlass.Int32)  # BK / 2 words, 2 elements each
+        per_block = 32 // 4
+        for blk in cutlass.range_constexpr(2):
+            scale = (pair >> (8 * blk)) & 0xFF
+            f1, f2 = _factors(scale)
+            for w in cutlass.range_constexpr(per_block):
+                word = words[blk * per_block + w]
+                out[2 * (blk * per_block + w)] = _asm_b32(_LOW_PAIR, word, f1)
+                out[2 * (blk * per_block + w) + 1] = _asm_b32(_HIGH_PAIR, word, f1)
+            if scale > SINGLE_MAX:
+                for w in cutlass.range_constexpr(2 * per_block):
+                    i = 2 * blk * per_block + w
+                    out[i] = _asm_b32("mul.rn.bf16x2 $0, $1, $2;", out[i], f2)
+        dst = cute.zipped_divide(self.sB[(self.row, None, stage)], (8,))
+        out_v = cute.zipped_divide(self.out, (8,))
+        for q in cutlass.range_constexpr(BK // 8):
+            cute.autovec_copy(out_v[(None, q)], dst[(None, q)])
+        cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
+        self.barrier.arrive_and_wait()

@@ -1,0 +1,85 @@
+"""The MXFP8 B operand's conversion (kernels/mx_operand.py), instruction by instruction on the CPU: every E4M3 byte
+in every position of a 32-bit word, under every scale byte, against mxfp8.dequantize into bf16.
+
+The kernel's steps are emulated from its own constants (PRMT selectors, masks, SINGLE_MAX): PRMT, shift, masks
+on 32-bit words, then bf16 multiplies, each rounding its exact product once (as mul.rn.bf16x2 does, and as
+torch's bf16 multiply does on the CPU: the fp32 product of two bf16 values is exact here). The GPU tests run the
+kernels themselves against dequantize + the bf16 kernels.
+"""
+
+import pytest
+import torch
+
+from mok_nn.mxfp8 import MXFP8Tensor, dequantize
+
+mx_operand = pytest.importorskip("mok_nn.kernels.mx_operand")  # (needs the CuTe DSL to import)
+
+
+def prmt(a: torch.Tensor, b: int, selector: int) -> torch.Tensor:
+    """PTX prmt.b32 (default mode) of int64-held 32-bit words a and the constant b."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [torch.full_like(a, (b >> (8 * i)) & 0xFF) for i in range(4)]
+    out = torch.zeros_like(a)
+    for i in range(4):
+        out |= src[(selector >> (4 * i)) & 0x7] << (8 * i)
+    return out
+
+
+def bf16_lanes(word: torch.Tensor) -> torch.Tensor:
+    """The two bf16 lanes (low first) of int64-held 32-bit words, [..., 2] bf16."""
+    lanes = torch.stack([word & 0xFFFF, (word >> 16) & 0xFFFF], -1)
+    return (lanes - ((lanes & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+
+
+def factor(bits: torch.Tensor) -> torch.Tensor:
+    return (bits - ((bits & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+
+
+def kernel_values(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bf16: what to_bf16 writes for the 4 E4M3 bytes of each word under its block's scale byte."""
+    one = scale.clamp(max=mx_operand.SINGLE_MAX)
+    f1 = factor((one + 120) << 7)
+    f2 = torch.where(scale == 255, torch.full_like(scale, 0x7FC0), (scale - 7) << 7)
+    out = []
+    for selector in (mx_operand.LOW_SELECTOR, mx_operand.HIGH_SELECTOR):
+        t = prmt(words, 0, selector)
+        r = (t & mx_operand.SIGN_BITS) | ((t >> 4) & mx_operand.MAG_BITS)
+        v = bf16_lanes(r) * f1.unsqueeze(-1)  # mul.rn.bf16x2
+        second = (scale > mx_operand.SINGLE_MAX).unsqueeze(-1)
+        out.append(torch.where(second, v * factor(f2).unsqueeze(-1), v))
+    return torch.cat(out, -1)
+
+
+def test_every_byte_in_every_position_under_every_scale_is_dequantize():
+    # data [256 scales, 256 words, 32 bytes]: byte j of word w is (w + 67 j) % 256, so every byte value sits in
+    # every position of a word; one block of 32 per (scale, word)
+    scales = torch.arange(256, dtype=torch.int64)
+    w = torch.arange(256).unsqueeze(1)
+    block = (w + 67 * torch.arange(32).unsqueeze(0)) % 256  # [256 words, 32]
+    data = block.unsqueeze(0).expand(256, -1, -1).to(torch.uint8).contiguous()
+    scale_bytes = scales.view(256, 1, 1).expand(-1, 256, 1).to(torch.uint8).contiguous()
+    want = dequantize(MXFP8Tensor(data.view(torch.float8_e4m3fn), scale_bytes, 2), torch.bfloat16)
+
+    words = data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [256, 256, 8] little-endian words
+    got = kernel_values(words, scales.view(256, 1, 1).expand(-1, 256, 8)).reshape(256, 256, 32)
+
+    nan_byte = (data & 0x7F) == 0x7F
+    finite_scale = scale_bytes != 255
+    same = got.view(torch.int16) == want.view(torch.int16)
+    both_nan = got.isnan() & want.isnan()
+    agree = same | both_nan
+    # every value agrees except the E4M3 NaN bytes under a finite scale, which the host keeps off this path
+    # (cuda_mx.nan_free); those come out finite where dequantize gives NaN
+    assert bool(agree[~(nan_byte & finite_scale)].all())
+    assert bool(want[nan_byte & finite_scale].isnan().all()) and not bool(got[nan_byte & finite_scale].isnan().any())
+    # the cases the recipe distinguishes are all present: subnormal E4M3, the two-multiply scales, bf16 subnormal
+    # and overflowing results, NaN blocks
+    assert bool((want[:, :, :].abs() < 2.0**-126).any()) and bool(want.isinf().any())
+    assert bool((scales > mx_operand.SINGLE_MAX).any()) and bool(want[255].isnan().all())
+
+
+def test_selectors_put_each_byte_into_its_lane():
+    """Bytes 0..3 (elements k..k + 3) of a word: the low pair's lanes hold bytes 0, 1, the high pair's 2, 3,
+    each in its lane's high byte."""
+    words = torch.tensor([0x3C2A1908], dtype=torch.int64)
+    assert int(prmt(words, 0, mx_operand.LOW_SELECTOR)) == (0x19 << 24) | (0x08 << 8)
+    assert int(prmt(words, 0, mx_operand.HIGH_SELECTOR)) == (0x3C << 24) | (0x2A << 8)
