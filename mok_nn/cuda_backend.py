@@ -423,16 +423,17 @@ def _grouped_gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule) -> torch.Ten
 
     if _use_torch_gemm():
         return run_bf16()
+    return cuda_mx.verified("mok_gemm_bk_mx", sched, lambda: gemm_mx(a, w, sched), run_bf16)
 
-    def run_mx():
-        b, pairs = w.kernel_operands()
-        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
-        name = "mok_gemm_bk_mx"
-        _lib().launch(name, a.unsqueeze(-1), b, pairs, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
-                      sched.seg_rows_for(name), gemm_group_m(out.shape[1]), stream=_stream())
-        return out
 
-    return cuda_mx.verified("mok_gemm_bk_mx", sched, run_mx, run_bf16)
+def gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule) -> torch.Tensor:
+    """mok_gemm_bk_mx: [M, N] bf16, row r a[r] @ W_q[e(r)]^T; rows past the last segment unwritten."""
+    b, pairs = w.kernel_operands()
+    out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    name = "mok_gemm_bk_mx"
+    _lib().launch(name, a.unsqueeze(-1), b, pairs, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+                  sched.seg_rows_for(name), gemm_group_m(out.shape[1]), stream=_stream())
+    return out
 
 
 def grouped_gemm_push(a: torch.Tensor, w: torch.Tensor, sched: Schedule, dst_base: torch.Tensor,
@@ -482,21 +483,23 @@ def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: s
 
 def _gate_up_act_mx(a: torch.Tensor, w: MxWeight, sched: Schedule, activation: str, swiglu_limit):
     """gate_up_act with W13 as MXFP8, by mok_gemm_gate_up_<act>_mx (checked on first use: cuda_mx.verified)."""
+    return cuda_mx.verified(f"mok_gemm_gate_up_{activation}_mx", sched,
+                            lambda: gate_up_act_mx(a, w, sched, activation, swiglu_limit),
+                            lambda: gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
+
+
+def gate_up_act_mx(a: torch.Tensor, w: MxWeight, sched: Schedule, activation: str, swiglu_limit):
+    """mok_gemm_gate_up_<act>_mx: (gate_up, h) as gate_up_act gives them for W13 = W_q."""
     name = f"mok_gemm_gate_up_{activation}_mx"
-
-    def run_mx():
-        m, two_i = a.shape[0], w.shape[1]
-        gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
-        h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-        b, pairs = w.kernel_operands()
-        limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
-        _lib().launch(name, a.unsqueeze(-1), b, pairs, gate_up.unsqueeze(-1), h.unsqueeze(-1), sched.tile_expert,
-                      sched.seg_end, sched.seg_rows_for(name), limit, gemm_group_m(two_i, tile_n_of(name)),
-                      stream=_stream())
-        return gate_up, h
-
-    return cuda_mx.verified(name, sched, run_mx, lambda: gate_up_act(a, w.dequantized(), sched, activation,
-                                                                     swiglu_limit))
+    m, two_i = a.shape[0], w.shape[1]
+    gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
+    h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
+    b, pairs = w.kernel_operands()
+    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
+    _lib().launch(name, a.unsqueeze(-1), b, pairs, gate_up.unsqueeze(-1), h.unsqueeze(-1), sched.tile_expert,
+                  sched.seg_end, sched.seg_rows_for(name), limit, gemm_group_m(two_i, tile_n_of(name)),
+                  stream=_stream())
+    return gate_up, h
 
 
 def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, k: int = 0) -> str:

@@ -1,0 +1,129 @@
+"""cuda_mx on the CPU: the scale pairs the MXFP8 GEMMs read, the NaN-byte guard, when the fused forward takes
+MXFP8-only weights as MXFP8, and the first-use check (its verdicts and fallbacks). The kernels themselves run in
+tests/gpu/test_mx_gemm_cuda.py."""
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from mok_nn import cuda_mx
+from mok_nn.mxfp8 import MXFP8Tensor, dequantize, quantize
+
+
+def _weight(E=3, N=40, K=192, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = quantize((torch.randn(E, N, K, generator=g) * 3).to(torch.bfloat16), axis=-1)
+    return cuda_mx.MxWeight(q.data, q.scale)
+
+
+def test_scale_pairs_hold_both_blocks_of_each_k_pair_rows_adjacent():
+    w = _weight()
+    pairs = cuda_mx.scale_pairs(w.scale)
+    E, N, KB = w.scale.shape
+    assert pairs.shape == (N, KB // 2, E) and pairs.stride() == (1, N, N * KB // 2) and pairs.dtype == torch.uint16
+    s = w.scale.long()
+    got = pairs.view(torch.int16).long() & 0xFFFF  # [N, K/64, E]
+    for e in range(E):
+        for j in range(KB // 2):
+            assert torch.equal(got[:, j, e], s[e, :, 2 * j] | (s[e, :, 2 * j + 1] << 8))
+    assert cuda_mx.scale_pairs(w.scale) is pairs  # kept while the scales are unchanged
+    w.scale[0, 0, 0] += 1
+    fresh = cuda_mx.scale_pairs(w.scale)
+    assert fresh is not pairs and int(fresh.view(torch.int16)[0, 0, 0]) & 0xFF == int(w.scale[0, 0, 0])
+
+
+def test_operand_views_and_dequantized():
+    w = _weight()
+    b, _ = w.kernel_operands()
+    E, N, K = w.shape
+    assert b.shape == (N, K, E) and b.stride() == (K, 1, N * K) and b.dtype == torch.uint8
+    assert torch.equal(b.permute(2, 0, 1), w.data.view(torch.uint8))
+    assert w.dtype == torch.bfloat16 and w.dim() == 3
+    assert torch.equal(w.dequantized(), dequantize(MXFP8Tensor(w.data, w.scale, 2), torch.bfloat16))
+
+
+def test_nan_bytes_only_in_nan_blocks_pass():
+    w = _weight()
+    assert cuda_mx.nan_free(w.data, w.scale)
+    data = w.data.view(torch.uint8)
+    scale = w.scale.clone()
+    scale[1, 5, 2] = 255  # a NaN block: its bytes may be anything
+    data[1, 5, 64 + 7] = 0x7F
+    assert cuda_mx.nan_free(w.data, scale)
+    data[2, 0, 3] = 0xFF  # an E4M3 NaN under a finite scale: the kernels would make it finite
+    assert not cuda_mx.nan_free(w.data, scale)
+    data[2, 0, 3] = 0x01
+    assert cuda_mx.nan_free(w.data, scale)  # the data changed (version): checked again
+
+
+def test_forward_reason():
+    w13, w2 = _weight(N=64, K=128), _weight(N=128, K=32)
+    cuda_ws = types.SimpleNamespace(backend="cuda", ep_size=1)
+    assert "EP = 1" in cuda_mx.forward_reason(types.SimpleNamespace(backend="torch", ep_size=1), w13.data, w13.scale,
+                                              w2.data, w2.scale, torch.bfloat16)
+    assert "EP = 1" in cuda_mx.forward_reason(types.SimpleNamespace(backend="cuda", ep_size=2), w13.data, w13.scale,
+                                              w2.data, w2.scale, torch.bfloat16)
+    assert "CUDA" in cuda_mx.forward_reason(cuda_ws, w13.data, w13.scale, w2.data, w2.scale, torch.bfloat16)
+    assert "CUDA" in cuda_mx.forward_reason(cuda_ws, w13.data, w13.scale, w2.data, w2.scale, torch.float32)
+
+
+def _sched(rows):
+    return types.SimpleNamespace(seg_end=torch.tensor([rows // 2, rows]))
+
+
+@pytest.fixture
+def fresh_verdicts(monkeypatch):
+    monkeypatch.setattr(cuda_mx, "_VERDICTS", {})
+
+
+def test_verified_agreeing_kernel_runs_alone_after_its_first_use(fresh_verdicts):
+    calls = []
+    good = torch.randn(6, 4).to(torch.bfloat16)
+    unwritten = torch.cat([good[:4], torch.full((2, 4), float("nan"), dtype=torch.bfloat16)])
+
+    def run_mx():
+        calls.append("mx")
+        return unwritten.clone()  # rows past the last segment (4) are not compared
+
+    def run_bf16():
+        calls.append("bf16")
+        return good.clone()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(cuda_mx.verified("k", _sched(4), run_mx, run_bf16)[:4], good[:4])
+        cuda_mx.verified("k", _sched(4), run_mx, run_bf16)
+    assert calls == ["mx", "bf16", "mx"]
+
+
+def test_verified_disagreeing_or_failing_kernel_is_dropped_with_a_warning(fresh_verdicts):
+    good = torch.randn(4, 4).to(torch.bfloat16)
+    off = good.clone()
+    off[1, 2] = -off[1, 2] - 1
+    calls = []
+
+    def run_bf16():
+        calls.append("bf16")
+        return good.clone()
+
+    with pytest.warns(RuntimeWarning, match="differ"):
+        got = cuda_mx.verified("k", _sched(4), lambda: off.clone(), run_bf16)
+    assert torch.equal(got, good)
+    got = cuda_mx.verified("k", _sched(4), lambda: pytest.fail("not run again"), run_bf16)
+    assert torch.equal(got, good) and calls == ["bf16", "bf16"]
+
+    def broken():
+        raise RuntimeError("launch failed")
+
+    with pytest.warns(RuntimeWarning, match="launch failed"):
+        got = cuda_mx.verified("k2", _sched(4), broken, run_bf16)
+    assert torch.equal(got, good)
+
+
+def test_verified_compares_bits_not_values(fresh_verdicts):
+    """-0.0 against +0.0 is a difference (a kernel must give the bf16 kernel's bits)."""
+    good = torch.zeros(4, 2, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="differ"):
+        cuda_mx.verified("k", _sched(4), lambda: -good, lambda: good.clone())
