@@ -27,30 +27,20 @@ _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, s
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
 
 
-@dataclass(eq=False)
-class MxWeight:
+@dataclass(frozen=True, eq=False)
+class MxWeight(MXFP8Tensor):
     """An expert weight [E, N, K] held as MXFP8 (E4M3 data, E8M0 scales in blocks of 32 along K), standing where
     W_q = dequantize(stored) in bf16 would: the fused forward's GEMMs read it as it is stored."""
 
-    data: torch.Tensor  # [E, N, K] float8_e4m3fn
-    scale: torch.Tensor  # [E, N, K / 32] uint8
-
+    axis: int = 2
     dtype = torch.bfloat16  # the values it stands for
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
 
     def dim(self) -> int:
         return self.data.dim()
 
     def dequantized(self) -> torch.Tensor:
         """W_q in bf16 (a new tensor)."""
-        return dequantize(MXFP8Tensor(self.data, self.scale, 2), torch.bfloat16)
+        return dequantize(self, torch.bfloat16)
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(b (N, K, E) uint8 K-major: the E4M3 bytes, pairs (N, K / 64, E) uint16 with N fastest: the scales
