@@ -8,8 +8,9 @@ weights is written, read or held. The results are bitwise those of the bf16 kern
 W_q as before (autograd.backward_expert_weights).
 
 Each of the two kernels is checked on its first use in a process (per device) against dequantize + the bf16
-kernel, bit for bit (one synchronisation); one that disagrees or fails is not used again in the process, with a
-warning, and W_q runs in its place.
+kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
+that disagrees or fails is not used again in the process, with a warning, and W_q runs in its place. The NaN-byte
+guard (nan_free) reads the weights once per change of them.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     """None where the fused forward reads these MXFP8-only weights as MXFP8 (MxWeight), else why not."""
     if workspace.backend != "cuda" or workspace.ep_size != 1:
         return "the MXFP8 GEMMs run on the fused path at EP = 1"
+    if torch.compiler.is_compiling():
+        return "not while torch.compile traces (the first-use check and the NaN-byte guard read values)"
     if dtype != torch.bfloat16 or not data13.is_cuda:
         return "the MXFP8 GEMMs take bf16 activations on CUDA"
     hidden, inter = data2.shape[1], data2.shape[2]
