@@ -146,6 +146,10 @@ class VarlenMGroupedGemm:
         self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
         # full_epi: one buffer per sub-tile, the whole output tile in smem.
         self.epi_stages = TILE_M * tile_n // (self.epi_tile[0] * self.epi_tile[1]) if full_epi else 4
+        if b_mx and not full_epi:
+            # 3 rotating buffers: with 4, the 4 A/B stages and the scale ring would take exactly the 227 KB a CTA
+            # may have (no margin for the static shared memory the kernel also declares); 3 leave 8 KB
+            self.epi_stages = 3
         # Ping-pong: each warp group has its own epi_stages buffers, barrier and storing warp.
         self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
         # Warps that release each A/B stage: both consumer warp groups, or (ping-pong) the one whose tile it is.
