@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mxfp8 import MXFP8Tensor, dequantize
+from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
@@ -50,31 +50,30 @@ class MxWeight(MXFP8Tensor):
         return self.data.view(torch.uint8).permute(1, 2, 0), scale_pairs(self.scale)
 
 
-def _state(t: torch.Tensor):
-    return t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.device
-
-
 def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
     """scale [E, N, K / 32] uint8 -> (N, K / 64, E) uint16 (a view of an [E, K / 64, N] array): the two scale
     bytes of K blocks 2j, 2j + 1 of row n of expert e in one little-endian word, rows of one K pair adjacent
-    (what one TMA box of a kernel stage reads). Cached while scale is unchanged."""
+    (what one TMA box of a kernel stage reads). Cached while scale is unchanged (mxfp8.weight_state; not for
+    tensors without a version counter)."""
+    state = weight_state(scale)
     hit = _PAIRS.get(scale)
-    if hit is not None and hit[0] == _state(scale):
+    if state is not None and hit is not None and hit[0] == state:
         return hit[1]
     e, n, kb = scale.shape
     pairs = scale.view(e, n, kb // 2, 2).permute(0, 2, 1, 3).contiguous().view(torch.uint16).view(e, kb // 2, n)
     pairs = pairs.permute(2, 1, 0)
-    _PAIRS[scale] = (_state(scale), pairs)
+    if state is not None:
+        _PAIRS[scale] = (state, pairs)
     return pairs
 
 
 def nan_free(data: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether no E4M3 NaN byte (0x7F / 0xFF) lies in a block whose scale is not the NaN scale 255 (the kernels
     would make such a byte a finite value; quantize never writes one). Checked a few experts at a time, once
-    while data and scale are unchanged."""
-    state = (_state(data), _state(scale))
+    while data and scale are unchanged (mxfp8.weight_state)."""
+    state = (weight_state(data), weight_state(scale))
     hit = _NAN_FREE.get(data)
-    if hit is not None and hit[0] == state:
+    if None not in state and hit is not None and hit[0] == state:
         return hit[1]
     e, n, k = data.shape
     step = max(1, (1 << 28) // max(1, n * k))  # experts per chunk: a bool byte per value, 256 MiB at most
@@ -84,7 +83,8 @@ def nan_free(data: torch.Tensor, scale: torch.Tensor) -> bool:
         if bool((nan_bytes.view(-1, n, k // 32, 32).any(-1) & (scale[a:a + step] != 255)).any()):
             ok = False
             break
-    _NAN_FREE[data] = (state, ok)
+    if None not in state:
+        _NAN_FREE[data] = (state, ok)
     return ok
 
 

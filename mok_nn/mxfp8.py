@@ -404,7 +404,7 @@ def weight_scope():
             _SCOPE.values = None
 
 
-def _weight_state(w: torch.Tensor):
+def weight_state(w: torch.Tensor):
     """What the cached values of w were computed from, or None where w cannot be cached (no version counter:
     inference tensors; tracing)."""
     if torch.compiler.is_compiling() or w.is_inference():
@@ -418,7 +418,7 @@ def mark_values(w: torch.Tensor, axis: int) -> None:
     unchanged, with no pass over it (requantising MXFP8 values along their own axis gives them back, in bf16 /
     fp32; except blocks whose values overflowed to inf, from scale bytes >= 248, which requantising would make
     NaN)."""
-    state = _weight_state(w)
+    state = weight_state(w)
     if state is not None and not w.requires_grad:
         _MX_WEIGHTS.setdefault(w, {})[axis] = (state, None)  # None: w itself (a reference would keep w alive)
 
@@ -427,7 +427,7 @@ def weight_values(w: torch.Tensor, axis: int, quantize=None) -> torch.Tensor:
     """fake_quantize_fast(w, axis), kept while w is unchanged and reused (see above). quantize(w, axis): what
     computes it on a miss (a backend's kernel giving the same bits; default fake_quantize_fast)."""
     quantize = quantize or fake_quantize_fast
-    state = _weight_state(w)
+    state = weight_state(w)
     scoped = getattr(_SCOPE, "values", None)
     if state is None or (w.requires_grad and scoped is None):
         return quantize(w.detach(), axis)

@@ -127,3 +127,14 @@ def test_verified_compares_bits_not_values(fresh_verdicts):
     good = torch.zeros(4, 2, dtype=torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="differ"):
         cuda_mx.verified("k", _sched(4), lambda: -good, lambda: good.clone())
+
+
+def test_inference_tensors_are_read_without_a_cache():
+    """Weights made under torch.inference_mode have no version counter: pairs and the guard are computed each
+    time (same values), not cached."""
+    with torch.inference_mode():
+        w = _weight()
+    pairs = cuda_mx.scale_pairs(w.scale)
+    assert torch.equal(pairs.view(torch.int16), cuda_mx.scale_pairs(w.scale).view(torch.int16))
+    assert w.scale not in cuda_mx._PAIRS
+    assert cuda_mx.nan_free(w.data, w.scale) and w.data not in cuda_mx._NAN_FREE
