@@ -401,9 +401,15 @@ def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
     """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N]).
-    W may be an MxWeight (transpose_w=False): mok_gemm_bk_mx reads it as MXFP8 (cuda_mx)."""
+    W may be an MxWeight (transpose_w=False): mok_gemm_bk_mx reads it as MXFP8, checked on first use against
+    the bf16 kernel on W_q (cuda_mx.verified)."""
     if isinstance(w, MxWeight):
-        return _grouped_gemm_mx(a, w, sched)
+        if transpose_w:
+            raise ValueError("an MxWeight is read along K (the forward's GEMMs), not transposed")
+        if not _use_torch_gemm():
+            return cuda_mx.verified("mok_gemm_bk_mx", sched, lambda: gemm_mx(a, w, sched),
+                                    lambda: grouped_gemm(a, w.dequantized(), sched, transpose_w=False))
+        w = w.dequantized()  # the torch oracle (MOK_GEMM=torch)
     m = a.shape[0]
     if _use_torch_gemm():
         wt = w if transpose_w else w.transpose(1, 2)
@@ -418,23 +424,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     return out
 
 
-def _grouped_gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule) -> torch.Tensor:
-    """a[r] @ W_q[e(r)]^T, W_q = w dequantised, by mok_gemm_bk_mx (checked on first use: cuda_mx.verified)."""
-    def run_bf16():
-        return grouped_gemm(a, w.dequantized(), sched, transpose_w=False)
-
-    if _use_torch_gemm():
-        return run_bf16()
-    return cuda_mx.verified("mok_gemm_bk_mx", sched, lambda: gemm_mx(a, w, sched), run_bf16)
-
-
 def gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule) -> torch.Tensor:
-    """mok_gemm_bk_mx: [M, N] bf16, row r a[r] @ W_q[e(r)]^T; rows past the last segment unwritten."""
-    b, pairs = w.kernel_operands()
+    """mok_gemm_bk_mx, unchecked: [M, N] bf16, row r a[r] @ W_q[e(r)]^T; rows past the last segment unwritten."""
     out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
-    name = "mok_gemm_bk_mx"
-    _lib().launch(name, a.unsqueeze(-1), b, pairs, out.unsqueeze(-1), sched.tile_expert, sched.seg_end,
-                  sched.seg_rows_for(name), gemm_group_m(out.shape[1]), stream=_stream())
+    launch_gemm("mok_gemm_bk_mx", a, w.kernel_operands(), out, sched)
     return out
 
 
@@ -462,45 +455,36 @@ def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
     return inter % (GEMM_TILE_N // 2) == 0 and activation in FUSED_ACT_ACTIVATIONS and not has_bias
 
 
-def gate_up_act(a: torch.Tensor, w: torch.Tensor, sched: Schedule, activation: str, swiglu_limit):
+def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit):
     """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel.
 
-    Rows past the last segment are left unwritten (as act_forward leaves h). W13 may be an MxWeight:
-    mok_gemm_gate_up_<act>_mx reads it as MXFP8 (cuda_mx).
+    Rows past the last segment are left unwritten (as act_forward leaves h). W13 may be an MxWeight: its kernel
+    reads it as MXFP8, checked on first use against the bf16 kernel on W_q (cuda_mx.verified).
     """
     if isinstance(w, MxWeight):
-        return _gate_up_act_mx(a, w, sched, activation, swiglu_limit)
+        return cuda_mx.verified(f"mok_gemm_gate_up_{activation}_mx", sched,
+                                lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit),
+                                lambda: launch_gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
+    return launch_gate_up_act(a, w, sched, activation, swiglu_limit)
+
+
+def launch_gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit):
+    """gate_up_act's kernel, unchecked: for bf16 W13 mok_gemm_gate_up_<act>_ppc or _ef (pingpong("act", H)), for
+    an MxWeight mok_gemm_gate_up_<act>_mx (its E4M3 bytes and scale pairs in B's place)."""
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    name = f"mok_gemm_gate_up_{activation}" + ("_ppc" if pingpong("act", a.shape[1]) else "_ef")
+    if isinstance(w, MxWeight):
+        name, b = f"mok_gemm_gate_up_{activation}_mx", w.kernel_operands()
+    else:
+        name = f"mok_gemm_gate_up_{activation}" + ("_ppc" if pingpong("act", a.shape[1]) else "_ef")
+        b = (w.permute(1, 2, 0),)
     group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
-        name, a.unsqueeze(-1), w.permute(1, 2, 0), gate_up.unsqueeze(-1),
+        name, a.unsqueeze(-1), *b, gate_up.unsqueeze(-1),
         h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name), limit, group_m, stream=_stream(),
     )  # fmt: skip
-    return gate_up, h
-
-
-def _gate_up_act_mx(a: torch.Tensor, w: MxWeight, sched: Schedule, activation: str, swiglu_limit):
-    """gate_up_act with W13 as MXFP8, by mok_gemm_gate_up_<act>_mx (checked on first use: cuda_mx.verified)."""
-    return cuda_mx.verified(f"mok_gemm_gate_up_{activation}_mx", sched,
-                            lambda: gate_up_act_mx(a, w, sched, activation, swiglu_limit),
-                            lambda: gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
-
-
-def gate_up_act_mx(a: torch.Tensor, w: MxWeight, sched: Schedule, activation: str, swiglu_limit):
-    """mok_gemm_gate_up_<act>_mx: (gate_up, h) as gate_up_act gives them for W13 = W_q."""
-    name = f"mok_gemm_gate_up_{activation}_mx"
-    m, two_i = a.shape[0], w.shape[1]
-    gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
-    h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
-    b, pairs = w.kernel_operands()
-    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
-    _lib().launch(name, a.unsqueeze(-1), b, pairs, gate_up.unsqueeze(-1), h.unsqueeze(-1), sched.tile_expert,
-                  sched.seg_end, sched.seg_rows_for(name), limit, gemm_group_m(two_i, tile_n_of(name)),
-                  stream=_stream())
     return gate_up, h
 
 
@@ -517,11 +501,13 @@ def gemm_kernel(transpose_w: bool, out_dtype=torch.bfloat16, k: int = 0) -> str:
 
 
 def launch_gemm(name: str, a, b, out, sched: Schedule) -> None:
-    """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view), out [M, N]. A _dyn kernel gets a
-    fresh zeroed tile counter (its CTAs claim tiles from it)."""
+    """One varlen-M grouped GEMM: a [M, K], b [N, K, E] (a strided view; for mok_gemm_bk_mx the pair
+    MxWeight.kernel_operands gives), out [M, N]. A _dyn kernel gets a fresh zeroed tile counter (its CTAs claim
+    tiles from it)."""
     counter = (torch.zeros(1, dtype=torch.int32, device=a.device),) if name.endswith("_dyn") else ()
+    b = b if isinstance(b, tuple) else (b,)
     _lib().launch(
-        name, a.unsqueeze(-1), b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name),
+        name, a.unsqueeze(-1), *b, out.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name),
         gemm_group_m(out.shape[1], tile_n_of(name)), *counter, stream=_stream(),
     )  # fmt: skip
 

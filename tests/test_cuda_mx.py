@@ -138,3 +138,35 @@ def test_inference_tensors_are_read_without_a_cache():
     assert torch.equal(pairs.view(torch.int16), cuda_mx.scale_pairs(w.scale).view(torch.int16))
     assert w.scale not in cuda_mx._PAIRS
     assert cuda_mx.nan_free(w.data, w.scale) and w.data not in cuda_mx._NAN_FREE
+
+
+def test_launches_fit_the_kernels_specs(monkeypatch):
+    """The host side of both MX kernels on a CPU stub library: each launch's arguments checked against the
+    registry spec as the real library checks them (count, dtypes, ranks, strides, divisibility), and the bf16
+    W13 still goes to its own kernel through the shared launcher."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn.kernels import loader
+
+    launched = []
+
+    class Stub:
+        def launch(self, name, *args, stream):
+            loader.check_launch_args(name, args, on_device=False)
+            launched.append(name)
+
+    monkeypatch.setattr(cb, "_lib", lambda: Stub())
+    monkeypatch.setattr(cb, "_stream", lambda: 0)
+    E, H, I = 4, 128, 128
+    ids = torch.randint(0, E, (50, 2), generator=torch.Generator().manual_seed(1))
+    sched = cb.make_schedule_torch(ids, E)
+    a = torch.zeros(sched.capacity, H, dtype=torch.bfloat16)
+    w13, w2 = _weight(E, 2 * I, H), _weight(E, H, I)
+    assert cb.gemm_mx(a, w13, sched).shape == (sched.capacity, 2 * I)
+    gate_up, h = cb.launch_gate_up_act(a, w13, sched, "swiglu", None)
+    assert gate_up.shape == (sched.capacity, 2 * I) and h.shape == (sched.capacity, I)
+    cb.launch_gate_up_act(a, w13.dequantized(), sched, "swiglu", None)
+    assert cb.gemm_mx(torch.zeros(sched.capacity, I, dtype=torch.bfloat16), w2, sched).shape == (sched.capacity, H)
+    assert launched == ["mok_gemm_bk_mx", "mok_gemm_gate_up_swiglu_mx", "mok_gemm_gate_up_swiglu_ppc",
+                        "mok_gemm_bk_mx"]
+    with pytest.raises(ValueError, match="along K"):
+        cb.grouped_gemm(a, w13, sched, transpose_w=True)

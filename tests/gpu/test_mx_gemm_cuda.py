@@ -84,11 +84,11 @@ def test_mx_gemms_are_the_bf16_kernels_on_w_q(case, extremes):
     if extremes and int(sched.seg_rows[0]):
         assert bool(gu[:rows].isnan().any())  # the NaN block reaches expert 0's rows
     if I % 128 == 0:
-        gate_up, h = cb.gate_up_act_mx(a, w13, sched, "swiglu", None)
+        gate_up, h = cb.launch_gate_up_act(a, w13, sched, "swiglu", None)
         want_gu, want_h = cb.gate_up_act(a, w13.dequantized(), sched, "swiglu", None)
         assert torch.equal(_bits(gate_up[:rows]), _bits(want_gu[:rows]))
         assert torch.equal(_bits(h[:rows]), _bits(want_h[:rows]))
-        _, h_again = cb.gate_up_act_mx(a, w13, sched, "swiglu", None)
+        _, h_again = cb.launch_gate_up_act(a, w13, sched, "swiglu", None)
         assert torch.equal(_bits(h[:rows]), _bits(h_again[:rows]))
 
     # down: N = H (a half tile past N where H % 256 == 128), K = I
