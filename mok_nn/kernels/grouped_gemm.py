@@ -718,13 +718,12 @@ class VarlenMGroupedGemm:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
-        if cutlass.const_expr(self.b_mx):  # A, two boxes of B's bytes, two of its scale pairs
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + 2 * (
-                cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
-                + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
+        if cutlass.const_expr(self.b_mx):  # + two boxes of B's bytes, two of its scale pairs
+            tx_bytes += 2 * (cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
+                             + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
+        else:
+            tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
         if cutlass.const_expr(self.pingpong):
             # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
             # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
