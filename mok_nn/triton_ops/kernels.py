@@ -241,13 +241,20 @@ def _order_key(v):
 
 
 @triton.jit
-def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # ROWS rows per program, a whole row (n_cols <= BLOCK) in registers; K rounds of the largest key, the winner
-    # then removed
+def _row_tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The tile of the row kernels (top-k, routing): this program's ROWS rows (int64) of a row-major
+    [n_rows, n_cols] array, columns 0 .. BLOCK - 1, which rows exist and which elements exist."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     c = tl.arange(0, BLOCK)
     live = r < n_rows
-    mask = live[:, None] & (c < n_cols)[None, :]
+    return r, c, live, live[:, None] & (c < n_cols)[None, :]
+
+
+@triton.jit
+def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS rows per program, a whole row (n_cols <= BLOCK) in registers; K rounds of the largest key, the winner
+    # then removed
+    r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
     v = tl.load(v_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
     key = _order_key(v)
     # unique keys: ties to the lower column by construction (whatever argmax does with equal values)
@@ -266,10 +273,7 @@ def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_row
                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # router.route for ROWS rows of fp32 logits: scores (softmax / sigmoid), the top-k of scores (+ bias) as
     # topk_kernel selects it, their scores as weights, renormalised and scaled
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    live = r < n_rows
-    mask = live[:, None] & (c < n_cols)[None, :]
+    r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
     x = tl.load(logits_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=-float("inf"))
     x = tl.where(live[:, None], x, 0.0)  # rows past the end: no NaN from an all -inf row
     if SOFTMAX:
@@ -305,10 +309,7 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, n_ro
                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # d logits of route_forward_kernel from d weights [rows, K] and (HAS_DS) d scores [rows, E]: through the
     # scaling and renormalisation to the selected scores, then through softmax / sigmoid
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    live = r < n_rows
-    mask = live[:, None] & (c < n_cols)[None, :]
+    r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
     s = tl.load(scores_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0)
     ds = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     if HAS_DS:
