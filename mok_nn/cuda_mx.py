@@ -104,17 +104,18 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     return None
 
 
-def _agree(got, want, rows: int) -> bool:
-    """Bit for bit in the first `rows` rows of each result (a tensor or a tuple of them)."""
+def _agree(got, want, rows: torch.Tensor) -> bool:
+    """Bit for bit in rows `rows` of each result (a tensor or a tuple of them)."""
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-    return all(torch.equal(a[:rows].view(torch.int16), b[:rows].view(torch.int16)) for a, b in zip(got, want))
+    return all(torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16)) for a, b in zip(got, want))
 
 
 def verified(kernel: str, sched, run_mx, run_bf16):
     """The result of run_mx(), or, where the kernel failed its first-use check (here or earlier in the process),
-    that of run_bf16() (dequantize + the bf16 kernel). On the first use both run and their rows up to the end
-    of the schedule's last segment (the kernels leave the rest unwritten) must agree bit for bit."""
-    device = sched.seg_end.device
+    that of run_bf16() (dequantize + the bf16 kernel). On the first use both run and their routed rows (sched.pos)
+    must agree bit for bit. A segment's padding rows are not compared: the bf16 kernels that skip all-padding
+    row blocks (_ppc, _dyn) give zeros there, while the MX kernels compute them from A's padding rows."""
+    device = sched.pos.device
     key = (kernel, str(device))
     verdict = _VERDICTS.get(key)
     if verdict is True:
@@ -124,8 +125,7 @@ def verified(kernel: str, sched, run_mx, run_bf16):
     try:
         got = run_mx()
         want = run_bf16()
-        rows = int(sched.seg_end[-1]) if sched.seg_end.numel() else 0
-        why = None if _agree(got, want, rows) else "its results differ from the bf16 kernel's on the dequantised weights"
+        why = None if _agree(got, want, sched.pos.reshape(-1)) else "its results differ from the bf16 kernel's on the dequantised weights"
     except Exception as err:  # noqa: BLE001 - a kernel that fails to launch here is not used
         got, why = None, f"{type(err).__name__}: {err}"
         want = run_bf16()

@@ -70,7 +70,8 @@ def test_forward_reason():
 
 
 def _sched(rows):
-    return types.SimpleNamespace(seg_end=torch.tensor([rows // 2, rows]))
+    """A schedule whose routed rows are 0 .. rows - 1 (pos, as the check reads them)."""
+    return types.SimpleNamespace(pos=torch.arange(rows).view(-1, 1))
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def test_verified_agreeing_kernel_runs_alone_after_its_first_use(fresh_verdicts)
 
     def run_mx():
         calls.append("mx")
-        return unwritten.clone()  # rows past the last segment (4) are not compared
+        return unwritten.clone()  # rows that are not routed rows (4, 5) are not compared
 
     def run_bf16():
         calls.append("bf16")

@@ -642,7 +642,8 @@ def _rule_kernels(T, H, I, E, k, activation, bias, sched):
 
 def test_expert_cases_cover_the_layer_kernels():
     """The rules pick, over EXPERT_CASES, every kernel of the one-GPU bf16 experts (the schedule's gather form
-    runs through the layer: test_cuda_layer.py; mok_mx_quant, precision="mxfp8"'s: test_mxfp8_cuda.py)."""
+    runs through the layer: test_cuda_layer.py; mok_mx_quant, precision="mxfp8"'s: test_mxfp8_cuda.py; the _mx
+    GEMMs of MXFP8-only weights: test_mx_gemm_cuda.py)."""
     from mok_nn import cuda_backend as cb
 
     seen = set()
@@ -651,7 +652,7 @@ def test_expert_cases_cover_the_layer_kernels():
         for part in _rule_kernels(T, H, I, E, k, act, bias, sched):
             seen.update(part)
     layer = {s.name for s in registry.SPECS if not s.name.startswith(("mok_ep_", "mok_combine_final"))
-             and not s.name.endswith(("_push", "_acc", "_peers")) and s.name not in ("mok_schedule_gather", "mok_gather_rows", "mok_mx_quant")}
+             and not s.name.endswith(("_push", "_acc", "_peers", "_mx")) and s.name not in ("mok_schedule_gather", "mok_gather_rows", "mok_mx_quant")}
     assert layer - seen == set()
     # the rules' thresholds, as the cases above assume them
     assert cb.PINGPONG_MAX_K == {"gemm": 1024, "act": 2048, "dact": 4096} and cb.GEMM_FULL_EPI_MAX_K == 8192
