@@ -6,7 +6,8 @@ profile) for Nsight Compute, e.g.
 
 gemm: gate_up (x rows @ W13^T), gate_up_act (the same with the activation in its epilogue), down (h @ W2^T),
 dgrad_gu (d gate_up @ W13), dact (the dgrad of down with the activation backward, fused where the layer
-fuses it). The kernel variant is the one the layer runs at this shape.
+fuses it). The kernel variant is the one the layer runs at this shape. --mx: the forward's GEMMs (gate_up,
+gate_up_act, down) of MXFP8-only weights, by the _mx kernels (the weights quantised from the bf16 ones).
 """
 import argparse
 
@@ -14,6 +15,8 @@ import torch
 
 from mok_nn import bench
 from mok_nn import cuda_backend as cb
+from mok_nn import cuda_mx
+from mok_nn.mxfp8 import quantize
 
 GEMMS = ("gate_up", "gate_up_act", "down", "dgrad_gu", "dact")
 
@@ -23,7 +26,10 @@ def main():
     ap.add_argument("--shape", default="deepseek-v3", choices=[s for s in bench.SHAPES if s != "tiny"])
     ap.add_argument("--gemm", default="gate_up", choices=GEMMS)
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--mx", action="store_true", help="MXFP8-only weights: the _mx kernels (forward GEMMs)")
     a = ap.parse_args()
+    if a.mx and a.gemm not in ("gate_up", "gate_up_act", "down"):
+        ap.error("--mx: the forward's GEMMs only (gate_up, gate_up_act, down)")
     p = bench.make_problem(a.shape, a.tokens, "cuda")
     W13, W2 = p["gate_up_proj"], p["down_proj"]
     sched = cb.make_schedule(p["ids"], W13.shape[0])
@@ -33,7 +39,12 @@ def main():
     def rand(cols):
         return torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
 
-    if a.gemm == "gate_up_act":
+    if a.mx:
+        mx13, mx2 = (cuda_mx.MxWeight(q.data, q.scale) for q in (quantize(W13, axis=-1), quantize(W2, axis=-1)))
+        call = {"gate_up": lambda: cb.gemm_mx(rows, mx13, sched),
+                "gate_up_act": lambda: cb.launch_gate_up_act(rows, mx13, sched, "swiglu", None),
+                "down": lambda: cb.gemm_mx(rand(two_i // 2), mx2, sched)}[a.gemm]
+    elif a.gemm == "gate_up_act":
         call = lambda: cb.gate_up_act(rows, W13, sched, "swiglu", None)  # noqa: E731
     elif a.gemm == "dact":
         gu, dy, w_rows = rand(two_i), rand(hidden), torch.rand(m, device="cuda")

@@ -16,11 +16,16 @@ mx_operand = pytest.importorskip("mok_nn.kernels.mx_operand")  # (needs the CuTe
 
 
 def prmt(a: torch.Tensor, b: int, selector: int) -> torch.Tensor:
-    """PTX prmt.b32 (default mode) of int64-held 32-bit words a and the constant b."""
+    """PTX prmt.b32 (default mode) of int64-held 32-bit words a and the constant b: result byte i is the byte
+    that selector nibble i names (bits 0..2), or with bit 3 set, that byte's top bit replicated."""
     src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [torch.full_like(a, (b >> (8 * i)) & 0xFF) for i in range(4)]
     out = torch.zeros_like(a)
     for i in range(4):
-        out |= src[(selector >> (4 * i)) & 0x7] << (8 * i)
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = src[nibble & 0x7]
+        if nibble & 0x8:
+            byte = ((byte >> 7) & 1) * 0xFF
+        out |= byte << (8 * i)
     return out
 
 
@@ -42,7 +47,7 @@ def kernel_values(words: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = []
     for selector in (mx_operand.LOW_SELECTOR, mx_operand.HIGH_SELECTOR):
         t = prmt(words, 0, selector)
-        r = (t & mx_operand.SIGN_BITS) | ((t >> 4) & mx_operand.MAG_BITS)
+        r = ((t << 4) & 0xFFFFFFFF) & mx_operand.LANE_BITS  # shl.b32, and.b32
         v = bf16_lanes(r) * f1.unsqueeze(-1)  # mul.rn.bf16x2
         second = (scale > mx_operand.SINGLE_MAX).unsqueeze(-1)
         out.append(torch.where(second, v * factor(f2).unsqueeze(-1), v))
@@ -79,7 +84,7 @@ def test_every_byte_in_every_position_under_every_scale_is_dequantize():
 
 def test_selectors_put_each_byte_into_its_lane():
     """Bytes 0..3 (elements k..k + 3) of a word: the low pair's lanes hold bytes 0, 1, the high pair's 2, 3,
-    each in its lane's high byte."""
-    words = torch.tensor([0x3C2A1908], dtype=torch.int64)
-    assert int(prmt(words, 0, mx_operand.LOW_SELECTOR)) == (0x19 << 24) | (0x08 << 8)
-    assert int(prmt(words, 0, mx_operand.HIGH_SELECTOR)) == (0x3C << 24) | (0x2A << 8)
+    each in its lane's low byte under its sign byte (0xFF for a negative byte)."""
+    words = torch.tensor([0xBC2A9908], dtype=torch.int64)
+    assert int(prmt(words, 0, mx_operand.LOW_SELECTOR)) == (0xFF99 << 16) | 0x0008
+    assert int(prmt(words, 0, mx_operand.HIGH_SELECTOR)) == (0xFFBC << 16) | 0x002A

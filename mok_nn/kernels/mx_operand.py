@@ -17,6 +17,7 @@ fence and a barrier before the wgmma reads them. Consumer thread t (of bn) conve
 The bits (per E4M3 byte b = s eeee mmm, block scale byte S):
 
     r = (s << 15) | (eeee mmm << 4)     as bf16: b's value times 2**-120, for normal and subnormal b alike
+                                        (PRMT: lane = b's sign byte : b; shift left 4; one mask)
     out = r * 2**(S - 7)                one bf16 multiply (mul.rn.bf16x2, no flush of subnormals), S <= 134
     out = (r * 2**127) * 2**(S - 134)   S > 134 (the first product is exact); S = 255: NaN (a NaN block)
 
@@ -51,16 +52,16 @@ def _asm_b32(ptx: str, *values):
     return f(*values)
 
 
-# The bits r of two E4M3 bytes as a bf16x2 word: PRMT puts bytes (LOW: 0, 1; HIGH: 2, 3) of the 32-bit word into
-# the high bytes of two 16-bit lanes (each lane s eeee mmm 0000 0000), then r = (t & SIGN) | ((t >> 4) & MAG).
-LOW_SELECTOR, HIGH_SELECTOR = 0x1404, 0x3424
-SIGN_BITS, MAG_BITS = 0x80008000, 0x07F007F0
+# The bits r of two E4M3 bytes as a bf16x2 word: PRMT makes each 16-bit lane b's byte with its sign byte above it
+# (selector nibbles 8 + i replicate byte i's top bit), so lane << 4 has s at bit 15 and eeee mmm at bits 10..4;
+# LANE_BITS keeps those (and drops the bits the shift moved across lanes). LOW: bytes 0, 1; HIGH: bytes 2, 3.
+LOW_SELECTOR, HIGH_SELECTOR = 0x9180, 0xB3A2
+LANE_BITS = 0x87F087F0
 
 
 def _e4m3_pair_ptx(selector: int) -> str:
-    return ("{ .reg .b32 t, u;"
-            f" prmt.b32 t, $1, 0, {selector:#x};"
-            f" shr.b32 u, t, 4; and.b32 u, u, {MAG_BITS:#x}; and.b32 t, t, {SIGN_BITS:#x}; or.b32 t, t, u;"
+    return ("{ .reg .b32 t;"
+            f" prmt.b32 t, $1, 0, {selector:#x}; shl.b32 t, t, 4; and.b32 t, t, {LANE_BITS:#x};"
             " mul.rn.bf16x2 $0, t, $2; }")  # times the bf16x2 factor $2
 
 
