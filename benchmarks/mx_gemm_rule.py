@@ -7,7 +7,7 @@ Per point: gate/up + SwiGLU (mok_gemm_gate_up_swiglu_mx against dequantize + the
 down (mok_gemm_bk_mx against dequantize + grouped_gemm's bf16 kernel), and the bf16 kernels alone on resident
 W_q for scale. The MX kernels read E4M3 bytes (about 1 byte per weight, read once per row tile); the other way
 writes and reads a bf16 copy (about 5 bytes per weight, once per call), so it wins where many rows share each
-expert. cuda_mx.MX_MAX_ROWS_PER_EXPERT is set from this table.
+expert. The crossover it finds per GEMM is what cuda_mx.MX_MAX_ROWS_PER_EXPERT (the forward's rule) should sit at.
 """
 
 from __future__ import annotations

@@ -401,15 +401,15 @@ def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
     """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N]).
-    W may be an MxWeight (transpose_w=False): mok_gemm_bk_mx reads it as MXFP8, checked on first use against
-    the bf16 kernel on W_q (cuda_mx.verified)."""
+    W may be an MxWeight (transpose_w=False): where cuda_mx.reads_mx, mok_gemm_bk_mx reads it as MXFP8, checked
+    on first use against the bf16 kernel on W_q (cuda_mx.verified); else it is dequantised for the bf16 kernel."""
     if isinstance(w, MxWeight):
         if transpose_w:
             raise ValueError("an MxWeight is read along K (the forward's GEMMs), not transposed")
-        if not _use_torch_gemm():
+        if not _use_torch_gemm() and cuda_mx.reads_mx(sched, w):
             return cuda_mx.verified("mok_gemm_bk_mx", sched, lambda: gemm_mx(a, w, sched),
                                     lambda: grouped_gemm(a, w.dequantized(), sched, transpose_w=False))
-        w = w.dequantized()  # the torch oracle (MOK_GEMM=torch)
+        w = w.dequantized()  # many rows per expert, or the torch oracle (MOK_GEMM=torch)
     m = a.shape[0]
     if _use_torch_gemm():
         wt = w if transpose_w else w.transpose(1, 2)
@@ -458,9 +458,12 @@ def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
 def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit):
     """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel.
 
-    Rows past the last segment are left unwritten (as act_forward leaves h). W13 may be an MxWeight: its kernel
-    reads it as MXFP8, checked on first use against the bf16 kernel on W_q (cuda_mx.verified).
+    Rows past the last segment are left unwritten (as act_forward leaves h). W13 may be an MxWeight: where
+    cuda_mx.reads_mx its kernel reads it as MXFP8, checked on first use against the bf16 kernel on W_q
+    (cuda_mx.verified); else it is dequantised for the bf16 kernel.
     """
+    if isinstance(w, MxWeight) and not cuda_mx.reads_mx(sched, w):
+        w = w.dequantized()
     if isinstance(w, MxWeight):
         return cuda_mx.verified(f"mok_gemm_gate_up_{activation}_mx", sched,
                                 lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit),

@@ -23,6 +23,12 @@ import torch
 from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
+# Mean routed rows per expert up to which an _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
+# each B tile once per row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy once
+# per call (a cost that grows with the weights). H200, one forward of the MXFP8-only frozen layer: the _mx GEMMs
+# won at 256 and 512 rows per expert (deepseek-v3 0.27x -> 0.59x the bf16 forward, qwen3 0.48x -> 0.68x) and
+# lost at 2048 (mixtral 0.67x -> 0.55x); docs/mxfp8.md.
+MX_MAX_ROWS_PER_EXPERT = 1024
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
@@ -102,6 +108,12 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     if not (nan_free(data13, scale13) and nan_free(data2, scale2)):
         return "E4M3 NaN bytes in blocks with a finite scale"
     return None
+
+
+def reads_mx(sched, w: MxWeight) -> bool:
+    """Whether an _mx GEMM takes this call (else dequantise + the bf16 kernel): at most MX_MAX_ROWS_PER_EXPERT
+    routed rows per expert on average (sched.pos: the routed rows; known on the host, no synchronisation)."""
+    return sched.pos.numel() <= MX_MAX_ROWS_PER_EXPERT * w.shape[0]
 
 
 def _agree(got, want, rows: torch.Tensor) -> bool:
