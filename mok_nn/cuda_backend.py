@@ -406,7 +406,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     if isinstance(w, MxWeight):
         if transpose_w:
             raise ValueError("an MxWeight is read along K (the forward's GEMMs), not transposed")
-        if not _use_torch_gemm() and cuda_mx.reads_mx(sched, w):
+        if not _use_torch_gemm() and cuda_mx.reads_mx("mok_gemm_bk_mx", sched, w):
             return cuda_mx.verified("mok_gemm_bk_mx", sched, lambda: gemm_mx(a, w, sched),
                                     lambda: grouped_gemm(a, w.dequantized(), sched, transpose_w=False))
         w = w.dequantized()  # many rows per expert, or the torch oracle (MOK_GEMM=torch)
@@ -462,10 +462,11 @@ def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_lim
     cuda_mx.reads_mx its kernel reads it as MXFP8, checked on first use against the bf16 kernel on W_q
     (cuda_mx.verified); else it is dequantised for the bf16 kernel.
     """
-    if isinstance(w, MxWeight) and not cuda_mx.reads_mx(sched, w):
+    kernel = f"mok_gemm_gate_up_{activation}_mx"
+    if isinstance(w, MxWeight) and not cuda_mx.reads_mx(kernel, sched, w):
         w = w.dequantized()
     if isinstance(w, MxWeight):
-        return cuda_mx.verified(f"mok_gemm_gate_up_{activation}_mx", sched,
+        return cuda_mx.verified(kernel, sched,
                                 lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit),
                                 lambda: launch_gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
     return launch_gate_up_act(a, w, sched, activation, swiglu_limit)

@@ -23,12 +23,13 @@ import torch
 from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
-# Mean routed rows per expert up to which an _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
-# each B tile once per row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy once
-# per call (a cost that grows with the weights). H200, one forward of the MXFP8-only frozen layer: the _mx GEMMs
-# won at 256 and 512 rows per expert (deepseek-v3 0.27x -> 0.59x the bf16 forward, qwen3 0.48x -> 0.68x) and
-# lost at 2048 (mixtral 0.67x -> 0.55x); docs/mxfp8.md.
-MX_MAX_ROWS_PER_EXPERT = 1024
+# Mean routed rows per expert up to which each _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
+# each B tile once per 128-row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy
+# once per call (a cost that grows with the weights). benchmarks/mx_gemm_rule.py on an H100, the three benchmark
+# shapes: gate/up + SwiGLU won by 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the
+# plain GEMM (down) won by 1.27-1.43x at 512 and lost by 10% at 1024 (qwen3, whose bf16 down is the clustered
+# ping-pong kernel). The H200's faster memory makes dequantising cheaper, hence no margin beyond these.
+MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1024}
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
@@ -110,10 +111,11 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     return None
 
 
-def reads_mx(sched, w: MxWeight) -> bool:
-    """Whether an _mx GEMM takes this call (else dequantise + the bf16 kernel): at most MX_MAX_ROWS_PER_EXPERT
-    routed rows per expert on average (sched.pos: the routed rows; known on the host, no synchronisation)."""
-    return sched.pos.numel() <= MX_MAX_ROWS_PER_EXPERT * w.shape[0]
+def reads_mx(kernel: str, sched, w: MxWeight) -> bool:
+    """Whether the _mx GEMM `kernel` takes this call (else dequantise + the bf16 kernel): at most
+    MX_MAX_ROWS_PER_EXPERT[kernel] routed rows per expert on average (sched.pos: the routed rows; its size is
+    known on the host, no synchronisation)."""
+    return sched.pos.numel() <= MX_MAX_ROWS_PER_EXPERT[kernel] * w.shape[0]
 
 
 def _agree(got, want, rows: torch.Tensor) -> bool:

@@ -174,8 +174,9 @@ def test_launches_fit_the_kernels_specs(monkeypatch):
 
 
 def test_many_rows_per_expert_take_the_dequantised_weights(monkeypatch, fresh_verdicts):
-    """grouped_gemm and gate_up_act give an MxWeight to the _mx kernels up to MX_MAX_ROWS_PER_EXPERT routed rows
-    per expert on average, and dequantise it for the bf16 kernels above (stub library: the launched names)."""
+    """grouped_gemm and gate_up_act give an MxWeight to their _mx kernel up to that kernel's
+    MX_MAX_ROWS_PER_EXPERT routed rows per expert on average, and dequantise it for the bf16 kernels above (stub
+    library: the launched names)."""
     from mok_nn import cuda_backend as cb
 
     launched = []
@@ -186,18 +187,21 @@ def test_many_rows_per_expert_take_the_dequantised_weights(monkeypatch, fresh_ve
 
     monkeypatch.setattr(cb, "_lib", lambda: Stub())
     monkeypatch.setattr(cb, "_stream", lambda: 0)
-    monkeypatch.setattr(cuda_mx, "MX_MAX_ROWS_PER_EXPERT", 25)
-    for kernel in ("mok_gemm_bk_mx", "mok_gemm_gate_up_swiglu_mx"):
+    monkeypatch.setattr(cuda_mx, "MX_MAX_ROWS_PER_EXPERT", {"mok_gemm_bk_mx": 25, "mok_gemm_gate_up_swiglu_mx": 50})
+    for kernel in cuda_mx.MX_MAX_ROWS_PER_EXPERT:
         cuda_mx._VERDICTS[(kernel, "cpu")] = True  # past their first-use check
     E, H, I = 4, 128, 128
     w13 = _weight(E, 2 * I, H)
-    for tokens, mx in ((50, True), (51, False)):  # 100 / 4 = 25 rows per expert: the _mx kernels; 102 / 4: not
+    bf16_gemm, bf16_act = cb.gemm_kernel(False, k=H), "mok_gemm_gate_up_swiglu_ppc"
+    # 2 routed rows per token over 4 experts: 25, 25.5, 50 and 50.5 rows per expert
+    for tokens, want in ((50, ["mok_gemm_bk_mx", "mok_gemm_gate_up_swiglu_mx"]),
+                         (51, [bf16_gemm, "mok_gemm_gate_up_swiglu_mx"]),
+                         (100, [bf16_gemm, "mok_gemm_gate_up_swiglu_mx"]),
+                         (101, [bf16_gemm, bf16_act])):
         ids = torch.randint(0, E, (tokens, 2), generator=torch.Generator().manual_seed(tokens))
         sched = cb.make_schedule_torch(ids, E)
         a = torch.zeros(sched.capacity, H, dtype=torch.bfloat16)
         launched.clear()
         cb.grouped_gemm(a, w13, sched, transpose_w=False)
         cb.gate_up_act(a, w13, sched, "swiglu", None)
-        want = ["mok_gemm_bk_mx", "mok_gemm_gate_up_swiglu_mx"] if mx else [cb.gemm_kernel(False, k=H),
-                                                                           "mok_gemm_gate_up_swiglu_ppc"]
         assert launched == want, tokens
