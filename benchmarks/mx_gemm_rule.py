@@ -16,24 +16,11 @@ import argparse
 import json
 
 import torch
+from steps import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from mok_nn import cuda_backend as cb
 from mok_nn import cuda_mx
 from mok_nn.bench import SHAPES
-
-
-def _ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _random_mx(E: int, N: int, K: int, g) -> cuda_mx.MxWeight:
@@ -74,7 +61,7 @@ def main(argv=None) -> None:
             }
             row = {"shape": shape, "H": H, "I": I, "E": E, "k": k, "tokens": T, "rows_per_expert": rpe}
             for name, fn in times.items():
-                row[f"{name}_ms"] = round(_ms(fn, args.iters), 4)
+                row[f"{name}_ms"] = round(median_ms(fn, args.iters), 4)
             for gemm in ("gate_up", "down"):
                 row[f"{gemm}_mx_speedup"] = round(row[f"{gemm}_dequant_ms"] / row[f"{gemm}_mx_ms"], 3)
             print(json.dumps(row), flush=True)

@@ -11,23 +11,10 @@ import argparse
 import json
 
 import torch
+from steps import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from mok_nn import cuda_backend as cb
 from mok_nn.mxfp8 import fake_quantize_fast
-
-
-def _ms(fn, iters=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> None:
@@ -51,7 +38,7 @@ def main(argv=None) -> None:
         row = {"operand": name, "mb": round(nbytes / 2**20, 1)}
         for impl, fn in (("mok_mx_quant", lambda: cb.mx_values(t, mode, s)), ("copy", lambda: t.clone()),
                          ("fake_quantize_fast", lambda: fake_quantize_fast(t, -1 if mode == cb.MX_ALONG_COLS else 0))):
-            ms = _ms(fn)
+            ms = median_ms(fn, 20)
             row[f"{impl}_ms"] = round(ms, 4)
             row[f"{impl}_gbps"] = round(nbytes / ms / 1e6, 1)
         print(json.dumps(row), flush=True)
