@@ -1,6 +1,7 @@
 """How close is mok_mx_quant to a plain copy? Effective bandwidth (bytes read + written per second) of each of its
 modes on qwen3-30b-a3b's operands, beside torch's copy of the same tensor and fake_quantize_fast (the torch ops it
-replaces), in one process on one GPU:
+replaces); and of mxfp8.dequantize (MXFP8-only weights, every call) on its expert weights beside a copy of the
+bf16 result; in one process on one GPU:
 
     PYTHONPATH=. MOK_KERNEL_CACHE=build/kernels python benchmarks/mx_quant_bandwidth.py [--out FILE.json]
 """
@@ -14,7 +15,7 @@ import torch
 from steps import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from mok_nn import cuda_backend as cb
-from mok_nn.mxfp8 import fake_quantize_fast
+from mok_nn.mxfp8 import dequantize, fake_quantize_fast, quantize
 
 
 def main(argv=None) -> None:
@@ -41,6 +42,18 @@ def main(argv=None) -> None:
             ms = median_ms(fn, 20)
             row[f"{impl}_ms"] = round(ms, 4)
             row[f"{impl}_gbps"] = round(nbytes / ms / 1e6, 1)
+        print(json.dumps(row), flush=True)
+        records.append(row)
+    for name, shape in (("W13 [E, 2I, H] dequantised", (E, 2 * I, H)), ("W2 [E, H, I] dequantised", (E, H, I))):
+        q = quantize(torch.randn(*shape, device="cuda", generator=g).bfloat16(), axis=-1)
+        out = dequantize(q, torch.bfloat16)
+        nbytes = q.data.numel() + q.scale.numel() + out.numel() * out.element_size()  # E4M3 + scales read, bf16 written
+        row = {"operand": name, "mb": round(nbytes / 2**20, 1)}
+        for impl, fn in (("dequantize", lambda: dequantize(q, torch.bfloat16)), ("copy", lambda: out.clone())):
+            ms = median_ms(fn, 20)
+            moved = nbytes if impl == "dequantize" else 2 * out.numel() * out.element_size()
+            row[f"{impl}_ms"] = round(ms, 4)
+            row[f"{impl}_gbps"] = round(moved / ms / 1e6, 1)
         print(json.dumps(row), flush=True)
         records.append(row)
     if args.out:
