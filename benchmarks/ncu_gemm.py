@@ -41,9 +41,10 @@ def main():
 
     if a.mx:
         mx13, mx2 = (cuda_mx.MxWeight(q.data, q.scale) for q in (quantize(W13, axis=-1), quantize(W2, axis=-1)))
+        h_rows = rand(two_i // 2) if a.gemm == "down" else None
         call = {"gate_up": lambda: cb.gemm_mx(rows, mx13, sched),
                 "gate_up_act": lambda: cb.launch_gate_up_act(rows, mx13, sched, "swiglu", None),
-                "down": lambda: cb.gemm_mx(rand(two_i // 2), mx2, sched)}[a.gemm]
+                "down": lambda: cb.gemm_mx(h_rows, mx2, sched)}[a.gemm]
     elif a.gemm == "gate_up_act":
         call = lambda: cb.gate_up_act(rows, W13, sched, "swiglu", None)  # noqa: E731
     elif a.gemm == "dact":
