@@ -20,7 +20,7 @@ from . import functional, mxfp8, ops
 from .autograd import MoKFunction, autocast_off, pass_bounds
 from .config import MoKConfig
 from .distributed import group_size_and_rank
-from .reference import ACTIVATIONS, compute_dtype
+from .reference import ACTIVATIONS
 
 logger = logging.getLogger("mok_nn")
 
@@ -61,11 +61,7 @@ class Router(nn.Module):
         return self
 
     def forward(self, x2d: torch.Tensor) -> torch.Tensor:
-        cdt = compute_dtype(x2d.dtype)
-        logits = x2d.to(cdt) @ self.weight.to(cdt).T
-        if self.bias is not None:
-            logits = logits + self.bias.to(cdt)
-        return logits
+        return routing.router_logits(x2d, self.weight, self.bias)
 
 
 _MX_WEIGHTS = ("gate_up_proj", "down_proj")

@@ -14,8 +14,53 @@ from __future__ import annotations
 import torch
 
 from . import triton_ops
+from .reference import compute_dtype
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def router_logits(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router logits x2d @ weight^T (+ bias) in the compute dtype (fp32 for 16-bit x).
+
+    The products of 16-bit values are exact in fp32 and are summed in fp32 either way. Where x and the weight are
+    bf16 (or fp16) on a CUDA GPU with 16-bit tensor cores, one tensor-core GEMM with an fp32 output computes them
+    (_TensorCoreLogits); elsewhere, and under torch.compile, x and the weight are cast to fp32 first (an FFMA GEMM
+    and an fp32 copy of x: on the H100 at qwen3's 8192 x 2048 tokens that took 0.15 ms of a 1.67 ms forward)."""
+    if _tensor_core_logits_run_on(x2d, weight):
+        logits = _TensorCoreLogits.apply(x2d, weight)
+    else:
+        cdt = compute_dtype(x2d.dtype)
+        logits = x2d.to(cdt) @ weight.to(cdt).T
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    return logits
+
+
+def _tensor_core_logits_run_on(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2d.dtype
+            and weight.device == x2d.device and not torch.compiler.is_compiling()
+            and torch.cuda.get_device_capability(x2d.device) >= (8, 0))
+
+
+class _TensorCoreLogits(torch.autograd.Function):
+    """fp32 x @ w^T of 16-bit x and w by torch.mm(..., out_dtype=torch.float32). The backward is the fp32 one of
+    x.float() @ w.float().T (d logits stay fp32), with the fp32 copy of x made there instead of kept from the
+    forward: 4 bytes per element of x less activation memory (64 MB at qwen3's 8192 tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, w = ctx.saved_tensors
+        d_x = d_w = None
+        if ctx.needs_input_grad[0]:
+            d_x = d_logits.mm(w.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            d_w = x.float().t().mm(d_logits).t().to(w.dtype)
+        return d_x, d_w
 
 
 def compute_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
