@@ -2,6 +2,7 @@
 router, top-k and weights included; --forward: the forward alone), and how long does each take?
 
     python benchmarks/profile_layer.py [--shape deepseek-v3] [--tokens 8192] [--layer] [--forward]
+                                       [--backend cuda|torch] [--precision bf16|mxfp8]
 
 Runs the benchmark's mok_nn step under torch.profiler and prints the kernels sorted by total CUDA time;
 wall time above kernel time is the GPU waiting for the host.
@@ -24,9 +25,12 @@ def main():
     ap.add_argument("--top", type=int, default=30, help="kernels listed")
     ap.add_argument("--layer", action="store_true", help="the whole layer, not the routed experts alone")
     ap.add_argument("--forward", action="store_true", help="the forward alone")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "torch"])
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "mxfp8"])
     a = ap.parse_args()
     what = "forward" if a.forward else "forward+backward"
-    step = dict((layer_steps if a.layer else bench_steps)(a.shape, a.tokens))[what]
+    steps = layer_steps if a.layer else bench_steps
+    step = dict(steps(a.shape, a.tokens, backend=a.backend, precision=a.precision))[what]
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -42,7 +46,7 @@ def main():
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / a.reps / 1e3
-    print(f"{a.shape} {'layer' if a.layer else 'routed experts'}: {total:.3f} ms of kernel time per {what}, "
+    print(f"{a.shape} {'layer' if a.layer else 'routed experts'} ({a.backend}, {a.precision}): {total:.3f} ms of kernel time per {what}, "
           f"{wall:.3f} ms wall ({a.reps} reps)")
     for e in events[:a.top]:
         print(f"{e.device_time_total / a.reps / 1e3:9.3f} ms  x{e.count // a.reps:<3} {e.key[:110]}")

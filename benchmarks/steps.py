@@ -49,14 +49,14 @@ def torchrun_group():
     return dist.group.WORLD, rank, dist.get_world_size()
 
 
-def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False):
+def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False, backend="cuda", precision="bf16"):
     """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's routed experts (baseline: the torch
     baseline's, EP = 1) on the problem of mok_nn.bench (this rank's part at EP = ep_size), as the benchmark
     times them (gradients reset first)."""
     from mok_nn import bench
 
     p = bench.make_problem(shape, tokens, "cuda", ep_size=ep_size, ep_rank=ep_rank)
-    fn = bench.baseline_experts if baseline else bench.mok_experts("cuda", group)
+    fn = bench.baseline_experts if baseline else bench.mok_experts(backend, group, precision=precision)
     leaves = bench._leaves(p)
     x, w, gu, dn = leaves
 
@@ -73,13 +73,13 @@ def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False)
     return [("forward", fwd), ("forward+backward", fwd_bwd)]
 
 
-def layer_steps(shape, tokens):
+def layer_steps(shape, tokens, backend="cuda", precision="bf16"):
     """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's whole layer (MoKMoELayer: router, top-k, weights,
     routed experts) on the problem of mok_nn.bench, as its --layer mode times it."""
     from mok_nn import bench
 
     p = bench.make_problem(shape, tokens, "cuda")
-    fn = bench.mok_layer(shape, "cuda", p["x"].dtype)
+    fn = bench.mok_layer(shape, backend, p["x"].dtype, precision)
     x = p["x"].detach().clone().requires_grad_(True)
     leaves = [x, p["router"].to(x.dtype).requires_grad_(True), p["gate_up_proj"].detach().requires_grad_(True),
               p["down_proj"].detach().requires_grad_(True)]
