@@ -505,8 +505,8 @@ def _patch_block(block: nn.Module, fam: _Family, tf_major: int, *, precision, co
     layer.train(block.training)
     if router_dtype == "model":
         router_dtype = _original_router_dtype(block, fam)
-    if router_dtype is not None and router_dtype != torch.float32:
-        _router_in_dtype(layer.router, router_dtype)
+    if router_dtype is not None:  # fp32 too: x and W cast to fp32 as DeepSeek-V3's router does, not mok_nn's
+        _router_in_dtype(layer.router, router_dtype)  # tensor-core fp32 sums (router.router_logits) on CUDA
 
     # return value and router-logit capture of this transformers version
     v4 = tf_major < 5
@@ -547,7 +547,8 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
       PatchError.  None: every supported block; unsupported MoE blocks are left
       as they are and logged.
     router_dtype: None (default): router logits in fp32 from the block's weights,
-      mok_nn's routing.  "model": logits in the dtype the original router uses
+      mok_nn's routing (on CUDA bf16 products summed in fp32 on tensor cores, whose
+      rounding can differ from an fp32 GEMM's).  "model": logits in the dtype the original router uses
       (the model's dtype for Mixtral, Qwen, OLMoE and GPT-OSS; fp32 for
       DeepSeek-V3), so a bf16 model picks exactly the experts it picked before
       patching (fp32 logits can break near ties the other way).  A torch.dtype:
