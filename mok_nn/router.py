@@ -43,9 +43,12 @@ def _tensor_core_logits_run_on(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class _TensorCoreLogits(torch.autograd.Function):
-    """fp32 x @ w^T of 16-bit x and w by torch.mm(..., out_dtype=torch.float32). The backward is the fp32 one of
-    x.float() @ w.float().T (d logits stay fp32), with the fp32 copy of x made there instead of kept from the
-    forward: 4 bytes per element of x less activation memory (64 MB at qwen3's 8192 tokens)."""
+    """fp32 x @ w^T of 16-bit x and w by torch.mm(..., out_dtype=torch.float32), saving x and w (not an fp32 copy
+    of x: 64 MB less activation memory at qwen3's 8192 tokens).
+
+    Backward in bf16: d logits (fp32) is split exactly into three bf16 parts (_bf16_parts), so d x and d w are
+    again fp32 sums of exact products on tensor cores: d x one GEMM over the stacked parts, d w three GEMMs
+    summed in fp32. In fp16 (whose range cannot hold the parts) the fp32 GEMMs of x.float() and w.float()."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -56,11 +59,30 @@ class _TensorCoreLogits(torch.autograd.Function):
     def backward(ctx, d_logits):
         x, w = ctx.saved_tensors
         d_x = d_w = None
+        if x.dtype != torch.bfloat16:
+            if ctx.needs_input_grad[0]:
+                d_x = d_logits.mm(w.float()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                d_w = x.float().t().mm(d_logits).t().to(w.dtype)
+            return d_x, d_w
+        parts = _bf16_parts(d_logits)
         if ctx.needs_input_grad[0]:
-            d_x = d_logits.mm(w.float()).to(x.dtype)
+            d_x = torch.mm(torch.cat(parts, dim=1), w.repeat(3, 1), out_dtype=torch.float32).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            d_w = x.float().t().mm(d_logits).t().to(w.dtype)
+            hi, mid, lo = (torch.mm(p.t(), x, out_dtype=torch.float32) for p in parts)
+            d_w = ((hi + mid) + lo).to(w.dtype)
         return d_x, d_w
+
+
+def _bf16_parts(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hi, mid, lo) in bf16 with hi + mid + lo == d for fp32 d: each part takes the next 8 significant bits, and
+    each remainder is exact in fp32. Non-finite d (and finite d beyond bf16's largest value, which rounds to
+    inf) stay in hi alone."""
+    hi = d.to(torch.bfloat16)
+    rest = torch.where(hi.isfinite(), d - hi.float(), 0.0)
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return hi, mid, lo
 
 
 def compute_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:

@@ -10,14 +10,13 @@ from mok_nn import router as routing
 U32 = 2.0**-24  # fp32 unit roundoff
 
 
-def _sum_bound(x, w):
-    """Elementwise bound on an fp32 sum of the H exact products x_i w_i: blocked summation with at most
-    H / 16 sequential additions of partial sums (k = 16 per bf16 tensor-core step), each partial sum a tree of
-    depth at most 8, and a factor 2 for tensor cores' truncating adds: c u sum_i |x_i w_i|, c = 2 (H / 16 + 8).
-    A bf16 rounding anywhere on the way (2^-9 relative) is far outside it."""
-    h = x.shape[1]
-    c = 2 * (h / 16 + 8)
-    return c * U32 * (x.double().abs() @ w.double().abs().T)
+def _sum_bound(a, b):
+    """Elementwise bound on fp32 sums of the K exact products a[i, k] b[k, j]: blocked summation with at most
+    K / 16 sequential additions of partial sums (k = 16 per 16-bit tensor-core step), each partial sum a tree of
+    depth at most 8, and a factor 2 for tensor cores' truncating adds: c u sum_k |a b|, c = 2 (K / 16 + 8).
+    A 16-bit rounding anywhere on the way (2^-9 relative or more) is far outside it."""
+    c = 2 * (a.shape[1] / 16 + 8)
+    return c * U32 * (a.double().abs() @ b.double().abs())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -33,35 +32,52 @@ def test_logits_are_fp32_sums_of_exact_products_and_repeat(dtype, shape):
     assert torch.equal(got, routing.router_logits(x, w)), "not bitwise reproducible"
     exact = x.double() @ w.double().T
     err = (got.double() - exact).abs()
-    bound = _sum_bound(x, w)
+    bound = _sum_bound(x, w.T)
     assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
     # and it is not the bf16-rounded result: rounding the exact logits to the 16-bit dtype lands outside the bound
     rounded = (exact.to(dtype).double() - exact).abs()
     assert (rounded > bound).any()
 
 
-def test_bias_and_backward_match_the_fp32_formula():
+def test_bf16_parts_are_exact():
+    torch.manual_seed(3)
+    d = torch.randn(4096, 128, device="cuda") * torch.exp(torch.randn(4096, 128, device="cuda") * 8)
+    hi, mid, lo = routing._bf16_parts(d)
+    assert hi.dtype == mid.dtype == lo.dtype == torch.bfloat16
+    assert torch.equal(hi.double() + mid.double() + lo.double(), d.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_and_backward_against_float64(dtype):
     torch.manual_seed(1)
     t, h, e = 1000, 2048, 128
-    x = torch.randn(t, h, device="cuda").to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(e, h, device="cuda") / h**0.5).to(torch.bfloat16).requires_grad_(True)
-    b = torch.randn(e, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(t, h, device="cuda").to(dtype).requires_grad_(True)
+    w = (torch.randn(e, h, device="cuda") / h**0.5).to(dtype).requires_grad_(True)
+    b = torch.randn(e, device="cuda").to(dtype).requires_grad_(True)
     d = torch.randn(t, e, device="cuda")
     got = routing.router_logits(x, w, b)
-    gx, gw, gb = torch.autograd.grad(got, (x, w, b), d)
-    # the backward is that of x.float() @ w.float().T + b.float() (fp32 d logits), bit for bit
-    x2, w2, b2 = (v.detach().clone().requires_grad_(True) for v in (x, w, b))
-    want = x2.float() @ w2.float().T + b2.float()
-    wx, ww, wb = torch.autograd.grad(want, (x2, w2, b2), d)
-    assert torch.equal(gx, wx) and torch.equal(gw, ww) and torch.equal(gb, wb)
-    # and against float64: d x and d w are fp32 sums rounded once to bf16
-    for g, exact in ((gx, d.double() @ w.double()), (gw, d.double().T @ x.double())):
-        assert g.dtype == torch.bfloat16
+    grads = torch.autograd.grad(got, (x, w, b), d)
+    again = torch.autograd.grad(routing.router_logits(x, w, b), (x, w, b), d)
+    assert all(torch.equal(u, v) for u, v in zip(grads, again)), "backward not bitwise reproducible"
+    gx, gw, gb = grads
+    if dtype == torch.float16:  # the fp32 GEMMs of x.float() and w.float(), bit for bit
+        x2, w2, b2 = (v.detach().clone().requires_grad_(True) for v in (x, w, b))
+        want = torch.autograd.grad(x2.float() @ w2.float().T + b2.float(), (x2, w2, b2), d)
+        assert all(torch.equal(u, v) for u, v in zip(grads, want))
+    # d x and d w: fp32 sums of exact products (bf16: of the three bf16 parts of d), rounded once to the dtype
+    # (with d in its bf16 high part alone, d w's error would be about 2^-9 sum_t |d x|, some 25x the bound here)
+    u16 = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # unit roundoff of the dtype
+    for g, a, bb in ((gx, d, w.detach()), (gw, d.T, x.detach())):
+        exact = a.double() @ bb.double()
+        assert g.dtype == dtype
         err = (g.double() - exact).abs()
-        assert (err <= exact.abs() * 2.0**-8 + 1e-3 * exact.abs().max()).all()
+        bound = exact.abs() * u16 * 1.01 + _sum_bound(a, bb) * 4  # one rounding to the dtype; three parts
+        assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
+    exact = d.double().sum(0)
+    assert ((gb.double() - exact).abs() <= exact.abs() * u16 * 1.01 + t * U32 * d.double().abs().sum(0)).all()
     # logits with the bias: fp32 logits plus the bias, against float64
     exact = x.double() @ w.double().T + b.double()
-    bound = _sum_bound(x, w) + exact.abs() * U32 * 2
+    bound = _sum_bound(x, w.T) + exact.abs() * U32 * 2
     assert ((got.double() - exact).abs() <= bound).all()
 
 
@@ -77,4 +93,4 @@ def test_layer_router_uses_tensor_cores_and_keeps_no_fp32_copy_of_x():
     # what the forward keeps: the fp32 logits (plus allocator rounding), not a 4-byte copy of x (32 MiB)
     assert kept < logits.numel() * 4 + 2**20, kept
     exact = x.double() @ layer.router.weight.double().T
-    assert ((logits.double() - exact).abs() <= _sum_bound(x, layer.router.weight)).all()
+    assert ((logits.double() - exact).abs() <= _sum_bound(x, layer.router.weight.T)).all()
