@@ -7,10 +7,10 @@ scores, stable top-k, weights) timed forward+backward beside alternative forms o
            The same ids by definition; checked on every run. "fused" (CUDA, no expert groups): the whole routing
            after the GEMM as one Triton kernel each way (triton_ops.route, the layer's form there); scores
            within fp32 rounding, so its ids may differ on near-ties (reported).
-  GEMM     "fp32": x and the router weight cast to fp32, then mm (the layer's form) against "bf16_out_fp32":
-           torch.mm(x, W^T, out_dtype=torch.float32), bf16 products summed in fp32 on the tensor cores (CUDA
-           only, where torch has it; its backward as the fp32 form's). Not the same bits: the logits' largest
-           difference and the share of tokens whose experts change are reported.
+  GEMM     "tensor_cores": router.router_logits, the layer's form on CUDA (bf16 products summed in fp32 on the
+           tensor cores, forward and backward) against "fp32": x and the router weight cast to fp32, then mm (the
+           layer's form on CPU). Not the same bits: the logits' largest difference and the share of tokens whose
+           experts change are reported.
 
     python benchmarks/router_variants.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--device cuda]
 
@@ -40,28 +40,13 @@ ROUTING = {
 }
 
 
-class _Bf16OutFp32(torch.autograd.Function):
-    """x @ w^T with bf16 products summed in fp32 (torch.mm out_dtype, which has no derivative); the backward is the
-    fp32 form's (fp32 GEMMs, gradients cast to the inputs' dtypes), so only the forward differs."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return torch.mm(x, weight.T, out_dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return (grad @ weight.float()).to(x.dtype), (grad.T @ x.float()).to(weight.dtype)
-
-
 TOPK_FORMS = {"keys": routing.topk_by_keys, "sort": routing.topk_by_sort, "triton": triton_ops.topk_indices}
 
 
 def logits_of(x, weight, gemm: str):
     if gemm == "fp32":
         return x.float() @ weight.float().T
-    return _Bf16OutFp32.apply(x, weight)
+    return routing.router_logits(x, weight)
 
 
 def route(x, weight, bias, k, opts, gemm: str, topk: str):
@@ -100,7 +85,7 @@ def main(argv=None) -> int:
         weight.requires_grad_()
         bias = 0.1 * torch.randn(experts, device=dev, generator=g) if opts.get("bias") else None
         dw = torch.randn(args.tokens, top_k, device=dev, generator=g)
-        gemms = ["fp32"] + (["bf16_out_fp32"] if dev.type == "cuda" else [])
+        gemms = ["fp32"] + (["tensor_cores"] if dev.type == "cuda" else [])
         base_ids, _ = route(x, weight, bias, top_k, opts, "fp32", "keys")  # (both forms give these ids)
         base_logits = logits_of(x, weight, "fp32")
         for gemm in gemms:
