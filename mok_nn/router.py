@@ -36,8 +36,11 @@ def router_logits(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return logits
 
 
+_MM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dtype=) (torch 2.8 and later)
+
+
 def _tensor_core_logits_run_on(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2d.dtype
+    return (_MM_HAS_OUT_DTYPE and x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2d.dtype
             and weight.device == x2d.device and not torch.compiler.is_compiling()
             and torch.cuda.get_device_capability(x2d.device) >= (8, 0))
 
