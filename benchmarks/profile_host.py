@@ -32,7 +32,8 @@ def main():
         for _ in range(3):
             call()
     for name, call, reps in (("forward", fwd, 20), ("forward+backward", fwd_bwd, 8)):
-        print(f"{a.shape}{' layer' if a.layer else ''} {name}: host {host_ms_busy(call, reps):.3f} ms per call (GPU busy), "
+        what = f"{a.shape}{' layer' if a.layer else ''} {name}"
+        print(f"{what}: host {host_ms_busy(call, reps):.3f} ms per call (GPU busy), "
               f"call from an idle GPU {median_ms(call, 20):.3f} ms", flush=True)
 
     torch.cuda.synchronize()

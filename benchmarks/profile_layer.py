@@ -46,8 +46,8 @@ def main():
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / a.reps / 1e3
-    print(f"{a.shape} {'layer' if a.layer else 'routed experts'} ({a.backend}, {a.precision}): {total:.3f} ms of kernel time per {what}, "
-          f"{wall:.3f} ms wall ({a.reps} reps)")
+    region = f"{a.shape} {'layer' if a.layer else 'routed experts'} ({a.backend}, {a.precision})"
+    print(f"{region}: {total:.3f} ms of kernel time per {what}, {wall:.3f} ms wall ({a.reps} reps)")
     for e in events[:a.top]:
         print(f"{e.device_time_total / a.reps / 1e3:9.3f} ms  x{e.count // a.reps:<3} {e.key[:110]}")
 

@@ -40,8 +40,8 @@ _MM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dty
 
 
 def _tensor_core_logits_run_on(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_MM_HAS_OUT_DTYPE and x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2d.dtype
-            and weight.device == x2d.device and not torch.compiler.is_compiling()
+    return (_MM_HAS_OUT_DTYPE and x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x2d.dtype and weight.device == x2d.device and not torch.compiler.is_compiling()
             and torch.cuda.get_device_capability(x2d.device) >= (8, 0))
 
 
