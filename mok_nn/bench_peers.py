@@ -165,8 +165,8 @@ def _hf_config(shape: str):
 
 class HfPeer(Peer):
     """transformers' default experts (Qwen3MoeExperts, grouped_mm) and block (Qwen3MoeSparseMoeBlock), built on
-    the meta device: the benchmark's leaves enter through functional_call, the routing as the experts' top-k
-    arguments. The same code is the in-process "hf_default" row of `--backend torch`."""
+    the meta device: the benchmark's leaves are put in place of their parameters (bench.bind_params), the routing
+    as the experts' top-k arguments. The same code is the in-process "hf_default" row of `--backend torch`."""
 
     name = "hf_default"
     timed = "transformers Qwen3MoeExperts, default experts implementation (grouped_mm), routing given"
@@ -176,24 +176,24 @@ class HfPeer(Peer):
     def __init__(self, shape, device, dtype):
         super().__init__(shape, device, dtype)
         import torch
-        from torch.func import functional_call
+        from .bench import bind_params
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
 
-        self.call = functional_call
+        self.bind = bind_params
         with torch.device("meta"):
             self.experts_module = Qwen3MoeExperts(_hf_config(shape))
             self.block = Qwen3MoeSparseMoeBlock(_hf_config(shape))
 
     def experts(self, x, ids, w, gate_up, down):
-        return self.call(self.experts_module, {"gate_up_proj": gate_up, "down_proj": down}, (x, ids, w.to(x.dtype)))
+        return self.bind(self.experts_module, {"gate_up_proj": gate_up, "down_proj": down})(x, ids, w.to(x.dtype))
 
     def routing(self, x, router_w, top_k):
-        _logits, w, ids = self.call(self.block.gate, {"weight": router_w}, (x,))  # w in x's dtype, as the block
+        _logits, w, ids = self.bind(self.block.gate, {"weight": router_w})(x)  # w in x's dtype, as the block
         return ids, w
 
     def layer(self, x, router_w, gate_up, down, top_k):
         params = {"gate.weight": router_w, "experts.gate_up_proj": gate_up, "experts.down_proj": down}
-        return self.call(self.block, params, (x.view(1, *x.shape),)).view(x.shape)
+        return self.bind(self.block, params)(x.view(1, *x.shape)).view(x.shape)
 
 
 def _interleave(gate_up):
