@@ -11,6 +11,8 @@ on every device and every run (torch.topk makes no such promise).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import triton_ops
@@ -42,7 +44,13 @@ _MM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(..., out_dty
 def _tensor_core_logits_run_on(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
     return (_MM_HAS_OUT_DTYPE and x2d.is_cuda and x2d.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x2d.dtype and weight.device == x2d.device and not torch.compiler.is_compiling()
-            and torch.cuda.get_device_capability(x2d.device) >= (8, 0))
+            and _has_16bit_tensor_cores(x2d.device.index))
+
+
+@functools.cache
+def _has_16bit_tensor_cores(device_index: int) -> bool:
+    """sm_80 or later; cached: the capability query costs the host ~20 us, on every layer forward otherwise."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 class _TensorCoreLogits(torch.autograd.Function):
