@@ -462,13 +462,13 @@ def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_lim
     cuda_mx.reads_mx its kernel reads it as MXFP8, checked on first use against the bf16 kernel on W_q
     (cuda_mx.verified); else it is dequantised for the bf16 kernel.
     """
-    kernel = f"mok_gemm_gate_up_{activation}_mx"
-    if isinstance(w, MxWeight) and not cuda_mx.reads_mx(kernel, sched, w):
-        w = w.dequantized()
     if isinstance(w, MxWeight):
-        return cuda_mx.verified(kernel, sched,
-                                lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit),
-                                lambda: launch_gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
+        kernel = f"mok_gemm_gate_up_{activation}_mx"
+        if cuda_mx.reads_mx(kernel, sched, w):
+            return cuda_mx.verified(kernel, sched,
+                                    lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit),
+                                    lambda: launch_gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
+        w = w.dequantized()  # many rows per expert
     return launch_gate_up_act(a, w, sched, activation, swiglu_limit)
 
 

@@ -139,7 +139,8 @@ def verified(kernel: str, sched, run_mx, run_bf16):
     try:
         got = run_mx()
         want = run_bf16()
-        why = None if _agree(got, want, sched.pos.reshape(-1)) else "its results differ from the bf16 kernel's on the dequantised weights"
+        agree = _agree(got, want, sched.pos.reshape(-1))
+        why = None if agree else "its results differ from the bf16 kernel's on the dequantised weights"
     except Exception as err:  # noqa: BLE001 - a kernel that fails to launch here is not used
         got, why = None, f"{type(err).__name__}: {err}"
         want = run_bf16()
