@@ -548,8 +548,8 @@ def patch_model(model: nn.Module, *, precision: str = "bf16", config=None, ep_gr
       as they are and logged.
     router_dtype: None (default): router logits in fp32 from the block's weights,
       mok_nn's routing (on CUDA bf16 products summed in fp32 on tensor cores, whose
-      rounding can differ from an fp32 GEMM's).  "model": logits in the dtype the original router uses
-      (the model's dtype for Mixtral, Qwen, OLMoE and GPT-OSS; fp32 for
+      rounding can differ from an fp32 GEMM's).  "model": logits in the dtype the
+      original router uses (the model's dtype for Mixtral, Qwen, OLMoE and GPT-OSS; fp32 for
       DeepSeek-V3), so a bf16 model picks exactly the experts it picked before
       patching (fp32 logits can break near ties the other way).  A torch.dtype:
       logits in that dtype.  Scores, top-k and weights stay fp32 either way.
