@@ -75,18 +75,50 @@ def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16
     _store_bits(out_ptr + base, offs, out, mask)
 
 
+MX_FAST_MIN_E = tl.constexpr(-116)  # the float form is exact for blocks with e >= this (_mx_round_fast)
+
+
 @triton.jit
 def _mx_round_bits(bits, AXIS: tl.constexpr):
     # fp32 bits of the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile
     sign = bits & -(2**31)
     mag_bits = bits ^ sign
     # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
-    # pattern lies above inf's, and both give the biased exponent 255 the NaN rule below keys on)
+    # pattern lies above inf's, and both give the biased exponent 255 the NaN rule keys on)
     amax = tl.max(mag_bits, axis=AXIS)
     biased = (amax >> 23) & 0xFF
     e = biased - (127 + 8) + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.where(biased == 0, -127, e)
-    e = tl.expand_dims(tl.minimum(tl.maximum(e, -127), 127), AXIS)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    # Blocks of zeros or with e >= MX_FAST_MIN_E (every block of real data) take the float form, a third of the
+    # integer operations (the exact form is ALU-bound); a tile holding a block of tiny nonzero values the exact one.
+    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
+    if tl.min(fast.to(tl.int32), axis=0) == 1:
+        out = _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS))
+    else:
+        out = _mx_round_exact(mag_bits, tl.expand_dims(e, AXIS))
+    return tl.where(tl.expand_dims(biased == 255, AXIS), 0x7FC00000, out | sign)  # a block holding NaN / inf: NaN
+
+
+@triton.jit
+def _mx_round_fast(mag_bits, e):
+    # |x|'s bits -> the bits of its MXFP8 value at the block scale 2**e, in fp32 arithmetic; exact for
+    # e >= MX_FAST_MIN_E: |s| = |x| * 2**-e is exact where it is normal, and where it is not (or |x| is subnormal
+    # and flushed to zero), |s| < 2**-10 rounds to 0 on E4M3's grid either way; a nonzero result (>= 2**-9 * 2**e)
+    # is normal, so the multiply by 2**e is exact too (flushing nothing). Fused multiply-adds change nothing:
+    # every product here is exact.
+    s = mag_bits.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
+    # (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20): |s| rounded to E4M3's grid, ties to even (see below)
+    c_bits = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
+    c = c_bits.to(tl.float32, bitcast=True)
+    rounded = (s + c) - c
+    return (rounded * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mx_round_exact(mag_bits, e):
+    # |x|'s bits -> the bits of its MXFP8 value at the block scale 2**e, by integer operations wherever a value
+    # may be subnormal
     # |s| = |x| * 2**-e by integer operations (a subnormal x: its mantissa m as a float, times 2**-149); an |s|
     # below fp32's normal range rounds to 0 on E4M3's grid (its smallest step is 2**-9): taken as 0
     x_exp = mag_bits >> 23
@@ -99,8 +131,7 @@ def _mx_round_bits(bits, AXIS: tl.constexpr):
     c_bits = tl.maximum(s_bits & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
     c = c_bits.to(tl.float32, bitcast=True)
     rounded = ((s + c) - c).to(tl.int32, bitcast=True)
-    out = _times_pow2_bits(rounded, e) | sign
-    return tl.where(tl.expand_dims(biased == 255, AXIS), 0x7FC00000, out)  # a block holding NaN / inf: NaN
+    return _times_pow2_bits(rounded, e)
 
 
 @triton.jit

@@ -205,6 +205,24 @@ def test_fake_quantize_on_cuda_is_bitwise_the_cpu_one():
     assert all(ok for k, ok in triton_ops._VERDICTS.items() if k[0][0] == "fake_quantize")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("low", [-111, -104])
+def test_fake_quantize_float_form_at_its_edge(dtype, low):
+    """The kernels' float form (tiles whose blocks all have a scale exponent e >= -116) and their exact form (a
+    tile holding a block below) against mxfp8.fake_quantize on the CPU: block scales around e = -116, elements
+    down to 2**-131 (subnormal), blocks topped by 448 * 2**e; along either axis (both kernels)."""
+    from mok_nn import triton_ops
+    from mok_nn.mxfp8 import fake_quantize
+
+    g = torch.Generator().manual_seed(3 - low)
+    e = torch.randint(low, low + 6, (256, 8), generator=g).repeat_interleave(32, 1).float()
+    x = torch.randn(256, 256, generator=g) * torch.exp2(e) * torch.exp2(torch.randint(-20, 1, (256, 256), generator=g))
+    x[::7, ::32] = 448 * torch.exp2(e[::7, ::32] - 8)
+    x = x.to(dtype)
+    for axis in (0, 1):
+        assert _same_bits(triton_ops.fake_quantize(x.to(DEV), axis).cpu(), fake_quantize(x, axis)), axis
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "f16"])
 def test_dequantize_on_cuda_is_bitwise_the_cpu_one(dtype):
     """triton_ops.dequantize compiled (MXFP8-only expert weights, every call) against the CPU's torch ops: every E4M3
