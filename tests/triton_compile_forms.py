@@ -8,7 +8,9 @@ arguments. Prints one line per form, "ok <kernel> <form>" or "FAIL <kernel> <for
 failed. With --sass each "ok" line also gives the form's SASS instruction count and its global loads / stores by
 width (reading the SASS needs no GPU):
 
-    env -u TRITON_INTERPRET python tests/triton_compile_forms.py --sass The interpreter tests (tests/test_triton_ops.py) check what the kernels compute; this catches what only the
+    env -u TRITON_INTERPRET python tests/triton_compile_forms.py --sass
+
+The interpreter tests (tests/test_triton_ops.py) check what the kernels compute; this catches what only the
 compiler rejects (e.g. a global that is not a tl.constexpr).
 """
 
@@ -37,6 +39,8 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
+            # launch options are the compiler's, not the kernel's arguments
+            options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
             sig, aligned = {}, []
             names = [n for n in self.fn.arg_names if n not in meta]
             for name, a in zip(names, args):
@@ -55,8 +59,9 @@ class _Recorder:
             # as the JIT specialises a launch: pointers and integers that are multiples of 16 say so (the
             # vector width of loads and stores follows from it)
             attrs = {(i,): [["tt.divisibility", 16]] for i, ok in enumerate(aligned) if ok}
-            key = (self.fn.__name__, tuple(sig.items()), tuple(sorted(meta.items())), tuple(sorted(attrs)))
-            self.forms.setdefault(key, (self.fn, sig, meta, attrs))
+            every = tuple(sorted({**meta, **options}.items()))
+            key = (self.fn.__name__, tuple(sig.items()), every, tuple(sorted(attrs)))
+            self.forms.setdefault(key, (self.fn, sig, meta, attrs, options))
         return launch
 
 
@@ -121,12 +126,12 @@ def main(argv=None) -> int:
     sass = "--sass" in (sys.argv[1:] if argv is None else argv)  # also each form's SASS summary (sass_summary)
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for (name, sig, meta, _), (fn, signature, constexprs, attrs) in record_forms().items():
+    for (name, sig, meta, _), (fn, signature, constexprs, attrs, options) in record_forms().items():
         form = ", ".join([f"{k}={v}" for k, v in sig] + [f"{k}={v}" for k, v in meta])
         t0 = time.perf_counter()
         try:
             kernel = triton.compile(ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}},
-                                              constexprs=constexprs, attrs=attrs), target=target)
+                                              constexprs=constexprs, attrs=attrs), target=target, options=options)
             extra = f"; {sass_summary(kernel)}" if sass else ""
             print(f"ok {name} {form} ({time.perf_counter() - t0:.1f} s{extra})", flush=True)
         except Exception as err:  # noqa: BLE001 - every form is reported

@@ -3,9 +3,11 @@ builds): the portable backend's activation and MXFP8 quantisation, the MXFP8 deq
 the router's selection; everywhere else the torch ops run. In torch ops each of these steps is several to a dozen
 or more elementwise passes, over fp32 copies; here it is one read of the inputs and one write of the outputs.
 
-  fake_quantize       mxfp8.fake_quantize_fast's arithmetic step for step (fp32 and integer bit operations): the
-                      same bits. The tensor is seen as [outer, L, inner], blocks of 32 along L; a program takes 64
-                      blocks, consecutive along inner (or along L where inner is 1): coalesced loads either way.
+  fake_quantize       mxfp8.fake_quantize_fast's values, the same bits. The tensor is seen as [outer, L, inner],
+                      blocks of 32 along L; a program takes 64 blocks, consecutive along inner (or along L where
+                      inner is 1): coalesced loads either way. A tile whose blocks all have a scale exponent
+                      e >= -116 (real data) takes fp32 arithmetic, exact there; a tile holding a block of tiny
+                      nonzero values takes integer bit operations wherever a value may be subnormal.
   dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
                       the E4M3 bits and the scale combined into fp32 bits by integer operations, rounded once:
                       the same bits, one read of the bytes and one write (the torch ops: about six passes).
@@ -19,18 +21,19 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
                       topk_indices), weights, renormalisation and scaling forward (the torch ops: about eight
                       kernels); d logits from d weights and d scores backward
 
-The bit-exact kernels (fake_quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's normal
-range, which the compiled code may flush to zero: powers of two scale the exponent bits, bf16 rounds by integer
-operations. The activation and routing kernels compute the torch ops' formulas in fp32 (a score below the normal range
-may come out as zero), not their bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to
-run). act: "swiglu" silu(g) u, "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u
-to [-limit, limit], and the gradient does not pass a clamped element.
+The bit-exact kernels (fake_quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's
+normal range, which the compiled code may flush to zero, except where such a value's result is 0 either way
+(fake_quantize's float form): powers of two scale the exponent bits, bf16 rounds by integer operations. The
+activation and routing kernels compute the torch ops' formulas in fp32 (a score below the normal range may come out
+as zero), not their bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act:
+"swiglu" silu(g) u, "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit,
+limit], and the gradient does not pass a clamped element.
 
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
 replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, dequantize and
-topk_indices, fp32 / storage rounding for the activation and the routing): one synchronisation, once (so not inside a CUDA graph capture: run a call
-before capturing). A form that fails to compile or disagrees is not used again in the
-process; a warning says which and why, and the torch ops run in its place.
+topk_indices, fp32 / storage rounding for the activation and the routing): one synchronisation, once (so not inside
+a CUDA graph capture: run a call before capturing). A form that fails to compile or disagrees is not used again in
+the process; a warning says which and why, and the torch ops run in its place.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.numel() == 0:
         return out
+    axis %= x.dim()
     inner = 1
     for d in x.shape[axis + 1:]:
         inner *= d
