@@ -109,7 +109,7 @@ def _mx_round_fast(mag_bits, e):
     # is normal, so the multiply by 2**e is exact too (flushing nothing). Fused multiply-adds change nothing:
     # every product here is exact.
     s = mag_bits.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
-    # (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20): |s| rounded to E4M3's grid, ties to even (see below)
+    # (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20): |s| rounded to E4M3's grid, ties to even (as in _mx_round_exact)
     c_bits = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
     c = c_bits.to(tl.float32, bitcast=True)
     rounded = (s + c) - c
