@@ -109,10 +109,7 @@ def _mx_round_fast(mag_bits, e):
     # is normal, so the multiply by 2**e is exact too (flushing nothing). Fused multiply-adds change nothing:
     # every product here is exact.
     s = mag_bits.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
-    # (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20): |s| rounded to E4M3's grid, ties to even (as in _mx_round_exact)
-    c_bits = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
-    c = c_bits.to(tl.float32, bitcast=True)
-    rounded = (s + c) - c
+    rounded = _e4m3_grid(s)
     return (rounded * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
 
 
@@ -127,12 +124,17 @@ def _mx_round_exact(mag_bits, e):
     src = tl.where(sub_x, (mag_bits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True), mag_bits)
     shift = tl.where(sub_x, -149, 0) - e
     s_bits = tl.where((src >> 23) + shift >= 1, src + (shift << 23), 0)
-    s = s_bits.to(tl.float32, bitcast=True)
-    # C = 1.5 * 2**(max(E, -6) + 20) for |s|'s exponent E: (|s| + C) - C rounds |s| to E4M3's grid, ties to even
-    c_bits = tl.maximum(s_bits & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
-    c = c_bits.to(tl.float32, bitcast=True)
-    rounded = ((s + c) - c).to(tl.int32, bitcast=True)
+    rounded = _e4m3_grid(s_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
     return _times_pow2_bits(rounded, e)
+
+
+@triton.jit
+def _e4m3_grid(s):
+    # |s| (fp32, >= +0, at most 448) rounded to E4M3's grid, ties to even: (|s| + C) - C with
+    # C = 1.5 * 2**(max(E, -6) + 20) for |s|'s exponent E
+    c_bits = tl.maximum(s.to(tl.int32, bitcast=True) & 0x7F800000, (127 - 6) << 23) + ((20 << 23) | (1 << 22))
+    c = c_bits.to(tl.float32, bitcast=True)
+    return (s + c) - c
 
 
 @triton.jit
