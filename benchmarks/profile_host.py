@@ -2,20 +2,92 @@
 then cProfile of the host side.
 
     python benchmarks/profile_host.py [--shape qwen3-30b-a3b] [--tokens 8192] [--top 22] [--long] [--layer]
+                                      [--segments]
 
 The GPU is kept busy (torch.cuda._sleep) while the host issues the calls, so the host's time per call is its
 own issue time, not a wait for the GPU. A forward whose host time is above its GPU time leaves the GPU idle
 (the benchmark times each call from an idle GPU). Then cProfile of 20 forward calls: the Python functions
 with the most host time (--long: also by cumulative time, and the callers of the costly builtins).
+--segments: instead of cProfile (whose per-call overhead inflates call-heavy code), when each step of a
+forward starts and ends on the host (perf_counter, the GPU busy), in us from the forward's start: where the
+host time goes before the gate/up GEMM's launch, which an idle GPU waits for.
 """
 import argparse
 import cProfile
+import functools
+import importlib
 import pstats
+import time
 
 import torch
 
 from mok_nn import bench
 from steps import bench_steps, host_ms_busy, layer_steps, median_ms  # benchmarks/ is on sys.path when run as a script
+
+
+# (module, attribute): the steps of a forward whose host time --segments shows, outermost first
+SEGMENTS = [
+    ("mok_nn.layer", "MoKMoELayer.forward"), ("mok_nn.layer", "MoKMoELayer._check_input"),
+    ("mok_nn.router", "router_logits"), ("mok_nn.router", "route"), ("mok_nn.triton_ops", "route"),
+    ("mok_nn.layer", "MoKMoELayer._choose_backend"), ("mok_nn.layer", "MoKMoELayer._local_experts"),
+    ("mok_nn.functional", "get_workspace"), ("mok_nn.autograd", "MoKFunction.forward"),
+    ("mok_nn.autograd", "expert_weights"), ("mok_nn.functional", "build_schedule"),
+    ("mok_nn.cuda_backend", "make_schedule"), ("mok_nn.functional", "forward"),
+    ("mok_nn.cuda_backend", "launch_gate_up_act"), ("mok_nn.cuda_backend", "grouped_gemm"),
+    ("mok_nn.cuda_backend", "combine"), ("mok_nn.kernels.loader", "KernelLibrary.launch"),
+    ("triton.runtime.jit", "JITFunction.run"),
+]
+
+
+def segments(fwd, reps=50):
+    """Calls per forward and mean host start / end (us from the outermost step's start) of each SEGMENTS step;
+    "all calls": the span times the calls per forward."""
+    marks, origin = {}, [None]
+
+    def wrap(label, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            if origin[0] is None:
+                origin[0] = t
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.setdefault(label, []).append((t - origin[0], time.perf_counter() - origin[0]))
+        return timed
+
+    patched = []
+    for mod_name, attr in SEGMENTS:
+        owner = importlib.import_module(mod_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        orig = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if orig is None:
+            continue
+        fn = orig.__func__ if isinstance(orig, staticmethod) else orig
+        new = wrap(f"{mod_name.rsplit('.', 1)[-1]}.{attr}", fn)
+        setattr(owner, name, staticmethod(new) if isinstance(orig, staticmethod) else new)
+        patched.append((owner, name, orig))
+    try:
+        fwd()  # (the first call through the wrappers)
+        marks.clear()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)
+        for _ in range(reps):
+            origin[0] = None
+            fwd()
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, orig in patched:
+            setattr(owner, name, orig)
+    print(f"host steps of one forward (mean of {reps}, GPU busy), us from its start:")
+    print(f"{'step':40s} {'calls':>5s} {'start':>8s} {'end':>8s} {'span':>8s} {'all calls':>9s}")
+    for label, spans in sorted(marks.items(), key=lambda kv: sum(s for s, _ in kv[1]) / len(kv[1])):
+        n = len(spans)
+        start = sum(s for s, _ in spans) / n * 1e6
+        end = sum(e for _, e in spans) / n * 1e6
+        print(f"{label:40s} {n / reps:5.1f} {start:8.1f} {end:8.1f} {end - start:8.1f} {(end - start) * n / reps:9.1f}")
 
 
 def main():
@@ -25,6 +97,7 @@ def main():
     ap.add_argument("--top", type=int, default=22, help="rows of each cProfile table")
     ap.add_argument("--long", action="store_true")
     ap.add_argument("--layer", action="store_true", help="the whole layer (MoKMoELayer) instead of the routed experts")
+    ap.add_argument("--segments", action="store_true", help="host start / end of each step of a forward, no cProfile")
     a = ap.parse_args()
     steps = layer_steps if a.layer else bench_steps
     fwd, fwd_bwd = (call for _, call in steps(a.shape, a.tokens))
@@ -35,6 +108,9 @@ def main():
         what = f"{a.shape}{' layer' if a.layer else ''} {name}"
         print(f"{what}: host {host_ms_busy(call, reps):.3f} ms per call (GPU busy), "
               f"call from an idle GPU {median_ms(call, 20):.3f} ms", flush=True)
+    if a.segments:
+        segments(fwd)
+        return
 
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)
