@@ -64,6 +64,13 @@ class Router(nn.Module):
         return routing.router_logits(x2d, self.weight, self.bias)
 
 
+def _plain_router(router: nn.Module) -> bool:
+    """Whether router is a Router whose call is its forward: no forward hooks, its own or global."""
+    return (type(router) is Router and "forward" not in router.__dict__ and not router._forward_hooks
+            and not router._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+
+
 _MX_WEIGHTS = ("gate_up_proj", "down_proj")
 _MX_BUFFERS = ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale")
 MXFP8_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what mxfp8.quantize takes
@@ -598,11 +605,14 @@ class MoKMoELayer(nn.Module):
         self._check_input(x)
         x2d = x.reshape(-1, self.hidden_size)
         with autocast_off(x.device.type):  # fp32 logits and routing (ARCHITECTURE.md) under autocast too
-            logits = self.router(x2d)
-            topk_ids, topk_weights, scores = routing.route(
-                logits, self.top_k, self.score_func, self.norm_topk_prob, self.n_group, self.topk_group,
-                self.routed_scaling_factor, self.router.e_score_correction_bias,
-            )
+            opts = (self.top_k, self.score_func, self.norm_topk_prob, self.n_group, self.topk_group,
+                    self.routed_scaling_factor, self.router.e_score_correction_bias)
+            if _plain_router(self.router):  # logits and routing together (one kernel where route_tokens can)
+                logits, topk_ids, topk_weights, scores = routing.route_tokens(
+                    x2d, self.router.weight, self.router.bias, *opts)
+            else:  # a router module replaced or hooked (e.g. an adapter): its own forward, then the routing
+                logits = self.router(x2d)
+                topk_ids, topk_weights, scores = routing.route(logits, *opts)
             self.aux_loss = self._aux_loss(logits, scores, topk_ids)
         self.router_logits = logits
 

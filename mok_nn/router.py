@@ -69,20 +69,26 @@ class _TensorCoreLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits):
         x, w = ctx.saved_tensors
-        d_x = d_w = None
-        if x.dtype != torch.bfloat16:
-            if ctx.needs_input_grad[0]:
-                d_x = d_logits.mm(w.float()).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                d_w = x.float().t().mm(d_logits).t().to(w.dtype)
-            return d_x, d_w
-        parts = _bf16_parts(d_logits)
-        if ctx.needs_input_grad[0]:
-            d_x = torch.mm(torch.cat(parts, dim=1), w.repeat(3, 1), out_dtype=torch.float32).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            hi, mid, lo = (torch.mm(p.t(), x, out_dtype=torch.float32) for p in parts)
-            d_w = ((hi + mid) + lo).to(w.dtype)
+        return logits_backward(x, w, d_logits, *ctx.needs_input_grad[:2])
+
+
+def logits_backward(x, w, d_logits, need_x: bool, need_w: bool):
+    """(d x, d w) (None where not needed) of the tensor-core logits x @ w^T for fp32 d_logits (_TensorCoreLogits).
+    fp16, or off CUDA (no mm with an fp32 output there): fp32 GEMMs."""
+    d_x = d_w = None
+    if x.dtype != torch.bfloat16 or not x.is_cuda:
+        if need_x:
+            d_x = d_logits.mm(w.float()).to(x.dtype)
+        if need_w:
+            d_w = x.float().t().mm(d_logits).t().to(w.dtype)
         return d_x, d_w
+    parts = _bf16_parts(d_logits)
+    if need_x:
+        d_x = torch.mm(torch.cat(parts, dim=1), w.repeat(3, 1), out_dtype=torch.float32).to(x.dtype)
+    if need_w:
+        hi, mid, lo = (torch.mm(p.t(), x, out_dtype=torch.float32) for p in parts)
+        d_w = ((hi + mid) + lo).to(w.dtype)
+    return d_x, d_w
 
 
 def _bf16_parts(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,6 +204,89 @@ def route(
         return triton_ops.route(logits, *opts)
     return route_torch(logits, top_k, score_func, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
                        e_score_correction_bias)
+
+
+def route_tokens(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    logit_bias: torch.Tensor | None,
+    top_k: int,
+    score_func: str = "softmax",
+    norm_topk_prob: bool = True,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, topk_ids, topk_weights, scores): router_logits(x2d, weight, logit_bias), then route of them.
+
+    On CUDA with 16-bit x, at most triton_ops.ROUTER_MAX_COLS experts and no expert groups, one Triton kernel
+    computes all four (the logits' exact products summed in fp32 on the tensor cores, then route's kernel from the
+    registers; _FusedRouter), checked on its first use against the two steps; its backward is route's and
+    router_logits'. The same function: only the logits' fp32 summation order differs from the cuBLAS GEMM's.
+    """
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    opts = (top_k, score_func, norm_topk_prob, routed_scaling_factor, e_score_correction_bias)
+    if (not torch.compiler.is_compiling() and _tensor_core_logits_run_on(x2d, weight)
+            and triton_ops.router_runs_on(x2d, weight, top_k, n_group) and triton_ops.verified(
+                ("router", top_k, score_func, bool(norm_topk_prob), logit_bias is not None,
+                 e_score_correction_bias is not None), x2d.device,
+                lambda: _router_forms(x2d[:64], weight, logit_bias, *opts), exact=False)):
+        return _FusedRouter.apply(x2d, weight, logit_bias, *opts)
+    logits = router_logits(x2d, weight, logit_bias)
+    return (logits, *route(logits, top_k, score_func, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
+                           e_score_correction_bias))
+
+
+class _FusedRouter(torch.autograd.Function):
+    """route_tokens as triton_ops.router_forward: forward one kernel; backward route's d logits kernel (plus the
+    incoming d logits, e.g. of a z-loss), then router_logits' backward GEMMs. Saves x, the weight, the scores and
+    the ids, as the two steps do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, logit_bias, top_k, score_func, norm_topk_prob, scale, bias):
+        softmax = score_func == "softmax"
+        logits, ids, weights, scores = triton_ops.router_forward(x, weight, logit_bias, bias, top_k, softmax,
+                                                                 bool(norm_topk_prob), float(scale))
+        ctx.save_for_backward(x, weight, scores, ids)
+        ctx.opts = (top_k, softmax, bool(norm_topk_prob), float(scale))
+        ctx.logit_bias_dtype = None if logit_bias is None else logit_bias.dtype
+        ctx.mark_non_differentiable(ids)
+        return logits, ids, weights, scores
+
+    @staticmethod
+    def backward(ctx, d_logits, _d_ids, d_weights, d_scores):
+        x, weight, scores, ids = ctx.saved_tensors
+        d_l = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts)
+        if d_logits is not None:
+            d_l = d_l + d_logits
+        d_x, d_w = logits_backward(x, weight, d_l, *ctx.needs_input_grad[:2])
+        d_b = d_l.sum(0).to(ctx.logit_bias_dtype) if ctx.needs_input_grad[2] else None
+        return d_x, d_w, d_b, None, None, None, None, None
+
+
+def _router_forms(x, weight, logit_bias, top_k, score_func, norm_topk_prob, routed_scaling_factor, bias):
+    """(fused, two steps) (logits, ids, weights, scores, d x, d weight) on these rows, for fixed pseudo-random
+    gradients of the logits, the weights and the scores: triton_ops.verified's pair for route_tokens."""
+    g = torch.Generator(device=x.device).manual_seed(0)
+    d_l = torch.randn(x.shape[0], weight.shape[0], device=x.device, generator=g)
+    d_w = torch.randn(x.shape[0], top_k, device=x.device, generator=g)
+    d_s = torch.randn(x.shape[0], weight.shape[0], device=x.device, generator=g)
+    out = []
+    for fused in (True, False):
+        with torch.enable_grad():  # (the first call may come under no_grad, e.g. in inference)
+            xs, ws = x.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+            if fused:
+                logits, ids, w, s = _FusedRouter.apply(xs, ws, logit_bias, top_k, score_func, norm_topk_prob,
+                                                       routed_scaling_factor, bias)
+            else:
+                logits = router_logits(xs, ws, logit_bias)
+                ids, w, s = route_torch(logits, top_k, score_func, norm_topk_prob, None, None,
+                                        routed_scaling_factor, bias)
+            d_x, d_wr = torch.autograd.grad((logits * d_l).sum() + (w * d_w).sum() + (s * d_s).sum(), (xs, ws))
+        out.append((logits.detach(), ids, w.detach(), s.detach(), d_x, d_wr))
+    return tuple(out)
 
 
 def route_torch(logits, top_k, score_func="softmax", norm_topk_prob=True, n_group=None, topk_group=None,

@@ -223,3 +223,28 @@ def test_route_matches_the_torch_ops(score_func, norm, scale, bias, k, cols):
     _, w2, _ = route_torch(x2, k, score_func, norm, None, None, scale, b)
     (w2 * d_w).sum().backward()
     assert _rel(x.grad, x2.grad) < 1e-6
+
+
+@pytest.mark.parametrize("score_func,norm,scale,logit_bias,sel_bias,k,cols,hidden,rows", [
+    ("softmax", True, 1.0, False, False, 8, 128, 128, 77), ("sigmoid", False, 2.5, True, True, 4, 60, 96, 70),
+    ("softmax", True, 1.0, True, True, 20, 256, 64, 33), ("softmax", False, 1.0, False, False, 1, 8, 40, 1)])
+def test_fused_router_matches_the_two_steps(score_func, norm, scale, logit_bias, sel_bias, k, cols, hidden, rows):
+    """router.route_tokens' one kernel (triton_ops.router_forward) against router_logits + route_torch: logits within
+    fp32 rounding of float64, the same ids, weights and scores within fp32 rounding, d x and d w from the same
+    output gradients. fp16 (the interpreter's dot of bf16 operands is wrong; tests/gpu/test_router_cuda.py runs
+    bf16 on the GPU); hidden sizes that are not a multiple of the kernel's K step."""
+    from mok_nn.router import _router_forms
+
+    g = torch.Generator().manual_seed(cols + k + hidden)
+    x = torch.randn(rows, hidden, generator=g).half()
+    w = (torch.randn(cols, hidden, generator=g) / hidden**0.5).half()
+    lb = (0.1 * torch.randn(cols, generator=g)).half() if logit_bias else None
+    sb = 0.1 * torch.randn(cols, generator=g) if sel_bias else None
+    fused, steps = _router_forms(x, w, lb, k, score_func, norm, scale, sb)
+    exact = x.double() @ w.double().T + (0 if lb is None else lb.double())
+    assert _rel(fused[0], exact) < 1e-6
+    assert torch.equal(fused[1], steps[1])
+    for a, b in zip(fused[2:4], steps[2:4]):
+        assert _rel(a, b) < 1e-6
+    for a, b in zip(fused[4:], steps[4:]):
+        assert a.dtype == torch.float16 and _rel(a, b) < 1e-3

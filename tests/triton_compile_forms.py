@@ -97,6 +97,12 @@ def record_forms() -> dict:
                     _, w, scores = triton_ops.route(logits, k, softmax, norm, 2.5, bias)
                     for grads in ((w,), (w, scores)):
                         torch.autograd.backward(grads, [torch.ones_like(t) for t in grads], retain_graph=True)
+    for dt in (torch.bfloat16, torch.float16):  # the fused router: its dot, both biases, both score functions
+        for cols, k, hidden in ((128, 8, 2048), (60, 4, 1000), (256, 8, 7168), (8, 2, 64)):
+            x, w = torch.randn(16, hidden, generator=g).to(dt), torch.randn(cols, hidden, generator=g).to(dt)
+            for softmax in (True, False):
+                for bias in (None, torch.randn(cols, generator=g)):
+                    triton_ops.router_forward(x, w, bias if bias is None else bias.to(dt), bias, k, softmax, True, 1.0)
     return forms
 
 

@@ -260,9 +260,7 @@ class _Route(torch.autograd.Function):
     def forward(ctx, logits, bias, k, softmax, norm, scale):
         logits = logits.contiguous()
         rows, cols = logits.shape
-        ids = torch.empty(rows, k, dtype=torch.int64, device=logits.device)
-        weights = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
-        scores = torch.empty_like(logits)
+        ids, weights, scores = _route_outputs(rows, cols, k, logits.device)
         if rows:
             grid, meta = _route_launch(rows, cols, k)
             _kernels().route_forward_kernel[grid](logits, logits if bias is None else bias, ids, weights, scores,
@@ -276,15 +274,62 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _d_ids, d_weights, d_scores):
         scores, ids = ctx.saved_tensors
-        k, softmax, norm, scale = ctx.opts
-        rows, cols = scores.shape
-        if d_weights is None:
-            d_weights = scores.new_zeros(rows, k)
-        d_logits = torch.empty_like(scores)
-        if rows:
-            grid, meta = _route_launch(rows, cols, k)
-            ds = None if d_scores is None else d_scores.float().contiguous()
-            _kernels().route_backward_kernel[grid](scores, ids, d_weights.float().contiguous(),
-                                                   scores if ds is None else ds, d_logits, rows, cols, scale,
-                                                   SOFTMAX=softmax, HAS_DS=ds is not None, NORM=norm, **meta)
-        return d_logits, None, None, None, None, None
+        return route_backward(scores, ids, d_weights, d_scores, *ctx.opts), None, None, None, None, None
+
+
+def _route_outputs(rows: int, cols: int, k: int, device):
+    """(ids int64 [rows, k], weights fp32 [rows, k], scores fp32 [rows, cols]), uninitialised."""
+    return (torch.empty(rows, k, dtype=torch.int64, device=device),
+            torch.empty(rows, k, dtype=torch.float32, device=device),
+            torch.empty(rows, cols, dtype=torch.float32, device=device))
+
+
+def route_backward(scores, ids, d_weights, d_scores, k: int, softmax: bool, norm: bool, scale: float):
+    """d logits [T, E] fp32 of route's (and router_forward's) routing from d weights and d scores (either None)."""
+    rows, cols = scores.shape
+    if d_weights is None:
+        d_weights = scores.new_zeros(rows, k)
+    d_logits = torch.empty_like(scores)
+    if rows:
+        grid, meta = _route_launch(rows, cols, k)
+        ds = None if d_scores is None else d_scores.float().contiguous()
+        _kernels().route_backward_kernel[grid](scores, ids, d_weights.float().contiguous(), scores if ds is None else ds,
+                                               d_logits, rows, cols, scale, SOFTMAX=softmax, HAS_DS=ds is not None,
+                                               NORM=norm, **meta)
+    return d_logits
+
+
+ROUTER_MAX_COLS = 256  # router_forward holds a [ROUTER_ROWS, E] fp32 accumulator tile in registers
+ROUTER_TILE = 8192  # logits per router_forward program: ROUTER_TILE // E rows (at most 64)
+ROUTER_BLOCK_K = 64
+
+
+def router_runs_on(x: torch.Tensor, weight: torch.Tensor, top_k: int, n_group) -> bool:
+    """router_forward runs on x [T, H] and the router weight [E, H]: both bf16 or both fp16 on one CUDA device, no
+    expert groups, 1 <= top_k <= E <= ROUTER_MAX_COLS, where Triton is installed."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.device == x.device and x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and 0 < top_k <= weight.shape[0] <= ROUTER_MAX_COLS and (n_group or 1) == 1 and available())
+
+
+def router_forward(x, weight, logit_bias, bias, k: int, softmax: bool, norm: bool, scale: float):
+    """(logits fp32 [T, E], ids int64 [T, k], weights fp32 [T, k], scores fp32 [T, E]): the router's logits x @
+    weight^T (+ logit_bias) in fp32 and route's routing of them (bias: the selection-only correction) in one
+    kernel; not differentiable (router.route_tokens wraps it)."""
+    import triton
+
+    x, weight = x.contiguous(), weight.contiguous()
+    rows, hidden = x.shape
+    cols = weight.shape[0]
+    ids, weights, scores = _route_outputs(rows, cols, k, x.device)
+    logits = torch.empty_like(scores)
+    if rows:
+        block = max(16, triton.next_power_of_2(cols))
+        per = min(64, max(16, ROUTER_TILE // block))
+        lb = None if logit_bias is None else logit_bias.contiguous()
+        sb = None if bias is None else bias.float().contiguous()
+        _kernels().router_forward_kernel[(-(-rows // per),)](
+            x, weight, x if lb is None else lb, logits if sb is None else sb, logits, ids, weights, scores, rows, cols,
+            hidden, scale, K=k, KP=triton.next_power_of_2(k), SOFTMAX=softmax, HAS_LBIAS=lb is not None,
+            HAS_BIAS=sb is not None, NORM=norm, ROWS=per, BLOCK=block, BLOCK_K=ROUTER_BLOCK_K)
+    return logits, ids, weights, scores

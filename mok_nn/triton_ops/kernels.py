@@ -302,14 +302,12 @@ def topk_kernel(v_ptr, ids_ptr, n_rows, n_cols, K: tl.constexpr, ROWS: tl.conste
 
 
 @triton.jit
-def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_rows, n_cols, scale, K: tl.constexpr,
-                         KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # router.route for ROWS rows of fp32 logits: scores (softmax / sigmoid), the top-k of scores (+ bias) as
-    # topk_kernel selects it, their scores as weights, renormalised and scaled
-    r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
-    x = tl.load(logits_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=-float("inf"))
-    x = tl.where(live[:, None], x, 0.0)  # rows past the end: no NaN from an all -inf row
+def _route_rows(x, r, c, live, mask, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_cols, scale, K: tl.constexpr,
+                KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # router.route of the fp32 logits x [ROWS, BLOCK] (-inf past n_cols, 0 in rows past the end): scores
+    # (softmax / sigmoid), the top-k of scores (+ bias) as topk_kernel selects it, their scores as weights,
+    # renormalised and scaled
     if SOFTMAX:
         e = tl.exp(x - tl.max(x, axis=1)[:, None])
         s = e / tl.sum(e, axis=1)[:, None]
@@ -335,6 +333,43 @@ def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_row
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     w = w * scale
     tl.store(w_ptr + r[:, None] * K + j_col[None, :], w, mask=live[:, None] & (j_col < K)[None, :])
+
+
+@triton.jit
+def route_forward_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_rows, n_cols, scale, K: tl.constexpr,
+                         KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # router.route for ROWS rows of fp32 logits
+    r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
+    x = tl.load(logits_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=-float("inf"))
+    x = tl.where(live[:, None], x, 0.0)  # rows past the end: no NaN from an all -inf row
+    _route_rows(x, r, c, live, mask, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_cols, scale, K, KP, SOFTMAX, HAS_BIAS,
+                NORM, ROWS, BLOCK)
+
+
+@triton.jit
+def router_forward_kernel(x_ptr, wr_ptr, lbias_ptr, bias_ptr, logits_ptr, ids_ptr, w_ptr, scores_ptr, n_rows, n_cols,
+                          hidden, scale, K: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr,
+                          HAS_LBIAS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the router's logits x [rows, hidden] @ wr [n_cols, hidden]^T (+ lbias) of 16-bit x and wr, exact products
+    # summed in fp32 on the tensor cores, stored, then router.route of them (_route_rows) from the registers
+    r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        in_k = (k0 + kk) < hidden
+        a = tl.load(x_ptr + r[:, None] * hidden + (k0 + kk)[None, :], mask=live[:, None] & in_k[None, :], other=0.0)
+        b = tl.load(wr_ptr + c[None, :].to(tl.int64) * hidden + (k0 + kk)[:, None],
+                    mask=in_k[:, None] & (c < n_cols)[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    if HAS_LBIAS:
+        acc = acc + tl.load(lbias_ptr + c, mask=c < n_cols, other=0.0).to(tl.float32)[None, :]
+    tl.store(logits_ptr + r[:, None] * n_cols + c[None, :], acc, mask=mask)
+    x = tl.where(mask, acc, -float("inf"))
+    x = tl.where(live[:, None], x, 0.0)  # rows past the end: no NaN from an all -inf row
+    _route_rows(x, r, c, live, mask, bias_ptr, ids_ptr, w_ptr, scores_ptr, n_cols, scale, K, KP, SOFTMAX, HAS_BIAS,
+                NORM, ROWS, BLOCK)
 
 
 @triton.jit
