@@ -105,10 +105,85 @@ def dequantize_runs_on(data: torch.Tensor, axis: int, dtype: torch.dtype) -> boo
             and available())
 
 
+@functools.cache
 def _kernels():
+    """mok_nn.triton_ops.kernels with each kernel behind a _Launcher."""
     from . import kernels
 
-    return kernels
+    return type("Kernels", (), {n: _Launcher(getattr(kernels, n)) for n in dir(kernels) if n.endswith("_kernel")})
+
+
+# Triton's compile options, given beside a kernel's arguments: part of a form, not arguments
+_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+
+
+class _Launcher:
+    """A Triton kernel, launched as kernel[grid](*args, **meta) like the kernel itself; a form seen before runs its
+    compiled kernel without Triton's Python launcher, whose own host time (keys, options, hooks: about 40-70 us a
+    launch on an H200 host, inside a layer's forward) the GPU waits for where nothing else is queued.
+
+    A form is what Triton specialises a launch on, kept finer here: each tensor's dtype, device and 16-byte
+    alignment, each integer's i32 range, value 1 and divisibility by 16, bools, the meta-parameters. A new form
+    goes through Triton (compiling it once), as does every launch while a launch hook is set (profilers) and under
+    the interpreter."""
+
+    def __init__(self, fn):
+        from triton.runtime.jit import JITFunction
+
+        self.fn = fn
+        self.compiled: dict = {}
+        self.fast = isinstance(fn, JITFunction)  # (not the interpreter's InterpretedFunction)
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def launch(self, grid, args, meta):
+        key = _form(args, meta) if self.fast else None
+        hit = self.compiled.get(key) if key is not None else None
+        if hit is None or _launch_hook() is not None:
+            kernel = self.fn[grid](*args, **meta)
+            names = self.fn.arg_names[len(args):]
+            if key is not None and kernel is not None and set(names) == set(meta) - _LAUNCH_OPTIONS:
+                self.compiled[key] = (kernel, names)
+            return
+        kernel, names = hit
+        kernel[grid](*args, *[meta[n] for n in names], stream=_current_stream())
+
+
+def _form(args, meta):
+    """The launch's form (_Launcher), or None for an argument of another kind (Triton's own path then)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            out.append(a)
+        elif isinstance(a, int):
+            out.append((-2**31 <= a < 2**31, a == 1, a % 16 == 0))
+        elif isinstance(a, float):
+            out.append(float)
+        else:
+            return None
+    return tuple(out), tuple(sorted(meta.items()))
+
+
+def _launch_hook():
+    return _runtime_knobs().launch_enter_hook
+
+
+@functools.cache
+def _runtime_knobs():
+    from triton import knobs
+
+    return knobs.runtime
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream() -> int:
+    """cudaStream_t of the current device's current stream (what Triton launches on)."""
+    return _raw_stream(torch._C._cuda_getDevice()) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
 
 
 def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:

@@ -321,3 +321,26 @@ def test_fake_quantize_rows_kernel_is_the_cpu_torch_ops(dtype):
     assert _same_bits(got.cpu(), want)
     assert _same_bits(groups.quantize_rows(rows.to(DEV)).cpu(), want)
     assert triton_ops._VERDICTS[(("fake_quantize_rows", dtype), "cuda:0")]
+
+
+def test_launcher_reuses_each_compiled_form_with_tritons_results():
+    """triton_ops._Launcher: the second launch of a form runs the compiled kernel without Triton's launcher, with the
+    results of Triton's own launch; an argument of a new form (1 row: an integer 1; a misaligned tensor) compiles
+    its own."""
+    from mok_nn import router, triton_ops
+
+    launcher = triton_ops._kernels().topk_kernel
+    assert launcher.fast
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for rows in (1024, 1024, 1, 1, 33):
+        v = torch.randn(rows, 128, device="cuda", generator=g)
+        assert torch.equal(triton_ops.topk_indices(v, 8), router.topk_by_sort(v, 8)), rows
+    forms = len(launcher.compiled)
+    assert forms >= 3  # 1024 rows (a multiple of 16), 1 row, 33 rows: three integer forms
+    flat = torch.randn(1 + 64 * 128, device="cuda", generator=g)
+    v = flat[1:].view(64, 128)  # 4 bytes past a 16-byte boundary
+    out = torch.empty(64, 8, dtype=torch.int64, device="cuda")
+    for _ in range(2):
+        launcher[(16,)](v, out, 64, 128, K=8, ROWS=4, BLOCK=128)
+        assert torch.equal(out, router.topk_by_sort(v, 8))
+    assert len(launcher.compiled) == forms + 1
