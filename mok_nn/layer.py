@@ -472,6 +472,7 @@ class MoKMoELayer(nn.Module):
         self.config = cfg
         self.precision = precision
         self.backend = backend
+        self._cuda_verdict = None  # (what _choose_backend's "cuda" depends on, "cuda") of the last call that took it
         self.aux_loss_coef = float(aux_loss_coef)
         self.z_loss_coef = float(z_loss_coef)
 
@@ -547,6 +548,10 @@ class MoKMoELayer(nn.Module):
 
     # ------------------------------------------------------------------
     def _check_input(self, x) -> None:
+        weight = self.experts.gate_up_proj
+        if (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == self.hidden_size
+                and x.dtype == self.experts.weight_dtype and x.device == weight.device and x.is_contiguous()):
+            return  # (the checks below once more, for their messages, only where one fails)
         _require(isinstance(x, torch.Tensor), f"x must be a torch.Tensor, got {type(x).__name__}", TypeError)
         _require(x.dim() >= 1 and x.shape[-1] == self.hidden_size,
                  f"x must have shape [..., hidden_size={self.hidden_size}], got {tuple(x.shape)}")
@@ -563,8 +568,18 @@ class MoKMoELayer(nn.Module):
         cannot run; 'auto' takes the portable backend there and says once per reason why."""
         if self.backend in ("reference", "torch"):
             return self.backend
+        # the fused path's verdict depends on these alone; kept for the next call with the same ones
+        e = self.experts
+        key = (x.device, x.dtype, x.shape[-1], e.mxfp8_only, e.gate_up_proj.dtype, e.gate_up_proj.shape,
+               e.down_proj.dtype, e.down_proj.shape, self.precision, self.ep_size, self.activation, self.top_k)
+        compiling = torch.compiler.is_compiling()
+        verdict = getattr(self, "_cuda_verdict", None)  # (absent in a layer pickled by an older mok_nn)
+        if not compiling and verdict is not None and verdict[0] == key:
+            return verdict[1]
         reason = self._cuda_unsupported_reason(x)
         if reason is None:
+            if not compiling:
+                self._cuda_verdict = (key, "cuda")
             return "cuda"
         if self.backend == "cuda":
             raise RuntimeError(f"backend='cuda' cannot run this layer: {reason}")
