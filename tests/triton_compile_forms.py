@@ -98,7 +98,7 @@ def record_forms() -> dict:
                     for grads in ((w,), (w, scores)):
                         torch.autograd.backward(grads, [torch.ones_like(t) for t in grads], retain_graph=True)
     for dt in (torch.bfloat16, torch.float16):  # the fused router: its dot, both biases, both score functions
-        for cols, k, hidden in ((128, 8, 2048), (60, 4, 1000), (256, 8, 7168), (8, 2, 64)):
+        for cols, k, hidden in ((128, 8, 2048), (60, 4, 1000), (100, 8, 7168), (8, 2, 64)):
             x, w = torch.randn(16, hidden, generator=g).to(dt), torch.randn(cols, hidden, generator=g).to(dt)
             for softmax in (True, False):
                 for bias in (None, torch.randn(cols, generator=g)):

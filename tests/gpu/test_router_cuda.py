@@ -106,7 +106,7 @@ def _route_tokens_case(dtype, t, h, e, k, logit_bias, sel_bias, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t,h,e,k,score_func,norm,scale,logit_bias,sel_bias", [
     (8192, 2048, 128, 8, "softmax", True, 1.0, False, False), (777, 1000, 60, 4, "sigmoid", False, 2.5, True, True),
-    (300, 7168, 256, 8, "softmax", True, 1.0, False, True), (1, 256, 8, 2, "softmax", False, 1.0, True, False)])
+    (300, 7168, 128, 8, "softmax", True, 1.0, False, True), (1, 256, 8, 2, "softmax", False, 1.0, True, False)])
 def test_fused_router_against_float64_and_the_two_steps(dtype, t, h, e, k, score_func, norm, scale, logit_bias,
                                                         sel_bias):
     """route_tokens' one kernel: logits within fp32 summation rounding of a float64 evaluation, the routing of those
@@ -159,3 +159,6 @@ def test_layer_takes_the_fused_router_unless_the_router_is_hooked():
     assert len(seen) == 1 and "TensorCoreLogits" in type(layer.router_logits.grad_fn).__name__
     y = layer(x)
     assert ((y.float() - y_hooked.float()).norm() <= 1e-2 * y_hooked.float().norm()).item()
+    wide = MoKMoELayer(512, 128, 256, 8, dtype=torch.bfloat16, device="cuda")  # above ROUTER_MAX_COLS: two steps
+    wide(x)
+    assert "TensorCoreLogits" in type(wide.router_logits.grad_fn).__name__

@@ -337,10 +337,13 @@ def test_launcher_reuses_each_compiled_form_with_tritons_results():
         assert torch.equal(triton_ops.topk_indices(v, 8), router.topk_by_sort(v, 8)), rows
     forms = len(launcher.compiled)
     assert forms >= 3  # 1024 rows (a multiple of 16), 1 row, 33 rows: three integer forms
+    assert launcher.fast_launches >= 2  # the second 1024 and the second 1
     flat = torch.randn(1 + 64 * 128, device="cuda", generator=g)
     v = flat[1:].view(64, 128)  # 4 bytes past a 16-byte boundary
     out = torch.empty(64, 8, dtype=torch.int64, device="cuda")
+    fast = launcher.fast_launches
     for _ in range(2):
+        out.fill_(-1)
         launcher[(16,)](v, out, 64, 128, K=8, ROWS=4, BLOCK=128)
         assert torch.equal(out, router.topk_by_sort(v, 8))
-    assert len(launcher.compiled) == forms + 1
+    assert len(launcher.compiled) == forms + 1 and launcher.fast_launches == fast + 1
