@@ -251,6 +251,7 @@ class _FusedRouter(torch.autograd.Function):
                                                                  bool(norm_topk_prob), float(scale))
         ctx.save_for_backward(x, weight, scores, ids)
         ctx.opts = (top_k, softmax, bool(norm_topk_prob), float(scale))
+        ctx.set_materialize_grads(False)  # (unused outputs, the logits and scores without aux losses: no zeros)
         ctx.logit_bias_dtype = None if logit_bias is None else logit_bias.dtype
         ctx.mark_non_differentiable(ids)
         return logits, ids, weights, scores
@@ -258,9 +259,11 @@ class _FusedRouter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits, _d_ids, d_weights, d_scores):
         x, weight, scores, ids = ctx.saved_tensors
-        d_l = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts)
+        d_l = None
+        if d_weights is not None or d_scores is not None:
+            d_l = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts)
         if d_logits is not None:
-            d_l = d_l + d_logits
+            d_l = d_logits.float() if d_l is None else d_l + d_logits
         d_x, d_w = logits_backward(x, weight, d_l, *ctx.needs_input_grad[:2])
         d_b = d_l.sum(0).to(ctx.logit_bias_dtype) if ctx.needs_input_grad[2] else None
         return d_x, d_w, d_b, None, None, None, None, None

@@ -233,7 +233,7 @@ def test_fused_router_matches_the_two_steps(score_func, norm, scale, logit_bias,
     fp32 rounding of float64, the same ids, weights and scores within fp32 rounding, d x and d w from the same
     output gradients. fp16 (the interpreter's dot of bf16 operands is wrong; tests/gpu/test_router_cuda.py runs
     bf16 on the GPU); hidden sizes that are not a multiple of the kernel's K step."""
-    from mok_nn.router import _router_forms
+    from mok_nn.router import _router_forms, route_torch
 
     g = torch.Generator().manual_seed(cols + k + hidden)
     x = torch.randn(rows, hidden, generator=g).half()
@@ -248,3 +248,17 @@ def test_fused_router_matches_the_two_steps(score_func, norm, scale, logit_bias,
         assert _rel(a, b) < 1e-6
     for a, b in zip(fused[4:], steps[4:]):
         assert a.dtype == torch.float16 and _rel(a, b) < 1e-3
+    # only the weights' gradient (the layer without aux losses: the logits and scores unused)
+    from mok_nn.router import _FusedRouter, router_logits
+
+    d_w = torch.randn(rows, k, generator=g)
+    grads = []
+    for fused_form in (True, False):
+        xs = x.clone().requires_grad_(True)
+        if fused_form:
+            _, _, wts, _ = _FusedRouter.apply(xs, w, lb, k, score_func, norm, scale, sb)
+        else:
+            _, wts, _ = route_torch(router_logits(xs, w, lb), k, score_func, norm, None, None, scale, sb)
+        (d_x,) = torch.autograd.grad((wts * d_w).sum(), xs)
+        grads.append(d_x)
+    assert _rel(grads[0], grads[1]) < 1e-3

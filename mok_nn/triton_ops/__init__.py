@@ -353,6 +353,7 @@ class _Route(torch.autograd.Function):
         ctx.save_for_backward(scores, ids)
         ctx.opts = (k, softmax, norm, scale)
         ctx.mark_non_differentiable(ids)
+        ctx.set_materialize_grads(False)  # (scores unused without aux losses: None, not a tensor of zeros)
         return ids, weights, scores
 
     @staticmethod
