@@ -2,7 +2,7 @@
 then cProfile of the host side.
 
     python benchmarks/profile_host.py [--shape qwen3-30b-a3b] [--tokens 8192] [--top 22] [--long] [--layer]
-                                      [--segments]
+                                      [--segments] [--timeline]
 
 The GPU is kept busy (torch.cuda._sleep) while the host issues the calls, so the host's time per call is its
 own issue time, not a wait for the GPU. A forward whose host time is above its GPU time leaves the GPU idle
@@ -10,7 +10,8 @@ own issue time, not a wait for the GPU. A forward whose host time is above its G
 with the most host time (--long: also by cumulative time, and the callers of the costly builtins).
 --segments: instead of cProfile (whose per-call overhead inflates call-heavy code), when each step of a
 forward starts and ends on the host (perf_counter, the GPU busy), in us from the forward's start: where the
-host time goes before the gate/up GEMM's launch, which an idle GPU waits for.
+host time goes before the gate/up GEMM's launch, which an idle GPU waits for. --timeline: one forward from an idle
+GPU under torch.profiler, each kernel's launch on the host beside its start and end on the GPU.
 """
 import argparse
 import cProfile
@@ -28,11 +29,16 @@ from steps import bench_steps, host_ms_busy, layer_steps, median_ms  # benchmark
 # (module, attribute): the steps of a forward whose host time --segments shows, outermost first
 SEGMENTS = [
     ("mok_nn.layer", "MoKMoELayer.forward"), ("mok_nn.layer", "MoKMoELayer._check_input"),
-    ("mok_nn.router", "router_logits"), ("mok_nn.router", "route"), ("mok_nn.triton_ops", "route"),
-    ("mok_nn.layer", "MoKMoELayer._choose_backend"), ("mok_nn.layer", "MoKMoELayer._local_experts"),
+    ("mok_nn.router", "route_tokens"), ("mok_nn.router", "_FusedRouter.forward"), ("mok_nn.triton_ops", "router_forward"),
+    ("mok_nn.triton_ops", "_Launcher.launch"),
+    ("mok_nn.router", "router_logits"), ("mok_nn.router", "_TensorCoreLogits.forward"), ("mok_nn.router", "route"),
+    ("mok_nn.triton_ops", "route"), ("mok_nn.triton_ops", "_Route.forward"), ("mok_nn.layer", "MoKMoELayer._choose_backend"),
+    ("mok_nn.cuda_backend", "unsupported_reason"), ("mok_nn.cuda_backend", "check_supported"), ("mok_nn.layer", "MoKMoELayer._local_experts"),
     ("mok_nn.functional", "get_workspace"), ("mok_nn.autograd", "MoKFunction.forward"),
     ("mok_nn.autograd", "expert_weights"), ("mok_nn.functional", "build_schedule"),
-    ("mok_nn.cuda_backend", "make_schedule"), ("mok_nn.functional", "forward"),
+    ("mok_nn.cuda_backend", "make_schedule"), ("mok_nn.cuda_backend", "_schedule_buffers"),
+    ("mok_nn.cuda_backend", "_gathers_with_schedule"), ("mok_nn.cuda_backend", "num_sms"),
+    ("mok_nn.cuda_backend", "Schedule.__init__"), ("mok_nn.functional", "forward"),
     ("mok_nn.cuda_backend", "launch_gate_up_act"), ("mok_nn.cuda_backend", "grouped_gemm"),
     ("mok_nn.cuda_backend", "combine"), ("mok_nn.kernels.loader", "KernelLibrary.launch"),
     ("triton.runtime.jit", "JITFunction.run"),
@@ -90,6 +96,36 @@ def segments(fwd, reps=50):
         print(f"{label:40s} {n / reps:5.1f} {start:8.1f} {end:8.1f} {end - start:8.1f} {(end - start) * n / reps:9.1f}")
 
 
+def timeline(fwd):
+    """Host launch time, GPU start and GPU end (us from the call's start) of each kernel of one forward called from
+    an idle GPU (the last of 6, under torch.profiler, whose own host time is in it)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(6):
+            torch.cuda.synchronize()
+            with record_function(f"call{i}"):
+                fwd()
+            torch.cuda.synchronize()
+    events = prof.profiler.kineto_results.events()
+    call = next(e for e in events if e.name() == "call5")
+    t0, t1 = call.start_ns(), call.start_ns() + call.duration_ns()
+    on_gpu = {}
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            on_gpu.setdefault(e.correlation_id(), []).append(e)
+    rows = []
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU and t0 <= e.start_ns() <= t1 and "aunch" in e.name():
+            for k in on_gpu.get(e.correlation_id(), []):
+                rows.append(((e.start_ns() - t0) / 1e3, (k.start_ns() - t0) / 1e3,
+                             (k.start_ns() + k.duration_ns() - t0) / 1e3, k.name()[:70]))
+    print(f"one forward from an idle GPU under torch.profiler: host span {(t1 - t0) / 1e3:.1f} us")
+    print(f"{'launch us':>10s} {'gpu start':>10s} {'gpu end':>10s}  kernel")
+    for r in sorted(rows):
+        print(f"{r[0]:10.1f} {r[1]:10.1f} {r[2]:10.1f}  {r[3]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=[s for s in bench.SHAPES if s != "tiny"])
@@ -98,6 +134,7 @@ def main():
     ap.add_argument("--long", action="store_true")
     ap.add_argument("--layer", action="store_true", help="the whole layer (MoKMoELayer) instead of the routed experts")
     ap.add_argument("--segments", action="store_true", help="host start / end of each step of a forward, no cProfile")
+    ap.add_argument("--timeline", action="store_true", help="one forward's launches beside its kernels on the GPU")
     a = ap.parse_args()
     steps = layer_steps if a.layer else bench_steps
     fwd, fwd_bwd = (call for _, call in steps(a.shape, a.tokens))
@@ -108,8 +145,11 @@ def main():
         what = f"{a.shape}{' layer' if a.layer else ''} {name}"
         print(f"{what}: host {host_ms_busy(call, reps):.3f} ms per call (GPU busy), "
               f"call from an idle GPU {median_ms(call, 20):.3f} ms", flush=True)
-    if a.segments:
-        segments(fwd)
+    if a.segments or a.timeline:
+        if a.segments:
+            segments(fwd)
+        if a.timeline:
+            timeline(fwd)
         return
 
     torch.cuda.synchronize()
