@@ -20,6 +20,8 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
   route               router.route without expert groups as one kernel each way: scores, selection (as
                       topk_indices), weights, renormalisation and scaling forward (the torch ops: about eight
                       kernels); d logits from d weights and d scores backward
+  router_forward      the router's fp32 logits of 16-bit x and weight on the tensor cores and route's forward of
+                      them in one kernel (router.route_tokens, up to ROUTER_MAX_COLS experts)
 
 The bit-exact kernels (fake_quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's
 normal range, which the compiled code may flush to zero, except where such a value's result is 0 either way
@@ -28,6 +30,9 @@ activation and routing kernels compute the torch ops' formulas in fp32 (a score 
 as zero), not their bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act:
 "swiglu" silu(g) u, "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit,
 limit], and the gradient does not pass a clamped element.
+
+Launches go through _Launcher: a form launched before runs its compiled kernel without Triton's Python launcher,
+whose host time the GPU would wait for at the start of a layer's forward.
 
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
 replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, dequantize and
