@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from . import cuda_mx, distributed, functional
+from . import cuda_mx, distributed, functional, triton_ops
 from .functional import ExpertParams, Workspace
 from .mxfp8 import MXFP8Tensor, dequantize, mark_values, row_chunks, weight_scope
 
@@ -120,13 +120,30 @@ def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, 
         return expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype)
     weights = []
     for data, scale in ((gate_up_proj, gate_up_scale), (down_proj, down_scale)):
-        w = torch.empty(data.shape, dtype=dtype, device=data.device)
-        for a, b in row_chunks(data.shape[0], data[:1].numel() * w.element_size(), data.device):  # whole experts
-            w[a:b] = functional.weight_values_along_n(dequantize(MXFP8Tensor(data[a:b], scale[a:b], 2), dtype),
-                                                       workspace)
+        if _requantizes_in_one_pass(data, scale, dtype, workspace):
+            w = triton_ops.requantize_rows(data, scale, dtype)
+        else:
+            w = torch.empty(data.shape, dtype=dtype, device=data.device)
+            for a, b in row_chunks(data.shape[0], data[:1].numel() * w.element_size(), data.device):  # whole experts
+                w[a:b] = _values_along_n(data[a:b], scale[a:b], dtype, workspace)
         mark_values(w, -2)
         weights.append(w)
     return weights
+
+
+def _values_along_n(data, scale, dtype, workspace):
+    """The MXFP8 values along N of stored MXFP8 weights: dequantised, then quantised along N by the backend."""
+    return functional.weight_values_along_n(dequantize(MXFP8Tensor(data, scale, 2), dtype), workspace)
+
+
+def _requantizes_in_one_pass(data, scale, dtype, workspace) -> bool:
+    """Whether triton_ops.requantize_rows makes backward_expert_weights' values (CUDA, Triton): one read of the
+    bytes and one write, where dequantising and quantising again move about seven bytes an element. Checked on its
+    first use (per dtype and device) against the two steps on one expert, bit for bit."""
+    return triton_ops.requantize_runs_on(data, dtype) and triton_ops.verified(
+        ("requantize_rows", dtype), data.device,
+        lambda: (triton_ops.requantize_rows(data[:1], scale[:1], dtype), _values_along_n(data[:1], scale[:1], dtype,
+                                                                                          workspace)), exact=True)
 
 
 def graph_kept() -> bool:

@@ -262,3 +262,45 @@ def test_fused_router_matches_the_two_steps(score_func, norm, scale, logit_bias,
         (d_x,) = torch.autograd.grad((wts * d_w).sum(), xs)
         grads.append(d_x)
     assert _rel(grads[0], grads[1]) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_requantize_rows_is_dequantize_then_fake_quantize_along_n(dtype):
+    """triton_ops.requantize_rows bit for bit against the torch ops it replaces, fake_quantize_fast(dequantize(..),
+    -2): every E4M3 byte (NaN ones included) under scale bytes from the extremes (0, tiny values flushed or
+    subnormal in bf16; >= 248, fp32 overflow) to real weights' range, and an all-zero block."""
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize
+
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (3, 64, 96), dtype=torch.uint8, generator=g)
+    data[0, :32, 0] = 0
+    scale = torch.randint(100, 140, (3, 64, 3), dtype=torch.uint8, generator=g)
+    scale[1] = torch.randint(0, 256, (64, 3), dtype=torch.uint8, generator=g)  # every kind of scale
+    scale[2, :, 0] = torch.tensor([0, 1, 2, 3, 10, 20, 247, 248, 250, 254, 255] * 6)[:64].to(torch.uint8)
+    scale[0, 32:, 1] = torch.randint(0, 5, (32,), dtype=torch.uint8, generator=g)  # a block below bf16's normal range
+    scale[0, :32, 2] = 8
+    e4m3 = data.view(torch.float8_e4m3fn)
+    want = fake_quantize_fast(dequantize(MXFP8Tensor(e4m3, scale, 2), dtype), -2)
+    got = triton_ops.requantize_rows(e4m3, scale, dtype)
+    assert got.dtype == dtype and _same(got, want)
+
+
+def test_mxfp8_only_backward_with_the_requantize_kernel(monkeypatch):
+    """The backward of an MXFP8-only layer with precision="mxfp8" whose column-wise weight values come from
+    requantize_rows (made to run on the CPU tensors here; checked against the two steps on its first use) computes
+    bit for bit what it computes with the two steps: d x and d router."""
+    from mok_nn import MoKMoELayer
+
+    def run(kernel: bool):
+        monkeypatch.setattr(triton_ops, "requantize_runs_on", lambda data, dtype: kernel)
+        torch.manual_seed(0)
+        layer = MoKMoELayer(64, 64, 8, 2, backend="torch", dtype=torch.bfloat16, precision="mxfp8", mxfp8_experts=True)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(40, 64, generator=g).bfloat16().requires_grad_(True)
+        (layer(x).float() * torch.randn(40, 64, generator=g)).sum().backward()
+        return [x.grad, layer.router.weight.grad]
+
+    with_kernel = run(True)
+    assert any(k[0][0] == "requantize_rows" and ok for k, ok in triton_ops._VERDICTS.items())
+    for a, b in zip(with_kernel, run(False)):
+        assert torch.equal(a, b)

@@ -81,6 +81,9 @@ def record_forms() -> dict:
         triton_ops.fake_quantize_rows(x, torch.tensor([0, 32], dtype=torch.int64), torch.tensor([32, 20]))
         data = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
         triton_ops.dequantize(data, torch.randint(0, 256, (4, 2), dtype=torch.uint8, generator=g), dt)
+        if dt != torch.float16:
+            data = torch.randint(0, 256, (2, 64, 96), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+            triton_ops.requantize_rows(data, torch.randint(0, 256, (2, 64, 3), dtype=torch.uint8, generator=g), dt)
         gate_up, dh = torch.randn(8, 64, generator=g).to(dt), torch.randn(8, 32, generator=g).to(dt)
         for act in ("swiglu", "swiglu_oai"):
             for limit in (None, 7.0):

@@ -11,6 +11,8 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
   dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
                       the E4M3 bits and the scale combined into fp32 bits by integer operations, rounded once:
                       the same bits, one read of the bytes and one write (the torch ops: about six passes).
+  requantize_rows     fake_quantize along the rows of dequantize's values, from the MXFP8 bytes in one pass (the
+                      column-wise MXFP8 weights of the backward with MXFP8-only experts and precision="mxfp8")
   activation_forward  h = act(gate, up) for gate_up [n, 2I]
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
@@ -250,6 +252,28 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     if n_blocks:
         _kernels().dequantize_kernel[(-(-n_blocks // MX_ROWS),)](data.view(torch.uint8), scale, out, n_blocks,
                                                                  ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+    return out
+
+
+def requantize_runs_on(data: torch.Tensor, dtype: torch.dtype) -> bool:
+    """requantize_rows runs on E4M3 data [..., N, K] into dtype: CUDA, bf16 / fp32, N and K multiples of 32, where
+    Triton is installed."""
+    return (data.is_cuda and dtype in (torch.bfloat16, torch.float32) and data.dim() >= 2
+            and data.shape[-2] % MX_BLOCK == 0 and data.shape[-1] % MX_BLOCK == 0 and available())
+
+
+def requantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mxfp8.fake_quantize_fast(mxfp8.dequantize(data, scale, dtype), -2) of E4M3 data [..., N, K] with E8M0 scales
+    [..., N, K / 32] (blocks along K), bit for bit: the MXFP8 values along N (blocks of 32 rows) of the stored
+    values, in one kernel (one read of the bytes and one write of dtype, no dequantised copy)."""
+    data, scale = data.contiguous(), scale.contiguous()
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    cols = data.shape[-1]
+    row_blocks = data.numel() // cols // MX_BLOCK
+    if row_blocks:
+        _kernels().requantize_rows_kernel[(row_blocks * -(-cols // MX_ROWS),)](
+            data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, ROWS=MX_ROWS,
+            BLOCK=MX_BLOCK, num_warps=MX_ROWS_WARPS)
     return out
 
 

@@ -237,6 +237,33 @@ def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr
 
 
 @triton.jit
+def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.constexpr, ROWS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # MXFP8 data [n, cols] (E4M3 bytes, an E8M0 scale byte per BLOCK along each row) -> the MXFP8 values of its
+    # values in blocks of BLOCK consecutive rows, in out's dtype: dequantised exactly (as dequantize_kernel: the
+    # direct bf16 bits where the tile's scales allow, else rounded to bf16 where ROUND_BF16, as a dequantisation
+    # into bf16 rounds), then _mx_round_bits along the rows. A program takes one row block and ROWS consecutive
+    # columns, as fake_quantize_rows_kernel.
+    chunks = (cols + ROWS - 1) // ROWS
+    blk = tl.program_id(0) // chunks
+    i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
+    rows = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = (i < cols)[None, :]
+    offs = rows[:, None] * cols + i[None, :]
+    q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.int32)
+    s = tl.load(scale_ptr + rows[:, None] * (cols // BLOCK) + (i // BLOCK)[None, :], mask=mask, other=127)
+    s = s.to(tl.int32)
+    if (tl.min(tl.min(s, axis=1), axis=0) >= FAST_LO) & (tl.max(tl.max(s, axis=1), axis=0) <= FAST_HI):
+        bits = _dequantize_bits_fast(q, s) << 16  # (every value a normal bf16 there: nothing to round)
+    else:
+        bits = _dequantize_bits_exact(q, s)
+        if ROUND_BF16:  # (_store_bits' rounding, the fp32 bits of the bf16 value kept)
+            nan = (bits & 0x7FFFFFFF) > 0x7F800000
+            bits = tl.where(nan, 0x7FC00000, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16)
+    _store_bits(out_ptr, offs, _mx_round_bits(bits, 0), mask)
+
+
+@triton.jit
 def _dequantize_bits_fast(q, s):
     # bf16 bits of E4M3 byte q times 2**(s - 127) for FAST_LO <= s <= FAST_HI. A normal q (exponent field e >= 1)
     # has the biased exponent e + s - 7 and its 3 mantissa bits on top of bf16's: one add on [e | m] and a shift.

@@ -347,3 +347,24 @@ def test_launcher_reuses_each_compiled_form_with_tritons_results():
         launcher[(16,)](v, out, 64, 128, K=8, ROWS=4, BLOCK=128)
         assert torch.equal(out, router.topk_by_sort(v, 8))
     assert len(launcher.compiled) == forms + 1 and launcher.fast_launches == fast + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_requantize_rows_compiled_is_the_two_steps(dtype):
+    """triton_ops.requantize_rows compiled, bit for bit against dequantize + fake_quantize_fast along N (random
+    bytes under every kind of scale, qwen3-like weights' shape), and the backward of MXFP8-only weights takes it."""
+    from mok_nn import triton_ops
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    data = torch.randint(0, 256, (4, 1536, 2048), dtype=torch.uint8, device="cuda", generator=g)
+    scale = torch.randint(110, 135, (4, 1536, 64), dtype=torch.uint8, device="cuda", generator=g)
+    scale[1] = torch.randint(0, 256, (1536, 64), dtype=torch.uint8, device="cuda", generator=g)
+    scale[2, :64] = torch.randint(0, 5, (64, 64), dtype=torch.uint8, device="cuda", generator=g)
+    e4m3 = data.view(torch.float8_e4m3fn)
+    want = fake_quantize_fast(dequantize(MXFP8Tensor(e4m3, scale, 2), dtype), -2)
+    assert _same_bits(triton_ops.requantize_rows(e4m3, scale, dtype), want)
+    layer = MoKMoELayer(256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", precision="mxfp8").quantize_experts_()
+    x = torch.randn(100, 256, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    layer(x).float().square().sum().backward()
+    assert triton_ops._VERDICTS[(("requantize_rows", torch.bfloat16), "cuda:0")]
