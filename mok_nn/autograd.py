@@ -113,7 +113,8 @@ def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, wo
 def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, workspace: Workspace):
     """The expert weights the backward takes. MXFP8-only weights with precision="mxfp8": the backward reads them
     only as its d x / d h GEMMs' operands, MXFP8 values of W_q along N (they get no gradient), so it gets those,
-    computed a few experts at a time from the stored data (functional.weight_values_along_n) and marked as such:
+    computed from the stored data (triton_ops.requantize_rows in one pass, else a few experts at a time by
+    functional.weight_values_along_n) and marked as such:
     no whole copy of W_q is held beside them, which halves the weights' transient memory (45 -> 22.5 GB at
     deepseek-v3). Otherwise what expert_weights gives."""
     if gate_up_scale is None or workspace.precision != "mxfp8" or dtype not in (torch.bfloat16, torch.float32):
