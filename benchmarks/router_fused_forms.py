@@ -3,7 +3,7 @@ steps it replaces (router_logits' cuBLAS GEMM, then triton_ops.route), on the GP
 
   kernels  per shape at --tokens: GPU us per call (torch.profiler) and host us per call (the GPU busy) of the two
            steps and of route_tokens, then the fused kernel's forms (rows per program, warps, stages, K step),
-           each form's ids checked against route_tokens'. The forms chosen in triton_ops (ROUTER_*) come from here.
+           each form's ids compared with route_tokens'. The forms chosen in triton_ops (ROUTER_*) come from here.
   --layer  the whole qwen3 layer (or --shape) with the fused router and with the two steps, in one process, in
            alternating rounds, beside the routed experts alone: ms from an idle GPU (medians) and host ms per forward.
 
