@@ -72,9 +72,10 @@ class _TensorCoreLogits(torch.autograd.Function):
         return logits_backward(x, w, d_logits, *ctx.needs_input_grad[:2])
 
 
-def logits_backward(x, w, d_logits, need_x: bool, need_w: bool):
+def logits_backward(x, w, d_logits, need_x: bool, need_w: bool, parts=None):
     """(d x, d w) (None where not needed) of the tensor-core logits x @ w^T for fp32 d_logits (_TensorCoreLogits).
-    fp16, or off CUDA (no mm with an fp32 output there): fp32 GEMMs."""
+    fp16, or off CUDA (no mm with an fp32 output there): fp32 GEMMs. parts: d_logits' three bf16 parts side by
+    side [T, 3E] where already made (triton_ops.route_backward)."""
     d_x = d_w = None
     if x.dtype != torch.bfloat16 or not x.is_cuda:
         if need_x:
@@ -82,11 +83,12 @@ def logits_backward(x, w, d_logits, need_x: bool, need_w: bool):
         if need_w:
             d_w = x.float().t().mm(d_logits).t().to(w.dtype)
         return d_x, d_w
-    parts = _bf16_parts(d_logits)
+    if parts is None:
+        parts = torch.cat(_bf16_parts(d_logits), dim=1)
     if need_x:
-        d_x = torch.mm(torch.cat(parts, dim=1), w.repeat(3, 1), out_dtype=torch.float32).to(x.dtype)
+        d_x = torch.mm(parts, w.repeat(3, 1), out_dtype=torch.float32).to(x.dtype)
     if need_w:
-        hi, mid, lo = (torch.mm(p.t(), x, out_dtype=torch.float32) for p in parts)
+        hi, mid, lo = torch.mm(parts.t(), x, out_dtype=torch.float32).chunk(3)
         d_w = ((hi + mid) + lo).to(w.dtype)
     return d_x, d_w
 
@@ -259,12 +261,15 @@ class _FusedRouter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits, _d_ids, d_weights, d_scores):
         x, weight, scores, ids = ctx.saved_tensors
-        d_l = None
-        if d_weights is not None or d_scores is not None:
-            d_l = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts)
-        if d_logits is not None:
-            d_l = d_logits.float() if d_l is None else d_l + d_logits
-        d_x, d_w = logits_backward(x, weight, d_l, *ctx.needs_input_grad[:2])
+        parts = None
+        if d_weights is None and d_scores is None:
+            d_l = d_logits.float()
+        else:  # d logits and, for bf16 GEMMs, its bf16 parts from route's backward kernel
+            d_l = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts, d_logits_in=d_logits,
+                                            parts=x.dtype == torch.bfloat16)
+            if x.dtype == torch.bfloat16:
+                d_l, parts = d_l
+        d_x, d_w = logits_backward(x, weight, d_l, *ctx.needs_input_grad[:2], parts=parts)
         d_b = d_l.sum(0).to(ctx.logit_bias_dtype) if ctx.needs_input_grad[2] else None
         return d_x, d_w, d_b, None, None, None, None, None
 

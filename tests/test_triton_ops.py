@@ -304,3 +304,24 @@ def test_mxfp8_only_backward_with_the_requantize_kernel(monkeypatch):
     assert any(k[0][0] == "requantize_rows" and ok for k, ok in triton_ops._VERDICTS.items())
     for a, b in zip(with_kernel, run(False)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_route_backward_parts_are_the_bf16_split_of_d_logits(softmax):
+    """triton_ops.route_backward with an incoming d logits and parts=True: d logits equal to the kernel's own plus
+    the incoming one (one fp32 add), and parts bit for bit router._bf16_parts of it, side by side (the router's
+    backward GEMM operand), over values from 2^-30 to 2^30 and a value beyond bf16's range."""
+    from mok_nn.router import _bf16_parts
+
+    g = torch.Generator().manual_seed(11)
+    rows, cols, k = 37, 64, 4
+    scores = torch.softmax(torch.randn(rows, cols, generator=g), -1) if softmax else torch.rand(rows, cols, generator=g)
+    ids = torch.stack([torch.randperm(cols, generator=g)[:k] for _ in range(rows)])
+    d_w = torch.randn(rows, k, generator=g)
+    d_in = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-30, 30, (rows, cols), generator=g).float())
+    d_in[3, 5] = 3.4e38
+    plain = triton_ops.route_backward(scores, ids, d_w, None, k, softmax, True, 1.0)
+    d_l, parts = triton_ops.route_backward(scores, ids, d_w, None, k, softmax, True, 1.0, d_logits_in=d_in, parts=True)
+    assert torch.equal(d_l, plain + d_in)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (rows, 3 * cols)
+    assert torch.equal(parts.view(torch.int16), torch.cat(_bf16_parts(d_l), dim=1).view(torch.int16))

@@ -100,6 +100,10 @@ def record_forms() -> dict:
                     _, w, scores = triton_ops.route(logits, k, softmax, norm, 2.5, bias)
                     for grads in ((w,), (w, scores)):
                         torch.autograd.backward(grads, [torch.ones_like(t) for t in grads], retain_graph=True)
+                    ids = torch.stack([torch.randperm(cols, generator=g)[:k] for _ in range(16)])
+                    triton_ops.route_backward(scores.detach(), ids, torch.randn(16, k, generator=g), None, k,
+                                              softmax == "softmax", norm, 2.5, d_logits_in=torch.randn(16, cols),
+                                              parts=True)  # (the fused router's backward)
     for dt in (torch.bfloat16, torch.float16):  # the fused router: its dot, both biases, both score functions
         for cols, k, hidden in ((128, 8, 2048), (60, 4, 1000), (100, 8, 7168), (8, 2, 64)):
             x, w = torch.randn(16, hidden, generator=g).to(dt), torch.randn(cols, hidden, generator=g).to(dt)

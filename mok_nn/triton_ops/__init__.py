@@ -398,19 +398,26 @@ def _route_outputs(rows: int, cols: int, k: int, device):
             torch.empty(rows, cols, dtype=torch.float32, device=device))
 
 
-def route_backward(scores, ids, d_weights, d_scores, k: int, softmax: bool, norm: bool, scale: float):
-    """d logits [T, E] fp32 of route's (and router_forward's) routing from d weights and d scores (either None)."""
+def route_backward(scores, ids, d_weights, d_scores, k: int, softmax: bool, norm: bool, scale: float,
+                   d_logits_in=None, parts: bool = False):
+    """d logits [T, E] fp32 of route's (and router_forward's) routing from d weights and d scores (either None),
+    plus d_logits_in where given. parts: (d logits, its three bf16 parts side by side [T, 3E], router._bf16_parts
+    concatenated), the operands of the router's backward GEMMs, from the same kernel."""
     rows, cols = scores.shape
     if d_weights is None:
         d_weights = scores.new_zeros(rows, k)
     d_logits = torch.empty_like(scores)
+    split = torch.empty(rows, 3 * cols, dtype=torch.bfloat16, device=scores.device) if parts else None
     if rows:
         grid, meta = _route_launch(rows, cols, k)
         ds = None if d_scores is None else d_scores.float().contiguous()
+        dl_in = None if d_logits_in is None else d_logits_in.float().contiguous()
         _kernels().route_backward_kernel[grid](scores, ids, d_weights.float().contiguous(), scores if ds is None else ds,
-                                               d_logits, rows, cols, scale, SOFTMAX=softmax, HAS_DS=ds is not None,
-                                               NORM=norm, **meta)
-    return d_logits
+                                               d_logits, scores if dl_in is None else dl_in,
+                                               d_logits if split is None else split, rows, cols, scale,
+                                               SOFTMAX=softmax, HAS_DS=ds is not None, NORM=norm,
+                                               HAS_DL=dl_in is not None, PARTS=parts, **meta)
+    return (d_logits, split) if parts else d_logits
 
 
 # router_forward: programs of 64 rows x all E columns, K steps of 128, 8 warps, 4 stages. Measured on an H100 at

@@ -19,11 +19,17 @@ def _store_bits(ptr, offs, bits, mask):
     # fp16 by a conversion (what it would flush lies below fp16's range), fp32 as they are
     dt = ptr.dtype.element_ty
     if dt == tl.bfloat16:
-        nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        half = tl.where(nan, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(ptr + offs, half.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(ptr + offs, _bf16_rne(bits).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptr + offs, bits.to(tl.float32, bitcast=True).to(dt), mask=mask)
+
+
+@triton.jit
+def _bf16_rne(bits):
+    # fp32 bits -> bf16 bits (the low 16 of the result), rounded to nearest even by integer operations (not the
+    # conversion, whose rounding Triton's interpreter does not follow); NaN -> bf16's NaN, overflow -> inf
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
 
 
 @triton.jit
@@ -258,8 +264,7 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     else:
         bits = _dequantize_bits_exact(q, s)
         if ROUND_BF16:  # (_store_bits' rounding, the fp32 bits of the bf16 value kept)
-            nan = (bits & 0x7FFFFFFF) > 0x7F800000
-            bits = tl.where(nan, 0x7FC00000, ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16)
+            bits = _bf16_rne(bits) << 16
     _store_bits(out_ptr, offs, _mx_round_bits(bits, 0), mask)
 
 
@@ -400,9 +405,10 @@ def router_forward_kernel(x_ptr, wr_ptr, lbias_ptr, bias_ptr, logits_ptr, ids_pt
 
 
 @triton.jit
-def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, n_rows, n_cols, scale, K: tl.constexpr,
-                          KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_DS: tl.constexpr, NORM: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, dl_in_ptr, parts_ptr, n_rows, n_cols,
+                          scale, K: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_DS: tl.constexpr,
+                          NORM: tl.constexpr, HAS_DL: tl.constexpr, PARTS: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK: tl.constexpr):
     # d logits of route_forward_kernel from d weights [rows, K] and (HAS_DS) d scores [rows, E]: through the
     # scaling and renormalisation to the selected scores, then through softmax / sigmoid
     r, c, live, mask = _row_tile(n_rows, n_cols, ROWS, BLOCK)
@@ -431,4 +437,16 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, n_ro
         dl = s * (ds - tl.sum(ds * s, axis=1)[:, None])
     else:
         dl = ds * s * (1.0 - s)
+    if HAS_DL:  # plus an incoming d logits (the logits' own gradient, e.g. a z-loss's)
+        dl = dl + tl.load(dl_in_ptr + r[:, None] * n_cols + c[None, :], mask=mask, other=0.0)
     tl.store(dlogits_ptr + r[:, None] * n_cols + c[None, :], dl, mask=mask)
+    if PARTS:  # and d logits as three bf16 parts side by side, [rows, 3 n_cols]: router._bf16_parts, torch.cat'ed
+        hi = _bf16_rne(dl.to(tl.int32, bitcast=True))
+        hi_f = (hi << 16).to(tl.float32, bitcast=True)
+        rest = tl.where((hi & 0x7F80) != 0x7F80, dl - hi_f, 0.0)  # (hi not inf / NaN: the remainder, exact)
+        mid = _bf16_rne(rest.to(tl.int32, bitcast=True))
+        lo = _bf16_rne((rest - (mid << 16).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True))
+        row = parts_ptr + r[:, None] * (3 * n_cols) + c[None, :]
+        tl.store(row, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(row + n_cols, mid.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(row + 2 * n_cols, lo.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
