@@ -65,10 +65,14 @@ class Router(nn.Module):
 
 
 def _plain_router(router: nn.Module) -> bool:
-    """Whether router is a Router whose call is its forward: no forward hooks, its own or global."""
-    return (type(router) is Router and "forward" not in router.__dict__ and not router._forward_hooks
-            and not router._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+    """Whether router is a Router whose call is its forward: no module hooks (forward or backward), its own or
+    global, that calling it would run."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    global_hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                    "_global_backward_pre_hooks")
+    return (type(router) is Router and "forward" not in router.__dict__
+            and not any(getattr(router, h, None) for h in hooks)
+            and not any(getattr(nn.modules.module, h, None) for h in global_hooks))
 
 
 _MX_WEIGHTS = ("gate_up_proj", "down_proj")

@@ -232,7 +232,7 @@ def route_tokens(
     opts = (top_k, score_func, norm_topk_prob, routed_scaling_factor, e_score_correction_bias)
     if (not torch.compiler.is_compiling() and _tensor_core_logits_run_on(x2d, weight)
             and triton_ops.router_runs_on(x2d, weight, top_k, n_group) and triton_ops.verified(
-                ("router", top_k, score_func, bool(norm_topk_prob), logit_bias is not None,
+                ("router", x2d.dtype, top_k, score_func, bool(norm_topk_prob), logit_bias is not None,
                  e_score_correction_bias is not None), x2d.device,
                 lambda: _router_forms(x2d[:64], weight, logit_bias, *opts), exact=False)):
         return _FusedRouter.apply(x2d, weight, logit_bias, *opts)

@@ -2,6 +2,7 @@
 
 import torch
 
+from mok_nn import MoKMoELayer
 from mok_nn import router as routing
 
 
@@ -35,3 +36,29 @@ def test_cpu_logits_are_the_fp32_cast_gemm_with_bias():
     # fp32 sums of 96 exact products, then the bias: within 96 u sum |x w| + u |logit|
     bound = 96 * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 2.0**-24 * exact.abs() * 2
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_layer_routes_through_the_router_module_only_where_calling_it_would_do_more():
+    """MoKMoELayer routes with router.route_tokens (its fused kernel on CUDA) for its own Router, and calls the
+    router module where that runs something else: a forward or backward hook (the module's or a global one), a
+    subclass (the HF integration's router_dtype), a forward replaced on the instance. The hook sees the logits."""
+    from mok_nn.layer import Router, _plain_router
+
+    torch.manual_seed(0)
+    layer = MoKMoELayer(32, 16, 8, 2)
+    assert _plain_router(layer.router)
+    seen = []
+    for register in (layer.router.register_forward_hook, layer.router.register_full_backward_hook,
+                     torch.nn.modules.module.register_module_forward_pre_hook):
+        handle = register(lambda *args: seen.append(register))
+        assert not _plain_router(layer.router)
+        handle.remove()
+        assert _plain_router(layer.router)
+    layer.router.forward = lambda x2d: Router.forward(layer.router, x2d)
+    assert not _plain_router(layer.router)
+    del layer.router.forward
+    layer.router.__class__ = type("RouterInDtype", (Router,), {})
+    assert not _plain_router(layer.router)
+    layer.router.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    layer(torch.randn(5, 32).to(layer.router.weight.dtype))
+    assert torch.equal(seen[-1], layer.router_logits)
