@@ -53,6 +53,7 @@ from .cuda_mx import MxWeight
 from .envvars import getenv
 from .mxfp8 import fake_quantize_fast, weight_values
 from .router import expert_counts
+from .triton_ops import current_stream
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
 from .kernels.registry import (
     COMBINE_LEAVES, GEMM_TILE_N, MX_QUANT_CTAS_PER_SM, MX_QUANT_THREADS, MX_QUANT_UNROLL, SCHEDULE_MAX_EXPERTS, SCHEDULE_MC_MAX_CHUNKS,
@@ -301,16 +302,7 @@ def _lib():
     return loader.load("sm_90a")
 
 
-# torch.cuda.current_stream().cuda_stream without building a torch.cuda.Stream (~5 us a call)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
-def _stream() -> int:
-    """cudaStream_t of the current stream of the current device."""
-    if _raw_stream is None or _get_device is None or not torch.cuda.is_initialized():
-        return torch.cuda.current_stream().cuda_stream  # CPU builds; CUDA not initialised yet
-    return _raw_stream(_get_device())
+_stream = current_stream  # cudaStream_t of the current stream of the current device (the tests replace it)
 
 
 # Row gathers into schedule order: mok_scatter_rows (warp per source row, read once and stored to each of its

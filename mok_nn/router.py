@@ -230,7 +230,7 @@ def route_tokens(
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     opts = (top_k, score_func, norm_topk_prob, routed_scaling_factor, e_score_correction_bias)
-    if (not torch.compiler.is_compiling() and _tensor_core_logits_run_on(x2d, weight)
+    if (_tensor_core_logits_run_on(x2d, weight)  # (not under torch.compile either)
             and triton_ops.router_runs_on(x2d, weight, top_k, n_group) and triton_ops.verified(
                 ("router", x2d.dtype, top_k, score_func, bool(norm_topk_prob), logit_bias is not None,
                  e_score_correction_bias is not None), x2d.device,
@@ -261,14 +261,11 @@ class _FusedRouter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_logits, _d_ids, d_weights, d_scores):
         x, weight, scores, ids = ctx.saved_tensors
-        parts = None
         if d_weights is None and d_scores is None:
-            d_l = d_logits.float()
+            d_l, parts = d_logits.float(), None
         else:  # d logits and, for bf16 GEMMs, its bf16 parts from route's backward kernel
-            d_l = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts, d_logits_in=d_logits,
-                                            parts=x.dtype == torch.bfloat16)
-            if x.dtype == torch.bfloat16:
-                d_l, parts = d_l
+            d_l, parts = triton_ops.route_backward(scores, ids, d_weights, d_scores, *ctx.opts, d_logits_in=d_logits,
+                                                   parts=x.dtype == torch.bfloat16)
         d_x, d_w = logits_backward(x, weight, d_l, *ctx.needs_input_grad[:2], parts=parts)
         d_b = d_l.sum(0).to(ctx.logit_bias_dtype) if ctx.needs_input_grad[2] else None
         return d_x, d_w, d_b, None, None, None, None, None

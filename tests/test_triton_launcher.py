@@ -40,7 +40,7 @@ class _Kernel:
 
 @pytest.fixture
 def launcher(monkeypatch):
-    monkeypatch.setattr(triton_ops, "_current_stream", lambda: 1234)
+    monkeypatch.setattr(triton_ops, "current_stream", lambda: 1234)
     monkeypatch.setattr(triton_ops, "_launch_hooks", lambda: False)
     lau = triton_ops._Launcher(_Kernel())
     lau.fast = True  # (a JITFunction's launcher; the stand-in is not one)

@@ -320,7 +320,8 @@ def test_route_backward_parts_are_the_bf16_split_of_d_logits(softmax):
     d_w = torch.randn(rows, k, generator=g)
     d_in = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-30, 30, (rows, cols), generator=g).float())
     d_in[3, 5] = 3.4e38
-    plain = triton_ops.route_backward(scores, ids, d_w, None, k, softmax, True, 1.0)
+    plain, no_parts = triton_ops.route_backward(scores, ids, d_w, None, k, softmax, True, 1.0)
+    assert no_parts is None
     d_l, parts = triton_ops.route_backward(scores, ids, d_w, None, k, softmax, True, 1.0, d_logits_in=d_in, parts=True)
     assert torch.equal(d_l, plain + d_in)
     assert parts.dtype == torch.bfloat16 and parts.shape == (rows, 3 * cols)

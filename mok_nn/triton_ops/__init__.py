@@ -152,7 +152,7 @@ class _Launcher:
             kernel, names = hit
             g = tuple(grid) + (1,) * (3 - len(grid))
             try:  # (CompiledKernel.run: Triton's launcher of a compiled kernel, as JITFunction.run calls it)
-                kernel.run(*g, _current_stream(), kernel.function, kernel.packed_metadata, None, None, None, *args,
+                kernel.run(*g, current_stream(), kernel.function, kernel.packed_metadata, None, None, None, *args,
                            *[meta[n] for n in names])
                 self.fast_launches += 1
                 return
@@ -194,12 +194,17 @@ def _runtime_knobs():
     return knobs.runtime
 
 
+# torch.cuda.current_stream().cuda_stream without building a torch.cuda.Stream (~5 us a call)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
-def _current_stream() -> int:
-    """cudaStream_t of the current device's current stream (what Triton launches on)."""
-    return _raw_stream(torch._C._cuda_getDevice()) if _raw_stream is not None else torch.cuda.current_stream().cuda_stream
+def current_stream() -> int:
+    """cudaStream_t of the current stream of the current device: what Triton launches on, and the CUDA backend's
+    kernels (cuda_backend._stream)."""
+    if _raw_stream is None or _get_device is None or not torch.cuda.is_initialized():
+        return torch.cuda.current_stream().cuda_stream  # CPU builds; CUDA not initialised yet
+    return _raw_stream(_get_device())
 
 
 def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -388,7 +393,7 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _d_ids, d_weights, d_scores):
         scores, ids = ctx.saved_tensors
-        return route_backward(scores, ids, d_weights, d_scores, *ctx.opts), None, None, None, None, None
+        return route_backward(scores, ids, d_weights, d_scores, *ctx.opts)[0], None, None, None, None, None
 
 
 def _route_outputs(rows: int, cols: int, k: int, device):
@@ -400,9 +405,9 @@ def _route_outputs(rows: int, cols: int, k: int, device):
 
 def route_backward(scores, ids, d_weights, d_scores, k: int, softmax: bool, norm: bool, scale: float,
                    d_logits_in=None, parts: bool = False):
-    """d logits [T, E] fp32 of route's (and router_forward's) routing from d weights and d scores (either None),
-    plus d_logits_in where given. parts: (d logits, its three bf16 parts side by side [T, 3E], router._bf16_parts
-    concatenated), the operands of the router's backward GEMMs, from the same kernel."""
+    """(d logits [T, E] fp32, parts) of route's (and router_forward's) routing from d weights and d scores (either
+    None), plus d_logits_in where given. parts: where asked, d logits' three bf16 parts side by side [T, 3E]
+    (router._bf16_parts concatenated, the router's backward GEMM operand) from the same kernel; else None."""
     rows, cols = scores.shape
     if d_weights is None:
         d_weights = scores.new_zeros(rows, k)
@@ -412,12 +417,13 @@ def route_backward(scores, ids, d_weights, d_scores, k: int, softmax: bool, norm
         grid, meta = _route_launch(rows, cols, k)
         ds = None if d_scores is None else d_scores.float().contiguous()
         dl_in = None if d_logits_in is None else d_logits_in.float().contiguous()
-        _kernels().route_backward_kernel[grid](scores, ids, d_weights.float().contiguous(), scores if ds is None else ds,
-                                               d_logits, scores if dl_in is None else dl_in,
+        _kernels().route_backward_kernel[grid](scores, ids, d_weights.float().contiguous(),
+                                               scores if ds is None else ds, d_logits,
+                                               scores if dl_in is None else dl_in,
                                                d_logits if split is None else split, rows, cols, scale,
                                                SOFTMAX=softmax, HAS_DS=ds is not None, NORM=norm,
                                                HAS_DL=dl_in is not None, PARTS=parts, **meta)
-    return (d_logits, split) if parts else d_logits
+    return d_logits, split
 
 
 # router_forward: programs of 64 rows x all E columns, K steps of 128, 8 warps, 4 stages. Measured on an H100 at
