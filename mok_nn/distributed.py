@@ -7,6 +7,7 @@ The routed-expert math over these lives in reference.py (DispatchPlan).
 from __future__ import annotations
 
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -17,18 +18,19 @@ class EPError(RuntimeError):
     ...): its outputs are NaN, and the next call on the workspace or check_errors raises this."""
 
 
-_HOSTS: dict = {}  # id(group) -> (group, sorted host names of its ranks); holding the group keeps its id unique
+# group -> sorted host names of its ranks. Weak: a ProcessGroup kept alive past destroy_process_group and first
+# freed at interpreter shutdown can abort the process (gloo's threads outlive the interpreter).
+_HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def group_hosts(group) -> list[str]:
     """The host names of the group's ranks, sorted, without repeats: one all_gather_object per group (collective:
     every rank of the group calls it at the same point), cached."""
-    key = id(group)
-    if key not in _HOSTS:
+    if group not in _HOSTS:
         names = [None] * dist.get_world_size(group)
         dist.all_gather_object(names, socket.gethostname(), group=group)
-        _HOSTS[key] = (group, sorted(set(names)))
-    return _HOSTS[key][1]
+        _HOSTS[group] = sorted(set(names))
+    return _HOSTS[group]
 
 
 def group_size_and_rank(group) -> tuple[int, int]:

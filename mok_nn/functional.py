@@ -16,6 +16,7 @@ params: ExpertParams (gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I], optional
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 
@@ -151,12 +152,18 @@ def release_workspaces(ep_group=None) -> int:
     """Forget cached workspaces (those of ep_group only, when given); returns how many.
 
     Call it before destroying a process group, or to free a workspace's buffers; the
-    next forward creates a fresh one.
+    next forward creates a fresh one. At exit every workspace goes (below).
     """
     keys = [k for k, ws in _WORKSPACES.items() if ep_group is None or ws.ep_group is ep_group]
     for k in keys:
         del _WORKSPACES[k]
     return len(keys)
+
+
+# A workspace holds its EP group. A ProcessGroup first freed during interpreter shutdown can abort the process
+# (gloo's threads outlive the interpreter: "terminate called without an active exception"), so the workspaces
+# go while Python is still whole.
+atexit.register(release_workspaces)
 
 
 def build_schedule(topk_ids: torch.Tensor, workspace: Workspace, x: torch.Tensor | None = None):

@@ -4,6 +4,8 @@ the layer and the oracle with gradients, comparing with stated tolerances."""
 import contextlib
 import datetime
 import math
+import sys
+import traceback
 
 import pytest
 import torch
@@ -180,6 +182,12 @@ def gloo_rank(rank: int, world: int, tmpdir: str):
     try:
         yield
         dist.barrier()
+    except BaseException:
+        # spawn keeps a worker's traceback to itself, and the peer, left waiting, may abort first and be the
+        # failure pytest shows: print it where the test's log has it
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
     finally:
         dist.destroy_process_group()
 
