@@ -1,9 +1,6 @@
 """The expert-parallel schedule (cuda_ep.make_ep_schedule) is torch ops: check it on the CPU
 against a plain-Python construction, and the creation-time shape check across ranks (gloo)."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,9 +122,8 @@ def test_check_group_shapes_message():
         cuda_ep.check_group_shapes([1, 2], [[1, 2], [1, 3]], ["a", "b"])
 
 
-def _worker(rank, world, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, tmpdir, q):
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world)
     from mok_nn import functional
 
     try:
@@ -140,13 +136,10 @@ def _worker(rank, world, port, q):
     dist.destroy_process_group()
 
 
-def test_workspace_rejects_shapes_differing_across_ranks():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_workspace_rejects_shapes_differing_across_ranks(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path), q)) for r in range(2)]
     for p in procs:
         p.start()
     msgs = dict(q.get(timeout=120) for _ in procs)

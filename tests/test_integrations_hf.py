@@ -261,13 +261,14 @@ def test_interleave_helpers_against_explicit_indexing():
 
 # ---------------------------------------------------------------- expert parallelism
 
-def _ep_worker(rank, world, port, arch):
-    import os
+def _ep_worker(rank, world, tmpdir, arch):
+    import datetime
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no TCP port to find free (the two archs' runs would share one per pytest process)
+    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         orig = build(arch)                                   # same seed: same model on every rank
         model = hf.patch_model(copy.deepcopy(orig), backend="reference", ep_group=dist.group.WORLD)
@@ -316,14 +317,12 @@ def _ep_worker(rank, world, port, arch):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
-def test_expert_parallel_patch_over_gloo(arch):
+def test_expert_parallel_patch_over_gloo(arch, tmp_path):
     """ep_group of 2 CPU processes: each rank holds half the experts; outputs equal the
     original model's, expert gradients are the local shard of the all-token gradient."""
-    import os
-
     import torch.multiprocessing as mp
 
-    mp.spawn(_ep_worker, args=(2, 29400 + os.getpid() % 500, arch), nprocs=2, join=True)
+    mp.spawn(_ep_worker, args=(2, str(tmp_path), arch), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------- MXFP8
