@@ -71,6 +71,7 @@ def main(argv=None):
                     help="comma-separated subset of the implementations (hf_default is always timed)")
     args = ap.parse_args(argv)
     dtype = bench.DTYPES[args.dtype]
+    import transformers
 
     base = build(dtype)
     models = {"hf_default": base,
@@ -121,7 +122,7 @@ def main(argv=None):
                                                                         "num_hidden_layers")},
                     tokens=args.tokens, impl=name, dtype=args.dtype, step_ms=round(statistics.median(t), 2),
                     step_ms_all=[round(v, 2) for v in t], threads=torch.get_num_threads(), device="cpu",
-                    torch=torch.__version__, commit=bench._commit(), date=date,
+                    torch=torch.__version__, transformers=transformers.__version__, commit=bench._commit(), date=date,
                     loadavg_1_5_15min_before_after=load)
                for name, t in times.items()]
     hf = records[0]["step_ms"]
