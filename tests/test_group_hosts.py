@@ -22,7 +22,7 @@ def gathered(monkeypatch):
 
     monkeypatch.setattr(distributed.dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: len(names[group]))
-    monkeypatch.setattr(distributed, "_HOSTS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(distributed, "_HOSTS", type(distributed._HOSTS)())  # an empty cache of its own
     return names, calls
 
 
