@@ -173,8 +173,10 @@ def routed_experts(layer, x, ids, w, dy, ep_group=None, config=None, backend="re
 def gloo_rank(rank: int, world: int, tmpdir: str):
     """A worker process's gloo group over a file store in tmpdir, one thread, a 60 s timeout (a hang fails fast).
     After the body every rank meets at a barrier before the group goes: a rank closing its connections while a
-    peer still receives makes gloo abort."""
+    peer still receives makes gloo abort. mok_nn's workspaces, which hold the group, are released before it."""
     import torch.distributed as dist
+
+    from mok_nn import functional
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
@@ -189,6 +191,7 @@ def gloo_rank(rank: int, world: int, tmpdir: str):
         sys.stderr.flush()
         raise
     finally:
+        functional.release_workspaces()
         dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import gloo_rank
 from mok_nn import cuda_ep
 from mok_nn.kernels.registry import TILE_M
 
@@ -123,17 +124,15 @@ def test_check_group_shapes_message():
 
 
 def _worker(rank, world, tmpdir, q):
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world)
-    from mok_nn import functional
+    with gloo_rank(rank, world, tmpdir):
+        from mok_nn import functional
 
-    try:
-        functional.get_workspace(hidden_size=64 + 8 * rank, intermediate_size=32, num_experts=4, top_k=2,
-                                 ep_group=dist.group.WORLD, device="cpu", backend="cuda")
-        q.put((rank, "no error"))
-    except ValueError as err:
-        q.put((rank, str(err)))
-    dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
-    dist.destroy_process_group()
+        try:
+            functional.get_workspace(hidden_size=64 + 8 * rank, intermediate_size=32, num_experts=4, top_k=2,
+                                     ep_group=dist.group.WORLD, device="cpu", backend="cuda")
+            q.put((rank, "no error"))
+        except ValueError as err:
+            q.put((rank, str(err)))
 
 
 def test_workspace_rejects_shapes_differing_across_ranks(tmp_path):

@@ -9,14 +9,13 @@ blocks of C rows per peer, the counts sent as data, nothing read on the host. P 
   and EPError, naming the counts and the knob, from the next call and from functional.check_errors."""
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import E, H, K, make_layer, random_x, routed_experts, single_thread  # noqa: F401
+from helpers import E, H, K, gloo_rank, make_layer, random_x, routed_experts, single_thread  # noqa: F401
 from test_expert_parallel import I_EP, OPTS
 from test_torch_backend import SYNC_OPS, _RecordOps
 
@@ -55,10 +54,7 @@ def _run_function(layer, x, ids, w, dy, config):
 
 
 def _worker(rank, world, tmpdir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world, tmpdir):
         from mok_nn import MoKConfig, functional
         from mok_nn.distributed import EPError
         from mok_nn.torch_ep import BoundedPlan
@@ -97,12 +93,6 @@ def _worker(rank, world, tmpdir):
         out["after"] = _run_function(layer, x, ids, w, dy, tight)[:4]
         functional.check_errors(ws)
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        from mok_nn import functional
-
-        functional.release_workspaces()
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -5,12 +5,15 @@ checks the cause deterministically, in a child process whose own exit handler, r
 run after it, reports whether the group is still alive."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 CHILD = textwrap.dedent("""
-    import atexit, datetime, gc, os, sys, weakref
+    import atexit, datetime, gc, sys, weakref
     import torch
     import torch.distributed as dist
 
@@ -40,9 +43,9 @@ CHILD = textwrap.dedent("""
 
 
 def test_the_workspaces_let_their_group_go_at_exit(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=120, env=env)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "store")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     # the workspace still holds the group after the user dropped theirs (it lives until release_workspaces) ...
     assert "group alive before exit: True" in done.stdout, done.stdout

@@ -4,15 +4,14 @@ single-process layer (same backend) on the concatenated batch, and the routed ex
 one process for the same routing."""
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, layer_forward_backward, make_layer, random_x,
-                     routed_experts, single_thread)  # noqa: F401
+from helpers import (ACTIVATIONS, E, H, K, ROUTINGS, assert_close, gloo_rank, layer_forward_backward, make_layer,
+                     random_x, routed_experts, single_thread)  # noqa: F401
 
 I_EP = 16
 
@@ -43,10 +42,7 @@ TOL = {F32: 1e-5, BF16: 2e-2}
 
 
 def _worker(rank, world, tmpdir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))  # a hang fails fast
-    try:
+    with gloo_rank(rank, world, tmpdir):
         from mok_nn import MoKMoELayer
 
         data = torch.load(os.path.join(tmpdir, "inputs.pt"))
@@ -81,9 +77,6 @@ def _worker(rank, world, tmpdir):
         except Exception as err:  # noqa: BLE001 - the test inspects type and message
             out["mismatch_error"] = (type(err).__name__, str(err))
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=[(case, backend) for backend in ("reference", "torch") for case in CASES],

@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from _tiny_moe_models import ARCHS, VOCAB, build  # noqa: E402
+from helpers import gloo_rank  # noqa: E402
 
 from mok_nn.integrations import huggingface as hf  # noqa: E402
 
@@ -262,14 +263,9 @@ def test_interleave_helpers_against_explicit_indexing():
 # ---------------------------------------------------------------- expert parallelism
 
 def _ep_worker(rank, world, tmpdir, arch):
-    import datetime
-
     import torch.distributed as dist
 
-    # a file store: no TCP port to find free (the two archs' runs would share one per pytest process)
-    dist.init_process_group("gloo", init_method=f"file://{tmpdir}/store", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_rank(rank, world, tmpdir):
         orig = build(arch)                                   # same seed: same model on every rank
         model = hf.patch_model(copy.deepcopy(orig), backend="reference", ep_group=dist.group.WORLD)
         batches = [_inputs(seed=20 + r) for r in range(world)]
@@ -311,9 +307,6 @@ def _ep_worker(rank, world, tmpdir, arch):
         fresh = hf.patch_model(build(arch, seed=3), backend="reference", ep_group=dist.group.WORLD)
         fresh.load_state_dict(sd_full)
         assert torch.equal(fresh(batches[rank]).logits, model(batches[rank]).logits)
-        dist.barrier()  # no rank closes its connections while a peer still receives (gloo aborts)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
