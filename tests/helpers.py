@@ -198,7 +198,7 @@ def gloo_rank(rank: int, world: int, tmpdir: str):
 def every_e4m3_byte_at_every_scale(programs_slow: bool, blocks_per_program: int = 64):
     """(data [rows, 256] float8_e4m3fn, scale [rows, 8] uint8): each row holds every E4M3 byte (8 blocks of 32),
     one E8M0 scale byte for its 8 blocks, every scale byte in some row: every byte under every scale. With
-    programs of blocks_per_program blocks (8 rows each, triton_ops.MX_ROWS = 64), programs_slow=False gives the
+    programs of blocks_per_program blocks (8 rows each, triton_ops.DEQUANTIZE_FORM), programs_slow=False gives the
     rows in scale order (the programs inside triton_ops' fast scale range take it), True puts a NaN-scale row
     first in every program (each takes the general way)."""
     rows_per_program = blocks_per_program // 8

@@ -54,6 +54,10 @@ import torch
 MX_BLOCK = 32
 MX_ROWS = 64  # MXFP8 blocks per program
 MX_ROWS_WARPS = 2  # warps of a fake_quantize_rows program (blocks along the rows; measured: 4 and 8 are slower)
+# (MXFP8 blocks, warps) of a dequantize program; (columns, warps) of a requantize_rows program, whose row block is
+# MX_BLOCK rows: every form writes the same bits (benchmarks/mx_kernel_forms.py times them)
+DEQUANTIZE_FORM = (MX_ROWS, 4)
+REQUANTIZE_FORM = (MX_ROWS, MX_ROWS_WARPS)
 ACT_BLOCK = 1024  # columns of a row per step of the activation kernels
 TOPK_MAX_COLS = 4096  # topk_indices holds a whole row in registers: up to this many experts
 TOPK_ELEMENTS = 4096  # scores per topk_indices program (rows of a power-of-two width)
@@ -255,8 +259,9 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
     n_blocks = data.numel() // MX_BLOCK
     if n_blocks:
-        _kernels().dequantize_kernel[(-(-n_blocks // MX_ROWS),)](data.view(torch.uint8), scale, out, n_blocks,
-                                                                 ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+        blocks, warps = DEQUANTIZE_FORM
+        _kernels().dequantize_kernel[(-(-n_blocks // blocks),)](data.view(torch.uint8), scale, out, n_blocks,
+                                                                ROWS=blocks, BLOCK=MX_BLOCK, num_warps=warps)
     return out
 
 
@@ -276,9 +281,10 @@ def requantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     cols = data.shape[-1]
     row_blocks = data.numel() // cols // MX_BLOCK
     if row_blocks:
-        _kernels().requantize_rows_kernel[(row_blocks * -(-cols // MX_ROWS),)](
-            data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, ROWS=MX_ROWS,
-            BLOCK=MX_BLOCK, num_warps=MX_ROWS_WARPS)
+        tile_cols, warps = REQUANTIZE_FORM
+        _kernels().requantize_rows_kernel[(row_blocks * -(-cols // tile_cols),)](
+            data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, ROWS=tile_cols,
+            BLOCK=MX_BLOCK, num_warps=warps)
     return out
 
 

@@ -234,7 +234,7 @@ def test_dequantize_on_cuda_is_bitwise_the_cpu_one(dtype):
     from mok_nn.mxfp8 import MXFP8Tensor, dequantize
 
     for slow in (False, True):
-        data, scale = load_cpu_test("helpers").every_e4m3_byte_at_every_scale(slow, triton_ops.MX_ROWS)
+        data, scale = load_cpu_test("helpers").every_e4m3_byte_at_every_scale(slow, triton_ops.DEQUANTIZE_FORM[0])
         data, scale = data.reshape(1, -1, 256), scale.reshape(1, -1, 8)
         want = dequantize(MXFP8Tensor(data, scale, 2), dtype)
         assert _same_bits(triton_ops.dequantize(data.to(DEV), scale.to(DEV), dtype).cpu(), want), slow
