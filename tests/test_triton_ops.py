@@ -289,6 +289,34 @@ def test_requantize_rows_is_dequantize_then_fake_quantize_along_n(dtype, form, m
     assert got.dtype == dtype and _same(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_requantize_rows_of_real_weights_keeps_or_rounds_as_the_torch_ops(dtype):
+    """requantize_rows on MXFP8 weights quantised from Gaussian values (whose tiles mostly keep every value: the
+    kernel stores the dequantised bits as they are) bit for bit against the torch ops; with, in some tiles, a value
+    more than 2**14 below its column block's largest (it rounds: E4M3's subnormals at the new scale), a NaN block, an
+    all-zero column block and -0."""
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, quantize
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 96, 192, generator=g) * torch.exp2(torch.randint(-1, 2, (4, 96, 1), generator=g).float())
+    w[1, 40, 70] = w[1, 40:72, 70].abs().max() * 2.0**-17  # tiny against its column block (rows 32-63)
+    w[2, 5, 100] = w[2, 0:32, 100].abs().max() * 2.0**-15
+    w[3, 64:96, 9] = 0.0
+    w[3, 70, 9] = -0.0
+    q = quantize(w.bfloat16(), axis=-1)
+    q.data.view(torch.uint8)[0, 33, 150] = 0x7F  # an E4M3 NaN
+    want = fake_quantize_fast(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
+    for form in ((64, 2), (256, 8)):
+        triton_ops.REQUANTIZE_FORM, shipped = form, triton_ops.REQUANTIZE_FORM
+        try:
+            got = triton_ops.requantize_rows(q.data, q.scale, dtype)
+        finally:
+            triton_ops.REQUANTIZE_FORM = shipped
+        assert _same(got, want), form
+    unchanged = dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype)  # most values stay; the tiny ones do not
+    assert not _same(want, unchanged) and (want == unchanged).float().mean() > 0.99
+
+
 def test_mxfp8_only_backward_with_the_requantize_kernel(monkeypatch):
     """The backward of an MXFP8-only layer with precision="mxfp8" whose column-wise weight values come from
     requantize_rows (made to run on the CPU tensors here; checked against the two steps on its first use) computes

@@ -233,39 +233,78 @@ def dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, ROWS: tl.constexpr
     if out_ptr.dtype.element_ty == tl.float16:
         _store_bits(out_ptr, offs, _dequantize_bits_exact(q, s[:, None]), in_range[:, None])
     elif (tl.min(s, axis=0) >= FAST_LO) & (tl.max(s, axis=0) <= FAST_HI):
-        bits = _dequantize_bits_fast(q, s[:, None])  # bf16 bits
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(out_ptr + offs, bits.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=in_range[:, None])
-        else:  # fp32: the same value, its low 16 bits zero
-            tl.store(out_ptr + offs, (bits << 16).to(tl.float32, bitcast=True), mask=in_range[:, None])
+        _store_bf16_bits(out_ptr, offs, _dequantize_bits_fast(q, s[:, None]), in_range[:, None])
     else:
         _store_bits(out_ptr, offs, _dequantize_bits_exact(q, s[:, None]), in_range[:, None])
 
 
 @triton.jit
+def _store_bf16_bits(ptr, offs, bits, mask):
+    # bf16 bits (the low 16 of each int32) as bf16, or as the same value in fp32 (its low 16 bits zero)
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr + offs, bits.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + offs, (bits << 16).to(tl.float32, bitcast=True), mask=mask)
+
+
+@triton.jit
 def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK: tl.constexpr):
-    # MXFP8 data [n, cols] (E4M3 bytes, an E8M0 scale byte per BLOCK along each row) -> the MXFP8 values of its
-    # values in blocks of BLOCK consecutive rows, in out's dtype: dequantised exactly (as dequantize_kernel: the
-    # direct bf16 bits where the tile's scales allow, else rounded to bf16 where ROUND_BF16, as a dequantisation
-    # into bf16 rounds), then _mx_round_bits along the rows. A program takes one row block and ROWS consecutive
-    # columns, as fake_quantize_rows_kernel.
+    # MXFP8 data [n, cols] (E4M3 bytes, an E8M0 scale byte per BLOCK along each row; cols a multiple of BLOCK) ->
+    # the MXFP8 values of its values in blocks of BLOCK consecutive rows, in out's dtype. A program takes one row
+    # block and ROWS consecutive columns as a [BLOCK rows, ROWS // BLOCK column blocks, BLOCK columns] tile, so
+    # that each (row, column block) scale byte is loaded once and broadcast over its columns.
+    # Where the tile's scales allow the direct bf16 bits (dequantize_kernel's fast way), most tiles of real weights
+    # keep every value: W_q's values carry at most 4 significant bits, so a value is unchanged by the rounding
+    # at its block's scale 2**e unless it falls below E4M3's normal range there (|v| < 2**(e - 6)). A tile whose
+    # blocks all hold no NaN and no nonzero value that small stores the dequantised bits as they are (the same
+    # bits as the rounding gives); any other tile takes the rounding (_mx_round_bits) of the exact values.
+    NB: tl.constexpr = ROWS // BLOCK
     chunks = (cols + ROWS - 1) // ROWS
     blk = tl.program_id(0) // chunks
-    i = (tl.program_id(0) % chunks) * ROWS + tl.arange(0, ROWS)
-    rows = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = (i < cols)[None, :]
-    offs = rows[:, None] * cols + i[None, :]
+    base = blk.to(tl.int64) * BLOCK * cols  # (int64 once per program, int32 offsets within it)
+    data_ptr += base
+    out_ptr += base
+    scale_ptr += base // BLOCK
+    r = tl.arange(0, BLOCK)[:, None, None]
+    cb = ((tl.program_id(0) % chunks) * NB + tl.arange(0, NB))[None, :, None]
+    mask = cb < cols // BLOCK
+    offs = r * cols + cb * BLOCK + tl.arange(0, BLOCK)[None, None, :]
     q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + rows[:, None] * (cols // BLOCK) + (i // BLOCK)[None, :], mask=mask, other=127)
-    s = s.to(tl.int32)
-    if (tl.min(tl.min(s, axis=1), axis=0) >= FAST_LO) & (tl.max(tl.max(s, axis=1), axis=0) <= FAST_HI):
-        bits = _dequantize_bits_fast(q, s) << 16  # (every value a normal bf16 there: nothing to round)
-    else:
-        bits = _dequantize_bits_exact(q, s)
-        if ROUND_BF16:  # (_store_bits' rounding, the fp32 bits of the bf16 value kept)
-            bits = _bf16_rne(bits) << 16
-    _store_bits(out_ptr, offs, _mx_round_bits(bits, 0), mask)
+    s = tl.load(scale_ptr + r * (cols // BLOCK) + cb, mask=mask, other=127).to(tl.int32)
+    fast_range = (tl.min(s) >= FAST_LO) & (tl.max(s) <= FAST_HI)
+    kept = fast_range  # (a tile keeps its values only where the direct bits apply)
+    if fast_range:
+        b16 = _dequantize_bits_fast(q, s)  # (every value a normal bf16 there: nothing to round)
+        mag = b16 & 0x7FFF
+        amax = tl.max(mag, axis=0)  # per column: its block of BLOCK rows
+        least = tl.min(tl.where(mag == 0, 0x7FFF, mag), axis=0)  # the smallest nonzero magnitude
+        # the block's scale exponent ("rceil", _mx_round_bits' rule on bf16 bits: mantissa above 1.75 is 1.875)
+        e = tl.maximum((amax >> 7) - (127 + 8) + (((amax >> 4) & 7) == 7).to(tl.int32), -127)
+        kept = tl.min(((amax < 0x7F80) & ((least >> 7) - 127 >= e - 6)).to(tl.int32)) == 1
+        if kept:
+            _store_bf16_bits(out_ptr, offs, b16, mask)
+    if not kept:  # NaN, values too small for the new scale, or scales outside the direct bits' range
+        _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, (tl.program_id(0) % chunks) * NB, ROUND_BF16, NB,
+                           BLOCK)
+
+
+@triton.jit
+def _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, first_block, ROUND_BF16: tl.constexpr, NB: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # requantize_rows_kernel's general way, one [BLOCK, BLOCK] block of its tile at a time (few registers: these
+    # tiles are rare): the exact values (rounded to bf16 where ROUND_BF16, as a dequantisation into bf16 rounds;
+    # in the direct bits' scale range that rounds nothing), then _mx_round_bits along the rows
+    r = tl.arange(0, BLOCK)[:, None]
+    for j in range(NB):
+        cb = first_block + j
+        if cb < cols // BLOCK:
+            offs = r * cols + cb * BLOCK + tl.arange(0, BLOCK)[None, :]
+            q = tl.load(data_ptr + offs).to(tl.int32)
+            bits = _dequantize_bits_exact(q, tl.load(scale_ptr + r * (cols // BLOCK) + cb).to(tl.int32))
+            if ROUND_BF16:  # (_store_bits' rounding, the fp32 bits of the bf16 value kept)
+                bits = _bf16_rne(bits) << 16
+            _store_bits(out_ptr, offs, _mx_round_bits(bits, 0), None)
 
 
 @triton.jit

@@ -352,9 +352,10 @@ def test_launcher_reuses_each_compiled_form_with_tritons_results():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_requantize_rows_compiled_is_the_two_steps(dtype):
     """triton_ops.requantize_rows compiled, bit for bit against dequantize + fake_quantize_fast along N (random
-    bytes under every kind of scale, qwen3-like weights' shape), and the backward of MXFP8-only weights takes it."""
+    bytes under every kind of scale, and weights quantised from Gaussian values, which mostly keep their values; qwen3-like
+    weights' shape), and the backward of MXFP8-only weights takes it."""
     from mok_nn import triton_ops
-    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast, quantize
 
     g = torch.Generator(device="cuda").manual_seed(8)
     data = torch.randint(0, 256, (4, 1536, 2048), dtype=torch.uint8, device="cuda", generator=g)
@@ -364,6 +365,17 @@ def test_requantize_rows_compiled_is_the_two_steps(dtype):
     e4m3 = data.view(torch.float8_e4m3fn)
     want = fake_quantize_fast(dequantize(MXFP8Tensor(e4m3, scale, 2), dtype), -2)
     assert _same_bits(triton_ops.requantize_rows(e4m3, scale, dtype), want)
+    # weights quantised from Gaussian values: most tiles keep their values (the kernel's common path), a few round
+    w = torch.randn(4, 1536, 2048, device="cuda", generator=g)
+    w[0, 100, 7] = w[0, 96:128, 7].abs().max() * 2.0**-16
+    q = quantize(w.bfloat16(), axis=-1)
+    want = fake_quantize_fast(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
+    for form in ((64, 2), triton_ops.REQUANTIZE_FORM):
+        triton_ops.REQUANTIZE_FORM, shipped = form, triton_ops.REQUANTIZE_FORM
+        try:
+            assert _same_bits(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
+        finally:
+            triton_ops.REQUANTIZE_FORM = shipped
     layer = MoKMoELayer(256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", precision="mxfp8").quantize_experts_()
     x = torch.randn(100, 256, device="cuda").to(torch.bfloat16).requires_grad_(True)
     layer(x).float().square().sum().backward()
