@@ -2,11 +2,12 @@
 
 Part 1, per shape: triton_ops.requantize_rows (the backward's column-wise values of MXFP8-only weights with
 precision="mxfp8") and triton_ops.dequantize (MXFP8-only weights read as values elsewhere) in every tile form
-(triton_ops.REQUANTIZE_FORM, DEQUANTIZE_FORM), on random E4M3 bytes and scales of the shape's W13 and W2
-(at most 32 experts: a program's work does not depend on E), each form's bytes moved per second beside a copy of
-its output, its bits checked against the shipped form's. Part 2, per shape: the routed experts with frozen
-MXFP8-only weights and precision="mxfp8" (the benchmark's "mok_nn_mxfp8_frozen") under the shipped and the
-fastest requantize form, beside frozen bf16 weights, in one process on one GPU:
+(triton_ops.REQUANTIZE_FORM, DEQUANTIZE_FORM), on the shape's W13 and W2 (at most 32 experts: a program's work does
+not depend on E) quantised from normal values and as random E4M3 bytes (requantize_rows' rounding path), each
+form's bytes moved per second beside a copy of its output, its bits checked against the shipped form's. Part 2,
+per shape: the routed experts with frozen MXFP8-only weights and precision="mxfp8" (the benchmark's
+"mok_nn_mxfp8_frozen") under the shipped and the fastest requantize form, beside frozen bf16 weights, in one
+process on one GPU:
 
     PYTHONPATH=. MOK_KERNEL_CACHE=build/kernels python benchmarks/mx_kernel_forms.py [--shapes qwen3-30b-a3b,...]
                                                                                     [--out FILE.jsonl]
@@ -21,14 +22,20 @@ import torch
 from steps import median_ms  # benchmarks/ is on sys.path when run as a script
 
 from mok_nn import bench, triton_ops
+from mok_nn.mxfp8 import quantize_experts
 
 REQUANTIZE_FORMS = [(cols, warps) for cols in (64, 128, 256) for warps in (1, 2, 4)]
 DEQUANTIZE_FORMS = [(blocks, warps) for blocks in (64, 128, 256) for warps in (4, 8)]
 MAX_EXPERTS = 32
 
 
-def random_mxfp8(shape, g):
-    """E4M3 bytes (no NaN byte) and E8M0 scales of real weights' range (blocks of 32 along the last dim)."""
+def mxfp8_weights(shape, kind, g):
+    """E4M3 bytes and E8M0 scales (blocks of 32 along the last dim): "gaussian", quantised from normal values as
+    real weights are (requantize_rows keeps most tiles' values unrounded), or "random_bytes" (no NaN byte) under
+    scales of real weights' range (most tiles take its rounding)."""
+    if kind == "gaussian":
+        q = quantize_experts(torch.randn(shape, device="cuda", generator=g).bfloat16())
+        return q.data, q.scale
     data = torch.randint(0, 256, shape, device="cuda", generator=g, dtype=torch.uint8)
     data[(data & 0x7F) == 0x7F] = 0x7E
     scale = torch.randint(112, 132, (*shape[:-1], shape[-1] // 32), device="cuda", generator=g, dtype=torch.uint8)
@@ -36,43 +43,45 @@ def random_mxfp8(shape, g):
 
 
 def kernel_forms(shape_name, g, reps):
-    """One record per (weight, kernel, form): ms, GB/s (E4M3 bytes + scales read, bf16 written), copy's GB/s."""
+    """One record per (weight, data, kernel, form): ms, GB/s (E4M3 bytes + scales read, bf16 written), copy's GB/s."""
     h, i, e, _k = bench.SHAPES[shape_name]
     e = min(e, MAX_EXPERTS)
     records = []
     for weight, shape in (("W13", (e, 2 * i, h)), ("W2", (e, h, i))):
-        data, scale = random_mxfp8(shape, g)
-        for kernel, forms, attr, fn in (
-            ("requantize_rows", REQUANTIZE_FORMS, "REQUANTIZE_FORM",
-             lambda: triton_ops.requantize_rows(data, scale, torch.bfloat16)),
-            ("dequantize", DEQUANTIZE_FORMS, "DEQUANTIZE_FORM",
-             lambda: triton_ops.dequantize(data, scale, torch.bfloat16)),
-        ):
-            shipped = getattr(triton_ops, attr)
-            want = fn()
-            moved = data.numel() + scale.numel() + want.numel() * 2
-            copy_ms = median_ms(lambda: want.clone(), reps)
-            for form in forms:
-                setattr(triton_ops, attr, form)
-                try:
-                    got = fn()
-                    same = torch.equal(got.view(torch.int16), want.view(torch.int16))
-                    ms = median_ms(fn, reps)
-                finally:
-                    setattr(triton_ops, attr, shipped)
-                rec = dict(shape=shape_name, weight=weight, experts=e, kernel=kernel, form=list(form),
-                           shipped=form == shipped, same_bits=same, ms=round(ms, 4), gbps=round(moved / ms / 1e6, 1),
-                           copy_gbps=round(2 * want.numel() * 2 / copy_ms / 1e6, 1))
-                print(json.dumps(rec), flush=True)
-                records.append(rec)
+        for kind in ("gaussian", "random_bytes"):
+            data, scale = mxfp8_weights(shape, kind, g)
+            for kernel, forms, attr, fn in (
+                ("requantize_rows", REQUANTIZE_FORMS, "REQUANTIZE_FORM",
+                 lambda: triton_ops.requantize_rows(data, scale, torch.bfloat16)),
+                ("dequantize", DEQUANTIZE_FORMS, "DEQUANTIZE_FORM",
+                 lambda: triton_ops.dequantize(data, scale, torch.bfloat16)),
+            ):
+                shipped = getattr(triton_ops, attr)
+                want = fn()
+                moved = data.numel() + scale.numel() + want.numel() * 2
+                copy_ms = median_ms(lambda: want.clone(), reps)
+                for form in forms:
+                    setattr(triton_ops, attr, form)
+                    try:
+                        got = fn()
+                        same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                        ms = median_ms(fn, reps)
+                    finally:
+                        setattr(triton_ops, attr, shipped)
+                    rec = dict(shape=shape_name, weight=weight, experts=e, data=kind, kernel=kernel, form=list(form),
+                               shipped=form == shipped, same_bits=same, ms=round(ms, 4),
+                               gbps=round(moved / ms / 1e6, 1), copy_gbps=round(2 * want.numel() * 2 / copy_ms / 1e6, 1))
+                    print(json.dumps(rec), flush=True)
+                    records.append(rec)
     return records
 
 
 def fastest(records, kernel):
-    """The form with the least summed time over the weights, among those giving the shipped form's bits."""
+    """The form with the least summed time over the weights quantised from normal values (real weights' case), among
+    those giving the shipped form's bits on every input."""
     total = {}
     for r in records:
-        if r["kernel"] == kernel:
+        if r["kernel"] == kernel and (r["data"] == "gaussian" or not r["same_bits"]):
             key = tuple(r["form"])
             total[key] = total.get(key, 0.0) + (r["ms"] if r["same_bits"] else float("inf"))
     return min(total, key=total.get)
