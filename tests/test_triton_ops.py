@@ -290,7 +290,7 @@ def test_requantize_rows_is_dequantize_then_fake_quantize_along_n(dtype, form, m
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_requantize_rows_of_real_weights_keeps_or_rounds_as_the_torch_ops(dtype):
+def test_requantize_rows_of_real_weights_keeps_or_rounds_as_the_torch_ops(dtype, monkeypatch):
     """requantize_rows on MXFP8 weights quantised from Gaussian values (whose tiles mostly keep every value: the
     kernel stores the dequantised bits as they are) bit for bit against the torch ops; with, in some tiles, a value
     more than 2**14 below its column block's largest (it rounds: E4M3's subnormals at the new scale), a NaN block, an
@@ -306,13 +306,9 @@ def test_requantize_rows_of_real_weights_keeps_or_rounds_as_the_torch_ops(dtype)
     q = quantize(w.bfloat16(), axis=-1)
     q.data.view(torch.uint8)[0, 33, 150] = 0x7F  # an E4M3 NaN
     want = fake_quantize_fast(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
-    for form in ((64, 2), (256, 8)):
-        triton_ops.REQUANTIZE_FORM, shipped = form, triton_ops.REQUANTIZE_FORM
-        try:
-            got = triton_ops.requantize_rows(q.data, q.scale, dtype)
-        finally:
-            triton_ops.REQUANTIZE_FORM = shipped
-        assert _same(got, want), form
+    for form in (triton_ops.REQUANTIZE_FORM, (64, 2), (256, 8)):  # the shipped one, two programs a row, one masked
+        monkeypatch.setattr(triton_ops, "REQUANTIZE_FORM", form)
+        assert _same(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
     unchanged = dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype)  # most values stay; the tiny ones do not
     assert not _same(want, unchanged) and (want == unchanged).float().mean() > 0.99
 
