@@ -16,6 +16,7 @@ process on one GPU:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -27,6 +28,17 @@ from mok_nn.mxfp8 import quantize_experts
 REQUANTIZE_FORMS = [(cols, warps) for cols in (64, 128, 256) for warps in (1, 2, 4)]
 DEQUANTIZE_FORMS = [(blocks, warps) for blocks in (64, 128, 256) for warps in (4, 8)]
 MAX_EXPERTS = 32
+
+
+@contextlib.contextmanager
+def tile_form(attr, form):
+    """triton_ops.<attr> (REQUANTIZE_FORM, DEQUANTIZE_FORM) set to form inside the block, the shipped one after."""
+    shipped = getattr(triton_ops, attr)
+    setattr(triton_ops, attr, form)
+    try:
+        yield
+    finally:
+        setattr(triton_ops, attr, shipped)
 
 
 def mxfp8_weights(shape, kind, g):
@@ -61,13 +73,9 @@ def kernel_forms(shape_name, g, reps):
                 moved = data.numel() + scale.numel() + want.numel() * 2
                 copy_ms = median_ms(lambda: want.clone(), reps)
                 for form in forms:
-                    setattr(triton_ops, attr, form)
-                    try:
-                        got = fn()
-                        same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    with tile_form(attr, form):
+                        same = torch.equal(fn().view(torch.int16), want.view(torch.int16))
                         ms = median_ms(fn, reps)
-                    finally:
-                        setattr(triton_ops, attr, shipped)
                     rec = dict(shape=shape_name, weight=weight, experts=e, data=kind, kernel=kernel, form=list(form),
                                shipped=form == shipped, same_bits=same, ms=round(ms, 4),
                                gbps=round(moved / ms / 1e6, 1), copy_gbps=round(2 * want.numel() * 2 / copy_ms / 1e6, 1))
@@ -92,17 +100,13 @@ def layer_rows(shape_name, tokens, form, iters, warmup):
     requantize form: fwd / bwd ms and peak GB as the benchmark measures them."""
     p = bench.make_problem(shape_name, tokens, "cuda")
     shipped = triton_ops.REQUANTIZE_FORM
+    frozen = bench.mok_experts("cuda", weights="frozen")
+    mxfp8_only = bench.mok_experts("cuda", precision="mxfp8", weights="mxfp8_only")
     rows = []
-    for name, impl, use in (("mok_nn_frozen", bench.mok_experts("cuda", weights="frozen"), shipped),
-                            ("mok_nn_mxfp8_frozen", bench.mok_experts("cuda", precision="mxfp8", weights="mxfp8_only"),
-                             shipped),
-                            ("mok_nn_mxfp8_frozen", bench.mok_experts("cuda", precision="mxfp8", weights="mxfp8_only"),
-                             form)):
-        triton_ops.REQUANTIZE_FORM = use
-        try:
+    for name, impl, use in (("mok_nn_frozen", frozen, shipped), ("mok_nn_mxfp8_frozen", mxfp8_only, shipped),
+                            ("mok_nn_mxfp8_frozen", mxfp8_only, form)):
+        with tile_form("REQUANTIZE_FORM", use):
             (fwd, bwd, peak, _act), = bench.measure({name: impl}, p, "cuda", iters, warmup).values()
-        finally:
-            triton_ops.REQUANTIZE_FORM = shipped
         rec = dict(shape=shape_name, tokens=tokens, impl=name, requantize_form=list(use), fwd_ms=round(fwd, 4),
                    bwd_ms=round(bwd, 4), peak_gb=round(peak, 3) if peak is not None else None)
         print(json.dumps(rec), flush=True)

@@ -350,7 +350,7 @@ def test_launcher_reuses_each_compiled_form_with_tritons_results():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_requantize_rows_compiled_is_the_two_steps(dtype):
+def test_requantize_rows_compiled_is_the_two_steps(dtype, monkeypatch):
     """triton_ops.requantize_rows compiled, bit for bit against dequantize + fake_quantize_fast along N (random
     bytes under every kind of scale, and weights quantised from Gaussian values, which mostly keep their values; qwen3-like
     weights' shape), and the backward of MXFP8-only weights takes it."""
@@ -370,12 +370,10 @@ def test_requantize_rows_compiled_is_the_two_steps(dtype):
     w[0, 100, 7] = w[0, 96:128, 7].abs().max() * 2.0**-16
     q = quantize(w.bfloat16(), axis=-1)
     want = fake_quantize_fast(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
-    for form in ((64, 2), triton_ops.REQUANTIZE_FORM):
-        triton_ops.REQUANTIZE_FORM, shipped = form, triton_ops.REQUANTIZE_FORM
-        try:
-            assert _same_bits(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
-        finally:
-            triton_ops.REQUANTIZE_FORM = shipped
+    for form in (triton_ops.REQUANTIZE_FORM, (64, 2)):
+        monkeypatch.setattr(triton_ops, "REQUANTIZE_FORM", form)
+        assert _same_bits(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
+    monkeypatch.undo()  # the layer below: the shipped form
     layer = MoKMoELayer(256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", precision="mxfp8").quantize_experts_()
     x = torch.randn(100, 256, device="cuda").to(torch.bfloat16).requires_grad_(True)
     layer(x).float().square().sum().backward()
