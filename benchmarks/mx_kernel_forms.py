@@ -25,7 +25,7 @@ from steps import median_ms  # benchmarks/ is on sys.path when run as a script
 from mok_nn import bench, triton_ops
 from mok_nn.mxfp8 import quantize_experts
 
-REQUANTIZE_FORMS = [(cols, warps) for cols in (64, 128, 256) for warps in (1, 2, 4)]
+REQUANTIZE_FORMS = [(cols, warps) for cols in (32, 64, 128, 256) for warps in (2, 4, 8)]
 DEQUANTIZE_FORMS = [(blocks, warps) for blocks in (64, 128, 256) for warps in (4, 8)]
 MAX_EXPERTS = 32
 

@@ -313,6 +313,34 @@ def test_requantize_rows_of_real_weights_keeps_or_rounds_as_the_torch_ops(dtype,
     assert not _same(want, unchanged) and (want == unchanged).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_requantize_rows_at_the_edge_of_the_new_scales_grid(dtype, monkeypatch):
+    """A value below E4M3's normal range at its column block's new scale 2**e, alone in a row block of zeros (so
+    that the row-wise MXFP8 holds it exactly) among Gaussian weights: on the new grid (a multiple of 2**(e - 9)) it
+    is kept, one step finer it rounds (2**(e - 10) ties to even, to 0; 3 * 2**(e - 10) to 2**(e - 8)); bit for bit
+    against the torch ops, and those values checked by hand."""
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, quantize
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(5, 64, 128, generator=g).bfloat16()
+    planted = [(0, 40, 70, 1.0, 1.0), (1, 3, 5, 5 * 2.0, 5 * 2.0), (2, 33, 127, 0.5, 0.0),
+               (3, 62, 64, 1.5, 2.0), (4, 10, 31, 7 * 2.0, 7 * 2.0)]  # (expert, row, col, v, want) in 2**(e - 9)
+    wants = []
+    for b, r, c, v, want in planted:
+        w[b, r, c // 32 * 32:c // 32 * 32 + 32] = 0.0
+        column = dequantize(quantize(w[b].float(), axis=-1), torch.float32)[r // 32 * 32:r // 32 * 32 + 32, c]
+        mant, exp = torch.frexp(column.abs().max())
+        e = int(exp) - 1 - 8 + int(mant > 0.875)  # the rceil scale exponent of the column block
+        w[b, r, c] = v * 2.0 ** (e - 9)
+        wants.append(want * 2.0 ** (e - 9))
+    q = quantize(w, axis=-1)
+    want = fake_quantize_fast(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
+    assert [want[b, r, c].item() for b, r, c, _, _ in planted] == wants
+    for form in (triton_ops.REQUANTIZE_FORM, (32, 4), (128, 2)):
+        monkeypatch.setattr(triton_ops, "REQUANTIZE_FORM", form)
+        assert _same(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
+
+
 def test_mxfp8_only_backward_with_the_requantize_kernel(monkeypatch):
     """The backward of an MXFP8-only layer with precision="mxfp8" whose column-wise weight values come from
     requantize_rows (made to run on the CPU tensors here; checked against the two steps on its first use) computes

@@ -59,8 +59,8 @@ MX_ROWS_WARPS = 2  # warps of a fake_quantize_rows program (blocks along the row
 # one warp: about 34 SASS instructions an element on its common path (tiles that keep their values), 63 with two
 # warps (whose block maxima go through shared memory), about 92 in the kernel's earlier form (sm_90, static counts
 # of that path); 253 registers a thread at one warp, 127 at (64, 2): which wins is not yet timed on a GPU
-DEQUANTIZE_FORM = (MX_ROWS, 4)
-REQUANTIZE_FORM = (128, 1)
+DEQUANTIZE_FORM = (MX_ROWS, 8)
+REQUANTIZE_FORM = (64, 4)
 ACT_BLOCK = 1024  # columns of a row per step of the activation kernels
 TOPK_MAX_COLS = 4096  # topk_indices holds a whole row in registers: up to this many experts
 TOPK_ELEMENTS = 4096  # scores per topk_indices program (rows of a power-of-two width)
