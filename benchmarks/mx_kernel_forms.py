@@ -54,7 +54,7 @@ def mxfp8_weights(shape, kind, g):
     return data.view(torch.float8_e4m3fn), scale
 
 
-def kernel_forms(shape_name, g, reps):
+def kernel_forms(shape_name, g, reps, kernels):
     """One record per (weight, data, kernel, form): ms, GB/s (E4M3 bytes + scales read, bf16 written), copy's GB/s."""
     h, i, e, _k = bench.SHAPES[shape_name]
     e = min(e, MAX_EXPERTS)
@@ -68,6 +68,8 @@ def kernel_forms(shape_name, g, reps):
                 ("dequantize", DEQUANTIZE_FORMS, "DEQUANTIZE_FORM",
                  lambda: triton_ops.dequantize(data, scale, torch.bfloat16)),
             ):
+                if kernel not in kernels:
+                    continue
                 shipped = getattr(triton_ops, attr)
                 want = fn()
                 moved = data.numel() + scale.numel() + want.numel() * 2
@@ -118,6 +120,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--kernels", default="requantize_rows,dequantize", help="which kernels' forms to time")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -133,13 +136,14 @@ def main(argv=None) -> None:
     shapes = args.shapes.split(",")
     kernel_records = []
     for s in shapes:
-        kernel_records += kernel_forms(s, g, args.reps)
+        kernel_records += kernel_forms(s, g, args.reps, args.kernels.split(","))
     records += kernel_records
-    best = {k: fastest(kernel_records, k) for k in ("requantize_rows", "dequantize")}
+    best = {k: fastest(kernel_records, k) for k in args.kernels.split(",")}
     print(json.dumps({"fastest": {k: list(v) for k, v in best.items()}}), flush=True)
     records.append({"fastest": {k: list(v) for k, v in best.items()}})
     for s in shapes:
-        records += layer_rows(s, args.tokens, best["requantize_rows"], args.iters, args.warmup)
+        records += layer_rows(s, args.tokens, best.get("requantize_rows", triton_ops.REQUANTIZE_FORM), args.iters,
+                              args.warmup)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

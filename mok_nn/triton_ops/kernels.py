@@ -258,8 +258,8 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     # keep every value: W_q's values carry at most 4 significant bits, so a value is unchanged by the rounding
     # at its block's scale 2**e unless it falls below E4M3's normal range there (|v| < 2**(e - 6)) with a set bit
     # below that range's step 2**(e - 9). A tile whose blocks all hold no NaN and no such value stores the
-    # dequantised bits as they are (the same bits as the rounding gives); any other tile takes the rounding
-    # (_mx_round_bits) of the exact values.
+    # dequantised bits as they are (the same bits as the rounding gives; checked against a bound first, then per
+    # column); any other tile takes the rounding (_mx_round_bits) of the exact values.
     NB: tl.constexpr = ROWS // BLOCK
     chunks = (cols + ROWS - 1) // ROWS
     blk = tl.program_id(0) // chunks
@@ -278,18 +278,24 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     if fast_range:
         b16 = _dequantize_bits_fast(q, s)  # (every value a normal bf16 there: nothing to round)
         mag = b16 & 0x7FFF
-        amax = tl.max(mag, axis=0)  # per column: its block of BLOCK rows
         # the biased exponent of each nonzero value's lowest set bit: its bf16 exponent less 3 plus the trailing
-        # zeros of its 4 significant bits [1 | m2 m1 m0] (lowest set bit 1, 2, 4, 8 -> 0, 1, 2, 3)
+        # zeros of its 4 significant bits [1 | m2 m1 m0] (lowest set bit 1, 2, 4, 8 -> 0, 1, 2, 3); zeros never round
         low = ((mag >> 4) & 7) | 8
         low = low & -low
-        lowest = tl.min(tl.where(mag == 0, 0x7FFF, (mag >> 7) - 3 + (low >> 1) - (low >> 3)), axis=0)
-        # the block's scale exponent ("rceil", _mx_round_bits' rule on bf16 bits: mantissa above 1.75 is 1.875)
-        e = tl.maximum((amax >> 7) - (127 + 8) + (((amax >> 4) & 7) == 7).to(tl.int32), -127)
-        # a value is on E4M3's grid at scale 2**e, so the rounding keeps it, iff its lowest set bit is at least
-        # 2**(e - 9) (the grid's step below 2**(e - 6); above, 4 significant bits always fit) and |v| <= 448 * 2**e
-        # (amax's rceil scale ensures it)
-        kept = tl.min(((amax < 0x7F80) & (lowest - 127 >= e - 9)).to(tl.int32)) == 1
+        lowest = tl.where(mag == 0, 0x7FFF, (mag >> 7) - 3 + (low >> 1) - (low >> 3))
+        # A value is on E4M3's grid at its column block's new scale 2**e, so the rounding keeps it, iff its lowest
+        # set bit is at least 2**(e - 9) (the grid's step below 2**(e - 6); above, 4 significant bits always fit)
+        # and |v| <= 448 * 2**e (the rceil scale of the block's largest ensures it). e is at most the largest of the
+        # block's row scales, 2**(smax - 127) (each value is at most 448 times its row's), so a value whose lowest
+        # set bit is at least 2**(smax - 127 - 9) is kept whatever e is: one comparison an element, no reduction
+        # along the columns. Only a tile holding a value below that bound takes e per column.
+        smax = tl.max(s, axis=0, keep_dims=True)
+        kept = tl.min(((mag < 0x7F80) & (lowest >= smax - 9)).to(tl.int32)) == 1
+        if not kept:
+            amax = tl.max(mag, axis=0)  # per column: its block of BLOCK rows
+            # the block's scale exponent ("rceil", _mx_round_bits' rule on bf16 bits: mantissa above 1.75 is 1.875)
+            e = tl.maximum((amax >> 7) - (127 + 8) + (((amax >> 4) & 7) == 7).to(tl.int32), -127)
+            kept = tl.min(((amax < 0x7F80) & (tl.min(lowest, axis=0) - 127 >= e - 9)).to(tl.int32)) == 1
         if kept:
             _store_bf16_bits(out_ptr, offs, b16, mask)
     if not kept:  # NaN, values too small for the new scale, or scales outside the direct bits' range
