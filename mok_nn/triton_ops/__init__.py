@@ -55,12 +55,12 @@ MX_BLOCK = 32
 MX_ROWS = 64  # MXFP8 blocks per program
 MX_ROWS_WARPS = 2  # warps of a fake_quantize_rows program (blocks along the rows; measured: 4 and 8 are slower)
 # (MXFP8 blocks, warps) of a dequantize program; (columns, warps) of a requantize_rows program, whose row block is
-# MX_BLOCK rows: every form writes the same bits (benchmarks/mx_kernel_forms.py times them). requantize_rows at
-# one warp: about 34 SASS instructions an element on its common path (tiles that keep their values), 63 with two
-# warps (whose block maxima go through shared memory), about 92 in the kernel's earlier form (sm_90, static counts
-# of that path); 253 registers a thread at one warp, 127 at (64, 2): which wins is not yet timed on a GPU
+# MX_BLOCK rows: every form writes the same bits; the fastest on one H100 (benchmarks/mx_kernel_forms.py,
+# docs/benchmarks/2026-12-05_h100_mx_kernel_forms.jsonl): dequantize 2.33 TB/s at (64, 8) against 2.00 at (64, 4);
+# requantize_rows 0.88 TB/s at (64, 2), its one-warp forms the slowest (0.37 TB/s at (128, 1): 253 registers a
+# thread)
 DEQUANTIZE_FORM = (MX_ROWS, 8)
-REQUANTIZE_FORM = (64, 4)
+REQUANTIZE_FORM = (64, 2)
 ACT_BLOCK = 1024  # columns of a row per step of the activation kernels
 TOPK_MAX_COLS = 4096  # topk_indices holds a whole row in registers: up to this many experts
 TOPK_ELEMENTS = 4096  # scores per topk_indices program (rows of a power-of-two width)
