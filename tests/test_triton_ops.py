@@ -323,8 +323,10 @@ def test_requantize_rows_at_the_edge_of_the_new_scales_grid(dtype, monkeypatch):
 
     g = torch.Generator().manual_seed(11)
     w = torch.randn(5, 64, 128, generator=g).bfloat16()
-    planted = [(0, 40, 70, 1.0, 1.0), (1, 3, 5, 5 * 2.0, 5 * 2.0), (2, 33, 127, 0.5, 0.0),
-               (3, 62, 64, 1.5, 2.0), (4, 10, 31, 7 * 2.0, 7 * 2.0)]  # (expert, row, col, v, want) in 2**(e - 9)
+    # (expert, row, col, v, want), v and want in units of 2**(e - 9): on the grid 1, 10 and 14 (the last two
+    # normal), off it 0.5 and 1.5
+    planted = [(0, 40, 70, 1.0, 1.0), (1, 3, 5, 10.0, 10.0), (2, 33, 127, 0.5, 0.0),
+               (3, 62, 64, 1.5, 2.0), (4, 10, 31, 14.0, 14.0)]
     wants = []
     for b, r, c, v, want in planted:
         w[b, r, c // 32 * 32:c // 32 * 32 + 32] = 0.0

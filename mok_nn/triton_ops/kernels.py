@@ -267,8 +267,9 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     data_ptr += base
     out_ptr += base
     scale_ptr += base // BLOCK
+    first_block = (tl.program_id(0) % chunks) * NB  # the tile's first column block
     r = tl.arange(0, BLOCK)[:, None, None]
-    cb = ((tl.program_id(0) % chunks) * NB + tl.arange(0, NB))[None, :, None]
+    cb = (first_block + tl.arange(0, NB))[None, :, None]
     mask = cb < cols // BLOCK
     offs = r * cols + cb * BLOCK + tl.arange(0, BLOCK)[None, None, :]
     q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -299,8 +300,7 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
         if kept:
             _store_bf16_bits(out_ptr, offs, b16, mask)
     if not kept:  # NaN, values too small for the new scale, or scales outside the direct bits' range
-        _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, (tl.program_id(0) % chunks) * NB, ROUND_BF16, NB,
-                           BLOCK)
+        _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, first_block, ROUND_BF16, NB, BLOCK)
 
 
 @triton.jit
