@@ -7,8 +7,8 @@ dgrad GEMMs) and triton_ops.dequantize (MXFP8-only weights read as values elsewh
 not depend on E) quantised from normal values and as random E4M3 bytes (requantize_rows' rounding path), each
 form's bytes moved per second beside a copy of its output, its bits checked against the shipped form's. Part 2,
 per shape: the routed experts with frozen MXFP8-only weights and precision="mxfp8" (the benchmark's
-"mok_nn_mxfp8_frozen") under the shipped and the fastest requantize form, beside frozen bf16 weights, in one
-process on one GPU:
+"mok_nn_mxfp8_frozen"), their backward on the transposed MXFP8 and on requantize_rows' bf16 values (its fastest
+form), beside frozen bf16 weights, in one process on one GPU:
 
     PYTHONPATH=. MOK_KERNEL_CACHE=build/kernels python benchmarks/mx_kernel_forms.py [--shapes qwen3-30b-a3b,...]
                                                                                     [--out FILE.jsonl]
@@ -108,19 +108,28 @@ def fastest(records, kernel):
 
 
 def layer_rows(shape_name, tokens, form, iters, warmup):
-    """Frozen bf16 weights, then frozen MXFP8-only ones with precision="mxfp8" under the shipped and the given
-    requantize form: fwd / bwd ms and peak GB as the benchmark measures them."""
+    """Frozen bf16 weights, then frozen MXFP8-only ones with precision="mxfp8" whose backward takes the weights'
+    MXFP8 along N as transposed bytes (transpose_requantize + the _mx GEMMs, where cuda_mx.backward_reason allows)
+    and as bf16 values (requantize_rows, in the given form, + the bf16 kernels): fwd / bwd ms and peak GB as the
+    benchmark measures them."""
+    from mok_nn import cuda_mx
+
     p = bench.make_problem(shape_name, tokens, "cuda")
-    shipped = triton_ops.REQUANTIZE_FORM
     frozen = bench.mok_experts("cuda", weights="frozen")
     mxfp8_only = bench.mok_experts("cuda", precision="mxfp8", weights="mxfp8_only")
+    reason = cuda_mx.backward_reason
     rows = []
-    for name, impl, use in (("mok_nn_frozen", frozen, shipped), ("mok_nn_mxfp8_frozen", mxfp8_only, shipped),
-                            ("mok_nn_mxfp8_frozen", mxfp8_only, form)):
-        with tile_form("REQUANTIZE_FORM", use):
-            (fwd, bwd, peak, _act), = bench.measure({name: impl}, p, "cuda", iters, warmup).values()
-        rec = dict(shape=shape_name, tokens=tokens, impl=name, requantize_form=list(use), fwd_ms=round(fwd, 4),
-                   bwd_ms=round(bwd, 4), peak_gb=round(peak, 3) if peak is not None else None)
+    for name, impl, backward in (("mok_nn_frozen", frozen, "bf16"),
+                                 ("mok_nn_mxfp8_frozen", mxfp8_only, "transposed_mxfp8"),
+                                 ("mok_nn_mxfp8_frozen", mxfp8_only, "requantize_rows")):
+        cuda_mx.backward_reason = reason if backward != "requantize_rows" else (lambda *a: "measured")
+        try:
+            with tile_form("REQUANTIZE_FORM", form):
+                (fwd, bwd, peak, _act), = bench.measure({name: impl}, p, "cuda", iters, warmup).values()
+        finally:
+            cuda_mx.backward_reason = reason
+        rec = dict(shape=shape_name, tokens=tokens, impl=name, backward=backward, requantize_form=list(form),
+                   fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4), peak_gb=round(peak, 3) if peak is not None else None)
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     return rows

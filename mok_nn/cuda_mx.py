@@ -57,6 +57,29 @@ class MxWeight(MXFP8Tensor):
         return self.data.view(torch.uint8).permute(1, 2, 0), scale_pairs(self.scale)
 
 
+@dataclass(frozen=True, eq=False)
+class MxWeightAlongN:
+    """The MXFP8 values along N of an expert weight W [E, N, K] (what the backward's d x / d h GEMMs take, with
+    precision="mxfp8"), held as the MXFP8 of W^T: t, an MxWeight [E, K, N] whose blocks of 32 run along N
+    (triton_ops.transpose_requantize of MXFP8-only weights, one pass over the stored bytes). grouped_gemm(a, it,
+    transpose_w=True) = a @ W_n runs mok_gemm_bk_mx(_f32) on t: t is that GEMM's B, K-major."""
+
+    t: MxWeight
+    dtype = torch.bfloat16  # the values it stands for
+
+    @property
+    def shape(self) -> torch.Size:
+        e, k, n = self.t.shape
+        return torch.Size((e, n, k))
+
+    def dim(self) -> int:
+        return 3
+
+    def values(self) -> torch.Tensor:
+        """W's MXFP8 values along N in bf16, [E, N, K] contiguous (what requantize_rows gives): a new tensor."""
+        return self.t.dequantized().transpose(1, 2).contiguous()
+
+
 def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
     """scale [E, N, K / 32] uint8 -> (N, K / 64, E) uint16 (a view of an [E, K / 64, N] array): the two scale
     bytes of K blocks 2j, 2j + 1 of row n of expert e in one little-endian word, rows of one K pair adjacent
@@ -109,6 +132,75 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     if not (nan_free(data13, scale13) and nan_free(data2, scale2)):
         return "E4M3 NaN bytes in blocks with a finite scale"
     return None
+
+
+_DIRECT = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, whether in DIRECT_SCALES)
+
+
+def direct_scales(scale: torch.Tensor) -> bool:
+    """Whether every scale byte lies in triton_ops.DIRECT_SCALES (every value a normal bf16: what
+    transpose_requantize takes), read once while the scales are unchanged (mxfp8.weight_state)."""
+    from . import triton_ops
+
+    state = weight_state(scale)
+    hit = _DIRECT.get(scale)
+    if state is not None and hit is not None and hit[0] == state:
+        return hit[1]
+    lo, hi = triton_ops.DIRECT_SCALES
+    ok = scale.numel() == 0 or bool(((scale >= lo) & (scale <= hi)).all())
+    if state is not None:
+        _DIRECT[scale] = (state, ok)
+    return ok
+
+
+def backward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor, scale2, dtype,
+                    routed_rows: int) -> str | None:
+    """None where the fused backward takes these MXFP8-only weights' values along N as MXFP8 (MxWeightAlongN:
+    transpose_requantize, then the _mx GEMMs), else why not. routed_rows: the rows of the largest pass."""
+    from . import triton_ops
+
+    why = forward_reason(workspace, data13, scale13, data2, scale2, dtype)
+    if why is not None:
+        return why
+    if routed_rows > MX_MAX_ROWS_PER_EXPERT["mok_gemm_bk_mx"] * data13.shape[0]:
+        return "more routed rows per expert than the _mx GEMMs win at"
+    if not (triton_ops.transpose_requantize_runs_on(data13) and triton_ops.transpose_requantize_runs_on(data2)):
+        return "transpose_requantize runs on CUDA where Triton is installed"
+    if not (direct_scales(scale13) and direct_scales(scale2)):
+        return f"scale bytes outside {triton_ops.DIRECT_SCALES}"
+    return None
+
+
+def along_n(data: torch.Tensor, scale: torch.Tensor) -> MxWeightAlongN:
+    """MXFP8-only weights' MXFP8 values along N as an MxWeightAlongN (triton_ops.transpose_requantize, checked on
+    its first use per device against the torch ops on one expert, bit for bit; else those ops)."""
+    from . import triton_ops
+    from .mxfp8 import quantize
+
+    def torch_ops(d, s):
+        q = quantize(dequantize(MXFP8Tensor(d, s, 2), torch.float32).transpose(1, 2).contiguous(), axis=-1)
+        return q.data.view(torch.uint8), q.scale
+
+    def pair():
+        got = triton_ops.transpose_requantize(data[:1], scale[:1])
+        return (got[0].view(torch.uint8), got[1]), torch_ops(data[:1], scale[:1])
+
+    if triton_ops.verified(("transpose_requantize",), data.device, pair, exact=True):
+        data_t, scale_t = triton_ops.transpose_requantize(data, scale)
+    else:
+        data_t, scale_t = _torch_along_n(data, scale, torch_ops)
+    return MxWeightAlongN(MxWeight(data_t.view(torch.float8_e4m3fn), scale_t))
+
+
+def _torch_along_n(data, scale, torch_ops):
+    """transpose_requantize's result by the torch ops, an expert at a time (their fp32 copies are one expert's)."""
+    e, n, k = data.shape
+    data_t = torch.empty(e, k, n, dtype=torch.uint8, device=data.device)
+    scale_t = torch.empty(e, k, n // 32, dtype=torch.uint8, device=data.device)
+    for i in range(e):
+        d, s = torch_ops(data[i:i + 1], scale[i:i + 1])
+        data_t[i], scale_t[i] = d[0], s[0]
+    return data_t, scale_t
 
 
 def reads_mx(kernel: str, sched, w: MxWeight) -> bool:

@@ -354,7 +354,7 @@ def test_requantize_rows_compiled_is_the_two_steps(dtype, monkeypatch):
     """triton_ops.requantize_rows compiled, bit for bit against dequantize + fake_quantize_fast along N (random
     bytes under every kind of scale, and weights quantised from Gaussian values, which mostly keep their values; qwen3-like
     weights' shape), and the backward of MXFP8-only weights takes it."""
-    from mok_nn import triton_ops
+    from mok_nn import cuda_mx, triton_ops
     from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast, quantize
 
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -373,7 +373,8 @@ def test_requantize_rows_compiled_is_the_two_steps(dtype, monkeypatch):
     for form in (triton_ops.REQUANTIZE_FORM, (128, 4)):
         monkeypatch.setattr(triton_ops, "REQUANTIZE_FORM", form)
         assert _same_bits(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
-    monkeypatch.undo()  # the layer below: the shipped form
+    monkeypatch.undo()  # the layer below: the shipped form, and the backward that takes the values in bf16
+    monkeypatch.setattr(cuda_mx, "backward_reason", lambda *a: "the values in bf16")
     layer = MoKMoELayer(256, 128, 8, 2, dtype=torch.bfloat16, device="cuda", precision="mxfp8").quantize_experts_()
     x = torch.randn(100, 256, device="cuda").to(torch.bfloat16).requires_grad_(True)
     layer(x).float().square().sum().backward()
