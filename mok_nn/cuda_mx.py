@@ -1,13 +1,17 @@
-"""MXFP8-only expert weights read as MXFP8 by the forward's GEMMs on the fused path.
+"""MXFP8-only expert weights read as MXFP8 by the GEMMs of the fused path.
 
 Where forward_reason() is None, autograd.expert_weights gives the CUDA backend an MxWeight for each routed expert
 weight instead of W_q = dequantize(stored) in bf16. Its forward GEMMs (mok_gemm_gate_up_<act>_mx: gate/up with
 the activation epilogue, where the bf16 path fuses it; mok_gemm_bk_mx: the plain GEMM) then read the E4M3 bytes
 and E8M0 scales and make each B tile bf16 in shared memory (kernels/mx_operand.py): no dequantised copy of the
-weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The backward takes
-W_q as before (autograd.backward_expert_weights).
+weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q.
 
-Each of the two kernels is checked on its first use in a process (per device) against dequantize + the bf16
+With precision="mxfp8" the backward's GEMMs take W_q's MXFP8 values along N. Where backward_reason() is None,
+autograd.backward_expert_weights gives an MxWeightAlongN for each: the MXFP8 of W_q^T, made from the stored bytes
+in one pass (triton_ops.transpose_requantize), which mok_gemm_bk_mx_f32 (the dgrad of down) and mok_gemm_bk_mx
+(d x) read as they read the forward's weights. Elsewhere it gives those values in bf16.
+
+Each kernel is checked on its first use in a process (per device) against dequantize + the bf16
 kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
 that disagrees or fails is not used again in the process, with a warning, and W_q runs in its place. The NaN-byte
 guard (nan_free) reads the weights once per change of them.
