@@ -1,14 +1,13 @@
 """Which tile form of the MXFP8 weight kernels is fastest, and what does it buy the frozen MXFP8-only layer?
 
 Part 1, per shape: triton_ops.requantize_rows (the backward's column-wise values of MXFP8-only weights with
-precision="mxfp8"), triton_ops.transpose_requantize (the same as bytes and scales stored transposed, for the MXFP8
-dgrad GEMMs) and triton_ops.dequantize (MXFP8-only weights read as values elsewhere) in every tile form
-(triton_ops.REQUANTIZE_FORM, TRANSPOSE_FORM, DEQUANTIZE_FORM), on the shape's W13 and W2 (at most 32 experts: a program's work does
+precision="mxfp8") and triton_ops.dequantize (MXFP8-only weights read as values elsewhere) in every tile form
+(triton_ops.REQUANTIZE_FORM, DEQUANTIZE_FORM), on the shape's W13 and W2 (at most 32 experts: a program's work does
 not depend on E) quantised from normal values and as random E4M3 bytes (requantize_rows' rounding path), each
 form's bytes moved per second beside a copy of its output, its bits checked against the shipped form's. Part 2,
 per shape: the routed experts with frozen MXFP8-only weights and precision="mxfp8" (the benchmark's
-"mok_nn_mxfp8_frozen"), their backward on the transposed MXFP8 and on requantize_rows' bf16 values (its fastest
-form), beside frozen bf16 weights, in one process on one GPU:
+"mok_nn_mxfp8_frozen") under the shipped and the fastest requantize form, beside frozen bf16 weights, in one
+process on one GPU:
 
     PYTHONPATH=. MOK_KERNEL_CACHE=build/kernels python benchmarks/mx_kernel_forms.py [--shapes qwen3-30b-a3b,...]
                                                                                     [--out FILE.jsonl]
@@ -56,8 +55,7 @@ def mxfp8_weights(shape, kind, g):
 
 
 def kernel_forms(shape_name, g, reps, kernels):
-    """One record per (weight, data, kernel, form): ms, GB/s (E4M3 bytes + scales read, the output written), copy's
-    GB/s (of the output's bytes)."""
+    """One record per (weight, data, kernel, form): ms, GB/s (E4M3 bytes + scales read, bf16 written), copy's GB/s."""
     h, i, e, _k = bench.SHAPES[shape_name]
     e = min(e, MAX_EXPERTS)
     records = []
@@ -69,31 +67,23 @@ def kernel_forms(shape_name, g, reps, kernels):
                  lambda: triton_ops.requantize_rows(data, scale, torch.bfloat16)),
                 ("dequantize", DEQUANTIZE_FORMS, "DEQUANTIZE_FORM",
                  lambda: triton_ops.dequantize(data, scale, torch.bfloat16)),
-                ("transpose_requantize", REQUANTIZE_FORMS, "TRANSPOSE_FORM",
-                 lambda: triton_ops.transpose_requantize(data, scale)),
             ):
                 if kernel not in kernels:
                     continue
                 shipped = getattr(triton_ops, attr)
-                want = _bytes(fn())
-                moved = data.numel() + scale.numel() + want.numel()
+                want = fn()
+                moved = data.numel() + scale.numel() + want.numel() * 2
                 copy_ms = median_ms(lambda: want.clone(), reps)
                 for form in forms:
                     with tile_form(attr, form):
-                        same = torch.equal(_bytes(fn()), want)
+                        same = torch.equal(fn().view(torch.int16), want.view(torch.int16))
                         ms = median_ms(fn, reps)
                     rec = dict(shape=shape_name, weight=weight, experts=e, data=kind, kernel=kernel, form=list(form),
                                shipped=form == shipped, same_bits=same, ms=round(ms, 4),
-                               gbps=round(moved / ms / 1e6, 1), copy_gbps=round(2 * want.numel() / copy_ms / 1e6, 1))
+                               gbps=round(moved / ms / 1e6, 1), copy_gbps=round(2 * want.numel() * 2 / copy_ms / 1e6, 1))
                     print(json.dumps(rec), flush=True)
                     records.append(rec)
     return records
-
-
-def _bytes(out) -> torch.Tensor:
-    """A kernel's output (a tensor, or transpose_requantize's bytes and scales) as one uint8 tensor."""
-    outs = out if isinstance(out, tuple) else (out,)
-    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in outs])
 
 
 def fastest(records, kernel):
@@ -108,28 +98,19 @@ def fastest(records, kernel):
 
 
 def layer_rows(shape_name, tokens, form, iters, warmup):
-    """Frozen bf16 weights, then frozen MXFP8-only ones with precision="mxfp8" whose backward takes the weights'
-    MXFP8 along N as transposed bytes (transpose_requantize + the _mx GEMMs, where cuda_mx.backward_reason allows)
-    and as bf16 values (requantize_rows, in the given form, + the bf16 kernels): fwd / bwd ms and peak GB as the
-    benchmark measures them."""
-    from mok_nn import cuda_mx
-
+    """Frozen bf16 weights, then frozen MXFP8-only ones with precision="mxfp8" under the shipped and the given
+    requantize form: fwd / bwd ms and peak GB as the benchmark measures them."""
     p = bench.make_problem(shape_name, tokens, "cuda")
+    shipped = triton_ops.REQUANTIZE_FORM
     frozen = bench.mok_experts("cuda", weights="frozen")
     mxfp8_only = bench.mok_experts("cuda", precision="mxfp8", weights="mxfp8_only")
-    reason = cuda_mx.backward_reason
     rows = []
-    for name, impl, backward in (("mok_nn_frozen", frozen, "bf16"),
-                                 ("mok_nn_mxfp8_frozen", mxfp8_only, "transposed_mxfp8"),
-                                 ("mok_nn_mxfp8_frozen", mxfp8_only, "requantize_rows")):
-        cuda_mx.backward_reason = reason if backward != "requantize_rows" else (lambda *a: "measured")
-        try:
-            with tile_form("REQUANTIZE_FORM", form):
-                (fwd, bwd, peak, _act), = bench.measure({name: impl}, p, "cuda", iters, warmup).values()
-        finally:
-            cuda_mx.backward_reason = reason
-        rec = dict(shape=shape_name, tokens=tokens, impl=name, backward=backward, requantize_form=list(form),
-                   fwd_ms=round(fwd, 4), bwd_ms=round(bwd, 4), peak_gb=round(peak, 3) if peak is not None else None)
+    for name, impl, use in (("mok_nn_frozen", frozen, shipped), ("mok_nn_mxfp8_frozen", mxfp8_only, shipped),
+                            ("mok_nn_mxfp8_frozen", mxfp8_only, form)):
+        with tile_form("REQUANTIZE_FORM", use):
+            (fwd, bwd, peak, _act), = bench.measure({name: impl}, p, "cuda", iters, warmup).values()
+        rec = dict(shape=shape_name, tokens=tokens, impl=name, requantize_form=list(use), fwd_ms=round(fwd, 4),
+                   bwd_ms=round(bwd, 4), peak_gb=round(peak, 3) if peak is not None else None)
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     return rows
@@ -139,8 +120,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--kernels", default="requantize_rows,transpose_requantize,dequantize",
-                    help="which kernels' forms to time")
+    ap.add_argument("--kernels", default="requantize_rows,dequantize", help="which kernels' forms to time")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -150,8 +130,7 @@ def main(argv=None) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     head = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=args.commit,
                 shipped_requantize=list(triton_ops.REQUANTIZE_FORM),
-                shipped_dequantize=list(triton_ops.DEQUANTIZE_FORM),
-                shipped_transpose=list(triton_ops.TRANSPOSE_FORM))
+                shipped_dequantize=list(triton_ops.DEQUANTIZE_FORM))
     print(json.dumps(head), flush=True)
     records = [head]
     shapes = args.shapes.split(",")

@@ -110,21 +110,15 @@ def expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, wo
     return weights
 
 
-def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, workspace: Workspace,
-                            routed_rows: int = 0):
+def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype, workspace: Workspace):
     """The expert weights the backward takes. MXFP8-only weights with precision="mxfp8": the backward reads them
-    only as its d x / d h GEMMs' operands, MXFP8 values of W_q along N (they get no gradient), so it gets those:
-    on the fused path, where cuda_mx.backward_reason allows (routed_rows: the rows of the largest pass), as MXFP8
-    bytes and scales stored transposed (cuda_mx.MxWeightAlongN, one pass over the stored bytes; the _mx GEMMs
-    read them); else in dtype, computed from the stored data (triton_ops.requantize_rows in one pass, else a few
-    experts at a time by functional.weight_values_along_n) and marked as such. No whole copy of W_q is held beside
-    them: the weights' transient memory is 11.3 GB at deepseek-v3 as MXFP8, 22.5 GB in bf16 (45 with W_q).
-    Otherwise what expert_weights gives."""
+    only as its d x / d h GEMMs' operands, MXFP8 values of W_q along N (they get no gradient), so it gets those,
+    computed from the stored data (triton_ops.requantize_rows in one pass, else a few experts at a time by
+    functional.weight_values_along_n) and marked as such:
+    no whole copy of W_q is held beside them, which halves the weights' transient memory (45 -> 22.5 GB at
+    deepseek-v3). Otherwise what expert_weights gives."""
     if gate_up_scale is None or workspace.precision != "mxfp8" or dtype not in (torch.bfloat16, torch.float32):
         return expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype)
-    if cuda_mx.backward_reason(workspace, gate_up_proj, gate_up_scale, down_proj, down_scale, dtype,
-                               routed_rows) is None:
-        return [cuda_mx.along_n(gate_up_proj, gate_up_scale), cuda_mx.along_n(down_proj, down_scale)]
     weights = []
     for data, scale in ((gate_up_proj, gate_up_scale), (down_proj, down_scale)):
         if _requantizes_in_one_pass(data, scale, dtype, workspace):
@@ -230,9 +224,8 @@ class MoKFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         (x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_scale, down_scale,
          *saved) = ctx.saved_tensors
-        routed_rows = max(end - start for start, end in ctx.passes) * topk_ids.shape[1]
         params = ExpertParams(*backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype,
-                                                       ctx.workspace, routed_rows), gate_up_bias, down_bias)
+                                                       ctx.workspace), gate_up_bias, down_bias)
         needs = _needs(ctx, ctx.mxfp8_weights)
         saved_passes, first = [], 0
         for rebuild, count in zip(ctx.rebuild_saved, ctx.saved_counts):

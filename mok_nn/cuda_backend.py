@@ -29,9 +29,7 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   blocks of 32 rows, the weights once per call, or per change where frozen); the same kernels then
                   run on those values
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
-  weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
-                  or with "mxfp8" its column-wise MXFP8 stored transposed for mok_gemm_bk_mx_f32 (dgrad of down, then
-                  the activation backward) and mok_gemm_bk_mx (d x) (cuda_mx.MxWeightAlongN)
+  weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q
 
 The plain bf16 grouped GEMM has three forms (gemm_kernel): clustered ping-pong (_ppc) where K <= 1024; the
 whole output tile in shared memory with tiles claimed by atomic add (_ef_dyn, whose consumer warp groups skip
@@ -396,17 +394,7 @@ def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
     """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N]).
     W may be an MxWeight (transpose_w=False): where cuda_mx.reads_mx, mok_gemm_bk_mx reads it as MXFP8, checked
-    on first use against the bf16 kernel on W_q (cuda_mx.verified); else it is dequantised for the bf16 kernel.
-    Or an MxWeightAlongN (transpose_w=True, the backward's): mok_gemm_bk_mx(_f32) on its transposed MXFP8, checked
-    on first use against the bf16 kernel on its values."""
-    if isinstance(w, cuda_mx.MxWeightAlongN):
-        if not transpose_w:
-            raise ValueError("an MxWeightAlongN is read along N (the backward's d x / d h GEMMs), transposed")
-        if _use_torch_gemm():
-            return grouped_gemm(a, w.values(), sched, transpose_w=True, out_dtype=out_dtype)
-        kernel = "mok_gemm_bk_mx" if out_dtype == torch.bfloat16 else "mok_gemm_bk_mx_f32"
-        return cuda_mx.verified(kernel, sched, lambda: gemm_mx(a, w.t, sched, out_dtype),
-                                lambda: grouped_gemm(a, w.values(), sched, transpose_w=True, out_dtype=out_dtype))
+    on first use against the bf16 kernel on W_q (cuda_mx.verified); else it is dequantised for the bf16 kernel."""
     if isinstance(w, MxWeight):
         if transpose_w:
             raise ValueError("an MxWeight is read along K (the forward's GEMMs), not transposed")
@@ -428,12 +416,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     return out
 
 
-def gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """mok_gemm_bk_mx (bf16) / mok_gemm_bk_mx_f32 (fp32), unchecked: [M, N], row r a[r] @ W_q[e(r)]^T; rows past
-    the last segment unwritten."""
-    out = torch.empty(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
-    launch_gemm("mok_gemm_bk_mx" if out_dtype == torch.bfloat16 else "mok_gemm_bk_mx_f32", a, w.kernel_operands(),
-                out, sched)
+def gemm_mx(a: torch.Tensor, w: MxWeight, sched: Schedule) -> torch.Tensor:
+    """mok_gemm_bk_mx, unchecked: [M, N] bf16, row r a[r] @ W_q[e(r)]^T; rows past the last segment unwritten."""
+    out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    launch_gemm("mok_gemm_bk_mx", a, w.kernel_operands(), out, sched)
     return out
 
 
@@ -774,10 +760,9 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
 def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
                    in_place: bool = False):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
-    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn (mok_gemm_bk_mx_f32 for an MxWeightAlongN) +
-    act_backward. in_place: d gate_up overwrites gate_up (the same bits)."""
-    if (_use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1])
-            and not isinstance(down_proj, cuda_mx.MxWeightAlongN)):
+    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
+    gate_up (the same bits)."""
+    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]):
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)
@@ -817,14 +802,10 @@ class GemmOperands:
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         """An expert weight [E, N, K] along `axis` (-1: K, the forward; -2: N, the backward's d x / d h),
         cached while the weight does not change (mxfp8.weight_values). An MxWeight (the forward's MXFP8-only
-        weights) holds MXFP8 values along K already, an MxWeightAlongN (the backward's) along N: itself."""
+        weights) holds MXFP8 values along K already: itself."""
         if isinstance(w, MxWeight):
             if axis not in (-1, 2):
                 raise ValueError("an MxWeight is read along K (the forward's GEMMs)")
-            return w
-        if isinstance(w, cuda_mx.MxWeightAlongN):
-            if axis not in (-2, 1):
-                raise ValueError("an MxWeightAlongN is read along N (the backward's GEMMs)")
             return w
         return weight_values(w, axis, mx_weight) if self.mxfp8 else w
 

@@ -1,17 +1,13 @@
-"""MXFP8-only expert weights read as MXFP8 by the GEMMs of the fused path.
+"""MXFP8-only expert weights read as MXFP8 by the forward's GEMMs on the fused path.
 
 Where forward_reason() is None, autograd.expert_weights gives the CUDA backend an MxWeight for each routed expert
 weight instead of W_q = dequantize(stored) in bf16. Its forward GEMMs (mok_gemm_gate_up_<act>_mx: gate/up with
 the activation epilogue, where the bf16 path fuses it; mok_gemm_bk_mx: the plain GEMM) then read the E4M3 bytes
 and E8M0 scales and make each B tile bf16 in shared memory (kernels/mx_operand.py): no dequantised copy of the
-weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q.
+weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The backward takes
+W_q as before (autograd.backward_expert_weights).
 
-With precision="mxfp8" the backward's GEMMs take W_q's MXFP8 values along N. Where backward_reason() is None,
-autograd.backward_expert_weights gives an MxWeightAlongN for each: the MXFP8 of W_q^T, made from the stored bytes
-in one pass (triton_ops.transpose_requantize), which mok_gemm_bk_mx_f32 (the dgrad of down) and mok_gemm_bk_mx
-(d x) read as they read the forward's weights. Elsewhere it gives those values in bf16.
-
-Each kernel is checked on its first use in a process (per device) against dequantize + the bf16
+Each of the two kernels is checked on its first use in a process (per device) against dequantize + the bf16
 kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
 that disagrees or fails is not used again in the process, with a warning, and W_q runs in its place. The NaN-byte
 guard (nan_free) reads the weights once per change of them.
@@ -59,29 +55,6 @@ class MxWeight(MXFP8Tensor):
         of K blocks 2j (low byte) and 2j + 1 of each row), as the _mx kernels take them. The pairs are
         arranged once per scale tensor while it is unchanged."""
         return self.data.view(torch.uint8).permute(1, 2, 0), scale_pairs(self.scale)
-
-
-@dataclass(frozen=True, eq=False)
-class MxWeightAlongN:
-    """The MXFP8 values along N of an expert weight W [E, N, K] (what the backward's d x / d h GEMMs take, with
-    precision="mxfp8"), held as the MXFP8 of W^T: t, an MxWeight [E, K, N] whose blocks of 32 run along N
-    (triton_ops.transpose_requantize of MXFP8-only weights, one pass over the stored bytes). grouped_gemm(a, it,
-    transpose_w=True) = a @ W_n runs mok_gemm_bk_mx(_f32) on t: t is that GEMM's B, K-major."""
-
-    t: MxWeight
-    dtype = torch.bfloat16  # the values it stands for
-
-    @property
-    def shape(self) -> torch.Size:
-        e, k, n = self.t.shape
-        return torch.Size((e, n, k))
-
-    def dim(self) -> int:
-        return 3
-
-    def values(self) -> torch.Tensor:
-        """W's MXFP8 values along N in bf16, [E, N, K] contiguous (what requantize_rows gives): a new tensor."""
-        return self.t.dequantized().transpose(1, 2).contiguous()
 
 
 def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
@@ -136,75 +109,6 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     if not (nan_free(data13, scale13) and nan_free(data2, scale2)):
         return "E4M3 NaN bytes in blocks with a finite scale"
     return None
-
-
-_DIRECT = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, whether in DIRECT_SCALES)
-
-
-def direct_scales(scale: torch.Tensor) -> bool:
-    """Whether every scale byte lies in triton_ops.DIRECT_SCALES (every value a normal bf16: what
-    transpose_requantize takes), read once while the scales are unchanged (mxfp8.weight_state)."""
-    from . import triton_ops
-
-    state = weight_state(scale)
-    hit = _DIRECT.get(scale)
-    if state is not None and hit is not None and hit[0] == state:
-        return hit[1]
-    lo, hi = triton_ops.DIRECT_SCALES
-    ok = scale.numel() == 0 or bool(((scale >= lo) & (scale <= hi)).all())
-    if state is not None:
-        _DIRECT[scale] = (state, ok)
-    return ok
-
-
-def backward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor, scale2, dtype,
-                    routed_rows: int) -> str | None:
-    """None where the fused backward takes these MXFP8-only weights' values along N as MXFP8 (MxWeightAlongN:
-    transpose_requantize, then the _mx GEMMs), else why not. routed_rows: the rows of the largest pass."""
-    from . import triton_ops
-
-    why = forward_reason(workspace, data13, scale13, data2, scale2, dtype)
-    if why is not None:
-        return why
-    if routed_rows > MX_MAX_ROWS_PER_EXPERT["mok_gemm_bk_mx"] * data13.shape[0]:
-        return "more routed rows per expert than the _mx GEMMs win at"
-    if not (triton_ops.transpose_requantize_runs_on(data13) and triton_ops.transpose_requantize_runs_on(data2)):
-        return "transpose_requantize runs on CUDA where Triton is installed"
-    if not (direct_scales(scale13) and direct_scales(scale2)):
-        return f"scale bytes outside {triton_ops.DIRECT_SCALES}"
-    return None
-
-
-def along_n(data: torch.Tensor, scale: torch.Tensor) -> MxWeightAlongN:
-    """MXFP8-only weights' MXFP8 values along N as an MxWeightAlongN (triton_ops.transpose_requantize, checked on
-    its first use per device against the torch ops on one expert, bit for bit; else those ops)."""
-    from . import triton_ops
-    from .mxfp8 import quantize
-
-    def torch_ops(d, s):
-        q = quantize(dequantize(MXFP8Tensor(d, s, 2), torch.float32).transpose(1, 2).contiguous(), axis=-1)
-        return q.data.view(torch.uint8), q.scale
-
-    def pair():
-        got = triton_ops.transpose_requantize(data[:1], scale[:1])
-        return (got[0].view(torch.uint8), got[1]), torch_ops(data[:1], scale[:1])
-
-    if triton_ops.verified(("transpose_requantize",), data.device, pair, exact=True):
-        data_t, scale_t = triton_ops.transpose_requantize(data, scale)
-    else:
-        data_t, scale_t = _torch_along_n(data, scale, torch_ops)
-    return MxWeightAlongN(MxWeight(data_t.view(torch.float8_e4m3fn), scale_t))
-
-
-def _torch_along_n(data, scale, torch_ops):
-    """transpose_requantize's result by the torch ops, an expert at a time (their fp32 copies are one expert's)."""
-    e, n, k = data.shape
-    data_t = torch.empty(e, k, n, dtype=torch.uint8, device=data.device)
-    scale_t = torch.empty(e, k, n // 32, dtype=torch.uint8, device=data.device)
-    for i in range(e):
-        d, s = torch_ops(data[i:i + 1], scale[i:i + 1])
-        data_t[i], scale_t[i] = d[0], s[0]
-    return data_t, scale_t
 
 
 def reads_mx(kernel: str, sched, w: MxWeight) -> bool:

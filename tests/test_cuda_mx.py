@@ -11,8 +11,6 @@ import torch
 from mok_nn import cuda_mx
 from mok_nn.mxfp8 import MXFP8Tensor, dequantize, quantize
 
-from test_cuda_wiring import fake_lib, random_problem  # noqa: F401
-
 
 def _weight(E=3, N=40, K=192, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -207,61 +205,3 @@ def test_many_rows_per_expert_take_the_dequantised_weights(monkeypatch, fresh_ve
         cb.grouped_gemm(a, w13, sched, transpose_w=False)
         cb.gate_up_act(a, w13, sched, "swiglu", None)
         assert launched == want, tokens
-
-
-def test_backward_reason():
-    """The fused backward takes MXFP8-only weights as transposed MXFP8 where the forward reads them as MXFP8, the
-    _mx GEMMs win (at most MX_MAX_ROWS_PER_EXPERT routed rows per expert), Triton runs, and every scale byte
-    lies in DIRECT_SCALES (the check cached while the scales are unchanged)."""
-    from mok_nn import triton_ops
-
-    w13, w2 = _weight(N=64, K=128), _weight(N=128, K=64)
-    assert "EP = 1" in cuda_mx.backward_reason(types.SimpleNamespace(backend="torch", ep_size=1), w13.data,
-                                               w13.scale, w2.data, w2.scale, torch.bfloat16, 10)
-    assert cuda_mx.direct_scales(w13.scale)
-    lo, _ = triton_ops.DIRECT_SCALES
-    w13.scale[0, 0, 0] = lo - 1
-    assert not cuda_mx.direct_scales(w13.scale)  # (changed: read again)
-
-
-def test_mxfp8_only_frozen_backward_takes_the_transposed_mxfp8(fake_lib, monkeypatch, fresh_verdicts):
-    """The fused backward of MXFP8-only weights (precision="mxfp8") with its weights as MxWeightAlongN
-    (transpose_requantize, run here by Triton's interpreter where Triton is installed, else the torch ops): the
-    dgrad of down on mok_gemm_bk_mx_f32 then the activation backward, the dgrad of gate/up on mok_gemm_bk_mx, each
-    checked on its first use against the bf16 kernels on the values; d x and d topk-weights bit for bit those of
-    the values along N that requantize_rows would give (fake_quantize_fast of the dequantised weights along N)."""
-    from types import SimpleNamespace
-
-    from mok_nn import autograd, triton_ops
-    from mok_nn import cuda_backend as cb
-    from mok_nn.mxfp8 import fake_quantize_fast, quantize_experts
-
-    monkeypatch.setattr(cb, "_mx_kernel_runs", lambda t: False)  # mok_mx_quant's torch stand-in
-    monkeypatch.setattr(cuda_mx, "forward_reason", lambda *a: None)
-    monkeypatch.setattr(triton_ops, "transpose_requantize_runs_on", lambda data: True)
-    if not triton_ops.available():
-        monkeypatch.setattr(triton_ops, "verified", lambda *a, **k: False)
-    x, ids, w, dy, W13, W2, _, _ = random_problem(40, 64, 64, 4, 2, False, seed=5)
-    q13, q2 = quantize_experts(W13), quantize_experts(W2)
-    values = [dequantize(q, torch.bfloat16) for q in (q13, q2)]
-    ws = SimpleNamespace(backend="cuda", ep_size=1, precision="mxfp8")
-    along_n = autograd.backward_expert_weights(q13.data, q2.data, q13.scale, q2.scale, torch.bfloat16, ws, 80)
-    assert all(isinstance(t, cuda_mx.MxWeightAlongN) for t in along_n)
-    assert along_n[0].shape == W13.shape and along_n[1].shape == W2.shape
-    for t, v in zip(along_n, values):  # its values: the MXFP8 of the values along N
-        assert torch.equal(t.values().view(torch.int16), fake_quantize_fast(v, -2).view(torch.int16))
-    frozen = (False, False, False, False)
-    _, saved = cb.experts_forward(x, ids, w, *values, precision="mxfp8")
-    fake_lib.calls.clear()
-    dx, d_topk, grads = cb.experts_backward(dy, saved, x, ids, w, *along_n, precision="mxfp8", needs=frozen)
-    gemms = [c for c in fake_lib.calls if c.startswith("mok_gemm")]
-    assert gemms[0] == "mok_gemm_bk_mx_f32" and "mok_gemm_bk_mx" in gemms[1:], gemms
-    assert grads.gate_up_proj is None and grads.down_proj is None
-    assert cuda_mx._VERDICTS[("mok_gemm_bk_mx_f32", "cpu")] and cuda_mx._VERDICTS[("mok_gemm_bk_mx", "cpu")]
-    _, saved = cb.experts_forward(x, ids, w, *values, precision="mxfp8")
-    old = [fake_quantize_fast(v, -2) for v in values]
-    dx_old, d_topk_old, _ = cb.experts_backward(dy, saved, x, ids, w, *old, precision="mxfp8", needs=frozen)
-    assert torch.equal(dx.view(torch.int16), dx_old.view(torch.int16)) and torch.equal(d_topk, d_topk_old)
-    # more routed rows per expert than the _mx GEMMs win at: the values in bf16, as before
-    rows = cuda_mx.MX_MAX_ROWS_PER_EXPERT["mok_gemm_bk_mx"] * 4 + 1
-    assert "routed rows" in cuda_mx.backward_reason(ws, q13.data, q13.scale, q2.data, q2.scale, torch.bfloat16, rows)

@@ -18,8 +18,7 @@ from mok_nn.kernels import registry
 
 from test_cuda_ep_simulated import SpecChecked
 
-_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
-           "u16": torch.uint16}
+_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
 class _FakeLib:
@@ -44,26 +43,12 @@ class _FakeLib:
             a, b, c, te, seg_end, seg_rows, _, counter = args
             assert int(counter[0]) == 0, f"{name}: tile counter not zeroed before the launch"
             _gemm(a[:, :, 0], b, c, te)
-        elif spec.factory == "VarlenMGroupedGemmMx":  # B as E4M3 bytes (N, K, E) and scale pairs (N, K / 64, E)
-            a, b, pairs, c, te, seg_end, seg_rows, _ = args
-            _gemm(a[:, :, 0], _mx_b_values(b, pairs), c, te)
         elif spec.factory == "MxQuant":
             src, dst, te, seg_end, seg_rows, mode, grid = args
             assert mode in (0, 1, 2) and grid >= 1
             dst.copy_(_mx_quant(src, mode, seg_end, seg_rows))
         else:
             raise AssertionError(f"stand-in has no {name}")
-
-
-def _mx_b_values(b, pairs):
-    """An MXFP8 B operand's values (N, K, E) in bf16: mxfp8.dequantize of the bytes under the scales the pairs hold
-    (K blocks 2j in the low byte, 2j + 1 in the high one)."""
-    from mok_nn.mxfp8 import MXFP8Tensor, dequantize
-
-    word = pairs.view(torch.int16).to(torch.int32) & 0xFFFF  # (N, K / 64, E)
-    scale = torch.stack([word & 0xFF, word >> 8], dim=2).flatten(1, 2).to(torch.uint8)  # (N, K / 32, E)
-    data = b.permute(2, 0, 1).contiguous().view(torch.float8_e4m3fn)
-    return dequantize(MXFP8Tensor(data, scale.permute(2, 0, 1).contiguous(), 2), torch.bfloat16).permute(1, 2, 0)
 
 
 def _mx_quant(src, mode, seg_end, seg_rows):

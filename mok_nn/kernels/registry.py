@@ -168,11 +168,9 @@ def _mx_b_args(n_div: int) -> tuple:
             TensorArg("b_scale", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(8, 1, 1)))
 
 
-def _gemm_mx_spec(c_dtype: str = "bf16") -> KernelSpec:
-    # x_rows @ dequantize(W[e])^T with W as MXFP8: the plain GEMM (split epilogue); _f32: fp32 out (the backward's
-    # dgrad of down on MXFP8-only weights, for dSwiGLU and d topk-weights)
-    suffix = "" if c_dtype == "bf16" else f"_{c_dtype}"
-    base = _gemm_spec("mok_gemm_bk_mx" + suffix, "k", GEMM_TILE_N, c_dtype)
+def _gemm_mx_spec() -> KernelSpec:
+    # x_rows @ dequantize(W[e])^T with W as MXFP8: the plain GEMM (split epilogue, 4 stages)
+    base = _gemm_spec("mok_gemm_bk_mx", "k", GEMM_TILE_N)
     a, _, c, *rest = base.args
     return dataclasses.replace(base, factory="VarlenMGroupedGemmMx", factory_kwargs=(),
                                args=(a, *_mx_b_args(8), c, *rest))
@@ -518,7 +516,6 @@ SPECS = (
     _gemm_act_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_act_spec("swiglu", full_epi=True),
     _gemm_mx_spec(),
-    _gemm_mx_spec("f32"),
     _gemm_act_mx_spec("swiglu"),
     # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096)
     _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),

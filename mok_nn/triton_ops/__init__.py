@@ -13,8 +13,6 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
                       the same bits, one read of the bytes and one write (the torch ops: about six passes).
   requantize_rows     fake_quantize along the rows of dequantize's values, from the MXFP8 bytes in one pass (the
                       column-wise MXFP8 weights of the backward with MXFP8-only experts and precision="mxfp8")
-  transpose_requantize  the same values as MXFP8 bytes and scales stored transposed, for the fused backward's
-                      MXFP8 dgrad GEMMs (cuda_mx.MxWeightAlongN)
   activation_forward  h = act(gate, up) for gate_up [n, 2I]
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
@@ -291,35 +289,6 @@ def requantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
             data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, ROWS=tile_cols,
             BLOCK=MX_BLOCK, num_warps=warps)
     return out
-
-
-# The scale bytes within which every E4M3 value times its scale is a normal bf16 (kernels.FAST_LO / FAST_HI), the
-# range transpose_requantize takes.
-DIRECT_SCALES = (10, 246)
-TRANSPOSE_FORM = (64, 2)  # (columns, warps) of a transpose_requantize program
-
-
-def transpose_requantize_runs_on(data: torch.Tensor) -> bool:
-    """transpose_requantize runs on E4M3 data [E, N, K]: CUDA, N and K multiples of 32, where Triton is
-    installed (the caller checks the scales' range and NaN bytes)."""
-    return (data.is_cuda and data.dim() == 3 and data.shape[1] % MX_BLOCK == 0 and data.shape[2] % MX_BLOCK == 0
-            and available())
-
-
-def transpose_requantize(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data_t [E, K, N] float8_e4m3fn, scale_t [E, K, N / 32] uint8): mxfp8.quantize(W^T, axis=-1) of the values
-    W = mxfp8.dequantize(data, scale) [E, N, K] (blocks of 32 along K), that is W's MXFP8 along N stored
-    transposed, bit for bit, from the bytes in one pass. The scales must lie in DIRECT_SCALES and the data hold
-    no E4M3 NaN (every value a normal bf16: the kernel's only way)."""
-    data, scale = data.contiguous(), scale.contiguous()
-    e, n, k = data.shape
-    data_t = torch.empty(e, k, n, dtype=torch.uint8, device=data.device)
-    scale_t = torch.empty(e, k, n // MX_BLOCK, dtype=torch.uint8, device=data.device)
-    if data.numel():
-        tile_cols, warps = TRANSPOSE_FORM
-        _kernels().transpose_requantize_kernel[(e * (n // MX_BLOCK) * -(-k // tile_cols),)](
-            data.view(torch.uint8), scale, data_t, scale_t, n, k, ROWS=tile_cols, BLOCK=MX_BLOCK, num_warps=warps)
-    return data_t.view(torch.float8_e4m3fn), scale_t
 
 
 def _activation_options(activation: str, swiglu_limit) -> dict:

@@ -304,55 +304,6 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
 
 
 @triton.jit
-def transpose_requantize_kernel(data_ptr, scale_ptr, out_ptr, out_scale_ptr, n, k, ROWS: tl.constexpr,
-                                BLOCK: tl.constexpr):
-    # MXFP8 data [E, n, k] (E4M3 bytes, an E8M0 scale byte per BLOCK along each row) whose scales all lie in
-    # [FAST_LO, FAST_HI] and that holds no E4M3 NaN -> the MXFP8 ("rceil") of its values along n, stored
-    # transposed: bytes [E, k, n] and scales [E, k, n / BLOCK]. A program takes one row block (BLOCK rows of one
-    # expert) and ROWS consecutive columns as a [BLOCK rows, ROWS // BLOCK column blocks, BLOCK columns] tile, as
-    # requantize_rows_kernel does. Every value is a normal bf16 there (dequantize_kernel's direct bits); its new
-    # byte follows from its bf16 bits and its column block's new scale 2**e by integer operations: exponent and
-    # mantissa moved as they are where the value stays in E4M3's normal range, else its 4 significant bits
-    # shifted right with the rounding to nearest even of the cast (E4M3's subnormals, step 2**(e - 9)).
-    NB: tl.constexpr = ROWS // BLOCK
-    chunks = (k + ROWS - 1) // ROWS
-    blk = tl.program_id(0) // chunks  # the row block: expert blk // (n / BLOCK), rows n0 .. n0 + BLOCK - 1
-    row_blocks = n // BLOCK
-    expert = (blk // row_blocks).to(tl.int64)
-    n0 = (blk % row_blocks) * BLOCK
-    data_ptr += blk.to(tl.int64) * BLOCK * k
-    scale_ptr += blk.to(tl.int64) * k
-    out_ptr += expert * k * n
-    out_scale_ptr += expert * k * row_blocks
-    first_block = (tl.program_id(0) % chunks) * NB  # the tile's first column block
-    r = tl.arange(0, BLOCK)[:, None, None]
-    cb = (first_block + tl.arange(0, NB))[None, :, None]
-    c = tl.arange(0, BLOCK)[None, None, :]
-    mask = cb < k // BLOCK
-    q = tl.load(data_ptr + r * k + cb * BLOCK + c, mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + r * (k // BLOCK) + cb, mask=mask, other=127).to(tl.int32)
-    b16 = _dequantize_bits_fast(q, s)
-    mag = b16 & 0x7FFF
-    amax = tl.max(mag, axis=0)  # per column: its block of BLOCK rows
-    # the block's scale exponent ("rceil" on bf16 bits: a mantissa above 1.75 is 1.875), as requantize_rows_kernel
-    e = tl.maximum((amax >> 7) - (127 + 8) + (((amax >> 4) & 7) == 7).to(tl.int32), -127)
-    t = (mag >> 7) - e[None, :, :]  # the biased exponent of |v| / 2**e (at most 135: the rceil scale)
-    man = (mag >> 4) & 7
-    byte = ((t - 120) << 3) | man  # |v| / 2**e >= 2**-6 (biased 121): a normal E4M3, exact
-    if tl.min(tl.where(mag == 0, 255, t)) < 121:  # some value below E4M3's normal range at its new scale
-        sig = man | 8  # its 4 significant bits, in units of 2**(t - 130): shifted by 121 - t to units of 2**-9
-        sh = tl.minimum(121 - t, 5)  # (a shift of 5 leaves 0, whatever the rounding: sig < 16)
-        half = tl.where(sh > 0, 1 << (tl.maximum(sh, 1) - 1), 0)
-        sub = (sig + half - 1 + ((sig >> sh) & 1)) >> sh  # to nearest, ties to even (8 is 2**-6, normal: 0x08)
-        byte = tl.where(t >= 121, byte, sub)
-    byte = tl.where(mag == 0, 0, byte) | ((b16 >> 8) & 0x80)
-    tl.store(out_ptr + (cb * BLOCK + c) * n + n0 + r, byte.to(tl.uint8), mask=mask)
-    cols = first_block * BLOCK + tl.arange(0, ROWS)  # the tile's columns, block-major as e's [NB, BLOCK]
-    tl.store(out_scale_ptr + cols * row_blocks + n0 // BLOCK, tl.reshape(e + 127, [ROWS]).to(tl.uint8),
-             mask=cols < k)
-
-
-@triton.jit
 def _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, first_block, ROUND_BF16: tl.constexpr, NB: tl.constexpr,
                        BLOCK: tl.constexpr):
     # requantize_rows_kernel's general way, one [BLOCK, BLOCK] block of its tile at a time (few registers: these
