@@ -57,8 +57,9 @@ MX_ROWS_WARPS = 2  # warps of a fake_quantize_rows program (blocks along the row
 # (MXFP8 blocks, warps) of a dequantize program; (columns, warps) of a requantize_rows program, whose row block is
 # MX_BLOCK rows: every form writes the same bits; the fastest on one H100 (benchmarks/mx_kernel_forms.py,
 # docs/benchmarks/2026-12-05_h100_mx_kernel_forms.jsonl): dequantize 2.33 TB/s at (64, 8) against 2.00 at (64, 4);
-# requantize_rows 0.88 TB/s at (64, 2) before its bound check (kernels.requantize_rows_kernel; not yet timed), its
-# one-warp forms the slowest (0.37 TB/s at (128, 1): 253 registers a thread)
+# requantize_rows 0.88 TB/s at (64, 2) before its bound check (kernels.requantize_rows_kernel: with it the frozen
+# MXFP8-only backward at deepseek-v3 took 42.6 ms against 54.8), its one-warp forms the slowest (0.37 TB/s at
+# (128, 1): 253 registers a thread)
 DEQUANTIZE_FORM = (MX_ROWS, 8)
 REQUANTIZE_FORM = (64, 2)
 ACT_BLOCK = 1024  # columns of a row per step of the activation kernels
