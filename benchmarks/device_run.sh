@@ -24,7 +24,7 @@
 #                benchmark beside bf16 (trained and frozen weights) and the baseline -> $OUT/mxfp8.json
 #   router       the routing's forms side by side (benchmarks/router_variants.py): stable top-k by int64 keys or by
 #                a stable sort, router GEMM in fp32 or bf16 with fp32 output -> $OUT/router_variants.jsonl
-#   ep           the EP = 2 checks under torchrun (only where 2 GPUs exist)
+#   ep           the EP = 2 checks under torchrun; with one GPU, its cross-host-mode checks over gloo on that GPU
 #   ab           the benchmark alternately with the old tree and this one, AB_REPS times each (default 2),
 #                then the table (benchmarks/ab_table.py). The old tree: a source checkout at $OLD_SRC
 #                (default build/old_src) with its kernel library at $OLD_KERNELS (default build/old_kernels),
@@ -131,8 +131,9 @@ for s in "$@"; do
     ep)
         if [ "$GPUS" -ge 2 ]; then
             TAIL=30 step ep_checks 300 torchrun --nproc_per_node 2 tests/gpu/ep_cuda_check.py
-        else
-            echo "=== ep skipped: $GPUS GPU(s), the EP checks need 2"
+        else  # one GPU: two ranks on it over gloo, the cross-host mode's checks only
+            MOK_EP_CHECK_ONE_GPU=1 TAIL=14 step ep_checks_one_gpu 300 torchrun --nproc_per_node 2 \
+                tests/gpu/ep_cuda_check.py
         fi ;;
     ab)
         if ! have_old; then
