@@ -126,7 +126,7 @@ def sass_summary(kernel) -> str:
         f.write(kernel.asm["cubin"])
         f.flush()
         sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    ops = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     mem = {}
     for op in ops:
         name = op.split()[1] if op.startswith("@") else op.split()[0]
