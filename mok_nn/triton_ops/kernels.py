@@ -54,8 +54,7 @@ def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, IN_BF16: tl.constexpr, ROWS: 
     local = tl.arange(0, ROWS)
     offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (first + local < n_blocks)[:, None]
-    out = _mx_round_bits(_load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), 1)
-    _store_bits(out_ptr + first * BLOCK, offs, out, mask)
+    _mx_quantize_store(out_ptr + first * BLOCK, offs, _load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), mask, 1)
 
 
 @triton.jit
@@ -77,11 +76,33 @@ def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16
         base = blk.to(tl.int64) * BLOCK * cols
         mask = (i < cols)[None, :]
     offs = (j.to(tl.int64) * cols)[:, None] + i[None, :]  # (int64: BLOCK rows of a long row may pass 2**31)
-    out = _mx_round_bits(_load_bits(x_ptr + base, offs, mask, IN_BF16), 0)
-    _store_bits(out_ptr + base, offs, out, mask)
+    _mx_quantize_store(out_ptr + base, offs, _load_bits(x_ptr + base, offs, mask, IN_BF16), mask, 0)
 
 
 MX_FAST_MIN_E = tl.constexpr(-116)  # the float form is exact for blocks with e >= this (_mx_round_fast)
+
+
+@triton.jit
+def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr):
+    # _store_bits(ptr, offs, _mx_round_bits(bits, AXIS), mask), but a tile of the float form goes into bf16 as the
+    # top 16 bits of its results, without _store_bits' rounding: each is 0, NaN, inf or a normal number of at most 4
+    # significant bits (e >= MX_FAST_MIN_E), so its low 16 bits are zero and the rounding would keep it (that
+    # rounding was about a fifth of the tile's instructions)
+    sign = bits & -(2**31)
+    mag_bits = bits ^ sign
+    amax = tl.max(mag_bits, axis=AXIS)
+    nan = tl.expand_dims(((amax >> 23) & 0xFF) == 255, AXIS)
+    e = _rceil_exponent(amax)
+    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
+    if tl.min(fast.to(tl.int32), axis=0) == 1:
+        out = tl.where(nan, 0x7FC00000, _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS)) | sign)
+        if ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(ptr + offs, (out >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            _store_bits(ptr, offs, out, mask)
+    else:
+        _store_bits(ptr, offs, tl.where(nan, 0x7FC00000, _mx_round_exact(mag_bits, tl.expand_dims(e, AXIS)) | sign),
+                    mask)
 
 
 @triton.jit
