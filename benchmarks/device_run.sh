@@ -19,7 +19,8 @@
 #   energy       energy per call, mok_nn vs the torch baseline (deepseek-v3)
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
 #   portable     the portable backend beside the fused path, the torch baseline and transformers' default experts:
-#                bf16 with the whole layer, fp32, and precision="mxfp8" at qwen3 -> $OUT/portable_*.json
+#                bf16 with the whole layer, fp32 (deepseek-v3's needs an H200's memory), and precision="mxfp8"
+#                -> $OUT/portable_*.json
 #   mxfp8        precision="mxfp8" on the fused path: its GPU tests, mok_mx_quant's bandwidth beside a copy, then the
 #                benchmark beside bf16 (trained and frozen weights) and the baseline -> $OUT/mxfp8.json
 #   router       the routing's forms side by side (benchmarks/router_variants.py): stable top-k by int64 keys or by
@@ -115,10 +116,13 @@ for s in "$@"; do
     portable)
         TAIL=20 step portable_bf16 300 python -m mok_nn.bench --backend torch --layer --commit "$COMMIT" \
             --out "$OUT/portable_bf16.json"
-        TAIL=20 step portable_fp32 300 python -m mok_nn.bench --backend torch --dtype fp32 --commit "$COMMIT" \
-            --out "$OUT/portable_fp32.json"
-        TAIL=20 step portable_mxfp8 200 python -m mok_nn.bench --backend torch --precision mxfp8 \
-            --shapes qwen3-30b-a3b --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;
+        fp32_shapes=qwen3-30b-a3b,mixtral-8x7b,deepseek-v3  # deepseek-v3: 90 GB of fp32 weights and gradients
+        [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] &&
+            fp32_shapes=qwen3-30b-a3b,mixtral-8x7b
+        TAIL=20 step portable_fp32 300 python -m mok_nn.bench --backend torch --dtype fp32 --iters 10 \
+            --shapes "$fp32_shapes" --commit "$COMMIT" --out "$OUT/portable_fp32.json"
+        TAIL=20 step portable_mxfp8 300 python -m mok_nn.bench --backend torch --precision mxfp8 --iters 10 \
+            --commit "$COMMIT" --out "$OUT/portable_mxfp8.json" ;;
     mxfp8)
         TAIL=20 step mxfp8_tests 300 python -m pytest -q tests/gpu/test_mxfp8_cuda.py
         TAIL=6 step mx_quant_bandwidth 120 python benchmarks/mx_quant_bandwidth.py --out "$OUT/mx_quant_bandwidth.json"

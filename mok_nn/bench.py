@@ -647,6 +647,10 @@ def summary(records):
 
 
 def main(argv=None):
+    # Set before the first CUDA allocation, which reads it (the peers' processes inherit it): without expandable
+    # segments deepseek-v3 ran out of memory on an 80 GB H100 after the smaller shapes in one process, with tens
+    # of GB reserved by the allocator in pieces too small for its tensors.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     ap = argparse.ArgumentParser(description="mok_nn vs torch baseline and peers, routed experts and whole layer "
                                              "(EP = torchrun world size)")
     ap.add_argument("--shapes", default=None,
