@@ -95,7 +95,8 @@ def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr):
     e = _rceil_exponent(amax)
     fast = (amax == 0) | (e >= MX_FAST_MIN_E)
     if tl.min(fast.to(tl.int32), axis=0) == 1:
-        out = tl.where(nan, 0x7FC00000, _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS)) | sign)
+        out = _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS))
+        out = tl.where(nan, 0x7FC00000, out | sign)
         if ptr.dtype.element_ty == tl.bfloat16:
             tl.store(ptr + offs, (out >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         else:
