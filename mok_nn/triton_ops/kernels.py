@@ -84,37 +84,14 @@ MX_FAST_MIN_E = tl.constexpr(-116)  # the float form is exact for blocks with e 
 
 @triton.jit
 def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr):
-    # _store_bits(ptr, offs, _mx_round_bits(bits, AXIS), mask), but a tile of the float form goes into bf16 as the
-    # top 16 bits of its results, without _store_bits' rounding: each is 0, NaN, inf or a normal number of at most 4
-    # significant bits (e >= MX_FAST_MIN_E), so its low 16 bits are zero and the rounding would keep it (that
-    # rounding was about a fifth of the tile's instructions)
-    sign = bits & -(2**31)
-    mag_bits = bits ^ sign
-    amax = tl.max(mag_bits, axis=AXIS)
-    nan = tl.expand_dims(((amax >> 23) & 0xFF) == 255, AXIS)
-    e = _rceil_exponent(amax)
-    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
-    if tl.min(fast.to(tl.int32), axis=0) == 1:
-        out = _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS))
-        out = tl.where(nan, 0x7FC00000, out | sign)
-        if ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(ptr + offs, (out >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            _store_bits(ptr, offs, out, mask)
-    else:
-        _store_bits(ptr, offs, tl.where(nan, 0x7FC00000, _mx_round_exact(mag_bits, tl.expand_dims(e, AXIS)) | sign),
-                    mask)
-
-
-@triton.jit
-def _mx_round_bits(bits, AXIS: tl.constexpr):
-    # fp32 bits of the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile
+    # the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile, stored at ptr in its dtype
+    # (_store_bits' rounding)
     sign = bits & -(2**31)
     mag_bits = bits ^ sign
     # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
     # pattern lies above inf's, and both give the biased exponent 255 the NaN rule keys on)
     amax = tl.max(mag_bits, axis=AXIS)
-    biased = (amax >> 23) & 0xFF
+    nan = tl.expand_dims(((amax >> 23) & 0xFF) == 255, AXIS)  # a block holding NaN / inf: NaN
     e = _rceil_exponent(amax)
     # A tile whose blocks are all zeros or have e >= MX_FAST_MIN_E (real data) takes the float form: about half the
     # instructions of the integer form, which bounded the kernels' speed (on an H200 1.2-1.9 TB/s against a copy's
@@ -122,9 +99,17 @@ def _mx_round_bits(bits, AXIS: tl.constexpr):
     fast = (amax == 0) | (e >= MX_FAST_MIN_E)
     if tl.min(fast.to(tl.int32), axis=0) == 1:
         out = _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS))
+        out = tl.where(nan, 0x7FC00000, out | sign)
+        # Into bf16 as the top 16 bits, without the rounding: each result is 0, NaN, inf or a normal number of at
+        # most 4 significant bits, so its low 16 bits are zero and the rounding would keep it (that rounding was
+        # about a fifth of the tile's instructions)
+        if ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(ptr + offs, (out >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            _store_bits(ptr, offs, out, mask)
     else:
-        out = _mx_round_exact(mag_bits, tl.expand_dims(e, AXIS))
-    return tl.where(tl.expand_dims(biased == 255, AXIS), 0x7FC00000, out | sign)  # a block holding NaN / inf: NaN
+        _store_bits(ptr, offs, tl.where(nan, 0x7FC00000, _mx_round_exact(mag_bits, tl.expand_dims(e, AXIS)) | sign),
+                    mask)
 
 
 @triton.jit
@@ -290,7 +275,7 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     # at its block's scale 2**e unless it falls below E4M3's normal range there (|v| < 2**(e - 6)) with a set bit
     # below that range's step 2**(e - 9). A tile whose blocks all hold no NaN and no such value stores the
     # dequantised bits as they are (the same bits as the rounding gives; checked against a bound first, then per
-    # column); any other tile takes the rounding (_mx_round_bits) of the exact values.
+    # column); any other tile takes the rounding (_mx_quantize_store) of the exact values.
     NB: tl.constexpr = ROWS // BLOCK
     chunks = (cols + ROWS - 1) // ROWS
     blk = tl.program_id(0) // chunks
@@ -338,7 +323,7 @@ def _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, first_block, ROUND_BF
                        BLOCK: tl.constexpr):
     # requantize_rows_kernel's general way, one [BLOCK, BLOCK] block of its tile at a time (few registers: these
     # tiles are rare): the exact values (rounded to bf16 where ROUND_BF16, as a dequantisation into bf16 rounds;
-    # in the direct bits' scale range that rounds nothing), then _mx_round_bits along the rows
+    # in the direct bits' scale range that rounds nothing), then _mx_quantize_store along the rows
     r = tl.arange(0, BLOCK)[:, None]
     for j in range(NB):
         cb = first_block + j
@@ -348,7 +333,7 @@ def _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, first_block, ROUND_BF
             bits = _dequantize_bits_exact(q, tl.load(scale_ptr + r * (cols // BLOCK) + cb).to(tl.int32))
             if ROUND_BF16:  # (_store_bits' rounding, the fp32 bits of the bf16 value kept)
                 bits = _bf16_rne(bits) << 16
-            _store_bits(out_ptr, offs, _mx_round_bits(bits, 0), None)
+            _mx_quantize_store(out_ptr, offs, bits, None, 0)
 
 
 @triton.jit
