@@ -74,11 +74,15 @@ def record_forms() -> dict:
     fake = type("Kernels", (), {n: _Recorder(getattr(kernels, n), forms) for n in names})
     triton_ops._kernels = lambda: fake
     g = torch.Generator().manual_seed(0)
+    hw_e4m3 = triton_ops.hw_e4m3
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(64, 96, generator=g).to(dt)
-        for axis in (0, 1):
-            triton_ops.fake_quantize(x, axis)
-        triton_ops.fake_quantize_rows(x, torch.tensor([0, 32], dtype=torch.int64), torch.tensor([32, 20]))
+        for hw in (False, True):  # (the rounding by arithmetic, and by the E4M3 conversion sm_89 and later have)
+            triton_ops.hw_e4m3 = lambda device, hw=hw: hw
+            for axis in (0, 1):
+                triton_ops.fake_quantize(x, axis)
+            triton_ops.fake_quantize_rows(x, torch.tensor([0, 32], dtype=torch.int64), torch.tensor([32, 20]))
+        triton_ops.hw_e4m3 = hw_e4m3
         data = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
         triton_ops.dequantize(data, torch.randint(0, 256, (4, 2), dtype=torch.uint8, generator=g), dt)
         if dt != torch.float16:

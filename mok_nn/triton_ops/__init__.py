@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -215,6 +216,14 @@ def current_stream() -> int:
     return _raw_stream(_get_device())
 
 
+@functools.cache
+def hw_e4m3(device: torch.device) -> bool:
+    """The fake_quantize kernels round by the GPU's E4M3 conversion (sm_89 and later: about half the instructions
+    of the arithmetic rounding, the same bits); elsewhere, and under Triton's interpreter, by arithmetic."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
     """mxfp8.fake_quantize_fast(x, axis) ("rceil", blocks of 32 along axis, normalised, its size a multiple of
     32), bit for bit: a new contiguous tensor in x's dtype and shape."""
@@ -231,7 +240,8 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
         return out
     n_blocks = x.numel() // MX_BLOCK
     _kernels().fake_quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, out, n_blocks, IN_BF16=x.dtype == torch.bfloat16,
-                                                                 ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+                                                                 HW_E4M3=hw_e4m3(x.device), ROWS=MX_ROWS,
+                                                                 BLOCK=MX_BLOCK)
     return out
 
 
@@ -252,7 +262,8 @@ def _launch_rows(x, out, row0, nrows, blocks: int, segments: bool):
     columns."""
     cols = x.shape[1]
     _kernels().fake_quantize_rows_kernel[(blocks * -(-cols // MX_ROWS),)](
-        x, out, row0, nrows, cols, IN_BF16=x.dtype == torch.bfloat16, ROWS=MX_ROWS, BLOCK=MX_BLOCK, SEGMENTS=segments,
+        x, out, row0, nrows, cols, IN_BF16=x.dtype == torch.bfloat16, HW_E4M3=hw_e4m3(x.device), ROWS=MX_ROWS,
+        BLOCK=MX_BLOCK, SEGMENTS=segments,
         num_warps=MX_ROWS_WARPS)
 
 

@@ -47,19 +47,21 @@ def _times_pow2_bits(bits, k):
 
 
 @triton.jit
-def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, IN_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def fake_quantize_kernel(x_ptr, out_ptr, n_blocks, IN_BF16: tl.constexpr, HW_E4M3: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
     # blocks of BLOCK consecutive elements (along the last axis); a program takes ROWS consecutive blocks, a
     # [ROWS, BLOCK] tile (along another axis: fake_quantize_rows_kernel)
     first = tl.program_id(0).to(tl.int64) * ROWS
     local = tl.arange(0, ROWS)
     offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (first + local < n_blocks)[:, None]
-    _mx_quantize_store(out_ptr + first * BLOCK, offs, _load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), mask, 1)
+    _mx_quantize_store(out_ptr + first * BLOCK, offs, _load_bits(x_ptr + first * BLOCK, offs, mask, IN_BF16), mask, 1,
+                       HW_E4M3)
 
 
 @triton.jit
-def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK: tl.constexpr, SEGMENTS: tl.constexpr):
+def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16: tl.constexpr, HW_E4M3: tl.constexpr,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr):
     # x [N, cols] in blocks of BLOCK consecutive rows. A program takes one row block and ROWS consecutive columns, a
     # [BLOCK, ROWS] tile whose rows are contiguous in memory (16-byte loads and stores; a block's elements lie
     # cols apart). Without SEGMENTS block r is rows r * BLOCK ..; with them (an expert's rows, the last block of a
@@ -76,16 +78,16 @@ def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16
         base = blk.to(tl.int64) * BLOCK * cols
         mask = (i < cols)[None, :]
     offs = (j.to(tl.int64) * cols)[:, None] + i[None, :]  # (int64: BLOCK rows of a long row may pass 2**31)
-    _mx_quantize_store(out_ptr + base, offs, _load_bits(x_ptr + base, offs, mask, IN_BF16), mask, 0)
+    _mx_quantize_store(out_ptr + base, offs, _load_bits(x_ptr + base, offs, mask, IN_BF16), mask, 0, HW_E4M3)
 
 
 MX_FAST_MIN_E = tl.constexpr(-116)  # the float form is exact for blocks with e >= this (_mx_round_fast)
 
 
 @triton.jit
-def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr):
+def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr, HW_E4M3: tl.constexpr):
     # the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile, stored at ptr in its dtype
-    # (_store_bits' rounding)
+    # (_store_bits' rounding). HW_E4M3: round by the GPU's E4M3 conversion (sm_89 and later) on the float form
     sign = bits & -(2**31)
     mag_bits = bits ^ sign
     # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
@@ -98,8 +100,12 @@ def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr):
     # 3.3-4.1; the float form 1.7-3.0); a tile holding a block of tiny nonzero values takes the integer form.
     fast = (amax == 0) | (e >= MX_FAST_MIN_E)
     if tl.min(fast.to(tl.int32), axis=0) == 1:
-        out = _mx_round_fast(mag_bits, tl.expand_dims(tl.where(amax == 0, 0, e), AXIS))
-        out = tl.where(nan, 0x7FC00000, out | sign)
+        e_fast = tl.expand_dims(tl.where(amax == 0, 0, e), AXIS)
+        if HW_E4M3:
+            out = _mx_round_hw(bits, e_fast)
+        else:
+            out = _mx_round_fast(mag_bits, e_fast) | sign
+        out = tl.where(nan, 0x7FC00000, out)
         # Into bf16 as the top 16 bits, without the rounding: each result is 0, NaN, inf or a normal number of at
         # most 4 significant bits, so its low 16 bits are zero and the rounding would keep it (that rounding was
         # about a fifth of the tile's instructions)
@@ -133,6 +139,17 @@ def _mx_round_fast(mag_bits, e):
     s = mag_bits.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
     rounded = _e4m3_grid(s)
     return (rounded * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _mx_round_hw(bits, e):
+    # x's bits (signed) -> the bits of its MXFP8 value at the block scale 2**e, for e >= MX_FAST_MIN_E as
+    # _mx_round_fast, with the rounding to E4M3's grid done by the hardware conversion (cvt.rn.satfinite.e4m3x2:
+    # ties to even, subnormals kept; |s| <= 448 under the rceil scale, so nothing saturates) and back (exact), about
+    # half the instructions. The sign rides through (a value rounding to zero keeps it, as the | sign does).
+    s = bits.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
+    q = s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    return (q * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -333,7 +350,7 @@ def _requantize_blocks(data_ptr, scale_ptr, out_ptr, cols, first_block, ROUND_BF
             bits = _dequantize_bits_exact(q, tl.load(scale_ptr + r * (cols // BLOCK) + cb).to(tl.int32))
             if ROUND_BF16:  # (_store_bits' rounding, the fp32 bits of the bf16 value kept)
                 bits = _bf16_rne(bits) << 16
-            _mx_quantize_store(out_ptr, offs, bits, None, 0)
+            _mx_quantize_store(out_ptr, offs, bits, None, 0, False)
 
 
 @triton.jit
