@@ -87,7 +87,10 @@ def record_forms() -> dict:
         triton_ops.dequantize(data, torch.randint(0, 256, (4, 2), dtype=torch.uint8, generator=g), dt)
         if dt != torch.float16:
             data = torch.randint(0, 256, (2, 64, 96), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-            triton_ops.requantize_rows(data, torch.randint(0, 256, (2, 64, 3), dtype=torch.uint8, generator=g), dt)
+            for hw in (False, True):
+                triton_ops.hw_e4m3 = lambda device, hw=hw: hw
+                triton_ops.requantize_rows(data, torch.randint(0, 256, (2, 64, 3), dtype=torch.uint8, generator=g), dt)
+            triton_ops.hw_e4m3 = hw_e4m3
         gate_up, dh = torch.randn(8, 64, generator=g).to(dt), torch.randn(8, 32, generator=g).to(dt)
         for act in ("swiglu", "swiglu_oai"):
             for limit in (None, 7.0):

@@ -298,8 +298,8 @@ def requantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     if row_blocks:
         tile_cols, warps = REQUANTIZE_FORM
         _kernels().requantize_rows_kernel[(row_blocks * -(-cols // tile_cols),)](
-            data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, ROWS=tile_cols,
-            BLOCK=MX_BLOCK, num_warps=warps)
+            data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, HW_E4M3=hw_e4m3(data.device),
+            ROWS=tile_cols, BLOCK=MX_BLOCK, num_warps=warps)
     return out
 
 

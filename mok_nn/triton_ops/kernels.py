@@ -99,7 +99,7 @@ def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr, HW_E4M3: tl.co
     # instructions of the integer form, which bounded the kernels' speed (on an H200 1.2-1.9 TB/s against a copy's
     # 3.3-4.1; the float form 1.7-3.0); a tile holding a block of tiny nonzero values takes the integer form.
     fast = (amax == 0) | (e >= MX_FAST_MIN_E)
-    if tl.min(fast.to(tl.int32), axis=0) == 1:
+    if tl.min(tl.reshape(fast.to(tl.int32), [fast.numel]), axis=0) == 1:  # (the tile's blocks: 1-D, or 2-D)
         e_fast = tl.expand_dims(tl.where(amax == 0, 0, e), AXIS)
         if HW_E4M3:
             out = _mx_round_hw(bits, e_fast)
@@ -281,8 +281,8 @@ def _store_bf16_bits(ptr, offs, bits, mask):
 
 
 @triton.jit
-def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.constexpr, HW_E4M3: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # MXFP8 data [n, cols] (E4M3 bytes, an E8M0 scale byte per BLOCK along each row; cols a multiple of BLOCK) ->
     # the MXFP8 values of its values in blocks of BLOCK consecutive rows, in out's dtype. A program takes one row
     # block and ROWS consecutive columns as a [BLOCK rows, ROWS // BLOCK column blocks, BLOCK columns] tile, so
@@ -293,6 +293,8 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     # below that range's step 2**(e - 9). A tile whose blocks all hold no NaN and no such value stores the
     # dequantised bits as they are (the same bits as the rounding gives; checked against a bound first, then per
     # column); any other tile takes the rounding (_mx_quantize_store) of the exact values.
+    # HW_E4M3 (sm_89 and later): in the direct bits' scale range every tile takes the exact values by the E4M3
+    # conversion and _mx_quantize_store's rounding by that conversion, fewer instructions than the check above.
     NB: tl.constexpr = ROWS // BLOCK
     chunks = (cols + ROWS - 1) // ROWS
     blk = tl.program_id(0) // chunks
@@ -305,11 +307,15 @@ def requantize_rows_kernel(data_ptr, scale_ptr, out_ptr, cols, ROUND_BF16: tl.co
     cb = (first_block + tl.arange(0, NB))[None, :, None]
     mask = cb < cols // BLOCK
     offs = r * cols + cb * BLOCK + tl.arange(0, BLOCK)[None, None, :]
-    q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.int32)
+    q_bytes = tl.load(data_ptr + offs, mask=mask, other=0)
+    q = q_bytes.to(tl.int32)
     s = tl.load(scale_ptr + r * (cols // BLOCK) + cb, mask=mask, other=127).to(tl.int32)
     fast_range = (tl.min(s) >= FAST_LO) & (tl.max(s) <= FAST_HI)
     kept = fast_range  # (a tile keeps its values only where the direct bits apply)
-    if fast_range:
+    if HW_E4M3 and fast_range:  # (the values are normal there: the scale's power of two multiplies exactly)
+        v = q_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (s << 23).to(tl.float32, bitcast=True)
+        _mx_quantize_store(out_ptr, offs, v.to(tl.int32, bitcast=True), mask, 0, True)
+    elif fast_range:
         b16 = _dequantize_bits_fast(q, s)  # (every value a normal bf16 there: nothing to round)
         mag = b16 & 0x7FFF
         # the biased exponent of each nonzero value's lowest set bit: its bf16 exponent less 3 plus the trailing

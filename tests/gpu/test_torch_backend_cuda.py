@@ -351,11 +351,14 @@ def test_launcher_reuses_each_compiled_form_with_tritons_results():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_requantize_rows_compiled_is_the_two_steps(dtype, monkeypatch):
-    """triton_ops.requantize_rows compiled, bit for bit against dequantize + fake_quantize_fast along N (random
-    bytes under every kind of scale, and weights quantised from Gaussian values, which mostly keep their values; qwen3-like
-    weights' shape), and the backward of MXFP8-only weights takes it."""
+    """triton_ops.requantize_rows compiled, bit for bit against dequantize + fake_quantize along N in torch ops on
+    the CPU (random bytes under every kind of scale, and weights quantised from Gaussian values, which mostly keep
+    their values; qwen3-like weights' shape), and the backward of MXFP8-only weights takes it."""
     from mok_nn import triton_ops
-    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast, quantize
+    from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize, quantize
+
+    def fake_quantize_fast(t, axis):  # the oracle: the CPU's torch ops
+        return fake_quantize(t.cpu(), axis).to(t.device)
 
     g = torch.Generator(device="cuda").manual_seed(8)
     data = torch.randint(0, 256, (4, 1536, 2048), dtype=torch.uint8, device="cuda", generator=g)
