@@ -1,13 +1,14 @@
 """MXFP8 values of a bf16 matrix, in bf16: the operands of precision="mxfp8" (docs/mxfp8.md).
 
 dst = fake_quantize(src) along one axis ("rceil", blocks of 32): per block, e from the amax's bits, each
-element rounded to E4M3 at the scale 2**e, times 2**e. The values are those of mxfp8.fake_quantize_fast (the
-torch ops, and mxfp8.quantize + dequantize), bit for bit:
+element rounded to E4M3 at the scale 2**e, times 2**e. The arithmetic is that of mxfp8.fake_quantize_fast,
+step for step in fp32, so the bits are those of the torch ops (and of mxfp8.quantize + dequantize):
 
-  s   = x * 2**-e                            exact (a power of two; |s| <= 448)
-  r   = E4M3(s)                              the hardware conversion and back (cvt.rn.satfinite.e4m3x2,
-                                             cvt.rn.f16x2.e4m3x2): ties to even, subnormals kept, sign kept
-  out = bf16(r * 2**e)                       exact; NaN for a block holding NaN / inf (2**e is NaN there)
+  |s| = |x| * 2**-e                          exact (a power of two; |s| <= 448)
+  r   = (|s| + C) - C, C = 1.5 * 2**(max(E, -6) + 20), E = |s|'s exponent: |s| on E4M3's grid, ties to even
+  out = bf16((r | sign(x)) * 2**e)           NaN for a block holding NaN / inf
+
+The adds go through add.rn / sub.rn explicitly, so no compiler can fold (|s| + C) - C.
 
 mode (a run-time scalar: one compiled kernel for every operand):
   0  blocks along the columns (a row's 32 consecutive values): the GEMMs' A rows, the weights forward.
@@ -43,19 +44,26 @@ LANES_PER_BLOCK = BLOCK // VEC
 BF16_MAG = 0x7FFF
 HIGH_HALF = -(2**16)  # 0xFFFF0000: the upper bf16 of a 32-bit word, in place
 MAG_MASK = 0x7FFFFFFF
+SIGN_BIT = -(2**31)
+EXP_MASK = 0x7F800000
+C_MIN = (127 - 6) << 23  # C's exponent never below E4M3's subnormal range (2**-6)
+C_ADD = (20 << 23) | (1 << 22)  # C = 1.5 * 2**(E + 20)
 
 
-@dsl_user_op
-def _e4m3_round(s, *, loc=None, ip=None) -> cutlass.Float32:
-    """s (|s| <= 448, or NaN / inf) rounded to E4M3's grid by the conversion and converted back, exactly."""
-    arg = cutlass.Float32(s).ir_value(loc=loc, ip=ip)
-    asm = ("{ .reg .b16 q; .reg .b32 h; .reg .f16 lo, hi;\n"
-           " cvt.rn.satfinite.e4m3x2.f32 q, $1, $1;\n"
-           " cvt.rn.f16x2.e4m3x2 h, q;\n"
-           " mov.b32 {lo, hi}, h;\n"
-           " cvt.f32.f16 $0, lo; }")
-    return cutlass.Float32(llvm.inline_asm(T.f32(), [arg], asm, "=f,f", has_side_effects=False,
-                                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+def _rn(op: str):
+    @dsl_user_op
+    def f(a, b, *, loc=None, ip=None) -> cutlass.Float32:
+        args = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b)]
+        return cutlass.Float32(
+            llvm.inline_asm(T.f32(), args, f"{op}.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        )
+
+    return f
+
+
+_add_rn = _rn("add")
+_sub_rn = _rn("sub")
 
 
 @cute.jit
@@ -80,7 +88,12 @@ def _scales(amax_bits: cutlass.Int32):
 
 @cute.jit
 def _quantize(x: cutlass.Float32, down: cutlass.Float32, up: cutlass.Float32) -> cutlass.Float32:
-    return _e4m3_round(x * down) * up
+    bits = x.bitcast(cutlass.Int32)
+    s = (bits & MAG_MASK).bitcast(cutlass.Float32) * down
+    c = cutlass.max((s.bitcast(cutlass.Int32) & EXP_MASK), cutlass.Int32(C_MIN)) + C_ADD
+    cf = c.bitcast(cutlass.Float32)
+    r = _sub_rn(_add_rn(s, cf), cf)
+    return (r.bitcast(cutlass.Int32) | (bits & SIGN_BIT)).bitcast(cutlass.Float32) * up
 
 
 class MxQuant:
