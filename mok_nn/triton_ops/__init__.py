@@ -6,13 +6,15 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
   fake_quantize       mxfp8.fake_quantize_fast's values, the same bits. The tensor is seen as [outer, L, inner],
                       blocks of 32 along L; a program takes 64 blocks, consecutive along inner (or along L where
                       inner is 1): coalesced loads either way. A tile whose blocks all have a scale exponent
-                      e >= -116 (real data) takes fp32 arithmetic, exact there; a tile holding a block of tiny
-                      nonzero values takes integer bit operations wherever a value may be subnormal.
+                      e >= -116 (real data) takes fp32 arithmetic, exact there, its rounding to E4M3 by the GPU's
+                      conversion where there is one (hw_e4m3); a tile holding a block of tiny nonzero values takes
+                      integer bit operations wherever a value may be subnormal.
   dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
                       the E4M3 bits and the scale combined into fp32 bits by integer operations, rounded once:
                       the same bits, one read of the bytes and one write (the torch ops: about six passes).
   requantize_rows     fake_quantize along the rows of dequantize's values, from the MXFP8 bytes in one pass (the
-                      column-wise MXFP8 weights of the backward with MXFP8-only experts and precision="mxfp8")
+                      column-wise MXFP8 weights of the backward with MXFP8-only experts and precision="mxfp8");
+                      with hw_e4m3 the dequantisation and the rounding both by the conversion
   activation_forward  h = act(gate, up) for gate_up [n, 2I]
   mlp_backward_rows   one row per program: dw = sum_i dh'_i h_i (the top-k weight's gradient), w h (d W2's
                       operand, optional) and d gate_up = act'(gate, up) applied to w dh'
