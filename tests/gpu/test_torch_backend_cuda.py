@@ -357,7 +357,7 @@ def test_requantize_rows_compiled_is_the_two_steps(dtype, monkeypatch):
     from mok_nn import triton_ops
     from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize, quantize
 
-    def fake_quantize_fast(t, axis):  # the oracle: the CPU's torch ops
+    def on_cpu(t, axis):  # the oracle: fake_quantize's torch ops on the CPU
         return fake_quantize(t.cpu(), axis).to(t.device)
 
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -366,13 +366,13 @@ def test_requantize_rows_compiled_is_the_two_steps(dtype, monkeypatch):
     scale[1] = torch.randint(0, 256, (1536, 64), dtype=torch.uint8, device="cuda", generator=g)
     scale[2, :64] = torch.randint(0, 5, (64, 64), dtype=torch.uint8, device="cuda", generator=g)
     e4m3 = data.view(torch.float8_e4m3fn)
-    want = fake_quantize_fast(dequantize(MXFP8Tensor(e4m3, scale, 2), dtype), -2)
+    want = on_cpu(dequantize(MXFP8Tensor(e4m3, scale, 2), dtype), -2)
     assert _same_bits(triton_ops.requantize_rows(e4m3, scale, dtype), want)
     # weights quantised from Gaussian values: most tiles keep their values (the kernel's common path), a few round
     w = torch.randn(4, 1536, 2048, device="cuda", generator=g)
     w[0, 100, 7] = w[0, 96:128, 7].abs().max() * 2.0**-16
     q = quantize(w.bfloat16(), axis=-1)
-    want = fake_quantize_fast(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
+    want = on_cpu(dequantize(MXFP8Tensor(q.data, q.scale, 2), dtype), -2)
     for form in (triton_ops.REQUANTIZE_FORM, (128, 4)):
         monkeypatch.setattr(triton_ops, "REQUANTIZE_FORM", form)
         assert _same_bits(triton_ops.requantize_rows(q.data, q.scale, dtype), want), form
