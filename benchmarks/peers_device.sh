@@ -19,12 +19,15 @@
 #      a second call need not time mok_nn again), PEER_TIMEOUT (seconds per peer process, default 240: the
 #      shapes done by then are kept), LIMIT (seconds for the whole step, default 560), PEER_BUDGET (seconds for all
 #      the peers' processes, default LIMIT - 150: mok_nn's rows run after them), COMMIT, OUT (/tmp/mok_out),
-#      TAG (file-name suffix), SET (primary|fallback), PEER_SITE (/tmp/site/site-packages), STAGE.
+#      TAG (file-name suffix), SET (primary|fallback), PEER_SITE (/tmp/site/site-packages), STAGE,
+#      TRITON_CACHE_AUTOTUNING (default 1: Triton keeps each finished autotune on disk, in its cache under the home
+#      directory, so a peer process killed at PEER_TIMEOUT loses only the unfinished one and a later call on the
+#      same warm machine goes on from there; the configurations chosen are the same).
 set -u
 ROOT=$PWD
 export PYTHONPATH=$ROOT MOK_KERNEL_CACHE=${MOK_KERNEL_CACHE:-$ROOT/build/kernels} PYTHONUNBUFFERED=1
 export PEER_SITE=${PEER_SITE:-/tmp/site/site-packages} QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
-export PEER_TIMEOUT=${PEER_TIMEOUT:-240}
+export PEER_TIMEOUT=${PEER_TIMEOUT:-240} TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 SET=${SET:-primary} STAGE=${STAGE:-/tmp/mok_peer_wheels_${SET:-primary}}
 PEERS=${PEERS:-sonicmoe,liger,hf} SHAPES=${SHAPES:-qwen3-30b-a3b,deepseek-v3} TOKENS=${TOKENS:-8192}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)} TAG=${TAG:-}
