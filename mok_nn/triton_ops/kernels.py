@@ -145,8 +145,9 @@ def _mx_round_fast(mag_bits, e):
 def _mx_round_hw(bits, e):
     # x's bits (signed) -> the bits of its MXFP8 value at the block scale 2**e, for e >= MX_FAST_MIN_E as
     # _mx_round_fast, with the rounding to E4M3's grid done by the hardware conversion (cvt.rn.satfinite.e4m3x2:
-    # ties to even, subnormals kept; |s| <= 448 under the rceil scale, so nothing saturates) and back (exact), about
-    # half the instructions. The sign rides through (a value rounding to zero keeps it, as the | sign does).
+    # ties to even, subnormals kept; |s| <= 448 under the rceil scale, so nothing saturates) and back (exact): the
+    # float branch takes about 8 SASS instructions an element against 12. The sign rides through (a value rounding
+    # to zero keeps it, as the | sign does).
     s = bits.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
     q = s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     return (q * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
