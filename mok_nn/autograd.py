@@ -116,9 +116,12 @@ def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, 
     computed from the stored data (triton_ops.requantize_rows in one pass, else a few experts at a time by
     functional.weight_values_along_n) and marked as such:
     no whole copy of W_q is held beside them, which halves the weights' transient memory (45 -> 22.5 GB at
-    deepseek-v3). Otherwise what expert_weights gives."""
+    deepseek-v3). On the fused path (cuda_mx.column_reason None) not even those: cuda_mx.MxColumnWeight views of
+    the stored tensors, which the dgrad kernels read as they are stored. Otherwise what expert_weights gives."""
     if gate_up_scale is None or workspace.precision != "mxfp8" or dtype not in (torch.bfloat16, torch.float32):
         return expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, dtype)
+    if cuda_mx.column_reason(workspace, gate_up_proj, gate_up_scale, down_proj, down_scale, dtype) is None:
+        return cuda_mx.MxColumnWeight(gate_up_proj, gate_up_scale), cuda_mx.MxColumnWeight(down_proj, down_scale)
     weights = []
     for data, scale in ((gate_up_proj, gate_up_scale), (down_proj, down_scale)):
         if _requantizes_in_one_pass(data, scale, dtype, workspace):

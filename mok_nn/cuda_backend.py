@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cuda_mx
-from .cuda_mx import MxWeight
+from .cuda_mx import MxColumnWeight, MxWeight
 from .envvars import getenv
 from .mxfp8 import fake_quantize_fast, weight_values
 from .router import expert_counts
@@ -394,7 +394,17 @@ def row_copy_grid(num_rows: int, sms: int, ctas_per_sm: int) -> int:
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w: bool, out_dtype=torch.bfloat16):
     """rows r: a[r] @ W[e(r)]^T (transpose_w=False, W [E, N, K]) or a[r] @ W[e(r)] (True, W [E, K, N]).
     W may be an MxWeight (transpose_w=False): where cuda_mx.reads_mx, mok_gemm_bk_mx reads it as MXFP8, checked
-    on first use against the bf16 kernel on W_q (cuda_mx.verified); else it is dequantised for the bf16 kernel."""
+    on first use against the bf16 kernel on W_q (cuda_mx.verified); else it is dequantised for the bf16 kernel.
+    W may be an MxColumnWeight (transpose_w=True, the backward's dgrad): mok_gemm_bn_mxq[_f32] reads it, checked on
+    first use against the bf16 kernel on its values; under MOK_GEMM=torch its values are made first."""
+    if isinstance(w, MxColumnWeight):
+        if not transpose_w:
+            raise ValueError("an MxColumnWeight is read along N (the backward's dgrad GEMMs), transposed")
+        if not _use_torch_gemm():
+            name = "mok_gemm_bn_mxq" + ("_f32" if out_dtype == torch.float32 else "")
+            return cuda_mx.verified(name, sched, lambda: gemm_mx_cols(a, w, sched, name, out_dtype),
+                                    lambda: grouped_gemm(a, w.values(), sched, True, out_dtype))
+        w = w.values()
     if isinstance(w, MxWeight):
         if transpose_w:
             raise ValueError("an MxWeight is read along K (the forward's GEMMs), not transposed")
@@ -413,6 +423,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     else:  # B[n, k, e] = W[e, n, k]: K-major
         b = w.permute(1, 2, 0)
     launch_gemm(gemm_kernel(transpose_w, out_dtype, k=a.shape[1]), a, b, out, sched)
+    return out
+
+
+def gemm_mx_cols(a: torch.Tensor, w: MxColumnWeight, sched: Schedule, name: str, out_dtype) -> torch.Tensor:
+    """mok_gemm_bn_mxq[_f32] (name), unchecked: [M, N] out_dtype, row r a[r] @ V[e(r)] with V W_q's MXFP8 values
+    along K (w.values()); rows past the last segment unwritten."""
+    out = torch.empty(a.shape[0], w.shape[2], dtype=out_dtype, device=a.device)
+    launch_gemm(name, a, w.kernel_operands(), out, sched)
     return out
 
 
@@ -762,7 +780,8 @@ def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activat
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
     runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
     gate_up (the same bits)."""
-    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]):
+    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]) and not isinstance(down_proj,
+                                                                                                MxColumnWeight):
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)
@@ -806,6 +825,10 @@ class GemmOperands:
         if isinstance(w, MxWeight):
             if axis not in (-1, 2):
                 raise ValueError("an MxWeight is read along K (the forward's GEMMs)")
+            return w
+        if isinstance(w, MxColumnWeight):
+            if axis not in (-2, 1) or not self.mxfp8:
+                raise ValueError("an MxColumnWeight stands for the values along N of precision='mxfp8'")
             return w
         return weight_values(w, axis, mx_weight) if self.mxfp8 else w
 

@@ -4,8 +4,10 @@ Where forward_reason() is None, autograd.expert_weights gives the CUDA backend a
 weight instead of W_q = dequantize(stored) in bf16. Its forward GEMMs (mok_gemm_gate_up_<act>_mx: gate/up with
 the activation epilogue, where the bf16 path fuses it; mok_gemm_bk_mx: the plain GEMM) then read the E4M3 bytes
 and E8M0 scales and make each B tile bf16 in shared memory (kernels/mx_operand.py): no dequantised copy of the
-weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The backward takes
-W_q as before (autograd.backward_expert_weights).
+weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. With
+precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs likewise read them (MxColumnWeight:
+mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in shared memory); elsewhere the backward takes the values
+autograd.backward_expert_weights makes.
 
 Each of the two kernels is checked on its first use in a process (per device) against dequantize + the bf16
 kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
@@ -55,6 +57,64 @@ class MxWeight(MXFP8Tensor):
         of K blocks 2j (low byte) and 2j + 1 of each row), as the _mx kernels take them. The pairs are
         arranged once per scale tensor while it is unchanged."""
         return self.data.view(torch.uint8).permute(1, 2, 0), scale_pairs(self.scale)
+
+
+@dataclass(frozen=True, eq=False)
+class MxColumnWeight(MXFP8Tensor):
+    """An MXFP8-only expert weight [E, R, C] (blocks of 32 along C) standing, in the backward's dgrad GEMMs of
+    precision="mxfp8" (B = W[e], K = R, N = C), for W_q's MXFP8 values along R (mxfp8.fake_quantize_fast of W_q
+    along dim 1), which mok_gemm_bn_mxq[_f32] make from the stored bytes in shared memory."""
+
+    axis: int = 2
+    dtype = torch.bfloat16  # the values it stands for
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def values(self) -> torch.Tensor:
+        """W_q's MXFP8 values along R in bf16 (a new tensor): what the kernels compute, made in global memory."""
+        from . import mxfp8, triton_ops
+        if triton_ops.requantize_runs_on(self.data, torch.bfloat16):
+            return triton_ops.requantize_rows(self.data, self.scale, torch.bfloat16)
+        return mxfp8.fake_quantize_fast(dequantize(self, torch.bfloat16), axis=1)
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b (C, R, E) uint8 N-major: the E4M3 bytes, factors (R, C / 32, E) uint16 with R fastest: the bf16
+        bits of 2**(S - 7) for each scale byte S), as mok_gemm_bn_mxq takes them. The factors (2 bytes per 32
+        values) are made for each call and not kept, so that the weights' resident memory stays the MXFP8 storage."""
+        factors = ((self.scale.to(torch.int16) + ROW_FACTOR_BIAS) << 7).transpose(1, 2).contiguous()
+        return self.data.view(torch.uint8).permute(2, 1, 0), factors.view(torch.uint16).permute(2, 1, 0)
+
+
+# mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
+# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB)
+ROW_FACTOR_BIAS = 120
+COLUMN_MAX_SCALE = 134
+_LARGEST = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, largest byte)
+
+
+def largest_scale(scale: torch.Tensor) -> int:
+    """The largest scale byte, kept while the tensor is unchanged (mxfp8.weight_state)."""
+    state = weight_state(scale)
+    hit = _LARGEST.get(scale)
+    if state is not None and hit is not None and hit[0] == state:
+        return hit[1]
+    found = int(scale.max())
+    if state is not None:
+        _LARGEST[scale] = (state, found)
+    return found
+
+
+def column_reason(workspace, data13, scale13, data2, scale2, dtype) -> str | None:
+    """None where the backward's dgrad GEMMs of precision="mxfp8" read these MXFP8-only weights as MXFP8
+    (MxColumnWeight), else why not: the forward's conditions (forward_reason), and scale bytes in the range whose
+    row factors are bf16 numbers: at most COLUMN_MAX_SCALE (values up to 448 * 2**7), which excludes NaN blocks."""
+    why = forward_reason(workspace, data13, scale13, data2, scale2, dtype)
+    if why is not None:
+        return why
+    if max(largest_scale(scale13), largest_scale(scale2)) > COLUMN_MAX_SCALE:
+        return f"scale bytes above {COLUMN_MAX_SCALE} (values beyond 448 * 2**7, or NaN blocks)"
+    return None
 
 
 def scale_pairs(scale: torch.Tensor) -> torch.Tensor:

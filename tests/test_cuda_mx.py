@@ -142,7 +142,7 @@ def test_inference_tensors_are_read_without_a_cache():
 
 
 def test_launches_fit_the_kernels_specs(monkeypatch):
-    """The host side of both MX kernels on a CPU stub library: each launch's arguments checked against the
+    """The host side of the MX kernels on a CPU stub library: each launch's arguments checked against the
     registry spec as the real library checks them (count, dtypes, ranks, strides, divisibility), and the bf16
     W13 still goes to its own kernel through the shared launcher."""
     from mok_nn import cuda_backend as cb
@@ -171,6 +171,15 @@ def test_launches_fit_the_kernels_specs(monkeypatch):
                         "mok_gemm_bk_mx"]
     with pytest.raises(ValueError, match="along K"):
         cb.grouped_gemm(a, w13, sched, transpose_w=True)
+    # the backward's dgrad kernels on the same weights (d x: K = 2I, N = H; d h: K = H, N = I, fp32)
+    c13, c2 = cuda_mx.MxColumnWeight(w13.data, w13.scale), cuda_mx.MxColumnWeight(w2.data, w2.scale)
+    launched.clear()
+    dgu = torch.zeros(sched.capacity, 2 * I, dtype=torch.bfloat16)
+    assert cb.gemm_mx_cols(dgu, c13, sched, "mok_gemm_bn_mxq", torch.bfloat16).shape == (sched.capacity, H)
+    assert cb.gemm_mx_cols(a, c2, sched, "mok_gemm_bn_mxq_f32", torch.float32).dtype == torch.float32
+    assert launched == ["mok_gemm_bn_mxq", "mok_gemm_bn_mxq_f32"]
+    with pytest.raises(ValueError, match="transposed"):
+        cb.grouped_gemm(a, c2, sched, transpose_w=False)
 
 
 def test_many_rows_per_expert_take_the_dequantised_weights(monkeypatch, fresh_verdicts):
@@ -205,3 +214,37 @@ def test_many_rows_per_expert_take_the_dequantised_weights(monkeypatch, fresh_ve
         cb.grouped_gemm(a, w13, sched, transpose_w=False)
         cb.gate_up_act(a, w13, sched, "swiglu", None)
         assert launched == want, tokens
+
+
+def test_column_weight_operands_and_values():
+    """MxColumnWeight: the E4M3 bytes as (C, R, E) N-major with no copy, the row factors (R, C / 32, E), R fastest,
+    as bf16 2**(S - 7) for each scale byte S, and its values: W_q's MXFP8 values along R (fake_quantize_fast of
+    the dequantised weights along dim 1, an independent path)."""
+    from mok_nn.mxfp8 import fake_quantize_fast
+
+    g = torch.Generator().manual_seed(5)
+    rows_scaled = torch.randn(3, 64, 96, generator=g) * 2.0 ** -torch.randint(0, 9, (3, 64, 1), generator=g).float()
+    q = quantize(rows_scaled.to(torch.bfloat16), axis=-1)  # rows of unlike scales: some values round along R
+    w = cuda_mx.MxColumnWeight(q.data, q.scale)
+    E, R, C = w.shape
+    b, factors = w.kernel_operands()
+    assert b.shape == (C, R, E) and b.stride() == (1, C, R * C) and b.dtype == torch.uint8
+    assert b.data_ptr() == w.data.data_ptr()
+    assert factors.shape == (R, C // 32, E) and factors.stride() == (1, R, R * C // 32)
+    assert factors.dtype == torch.uint16
+    f = factors.view(torch.int16).permute(2, 0, 1).view(torch.bfloat16).float()  # [E, R, C / 32]
+    assert torch.equal(f, 2.0 ** (w.scale.float() - 7))
+    w_q = dequantize(MXFP8Tensor(w.data, w.scale, 2), torch.bfloat16)
+    assert torch.equal(w.values(), fake_quantize_fast(w_q, axis=1))
+    assert not torch.equal(w.values(), w_q)  # a second quantisation: some values change
+
+
+def test_column_reason():
+    """The dgrad kernels take MXFP8-only weights where the forward's GEMMs do and every scale byte is at most
+    COLUMN_MAX_SCALE (kept per scale tensor while unchanged)."""
+    w13, w2 = _weight(N=64, K=128), _weight(N=128, K=32)
+    torch_ws = types.SimpleNamespace(backend="torch", ep_size=1)
+    assert "EP = 1" in cuda_mx.column_reason(torch_ws, w13.data, w13.scale, w2.data, w2.scale, torch.bfloat16)
+    assert cuda_mx.largest_scale(w13.scale) == int(w13.scale.max()) <= cuda_mx.COLUMN_MAX_SCALE
+    w13.scale[0, 0, 0] = cuda_mx.COLUMN_MAX_SCALE + 1
+    assert cuda_mx.largest_scale(w13.scale) == cuda_mx.COLUMN_MAX_SCALE + 1  # the version changed: read again

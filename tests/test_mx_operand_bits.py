@@ -88,3 +88,57 @@ def test_selectors_put_each_byte_into_its_lane():
     words = torch.tensor([0xBC2A9908], dtype=torch.int64)
     assert int(prmt(words, 0, mx_operand.LOW_SELECTOR)) == (0xFF99 << 16) | 0x0008
     assert int(prmt(words, 0, mx_operand.HIGH_SELECTOR)) == (0xFFBC << 16) | 0x002A
+
+
+def requant_columns(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MxRequantB's steps for E4M3 data [R, 32] (one 32-column scale block, scale [R] bytes): [R, 32] bf16, the
+    values along R in blocks of 32 rows (a thread's column, two 32-row blocks per 64-row stage)."""
+    rows = data.shape[0]
+    bytes_ = data.view(torch.uint8).to(torch.int64)  # [R, 32]
+    # v = r * f_k: r from each byte (a lane of the PRMT / shift / mask), f_k = 2**(S_k - 7) as bf16 bits
+    lane = (((bytes_ >> 7) * 0xFF) << 8) | bytes_  # the byte under its sign byte
+    r = bf16_lanes(((lane << 4) & 0xFFFF) & (mx_operand.LANE_BITS & 0xFFFF))[..., 0]
+    f = factor((scale.to(torch.int64) + 120) << 7).unsqueeze(1)
+    v = (r * f).view(rows // 32, 32, 32)  # [row blocks, rows, columns]
+    # e = rceil(max |v|) from the bf16 bits, clamped below at -127
+    a16 = v.abs().amax(dim=1).view(torch.int16).to(torch.int64) & 0xFFFF  # [row blocks, columns]
+    e = ((a16 >> 7) - 135 + ((a16 & 0x7F) > 0x60).to(torch.int64)).clamp(min=-127)
+    down = factor((127 - e) << 7).unsqueeze(1)
+    up = factor((e + 247) << 7).unsqueeze(1)
+    q = (v * down).float().to(torch.float8_e4m3fn)  # cvt.rn.satfinite.e4m3x2.f32 (|v * 2**-e| <= 448)
+    qb = q.view(torch.uint8).to(torch.int64)
+    rq = bf16_lanes(((((((qb >> 7) * 0xFF) << 8) | qb) << 4) & 0xFFFF) & (mx_operand.LANE_BITS & 0xFFFF))[..., 0]
+    return (rq * up).view(rows, 32)
+
+
+def test_requantised_columns_are_fake_quantize_along_rows_of_w_q():
+    """MxRequantB (the backward's dgrad on MXFP8-only weights) gives mxfp8.fake_quantize_fast along the rows of
+    W_q = dequantize(stored), bit for bit, for scale bytes up to 134 (what cuda_mx.column_reason admits): rows
+    whose scales differ by up to 12 (small values of the lower rows fall into E4M3's subnormals at the column
+    block's scale and round), runs of byte values, all-zero columns, the extreme scales (bf16 subnormal W_q)."""
+    from mok_nn import cuda_mx
+    from mok_nn.mxfp8 import fake_quantize_fast
+
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for base in (0, 60, 127, cuda_mx.COLUMN_MAX_SCALE - 12):
+        for spread in (0, 1, 3, 12):
+            rows = 64 * 4
+            data = torch.randint(0, 256, (rows, 32), generator=g, dtype=torch.int64)
+            data[(data & 0x7F) == 0x7F] = 0x7E  # no NaN bytes (cuda_mx.nan_free)
+            data[:32, 0] = 0  # an all-zero column block
+            data[32:64, 1] = torch.arange(32) + 95  # runs of consecutive byte values (no NaN byte 0x7F)
+            data[64:96, 2] = torch.arange(32)
+            data[96:128, 3] = torch.arange(32) + 128
+            s = base + torch.randint(0, spread + 1, (rows,), generator=g)
+            s = s.clamp(max=cuda_mx.COLUMN_MAX_SCALE)
+            blocks.append((data.to(torch.uint8), s.to(torch.uint8)))
+    rounded = 0
+    for data, s in blocks:
+        stored = MXFP8Tensor(data.view(torch.float8_e4m3fn), s.view(-1, 1).contiguous(), 1)
+        w_q = dequantize(stored, torch.bfloat16)
+        want = fake_quantize_fast(w_q, axis=0)
+        got = requant_columns(data.view(torch.float8_e4m3fn), s)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        rounded += int((want.view(torch.int16) != w_q.view(torch.int16)).sum())
+    assert rounded > 0  # the case that needs rounding is exercised

@@ -79,7 +79,7 @@ from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
     step_over, store_sync, store_tile_full, store_tile_split,
 )
-from .mx_operand import MxOperandB
+from .mx_operand import MxOperandB, MxRequantB
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -98,7 +98,7 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         dact: str | None = None, pingpong: bool = False, cluster_n: int = 1, push: bool = False,
-        b_mx: bool = False,
+        b_mx: bool = False, b_mx_cols: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -123,7 +123,11 @@ class VarlenMGroupedGemm:
         # pairs), made bf16 in each stage's B buffer by the consumer threads, one B row each (mx_operand.py):
         # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
         assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
+        # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
+        # factors, made W_q's MXFP8 values along K by the consumer threads, one B column each (MxRequantB)
+        assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain cooperative kernel"
         self.b_mx = b_mx
+        self.b_mx_cols = b_mx_cols
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
         # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
         # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
@@ -159,8 +163,8 @@ class VarlenMGroupedGemm:
     def _stages(self, ab_dtype, c_dtype) -> int:
         bm, bn, bk = self.tile_mnk
         ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
-        if self.b_mx:
-            ab_bytes += bn * 2  # the stage's scale pairs (its E4M3 bytes live in its bf16 B buffer)
+        if self.b_mx:  # the stage's scale pairs or row factors (its E4M3 bytes live in its bf16 B buffer)
+            ab_bytes += bk * (bn // 32) * 2 if self.b_mx_cols else bn * 2
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_buffers
         return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
 
@@ -205,7 +209,12 @@ class VarlenMGroupedGemm:
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
-        if cutlass.const_expr(self.b_mx):
+        if cutlass.const_expr(self.b_mx_cols):
+            if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.COL_MAJOR
+                                  or self.ab_dtype != cutlass.BFloat16):
+                raise TypeError("b_mx_cols: bf16 A and B as E4M3 bytes (uint8), N-major")
+            self.b_layout = utils.LayoutEnum.ROW_MAJOR  # the bf16 stages the consumers write: K-major
+        elif cutlass.const_expr(self.b_mx):
             if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.ROW_MAJOR
                                   or self.ab_dtype != cutlass.BFloat16):
                 raise TypeError("b_mx: bf16 A and B as E4M3 bytes (uint8), K-major")
@@ -254,20 +263,23 @@ class VarlenMGroupedGemm:
         # b_mx: B's bytes arrive as two (bn/2, bk) boxes into the upper half of each stage's bf16 buffer (the
         # byte layout's pieces 4s + 2, 4s + 3, mx_operand.py), its scale pairs as two (bn/2, 1) boxes.
         s_smem = cute.make_layout((bn // 2, 1, 2 * self.ab_stages), stride=(1, bn // 2, bn // 2))
+        b_box, s_box = (bn // 2, bk) if cutlass.const_expr(self.act is not None or self.b_mx) else (bn, bk), (bn // 2, 1)
         if cutlass.const_expr(self.b_mx):
             b_tma_smem = sm90_utils.make_smem_layout_b(self.b_layout, (bm, bn // 2, bk), cutlass.Uint8,
                                                        4 * self.ab_stages)
+        if cutlass.const_expr(self.b_mx_cols):
+            # one (bn, bk) box of bytes, N-major and unswizzled, into the upper half of each stage's bf16 buffer
+            # (piece 2s + 1 of the byte view); the row factors as one (bk, bn / 32) box, K fastest
+            b_tma_smem = cute.make_layout((bn, bk, 2 * self.ab_stages), stride=(1, bn, bn * bk))
+            s_smem = cute.make_layout((bk, bn // 32, self.ab_stages), stride=(1, bk, bk * (bn // 32)))
+            b_box, s_box = (bn, bk), (bk, bn // 32)
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mB,
-            cute.slice_(b_tma_smem, (None, None, 0)),
-            (bn // 2, bk) if cutlass.const_expr(self.act is not None or self.b_mx) else (bn, bk),
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_tma_smem, (None, None, 0)), b_box,
         )
         tma_s, tma_mS = tma_b, tma_mB  # (kernel arguments cannot be None)
         if cutlass.const_expr(self.b_mx):
             tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)),
-                (bn // 2, 1),
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), s_box,
             )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -688,7 +700,7 @@ class VarlenMGroupedGemm:
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
-        b_tma_smem: cute.ComposedLayout,
+        b_tma_smem: cute.ComposedLayout | cute.Layout,  # plain (unswizzled) for b_mx_cols
         c_smem: cute.ComposedLayout,
         sched_params: utils.PersistentTileSchedulerParams,
         tiles_m: cutlass.Int32,
@@ -719,7 +731,10 @@ class VarlenMGroupedGemm:
         storage = smem.allocate(self.shared_storage)
 
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
-        if cutlass.const_expr(self.b_mx):  # + two boxes of B's bytes, two of its scale pairs
+        if cutlass.const_expr(self.b_mx_cols):  # + one box of B's bytes, one of its row factors
+            tx_bytes += (cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
+                         + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
+        elif cutlass.const_expr(self.b_mx):  # + two boxes of B's bytes, two of its scale pairs
             tx_bytes += 2 * (cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
                              + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
         else:
@@ -767,7 +782,19 @@ class VarlenMGroupedGemm:
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
-        if cutlass.const_expr(self.b_mx):
+        if cutlass.const_expr(self.b_mx_cols):
+            # B's bytes: piece 2s + 1 of the byte view is stage s's; its row factors: stage s
+            sB8 = storage.sB.get_tensor(b_tma_smem, dtype=cutlass.Uint8)
+            gB8 = cute.local_tile(mB, (self.tile_mnk[1], self.tile_mnk[2]), (None, None, None))
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB8, 0, 2), cute.group_modes(gB8, 0, 2)
+            )
+            sS = storage.sS.get_tensor(s_smem)
+            gS = cute.local_tile(mS, (self.tile_mnk[2], self.tile_mnk[1] // 32), (None, None, None))
+            tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
+                tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2)
+            )
+        elif cutlass.const_expr(self.b_mx):
             # B's bytes: piece 4s + 2 + h of the byte view is half h of stage s; gmem tiles of bn/2 rows
             # (gate n, up n + I/(bn/2) with act; rows 2n, 2n + 1 without); the scale pairs likewise, 2s + h.
             sB8 = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner, dtype=cutlass.Uint8)
@@ -841,7 +868,12 @@ class VarlenMGroupedGemm:
                                           mcast_mask=a_mask)
                             else:
                                 cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            if cutlass.const_expr(self.b_mx):
+                            if cutlass.const_expr(self.b_mx_cols):
+                                cute.copy(tma_b, tBgB[(None, n_tile, k, expert)], tBsB[(None, 2 * state.index + 1)],
+                                          tma_bar_ptr=bar)
+                                cute.copy(tma_s, tSgS[(None, k, n_tile, expert)], tSsS[(None, state.index)],
+                                          tma_bar_ptr=bar)
+                            elif cutlass.const_expr(self.b_mx):
                                 for h in cutlass.range_constexpr(2):
                                     cute.copy(tma_b, tBgB[(None, halves[h], k, expert)],
                                               tBsB[(None, 4 * state.index + 2 + h)], tma_bar_ptr=bar)
@@ -876,7 +908,9 @@ class VarlenMGroupedGemm:
             first_row = 0 if self.pingpong else wg * (TILE_M // self.num_consumer_wg)  # of this warp group's rows
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
             mx_b = None
-            if cutlass.const_expr(self.b_mx):
+            if cutlass.const_expr(self.b_mx_cols):
+                mx_b = MxRequantB(sB, sB8, sS, ctid, self.num_consumer_threads)
+            elif cutlass.const_expr(self.b_mx):
                 mx_b = MxOperandB(sB, sB8, sS, ctid, self.tile_mnk[1] // 2, self.num_consumer_threads)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
@@ -1181,3 +1215,28 @@ class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
         stream: cuda.CUstream,
     ):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, b_scale=b_scale)
+
+
+class VarlenMGroupedGemmMxCols(VarlenMGroupedGemm):
+    """The backward's dgrad GEMM on MXFP8-only weights with precision="mxfp8": C = A @ B, B the MXFP8 values
+    along K of W_q = dequantize(stored) (stored in blocks along N), made from the stored bytes in shared memory
+    (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0."""
+
+    def __init__(self, tile_n: int = 256):
+        super().__init__(tile_n=tile_n, b_mx=True, b_mx_cols=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major bf16
+        mB: cute.Tensor,  # (N, K, E) N-major u8: E4M3 bytes in blocks of 32 along N
+        b_factors: cute.Tensor,  # (K, N / 32, E) u16, K fastest: bf16 bits of 2**(S - 7) per scale byte S
+        mC: cute.Tensor,  # (M, N, 1) N-major, bf16 or fp32
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     b_scale=b_factors)

@@ -124,3 +124,99 @@ class MxOperandB:
             cute.autovec_copy(out_v[(None, q)], dst[(None, q)])
         cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
         self.barrier.arrive_and_wait()
+
+
+# --------------------------------------------------------------------------
+# The backward's B: MXFP8 weights requantised along K (the grouped GEMM's b_mx_cols)
+#
+# The dgrad GEMMs (d h = d y @ W2, d x = d gate_up @ W13) take B = W[e] with K along the stored rows and N along
+# the stored blocks' axis, and precision="mxfp8" wants W_q's MXFP8 values along K (column-wise, docs/mxfp8.md):
+# a second quantisation of W_q. Each stage's bytes arrive N-major (one (bn, 64) box, K rows of bn bytes) with a
+# table of row factors; consumer thread t owns column t (one N), i.e. 64 K values = two K blocks of 32, so the
+# column-wise block maxima need no exchange between threads. Per K block, per thread:
+#
+#     v = r * f_k                     W_q in bf16 (the exact value rounded once, as dequantize does): r = the
+#                                     byte's bits as bf16 (b * 2**-120, as above), f_k = 2**(S_k - 7) for the
+#                                     row's scale byte S_k (S_k <= 134: f_k a normal bf16)
+#     e = rceil(max |v|)              quantize's rule on the bf16 bits of the column block's maximum
+#     q = e4m3(v * 2**-e)             cvt.rn.satfinite.e4m3x2.f32: round to nearest even (|v * 2**-e| <= 448)
+#     out = r(q) * 2**(e + 120)       the E4M3 value back in bf16 as above, exact
+#
+# which is fake_quantize's value along K of W_q, bit for bit (tests/gpu/test_mx_gemm_cuda.py against
+# triton_ops.requantize_rows; the recipe on the CPU: tests/test_mx_operand_bits.py). S_k <= 134 also bounds
+# e <= 7, so 2**(e + 120) is a bf16 number: the caller (cuda_mx.column_reason) takes this path only for such
+# weights, without NaN bytes or blocks.
+
+
+
+_ABS_MAX = "{ .reg .b32 a; and.b32 a, $2, 0x7FFF7FFF; max.bf16x2 $0, $1, a; }"  # max(acc, |v|), both halves
+# q = e4m3(v * 2**-e) for a bf16x2 word v ($1, times $2 = 2**-e twice), then back to bf16 times $3 = 2**(e + 120)
+_REQUANT_PAIR = (
+    "{ .reg .b32 t, lo, hi, r; .reg .b16 q;"
+    " mul.rn.bf16x2 t, $1, $2; shl.b32 lo, t, 16; and.b32 hi, t, 0xFFFF0000;"
+    " cvt.rn.satfinite.e4m3x2.f32 q, hi, lo; cvt.u32.u16 r, q;"
+    f" prmt.b32 r, r, 0, {LOW_SELECTOR:#x}; shl.b32 r, r, 4; and.b32 r, r, {LANE_BITS:#x};"
+    " mul.rn.bf16x2 $0, r, $3; }"
+)
+
+
+@cute.jit
+def _column_scale_factors(amax_pair: cutlass.Int32):
+    """(2**-e, 2**(e + 120)) as bf16x2 words for a column block whose max |v| is the larger half of amax_pair."""
+    lo = amax_pair & 0xFFFF
+    hi = (amax_pair >> 16) & 0xFFFF
+    a16 = cutlass.max(lo, hi)
+    e = (a16 >> 7) - 135
+    if (a16 & 0x7F) > 0x60:  # significand above 1.75: one more (rceil)
+        e = e + 1
+    e = cutlass.max(e, cutlass.Int32(-127))  # zero and tiny blocks
+    down = (127 - e) << 7
+    up = (e + 247) << 7
+    return down | (down << 16), up | (up << 16)
+
+
+class MxRequantB:
+    """Consumer side of the dgrad's MXFP8 B: to_bf16(stage) turns the stage's N-major E4M3 bytes into the bf16
+    K-major B tile of W_q's MXFP8 values along K (see above).
+
+    sB: the bf16 B buffers (bn, 64, stages), K-major as the wgmma reads them; sB8: the same memory as bytes,
+    (bn, 64, 2 stages) N-major: the bytes of stage s are piece 2 s + 1 (the upper half); sF: the row factors
+    (64, bn / 32, stages) u16, K fastest (f_k of the stage's 64 rows for each 32 columns); col: this thread's
+    column (0 .. bn - 1); threads: the consumer threads (one per column)."""
+
+    def __init__(self, sB, sB8, sF, col, threads: int):
+        self.sB, self.sB8, self.sF, self.col = sB, sB8, sF, col
+        self.barrier = pipeline.NamedBarrier(barrier_id=MX_BARRIER_ID, num_threads=threads)
+        self.raw = cute.make_rmem_tensor((BK,), cutlass.Uint8)
+        self.fac = cute.make_rmem_tensor((BK,), cutlass.Uint16)
+        self.out = cute.make_rmem_tensor((BK,), cutlass.BFloat16)
+
+    @cute.jit
+    def to_bf16(self, stage):
+        cute.autovec_copy(self.sB8[(self.col, None, 2 * stage + 1)], self.raw)  # the column: one byte per K row
+        src = cute.zipped_divide(self.sF[(None, self.col // 32, stage)], (8,))  # the same for the warp's 32 columns
+        fac_v = cute.zipped_divide(self.fac, (8,))
+        for q in cutlass.range_constexpr(BK // 8):
+            cute.autovec_copy(src[(None, q)], fac_v[(None, q)])
+        self.barrier.arrive_and_wait()  # every column is in registers: the bf16 rows may overwrite the bytes
+        words = cute.recast_tensor(self.raw, cutlass.Int32)  # BK / 4 words, K rows 4w .. 4w + 3
+        facs = cute.recast_tensor(self.fac, cutlass.Int32)  # BK / 2 words: f_k of rows 2p (low), 2p + 1
+        out = cute.recast_tensor(self.out, cutlass.Int32)  # BK / 2 words, rows 2p (low), 2p + 1
+        pairs = 32 // 2
+        for blk in cutlass.range_constexpr(2):
+            amax = cutlass.Int32(0)
+            for p in cutlass.range_constexpr(pairs):
+                i = blk * pairs + p
+                ptx = _LOW_PAIR if p % 2 == 0 else _HIGH_PAIR
+                out[i] = _asm_b32(ptx, words[i // 2], facs[i])
+                amax = _asm_b32(_ABS_MAX, amax, out[i])
+            down, up = _column_scale_factors(amax)
+            for p in cutlass.range_constexpr(pairs):
+                i = blk * pairs + p
+                out[i] = _asm_b32(_REQUANT_PAIR, out[i], down, up)
+        dst = cute.zipped_divide(self.sB[(self.col, None, stage)], (8,))
+        out_v = cute.zipped_divide(self.out, (8,))
+        for q in cutlass.range_constexpr(BK // 8):
+            cute.autovec_copy(out_v[(None, q)], dst[(None, q)])
+        cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
+        self.barrier.arrive_and_wait()

@@ -184,6 +184,16 @@ def _gemm_act_mx_spec(kind: str) -> KernelSpec:
                                factory_kwargs=(("act", kind),), args=(a, *_mx_b_args(256), *rest))
 
 
+def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
+    # the backward's dgrad (d rows @ B, B the MXFP8 values along K of W_q) from MXFP8-only weights: their E4M3 bytes
+    # (N, K, E) N-major and a table of row factors (K, N / 32, E) u16, K fastest (cuda_mx.column_operands)
+    base = _gemm_spec("mok_gemm_bn_mxq" + ("_f32" if c_dtype == "f32" else ""), "n", GEMM_TILE_N, c_dtype)
+    a, _, c, *rest = base.args
+    b = (TensorArg("b", "u8", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(32, 64, 1)),
+         TensorArg("b_factors", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(64, 1, 1)))
+    return dataclasses.replace(base, factory="VarlenMGroupedGemmMxCols", factory_kwargs=(), args=(a, *b, c, *rest))
+
+
 def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
     # dgrad of down with the activation backward in the epilogue: dy rows @ W2[e] -> d gate_up, w*h,
     # and per (column tile, row) partial top-k weight gradients. I % GEMM_TILE_N == 0.
@@ -517,6 +527,8 @@ SPECS = (
     _gemm_act_spec("swiglu", full_epi=True),
     _gemm_mx_spec(),
     _gemm_act_mx_spec("swiglu"),
+    _gemm_mx_cols_spec("bf16"),  # the backward's d x from MXFP8-only weights, precision="mxfp8"
+    _gemm_mx_cols_spec("f32"),  # its d h (the dgrad of down, fp32 out for dSwiGLU and d topk-weights)
     # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096)
     _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_dact_spec("swiglu_oai", pingpong=True, cluster_n=2),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mok_nn import MoKMoELayer, cuda_mx
-from mok_nn.mxfp8 import quantize
+from mok_nn.mxfp8 import dequantize, quantize
 
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_ok, reason="needs an sm_90 CUDA GPU")
@@ -152,3 +152,53 @@ def test_layer_forward_reads_mxfp8_weights_with_the_bits_of_w_q(precision, launc
         assert torch.equal(u, v), name
         assert torch.equal(u, w), name
     assert all(cuda_mx._VERDICTS.get((n, str(x.device))) for n in ("mok_gemm_bk_mx", "mok_gemm_gate_up_swiglu_mx"))
+
+
+def _mx_column_weight(E, R, C, g, extremes: bool) -> cuda_mx.MxColumnWeight:
+    """Random weights [E, R, C] quantised along C; with extremes (within cuda_mx.column_reason's scale range),
+    rows scaled by 2**-1 .. 2**-12 (their small values round at the column blocks' scales), all-zero blocks (scale
+    byte 0), a block at E4M3's top at the largest admitted scale and a tiny one (bf16 subnormal values)."""
+    w = torch.randn(E, R, C, device="cuda", generator=g) / C**0.5
+    if extremes:
+        w = w * 2.0 ** -torch.randint(0, 13, (E, R, 1), device="cuda", generator=g).float()
+        blocks = w.view(E, R, C // 32, 32)
+        blocks[0, :32, 0] = 0.0
+        blocks[0, 1, 0] = 448.0 * 2.0**7
+        blocks[-1, 2, -1] = blocks[-1, 2, -1] * 2.0**-120
+    q = quantize(w.to(torch.bfloat16), axis=-1)
+    assert int(q.scale.max()) <= cuda_mx.COLUMN_MAX_SCALE
+    if extremes:
+        assert int(q.scale.max()) == cuda_mx.COLUMN_MAX_SCALE and int(q.scale.min()) == 0
+    return cuda_mx.MxColumnWeight(q.data, q.scale)
+
+
+@pytest.mark.parametrize("extremes", [False, True], ids=["plain", "extremes"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_dgrad_mx_cols_is_the_bf16_kernel_on_values_along_k(case, extremes):
+    """mok_gemm_bn_mxq[_f32]: the backward's dgrad GEMMs on MXFP8-only weights with precision="mxfp8" give the
+    bf16 kernel's bits on W_q's MXFP8 values along K (triton_ops.requantize_rows), run after run; d x (K = 2I,
+    N = H) in bf16, d h (K = H, N = I) in fp32."""
+    from mok_nn import cuda_backend as cb
+
+    T, k, E, H, I, mode = case
+    g = torch.Generator(device="cuda").manual_seed(T + E + H + 1)
+    sched = cb.make_schedule(_routing(T, k, E, mode, g), E)
+    rows = _rows(sched)
+    m = sched.tile_expert.numel() * 128
+    for (r, c), out_dtype in (((2 * I, H), torch.bfloat16), ((H, I), torch.float32)):
+        w = _mx_column_weight(E, r, c, g, extremes)
+        a = torch.randn(m, r, device="cuda", generator=g).to(torch.bfloat16)
+        name = "mok_gemm_bn_mxq" + ("_f32" if out_dtype == torch.float32 else "")
+        got = cb.gemm_mx_cols(a, w, sched, name, out_dtype)
+        again = cb.gemm_mx_cols(a, w, sched, name, out_dtype)
+        values = w.values()
+        want = cb.grouped_gemm(a, values, sched, transpose_w=True, out_dtype=out_dtype)
+        assert torch.equal(got[rows], want[rows]) and torch.equal(got[rows], again[rows])
+        if extremes:  # the requantisation changed some values: the test can tell the two apart
+            w_q = dequantize(w, torch.bfloat16)
+            assert not torch.equal(values, w_q)
+        n0 = int(sched.seg_rows[0])
+        if n0 and not extremes:  # against fp64 on the values, the first expert's real rows
+            ref = a[:n0].double() @ values[0].double()
+            err = (got[:n0].double() - ref).norm() / ref.norm()
+            assert err < 1e-2
