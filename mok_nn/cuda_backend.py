@@ -396,12 +396,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sched: Schedule, transpose_w:
     W may be an MxWeight (transpose_w=False): where cuda_mx.reads_mx, mok_gemm_bk_mx reads it as MXFP8, checked
     on first use against the bf16 kernel on W_q (cuda_mx.verified); else it is dequantised for the bf16 kernel.
     W may be an MxColumnWeight (transpose_w=True, the backward's dgrad): mok_gemm_bn_mxq[_f32] reads it, checked on
-    first use against the bf16 kernel on its values; under MOK_GEMM=torch its values are made first."""
+    first use against the bf16 kernel on its values, where cuda_mx.reads_mx; else (many rows per expert, or the
+    torch oracle MOK_GEMM=torch) its values are made for the bf16 kernel."""
     if isinstance(w, MxColumnWeight):
         if not transpose_w:
             raise ValueError("an MxColumnWeight is read along N (the backward's dgrad GEMMs), transposed")
-        if not _use_torch_gemm():
-            name = "mok_gemm_bn_mxq" + ("_f32" if out_dtype == torch.float32 else "")
+        name = "mok_gemm_bn_mxq" + ("_f32" if out_dtype == torch.float32 else "")
+        if not _use_torch_gemm() and cuda_mx.reads_mx(name, sched, w):
             return cuda_mx.verified(name, sched, lambda: gemm_mx_cols(a, w, sched, name, out_dtype),
                                     lambda: grouped_gemm(a, w.values(), sched, True, out_dtype))
         w = w.values()

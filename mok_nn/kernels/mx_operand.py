@@ -188,35 +188,35 @@ class MxRequantB:
         self.sB, self.sB8, self.sF, self.col = sB, sB8, sF, col
         self.barrier = pipeline.NamedBarrier(barrier_id=MX_BARRIER_ID, num_threads=threads)
         self.raw = cute.make_rmem_tensor((BK,), cutlass.Uint8)
-        self.fac = cute.make_rmem_tensor((BK,), cutlass.Uint16)
-        self.out = cute.make_rmem_tensor((BK,), cutlass.BFloat16)
+        # one K block at a time (registers: the accumulators hold 128 a thread)
+        self.fac = cute.make_rmem_tensor((32,), cutlass.Uint16)
+        self.out = cute.make_rmem_tensor((32,), cutlass.BFloat16)
 
     @cute.jit
     def to_bf16(self, stage):
         cute.autovec_copy(self.sB8[(self.col, None, 2 * stage + 1)], self.raw)  # the column: one byte per K row
-        src = cute.zipped_divide(self.sF[(None, self.col // 32, stage)], (8,))  # the same for the warp's 32 columns
-        fac_v = cute.zipped_divide(self.fac, (8,))
-        for q in cutlass.range_constexpr(BK // 8):
-            cute.autovec_copy(src[(None, q)], fac_v[(None, q)])
         self.barrier.arrive_and_wait()  # every column is in registers: the bf16 rows may overwrite the bytes
         words = cute.recast_tensor(self.raw, cutlass.Int32)  # BK / 4 words, K rows 4w .. 4w + 3
-        facs = cute.recast_tensor(self.fac, cutlass.Int32)  # BK / 2 words: f_k of rows 2p (low), 2p + 1
-        out = cute.recast_tensor(self.out, cutlass.Int32)  # BK / 2 words, rows 2p (low), 2p + 1
+        facs = cute.recast_tensor(self.fac, cutlass.Int32)  # 16 words: f_k of the block's rows 2p (low), 2p + 1
+        out = cute.recast_tensor(self.out, cutlass.Int32)  # 16 words, the block's rows 2p (low), 2p + 1
+        fac_v = cute.zipped_divide(self.fac, (8,))
+        out_v = cute.zipped_divide(self.out, (8,))
         pairs = 32 // 2
         for blk in cutlass.range_constexpr(2):
+            # the row factors (the same for the warp's 32 columns: broadcast loads; not overwritten by the bf16 rows)
+            src = cute.zipped_divide(self.sF[(None, self.col // 32, stage)], (8,))
+            for q in cutlass.range_constexpr(4):
+                cute.autovec_copy(src[(None, 4 * blk + q)], fac_v[(None, q)])
             amax = cutlass.Int32(0)
             for p in cutlass.range_constexpr(pairs):
-                i = blk * pairs + p
                 ptx = _LOW_PAIR if p % 2 == 0 else _HIGH_PAIR
-                out[i] = _asm_b32(ptx, words[i // 2], facs[i])
-                amax = _asm_b32(_ABS_MAX, amax, out[i])
+                out[p] = _asm_b32(ptx, words[(blk * pairs + p) // 2], facs[p])
+                amax = _asm_b32(_ABS_MAX, amax, out[p])
             down, up = _column_scale_factors(amax)
             for p in cutlass.range_constexpr(pairs):
-                i = blk * pairs + p
-                out[i] = _asm_b32(_REQUANT_PAIR, out[i], down, up)
-        dst = cute.zipped_divide(self.sB[(self.col, None, stage)], (8,))
-        out_v = cute.zipped_divide(self.out, (8,))
-        for q in cutlass.range_constexpr(BK // 8):
-            cute.autovec_copy(out_v[(None, q)], dst[(None, q)])
+                out[p] = _asm_b32(_REQUANT_PAIR, out[p], down, up)
+            dst = cute.zipped_divide(self.sB[(self.col, None, stage)], (8,))
+            for q in cutlass.range_constexpr(4):
+                cute.autovec_copy(out_v[(None, q)], dst[(None, 4 * blk + q)])
         cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
         self.barrier.arrive_and_wait()
