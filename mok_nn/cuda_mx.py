@@ -32,7 +32,7 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # plain GEMM (down) won by 1.27-1.43x at 512 and lost by 10% at 1024 (qwen3, whose bf16 down is the clustered
 # ping-pong kernel). The H200's faster memory makes dequantising cheaper, hence no margin beyond these.
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1024,
-                          "mok_gemm_bn_mxq": 1024, "mok_gemm_bn_mxq_f32": 1024}
+                          "mok_gemm_bn_mxq": 512, "mok_gemm_bn_mxq_f32": 512}
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
