@@ -142,6 +142,10 @@ class MxOperandB:
 #     q = e4m3(v * 2**-e)             cvt.rn.satfinite.e4m3x2.f32: round to nearest even (|v * 2**-e| <= 448)
 #     out = r(q) * 2**(e + 120)       the E4M3 value back in bf16 as above, exact
 #
+# where a value can change at all: v has at most 4 significant bits, so only |v| < 2**(e - 6) (below E4M3's normal
+# range at the new scale) may round; a column block whose smallest |v| is at least that (most blocks of real
+# weights) keeps out = v and skips the last two steps.
+#
 # which is fake_quantize's value along K of W_q, bit for bit (tests/gpu/test_mx_gemm_cuda.py against
 # triton_ops.requantize_rows; the recipe on the CPU: tests/test_mx_operand_bits.py). S_k <= 134 also bounds
 # e <= 7, so 2**(e + 120) is a bf16 number: the caller (cuda_mx.column_reason) takes this path only for such
@@ -149,7 +153,9 @@ class MxOperandB:
 
 
 
-_ABS_MAX = "{ .reg .b32 a; and.b32 a, $2, 0x7FFF7FFF; max.bf16x2 $0, $1, a; }"  # max(acc, |v|), both halves
+_MAX = "max.bf16x2 $0, $1, $2;"
+_MIN = "min.bf16x2 $0, $1, $2;"
+BF16_INF_PAIR = 0x7F807F80
 # q = e4m3(v * 2**-e) for a bf16x2 word v ($1, times $2 = 2**-e twice), then back to bf16 times $3 = 2**(e + 120)
 _REQUANT_PAIR = (
     "{ .reg .b32 t, lo, hi, r; .reg .b16 q;"
@@ -161,18 +167,23 @@ _REQUANT_PAIR = (
 
 
 @cute.jit
-def _column_scale_factors(amax_pair: cutlass.Int32):
-    """(2**-e, 2**(e + 120)) as bf16x2 words for a column block whose max |v| is the larger half of amax_pair."""
-    lo = amax_pair & 0xFFFF
-    hi = (amax_pair >> 16) & 0xFFFF
-    a16 = cutlass.max(lo, hi)
+def _column_scale(amax_pair: cutlass.Int32, amin_pair: cutlass.Int32):
+    """(2**-e, 2**(e + 120)) as bf16x2 words, and whether any value may round, for a column block whose largest
+    and smallest |v| are the larger half of amax_pair and the smaller half of amin_pair (bf16 bits)."""
+    a16 = cutlass.max(amax_pair & 0xFFFF, (amax_pair >> 16) & 0xFFFF)
     e = (a16 >> 7) - 135
     if (a16 & 0x7F) > 0x60:  # significand above 1.75: one more (rceil)
         e = e + 1
     e = cutlass.max(e, cutlass.Int32(-127))  # zero and tiny blocks
     down = (127 - e) << 7
     up = (e + 247) << 7
-    return down | (down << 16), up | (up << 16)
+    # Only a value below E4M3's normal range at the block's scale, |v| < 2**(e - 6), can round (W_q's values have
+    # at most 4 significant bits); most blocks hold none and keep v as it is. 2**(e - 6) as bf16 bits:
+    floor = (e + 121) << 7
+    if e < -120:
+        floor = cutlass.Int32(1) << (e + 127)  # a bf16 subnormal
+    rounds = cutlass.min(amin_pair & 0xFFFF, (amin_pair >> 16) & 0xFFFF) < floor
+    return down | (down << 16), up | (up << 16), rounds
 
 
 class MxRequantB:
@@ -207,14 +218,17 @@ class MxRequantB:
             src = cute.zipped_divide(self.sF[(None, self.col // 32, stage)], (8,))
             for q in cutlass.range_constexpr(4):
                 cute.autovec_copy(src[(None, 4 * blk + q)], fac_v[(None, q)])
-            amax = cutlass.Int32(0)
+            amax, amin = cutlass.Int32(0), cutlass.Int32(BF16_INF_PAIR)
             for p in cutlass.range_constexpr(pairs):
                 ptx = _LOW_PAIR if p % 2 == 0 else _HIGH_PAIR
                 out[p] = _asm_b32(ptx, words[(blk * pairs + p) // 2], facs[p])
-                amax = _asm_b32(_ABS_MAX, amax, out[p])
-            down, up = _column_scale_factors(amax)
-            for p in cutlass.range_constexpr(pairs):
-                out[p] = _asm_b32(_REQUANT_PAIR, out[p], down, up)
+                mag = out[p] & 0x7FFF7FFF
+                amax = _asm_b32(_MAX, amax, mag)
+                amin = _asm_b32(_MIN, amin, mag)
+            down, up, rounds = _column_scale(amax, amin)
+            if rounds:
+                for p in cutlass.range_constexpr(pairs):
+                    out[p] = _asm_b32(_REQUANT_PAIR, out[p], down, up)
             dst = cute.zipped_divide(self.sB[(self.col, None, stage)], (8,))
             for q in cutlass.range_constexpr(4):
                 cute.autovec_copy(out_v[(None, q)], dst[(None, 4 * blk + q)])
