@@ -29,7 +29,9 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   blocks of 32 rows, the weights once per call, or per change where frozen); the same kernels then
                   run on those values
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
-  weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q
+  weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
+                  or with precision="mxfp8" its dgrad GEMMs read the bytes too (cuda_mx.MxColumnWeight: mok_gemm_bn_mxq,
+                  mok_gemm_bn_mxq_f32 + the activation backward), bitwise the bf16 kernels on W_q's values along K
 
 The plain bf16 grouped GEMM has three forms (gemm_kernel): clustered ping-pong (_ppc) where K <= 1024; the
 whole output tile in shared memory with tiles claimed by atomic add (_ef_dyn, whose consumer warp groups skip
