@@ -83,7 +83,11 @@ class MxColumnWeight(MXFP8Tensor):
         """(b (C, R, E) uint8 N-major: the E4M3 bytes, factors (R, C / 32, E) uint16 with R fastest: the bf16
         bits of 2**(S - 7) for each scale byte S), as mok_gemm_bn_mxq takes them. The factors (2 bytes per 32
         values) are made for each call and not kept, so that the weights' resident memory stays the MXFP8 storage."""
-        factors = ((self.scale.to(torch.int16) + ROW_FACTOR_BIAS) << 7).transpose(1, 2).contiguous()
+        e, rows, blocks = self.scale.shape
+        factors = torch.empty(e, blocks, rows, dtype=torch.int16, device=self.scale.device)
+        # two passes: S + 120 <= 254 fits the uint8 sum (column_reason: S <= COLUMN_MAX_SCALE), transposed as it
+        # is written; then the shift into bf16's exponent field
+        torch.add(self.scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
         return self.data.view(torch.uint8).permute(2, 1, 0), factors.view(torch.uint16).permute(2, 1, 0)
 
 
