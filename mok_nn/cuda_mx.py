@@ -83,12 +83,25 @@ class MxColumnWeight(MXFP8Tensor):
         """(b (C, R, E) uint8 N-major: the E4M3 bytes, factors (R, C / 32, E) uint16 with R fastest: the bf16
         bits of 2**(S - 7) for each scale byte S), as mok_gemm_bn_mxq takes them. The factors (2 bytes per 32
         values) are made for each call and not kept, so that the weights' resident memory stays the MXFP8 storage."""
-        e, rows, blocks = self.scale.shape
-        factors = torch.empty(e, blocks, rows, dtype=torch.int16, device=self.scale.device)
-        # two passes: S + 120 <= 254 fits the uint8 sum (column_reason: S <= COLUMN_MAX_SCALE), transposed as it
-        # is written; then the shift into bf16's exponent field
-        torch.add(self.scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
-        return self.data.view(torch.uint8).permute(2, 1, 0), factors.view(torch.uint16).permute(2, 1, 0)
+        return self.data.view(torch.uint8).permute(2, 1, 0), row_factors(self.scale).view(torch.uint16).permute(2, 1, 0)
+
+
+def row_factors(scale: torch.Tensor) -> torch.Tensor:
+    """[E, R, B] scale bytes (at most COLUMN_MAX_SCALE) -> [E, B, R] int16, (S + ROW_FACTOR_BIAS) << 7: one Triton
+    pass on CUDA (triton_ops.mx_row_factors, checked on its first use), else two torch passes (S + 120 <= 254 fits
+    the uint8 sum, transposed as it is written; then the shift)."""
+    from . import triton_ops
+    if scale.is_cuda and triton_ops.available() and triton_ops.verified(
+            ("mx_row_factors",), scale.device, lambda: (triton_ops.mx_row_factors(scale[:1]), _row_factors_torch(scale[:1])),
+            exact=True):
+        return triton_ops.mx_row_factors(scale)
+    return _row_factors_torch(scale)
+
+
+def _row_factors_torch(scale: torch.Tensor) -> torch.Tensor:
+    e, rows, blocks = scale.shape
+    factors = torch.empty(e, blocks, rows, dtype=torch.int16, device=scale.device)
+    return torch.add(scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
 
 
 # mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale

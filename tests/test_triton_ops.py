@@ -384,3 +384,17 @@ def test_route_backward_parts_are_the_bf16_split_of_d_logits(softmax):
     assert torch.equal(d_l, plain + d_in)
     assert parts.dtype == torch.bfloat16 and parts.shape == (rows, 3 * cols)
     assert torch.equal(parts.view(torch.int16), torch.cat(_bf16_parts(d_l), dim=1).view(torch.int16))
+
+
+def test_mx_row_factors_are_the_torch_ops():
+    """triton_ops.mx_row_factors (the row factors of cuda_mx.MxColumnWeight): (S + 120) << 7 transposed, against
+    the torch ops, over every scale byte the dgrad kernels admit, at sizes that are not multiples of its tile."""
+    from mok_nn import cuda_mx
+
+    g = torch.Generator().manual_seed(4)
+    for shape in ((2, 100, 7), (1, 64, 64), (3, 129, 70)):
+        scale = torch.randint(0, cuda_mx.COLUMN_MAX_SCALE + 1, shape, generator=g, dtype=torch.uint8)
+        scale.view(-1)[: cuda_mx.COLUMN_MAX_SCALE + 1] = torch.arange(cuda_mx.COLUMN_MAX_SCALE + 1, dtype=torch.uint8)
+        want = ((scale.to(torch.int16) + 120) << 7).transpose(1, 2)
+        assert torch.equal(triton_ops.mx_row_factors(scale), want), shape
+        assert torch.equal(cuda_mx._row_factors_torch(scale), want), shape

@@ -12,6 +12,8 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
   dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
                       the E4M3 bits and the scale combined into fp32 bits by integer operations, rounded once:
                       the same bits, one read of the bytes and one write (the torch ops: about six passes).
+  mx_row_factors      the row factors of MXFP8-only weights' dgrad kernels (cuda_mx.MxColumnWeight): each scale
+                      byte as a bf16 power of two, transposed, in one pass
   requantize_rows     fake_quantize along the rows of dequantize's values, from the MXFP8 bytes in one pass (the
                       column-wise MXFP8 weights of the backward with MXFP8-only experts and precision="mxfp8");
                       with hw_e4m3 the dequantisation and the rounding both by the conversion
@@ -303,6 +305,21 @@ def requantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
         _kernels().requantize_rows_kernel[(row_blocks * -(-cols // tile_cols),)](
             data.view(torch.uint8), scale, out, cols, ROUND_BF16=dtype == torch.bfloat16, HW_E4M3=hw_e4m3(data.device),
             ROWS=tile_cols, BLOCK=MX_BLOCK, num_warps=warps)
+    return out
+
+
+MX_FACTORS_TILE = 64
+
+
+def mx_row_factors(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales [E, R, B] (bytes at most 134) -> [E, B, R] int16, (S + 120) << 7 (the bf16 bits of 2**(S - 7)),
+    in one pass: the row factors cuda_mx.MxColumnWeight gives the dgrad kernels."""
+    scale = scale.contiguous()
+    e, rows, blocks = scale.shape
+    out = torch.empty(e, blocks, rows, dtype=torch.int16, device=scale.device)
+    if out.numel():
+        t = MX_FACTORS_TILE
+        _kernels().mx_row_factors_kernel[(e, -(-rows // t), -(-blocks // t))](scale, out, rows, blocks, TILE=t)
     return out
 
 

@@ -542,3 +542,18 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, dl_i
         tl.store(row, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(row + n_cols, mid.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(row + 2 * n_cols, lo.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def mx_row_factors_kernel(scale_ptr, out_ptr, rows, blocks, TILE: tl.constexpr):
+    # E8M0 scales [e, rows, blocks] (bytes, each at most 134) -> [e, blocks, rows] int16: the bf16 bits of
+    # 2**(S - 7), (S + 120) << 7, transposed (the row factors of cuda_mx.MxColumnWeight). A program takes a
+    # TILE x TILE tile of one expert; its load runs along blocks, its store along rows (Triton's coalescing pass
+    # gives each its own layout).
+    e = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * TILE + tl.arange(0, TILE)[:, None]
+    b = tl.program_id(2) * TILE + tl.arange(0, TILE)[None, :]
+    mask = (r < rows) & (b < blocks)
+    base = e * rows * blocks
+    s = tl.load(scale_ptr + base + r * blocks + b, mask=mask, other=0).to(tl.int32)
+    tl.store(out_ptr + base + b * rows + r, ((s + 120) << 7).to(tl.int16), mask=mask)
