@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from mok_nn import MoKMoELayer, cuda_mx
+from mok_nn import MoKMoELayer, cuda_mx, triton_ops
 from mok_nn.mxfp8 import dequantize, quantize
 
 cuda_ok = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -206,6 +206,8 @@ def test_dgrad_mx_cols_is_the_bf16_kernel_on_values_along_k(case, extremes):
         values = w.values()
         want = cb.grouped_gemm(a, values, sched, transpose_w=True, out_dtype=out_dtype)
         assert torch.equal(got[rows], want[rows]) and torch.equal(got[rows], again[rows])
+        # the row factors came from the Triton kernel, which agreed with the torch ops on its first use
+        assert triton_ops._VERDICTS[(("mx_row_factors",), str(a.device))]
         if extremes:  # the requantisation changed some values: the test can tell the two apart
             w_q = dequantize(w, torch.bfloat16)
             assert not torch.equal(values, w_q)
