@@ -9,8 +9,8 @@ precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs lik
 mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in shared memory); elsewhere the backward takes the values
 autograd.backward_expert_weights makes.
 
-Each of the two kernels is checked on its first use in a process (per device) against dequantize + the bf16
-kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
+Each of these kernels is checked on its first use in a process (per device) against dequantize (the dgrad's: the
+values along K) + the bf16 kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
 that disagrees or fails is not used again in the process, with a warning, and W_q runs in its place. The NaN-byte
 guard (nan_free) reads the weights once per change of them.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mxfp8 import MXFP8Tensor, dequantize, weight_state
+from .mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # Mean routed rows per expert up to which each _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
@@ -30,7 +30,10 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # once per call (a cost that grows with the weights). benchmarks/mx_gemm_rule.py on an H100, the three benchmark
 # shapes: gate/up + SwiGLU won by 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the
 # plain GEMM (down) won by 1.27-1.43x at 512 and lost by 10% at 1024 (qwen3, whose bf16 down is the clustered
-# ping-pong kernel). The H200's faster memory makes dequantising cheaper, hence no margin beyond these.
+# ping-pong kernel). The H200's faster memory makes dequantising cheaper, hence no margin beyond these. The dgrad
+# kernels (precision="mxfp8", against making the values along K first; one H100 at 5abab67, the three shapes,
+# benchmarks/mx_gemm_rule.py): d x and d h won by 1.32-1.44x / 1.18-1.46x at 512 rows; at 1024 d x 0.93-1.15x and
+# d h 0.88-1.07x, 0.97x / 0.98x at deepseek-v3.
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1024,
                           "mok_gemm_bn_mxq": 512, "mok_gemm_bn_mxq_f32": 512}
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
@@ -74,10 +77,10 @@ class MxColumnWeight(MXFP8Tensor):
 
     def values(self) -> torch.Tensor:
         """W_q's MXFP8 values along R in bf16 (a new tensor): what the kernels compute, made in global memory."""
-        from . import mxfp8, triton_ops
+        from . import triton_ops
         if triton_ops.requantize_runs_on(self.data, torch.bfloat16):
             return triton_ops.requantize_rows(self.data, self.scale, torch.bfloat16)
-        return mxfp8.fake_quantize_fast(dequantize(self, torch.bfloat16), axis=1)
+        return fake_quantize_fast(dequantize(self, torch.bfloat16), axis=1)
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(b (C, R, E) uint8 N-major: the E4M3 bytes, factors (R, C / 32, E) uint16 with R fastest: the bf16

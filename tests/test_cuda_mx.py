@@ -239,7 +239,7 @@ def test_column_weight_operands_and_values():
     assert not torch.equal(w.values(), w_q)  # a second quantisation: some values change
 
 
-def test_column_reason():
+def test_column_reason(monkeypatch):
     """The dgrad kernels take MXFP8-only weights where the forward's GEMMs do and every scale byte is at most
     COLUMN_MAX_SCALE (kept per scale tensor while unchanged)."""
     w13, w2 = _weight(N=64, K=128), _weight(N=128, K=32)
@@ -248,3 +248,8 @@ def test_column_reason():
     assert cuda_mx.largest_scale(w13.scale) == int(w13.scale.max()) <= cuda_mx.COLUMN_MAX_SCALE
     w13.scale[0, 0, 0] = cuda_mx.COLUMN_MAX_SCALE + 1
     assert cuda_mx.largest_scale(w13.scale) == cuda_mx.COLUMN_MAX_SCALE + 1  # the version changed: read again
+    # where the forward's conditions hold, the scale range decides
+    monkeypatch.setattr(cuda_mx, "forward_reason", lambda *args: None)
+    assert "above 134" in cuda_mx.column_reason(torch_ws, w13.data, w13.scale, w2.data, w2.scale, torch.bfloat16)
+    w13.scale[0, 0, 0] = cuda_mx.COLUMN_MAX_SCALE
+    assert cuda_mx.column_reason(torch_ws, w13.data, w13.scale, w2.data, w2.scale, torch.bfloat16) is None
