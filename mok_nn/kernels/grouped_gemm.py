@@ -61,6 +61,12 @@ of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
 fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 
+MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmMx,
+VarlenMGroupedGemmActMx, the forward of MXFP8-only weights) B's E4M3 bytes arrive K-major with their scale pairs
+and each consumer thread makes one B row of every stage bf16 in place; with b_mx_cols (VarlenMGroupedGemmMxCols,
+precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors and each consumer
+thread makes one B column of every stage W_q's MXFP8 values along K. Then the bf16 wgmma batches run as usual.
+
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
 """

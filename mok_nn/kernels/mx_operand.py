@@ -142,15 +142,12 @@ class MxOperandB:
 #     q = e4m3(v * 2**-e)             cvt.rn.satfinite.e4m3x2.f32: round to nearest even (|v * 2**-e| <= 448)
 #     out = r(q) * 2**(e + 120)       the E4M3 value back in bf16 as above, exact
 #
-# where a value can change at all: v has at most 4 significant bits, so only |v| < 2**(e - 6) (below E4M3's normal
-# range at the new scale) may round; a column block whose smallest |v| is at least that (most blocks of real
-# weights) keeps out = v and skips the last two steps.
-#
 # which is fake_quantize's value along K of W_q, bit for bit (tests/gpu/test_mx_gemm_cuda.py against
 # triton_ops.requantize_rows; the recipe on the CPU: tests/test_mx_operand_bits.py). S_k <= 134 also bounds
 # e <= 7, so 2**(e + 120) is a bf16 number: the caller (cuda_mx.column_reason) takes this path only for such
-# weights, without NaN bytes or blocks.
-
+# weights, without NaN bytes or blocks. A value can change only where it lies below E4M3's normal range at the new
+# scale, |v| < 2**(e - 6) (v has at most 4 significant bits): a column block whose smallest |v| is at least that
+# (most blocks of real weights) keeps out = v and skips the last two steps.
 
 
 _MAX = "max.bf16x2 $0, $1, $2;"
