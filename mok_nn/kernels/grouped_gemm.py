@@ -1223,26 +1223,12 @@ class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, b_scale=b_scale)
 
 
-class VarlenMGroupedGemmMxCols(VarlenMGroupedGemm):
+class VarlenMGroupedGemmMxCols(VarlenMGroupedGemmMx):
     """The backward's dgrad GEMM on MXFP8-only weights with precision="mxfp8": C = A @ B, B the MXFP8 values
     along K of W_q = dequantize(stored) (stored in blocks along N), made from the stored bytes in shared memory
-    (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0."""
+    (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0.
+    Called as VarlenMGroupedGemmMx with mB (N, K, E) N-major u8 (E4M3 bytes in blocks of 32 along N), b_scale the
+    row factors (K, N / 32, E) u16, K fastest (bf16 bits of 2**(S - 7) per scale byte S), and C bf16 or fp32."""
 
     def __init__(self, tile_n: int = 256):
-        super().__init__(tile_n=tile_n, b_mx=True, b_mx_cols=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K, 1) K-major bf16
-        mB: cute.Tensor,  # (N, K, E) N-major u8: E4M3 bytes in blocks of 32 along N
-        b_factors: cute.Tensor,  # (K, N / 32, E) u16, K fastest: bf16 bits of 2**(S - 7) per scale byte S
-        mC: cute.Tensor,  # (M, N, 1) N-major, bf16 or fp32
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     b_scale=b_factors)
+        VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx=True, b_mx_cols=True)
