@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from mok_nn import triton_ops  # noqa: E402
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-          torch.int32: "i32", torch.uint8: "u8"}
+          torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
 
 
 class _Recorder:
@@ -97,6 +97,7 @@ def record_forms() -> dict:
                 triton_ops.activation_forward(gate_up, act, limit)
                 for write_wh in (False, True):
                     triton_ops.mlp_backward_rows(gate_up, dh, torch.rand(8, generator=g), act, limit, write_wh)
+    triton_ops.mx_row_factors(torch.randint(0, 135, (2, 100, 7), dtype=torch.uint8, generator=g))
     for cols, k in ((8, 2), (128, 8), (256, 8), (60, 20)):
         triton_ops.topk_indices(torch.randn(16, cols, generator=g), k)
     for cols, k in ((128, 8),):  # (the routing kernels' branches: score function, bias, renormalisation, d scores)
