@@ -197,15 +197,14 @@ def store_sync(num_consumer_threads, epi_stages, barrier_id=1):
 def store_tile_split(
     r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
     tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles: cutlass.Constexpr, epi_count, epi_stages: cutlass.Constexpr,
-    epi_barrier, store_pipe, warp_idx, buf_base=0, store_warp=4, first_sub: cutlass.Constexpr = 0,
+    epi_barrier, store_pipe, warp_idx, buf_base=0, store_warp=4,
 ):
     """Store one output tile sub-tile by sub-tile through epi_stages rotating smem buffers
     (buf_base.. of sC), waiting for a buffer's previous TMA store before reusing it (the split
-    epilogue). Warp store_warp (the first consumer warp of the storing warp group) issues the TMA stores.
-    first_sub: the accumulator's sub-tiles from this one (a pair_rows tile's second row tile)."""
+    epilogue). Warp store_warp (the first consumer warp of the storing warp group) issues the TMA stores."""
     for e in cutlass.range_constexpr(epi_tiles):
         for v in cutlass.range_constexpr(rD_size):
-            rD[v] = tRS_acc[(first_sub + e) * rD_size + v]
+            rD[v] = tRS_acc[e * rD_size + v]
         rD_out.store(rD.load().to(c_dtype))
         buf = buf_base + (epi_count + e) % epi_stages
         cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])

@@ -91,18 +91,6 @@ from .swiglu import _act
 
 
 @cute.jit
-def pair_lead(m_tile, expert, seg_end, seg_rows):
-    """expert where row tile m_tile leads a pair of its expert's row tiles (an even offset from the segment's first
-    tile; pair_rows), else -1 (the tile is its pair's second, or past the last segment)."""
-    lead = cutlass.Int32(-1)
-    if expert >= 0:
-        seg_start, _, _ = segment_extent(expert, seg_end, seg_rows)
-        if (m_tile - seg_start // TILE_M) % 2 == 0:
-            lead = expert
-    return lead
-
-
-@cute.jit
 def segment_extent(expert, seg_end, seg_rows):
     """(first row, rows, row tiles) of an expert's segment: its seg_rows rounded up to TILE_M end at seg_end."""
     rows = seg_rows[expert]
@@ -116,7 +104,7 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         dact: str | None = None, pingpong: bool = False, cluster_n: int = 1, push: bool = False,
-        b_mx: bool = False, b_mx_cols: bool = False, pair_rows: bool = False,
+        b_mx: bool = False, b_mx_cols: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -140,23 +128,18 @@ class VarlenMGroupedGemm:
         # b_mx (VarlenMGroupedGemmMx, VarlenMGroupedGemmActMx): B is MXFP8 (E4M3 bytes K-major and scale
         # pairs), made bf16 in each stage's B buffer by the consumer threads, one B row each (mx_operand.py):
         # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
-        assert not b_mx or ((tile_n == 256 or pair_rows) and not (pingpong or dact or push)), "b_mx: cooperative"
+        assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
         # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
         # factors, made W_q's MXFP8 values along K by the consumer threads, one B column each (MxRequantB)
         assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain cooperative kernel"
         self.b_mx = b_mx
         self.b_mx_cols = b_mx_cols
-        # pair_rows (b_mx_cols, tile_n 128): a tile is two row tiles of one expert (256 rows, the second warp group's
-        # MMA block of each 128 rows repeated) sharing each converted B stage, which halves the conversion per
-        # FLOP; only a row tile at an even offset from its expert's first one leads a pair (pair_lead)
-        assert not pair_rows or (b_mx_cols and tile_n == 128), "pair_rows: b_mx_cols on 128-column tiles"
-        self.pair_rows = pair_rows
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
         # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
         # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
         self.epi_helper = (act is not None and full_epi) or push
         self.dynamic = False  # VarlenMGroupedGemmDyn: tiles claimed by atomic add (tile_queue.py)
-        self.tile_mnk = (2 * TILE_M if pair_rows else TILE_M, tile_n, 64)
+        self.tile_mnk = (TILE_M, tile_n, 64)
         self.num_sms = num_sms
         self.acc_dtype = cutlass.Float32
         # Two consumer warp groups split the 128 rows (64 each); ping-pong: one warp group's MMA
@@ -262,12 +245,6 @@ class VarlenMGroupedGemm:
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
         c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_buffers)
-        # pair_rows: A arrives as two (TILE_M, bk) boxes per stage, half h of stage s being stage 2s + h of the
-        # half-tile layout (K-major: the two halves lie back to back, as B's halves with act)
-        a_tma_smem = a_smem
-        if cutlass.const_expr(self.pair_rows):
-            a_tma_smem = sm90_utils.make_smem_layout_a(self.a_layout, (TILE_M, bn, bk), self.ab_dtype,
-                                                       2 * self.ab_stages)
 
         if cutlass.const_expr(self.cluster_n > 1):  # each CTA of a pair loads half of A into both
             tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -278,8 +255,8 @@ class VarlenMGroupedGemm:
             tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mA,
-                cute.slice_(a_tma_smem, (None, None, 0)),
-                (TILE_M, bk) if cutlass.const_expr(self.pair_rows) else (bm, bk),
+                cute.slice_(a_smem, (None, None, 0)),
+                (bm, bk),
             )
         # With act, B arrives as two (bn/2, bk) boxes per stage. K-major, the smem layout of
         # a (bn, bk) stage is two (bn/2, bk) layouts back to back (same swizzle), so half h of
@@ -332,7 +309,7 @@ class VarlenMGroupedGemm:
         elif cutlass.const_expr(self.dact is not None):
             gc = cute.zipped_divide(mH, tiler=(bm, bn))  # wh's columns: one tile per I-block
         else:
-            gc = cute.zipped_divide(mC, tiler=(TILE_M, bn))  # (pair_rows: row tiles of TILE_M all the same)
+            gc = cute.zipped_divide(mC, tiler=(bm, bn))
         tiles_m, tiles_n, _ = gc[(0, (None, None, None))].shape
         if cutlass.const_expr(self.push):  # mC is A (shape carrier of the unused TMA store): tiles over (M, N of B)
             n_out = cute.size(mB, mode=[0])
@@ -369,8 +346,7 @@ class VarlenMGroupedGemm:
 
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
-            tiled_mma, a_smem, a_tma_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m),
-            cutlass.Int32(tiles_n),
+            tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
             row_idx, ready, ready_err, epoch, tma_s, tma_mS, s_smem,
         ).launch(
@@ -729,7 +705,6 @@ class VarlenMGroupedGemm:
         limit: cutlass.Float32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
-        a_tma_smem: cute.ComposedLayout,  # pair_rows: the half-tile layout of the A stages, else a_smem
         b_smem: cute.ComposedLayout,
         b_tma_smem: cute.ComposedLayout | cute.Layout,  # plain (unswizzled) for b_mx_cols
         c_smem: cute.ComposedLayout,
@@ -809,20 +784,10 @@ class VarlenMGroupedGemm:
         gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
         gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
-        gC_out = gC  # the output tiles the epilogue stores (pair_rows: each 128-row half of a tile)
-        if cutlass.const_expr(self.pair_rows):
-            gC_out = cute.local_tile(mC, (TILE_M, self.tile_mnk[1]), (None, None, None))
 
-        if cutlass.const_expr(self.pair_rows):
-            sA_tma = storage.sA.get_tensor(a_tma_smem.outer, swizzle=a_tma_smem.inner)
-            gA_tma = cute.local_tile(mA, (TILE_M, self.tile_mnk[2]), (None, None, None))
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA_tma, 0, 2), cute.group_modes(gA_tma, 0, 2)
-            )
-        else:
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-            )
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
         if cutlass.const_expr(self.b_mx_cols):
             # B's bytes: piece 2s + 1 of the byte view is stage s's; its row factors: stage s
             sB8 = storage.sB.get_tensor(b_tma_smem, dtype=cutlass.Uint8)
@@ -893,8 +858,6 @@ class VarlenMGroupedGemm:
                         work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
                     )
                     expert = tile_expert[m_tile]
-                    if cutlass.const_expr(self.pair_rows):
-                        expert = pair_lead(m_tile, expert, seg_end, seg_rows)
                     if expert >= 0:
                         tAgA_t = tAgA[(None, m_tile, None, 0)]
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
@@ -909,10 +872,6 @@ class VarlenMGroupedGemm:
                             if cutlass.const_expr(self.cluster_n > 1):
                                 cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar,
                                           mcast_mask=a_mask)
-                            elif cutlass.const_expr(self.pair_rows):  # row tiles m, m + 1 (past M: zeros)
-                                for h in cutlass.range_constexpr(2):
-                                    cute.copy(tma_a, tAgA[(None, m_tile + h, k, 0)], tAsA[(None, 2 * state.index + h)],
-                                              tma_bar_ptr=bar)
                             else:
                                 cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                             if cutlass.const_expr(self.b_mx_cols):
@@ -956,7 +915,7 @@ class VarlenMGroupedGemm:
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
             mx_b = None
             if cutlass.const_expr(self.b_mx_cols):
-                mx_b = MxRequantB(sB, sB8, sS, ctid, self.num_consumer_threads, self.tile_mnk[1])
+                mx_b = MxRequantB(sB, sB8, sS, ctid, self.num_consumer_threads)
             elif cutlass.const_expr(self.b_mx):
                 mx_b = MxOperandB(sB, sB8, sS, ctid, self.tile_mnk[1] // 2, self.num_consumer_threads)
 
@@ -1007,8 +966,6 @@ class VarlenMGroupedGemm:
                     work.tile_idx[0], tiles_m, tiles_n, group_m, tile_expert, seg_end, seg_rows
                 )
                 expert = tile_expert[m_tile]
-                if cutlass.const_expr(self.pair_rows):
-                    expert = pair_lead(m_tile, expert, seg_end, seg_rows)
                 if expert >= 0:
                     skip, turn = pingpong_turn(turn, wg, self.pingpong)
                     if skip == 1:
@@ -1063,7 +1020,7 @@ class VarlenMGroupedGemm:
                             cute.arch.mbarrier_arrive(order_bars + (1 - wg))
 
                         bSG_sC, bSG_gC, epi_tiles, epi_shape, epi_layout = epilogue_views(
-                            gC_out[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
+                            gC[(None, None, m_tile, n_tile, 0)], self.epi_tile, tma_c, sC
                         )
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
                         if cutlass.const_expr(self.epi_helper):
@@ -1094,19 +1051,6 @@ class VarlenMGroupedGemm:
                                 epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx, buf_base, store_warp,
                             )
                             epi_count = epi_count + epi_tiles
-                            if cutlass.const_expr(self.pair_rows):
-                                # the second row tile's half of the accumulator, where that tile is the expert's
-                                seg_start2, _, tiles2 = segment_extent(expert, seg_end, seg_rows)
-                                if m_tile + 1 < seg_start2 // TILE_M + tiles2:
-                                    bSG_sC2, bSG_gC2, _, _, epi_layout2 = epilogue_views(
-                                        gC_out[(None, None, m_tile + 1, n_tile, 0)], self.epi_tile, tma_c, sC
-                                    )
-                                    store_tile_split(
-                                        r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC2, bSG_gC2,
-                                        epi_layout2, epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe,
-                                        warp_idx, buf_base, store_warp, first_sub=epi_tiles,
-                                    )
-                                    epi_count = epi_count + epi_tiles
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
@@ -1286,5 +1230,5 @@ class VarlenMGroupedGemmMxCols(VarlenMGroupedGemmMx):
     Called as VarlenMGroupedGemmMx with mB (N, K, E) N-major u8 (E4M3 bytes in blocks of 32 along N), b_scale the
     row factors (K, N / 32, E) u16, K fastest (bf16 bits of 2**(S - 7) per scale byte S), and C bf16 or fp32."""
 
-    def __init__(self, tile_n: int = 128, pair_rows: bool = True):
-        VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx=True, b_mx_cols=True, pair_rows=pair_rows)
+    def __init__(self, tile_n: int = 256):
+        VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx=True, b_mx_cols=True)

@@ -189,40 +189,32 @@ class MxRequantB:
 
     sB: the bf16 B buffers (bn, 64, stages), K-major as the wgmma reads them; sB8: the same memory as bytes,
     (bn, 64, 2 stages) N-major: the bytes of stage s are piece 2 s + 1 (the upper half); sF: the row factors
-    (64, bn / 32, stages) u16, K fastest (f_k of the stage's 64 rows for each 32 columns); ctid: this consumer
-    thread (0 .. threads - 1); bn: the stage's columns, each taken by threads / bn threads, one K block each where
-    bn < threads (bn = 128: consumer thread t takes column t % 128, K block t // 128), both where bn == threads."""
+    (64, bn / 32, stages) u16, K fastest (f_k of the stage's 64 rows for each 32 columns); col: this thread's
+    column (0 .. bn - 1); threads: the consumer threads (one per column)."""
 
-    def __init__(self, sB, sB8, sF, ctid, threads: int, bn: int):
-        assert bn * 2 in (threads, 2 * threads), "one or two K blocks a thread"
-        self.blocks = bn * 2 // threads  # K blocks (of the stage's 2) a thread takes
-        self.col = ctid % bn
-        self.first = (ctid // bn) * self.blocks
-        self.sB, self.sB8, self.sF = sB, sB8, sF
+    def __init__(self, sB, sB8, sF, col, threads: int):
+        self.sB, self.sB8, self.sF, self.col = sB, sB8, sF, col
         self.barrier = pipeline.NamedBarrier(barrier_id=MX_BARRIER_ID, num_threads=threads)
-        self.raw = cute.make_rmem_tensor((32 * self.blocks,), cutlass.Uint8)
+        self.raw = cute.make_rmem_tensor((BK,), cutlass.Uint8)
         # one K block at a time (registers: the accumulators hold 128 a thread)
         self.fac = cute.make_rmem_tensor((32,), cutlass.Uint16)
         self.out = cute.make_rmem_tensor((32,), cutlass.BFloat16)
 
     @cute.jit
     def to_bf16(self, stage):
-        # the column's K blocks: one byte per K row
-        col_bytes = cute.zipped_divide(self.sB8[(self.col, None, 2 * stage + 1)], (32 * self.blocks,))
-        cute.autovec_copy(col_bytes[(None, self.first // self.blocks)], self.raw)
+        cute.autovec_copy(self.sB8[(self.col, None, 2 * stage + 1)], self.raw)  # the column: one byte per K row
         self.barrier.arrive_and_wait()  # every column is in registers: the bf16 rows may overwrite the bytes
-        words = cute.recast_tensor(self.raw, cutlass.Int32)  # 8 words a K block, its rows 4w .. 4w + 3
+        words = cute.recast_tensor(self.raw, cutlass.Int32)  # BK / 4 words, K rows 4w .. 4w + 3
         facs = cute.recast_tensor(self.fac, cutlass.Int32)  # 16 words: f_k of the block's rows 2p (low), 2p + 1
         out = cute.recast_tensor(self.out, cutlass.Int32)  # 16 words, the block's rows 2p (low), 2p + 1
         fac_v = cute.zipped_divide(self.fac, (8,))
         out_v = cute.zipped_divide(self.out, (8,))
         pairs = 32 // 2
-        for blk in cutlass.range_constexpr(self.blocks):
-            kb = self.first + blk  # the stage's K block
+        for blk in cutlass.range_constexpr(2):
             # the row factors (the same for the warp's 32 columns: broadcast loads; not overwritten by the bf16 rows)
             src = cute.zipped_divide(self.sF[(None, self.col // 32, stage)], (8,))
             for q in cutlass.range_constexpr(4):
-                cute.autovec_copy(src[(None, 4 * kb + q)], fac_v[(None, q)])
+                cute.autovec_copy(src[(None, 4 * blk + q)], fac_v[(None, q)])
             amax, amin = cutlass.Int32(0), cutlass.Int32(BF16_INF_PAIR)
             for p in cutlass.range_constexpr(pairs):
                 ptx = _LOW_PAIR if p % 2 == 0 else _HIGH_PAIR
@@ -236,6 +228,6 @@ class MxRequantB:
                     out[p] = _asm_b32(_REQUANT_PAIR, out[p], down, up)
             dst = cute.zipped_divide(self.sB[(self.col, None, stage)], (8,))
             for q in cutlass.range_constexpr(4):
-                cute.autovec_copy(out_v[(None, q)], dst[(None, 4 * kb + q)])
+                cute.autovec_copy(out_v[(None, q)], dst[(None, 4 * blk + q)])
         cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
         self.barrier.arrive_and_wait()

@@ -191,9 +191,7 @@ def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
     a, _, c, *rest = base.args
     b = (TensorArg("b", "u8", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(32, 64, 1)),
          TensorArg("b_factors", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(64, 1, 1)))
-    # (128-column tiles of two row tiles each: every converted B stage serves 256 rows)
-    return dataclasses.replace(base, factory="VarlenMGroupedGemmMxCols",
-                               factory_kwargs=(("tile_n", PINGPONG_TILE_N), ("pair_rows", True)), args=(a, *b, c, *rest))
+    return dataclasses.replace(base, factory="VarlenMGroupedGemmMxCols", factory_kwargs=(), args=(a, *b, c, *rest))
 
 
 def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
