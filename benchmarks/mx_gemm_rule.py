@@ -10,7 +10,9 @@ triton_ops.requantize_rows + the bf16 kernel; and the bf16 kernels alone on resi
 kernels read E4M3 bytes (about 1 byte per weight) and convert them once per row tile; the other way writes and
 reads a bf16 copy (about 5 bytes per weight, once per call), so it wins where many rows share each expert. The
 crossover it finds per GEMM is what cuda_mx.MX_MAX_ROWS_PER_EXPERT should sit at. The weights are Gaussian,
-quantised (requantize_rows' time depends on how many of its tiles need rounding).
+quantised (requantize_rows' time depends on how many of its tiles need rounding). Memory: the resident bf16 copies
+for scale take 23 GB per direction at deepseek-v3; on an 80 GB GPU time the forward's GEMMs and the backward's in
+separate runs there (--gemms gate_up,down, then --gemms dx,dh, as the records were made).
 """
 
 from __future__ import annotations
