@@ -124,30 +124,37 @@ def backward_expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, 
         return cuda_mx.MxColumnWeight(gate_up_proj, gate_up_scale), cuda_mx.MxColumnWeight(down_proj, down_scale)
     weights = []
     for data, scale in ((gate_up_proj, gate_up_scale), (down_proj, down_scale)):
-        if _requantizes_in_one_pass(data, scale, dtype, workspace):
-            w = triton_ops.requantize_rows(data, scale, dtype)
-        else:
-            w = torch.empty(data.shape, dtype=dtype, device=data.device)
-            for a, b in row_chunks(data.shape[0], data[:1].numel() * w.element_size(), data.device):  # whole experts
-                w[a:b] = _values_along_n(data[a:b], scale[a:b], dtype, workspace)
+        w = values_along_n(data, scale, dtype, workspace.backend)
         mark_values(w, -2)
         weights.append(w)
     return weights
 
 
-def _values_along_n(data, scale, dtype, workspace):
+def values_along_n(data, scale, dtype, backend: str) -> torch.Tensor:
+    """The MXFP8 values along N of stored MXFP8 weights [E, N, K] (blocks along K) in dtype, as `backend` computes
+    them: triton_ops.requantize_rows in one pass (checked on first use), else a few experts at a time dequantised
+    and quantised along N (functional.weight_values_along_n), never a whole copy of W_q."""
+    if _requantizes_in_one_pass(data, scale, dtype, backend):
+        return triton_ops.requantize_rows(data, scale, dtype)
+    w = torch.empty(data.shape, dtype=dtype, device=data.device)
+    for a, b in row_chunks(data.shape[0], data[:1].numel() * w.element_size(), data.device):  # whole experts
+        w[a:b] = _values_along_n(data[a:b], scale[a:b], dtype, backend)
+    return w
+
+
+def _values_along_n(data, scale, dtype, backend: str):
     """The MXFP8 values along N of stored MXFP8 weights: dequantised, then quantised along N by the backend."""
-    return functional.weight_values_along_n(dequantize(MXFP8Tensor(data, scale, 2), dtype), workspace)
+    return functional.weight_values_along_n(dequantize(MXFP8Tensor(data, scale, 2), dtype), backend)
 
 
-def _requantizes_in_one_pass(data, scale, dtype, workspace) -> bool:
-    """Whether triton_ops.requantize_rows makes backward_expert_weights' values (CUDA, Triton): one read of the
-    bytes and one write, where dequantising and quantising again move about seven bytes an element. Checked on its
-    first use (per dtype and device) against the two steps on one expert, bit for bit."""
+def _requantizes_in_one_pass(data, scale, dtype, backend: str) -> bool:
+    """Whether triton_ops.requantize_rows makes values_along_n's values (CUDA, Triton): one read of the bytes and
+    one write, where dequantising and quantising again move about seven bytes an element. Checked on its first use
+    (per dtype and device) against the two steps on one expert, bit for bit."""
     return triton_ops.requantize_runs_on(data, dtype) and triton_ops.verified(
         ("requantize_rows", dtype), data.device,
         lambda: (triton_ops.requantize_rows(data[:1], scale[:1], dtype), _values_along_n(data[:1], scale[:1], dtype,
-                                                                                          workspace)), exact=True)
+                                                                                          backend)), exact=True)
 
 
 def graph_kept() -> bool:

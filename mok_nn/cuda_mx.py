@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mxfp8 import MXFP8Tensor, dequantize, fake_quantize_fast, weight_state
+from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # Mean routed rows per expert up to which each _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
@@ -76,11 +76,10 @@ class MxColumnWeight(MXFP8Tensor):
         return self.data.dim()
 
     def values(self) -> torch.Tensor:
-        """W_q's MXFP8 values along R in bf16 (a new tensor): what the kernels compute, made in global memory."""
-        from . import triton_ops
-        if triton_ops.requantize_runs_on(self.data, torch.bfloat16):
-            return triton_ops.requantize_rows(self.data, self.scale, torch.bfloat16)
-        return fake_quantize_fast(dequantize(self, torch.bfloat16), axis=1)
+        """W_q's MXFP8 values along R in bf16 (a new tensor): what the kernels compute, made in global memory as the
+        backward makes them elsewhere (autograd.values_along_n)."""
+        from .autograd import values_along_n
+        return values_along_n(self.data, self.scale, torch.bfloat16, "cuda")
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(b (C, R, E) uint8 N-major: the E4M3 bytes, factors (R, C / 32, E) uint16 with R fastest: the bf16
