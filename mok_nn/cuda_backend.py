@@ -783,8 +783,8 @@ def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activat
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
     runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
     gate_up (the same bits)."""
-    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]) and not isinstance(down_proj,
-                                                                                                MxColumnWeight):
+    mx_cols = isinstance(down_proj, MxColumnWeight)  # (its kernel has no activation epilogue)
+    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]) and not mx_cols:
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)

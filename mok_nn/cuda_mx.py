@@ -36,6 +36,10 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # d h 0.88-1.07x, 0.97x / 0.98x at deepseek-v3.
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1024,
                           "mok_gemm_bn_mxq": 512, "mok_gemm_bn_mxq_f32": 512}
+# mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
+# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB; its SINGLE_MAX)
+ROW_FACTOR_BIAS = 120
+COLUMN_MAX_SCALE = 134
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
@@ -94,9 +98,9 @@ def row_factors(scale: torch.Tensor) -> torch.Tensor:
     the uint8 sum, transposed as it is written; then the shift)."""
     from . import triton_ops
     if scale.is_cuda and triton_ops.available() and triton_ops.verified(
-            ("mx_row_factors",), scale.device, lambda: (triton_ops.mx_row_factors(scale[:1]), _row_factors_torch(scale[:1])),
-            exact=True):
-        return triton_ops.mx_row_factors(scale)
+            ("mx_row_factors",), scale.device,
+            lambda: (triton_ops.mx_row_factors(scale[:1], ROW_FACTOR_BIAS), _row_factors_torch(scale[:1])), exact=True):
+        return triton_ops.mx_row_factors(scale, ROW_FACTOR_BIAS)
     return _row_factors_torch(scale)
 
 
@@ -106,10 +110,6 @@ def _row_factors_torch(scale: torch.Tensor) -> torch.Tensor:
     return torch.add(scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
 
 
-# mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
-# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB)
-ROW_FACTOR_BIAS = 120
-COLUMN_MAX_SCALE = 134
 _LARGEST = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, largest byte)
 
 

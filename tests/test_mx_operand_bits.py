@@ -123,6 +123,7 @@ def test_requantised_columns_are_fake_quantize_along_rows_of_w_q():
     from mok_nn import cuda_mx
     from mok_nn.mxfp8 import fake_quantize_fast
 
+    assert cuda_mx.COLUMN_MAX_SCALE == mx_operand.SINGLE_MAX  # (the host's bound is the kernels' one-multiply bound)
     g = torch.Generator().manual_seed(0)
     blocks = []
     for base in (0, 60, 127, cuda_mx.COLUMN_MAX_SCALE - 12):

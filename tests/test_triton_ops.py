@@ -396,5 +396,5 @@ def test_mx_row_factors_are_the_torch_ops():
         scale = torch.randint(0, cuda_mx.COLUMN_MAX_SCALE + 1, shape, generator=g, dtype=torch.uint8)
         scale.view(-1)[: cuda_mx.COLUMN_MAX_SCALE + 1] = torch.arange(cuda_mx.COLUMN_MAX_SCALE + 1, dtype=torch.uint8)
         want = ((scale.to(torch.int16) + 120) << 7).transpose(1, 2)
-        assert torch.equal(triton_ops.mx_row_factors(scale), want), shape
+        assert torch.equal(triton_ops.mx_row_factors(scale, cuda_mx.ROW_FACTOR_BIAS), want), shape
         assert torch.equal(cuda_mx._row_factors_torch(scale), want), shape

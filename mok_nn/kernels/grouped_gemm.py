@@ -269,7 +269,8 @@ class VarlenMGroupedGemm:
         # b_mx: B's bytes arrive as two (bn/2, bk) boxes into the upper half of each stage's bf16 buffer (the
         # byte layout's pieces 4s + 2, 4s + 3, mx_operand.py), its scale pairs as two (bn/2, 1) boxes.
         s_smem = cute.make_layout((bn // 2, 1, 2 * self.ab_stages), stride=(1, bn // 2, bn // 2))
-        b_box, s_box = (bn // 2, bk) if cutlass.const_expr(self.act is not None or self.b_mx) else (bn, bk), (bn // 2, 1)
+        b_box = (bn // 2, bk) if cutlass.const_expr(self.act is not None or self.b_mx) else (bn, bk)
+        s_box = (bn // 2, 1)
         if cutlass.const_expr(self.b_mx):
             b_tma_smem = sm90_utils.make_smem_layout_b(self.b_layout, (bm, bn // 2, bk), cutlass.Uint8,
                                                        4 * self.ab_stages)

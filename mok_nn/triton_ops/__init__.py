@@ -311,15 +311,15 @@ def requantize_rows(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 MX_FACTORS_TILE = 64
 
 
-def mx_row_factors(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 scales [E, R, B] (bytes at most 134) -> [E, B, R] int16, (S + 120) << 7 (the bf16 bits of 2**(S - 7)),
-    in one pass: the row factors cuda_mx.MxColumnWeight gives the dgrad kernels."""
+def mx_row_factors(scale: torch.Tensor, bias: int) -> torch.Tensor:
+    """E8M0 scales [E, R, B] (bytes at most 134) -> [E, B, R] int16, (S + bias) << 7 in one pass: the row factors
+    cuda_mx.MxColumnWeight gives the dgrad kernels (bias 120: the bf16 bits of 2**(S - 7))."""
     scale = scale.contiguous()
     e, rows, blocks = scale.shape
     out = torch.empty(e, blocks, rows, dtype=torch.int16, device=scale.device)
     if out.numel():
         t = MX_FACTORS_TILE
-        _kernels().mx_row_factors_kernel[(e, -(-rows // t), -(-blocks // t))](scale, out, rows, blocks, TILE=t)
+        _kernels().mx_row_factors_kernel[(e, -(-rows // t), -(-blocks // t))](scale, out, rows, blocks, BIAS=bias, TILE=t)
     return out
 
 

@@ -545,9 +545,9 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, dl_i
 
 
 @triton.jit
-def mx_row_factors_kernel(scale_ptr, out_ptr, rows, blocks, TILE: tl.constexpr):
-    # E8M0 scales [e, rows, blocks] (bytes, each at most 134) -> [e, blocks, rows] int16: the bf16 bits of
-    # 2**(S - 7), (S + 120) << 7, transposed (the row factors of cuda_mx.MxColumnWeight). A program takes a
+def mx_row_factors_kernel(scale_ptr, out_ptr, rows, blocks, BIAS: tl.constexpr, TILE: tl.constexpr):
+    # E8M0 scales [e, rows, blocks] (bytes, each at most 134) -> [e, blocks, rows] int16, (S + BIAS) << 7,
+    # transposed (the row factors of cuda_mx.MxColumnWeight: BIAS 120, the bf16 bits of 2**(S - 7)). A program takes a
     # TILE x TILE tile of one expert; its load runs along blocks, its store along rows (Triton's coalescing pass
     # gives each its own layout).
     e = tl.program_id(0).to(tl.int64)
@@ -556,4 +556,4 @@ def mx_row_factors_kernel(scale_ptr, out_ptr, rows, blocks, TILE: tl.constexpr):
     mask = (r < rows) & (b < blocks)
     base = e * rows * blocks
     s = tl.load(scale_ptr + base + r * blocks + b, mask=mask, other=0).to(tl.int32)
-    tl.store(out_ptr + base + b * rows + r, ((s + 120) << 7).to(tl.int16), mask=mask)
+    tl.store(out_ptr + base + b * rows + r, ((s + BIAS) << 7).to(tl.int16), mask=mask)
