@@ -398,3 +398,39 @@ def test_mx_row_factors_are_the_torch_ops():
         want = ((scale.to(torch.int16) + 120) << 7).transpose(1, 2)
         assert torch.equal(triton_ops.mx_row_factors(scale, cuda_mx.ROW_FACTOR_BIAS), want), shape
         assert torch.equal(cuda_mx._row_factors_torch(scale), want), shape
+
+
+def _quantize_pair(x):
+    """(triton_ops.quantize's, mxfp8's torch ops') bytes and scales of x along its last dimension."""
+    from mok_nn.mxfp8 import _quantize
+
+    data, scale = triton_ops.quantize(x)
+    want = _quantize(x, x.dim() - 1, 32, "rceil")
+    return (data.view(torch.uint8), scale), (want.data.view(torch.uint8), want.scale)
+
+
+def test_quantize_every_bf16_bit_pattern():
+    """triton_ops.quantize (mxfp8.quantize on CUDA) against mxfp8's torch ops, byte for byte: every bf16 bit pattern
+    (NaN and inf blocks, +-0, subnormals, the rceil boundary 1.75 * 2**p) in shuffled blocks, and blocks of one
+    repeated pattern (a block of zeros, of -0, of subnormals only: the scale's lower clamp)."""
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    shuffled = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(0))]
+    repeated = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(1))[:512]]
+    x = torch.cat([shuffled, repeated.repeat_interleave(32)]).view(torch.bfloat16).reshape(-1, 256)
+    (data, scale), (want_data, want_scale) = _quantize_pair(x)
+    assert data.shape == x.shape and scale.shape == (x.shape[0], 8)
+    assert torch.equal(scale, want_scale) and torch.equal(data, want_data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_quantize_wide_scales_and_special_values(dtype):
+    """As above for fp32 (blocks of fp32 subnormals and tiny normals: the integer path) and fp16, 3-D, a size
+    that is not a multiple of a program's 64 blocks; values at 448 * 2**e (no saturation) and above."""
+    g = torch.Generator().manual_seed(2)
+    scale = torch.exp2(torch.randint(-149 if dtype == torch.float32 else -24, 14, (3, 37, 1), generator=g).float())
+    y = (torch.randn(3, 37, 96, generator=g) * scale).to(dtype)
+    y[0, 5, 7], y[1, 33, 2], y[2, :2, :32] = float("nan"), float("-inf"), 0
+    y[2, 3, 32:64] = 448 * 2.0**-3
+    y[2, 4, 0:32] = -(2.0**-149 if dtype == torch.float32 else 2.0**-24)
+    (data, s), (want_data, want_s) = _quantize_pair(y)
+    assert torch.equal(s, want_s) and torch.equal(data, want_data)

@@ -9,6 +9,9 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
                       e >= -116 (real data) takes fp32 arithmetic, exact there, its rounding to E4M3 by the GPU's
                       conversion where there is one (hw_e4m3); a tile holding a block of tiny nonzero values takes
                       integer bit operations wherever a value may be subnormal.
+  quantize            mxfp8.quantize of blocks along the last dimension (MXFP8 weights: the explicit call, and a
+                      trained layer's forward weights with precision="mxfp8" on the fused path): the same bytes in
+                      one read of x and one write of the bytes, the E4M3 rounding as fake_quantize's
   dequantize          mxfp8.dequantize of blocks along the last dimension (MXFP8-only expert weights, every call):
                       the E4M3 bits and the scale combined into fp32 bits by integer operations, rounded once:
                       the same bits, one read of the bytes and one write (the torch ops: about six passes).
@@ -29,7 +32,7 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
   router_forward      the router's fp32 logits of 16-bit x and weight on the tensor cores and route's forward of
                       them in one kernel (router.route_tokens, up to ROUTER_MAX_COLS experts)
 
-The bit-exact kernels (fake_quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's
+The bit-exact kernels (fake_quantize, quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's
 normal range, which the compiled code may flush to zero, except where such a value's result is 0 either way
 (fake_quantize's float form): powers of two scale the exponent bits, bf16 rounds by integer operations. The
 activation and routing kernels compute the torch ops' formulas in fp32 (a score below the normal range may come out
@@ -41,9 +44,9 @@ Launches go through _Launcher: a form launched before runs its compiled kernel w
 whose host time the GPU would wait for at the start of a layer's forward.
 
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
-replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, dequantize and
-topk_indices, fp32 / storage rounding for the activation and the routing): one synchronisation, once (so not inside
-a CUDA graph capture: run a call before capturing). A form that fails to compile or disagrees is not used again in
+replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, quantize, dequantize and
+topk_indices, fp32 / storage rounding for the activation and the routing): one synchronisation, once (so not
+inside a CUDA graph capture: run a call before capturing). A form that fails to compile or disagrees is not used again in
 the process; a warning says which and why, and the torch ops run in its place.
 """
 
@@ -248,6 +251,27 @@ def fake_quantize(x: torch.Tensor, axis: int) -> torch.Tensor:
                                                                  HW_E4M3=hw_e4m3(x.device), ROWS=MX_ROWS,
                                                                  BLOCK=MX_BLOCK)
     return out
+
+
+def quantize_runs_on(x: torch.Tensor, axis: int) -> bool:
+    """quantize runs on x blocked along axis: a CUDA bf16 / fp16 / fp32 tensor blocked along its last dimension
+    (a multiple of 32), where Triton is installed."""
+    return (x.is_cuda and x.dim() > 0 and axis in (-1, x.dim() - 1) and x.shape[-1] % MX_BLOCK == 0
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available())
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxfp8.quantize(x, -1) ("rceil", blocks of 32 along the last dimension) bit for bit, in one read of x: (the
+    E4M3 bytes [..., K] as float8_e4m3fn, the E8M0 scale bytes [..., K / 32] uint8)."""
+    x = x.contiguous()
+    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(*x.shape[:-1], x.shape[-1] // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    n_blocks = scale.numel()
+    if n_blocks:
+        _kernels().quantize_kernel[(-(-n_blocks // MX_ROWS),)](x, data, scale, n_blocks,
+                                                               IN_BF16=x.dtype == torch.bfloat16,
+                                                               HW_E4M3=hw_e4m3(x.device), ROWS=MX_ROWS, BLOCK=MX_BLOCK)
+    return data.view(torch.float8_e4m3fn), scale
 
 
 def fake_quantize_rows(x: torch.Tensor, row0: torch.Tensor, nrows: torch.Tensor) -> torch.Tensor:

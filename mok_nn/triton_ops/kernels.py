@@ -81,6 +81,60 @@ def fake_quantize_rows_kernel(x_ptr, out_ptr, row0_ptr, nrows_ptr, cols, IN_BF16
     _mx_quantize_store(out_ptr + base, offs, _load_bits(x_ptr + base, offs, mask, IN_BF16), mask, 0, HW_E4M3)
 
 
+@triton.jit
+def quantize_kernel(x_ptr, data_ptr, scale_ptr, n_blocks, IN_BF16: tl.constexpr, HW_E4M3: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # mxfp8.quantize ("rceil") of blocks of BLOCK consecutive elements (along the last axis): each block's E4M3 bytes
+    # and its E8M0 scale byte; a program takes ROWS consecutive blocks, a [ROWS, BLOCK] tile
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    local = tl.arange(0, ROWS)
+    live = first + local < n_blocks
+    offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    bits = _load_bits(x_ptr + first * BLOCK, offs, live[:, None], IN_BF16)
+    sign = bits & -(2**31)
+    mag_bits = bits ^ sign
+    amax = tl.max(mag_bits, axis=1)  # (as _mx_quantize_store: int order is float order, NaN above inf)
+    nan = ((amax >> 23) & 0xFF) == 255  # a block holding NaN / inf: NaN bytes under the NaN scale
+    e = _rceil_exponent(amax)  # (-127 for a block of zeros or subnormals, as quantize clamps it)
+    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
+    e2 = e[:, None]
+    if tl.min(fast.to(tl.int32), axis=0) == 1:  # |x| * 2**-e in fp32 is exact, or rounds to 0 either way
+        s = mag_bits.to(tl.float32, bitcast=True) * ((127 - tl.where(amax == 0, 0, e)) << 23)[:, None].to(
+            tl.float32, bitcast=True)
+    else:  # by integer operations wherever a value may be subnormal (_mx_round_exact's first step)
+        s = _scaled_exact(mag_bits, e2).to(tl.float32, bitcast=True)
+    if HW_E4M3:  # (|s| <= 448 under the rceil scale: nothing saturates; ties to even, subnormals kept)
+        byte = s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        byte = _e4m3_byte(_e4m3_grid(s).to(tl.int32, bitcast=True))
+    byte = tl.where(nan[:, None], 0x7F, byte | ((sign >> 24) & 0x80))
+    tl.store(data_ptr + first * BLOCK + offs, byte.to(tl.uint8), mask=live[:, None])
+    tl.store(scale_ptr + first + local, tl.where(nan, 255, e + 127).to(tl.uint8), mask=live)
+
+
+@triton.jit
+def _scaled_exact(mag_bits, e):
+    # the fp32 bits of |x| * 2**-e for |x|'s bits, by integer operations (a subnormal x: its mantissa m as a float,
+    # times 2**-149); a result below fp32's normal range rounds to 0 on E4M3's grid (its smallest step is 2**-9):
+    # taken as 0
+    x_exp = mag_bits >> 23
+    sub_x = x_exp == 0
+    src = tl.where(sub_x, (mag_bits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True), mag_bits)
+    shift = tl.where(sub_x, -149, 0) - e
+    return tl.where((src >> 23) + shift >= 1, src + (shift << 23), 0)
+
+
+@triton.jit
+def _e4m3_byte(r_bits):
+    # the E4M3 byte (sign clear) of a non-negative fp32 value on E4M3's grid (0, or 2**-9 .. 448), exactly: a normal
+    # one (fp32 biased exponent >= 121) has E4M3 exponent field exp - 120 and the top 3 mantissa bits; a subnormal
+    # one is m * 2**-9, m = its 24-bit significand >> (141 - exp)
+    exp = r_bits >> 23
+    normal = ((exp - 120) << 3) | ((r_bits >> 20) & 7)
+    sub = ((r_bits & 0x7FFFFF) | 0x800000) >> tl.minimum(141 - exp, 31)
+    return tl.where(exp >= 121, normal, tl.where(r_bits == 0, 0, sub))
+
+
 MX_FAST_MIN_E = tl.constexpr(-116)  # the float form is exact for blocks with e >= this (_mx_round_fast)
 
 
@@ -159,11 +213,7 @@ def _mx_round_exact(mag_bits, e):
     # may be subnormal
     # |s| = |x| * 2**-e by integer operations (a subnormal x: its mantissa m as a float, times 2**-149); an |s|
     # below fp32's normal range rounds to 0 on E4M3's grid (its smallest step is 2**-9): taken as 0
-    x_exp = mag_bits >> 23
-    sub_x = x_exp == 0
-    src = tl.where(sub_x, (mag_bits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True), mag_bits)
-    shift = tl.where(sub_x, -149, 0) - e
-    s_bits = tl.where((src >> 23) + shift >= 1, src + (shift << 23), 0)
+    s_bits = _scaled_exact(mag_bits, e)
     rounded = _e4m3_grid(s_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
     return _times_pow2_bits(rounded, e)
 
