@@ -53,7 +53,7 @@ import torch
 from . import cuda_mx
 from .cuda_mx import MxColumnWeight, MxWeight
 from .envvars import getenv
-from .mxfp8 import fake_quantize_fast, weight_values
+from .mxfp8 import fake_quantize_fast, quantize, weight_values
 from .router import expert_counts
 from .triton_ops import current_stream
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
@@ -807,10 +807,12 @@ class GemmOperands:
     sums, and every other step (activation, combine, top-k weight gradient, biases) keeps the unquantised
     values, as the definition says."""
 
-    def __init__(self, precision: str):
+    def __init__(self, precision: str, weight_bytes: bool = False):
+        """weight_bytes: forward_weight may give trained weights as MXFP8 bytes (the one-GPU path's _mx kernels)."""
         if precision not in ("bf16", "mxfp8"):
             raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
         self.mxfp8 = precision == "mxfp8"
+        self.weight_bytes = weight_bytes and self.mxfp8
 
     def tokens(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """t [T, K] gathered into schedule order as a GEMM's rows, quantised along K: quantised before the
@@ -835,12 +837,31 @@ class GemmOperands:
             return w
         return weight_values(w, axis, mx_weight) if self.mxfp8 else w
 
+    def forward_weight(self, w: torch.Tensor, sched: Schedule, mx_kernel: str):
+        """An expert weight [E, N, K] as a forward GEMM takes it (along K), mx_kernel the registry name of that
+        GEMM's _mx form. With weight_bytes, a trained weight that this _mx kernel reads in this call
+        (cuda_mx.reads_trained_bytes) comes as an MxWeight of mxfp8.quantize(w): one pass writing a byte a value,
+        which the _mx kernel reads, where the values in bf16 cost a pass writing two and the bf16 kernel reads two;
+        the same bits (the _mx kernels give the bf16 kernels' bits on dequantize(quantize(w)), i.e. on the values).
+        Else weight(w, -1)."""
+        if self.weight_bytes and cuda_mx.reads_trained_bytes(w, sched, mx_kernel) and not _use_torch_gemm():
+            return weight_values(w, WEIGHT_BYTES, _weight_bytes)
+        return self.weight(w, -1)
+
     def segments(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """Rows [M_cap, N] in schedule order as an operand of a weight-gradient GEMM, which sums over the
         rows: blocks of 32 rows of each expert from its first row (its segment starts at a multiple of
         TILE_M); the rows that are not routed rows (padding, past the last segment) count as zeros, whatever
         a kernel left there."""
         return mx_values(t, MX_SEGMENTS, sched) if self.mxfp8 else t
+
+
+WEIGHT_BYTES = "bytes"  # mxfp8.weight_values' key of a weight's MXFP8 bytes (beside its values along an axis)
+
+
+def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
+    q = quantize(w, -1)
+    return MxWeight(q.data, q.scale)
 
 
 # mok_mx_quant's modes (kernels/mx_quant.py)
@@ -948,7 +969,7 @@ def experts_forward(
     why = check_supported(x, topk_ids, gate_up_proj, down_proj, activation)
     if why is not None:
         raise RuntimeError(f"mok_nn CUDA backend: {why}")
-    q = GemmOperands(precision)
+    q = GemmOperands(precision, weight_bytes=True)
     if sched is None:
         sched = make_schedule(topk_ids, gate_up_proj.shape[0])
     # x's rows (precision="mxfp8": of its MXFP8 values) feed the gate/up GEMM only: the tail past the last segment
@@ -967,8 +988,9 @@ def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, 
                      q: GemmOperands):
     """(out_rows [M_cap, H], gate_up [M_cap, 2I]): the experts' MLP of the rows a in schedule order (for
     precision="mxfp8" a holds the MXFP8 values already)."""
-    w13 = q.weight(gate_up_proj, -1)
-    if use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, a.shape[1]):
+    fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, a.shape[1])
+    w13 = q.forward_weight(gate_up_proj, sched, f"mok_gemm_gate_up_{activation}_mx" if fused else "mok_gemm_bk_mx")
+    if fused:
         gate_up, h = gate_up_act(a, w13, sched, activation, swiglu_limit)
     else:
         gate_up = grouped_gemm(a, w13, sched, transpose_w=False)
@@ -976,7 +998,7 @@ def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, 
             gate_up = (gate_up.float() + bias_rows(gate_up_bias, sched)).to(a.dtype)
         h = act_forward(gate_up, sched, activation, swiglu_limit)
     del w13  # (precision="mxfp8": the gate/up weight's values go before the down weight's are made)
-    out_rows = grouped_gemm(q.rows(h), q.weight(down_proj, -1), sched, transpose_w=False)
+    out_rows = grouped_gemm(q.rows(h), q.forward_weight(down_proj, sched, "mok_gemm_bk_mx"), sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + bias_rows(down_bias, sched)).to(a.dtype)
     return out_rows, gate_up

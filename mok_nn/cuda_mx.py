@@ -4,8 +4,10 @@ Where forward_reason() is None, autograd.expert_weights gives the CUDA backend a
 weight instead of W_q = dequantize(stored) in bf16. Its forward GEMMs (mok_gemm_gate_up_<act>_mx: gate/up with
 the activation epilogue, where the bf16 path fuses it; mok_gemm_bk_mx: the plain GEMM) then read the E4M3 bytes
 and E8M0 scales and make each B tile bf16 in shared memory (kernels/mx_operand.py): no dequantised copy of the
-weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. With
-precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs likewise read them (MxColumnWeight:
+weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The same kernels
+read a trained layer's weights with precision="mxfp8" where reads_trained_bytes: quantised to MXFP8 bytes for
+the call (mxfp8.quantize), which are the MXFP8 values the forward wants. For MXFP8-only weights with
+precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs read them too (MxColumnWeight:
 mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in shared memory); elsewhere the backward takes the values
 autograd.backward_expert_weights makes.
 
@@ -196,6 +198,18 @@ def reads_mx(kernel: str, sched, w: MxWeight) -> bool:
     MX_MAX_ROWS_PER_EXPERT[kernel] routed rows per expert on average (sched.pos: the routed rows; its size is
     known on the host, no synchronisation)."""
     return sched.pos.numel() <= MX_MAX_ROWS_PER_EXPERT[kernel] * w.shape[0]
+
+
+def reads_trained_bytes(w, sched, kernel: str) -> bool:
+    """Whether the forward's _mx GEMM `kernel` reads a trained weight w [E, N, K] (bf16, requires grad) of
+    precision="mxfp8" as MXFP8 bytes made for the call (cuda_backend.GemmOperands.forward_weight): where it
+    takes the call (reads_mx), N and K multiples of MX_K_MULTIPLE, mxfp8.quantize one Triton pass here, and not
+    while torch.compile traces (the first-use checks read values). Frozen weights keep their values in bf16,
+    made once per change (mxfp8.weight_values), for the bf16 kernels."""
+    from . import triton_ops
+    return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
+            and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
+            and triton_ops.quantize_runs_on(w, -1) and not torch.compiler.is_compiling())
 
 
 def _agree(got, want, rows: torch.Tensor) -> bool:

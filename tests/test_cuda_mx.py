@@ -253,3 +253,38 @@ def test_column_reason(monkeypatch):
     assert "above 134" in cuda_mx.column_reason(torch_ws, w13.data, w13.scale, w2.data, w2.scale, torch.bfloat16)
     w13.scale[0, 0, 0] = cuda_mx.COLUMN_MAX_SCALE
     assert cuda_mx.column_reason(torch_ws, w13.data, w13.scale, w2.data, w2.scale, torch.bfloat16) is None
+
+
+def test_trained_weights_come_as_bytes_where_their_mx_kernel_takes_the_call(monkeypatch):
+    """GemmOperands(..., weight_bytes=True).forward_weight (the one-GPU forward with precision="mxfp8"): a trained
+    weight (requires grad) whose _mx kernel takes the call comes as an MxWeight holding the MXFP8 values along K
+    (checked against the slow quantiser, fake_quantize); a frozen weight, too many rows per expert, widths that are
+    not multiples of 64, no one-pass quantiser, the portable path's operands (no weight_bytes) or bf16: the
+    values in bf16 (or the weight itself)."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn import triton_ops
+    from mok_nn.mxfp8 import fake_quantize
+
+    monkeypatch.setattr(triton_ops, "quantize_runs_on", lambda x, axis: True)  # (a CPU tensor here)
+    monkeypatch.setattr(cuda_mx, "MX_MAX_ROWS_PER_EXPERT", {"mok_gemm_bk_mx": 25})
+    g = torch.Generator().manual_seed(3)
+    block_scale = torch.exp2(torch.randint(-8, 8, (4, 128, 6, 1), generator=g).float()).expand(-1, -1, -1, 32)
+    w = (torch.randn(4, 128, 192, generator=g) * block_scale.reshape(4, 128, 192)).to(torch.bfloat16)
+    w.requires_grad_(True)
+    want = fake_quantize(w.detach(), -1)
+    q = cb.GemmOperands("mxfp8", weight_bytes=True)
+
+    def sched(tokens):  # 2 routed rows a token over 4 experts
+        return cb.make_schedule_torch(torch.randint(0, 4, (tokens, 2), generator=g), 4)
+
+    got = q.forward_weight(w, sched(50), "mok_gemm_bk_mx")  # 25 rows per expert
+    assert isinstance(got, cuda_mx.MxWeight) and torch.equal(got.dequantized(), want)
+    for other, s, op in ((w, sched(51), q), (w.detach(), sched(50), q),
+                         (w, sched(50), cb.GemmOperands("mxfp8"))):
+        values = op.forward_weight(other, s, "mok_gemm_bk_mx")
+        assert not isinstance(values, cuda_mx.MxWeight) and torch.equal(values, want)
+    narrow = w.detach()[:, :96].clone().requires_grad_(True)
+    assert not isinstance(q.forward_weight(narrow, sched(50), "mok_gemm_bk_mx"), cuda_mx.MxWeight)
+    assert cb.GemmOperands("bf16", weight_bytes=True).forward_weight(w, sched(50), "mok_gemm_bk_mx") is w
+    monkeypatch.setattr(triton_ops, "quantize_runs_on", lambda x, axis: False)
+    assert not isinstance(q.forward_weight(w, sched(50), "mok_gemm_bk_mx"), cuda_mx.MxWeight)

@@ -166,6 +166,31 @@ def test_fused_mxfp8_against_the_reference_path(T, H, I, E, K, kind):
         assert _rel(p, r) > 2 * err, (name, err, _rel(p, r))
 
 
+@pytest.mark.parametrize("T,H,I,E,K,kind", [
+    (300, 256, 128, 16, 4, "random"),
+    (1, 256, 128, 16, 4, "random"),
+    (300, 256, 128, 16, 4, "few"),  # experts without tokens
+    (512, 2048, 768, 8, 2, "random"),  # qwen3-like widths
+])
+def test_trained_weights_read_as_mxfp8_bytes(T, H, I, E, K, kind, launched_kernels, monkeypatch):
+    """Weights that require grad (trained) with precision="mxfp8": the forward's GEMMs read them as MXFP8 bytes made
+    for the call (mxfp8.quantize, then the _mx kernels), bit for bit every result of the path that hands the bf16
+    kernels their values (cuda_mx.reads_trained_bytes off), and of a second run."""
+    from mok_nn import cuda_mx
+
+    x, ids, w, dy, W13, W2 = _problem(T, H, I, E, K, kind, seed=T + I)
+    problem = (x, ids, w, dy, W13.requires_grad_(True), W2.requires_grad_(True))
+    got = _experts("cuda", "mxfp8", problem)
+    assert {"mok_gemm_gate_up_swiglu_mx", "mok_gemm_bk_mx"} <= set(launched_kernels), launched_kernels
+    again = _experts("cuda", "mxfp8", problem)
+    monkeypatch.setattr(cuda_mx, "reads_trained_bytes", lambda *args: False)
+    launched_kernels.clear()
+    values = _experts("cuda", "mxfp8", problem)
+    assert not any(n.endswith("_mx") for n in launched_kernels)
+    for name, a, b, v in zip(NAMES, got, again, values):
+        assert torch.equal(a, b) and torch.equal(a, v), name
+
+
 def test_fused_mxfp8_nan_inf_and_scale_extremes():
     """A token row holding NaN / Inf makes its own outputs NaN (its blocks dequantise to NaN), as on the
     reference path, and no other token's; all-zero rows and blocks at the top of E4M3's range (448 * 2**k)
