@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cuda_mx
+from . import cuda_mx, triton_ops
 from .cuda_mx import MxColumnWeight, MxWeight
 from .envvars import getenv
 from .mxfp8 import fake_quantize_fast, quantize, weight_values
@@ -901,10 +901,13 @@ def _mx_kernel_runs(t: torch.Tensor) -> bool:
 
 def mx_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
     """The MXFP8 values of an expert weight [E, N, K] along K (axis -1) or N (-2: blocks of 32 rows of [E N, K],
-    none straddling two experts since N % 32 == 0)."""
+    none straddling two experts since N % 32 == 0). Along N by Triton's fake_quantize where it runs
+    (fake_quantize_fast; on one H100 8-10% faster than mok_mx_quant's rows, the same bits), else mok_mx_quant."""
     e, n, k = w.shape
     if axis not in (-1, 2, -2, 1) or n % 32:
         raise ValueError(f"mx_weight: axis {axis} of {tuple(w.shape)}")
+    if axis in (-2, 1) and triton_ops.runs_on(w) and not _use_torch_act():
+        return fake_quantize_fast(w.detach(), 1)
     mode = MX_ALONG_COLS if axis in (-1, 2) else MX_ALONG_ROWS
     return mx_values(w.detach().reshape(e * n, k), mode).view(e, n, k)
 
