@@ -24,10 +24,12 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
   memory          the forward keeps gate_up only (no x rows); where autograd keeps no graph, d gate_up
                   overwrites it (the dSwiGLU epilogue reads each element before it writes it); every row
                   buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
-  precision=      mok_mx_quant gives every GEMM operand's MXFP8 values in bf16 (GemmOperands: x and d y before
-  "mxfp8"         their gathers, h and d gate_up after their kernels, the weight-gradient operands per expert in
-                  blocks of 32 rows, the weights once per call, or per change where frozen); the same kernels then
-                  run on those values
+  precision=      mok_mx_quant gives every activation operand's MXFP8 values in bf16 (GemmOperands: x and d y
+  "mxfp8"         before their gathers, h and d gate_up after their kernels, the weight-gradient operands per
+                  expert in blocks of 32 rows), Triton's fake_quantize the weights' (once per call, or per change
+                  where frozen); the same kernels then run on those values. Trained weights reach the forward's
+                  _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass (mxfp8.quantize), where those take
+                  the call (cuda_mx.reads_trained_bytes)
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
   weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
                   or with precision="mxfp8" its dgrad GEMMs read the bytes too (cuda_mx.MxColumnWeight: mok_gemm_bn_mxq,
@@ -901,13 +903,14 @@ def _mx_kernel_runs(t: torch.Tensor) -> bool:
 
 def mx_weight(w: torch.Tensor, axis: int) -> torch.Tensor:
     """The MXFP8 values of an expert weight [E, N, K] along K (axis -1) or N (-2: blocks of 32 rows of [E N, K],
-    none straddling two experts since N % 32 == 0). Along N by Triton's fake_quantize where it runs
-    (fake_quantize_fast; on one H100 8-10% faster than mok_mx_quant's rows, the same bits), else mok_mx_quant."""
+    none straddling two experts since N % 32 == 0). By Triton's fake_quantize where it runs (fake_quantize_fast:
+    the same bits; on one H100, the benchmark shapes' weights, 7% faster than mok_mx_quant along K, 8-10% along N),
+    else mok_mx_quant."""
     e, n, k = w.shape
     if axis not in (-1, 2, -2, 1) or n % 32:
         raise ValueError(f"mx_weight: axis {axis} of {tuple(w.shape)}")
-    if axis in (-2, 1) and triton_ops.runs_on(w) and not _use_torch_act():
-        return fake_quantize_fast(w.detach(), 1)
+    if triton_ops.runs_on(w) and not _use_torch_act():
+        return fake_quantize_fast(w.detach(), 2 if axis in (-1, 2) else 1)
     mode = MX_ALONG_COLS if axis in (-1, 2) else MX_ALONG_ROWS
     return mx_values(w.detach().reshape(e * n, k), mode).view(e, n, k)
 
