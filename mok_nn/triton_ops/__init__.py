@@ -32,9 +32,9 @@ or more elementwise passes, over fp32 copies; here it is one read of the inputs 
   router_forward      the router's fp32 logits of 16-bit x and weight on the tensor cores and route's forward of
                       them in one kernel (router.route_tokens, up to ROUTER_MAX_COLS experts)
 
-The bit-exact kernels (fake_quantize, quantize, dequantize, topk_indices) use no float arithmetic on values below fp32's
-normal range, which the compiled code may flush to zero, except where such a value's result is 0 either way
-(fake_quantize's float form): powers of two scale the exponent bits, bf16 rounds by integer operations. The
+The bit-exact kernels (fake_quantize, quantize, dequantize, topk_indices) use no float arithmetic on values below
+fp32's normal range, which the compiled code may flush to zero, except where such a value's result is 0 either way
+(the quantisers' float forms): powers of two scale the exponent bits, bf16 rounds by integer operations. The
 activation and routing kernels compute the torch ops' formulas in fp32 (a score below the normal range may come out
 as zero), not their bits: Triton's exp and fused multiply-adds round otherwise (deterministic run to run). act:
 "swiglu" silu(g) u, "swiglu_oai" (u + 1) g sigmoid(alpha g); with a limit g is clamped above at it and u to [-limit,
@@ -46,8 +46,8 @@ whose host time the GPU would wait for at the start of a layer's forward.
 Each kernel form (kernel, dtype, options) is checked on its first use in a process against the torch ops it
 replaces, on a few rows of the real inputs (`verified`: the same bits for fake_quantize, quantize, dequantize and
 topk_indices, fp32 / storage rounding for the activation and the routing): one synchronisation, once (so not
-inside a CUDA graph capture: run a call before capturing). A form that fails to compile or disagrees is not used again in
-the process; a warning says which and why, and the torch ops run in its place.
+inside a CUDA graph capture: run a call before capturing). A form that fails to compile or disagrees is not used
+again in the process; a warning says which and why, and the torch ops run in its place.
 """
 
 from __future__ import annotations

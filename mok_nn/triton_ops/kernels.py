@@ -97,12 +97,11 @@ def quantize_kernel(x_ptr, data_ptr, scale_ptr, n_blocks, IN_BF16: tl.constexpr,
     nan = ((amax >> 23) & 0xFF) == 255  # a block holding NaN / inf: NaN bytes under the NaN scale
     e = _rceil_exponent(amax)  # (-127 for a block of zeros or subnormals, as quantize clamps it)
     fast = (amax == 0) | (e >= MX_FAST_MIN_E)
-    e2 = e[:, None]
     if tl.min(fast.to(tl.int32), axis=0) == 1:  # |x| * 2**-e in fp32 is exact, or rounds to 0 either way
-        s = mag_bits.to(tl.float32, bitcast=True) * ((127 - tl.where(amax == 0, 0, e)) << 23)[:, None].to(
-            tl.float32, bitcast=True)
+        down = ((127 - tl.where(amax == 0, 0, e)) << 23).to(tl.float32, bitcast=True)  # 2**-e
+        s = mag_bits.to(tl.float32, bitcast=True) * down[:, None]
     else:  # by integer operations wherever a value may be subnormal (_mx_round_exact's first step)
-        s = _scaled_exact(mag_bits, e2).to(tl.float32, bitcast=True)
+        s = _scaled_exact(mag_bits, e[:, None]).to(tl.float32, bitcast=True)
     if HW_E4M3:  # (|s| <= 448 under the rceil scale: nothing saturates; ties to even, subnormals kept)
         byte = s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     else:
