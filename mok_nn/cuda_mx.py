@@ -12,9 +12,9 @@ mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in shared memory); elsewh
 autograd.backward_expert_weights makes.
 
 Each of these kernels is checked on its first use in a process (per device) against dequantize (the dgrad's: the
-values along K) + the bf16 kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a call before capturing); one
-that disagrees or fails is not used again in the process, with a warning, and W_q runs in its place. The NaN-byte
-guard (nan_free) reads the weights once per change of them.
+values along K) + the bf16 kernel, bit for bit (one synchronisation, so not inside a CUDA graph capture: run a
+call before capturing); one that disagrees or fails is not used again in the process, with a warning, and W_q
+runs in its place. The NaN-byte guard (nan_free) reads the weights once per change of them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_ops
 from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
@@ -98,7 +99,6 @@ def row_factors(scale: torch.Tensor) -> torch.Tensor:
     """[E, R, B] scale bytes (at most COLUMN_MAX_SCALE) -> [E, B, R] int16, (S + ROW_FACTOR_BIAS) << 7: one Triton
     pass on CUDA (triton_ops.mx_row_factors, checked on its first use), else two torch passes (S + 120 <= 254 fits
     the uint8 sum, transposed as it is written; then the shift)."""
-    from . import triton_ops
     if scale.is_cuda and triton_ops.available() and triton_ops.verified(
             ("mx_row_factors",), scale.device,
             lambda: (triton_ops.mx_row_factors(scale[:1], ROW_FACTOR_BIAS), _row_factors_torch(scale[:1])), exact=True):
@@ -206,7 +206,6 @@ def reads_trained_bytes(w, sched, kernel: str) -> bool:
     takes the call (reads_mx), N and K multiples of MX_K_MULTIPLE, mxfp8.quantize one Triton pass here, and not
     while torch.compile traces (the first-use checks read values). Frozen weights keep their values in bf16,
     made once per change (mxfp8.weight_values), for the bf16 kernels."""
-    from . import triton_ops
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
             and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
             and triton_ops.quantize_runs_on(w, -1) and not torch.compiler.is_compiling())

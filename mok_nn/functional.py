@@ -261,7 +261,7 @@ def forward(x, topk_ids, topk_weights, params: ExpertParams, schedule, workspace
 
 def weight_values_along_n(w: torch.Tensor, backend: str) -> torch.Tensor:
     """The MXFP8 values of expert weights w [E_l, N, K] along N, the operand of the backward's d x / d h GEMMs with
-    precision="mxfp8", computed as `backend` (a workspace's) computes them (mok_mx_quant on the CUDA path,
+    precision="mxfp8", computed as `backend` (a workspace's) computes them (cuda_backend.mx_weight on the CUDA path,
     fake_quantize_fast elsewhere: the same bits)."""
     if backend == "cuda":
         return _cuda_backend().mx_weight(w, -2)

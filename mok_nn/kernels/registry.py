@@ -162,7 +162,7 @@ def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1, full_e
 
 
 # An MXFP8 B operand (kernels/mx_operand.py): the weights' E4M3 bytes (N, K, E) K-major and their scale pairs
-# (N, K / 64, E), N fastest (cuda_backend.MxWeight arranges them).
+# (N, K / 64, E), N fastest (cuda_mx.MxWeight.kernel_operands arranges them).
 def _mx_b_args(n_div: int) -> tuple:
     return (TensorArg("b", "u8", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(n_div, 64, 1)),
             TensorArg("b_scale", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(8, 1, 1)))
@@ -186,7 +186,8 @@ def _gemm_act_mx_spec(kind: str) -> KernelSpec:
 
 def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
     # the backward's dgrad (d rows @ B, B the MXFP8 values along K of W_q) from MXFP8-only weights: their E4M3 bytes
-    # (N, K, E) N-major and a table of row factors (K, N / 32, E) u16, K fastest (cuda_mx.column_operands)
+    # (N, K, E) N-major and a table of row factors (K, N / 32, E) u16, K fastest
+    # (cuda_mx.MxColumnWeight.kernel_operands)
     base = _gemm_spec("mok_gemm_bn_mxq" + ("_f32" if c_dtype == "f32" else ""), "n", GEMM_TILE_N, c_dtype)
     a, _, c, *rest = base.args
     b = (TensorArg("b", "u8", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(32, 64, 1)),

@@ -209,9 +209,7 @@ def _mx_round_hw(bits, e):
 @triton.jit
 def _mx_round_exact(mag_bits, e):
     # |x|'s bits -> the bits of its MXFP8 value at the block scale 2**e, by integer operations wherever a value
-    # may be subnormal
-    # |s| = |x| * 2**-e by integer operations (a subnormal x: its mantissa m as a float, times 2**-149); an |s|
-    # below fp32's normal range rounds to 0 on E4M3's grid (its smallest step is 2**-9): taken as 0
+    # may be subnormal (|s| = |x| * 2**-e by _scaled_exact)
     s_bits = _scaled_exact(mag_bits, e)
     rounded = _e4m3_grid(s_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
     return _times_pow2_bits(rounded, e)
