@@ -1088,16 +1088,23 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
-# d gate_up_proj = dgu^T x_rows runs in about this many column blocks of x, each block's x rows gathered just for
-# its GEMM: the forward keeps no x rows, and the backward holds a quarter of them at a time
-# (benchmarks/memory_model.py). The blocks are whole GEMM_TILE_N tiles.
-X_COLUMN_BLOCKS = 4
+# d gate_up_proj = dgu^T x_rows runs in column blocks of x, each block's x rows gathered just for its GEMM (the
+# forward keeps no x rows): as few blocks as keep one block's rows within X_BLOCK_BYTES, at most
+# X_MAX_COLUMN_BLOCKS, of whole GEMM_TILE_N tiles. Fewer blocks are faster (each block's GEMM has its own launch
+# and tail: on an H100 qwen3-30b-a3b's backward took 3.00 ms in 2 blocks, 3.09 in 4, 2.91 in 1), more hold less:
+# x's rows at 8192 tokens are 335 MB at qwen3-30b-a3b (2 blocks), 143 MB at mixtral-8x7b (1), 1.4 GB at
+# deepseek-v3 (4) (benchmarks/memory_model.py gives the peaks).
+X_BLOCK_BYTES = 192 << 20
+X_MAX_COLUMN_BLOCKS = 4
 
 
-def x_column_blocks(hidden: int) -> list[tuple[int, int]]:
-    """[c0, c1) column blocks of x (H = hidden) for gate_up_weight_grad: X_COLUMN_BLOCKS blocks of whole
-    GEMM_TILE_N tiles (fewer where H is small, the last one shorter where H is not a multiple of the width)."""
-    width = -(-hidden // (X_COLUMN_BLOCKS * GEMM_TILE_N)) * GEMM_TILE_N
+def x_column_blocks(hidden: int, rows: int, elem_bytes: int = 2) -> list[tuple[int, int]]:
+    """[c0, c1) column blocks of x (H = hidden; rows: the schedule's rows, elem_bytes a value's) for
+    gate_up_weight_grad: as few blocks as hold at most X_BLOCK_BYTES of rows each, at most X_MAX_COLUMN_BLOCKS,
+    of whole GEMM_TILE_N tiles (fewer where H is small, the last one shorter where H is not a multiple of the
+    width)."""
+    blocks = min(X_MAX_COLUMN_BLOCKS, max(1, -(-rows * hidden * elem_bytes // X_BLOCK_BYTES)))
+    width = -(-hidden // (blocks * GEMM_TILE_N)) * GEMM_TILE_N
     return [(c0, min(c0 + width, hidden)) for c0 in range(0, hidden, width)]
 
 
@@ -1113,7 +1120,7 @@ def gate_up_weight_grad(dgu, x_cols, sched: Schedule, gate_up_proj, into=None, o
     if grad is None:
         grad = torch.empty(gate_up_proj.shape, dtype=gate_up_proj.dtype, device=dgu.device)
     a = operands.segments(dgu, sched) if operands is not None else dgu
-    for c0, c1 in x_column_blocks(hidden):
+    for c0, c1 in x_column_blocks(hidden, sched.capacity):
         b = x_cols(c0, c1)
         if operands is not None:
             b = operands.segments(b, sched)

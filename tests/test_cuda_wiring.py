@@ -186,13 +186,19 @@ def test_backward_frees_each_row_buffer_before_the_next_one(fake_lib, monkeypatc
 
 
 def test_x_column_blocks():
-    """d gate_up_proj's column blocks of x: four of whole 256-column tiles where H allows, fewer where H is small,
-    the last one shorter where H is not a multiple of the width."""
-    assert cb.x_column_blocks(2048) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
-    assert cb.x_column_blocks(7168) == [(0, 1792), (1792, 3584), (3584, 5376), (5376, 7168)]
-    assert cb.x_column_blocks(4096) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
-    assert cb.x_column_blocks(1040) == [(0, 512), (512, 1024), (1024, 1040)]
-    assert cb.x_column_blocks(32) == [(0, 32)]
+    """d gate_up_proj's column blocks of x: as few as keep one block's rows within X_BLOCK_BYTES, at most
+    X_MAX_COLUMN_BLOCKS, of whole 256-column tiles (fewer where H is small), the last one shorter where H is not a
+    multiple of the width. The benchmark shapes at 8192 tokens (schedule_capacity rows): 2, 1 and 4 blocks."""
+    rows = {h: cb.schedule_capacity(8192, k, e) for h, k, e in ((2048, 8, 128), (4096, 2, 8), (7168, 8, 256))}
+    assert cb.x_column_blocks(2048, rows[2048]) == [(0, 1024), (1024, 2048)]  # qwen3-30b-a3b: 335 MB of rows
+    assert cb.x_column_blocks(4096, rows[4096]) == [(0, 4096)]  # mixtral-8x7b: 143 MB
+    assert cb.x_column_blocks(7168, rows[7168]) == [(0, 1792), (1792, 3584), (3584, 5376), (5376, 7168)]
+    big = cb.X_BLOCK_BYTES  # rows of 1 byte a value: blocks of exactly X_BLOCK_BYTES allowed, one more not
+    assert cb.x_column_blocks(2048, 2 * big // 2048, elem_bytes=1) == [(0, 1024), (1024, 2048)]
+    assert cb.x_column_blocks(2048, 2 * big // 2048 + 1, elem_bytes=1) == [(0, 768), (768, 1536), (1536, 2048)]
+    assert cb.x_column_blocks(1040, 10**6) == [(0, 512), (512, 1024), (1024, 1040)]
+    assert cb.x_column_blocks(32, 10**6) == [(0, 32)]
+    assert cb.x_column_blocks(1040, 100) == [(0, 1040)]
 
 
 def _exact_weight_grad(a_rows, b_rows, sched, counts, into=None, out=None, cols=None):
@@ -238,9 +244,10 @@ def test_gate_up_weight_grad_in_column_blocks(fake_lib, monkeypatch, macrobatch)
         return out
 
     monkeypatch.setattr(cb, "gather_rows", spy_gather)
+    monkeypatch.setattr(cb, "X_BLOCK_BYTES", 1024)  # (small rows: several blocks)
     blocks = backward()
     assert [width for width, _ in gathers] == [512, 512, 16] * (2 if macrobatch else 1)
-    monkeypatch.setattr(cb, "x_column_blocks", lambda hidden: [(0, hidden)])
+    monkeypatch.setattr(cb, "x_column_blocks", lambda hidden, rows: [(0, hidden)])
     whole = backward()
     assert torch.equal(blocks, whole)
     _, saved_r = reference.experts_forward(x, ids, w, *args)
@@ -292,14 +299,16 @@ def test_weight_grad_kernel_stores_into_column_blocks(monkeypatch, accumulate):
     cb.weight_grad(a, b, sched, sched.seg_rows, **({"into": whole} if accumulate else {"out": whole}))
     grad = start.clone() if accumulate else torch.empty(E, Na, H, dtype=torch.bfloat16)
     lib.stores.clear()
-    for c0, c1 in cb.x_column_blocks(H):
+    blocks = cb.x_column_blocks(H, 10**6)
+    assert len(blocks) == 3
+    for c0, c1 in blocks:
         block = grad[:, :, c0:c1]
         got = cb.weight_grad(a, b[:, c0:c1].contiguous(), sched, sched.seg_rows, cols=H,
                              **({"into": block} if accumulate else {"out": block}))
         assert got.data_ptr() == block.data_ptr()
     name = cb.wgrad_kernel(sched, H, accumulate)
     kernel = cb.WGRAD_ACC_KERNELS[name] if accumulate else name
-    assert lib.stores == [(kernel, grad[:, :, c0].data_ptr()) for c0, _ in cb.x_column_blocks(H)]
+    assert lib.stores == [(kernel, grad[:, :, c0].data_ptr()) for c0, _ in blocks]
     assert torch.equal(grad, whole)
     odd = grad[:, :, 3:11]  # 6 bytes past a 16-byte boundary: not a layout the kernels store into
     assert not cb.wgrad_output_layout(odd)

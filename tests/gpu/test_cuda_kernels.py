@@ -397,7 +397,7 @@ def test_weight_grad_into_column_blocks(lib, case, accumulate, launched_kernels)
     whole = cb.weight_grad(a, b, sched, counts, into=before.clone() if accumulate else None)
     name = cb.wgrad_kernel(sched, Nb, accumulate)
     kernel = registry.WGRAD_ACC_KERNELS[name] if accumulate else name
-    for blocks in (cb.x_column_blocks(Nb), [(0, 8), (8, 48), (48, Nb)]):
+    for blocks in (cb.x_column_blocks(Nb, 10**6), [(0, 8), (8, 48), (48, Nb)]):
         grad = before.clone() if accumulate else torch.full_like(before, float("nan"))
         launched_kernels.clear()
         for c0, c1 in blocks:
@@ -636,14 +636,14 @@ def _rule_kernels(T, H, I, E, k, activation, bias, sched):
     # d down_proj right after the dgrad of down; then d x; then d gate_up_proj a column block of x at a time,
     # each block's x rows gathered for it
     bwd += [cb.wgrad_kernel(sched, I), cb.gemm_kernel(True, k=2 * I), combine]
-    bwd += ["mok_scatter_rows", cb.wgrad_kernel(sched, H)] * len(cb.x_column_blocks(H))
+    bwd += ["mok_scatter_rows", cb.wgrad_kernel(sched, H)] * len(cb.x_column_blocks(H, sched.capacity))
     return fwd, bwd
 
 
 def test_expert_cases_cover_the_layer_kernels():
     """The rules pick, over EXPERT_CASES, every kernel of the one-GPU bf16 experts (the schedule's gather form
     runs through the layer: test_cuda_layer.py; mok_mx_quant, precision="mxfp8"'s: test_mxfp8_cuda.py; the _mx
-    GEMMs of MXFP8-only weights: test_mx_gemm_cuda.py)."""
+    and _mxq GEMMs of MXFP8-only weights: test_mx_gemm_cuda.py)."""
     from mok_nn import cuda_backend as cb
 
     seen = set()
@@ -652,7 +652,8 @@ def test_expert_cases_cover_the_layer_kernels():
         for part in _rule_kernels(T, H, I, E, k, act, bias, sched):
             seen.update(part)
     layer = {s.name for s in registry.SPECS if not s.name.startswith(("mok_ep_", "mok_combine_final"))
-             and not s.name.endswith(("_push", "_acc", "_peers", "_mx")) and s.name not in ("mok_schedule_gather", "mok_gather_rows", "mok_mx_quant")}
+             and not s.name.endswith(("_push", "_acc", "_peers", "_mx", "_mxq", "_mxq_f32"))
+             and s.name not in ("mok_schedule_gather", "mok_gather_rows", "mok_mx_quant")}
     assert layer - seen == set()
     # the rules' thresholds, as the cases above assume them
     assert cb.PINGPONG_MAX_K == {"gemm": 1024, "act": 2048, "dact": 4096} and cb.GEMM_FULL_EPI_MAX_K == 8192

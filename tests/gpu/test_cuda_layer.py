@@ -91,7 +91,7 @@ def test_macrobatch_passes_keep_the_bits(T, size, launched_kernels):
     launched_kernels.clear()
     got = _routed_cuda(x, ids, w, params, dy, cfg)
     passes = -(-T // size)
-    per_pass = 1 + len(cb.x_column_blocks(x.shape[1]))
+    per_pass = 1 + len(cb.x_column_blocks(x.shape[1], cb.schedule_capacity(size, ids.shape[1], 16)))  # (E = 16)
     assert launched_kernels.count("mok_gemm_wgrad_defer_c2_acc") == per_pass * (passes - 1), launched_kernels
     again = _routed_cuda(x, ids, w, params, dy, cfg)
     for i, (a, b) in enumerate(zip(got, again)):
@@ -122,7 +122,7 @@ def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
     launched_kernels.clear()
     got = _routed_cuda(x, ids, w, params, dy, MoKConfig())
     assert launched_kernels[0] == "mok_schedule_gather", launched_kernels
-    scatters = 1 + len(cb.x_column_blocks(x.shape[1]))
+    scatters = 1 + len(cb.x_column_blocks(x.shape[1], cb.schedule_capacity(*ids.shape, 16)))  # (E = 16)
     assert launched_kernels.count("mok_scatter_rows") == scatters and "mok_schedule_mc" not in launched_kernels
     monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None:
                         cb.make_schedule_torch(ids, num_experts, capacity))
