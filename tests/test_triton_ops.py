@@ -386,6 +386,18 @@ def test_route_backward_parts_are_the_bf16_split_of_d_logits(softmax):
     assert torch.equal(parts.view(torch.int16), torch.cat(_bf16_parts(d_l), dim=1).view(torch.int16))
 
 
+def test_transposed_is_the_torch_transpose():
+    """triton_ops.transposed ([E, R, C] -> [E, C, R], cuda_mx.scale_pairs' words) against torch's transpose, words
+    across the 16-bit range (NaN patterns included: they are moved, not read as numbers), at sizes that are not
+    multiples of its tile."""
+    g = torch.Generator().manual_seed(5)
+    for shape in ((2, 100, 7), (1, 64, 64), (3, 129, 70)):
+        x = torch.randint(-2**15, 2**15, shape, generator=g, dtype=torch.int16)
+        x.view(-1)[:2**10] = torch.arange(-2**15, 2**15, 64, dtype=torch.int16)
+        got = triton_ops.transposed(x)
+        assert got.is_contiguous() and torch.equal(got, x.transpose(1, 2)), shape
+
+
 def test_mx_row_factors_are_the_torch_ops():
     """triton_ops.mx_row_factors (the row factors of cuda_mx.MxColumnWeight): (S + 120) << 7 transposed, against
     the torch ops, over every scale byte the dgrad kernels admit, at sizes that are not multiples of its tile."""
