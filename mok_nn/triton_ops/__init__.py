@@ -345,7 +345,8 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(e, cols, rows, dtype=x.dtype, device=x.device)
     if out.numel():
         t = MX_FACTORS_TILE
-        _kernels().transpose_kernel[(e, -(-rows // t), -(-cols // t))](x, out, rows, cols, TILE=t)
+        _kernels().transpose_kernel[(e, -(-rows // t), -(-cols // t))](x, out, rows, cols, FACTORS=False, BIAS=0,
+                                                                      TILE=t)
     return out
 
 
@@ -357,7 +358,8 @@ def mx_row_factors(scale: torch.Tensor, bias: int) -> torch.Tensor:
     out = torch.empty(e, blocks, rows, dtype=torch.int16, device=scale.device)
     if out.numel():
         t = MX_FACTORS_TILE
-        _kernels().mx_row_factors_kernel[(e, -(-rows // t), -(-blocks // t))](scale, out, rows, blocks, BIAS=bias, TILE=t)
+        _kernels().transpose_kernel[(e, -(-rows // t), -(-blocks // t))](scale, out, rows, blocks, FACTORS=True,
+                                                                        BIAS=bias, TILE=t)
     return out
 
 

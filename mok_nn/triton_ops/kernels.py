@@ -592,27 +592,17 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, dl_i
 
 
 @triton.jit
-def transpose_kernel(x_ptr, out_ptr, rows, cols, TILE: tl.constexpr):
+def transpose_kernel(x_ptr, out_ptr, rows, cols, FACTORS: tl.constexpr, BIAS: tl.constexpr, TILE: tl.constexpr):
     # [e, rows, cols] -> [e, cols, rows] (any element type, as the pointers give it): a program takes a TILE x TILE
-    # tile of one matrix; its load runs along cols, its store along rows (each gets its own coalesced layout)
+    # tile of one matrix; its load runs along cols, its store along rows (each gets its own coalesced layout).
+    # FACTORS: E8M0 scale bytes (each at most 134) stored as int16 (S + BIAS) << 7: the row factors of
+    # cuda_mx.MxColumnWeight (BIAS 120, the bf16 bits of 2**(S - 7))
     e = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * TILE + tl.arange(0, TILE)[:, None]
     c = tl.program_id(2) * TILE + tl.arange(0, TILE)[None, :]
     mask = (r < rows) & (c < cols)
     base = e * rows * cols
-    tl.store(out_ptr + base + c * rows + r, tl.load(x_ptr + base + r * cols + c, mask=mask), mask=mask)
-
-
-@triton.jit
-def mx_row_factors_kernel(scale_ptr, out_ptr, rows, blocks, BIAS: tl.constexpr, TILE: tl.constexpr):
-    # E8M0 scales [e, rows, blocks] (bytes, each at most 134) -> [e, blocks, rows] int16, (S + BIAS) << 7,
-    # transposed (the row factors of cuda_mx.MxColumnWeight: BIAS 120, the bf16 bits of 2**(S - 7)). A program takes a
-    # TILE x TILE tile of one expert; its load runs along blocks, its store along rows (Triton's coalescing pass
-    # gives each its own layout).
-    e = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * TILE + tl.arange(0, TILE)[:, None]
-    b = tl.program_id(2) * TILE + tl.arange(0, TILE)[None, :]
-    mask = (r < rows) & (b < blocks)
-    base = e * rows * blocks
-    s = tl.load(scale_ptr + base + r * blocks + b, mask=mask, other=0).to(tl.int32)
-    tl.store(out_ptr + base + b * rows + r, ((s + BIAS) << 7).to(tl.int16), mask=mask)
+    v = tl.load(x_ptr + base + r * cols + c, mask=mask)
+    if FACTORS:
+        v = ((v.to(tl.int32) + BIAS) << 7).to(tl.int16)
+    tl.store(out_ptr + base + c * rows + r, v, mask=mask)
