@@ -142,8 +142,9 @@ def column_reason(workspace, data13, scale13, data2, scale2, dtype) -> str | Non
 def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
     """scale [E, N, K / 32] uint8 -> (N, K / 64, E) uint16 (a view of an [E, K / 64, N] array): the two scale
     bytes of K blocks 2j, 2j + 1 of row n of expert e in one little-endian word, rows of one K pair adjacent
-    (what one TMA box of a kernel stage reads). Cached while scale is unchanged (mxfp8.weight_state; not for
-    tensors without a version counter)."""
+    (what one TMA box of a kernel stage reads): the 16-bit words of the scale rows transposed, on CUDA by one Triton
+    pass (checked on its first use; torch's copy of the permuted bytes is several times slower). Cached while scale
+    is unchanged (mxfp8.weight_state; not for tensors without a version counter)."""
     state = weight_state(scale)
     hit = _PAIRS.get(scale)
     if state is not None and hit is not None and hit[0] == state:
@@ -152,7 +153,7 @@ def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
     if words.is_cuda and triton_ops.available() and triton_ops.verified(
             ("transposed", torch.int16), words.device,
             lambda: (triton_ops.transposed(words[:1]), words[:1].transpose(1, 2).contiguous()), exact=True):
-        pairs = triton_ops.transposed(words)  # (one pass; torch's copy of the permuted bytes is several times slower)
+        pairs = triton_ops.transposed(words)
     else:
         pairs = words.transpose(1, 2).contiguous()
     pairs = pairs.view(torch.uint16).permute(2, 1, 0)
