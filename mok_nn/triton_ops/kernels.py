@@ -91,15 +91,11 @@ def quantize_kernel(x_ptr, data_ptr, scale_ptr, n_blocks, IN_BF16: tl.constexpr,
     live = first + local < n_blocks
     offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     bits = _load_bits(x_ptr + first * BLOCK, offs, live[:, None], IN_BF16)
-    sign = bits & -(2**31)
-    mag_bits = bits ^ sign
-    amax = tl.max(mag_bits, axis=1)  # (as _mx_quantize_store: int order is float order, NaN above inf)
-    nan = ((amax >> 23) & 0xFF) == 255  # a block holding NaN / inf: NaN bytes under the NaN scale
-    e = _rceil_exponent(amax)  # (-127 for a block of zeros or subnormals, as quantize clamps it)
-    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
-    if tl.min(fast.to(tl.int32), axis=0) == 1:  # |x| * 2**-e in fp32 is exact, or rounds to 0 either way
-        down = ((127 - tl.where(amax == 0, 0, e)) << 23).to(tl.float32, bitcast=True)  # 2**-e
-        s = mag_bits.to(tl.float32, bitcast=True) * down[:, None]
+    # (e: -127 for a block of zeros or subnormals, as quantize clamps it; a block holding NaN / inf: NaN bytes under
+    # the NaN scale)
+    sign, mag_bits, nan, e, e_fast, all_fast = _block_scales(bits, 1)
+    if all_fast:  # |x| * 2**-e in fp32 is exact, or rounds to 0 either way
+        s = mag_bits.to(tl.float32, bitcast=True) * ((127 - e_fast) << 23).to(tl.float32, bitcast=True)[:, None]
     else:  # by integer operations wherever a value may be subnormal (_mx_round_exact's first step)
         s = _scaled_exact(mag_bits, e[:, None]).to(tl.float32, bitcast=True)
     if HW_E4M3:  # (|s| <= 448 under the rceil scale: nothing saturates; ties to even, subnormals kept)
@@ -141,23 +137,16 @@ MX_FAST_MIN_E = tl.constexpr(-116)  # the float form is exact for blocks with e 
 def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr, HW_E4M3: tl.constexpr):
     # the MXFP8 values ("rceil") of fp32 bits `bits` in blocks along AXIS of the tile, stored at ptr in its dtype
     # (_store_bits' rounding). HW_E4M3: round by the GPU's E4M3 conversion (sm_89 and later) on the float form
-    sign = bits & -(2**31)
-    mag_bits = bits ^ sign
-    # amax over the block as the largest bit pattern (the sign cleared, int order is float order; a NaN's
-    # pattern lies above inf's, and both give the biased exponent 255 the NaN rule keys on)
-    amax = tl.max(mag_bits, axis=AXIS)
-    nan = tl.expand_dims(((amax >> 23) & 0xFF) == 255, AXIS)  # a block holding NaN / inf: NaN
-    e = _rceil_exponent(amax)
+    sign, mag_bits, nan, e, e_fast, all_fast = _block_scales(bits, AXIS)
+    nan = tl.expand_dims(nan, AXIS)  # a block holding NaN / inf: NaN
     # A tile whose blocks are all zeros or have e >= MX_FAST_MIN_E (real data) takes the float form: about half the
     # instructions of the integer form, which bounded the kernels' speed (on an H200 1.2-1.9 TB/s against a copy's
     # 3.3-4.1; the float form 1.7-3.0); a tile holding a block of tiny nonzero values takes the integer form.
-    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
-    if tl.min(tl.reshape(fast.to(tl.int32), [fast.numel]), axis=0) == 1:  # (the tile's blocks: 1-D, or 2-D)
-        e_fast = tl.expand_dims(tl.where(amax == 0, 0, e), AXIS)
+    if all_fast:
         if HW_E4M3:
-            out = _mx_round_hw(bits, e_fast)
+            out = _mx_round_hw(bits, tl.expand_dims(e_fast, AXIS))
         else:
-            out = _mx_round_fast(mag_bits, e_fast) | sign
+            out = _mx_round_fast(mag_bits, tl.expand_dims(e_fast, AXIS)) | sign
         out = tl.where(nan, 0x7FC00000, out)
         # Into bf16 as the top 16 bits, without the rounding: each result is 0, NaN, inf or a normal number of at
         # most 4 significant bits, so its low 16 bits are zero and the rounding would keep it (that rounding was
@@ -169,6 +158,23 @@ def _mx_quantize_store(ptr, offs, bits, mask, AXIS: tl.constexpr, HW_E4M3: tl.co
     else:
         _store_bits(ptr, offs, tl.where(nan, 0x7FC00000, _mx_round_exact(mag_bits, tl.expand_dims(e, AXIS)) | sign),
                     mask)
+
+
+@triton.jit
+def _block_scales(bits, AXIS: tl.constexpr):
+    # The rceil scales of a tile's blocks along AXIS from its values' fp32 bits: (sign bits, |x|'s bits, each
+    # block's NaN flag, its exponent e, e with all-zero blocks at 0 (the float form's), whether every block of the
+    # tile is all zeros or has e >= MX_FAST_MIN_E, where the float form is exact). amax is the block's largest bit
+    # pattern with the sign cleared (int order is float order; a NaN's pattern lies above inf's, and both give the
+    # biased exponent 255 the NaN rule keys on).
+    sign = bits & -(2**31)
+    mag_bits = bits ^ sign
+    amax = tl.max(mag_bits, axis=AXIS)
+    nan = ((amax >> 23) & 0xFF) == 255
+    e = _rceil_exponent(amax)
+    fast = (amax == 0) | (e >= MX_FAST_MIN_E)
+    all_fast = tl.min(tl.reshape(fast.to(tl.int32), [fast.numel]), axis=0) == 1  # (the tile's blocks: 1-D or 2-D)
+    return sign, mag_bits, nan, e, tl.where(amax == 0, 0, e), all_fast
 
 
 @triton.jit
