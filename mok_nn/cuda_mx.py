@@ -46,6 +46,20 @@ COLUMN_MAX_SCALE = 134
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
+_LARGEST = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, largest byte)
+
+
+def _kept(cache, key: torch.Tensor, state, make):
+    """make(), kept in cache under tensor key while state (mxfp8.weight_state of the tensors it depends on) is
+    unchanged; a state that is or holds None (a tensor without a version counter) is made anew every call."""
+    if state is None or (isinstance(state, tuple) and None in state):
+        return make()
+    hit = cache.get(key)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    value = make()
+    cache[key] = (state, value)
+    return value
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,19 +126,9 @@ def _row_factors_torch(scale: torch.Tensor) -> torch.Tensor:
     return torch.add(scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
 
 
-_LARGEST = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, largest byte)
-
-
 def largest_scale(scale: torch.Tensor) -> int:
     """The largest scale byte, kept while the tensor is unchanged (mxfp8.weight_state)."""
-    state = weight_state(scale)
-    hit = _LARGEST.get(scale)
-    if state is not None and hit is not None and hit[0] == state:
-        return hit[1]
-    found = int(scale.max())
-    if state is not None:
-        _LARGEST[scale] = (state, found)
-    return found
+    return _kept(_LARGEST, scale, weight_state(scale), lambda: int(scale.max()))
 
 
 def column_reason(workspace, data13, scale13, data2, scale2, dtype) -> str | None:
@@ -145,10 +149,10 @@ def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
     (what one TMA box of a kernel stage reads): the 16-bit words of the scale rows transposed, on CUDA by one Triton
     pass (checked on its first use; torch's copy of the permuted bytes is several times slower). Cached while scale
     is unchanged (mxfp8.weight_state; not for tensors without a version counter)."""
-    state = weight_state(scale)
-    hit = _PAIRS.get(scale)
-    if state is not None and hit is not None and hit[0] == state:
-        return hit[1]
+    return _kept(_PAIRS, scale, weight_state(scale), lambda: _scale_pairs(scale))
+
+
+def _scale_pairs(scale: torch.Tensor) -> torch.Tensor:
     words = scale.contiguous().view(torch.int16)  # [E, N, K / 64]: blocks 2j (low byte), 2j + 1 (little-endian)
     if words.is_cuda and triton_ops.available() and triton_ops.verified(
             ("transposed", torch.int16), words.device,
@@ -156,31 +160,24 @@ def scale_pairs(scale: torch.Tensor) -> torch.Tensor:
         pairs = triton_ops.transposed(words)
     else:
         pairs = words.transpose(1, 2).contiguous()
-    pairs = pairs.view(torch.uint16).permute(2, 1, 0)
-    if state is not None:
-        _PAIRS[scale] = (state, pairs)
-    return pairs
+    return pairs.view(torch.uint16).permute(2, 1, 0)
 
 
 def nan_free(data: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether no E4M3 NaN byte (0x7F / 0xFF) lies in a block whose scale is not the NaN scale 255 (the kernels
     would make such a byte a finite value; quantize never writes one). Checked a few experts at a time, once
     while data and scale are unchanged (mxfp8.weight_state)."""
-    state = (weight_state(data), weight_state(scale))
-    hit = _NAN_FREE.get(data)
-    if None not in state and hit is not None and hit[0] == state:
-        return hit[1]
+    return _kept(_NAN_FREE, data, (weight_state(data), weight_state(scale)), lambda: _nan_free(data, scale))
+
+
+def _nan_free(data: torch.Tensor, scale: torch.Tensor) -> bool:
     e, n, k = data.shape
     step = max(1, (1 << 28) // max(1, n * k))  # experts per chunk: a bool byte per value, 256 MiB at most
-    ok = True
     for a in range(0, e, step):
         nan_bytes = (data[a:a + step].view(torch.uint8) & 0x7F) == 0x7F
         if bool((nan_bytes.view(-1, n, k // 32, 32).any(-1) & (scale[a:a + step] != 255)).any()):
-            ok = False
-            break
-    if None not in state:
-        _NAN_FREE[data] = (state, ok)
-    return ok
+            return False
+    return True
 
 
 def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor, scale2, dtype) -> str | None:
