@@ -3,6 +3,7 @@ router, top-k and weights included; --forward: the forward alone), and how long 
 
     python benchmarks/profile_layer.py [--shape deepseek-v3] [--tokens 8192] [--layer] [--forward]
                                        [--backend cuda|torch] [--precision bf16|mxfp8]
+                                       [--weights trained|frozen|mxfp8_only]
 
 Runs the benchmark's mok_nn step under torch.profiler and prints the kernels sorted by total CUDA time;
 wall time above kernel time is the GPU waiting for the host.
@@ -27,10 +28,15 @@ def main():
     ap.add_argument("--forward", action="store_true", help="the forward alone")
     ap.add_argument("--backend", default="cuda", choices=["cuda", "torch"])
     ap.add_argument("--precision", default="bf16", choices=["bf16", "mxfp8"])
+    ap.add_argument("--weights", default="trained", choices=bench.WEIGHT_MODES,
+                    help="the routed experts' weights (bench.mok_experts); not with --layer")
     a = ap.parse_args()
+    if a.layer and a.weights != "trained":
+        ap.error("--weights applies to the routed experts (not --layer)")
     what = "forward" if a.forward else "forward+backward"
     steps = layer_steps if a.layer else bench_steps
-    step = dict(steps(a.shape, a.tokens, backend=a.backend, precision=a.precision))[what]
+    kw = {} if a.layer else {"weights": a.weights}
+    step = dict(steps(a.shape, a.tokens, backend=a.backend, precision=a.precision, **kw))[what]
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -46,7 +52,7 @@ def main():
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / a.reps / 1e3
-    region = f"{a.shape} {'layer' if a.layer else 'routed experts'} ({a.backend}, {a.precision})"
+    region = f"{a.shape} {'layer' if a.layer else 'routed experts'} ({a.backend}, {a.precision}, {a.weights} weights)"
     print(f"{region}: {total:.3f} ms of kernel time per {what}, {wall:.3f} ms wall ({a.reps} reps)")
     for e in events[:a.top]:
         print(f"{e.device_time_total / a.reps / 1e3:9.3f} ms  x{e.count // a.reps:<3} {e.key[:110]}")

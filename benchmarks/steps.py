@@ -49,14 +49,15 @@ def torchrun_group():
     return dist.group.WORLD, rank, dist.get_world_size()
 
 
-def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False, backend="cuda", precision="bf16"):
+def bench_steps(shape, tokens, group=None, ep_size=1, ep_rank=0, baseline=False, backend="cuda", precision="bf16",
+                weights="trained"):
     """[("forward", fwd), ("forward+backward", fwd_bwd)]: mok_nn's routed experts (baseline: the torch
     baseline's, EP = 1) on the problem of mok_nn.bench (this rank's part at EP = ep_size), as the benchmark
-    times them (gradients reset first)."""
+    times them (gradients reset first); weights: bench.mok_experts' (trained, frozen, mxfp8_only)."""
     from mok_nn import bench
 
     p = bench.make_problem(shape, tokens, "cuda", ep_size=ep_size, ep_rank=ep_rank)
-    fn = bench.baseline_experts if baseline else bench.mok_experts(backend, group, precision=precision)
+    fn = bench.baseline_experts if baseline else bench.mok_experts(backend, group, precision=precision, weights=weights)
     leaves = bench._leaves(p)
     x, w, gu, dn = leaves
 

@@ -850,6 +850,15 @@ class GemmOperands:
             return weight_values(w, WEIGHT_BYTES, _weight_bytes)
         return self.weight(w, -1)
 
+    def rows_and_segments(self, t: torch.Tensor, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows(t), segments(t)) of rows t [M_cap, K] that serve both a dgrad GEMM and a weight gradient (d
+        gate_up): mxfp8 makes both from one read, the first in t's own memory (mx_values_both: t is
+        overwritten); bf16: (t, t)."""
+        if not self.mxfp8:
+            return t, t
+        segments = mx_values_both(t, sched)
+        return t, segments
+
     def segments(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """Rows [M_cap, N] in schedule order as an operand of a weight-gradient GEMM, which sums over the
         rows: blocks of 32 rows of each expert from its first row (its segment starts at a multiple of
@@ -866,8 +875,8 @@ def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
     return MxWeight(q.data, q.scale)
 
 
-# mok_mx_quant's modes (kernels/mx_quant.py)
-MX_ALONG_COLS, MX_ALONG_ROWS, MX_SEGMENTS = 0, 1, 2
+# mok_mx_quant's modes (kernels/mx_quant.py); MX_COLS_AND_SEGMENTS: mx_values_both
+MX_ALONG_COLS, MX_ALONG_ROWS, MX_SEGMENTS, MX_COLS_AND_SEGMENTS = 0, 1, 2, 3
 
 
 def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torch.Tensor:
@@ -893,6 +902,27 @@ def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torc
     units = -(-rows * cols // (8 * MX_QUANT_UNROLL)) if mode == MX_ALONG_COLS else rows // 32 * (cols // 2)
     grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_QUANT_CTAS_PER_SM))
     _lib().launch("mok_mx_quant", t, out, te, se, sr, mode, grid, stream=_stream())
+    return out
+
+
+def mx_values_both(t: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """Both MXFP8 operands of rows t [M_cap, C] in schedule order from one read: returns t's MX_SEGMENTS values
+    (the weight gradient's operand) and overwrites t in place with its values along C (MX_ALONG_COLS, every row:
+    a dgrad GEMM's A; t is then no longer the rows themselves). Same bits as the two mx_values calls."""
+    rows, cols = t.shape
+    if cols % 32 or rows % 32:
+        raise ValueError(f"mx_values_both: {tuple(t.shape)} has no whole blocks of 32 along both axes")
+    if not (_mx_kernel_runs(t) and t.is_contiguous()):
+        segments = mx_values(t, MX_SEGMENTS, sched)
+        t.copy_(mx_values(t, MX_ALONG_COLS))
+        return segments
+    out = torch.empty_like(t)
+    if t.numel() == 0:
+        return out
+    units = rows // 32 * (cols // 2)  # mode 2's units: a 32-row block of 2 columns
+    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_QUANT_CTAS_PER_SM))
+    _lib().launch("mok_mx_quant", t, out, sched.tile_expert, sched.seg_end, sched.seg_rows, MX_COLS_AND_SEGMENTS,
+                  grid, stream=_stream())
     return out
 
 
@@ -1082,9 +1112,14 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
         d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(dt), sched).to(down_bias.dtype)
     d_down = weight_grad_of(dy_rows, wh, sched, wdt, into[1], q) if need2 else None
     del dy_rows, wh
-    dx = take_dx(grouped_gemm(q.rows(dgu), q.weight(gate_up_proj, -2), sched, transpose_w=True))
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
-    d_gate_up = gate_up_weight_grad(dgu, x_cols, sched, gate_up_proj, into[0], q) if need13 else None
+    # d gate_up's operands: the dgrad's along 2I, d gate_up_proj's per expert along the rows (mxfp8: one read,
+    # the first into dgu's own memory)
+    dgu_a, dgu_w = q.rows_and_segments(dgu, sched) if need13 else (q.rows(dgu), None)
+    del dgu
+    dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
+    del dgu_a
+    d_gate_up = gate_up_weight_grad(dgu_w, x_cols, sched, gate_up_proj, into[0], q, a_ready=True) if need13 else None
     return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
@@ -1108,18 +1143,18 @@ def x_column_blocks(hidden: int, rows: int, elem_bytes: int = 2) -> list[tuple[i
     return [(c0, min(c0 + width, hidden)) for c0 in range(0, hidden, width)]
 
 
-def gate_up_weight_grad(dgu, x_cols, sched: Schedule, gate_up_proj, into=None, operands=None):
+def gate_up_weight_grad(dgu, x_cols, sched: Schedule, gate_up_proj, into=None, operands=None, a_ready=False):
     """d gate_up_proj [E, 2I, H] = dgu^T x_rows per expert (weight_grad_of), one column block of H at a time
     (x_column_blocks): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order, gathered for that
     block alone and freed after it. The same bits as one GEMM over every column: each output element's sum
     over the rows does not depend on the blocks, and every block runs the kernel the whole would (cols).
     into: added to instead (macrobatch passes), which is returned. operands: as weight_grad_of's (dgu's MXFP8
-    values are computed once, each block's x rows' for that block)."""
+    values are computed once, each block's x rows' for that block; a_ready: dgu is operands.segments' already)."""
     hidden = gate_up_proj.shape[2]
     grad = into
     if grad is None:
         grad = torch.empty(gate_up_proj.shape, dtype=gate_up_proj.dtype, device=dgu.device)
-    a = operands.segments(dgu, sched) if operands is not None else dgu
+    a = operands.segments(dgu, sched) if operands is not None and not a_ready else dgu
     for c0, c1 in x_column_blocks(hidden, sched.capacity):
         b = x_cols(c0, c1)
         if operands is not None:

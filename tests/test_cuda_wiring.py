@@ -45,8 +45,12 @@ class _FakeLib:
             _gemm(a[:, :, 0], b, c, te)
         elif spec.factory == "MxQuant":
             src, dst, te, seg_end, seg_rows, mode, grid = args
-            assert mode in (0, 1, 2) and grid >= 1
-            dst.copy_(_mx_quant(src, mode, seg_end, seg_rows))
+            assert mode in (0, 1, 2, 3) and grid >= 1
+            if mode == 3:  # mode 2 into dst, mode 0 into src itself
+                dst.copy_(_mx_quant(src, 2, seg_end, seg_rows))
+                src.copy_(_mx_quant(src, 0, seg_end, seg_rows))
+            else:
+                dst.copy_(_mx_quant(src, mode, seg_end, seg_rows))
         else:
             raise AssertionError(f"stand-in has no {name}")
 

@@ -21,6 +21,10 @@ mode (a run-time scalar: one compiled kernel for every operand):
      segment's first row, and the rows that are not routed rows (padding, past the last segment) count as
      zeros, whatever they hold. A 32-row block lies in one TILE_M tile, so one expert: its routed rows are a
      prefix of the block, from tile_expert, seg_end and seg_rows.
+  3  both of d gate_up's operands from one read: dst = mode 2's values (schedule rows) and src overwritten in
+     place with mode 0's (along the columns, every row). The units are mode 2's; the 16 lanes of a half-warp
+     hold the 32 columns of one row block (columns % 32 == 0: a half-warp never straddles two row blocks), so
+     each row's block shares its amax by four shuffles. A thread writes only the words it has read.
 The work units are walked by a fixed grid (grid-stride, whole warps together: the shuffles need every lane);
 each output element is written once, by one thread: the result does not depend on the grid. The grid is
 MX_QUANT_CTAS_PER_SM resident CTAs per SM, the register budget the launch bound gives each thread.
@@ -164,17 +168,37 @@ class MxQuant:
             units = (rows // BLOCK) * n_pair
             words = cute.make_rmem_tensor((BLOCK,), cutlass.Int32)
             res = cute.make_rmem_tensor((2,), dst.element_type)
-            for u in range(first, units, stride):
+            last = units
+            if mode == 3:  # every lane takes every step (the shuffles; units is a multiple of 16)
+                last = (units + 31) // 32 * 32
+            for u in range(first, last, stride):
+                live = u < units
                 b = u // cutlass.max(n_pair, 1)
                 p = u - b * n_pair
                 r0 = b * BLOCK
                 # the block's 32 words of column pair p: one base address, the row stride apart
                 src_blk = cute.zipped_divide(src2[(None, p)], (BLOCK,))[(None, b)]
                 dst_blk = cute.zipped_divide(dst2[(None, p)], (BLOCK,))[(None, b)]
-                for i in cutlass.range_constexpr(BLOCK):  # every row exists (rows % 32 == 0): no predicate
-                    words[i] = src_blk[i]
+                if live:
+                    for i in cutlass.range_constexpr(BLOCK):  # every row exists (rows % 32 == 0): no predicate
+                        words[i] = src_blk[i]
+                if mode == 3:
+                    # each row along its 32 columns (the half-warp's 16 lanes), into src in place, a row at a
+                    # time (re-read from L1: unrolled, the rows' shuffles would need more than 64 registers)
+                    for i in cutlass.range(BLOCK, unroll=1):
+                        w = cutlass.Int32(0)
+                        if live:
+                            w = src_blk[i]
+                        amax = cutlass.max(w & BF16_MAG, (w >> 16) & BF16_MAG)
+                        for k in cutlass.range_constexpr(4):
+                            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                        down, up = _scales(amax << 16)
+                        res[0] = _quantize((w << 16).bitcast(cutlass.Float32), down, up).to(dst.element_type)
+                        res[1] = _quantize((w & HIGH_HALF).bitcast(cutlass.Float32), down, up).to(dst.element_type)
+                        if live:
+                            src_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]
                 routed = cutlass.Int32(BLOCK)  # rows of the block that count (a prefix)
-                if mode == 2:
+                if (mode >= 2) & live:
                     e = tile_expert[r0 // TILE_M]
                     routed = 0
                     if e >= 0:
@@ -194,8 +218,9 @@ class MxQuant:
                     amax1 = cutlass.max(amax1, (words[i] >> 16) & BF16_MAG)
                 down0, up0 = _scales(amax0 << 16)
                 down1, up1 = _scales(amax1 << 16)
-                for i in cutlass.range_constexpr(BLOCK):
-                    w = words[i]
-                    res[0] = _quantize((w << 16).bitcast(cutlass.Float32), down0, up0).to(dst.element_type)
-                    res[1] = _quantize((w & HIGH_HALF).bitcast(cutlass.Float32), down1, up1).to(dst.element_type)
-                    dst_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]
+                if live:
+                    for i in cutlass.range_constexpr(BLOCK):
+                        w = words[i]
+                        res[0] = _quantize((w << 16).bitcast(cutlass.Float32), down0, up0).to(dst.element_type)
+                        res[1] = _quantize((w & HIGH_HALF).bitcast(cutlass.Float32), down1, up1).to(dst.element_type)
+                        dst_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]

@@ -99,6 +99,27 @@ def test_mx_quant_kernel_segments():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("cols", [96, 1536])
+def test_mx_quant_kernel_both_operands_in_one_read(cols):
+    """Mode MX_COLS_AND_SEGMENTS (mx_values_both): the segments' values and, in place, the rows' values along
+    the columns (every row, padding rows' NaN included), bitwise the two one-mode launches; 96 columns give a
+    last warp whose second half has no unit (the grid's tail), 1536 more units than one grid-stride pass."""
+    g = torch.Generator().manual_seed(3)
+    T, E, K = 900, 16, 4
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    sched = cb.make_schedule(ids, E)
+    rows = torch.randn(sched.capacity, cols, generator=g) * torch.exp2(torch.randint(-20, 20, (1, cols), generator=g))
+    rows = rows.bfloat16().cuda()
+    rows[~cb.real_rows(sched)] = float("nan")
+    want_cols = cb.mx_values(rows, cb.MX_ALONG_COLS)
+    want_seg = cb.mx_values(rows, cb.MX_SEGMENTS, sched)
+    t = rows.clone()
+    got_seg = cb.mx_values_both(t, sched)
+    assert torch.equal(got_seg, want_seg)
+    assert torch.equal(t.view(torch.int16), want_cols.view(torch.int16))  # in place; NaN rows: the same bits
+    assert not torch.equal(t[cb.real_rows(sched)], rows[cb.real_rows(sched)])  # t was overwritten
+
+
 def _routing(T, E, K, kind, g):
     if kind == "hot":  # every token's first choice is expert 0
         rest = torch.stack([torch.randperm(E - 1, generator=g)[:K - 1] + 1 for _ in range(T)])
