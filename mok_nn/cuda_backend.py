@@ -470,8 +470,9 @@ def fused_act_supported(inter: int, activation: str, has_bias: bool) -> bool:
     return inter % (GEMM_TILE_N // 2) == 0 and activation in FUSED_ACT_ACTIVATIONS and not has_bias
 
 
-def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit):
-    """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel.
+def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit, h_mx: bool = False):
+    """(gate_up [M, 2I], h [M, I]) bf16: a[r] @ W13[e(r)]^T and act of it in one kernel; h_mx: h as its MXFP8
+    values along I (precision="mxfp8": the down GEMM's operand; launch_gate_up_act).
 
     Rows past the last segment are left unwritten (as act_forward leaves h). W13 may be an MxWeight: where
     cuda_mx.reads_mx its kernel reads it as MXFP8, checked on first use against the bf16 kernel on W_q
@@ -480,16 +481,18 @@ def gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_lim
     if isinstance(w, MxWeight):
         kernel = f"mok_gemm_gate_up_{activation}_mx"
         if cuda_mx.reads_mx(kernel, sched, w):
-            return cuda_mx.verified(kernel, sched,
-                                    lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit),
-                                    lambda: launch_gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit))
+            return cuda_mx.verified(
+                kernel, sched, lambda: launch_gate_up_act(a, w, sched, activation, swiglu_limit, h_mx),
+                lambda: launch_gate_up_act(a, w.dequantized(), sched, activation, swiglu_limit, h_mx))
         w = w.dequantized()  # many rows per expert
-    return launch_gate_up_act(a, w, sched, activation, swiglu_limit)
+    return launch_gate_up_act(a, w, sched, activation, swiglu_limit, h_mx)
 
 
-def launch_gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit):
+def launch_gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swiglu_limit, h_mx: bool = False):
     """gate_up_act's kernel, unchecked: for bf16 W13 mok_gemm_gate_up_<act>_ppc or _ef (pingpong("act", H)), for
-    an MxWeight mok_gemm_gate_up_<act>_mx (its E4M3 bytes and scale pairs in B's place)."""
+    an MxWeight mok_gemm_gate_up_<act>_mx (its E4M3 bytes and scale pairs in B's place). h_mx: the helper-warp
+    forms (_ef, _mx) store h's MXFP8 values themselves (mok_mx_quant's arithmetic); after _ppc mx_values makes
+    them."""
     m, two_i = a.shape[0], w.shape[1]
     gate_up = torch.empty(m, two_i, dtype=torch.bfloat16, device=a.device)
     h = torch.empty(m, two_i // 2, dtype=torch.bfloat16, device=a.device)
@@ -498,12 +501,15 @@ def launch_gate_up_act(a: torch.Tensor, w, sched: Schedule, activation: str, swi
     else:
         name = f"mok_gemm_gate_up_{activation}" + ("_ppc" if pingpong("act", a.shape[1]) else "_ef")
         b = (w.permute(1, 2, 0),)
+    in_epilogue = h_mx and not name.endswith("_ppc")
     group_m = gemm_group_m(two_i, tile_n_of(name))
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
-        name, a.unsqueeze(-1), *b, gate_up.unsqueeze(-1),
-        h.unsqueeze(-1), sched.tile_expert, sched.seg_end, sched.seg_rows_for(name), limit, group_m, stream=_stream(),
+        name, a.unsqueeze(-1), *b, gate_up.unsqueeze(-1), h.unsqueeze(-1), sched.tile_expert, sched.seg_end,
+        sched.seg_rows_for(name), int(in_epilogue), limit, group_m, stream=_stream(),
     )  # fmt: skip
+    if h_mx and not in_epilogue:
+        h = mx_values(h, MX_ALONG_COLS)
     return gate_up, h
 
 
@@ -1026,15 +1032,15 @@ def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, 
     precision="mxfp8" a holds the MXFP8 values already)."""
     fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, a.shape[1])
     w13 = q.forward_weight(gate_up_proj, sched, f"mok_gemm_gate_up_{activation}_mx" if fused else "mok_gemm_bk_mx")
-    if fused:
-        gate_up, h = gate_up_act(a, w13, sched, activation, swiglu_limit)
+    if fused:  # (precision="mxfp8": h's MXFP8 values, made by the kernel where it can)
+        gate_up, h_a = gate_up_act(a, w13, sched, activation, swiglu_limit, h_mx=q.mxfp8)
     else:
         gate_up = grouped_gemm(a, w13, sched, transpose_w=False)
         if gate_up_bias is not None:
             gate_up = (gate_up.float() + bias_rows(gate_up_bias, sched)).to(a.dtype)
-        h = act_forward(gate_up, sched, activation, swiglu_limit)
+        h_a = q.rows(act_forward(gate_up, sched, activation, swiglu_limit))
     del w13  # (precision="mxfp8": the gate/up weight's values go before the down weight's are made)
-    out_rows = grouped_gemm(q.rows(h), q.forward_weight(down_proj, sched, "mok_gemm_bk_mx"), sched, transpose_w=False)
+    out_rows = grouped_gemm(h_a, q.forward_weight(down_proj, sched, "mok_gemm_bk_mx"), sched, transpose_w=False)
     if down_bias is not None:
         out_rows = (out_rows.float() + bias_rows(down_bias, sched)).to(a.dtype)
     return out_rows, gate_up

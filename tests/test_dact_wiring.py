@@ -14,6 +14,7 @@ import torch
 from mok_nn import cuda_backend as cb
 from mok_nn import reference
 from mok_nn.kernels import registry
+from mok_nn.mxfp8 import fake_quantize
 
 from test_cuda_ep_simulated import SpecChecked
 from test_cuda_wiring import _FakeLib, _gemm, _torch_weight_grad, random_problem
@@ -39,11 +40,13 @@ class _DactLib(_FakeLib):
         self.calls.append(name)
         assert self.activation in name
         if spec.factory == "VarlenMGroupedGemmAct":  # gate_up = a @ W13^T per tile, h = act(gate_up in bf16)
-            a, b, gu, h, te, seg_end, seg_rows, limit, group_m = args
+            a, b, gu, h, te, seg_end, seg_rows, h_mx, limit, group_m = args
             _gemm(a[:, :, 0], b, gu, te)
             lim = None if limit == float("inf") else limit
             used = int(seg_end[-1])
             h[:used, :, 0] = reference.activation_forward(gu[:used, :, 0].float(), self.activation, lim).to(h.dtype)
+            if h_mx and not name.endswith("_ppc"):  # the helper-warp forms store h's MXFP8 values
+                h[:used, :, 0] = fake_quantize(h[:used, :, 0], -1)
             return
         if spec.factory == "ActForward":
             gu, h, te, limit = args

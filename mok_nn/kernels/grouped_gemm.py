@@ -86,6 +86,7 @@ from .gemm_consumer import (
     step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .mx_operand import MxOperandB, MxRequantB
+from .mx_quant import MAG_MASK, quantize_value, rceil_scales
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -190,7 +191,8 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, tile_counter=None,
-                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None, b_scale=None):
+                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None, b_scale=None,
+                h_mx=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
         b_scale (b_mx): B's scale pairs (N, K / 64, E) u16, mB its E4M3 bytes (N, K, E) u8 K-major.
 
@@ -202,6 +204,7 @@ class VarlenMGroupedGemm:
         per-column-tile partial d topk-weights, in the row_idx / ready / ready_err slots.
         dst_base / row_rank / row_slot (push): the destinations of the rows, in the ready_err / row_idx / ready
         slots, and the row width in epoch.
+        h_mx (act): nonzero where h is to be stored as its MXFP8 values along I (_act_helper), in epoch.
         """
         row_idx, ready, ready_err, epoch = tile_expert, tile_expert, tile_expert, cutlass.Int32(0)
         if cutlass.const_expr(self.dynamic):
@@ -210,6 +213,8 @@ class VarlenMGroupedGemm:
             row_idx, ready, ready_err = gate_up, w_rows, dw_part
         if cutlass.const_expr(self.push):
             row_idx, ready, ready_err = row_rank, row_slot, dst_base
+        if cutlass.const_expr(h_mx is not None):
+            epoch = h_mx
         self.ab_dtype = mA.element_type
         self.c_dtype = mC.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
@@ -497,18 +502,23 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _act_helper(self, mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, seg_end, seg_rows, sched_params, tiles_m,
-                    tiles_n, group_m, limit, tidx):
+                    tiles_n, group_m, limit, h_mx, tidx):
         """The SwiGLU epilogue's stores and math on the producer warp group's idle warps 1-3 (full_epi,
         cooperative), beside the consumers' next mainloop. Per valid tile of the CTA's schedule: wait for the
         consumers' gate/up sub-tiles (epi_bars[0]), send them by TMA (gate group, then up group), compute
         h = act(gate, up) by 16-byte pieces from the bf16 values in smem (as mok_act_fwd reads them from
         gate_up) into the gate buffers once the gate group has read them, send h, and once every store has
-        read smem, free the buffers (epi_bars[1]). Same values and destinations as _epilogue_act: same bits."""
+        read smem, free the buffers (epi_bars[1]). Same values and destinations as _epilogue_act: same bits.
+        h_mx != 0: h's MXFP8 values along I instead, with mok_mx_quant's arithmetic (mode 0): a 32-column block
+        of a row is the 4 pieces that lanes 4j .. 4j + 3 hold, whose amax they share by two shuffles."""
         n_sub = self.tile_mnk[1] // self.epi_tile[1]
         hn = n_sub // 2
         vec = 8  # bf16 elements per 16-byte piece
         row_pieces = self.epi_tile[1] // vec
         pieces = self.epi_tile[0] * row_pieces  # per buffer
+        # the shuffles need every lane of a warp in every step: each warp's helper threads take the same number
+        # of pieces (a warp's pieces are 32 consecutive ones), and a block's 4 pieces lie in one warp
+        assert (hn * pieces) % 32 == 0 and (self.threads_per_wg - 32) % 32 == 0 and row_pieces == 4
         f_g = cute.make_rmem_tensor((vec,), self.c_dtype)
         f_u = cute.make_rmem_tensor((vec,), self.c_dtype)
         f_h = cute.make_rmem_tensor((vec,), cutlass.Float32)
@@ -549,6 +559,17 @@ class VarlenMGroupedGemm:
                         hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
                         f_h[v] = hv
                     f_hq.store(f_h.load().to(self.c_dtype))
+                    if h_mx != 0:
+                        amax = cutlass.Int32(0)
+                        for v in cutlass.range_constexpr(vec):
+                            f_h[v] = f_hq[v].to(cutlass.Float32)
+                            amax = cutlass.max(amax, f_h[v].bitcast(cutlass.Int32) & MAG_MASK)
+                        for k in cutlass.range_constexpr(2):
+                            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                        down, up = rceil_scales(amax)
+                        for v in cutlass.range_constexpr(vec):
+                            f_h[v] = quantize_value(f_h[v], down, up)
+                        f_hq.store(f_h.load().to(self.c_dtype))
                     cute.autovec_copy(f_hq, g_v[(None, q)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 helper_bar.arrive_and_wait()
@@ -903,7 +924,7 @@ class VarlenMGroupedGemm:
                                           tiles_n, group_m, row_idx, ready, ready_err, epoch, tidx)
                     else:
                         self._act_helper(mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, seg_end, seg_rows,
-                                         sched_params, tiles_m, tiles_n, group_m, limit, tidx)
+                                         sched_params, tiles_m, tiles_n, group_m, limit, epoch, tidx)
         else:
             # ---------------- consumers: wgmma + epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -1077,11 +1098,12 @@ class VarlenMGroupedGemmAct(VarlenMGroupedGemm):
         tile_expert: cute.Tensor,
         seg_end: cute.Tensor,
         seg_rows: cute.Tensor,
+        h_mx: cutlass.Int32,  # nonzero: h as its MXFP8 values along I (the helper-warp form, full_epi; else unread)
         limit: cutlass.Float32,  # clamp of gate/up (+inf: none)
         group_m: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream)
+        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, h_mx=h_mx)
 
 
 class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
@@ -1217,11 +1239,13 @@ class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
         tile_expert: cute.Tensor,
         seg_end: cute.Tensor,
         seg_rows: cute.Tensor,
+        h_mx: cutlass.Int32,
         limit: cutlass.Float32,
         group_m: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, b_scale=b_scale)
+        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, b_scale=b_scale,
+                     h_mx=h_mx)
 
 
 class VarlenMGroupedGemmMxCols(VarlenMGroupedGemmMx):

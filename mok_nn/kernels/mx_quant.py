@@ -71,7 +71,7 @@ _sub_rn = _rn("sub")
 
 
 @cute.jit
-def _scales(amax_bits: cutlass.Int32):
+def rceil_scales(amax_bits: cutlass.Int32):
     """(2**-e, 2**e) as fp32 for a block whose largest magnitude has these bits (the rceil rule: e = p - 8, one
     more where the significand exceeds 1.75; e = -127 for zero and subnormal amax; 2**e NaN for NaN / inf)."""
     biased = (amax_bits >> 23) & 0xFF
@@ -91,7 +91,7 @@ def _scales(amax_bits: cutlass.Int32):
 
 
 @cute.jit
-def _quantize(x: cutlass.Float32, down: cutlass.Float32, up: cutlass.Float32) -> cutlass.Float32:
+def quantize_value(x: cutlass.Float32, down: cutlass.Float32, up: cutlass.Float32) -> cutlass.Float32:
     bits = x.bitcast(cutlass.Int32)
     s = (bits & MAG_MASK).bitcast(cutlass.Float32) * down
     c = cutlass.max((s.bitcast(cutlass.Int32) & EXP_MASK), cutlass.Int32(C_MIN)) + C_ADD
@@ -155,9 +155,9 @@ class MxQuant:
                     for k in cutlass.range_constexpr(2):  # the 4 lanes of the block (lanes 4j .. 4j + 3)
                         amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
                     if live:
-                        down, up = _scales(amax)
+                        down, up = rceil_scales(amax)
                         for i in cutlass.range_constexpr(VEC):
-                            acc[i] = _quantize(acc[i], down, up)
+                            acc[i] = quantize_value(acc[i], down, up)
                         res.store(acc.load().to(dst.element_type))
                         cute.autovec_copy(res, cute.zipped_divide(dst[(row[j], None)], (VEC,))[(None, vec[j])])
         else:
@@ -192,9 +192,9 @@ class MxQuant:
                         amax = cutlass.max(w & BF16_MAG, (w >> 16) & BF16_MAG)
                         for k in cutlass.range_constexpr(4):
                             amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-                        down, up = _scales(amax << 16)
-                        res[0] = _quantize((w << 16).bitcast(cutlass.Float32), down, up).to(dst.element_type)
-                        res[1] = _quantize((w & HIGH_HALF).bitcast(cutlass.Float32), down, up).to(dst.element_type)
+                        down, up = rceil_scales(amax << 16)
+                        res[0] = quantize_value((w << 16).bitcast(cutlass.Float32), down, up).to(dst.element_type)
+                        res[1] = quantize_value((w & HIGH_HALF).bitcast(cutlass.Float32), down, up).to(dst.element_type)
                         if live:
                             src_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]
                 routed = cutlass.Int32(BLOCK)  # rows of the block that count (a prefix)
@@ -216,11 +216,12 @@ class MxQuant:
                         words[i] = 0
                     amax0 = cutlass.max(amax0, words[i] & BF16_MAG)
                     amax1 = cutlass.max(amax1, (words[i] >> 16) & BF16_MAG)
-                down0, up0 = _scales(amax0 << 16)
-                down1, up1 = _scales(amax1 << 16)
+                down0, up0 = rceil_scales(amax0 << 16)
+                down1, up1 = rceil_scales(amax1 << 16)
                 if live:
                     for i in cutlass.range_constexpr(BLOCK):
                         w = words[i]
-                        res[0] = _quantize((w << 16).bitcast(cutlass.Float32), down0, up0).to(dst.element_type)
-                        res[1] = _quantize((w & HIGH_HALF).bitcast(cutlass.Float32), down1, up1).to(dst.element_type)
+                        res[0] = quantize_value((w << 16).bitcast(cutlass.Float32), down0, up0).to(dst.element_type)
+                        res[1] = quantize_value((w & HIGH_HALF).bitcast(cutlass.Float32), down1, up1).to(
+                            dst.element_type)
                         dst_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]

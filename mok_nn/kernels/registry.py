@@ -155,6 +155,7 @@ def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1, full_e
             TensorArg("gate_up", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 256, 1)),
             TensorArg("h", "bf16", (DYN, DYN, 1), (DYN, 1, 0), divisibility=(128, 128, 1)),
             *_SCHEDULE_ARGS,
+            ScalarArg("h_mx", "i32"),  # nonzero: h as its MXFP8 values along I (the helper-warp forms: _ef, _mx)
             ScalarArg("limit", "f32"),
             ScalarArg("group_m", "i32"),
         ),

@@ -833,14 +833,15 @@ def test_gate_up_act_fused(lib, case, name, raster):
     used = int(sched.seg_end[-1])
     group_m = cb.gemm_group_m(2 * I, registry.tile_n_of(name)) if raster == "rule" else 1
     outs = []
-    for _ in range(2):
+    for h_mx in (0, 0, 1):
         gu = torch.full((a.shape[0], 2 * I), float("nan"), device="cuda", dtype=torch.bfloat16)
         h = torch.full((a.shape[0], I), float("nan"), device="cuda", dtype=torch.bfloat16)
         lib.launch(name, a.unsqueeze(-1), W13.permute(1, 2, 0), gu.unsqueeze(-1), h.unsqueeze(-1),
-                   sched.tile_expert, sched.seg_end, sched.seg_rows_for(name),
+                   sched.tile_expert, sched.seg_end, sched.seg_rows_for(name), h_mx,
                    float("inf") if limit is None else limit, group_m, stream=_stream())
         torch.cuda.synchronize()
         outs.append((gu[:used], h[:used]))
+    gu_mx, h_mx_out = outs.pop()
     for a_, b_ in zip(*outs):
         assert not torch.isnan(a_).any(), "rows left unwritten"
         assert torch.equal(_bits(a_), _bits(b_)), "not bitwise reproducible"
@@ -852,9 +853,16 @@ def test_gate_up_act_fused(lib, case, name, raster):
     h_ref = cb.act_forward(gu_ref, sched, "swiglu", limit)
     assert torch.equal(gu, gu_ref[:used]), "gate_up differs from the plain GEMM"
     assert torch.equal(h, h_ref[:used]), "h differs from mok_act_fwd_swiglu"
+    # h_mx: the helper-warp kernel (_ef) stores h's MXFP8 values along I, bitwise mok_mx_quant's; _ppc ignores it
+    assert torch.equal(_bits(gu_mx), _bits(gu))
+    h_q = cb.mx_values(h_ref, cb.MX_ALONG_COLS)[:used]
+    assert torch.equal(_bits(h_mx_out), _bits(h_q if name.endswith("_ef") else h))
+    assert not name.endswith("_ef") or not torch.equal(h_q, h)  # (the values are not h itself)
     if raster == "rule" and name.endswith("_ppc" if cb.pingpong("act", H) else "_ef"):
         gu_p, h_p = cb.gate_up_act(a, W13, sched, "swiglu", limit)  # the helper runs this kernel for this H
         assert torch.equal(_bits(gu_p[:used]), _bits(gu)) and torch.equal(_bits(h_p[:used]), _bits(h))
+        _, h_p = cb.gate_up_act(a, W13, sched, "swiglu", limit, h_mx=True)  # by the kernel or by mx_values
+        assert torch.equal(_bits(h_p[:used]), _bits(h_q))
 
 
 DACT_CASES = [  # T, k, E, H, I, routing, activation, limit

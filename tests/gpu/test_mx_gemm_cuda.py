@@ -92,6 +92,8 @@ def test_mx_gemms_are_the_bf16_kernels_on_w_q(case, extremes):
         assert torch.equal(_bits(h[rows]), _bits(want_h[rows]))
         _, h_again = cb.launch_gate_up_act(a, w13, sched, "swiglu", None)
         assert torch.equal(_bits(h[rows]), _bits(h_again[rows]))
+        _, h_mx = cb.launch_gate_up_act(a, w13, sched, "swiglu", None, h_mx=True)  # MXFP8 values in the epilogue
+        assert torch.equal(_bits(h_mx[rows]), _bits(cb.mx_values(want_h, cb.MX_ALONG_COLS)[rows]))
 
     # down: N = H (a half tile past N where H % 256 == 128), K = I
     hr = torch.randn(a.shape[0], I, device="cuda", generator=g).to(torch.bfloat16)
