@@ -25,8 +25,9 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   overwrites it (the dSwiGLU epilogue reads each element before it writes it); every row
                   buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
   precision=      mok_mx_quant gives every activation operand's MXFP8 values in bf16 (GemmOperands: x and d y
-  "mxfp8"         before their gathers, h and d gate_up after their kernels, the weight-gradient operands per
-                  expert in blocks of 32 rows), Triton's fake_quantize the weights' (once per call, or per change
+  "mxfp8"         before their gathers, d gate_up after its kernel (both of its operands in one launch), the
+                  weight-gradient operands per expert in blocks of 32 rows; h the gate/up kernel itself where its
+                  helper warps compute it), Triton's fake_quantize the weights' (once per call, or per change
                   where frozen); the same kernels then run on those values. Trained weights reach the forward's
                   _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass (mxfp8.quantize), where those take
                   the call (cuda_mx.reads_trained_bytes)
