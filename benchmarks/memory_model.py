@@ -39,7 +39,8 @@ def _allocation_only() -> None:
 
     cb.check_supported = lambda *a: None
     cb.gather_rows = lambda x, sched, skip_tail=False: empty(sched.capacity, x.shape[1], dtype=x.dtype)
-    cb.gate_up_act = lambda a, w, sched, act, lim: (empty(a.shape[0], w.shape[1]), empty(a.shape[0], w.shape[1] // 2))
+    cb.gate_up_act = lambda a, w, sched, act, lim, h_mx=False: (  # (h_mx: h's MXFP8 values from the kernel itself)
+        empty(a.shape[0], w.shape[1]), empty(a.shape[0], w.shape[1] // 2))
     cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)
     cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
         a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
