@@ -46,7 +46,9 @@ full_epi (cooperative only) the consumers only put the whole gate/up tile into
 smem and go on to the next mainloop; the producer warp group's idle warps 1-3
 store it, compute h from it and store h (_tile_handoff, _act_helper, two
 mbarriers between them). Without it the consumers store 12 sub-tiles through 4
-rotating buffers and compute h themselves while the tensor cores wait.
+rotating buffers and compute h themselves while the tensor cores wait. With the
+run-time argument h_mx (precision="mxfp8") the helpers store h's MXFP8 values
+along I instead (mx_quant.py's arithmetic); the split epilogue ignores it.
 
 dSwiGLU epilogue (dact="swiglu" / "swiglu_oai", class VarlenMGroupedGemmDact; the backward's
 dgrad of down: A = dy rows, B = down_proj N-major, I % 256 == 0): the accumulator is
