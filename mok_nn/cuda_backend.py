@@ -901,15 +901,24 @@ def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torc
         return fake_quantize_fast(t, -1 if mode == MX_ALONG_COLS else 0)
     t = t.contiguous()
     out = torch.empty_like(t)
-    if t.numel() == 0:
-        return out
-    zero = _cached_zero_tile(t.device)
-    te, se, sr = (sched.tile_expert, sched.seg_end, sched.seg_rows) if mode == MX_SEGMENTS else (zero, zero, zero)
+    _launch_mx_quant(t, out, mode, sched)
+    return out
+
+
+def _launch_mx_quant(src: torch.Tensor, dst: torch.Tensor, mode: int, sched: Schedule | None) -> None:
+    """mok_mx_quant on contiguous bf16 src [R, C] into dst (mode MX_COLS_AND_SEGMENTS: into src too), its grid from
+    the mode's work units; the schedule is read in the segment modes only."""
+    rows, cols = src.shape
+    if src.numel() == 0:
+        return
+    if mode in (MX_SEGMENTS, MX_COLS_AND_SEGMENTS):
+        te, se, sr = sched.tile_expert, sched.seg_end, sched.seg_rows
+    else:
+        te = se = sr = _cached_zero_tile(src.device)
     # work units (kernels/mx_quant.py): UNROLL vectors of 8 columns per thread, or a 32-row block of 2 columns
     units = -(-rows * cols // (8 * MX_QUANT_UNROLL)) if mode == MX_ALONG_COLS else rows // 32 * (cols // 2)
-    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_QUANT_CTAS_PER_SM))
-    _lib().launch("mok_mx_quant", t, out, te, se, sr, mode, grid, stream=_stream())
-    return out
+    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(src.device) * MX_QUANT_CTAS_PER_SM))
+    _lib().launch("mok_mx_quant", src, dst, te, se, sr, mode, grid, stream=_stream())
 
 
 def mx_values_both(t: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -924,12 +933,7 @@ def mx_values_both(t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         t.copy_(mx_values(t, MX_ALONG_COLS))
         return segments
     out = torch.empty_like(t)
-    if t.numel() == 0:
-        return out
-    units = rows // 32 * (cols // 2)  # mode 2's units: a 32-row block of 2 columns
-    grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(t.device) * MX_QUANT_CTAS_PER_SM))
-    _lib().launch("mok_mx_quant", t, out, sched.tile_expert, sched.seg_end, sched.seg_rows, MX_COLS_AND_SEGMENTS,
-                  grid, stream=_stream())
+    _launch_mx_quant(t, out, MX_COLS_AND_SEGMENTS, sched)
     return out
 
 
