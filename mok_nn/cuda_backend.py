@@ -1130,7 +1130,7 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     del dgu
     dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
     del dgu_a
-    d_gate_up = gate_up_weight_grad(dgu_w, x_cols, sched, gate_up_proj, into[0], q, a_ready=True) if need13 else None
+    d_gate_up = gate_up_weight_grad(dgu_w, x_cols, sched, gate_up_proj, into[0], q) if need13 else None
     return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
@@ -1154,27 +1154,27 @@ def x_column_blocks(hidden: int, rows: int, elem_bytes: int = 2) -> list[tuple[i
     return [(c0, min(c0 + width, hidden)) for c0 in range(0, hidden, width)]
 
 
-def gate_up_weight_grad(dgu, x_cols, sched: Schedule, gate_up_proj, into=None, operands=None, a_ready=False):
+def gate_up_weight_grad(dgu_w, x_cols, sched: Schedule, gate_up_proj, into=None, operands=None):
     """d gate_up_proj [E, 2I, H] = dgu^T x_rows per expert (weight_grad_of), one column block of H at a time
     (x_column_blocks): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order, gathered for that
     block alone and freed after it. The same bits as one GEMM over every column: each output element's sum
     over the rows does not depend on the blocks, and every block runs the kernel the whole would (cols).
-    into: added to instead (macrobatch passes), which is returned. operands: as weight_grad_of's (dgu's MXFP8
-    values are computed once, each block's x rows' for that block; a_ready: dgu is operands.segments' already)."""
+    dgu_w: d gate_up as this GEMM takes it (operands.segments' values: GemmOperands.rows_and_segments); into:
+    added to instead (macrobatch passes), which is returned; operands: what each block's x rows become
+    (operands.segments, for that block alone)."""
     hidden = gate_up_proj.shape[2]
     grad = into
     if grad is None:
-        grad = torch.empty(gate_up_proj.shape, dtype=gate_up_proj.dtype, device=dgu.device)
-    a = operands.segments(dgu, sched) if operands is not None and not a_ready else dgu
+        grad = torch.empty(gate_up_proj.shape, dtype=gate_up_proj.dtype, device=dgu_w.device)
     for c0, c1 in x_column_blocks(hidden, sched.capacity):
         b = x_cols(c0, c1)
         if operands is not None:
             b = operands.segments(b, sched)
         block = grad[:, :, c0:c1]
         if into is not None:  # (added to the earlier passes' gradient)
-            weight_grad_of(a, b, sched, grad.dtype, into=block, cols=hidden)
+            weight_grad_of(dgu_w, b, sched, grad.dtype, into=block, cols=hidden)
         else:
-            weight_grad_of(a, b, sched, grad.dtype, out=block, cols=hidden)
+            weight_grad_of(dgu_w, b, sched, grad.dtype, out=block, cols=hidden)
         del b  # (this block's x rows, before the next block's are gathered)
     return grad
 
