@@ -1,8 +1,9 @@
 """Is mok_nn's forward host-bound? Host time per call of the routed experts against their GPU time,
-then cProfile of the host side.
+then cProfile of the host side (--backward: of forward+backward calls).
 
     python benchmarks/profile_host.py [--shape qwen3-30b-a3b] [--tokens 8192] [--top 22] [--long] [--layer]
-                                      [--segments] [--timeline]
+                                      [--segments] [--timeline] [--backward]
+                                      [--precision bf16|mxfp8] [--weights trained|frozen|mxfp8_only]
 
 The GPU is kept busy (torch.cuda._sleep) while the host issues the calls, so the host's time per call is its
 own issue time, not a wait for the GPU. A forward whose host time is above its GPU time leaves the GPU idle
@@ -10,8 +11,9 @@ own issue time, not a wait for the GPU. A forward whose host time is above its G
 with the most host time (--long: also by cumulative time, and the callers of the costly builtins).
 --segments: instead of cProfile (whose per-call overhead inflates call-heavy code), when each step of a
 forward starts and ends on the host (perf_counter, the GPU busy), in us from the forward's start: where the
-host time goes before the gate/up GEMM's launch, which an idle GPU waits for. --timeline: one forward from an idle
-GPU under torch.profiler, each kernel's launch on the host beside its start and end on the GPU.
+host time goes before the gate/up GEMM's launch, which an idle GPU waits for. --timeline: one forward and one
+forward+backward from an idle GPU under torch.profiler, each kernel's launch on the host beside its start and end
+on the GPU, and the GPU's idle time between them.
 """
 import argparse
 import cProfile
@@ -96,20 +98,21 @@ def segments(fwd, reps=50):
         print(f"{label:40s} {n / reps:5.1f} {start:8.1f} {end:8.1f} {end - start:8.1f} {(end - start) * n / reps:9.1f}")
 
 
-def timeline(fwd):
-    """Host launch time, GPU start and GPU end (us from the call's start) of each kernel of one forward called from
-    an idle GPU (the last of 6, under torch.profiler, whose own host time is in it)."""
+def timeline(call, what):
+    """Host launch time, GPU start and GPU end (us from the call's start) of each kernel of one call from an idle
+    GPU (the last of 6, under torch.profiler, whose own host time is in it), and the GPU's idle gaps: a kernel that
+    starts well after its predecessor ended waited for its launch (the host), not for the GPU."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(6):
             torch.cuda.synchronize()
             with record_function(f"call{i}"):
-                fwd()
+                call()
             torch.cuda.synchronize()
     events = prof.profiler.kineto_results.events()
-    call = next(e for e in events if e.name() == "call5")
-    t0, t1 = call.start_ns(), call.start_ns() + call.duration_ns()
+    mark = next(e for e in events if e.name() == "call5")
+    t0, t1 = mark.start_ns(), mark.start_ns() + mark.duration_ns()
     on_gpu = {}
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CUDA:
@@ -118,12 +121,19 @@ def timeline(fwd):
     for e in events:
         if e.device_type() == torch.autograd.DeviceType.CPU and t0 <= e.start_ns() <= t1 and "aunch" in e.name():
             for k in on_gpu.get(e.correlation_id(), []):
-                rows.append(((e.start_ns() - t0) / 1e3, (k.start_ns() - t0) / 1e3,
-                             (k.start_ns() + k.duration_ns() - t0) / 1e3, k.name()[:70]))
-    print(f"one forward from an idle GPU under torch.profiler: host span {(t1 - t0) / 1e3:.1f} us")
-    print(f"{'launch us':>10s} {'gpu start':>10s} {'gpu end':>10s}  kernel")
-    for r in sorted(rows):
-        print(f"{r[0]:10.1f} {r[1]:10.1f} {r[2]:10.1f}  {r[3]}")
+                rows.append(((k.start_ns() - t0) / 1e3, (k.start_ns() + k.duration_ns() - t0) / 1e3,
+                             (e.start_ns() - t0) / 1e3, k.name()[:70]))
+    rows.sort()
+    print(f"{what} from an idle GPU under torch.profiler: host span {(t1 - t0) / 1e3:.1f} us")
+    print(f"{'launch us':>10s} {'gpu start':>10s} {'gpu end':>10s} {'idle':>7s}  kernel")
+    busy, idle, prev_end = 0.0, 0.0, 0.0
+    for start, end, launch, name in rows:
+        gap = max(0.0, start - prev_end)
+        idle += gap
+        busy += end - start
+        prev_end = max(prev_end, end)
+        print(f"{launch:10.1f} {start:10.1f} {end:10.1f} {gap:7.1f}  {name}")
+    print(f"GPU busy {busy:.1f} us, idle before and between kernels {idle:.1f} us, last kernel ends at {prev_end:.1f}")
 
 
 def main():
@@ -134,10 +144,18 @@ def main():
     ap.add_argument("--long", action="store_true")
     ap.add_argument("--layer", action="store_true", help="the whole layer (MoKMoELayer) instead of the routed experts")
     ap.add_argument("--segments", action="store_true", help="host start / end of each step of a forward, no cProfile")
-    ap.add_argument("--timeline", action="store_true", help="one forward's launches beside its kernels on the GPU")
+    ap.add_argument("--backward", action="store_true", help="cProfile forward+backward calls instead of forwards")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "mxfp8"])
+    ap.add_argument("--weights", default="trained", choices=bench.WEIGHT_MODES,
+                    help="the routed experts' weights (bench.mok_experts); not with --layer")
+    ap.add_argument("--timeline", action="store_true",
+                    help="one forward's and one forward+backward's launches beside their kernels on the GPU")
     a = ap.parse_args()
+    if a.layer and a.weights != "trained":
+        ap.error("--weights applies to the routed experts (not --layer)")
     steps = layer_steps if a.layer else bench_steps
-    fwd, fwd_bwd = (call for _, call in steps(a.shape, a.tokens))
+    kw = {} if a.layer else {"weights": a.weights}
+    fwd, fwd_bwd = (call for _, call in steps(a.shape, a.tokens, precision=a.precision, **kw))
     for call in (fwd, fwd_bwd):
         for _ in range(3):
             call()
@@ -149,18 +167,20 @@ def main():
         if a.segments:
             segments(fwd)
         if a.timeline:
-            timeline(fwd)
+            timeline(fwd, f"one {a.shape} forward")
+            timeline(fwd_bwd, f"one {a.shape} forward+backward")
         return
 
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)
+    call, name = (fwd_bwd, "forward+backward") if a.backward else (fwd, "forward")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):
-        fwd()
+        call()
     prof.disable()
     torch.cuda.synchronize()
-    print(f"\ncProfile of 20 forward calls ({a.shape}), by own time:")
+    print(f"\ncProfile of 20 {name} calls ({a.shape}), by own time:")
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(a.top)
     if a.long:
