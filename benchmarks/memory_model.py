@@ -38,7 +38,7 @@ def _allocation_only() -> None:
         return torch.empty(*shape, dtype=dtype)
 
     cb.check_supported = lambda *a: None
-    cb.gather_rows = lambda x, sched, skip_tail=False: empty(sched.capacity, x.shape[1], dtype=x.dtype)
+    cb.gather_rows = lambda x, sched, skip_tail=False, mx=False: empty(sched.capacity, x.shape[1], dtype=x.dtype)
     cb.gate_up_act = lambda a, w, sched, act, lim, h_mx=False: (  # (h_mx: h's MXFP8 values from the kernel itself)
         empty(a.shape[0], w.shape[1]), empty(a.shape[0], w.shape[1] // 2))
     cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)

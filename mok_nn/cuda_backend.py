@@ -188,15 +188,15 @@ def _checked_capacity(num_tokens: int, top_k: int, num_experts: int, capacity: i
 
 
 def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
-                  gather_x: torch.Tensor | None = None) -> Schedule:
+                  gather_x: torch.Tensor | None = None, gather_mx: bool = False) -> Schedule:
     """Count -> pad -> prefix sum on the device, no host sync.
 
     On CUDA with at most SCHEDULE_MAX_EXPERTS experts: mok_schedule_mc (three launches: per-chunk counts,
     one scan CTA, placement over many CTAs); elsewhere make_schedule_torch, which gives the same schedule.
     capacity: rows of the schedule (default the worst case, schedule_capacity; more only adds padding rows).
     gather_x [T, H]: also gather x in schedule order from the same host call (mok_schedule_gather:
-    mok_schedule_mc + mok_scatter_rows); the schedule holds the rows until take_gathered(x) takes them.
-    Elsewhere nothing is gathered (take_gathered gives None).
+    mok_schedule_mc + mok_scatter_rows; gather_mx: x's MXFP8 values, gather_rows(mx=True)); the schedule holds
+    the rows until take_gathered(x) takes them. Elsewhere nothing is gathered (take_gathered gives None).
     """
     num_tokens, top_k = topk_ids.shape
     dev = topk_ids.device
@@ -211,11 +211,11 @@ def make_schedule(topk_ids: torch.Tensor, num_experts: int, capacity: int | None
     outs = (ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows)
     sched = Schedule(pos.view(num_tokens, top_k), row_token, tile_expert, seg_end, seg_rows,
                      padded_rows=padded_rows)
-    if gather_x is not None and _gathers_with_schedule(gather_x, sched.pos):
+    if gather_x is not None and _gathers_with_schedule(gather_x, sched.pos, gather_mx):
         x_rows = torch.empty(cap, gather_x.shape[1], dtype=gather_x.dtype, device=dev)
         _lib().launch("mok_schedule_gather", *outs, scratch, top_k, chunk, gather_x, sched.pos, x_rows,
-                      _scatter_rows_grid(num_tokens, cap, num_sms(dev)), stream=_stream())
-        sched.gathered = (gather_x, x_rows, "bf16")
+                      int(gather_mx), _scatter_rows_grid(num_tokens, cap, num_sms(dev)), stream=_stream())
+        sched.gathered = (gather_x, x_rows, "mxfp8" if gather_mx else "bf16")
     else:
         _lib().launch("mok_schedule_mc", *outs, scratch, top_k, chunk, stream=_stream())
     return sched
@@ -232,10 +232,11 @@ def _schedule_buffers(num_slots: int, capacity: int, num_experts: int, scratch: 
     return (parts[0].view(torch.int64), parts[1].view(torch.int64), *parts[2:])
 
 
-def _gathers_with_schedule(x: torch.Tensor, pos: torch.Tensor) -> bool:
-    """Whether make_schedule can gather x in the schedule's call: x holds the schedule's tokens (pos [T, k])
-    and take_rows would run mok_scatter_rows on them (_gather_rows_kernel)."""
-    return x.dim() == 2 and x.shape[0] == pos.shape[0] > 0 and _gather_rows_kernel(x, pos) == "mok_scatter_rows"
+def _gathers_with_schedule(x: torch.Tensor, pos: torch.Tensor, mx: bool = False) -> bool:
+    """Whether make_schedule can gather x (mx: its MXFP8 values) in the schedule's call: x holds the schedule's
+    tokens (pos [T, k]) and take_rows would run mok_scatter_rows on them (_gather_rows_kernel)."""
+    return (x.dim() == 2 and x.shape[0] == pos.shape[0] > 0
+            and _gather_rows_kernel(x, pos, mx) == "mok_scatter_rows")
 
 
 def make_schedule_torch(topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None) -> Schedule:
@@ -316,14 +317,17 @@ _stream = current_stream  # cudaStream_t of the current stream of the current de
 GATHER_CTAS_PER_SM = 8  # grid of mok_gather_rows / mok_scatter_rows: CTAs of 8 warps per SM
 
 
-def gather_rows(x: torch.Tensor, sched: Schedule, skip_tail: bool = False) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, sched: Schedule, skip_tail: bool = False, mx: bool = False) -> torch.Tensor:
     """x rows in schedule order [M_cap, H]; padding rows (row_token = T) are zero. skip_tail: the rows of
-    the tiles past the last segment are left unwritten (see take_rows)."""
-    return take_rows(x, sched.row_token, slots=sched.pos, tile_expert=sched.tile_expert if skip_tail else None)
+    the tiles past the last segment are left unwritten (see take_rows). mx: the rows of x's MXFP8 values along
+    H (mx_values(x, MX_ALONG_COLS); made by the gather kernel where it runs)."""
+    return take_rows(x, sched.row_token, slots=sched.pos, tile_expert=sched.tile_expert if skip_tail else None,
+                     mx=mx)
 
 
 def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
-              slots: torch.Tensor | None = None, tile_expert: torch.Tensor | None = None) -> torch.Tensor:
+              slots: torch.Tensor | None = None, tile_expert: torch.Tensor | None = None,
+              mx: bool = False) -> torch.Tensor:
     """[len(idx), H]: row idx[r] of src, a zero row where idx[r] == src rows (the padding rows of a
     schedule), or, has_zero_row, src's own last row (zero, as the EP tokens sections keep it) where
     idx[r] points there.
@@ -337,8 +341,14 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
     rows) where slots [N, k], the row of each slot (u, j) of src row u, are given (as Schedule.pos /
     EPSchedule.token_slots give it) and k <= 32; else mok_gather_rows (warp per dst row). Elsewhere (CPU,
     rows that are not 16-byte vectors) index_select, after a cat of a zero row unless has_zero_row.
-    Same bits in every written row."""
-    name = _gather_rows_kernel(src, slots)
+    Same bits in every written row.
+
+    mx: the rows of src's MXFP8 values along its columns (mx_values(src, MX_ALONG_COLS)), made by
+    mok_scatter_rows itself as it stores each source row (no pass over src first), else by mx_values first."""
+    name = _gather_rows_kernel(src, slots, mx)
+    if mx and name != "mok_scatter_rows":
+        src, mx = mx_values(src, MX_ALONG_COLS), False
+        name = _gather_rows_kernel(src, slots)
     if name is not None:
         out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
         if not idx.shape[0]:
@@ -346,7 +356,7 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
         tiles = tile_expert if tile_expert is not None else _cached_zero_tile(src.device)
         if name == "mok_scatter_rows":
             grid = _scatter_rows_grid(slots.shape[0], idx.shape[0], num_sms(src.device))
-            _lib().launch(name, src, slots.contiguous(), idx, tiles, out, grid, stream=_stream())
+            _lib().launch(name, src, slots.contiguous(), idx, tiles, out, int(mx), grid, stream=_stream())
         else:
             grid = row_copy_grid(idx.shape[0], num_sms(src.device), GATHER_CTAS_PER_SM)
             _lib().launch(name, src, idx, tiles, out, grid, stream=_stream())
@@ -356,12 +366,14 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, has_zero_row: bool = False,
     return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, idx)
 
 
-def _gather_rows_kernel(src: torch.Tensor, slots: torch.Tensor | None) -> str | None:
+def _gather_rows_kernel(src: torch.Tensor, slots: torch.Tensor | None, mx: bool = False) -> str | None:
     """The kernel take_rows runs on src: mok_scatter_rows where slots [N, k] are given, k <= 32 and N <= src
-    rows, else mok_gather_rows; None where index_select runs (CPU, or rows that are not 16-byte vectors)."""
+    rows (mx: and the rows are whole blocks of 32 on the mok_mx_quant path, _mx_kernel_runs), else
+    mok_gather_rows; None where index_select runs (CPU, or rows that are not 16-byte vectors)."""
     if not (src.is_cuda and rows_of_16_byte_vectors(src)):
         return None
-    if slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]:
+    if (slots is not None and slots.shape[1] <= 32 and slots.shape[0] <= src.shape[0]
+            and (not mx or _mx_kernel_runs(src))):
         return "mok_scatter_rows"
     return "mok_gather_rows"
 
@@ -826,7 +838,7 @@ class GemmOperands:
     def tokens(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
         """t [T, K] gathered into schedule order as a GEMM's rows, quantised along K: quantised before the
         gather (blocks lie inside a row: the same values, over T rows instead of the k-times-as-many rows)."""
-        return gather_rows(mx_values(t, MX_ALONG_COLS) if self.mxfp8 else t, sched, skip_tail=True)
+        return gather_rows(t, sched, skip_tail=True, mx=self.mxfp8)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """Rows [M, K] in schedule order as a GEMM's A operand: along K."""
@@ -1076,7 +1088,7 @@ def experts_backward(
     x = x.contiguous()
 
     dx, dw_rows, *param = mlp_rows_backward(
-        grad_y.to(x.dtype).contiguous(), lambda t, skip_tail: gather_rows(t, sched, skip_tail=skip_tail),
+        grad_y.to(x.dtype).contiguous(), lambda t, skip_tail, mx=False: gather_rows(t, sched, skip_tail, mx),
         row_weights(sched, topk_weights), saved.gate_up, lambda c0, c1: gather_rows(x[:, c0:c1], sched, True),
         sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit, q, needs, into,
         lambda dx_rows: combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype),
@@ -1093,8 +1105,9 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     backend's local experts (cuda_local): returns (take_dx(d x rows), dw per row [M_cap] fp32, d gate_up_proj,
     d down_proj, d gate_up_bias, d down_bias), frozen ones None (needs: reference.param_grads_needed).
 
-    grad_out [N, H]: the d y of the rows' sources (not scaled by w); gather(t, skip_tail): t's rows in schedule
-    order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten); w_rows [M_cap]
+    grad_out [N, H]: the d y of the rows' sources (not scaled by w); gather(t, skip_tail, mx=False): t's rows in
+    schedule order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten; mx: the
+    rows of t's MXFP8 values along its columns, take_rows); w_rows [M_cap]
     fp32 the top-k weight of each row (0 on padding rows); x_cols(c0, c1): the input rows' columns [c0, c1) in
     schedule order (called only for d gate_up_proj, block by block: gate_up_weight_grad); into: (d gate_up_proj,
     d down_proj) to add to (macrobatch passes), or Nones; take_dx: what is made of the d x rows (summed per token,
@@ -1112,7 +1125,7 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     dy_rows = None
     if not q.mxfp8 or need2 or down_bias is not None:
         dy_rows = gather(grad_out, down_bias is None)  # (the down bias sums every row, the tail too)
-    dy_a = gather(mx_values(grad_out, MX_ALONG_COLS), True) if q.mxfp8 else dy_rows
+    dy_a = gather(grad_out, True, mx=True) if q.mxfp8 else dy_rows
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
                                       swiglu_limit, in_place=consume_gate_up)
     del dy_a, gate_up
@@ -1265,14 +1278,8 @@ def build_schedule(topk_ids: torch.Tensor, workspace, x: torch.Tensor | None = N
     if workspace.ep_size > 1:
         return None
     # x (the forward's tokens): gathered in schedule order by the same host call; with precision="mxfp8" its MXFP8
-    # values, what the gate/up GEMM takes (the forward then gathers nothing)
-    if (workspace.precision != "mxfp8" or x is None or workspace.num_experts > SCHEDULE_MAX_EXPERTS
-            or not _gathers_with_schedule(x, topk_ids)):  # (topk_ids: the shape of the schedule's pos)
-        return make_schedule(topk_ids, workspace.num_experts, gather_x=x)
-    sched = make_schedule(topk_ids, workspace.num_experts, gather_x=mx_values(x.contiguous(), MX_ALONG_COLS))
-    if sched.gathered is not None:
-        sched.gathered = (x, sched.gathered[1], "mxfp8")
-    return sched
+    # values (made by the gather), what the gate/up GEMM takes (the forward then gathers nothing)
+    return make_schedule(topk_ids, workspace.num_experts, gather_x=x, gather_mx=workspace.precision == "mxfp8")
 
 
 def forward(x, topk_ids, topk_weights, params, schedule, workspace, needs=None):

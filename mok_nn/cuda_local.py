@@ -17,7 +17,7 @@ import torch
 
 from . import reference
 from .cuda_backend import (
-    MX_ALONG_COLS, TILE_M, GemmOperands, Schedule, mlp_rows_backward, mlp_rows_forward, mx_values, take_rows,
+    TILE_M, GemmOperands, Schedule, mlp_rows_backward, mlp_rows_forward, take_rows,
 )  # fmt: skip
 
 
@@ -34,9 +34,10 @@ class LocalRows:
     # schedule's rows, each its own: a scatter with no repeated index, deterministic)
     scatter_to: torch.Tensor
 
-    def gather(self, t: torch.Tensor, skip_tail: bool = True) -> torch.Tensor:
-        """t's rows [N, K] in schedule order, zero on padding rows (skip_tail: past the last segment unwritten)."""
-        return take_rows(t, self.src, tile_expert=self.sched.tile_expert if skip_tail else None)
+    def gather(self, t: torch.Tensor, skip_tail: bool = True, mx: bool = False) -> torch.Tensor:
+        """t's rows [N, K] in schedule order, zero on padding rows (skip_tail: past the last segment unwritten; mx:
+        of t's MXFP8 values along K, take_rows)."""
+        return take_rows(t, self.src, tile_expert=self.sched.tile_expert if skip_tail else None, mx=mx)
 
     def scatter(self, values: torch.Tensor, fill) -> torch.Tensor:
         """[M_cap] buffer of values [N] at their rows' schedule rows, fill elsewhere."""
@@ -73,7 +74,7 @@ def local_mlp_forward(rows, lr: LocalRows, gate_up_proj, down_proj, gate_up_bias
     """(out [N, H], gate_up [M_cap, 2I] in schedule order): the experts' MLP of each row (unweighted; padding
     rows' out unspecified), on the kernels, as experts_forward computes it."""
     q = GemmOperands(precision)
-    a = lr.gather(mx_values(rows, MX_ALONG_COLS) if q.mxfp8 else rows)
+    a = lr.gather(rows, mx=q.mxfp8)
     out_rows, gate_up = mlp_rows_forward(a, lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias,
                                          activation, swiglu_limit, q)
     return out_rows.index_select(0, lr.dst), gate_up

@@ -241,14 +241,14 @@ def test_schedule_call_gathers_the_mxfp8_rows(quantiser, monkeypatch):
     x, ids, w, dy, W13, W2, _, _ = problem
     args = (W13, W2, None, None, "swiglu", None)
 
-    def schedule_gathering(topk_ids, num_experts, capacity=None, gather_x=None):
+    def schedule_gathering(topk_ids, num_experts, capacity=None, gather_x=None, gather_mx=False):
         sched = cb.make_schedule_torch(topk_ids, num_experts, capacity)
         if gather_x is not None:  # as mok_schedule_gather does on the GPU
-            sched.gathered = (gather_x, cb.gather_rows(gather_x, sched), "bf16")
+            rows = cb.gather_rows(gather_x, sched, mx=gather_mx)
+            sched.gathered = (gather_x, rows, "mxfp8" if gather_mx else "bf16")
         return sched
 
     monkeypatch.setattr(cb, "make_schedule", schedule_gathering)
-    monkeypatch.setattr(cb, "_gathers_with_schedule", lambda x, pos: True)
     ws = SimpleNamespace(precision="mxfp8", ep_size=1, num_experts=E)
     sched = cb.build_schedule(ids, ws, x)
     assert sched.gathered[0] is x and sched.gathered[2] == "mxfp8"
@@ -266,14 +266,19 @@ def test_schedule_call_gathers_the_mxfp8_rows(quantiser, monkeypatch):
 
 
 def test_frozen_mxfp8_backward_gathers_no_plain_rows(spied, monkeypatch):
-    """Frozen weights without biases: the backward gathers d y's MXFP8 values only (the plain d y rows would feed
-    d W2 and the bias terms alone); the same d x and d topk-weights."""
+    """Frozen weights without biases: the backward gathers d y's MXFP8 values only (gather_rows(mx=True); the plain
+    d y rows would feed d W2 and the bias terms alone); the same d x and d topk-weights."""
     problem = _problem(seed=9)
     x, ids, w, dy, *_ = problem
     full, _ = _run("mxfp8", problem)
     gathered = []
     gather = cb.gather_rows
-    monkeypatch.setattr(cb, "gather_rows", lambda t, *a, **kw: gathered.append(t) or gather(t, *a, **kw))
+    def spy(t, sched, skip_tail=False, mx=False):
+        gathered.append((t, mx))
+        return gather(t, sched, skip_tail, mx)
+
+    monkeypatch.setattr(cb, "gather_rows", spy)
     frozen, _ = _run("mxfp8", problem, needs=(False, False, True, True))
-    assert not any(t is dy or torch.equal(t, dy) for t in gathered)  # only its MXFP8 values were gathered
+    of_dy = [mx for t, mx in gathered if torch.equal(t, dy)]
+    assert of_dy and all(of_dy)  # d y gathered as its MXFP8 values only
     assert torch.equal(frozen[1], full[1]) and torch.equal(frozen[2], full[2])

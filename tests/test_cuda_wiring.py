@@ -157,8 +157,8 @@ def test_backward_frees_each_row_buffer_before_the_next_one(fake_lib, monkeypatc
     def alive(name):
         return name in refs and refs[name]() is not None
 
-    def spy_gather(t, sched, skip_tail=False):
-        out = gather(t, sched, skip_tail)
+    def spy_gather(t, sched, skip_tail=False, mx=False):
+        out = gather(t, sched, skip_tail, mx)
         refs["dy_rows"] = weakref.ref(out)
         return out
 
@@ -239,10 +239,10 @@ def test_gate_up_weight_grad_in_column_blocks(fake_lib, monkeypatch, macrobatch)
 
     gathers, gather = [], cb.gather_rows
 
-    def spy_gather(t, sched, skip_tail=False):
+    def spy_gather(t, sched, skip_tail=False, mx=False):
         if t._base is x:  # a column block of x: the previous block's rows are gone
             assert all(ref() is None for _, ref in gathers), "x rows of an earlier block still alive"
-        out = gather(t, sched, skip_tail)
+        out = gather(t, sched, skip_tail, mx)
         if t._base is x:
             gathers.append((t.shape[1], weakref.ref(out)))
         return out

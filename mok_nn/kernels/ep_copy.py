@@ -38,6 +38,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
+from .mx_quant import MAG_MASK, quantize_value, rceil_scales
 from .registry import EP_COPY_THREADS as THREADS
 from .registry import TILE_M
 
@@ -76,9 +77,11 @@ def copy_row(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, n_vec: cutlass.In
 
 @cute.jit
 def copy_row_to_lanes(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, ok_i: cutlass.Int32, count: cutlass.Int32,
-                      n_vec: cutlass.Int32, lane: cutlass.Int32):
+                      n_vec: cutlass.Int32, lane: cutlass.Int32, mx: cutlass.Int32 = 0):
     """One warp reads the row at src_addr once and stores it to dst_addr of every lane j < count with ok_i = 1
-    (the whole warp calls it: the addresses come by shuffle), UNROLL 16-byte loads per lane in flight."""
+    (the whole warp calls it: the addresses come by shuffle), UNROLL 16-byte loads per lane in flight.
+    mx != 0: it stores the row's MXFP8 values along the row instead (blocks of 32 columns: 4 lanes' vectors),
+    with mok_mx_quant's arithmetic (mode 0), so the same bits as gathering mx_values' rows."""
     frag = cute.make_rmem_tensor((VEC, UNROLL), cutlass.BFloat16)
     src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, src_addr, cute.AddressSpace.gmem, assumed_align=16),
                            cute.make_layout((VEC, n_vec)))
@@ -87,6 +90,8 @@ def copy_row_to_lanes(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, ok_i: cu
             c = c0 + lane + 32 * u
             if c < n_vec:
                 cute.autovec_copy(src[(None, c)], frag[(None, u)])
+        if mx != 0:
+            _mx_values_in_place(frag, c0 + lane, n_vec)
         for j in range(count):
             if cute.arch.shuffle_sync(ok_i, j) != 0:
                 dst = cute.make_tensor(
@@ -99,6 +104,24 @@ def copy_row_to_lanes(src_addr: cutlass.Int64, dst_addr: cutlass.Int64, ok_i: cu
                     if c < n_vec:
                         cute.autovec_copy(frag[(None, u)], dst[(None, c)])
 
+
+@cute.jit
+def _mx_values_in_place(frag: cute.Tensor, c_first: cutlass.Int32, n_vec: cutlass.Int32):
+    """frag's vectors (u: this lane's vector c_first + 32 u of the row) as their MXFP8 values along the row. A
+    block of 32 columns is the vectors of 4 adjacent lanes (n_vec % 4 == 0: the caller's rows are whole blocks),
+    so its largest magnitude takes two shuffles; lanes past the row hold no vector (amax 0) and store nothing."""
+    for u in cutlass.range_constexpr(UNROLL):
+        live = c_first + 32 * u < n_vec
+        amax = cutlass.Int32(0)
+        if live:
+            for i in cutlass.range_constexpr(VEC):
+                amax = cutlass.max(amax, frag[(i, u)].to(cutlass.Float32).bitcast(cutlass.Int32) & MAG_MASK)
+        for k in cutlass.range_constexpr(2):
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+        if live:
+            down, up = rceil_scales(amax)
+            for i in cutlass.range_constexpr(VEC):
+                frag[(i, u)] = quantize_value(frag[(i, u)].to(cutlass.Float32), down, up).to(cutlass.BFloat16)
 
 
 @cute.jit
@@ -276,7 +299,9 @@ class ScatterRows:
     slot_row [N, k]: the dst row of each slot (u, j), where row_src of that row is u (other values: the
     slot has no row here). Work units: the N source rows (warp per row, read once, stored to each of its
     rows), then batches of 32 dst rows (zero rows). Every dst row is written once (row_src names one
-    source row per row, and the schedule gives it by exactly one slot)."""
+    source row per row, and the schedule gives it by exactly one slot). mx != 0: the source rows' MXFP8
+    values along the row (H % 32 == 0; precision="mxfp8": the GEMM operand made in the gather, no pass over
+    src before it)."""
 
     @cute.jit
     def __call__(
@@ -286,15 +311,17 @@ class ScatterRows:
         row_src: cute.Tensor,  # (M,) int64: src row of dst row r; outside [0, N): a zero row
         tile_expert: cute.Tensor,  # (n,) int32: rows of tiles t < n with tile_expert[t] < 0 are not written
         dst: cute.Tensor,  # (M, H) bf16
+        mx: cutlass.Int32,  # nonzero: MXFP8 values of the source rows
         num_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(src, slot_row, row_src, tile_expert, dst).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1],
-                                                                     stream=stream)
+        self.kernel(src, slot_row, row_src, tile_expert, dst, mx).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=3,
+            preferred_smem_carveout=0, stream=stream)
 
     @cute.kernel
     def kernel(self, src: cute.Tensor, slot_row: cute.Tensor, row_src: cute.Tensor, tile_expert: cute.Tensor,
-               dst: cute.Tensor):
+               dst: cute.Tensor, mx: cutlass.Int32):
         n_src = cute.size(slot_row, mode=[0])
         m = cute.size(row_src, mode=[0])
         n_vec, src_base, src_stride, dst_base, dst_stride = _rows_geometry(src, dst)
@@ -303,7 +330,7 @@ class ScatterRows:
             unit = w + b * step
             if unit < n_src:
                 _scatter_source_row(unit, src_base + cutlass.Int64(unit) * src_stride, slot_row, row_src, dst_base,
-                                    dst_stride, n_vec, lane)
+                                    dst_stride, n_vec, lane, mx)
             else:
                 _zero_rows_batch((unit - n_src) * 32, n_src, row_src, tile_expert, dst_base, dst_stride, n_vec, lane)
 
@@ -355,9 +382,10 @@ class ScatterRowsPeers:
 @cute.jit
 def _scatter_source_row(unit: cutlass.Int32, s_addr: cutlass.Int64, slot_row: cute.Tensor, row_src: cute.Tensor,
                         dst_base: cutlass.Int64, dst_stride: cutlass.Int64, n_vec: cutlass.Int32,
-                        lane: cutlass.Int32):
-    """The warp reads source row `unit` (at s_addr) once, if any of its slots' rows takes it, and stores it to
-    each of those rows (lane j < k: slot j's row, kept where that row's row_src really is this unit)."""
+                        lane: cutlass.Int32, mx: cutlass.Int32 = 0):
+    """The warp reads source row `unit` (at s_addr) once, if any of its slots' rows takes it, and stores it (mx:
+    its MXFP8 values) to each of those rows (lane j < k: slot j's row, kept where that row's row_src really is
+    this unit)."""
     top_k = cute.size(slot_row, mode=[1])
     m = cute.size(row_src, mode=[0])
     d_addr = cutlass.Int64(0)
@@ -372,7 +400,7 @@ def _scatter_source_row(unit: cutlass.Int32, s_addr: cutlass.Int64, slot_row: cu
     for j in range(top_k):
         count = count + cute.arch.shuffle_sync(ok_i, j)
     if count > 0:  # a row with no slot here is not read
-        copy_row_to_lanes(s_addr, d_addr, ok_i, top_k, n_vec, lane)
+        copy_row_to_lanes(s_addr, d_addr, ok_i, top_k, n_vec, lane, mx)
 
 
 @cute.jit

@@ -358,12 +358,12 @@ def _schedule_spec(name: str, factory: str, factory_kwargs: tuple = ()) -> Kerne
 
 
 def _schedule_gather_spec() -> KernelSpec:
-    # mok_schedule_mc's arguments, then the forward's x gather by it (ScatterRows): x, pos as (T, k), x_rows, grid
+    # mok_schedule_mc's arguments, then the forward's x gather by it (ScatterRows): x, pos as (T, k), x_rows, mx, grid
     mc = _schedule_spec("mok_schedule_mc", "ScheduleMultiCta")
     rows = TensorArg("x", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 8))
     return dataclasses.replace(mc, name="mok_schedule_gather", factory="ScheduleGather", args=(
         *mc.args, rows, TensorArg("slots", "i64", (DYN, DYN), (DYN, 1), align=8, stride_div=1),
-        dataclasses.replace(rows, name="x_rows"), ScalarArg("num_ctas", "i32"),
+        dataclasses.replace(rows, name="x_rows"), ScalarArg("mx", "i32"), ScalarArg("num_ctas", "i32"),
     ))
 
 
@@ -448,7 +448,8 @@ def _ep_copy_specs() -> tuple:
         factory_kwargs=(),
         args=(dataclasses.replace(rows, name="src"),
               slot_row,
-              dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"), grid),
+              dataclasses.replace(idx, name="row_src"), tiles, dataclasses.replace(rows, name="dst"),
+              ScalarArg("mx", "i32"), grid),  # mx: nonzero, the source rows' MXFP8 values along the row
     )
     scatter_peers = KernelSpec(
         name="mok_scatter_rows_peers",  # mok_scatter_rows reading source row p*Tc + t from rank p's section

@@ -307,9 +307,10 @@ class ScheduleGather:
         x: cute.Tensor,  # (T, H) bf16: the tokens
         slots: cute.Tensor,  # (T, k) int64: pos again, as the scatter reads it (the same memory)
         x_rows: cute.Tensor,  # (M_cap, H) bf16 out
+        mx: cutlass.Int32,  # nonzero: x's MXFP8 values along H (ScatterRows)
         num_ctas: cutlass.Int32,  # the scatter's grid (cuda_backend.row_copy_grid)
         stream: cuda.CUstream,
     ):
         ScheduleMultiCta()(ids, pos, row_token, tile_expert, seg_end, seg_rows, padded_rows, scratch, top_k, chunk,
                            stream)
-        ScatterRows()(x, slots, row_token, tile_expert, x_rows, num_ctas, stream)
+        ScatterRows()(x, slots, row_token, tile_expert, x_rows, mx, num_ctas, stream)

@@ -980,6 +980,63 @@ def test_gather_rows_kernel(lib, launched_kernels, T, H, M):
     assert launched_kernels == []
 
 
+def _mx_test_rows(T, H, seed):
+    """bf16 rows [T, H] of mixed magnitudes with special 32-column blocks: all zero, one NaN, one inf, values at
+    E4M3's largest (448 times a power of two), bf16 subnormals, and a block whose amax rounds its scale up."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    src = torch.randn(T, H, device="cuda", generator=g) * torch.exp2(torch.randint(-20, 20, (T, 1), device="cuda",
+                                                                                   generator=g).float())
+    src = src.to(torch.bfloat16)
+    blocks = H // 32
+    specials = [(0, lambda b: b.zero_()), (1, lambda b: b.__setitem__(5, float("nan"))),
+                (2, lambda b: b.__setitem__(31, float("-inf"))), (3, lambda b: b.__setitem__(7, 448.0 * 2**20)),
+                (4, lambda b: b.copy_(torch.full_like(b, 3e-39))), (5, lambda b: b.__setitem__(0, 1.875 * 2**-3))]
+    for i, (j, make) in enumerate(specials):
+        r = i % T
+        make(src[r, (j % blocks) * 32:(j % blocks) * 32 + 32])
+    return src
+
+
+@pytest.mark.parametrize("T,H,k,E,mode", [(1, 32, 1, 4, "uniform"), (333, 224, 4, 16, "uniform"),
+                                          (4097, 2048, 8, 128, "uniform"), (64, 7168, 8, 256, "uniform"),
+                                          (300, 8224, 6, 32, "skew")])
+def test_scatter_rows_mx_values(lib, launched_kernels, T, H, k, E, mode):
+    """gather_rows(mx=True): mok_scatter_rows stores each source row's MXFP8 values along H (its mx argument),
+    bit for bit the rows of mx_values(src) (mok_mx_quant) and equal to mxfp8.fake_quantize's (NaN blocks alike),
+    with zero padding rows; rows widths over one, several and a partial step of the warp's 16-byte lanes; a grid
+    of 3 CTAs; skip_tail; and the schedule's call (make_schedule(gather_x, gather_mx=True)) the same rows."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn.mxfp8 import fake_quantize
+
+    ids, _ = _routing(T, k, E, mode, seed=T + H + 1)
+    sched = cb.make_schedule(ids, E)
+    src = _mx_test_rows(T, H, seed=T * H + 1)
+    values = cb.mx_values(src, cb.MX_ALONG_COLS)
+    torch.testing.assert_close(values.float(), fake_quantize(src, -1).float(), rtol=0, atol=0, equal_nan=True)
+    want = torch.cat([values, values.new_zeros(1, H)])[sched.row_token]
+    launched_kernels.clear()
+    got = cb.gather_rows(src, sched, mx=True)
+    torch.cuda.synchronize()
+    assert launched_kernels == ["mok_scatter_rows"]
+    assert torch.equal(_bits(got), _bits(want))
+    poisoned = torch.full_like(want, float("nan"))
+    all_rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cb._lib().launch("mok_scatter_rows", src, sched.pos.contiguous(), sched.row_token, all_rows, poisoned, 1, 3,
+                     stream=_stream())
+    assert torch.equal(_bits(poisoned), _bits(want)), "grid of 3"
+    tail = (sched.tile_expert < 0).repeat_interleave(registry.TILE_M)
+    assert torch.equal(_bits(cb.gather_rows(src, sched, skip_tail=True, mx=True)[~tail]), _bits(want[~tail]))
+    launched_kernels.clear()
+    fused = cb.make_schedule(ids, E, gather_x=src, gather_mx=True)
+    assert launched_kernels == ["mok_schedule_gather"]
+    assert fused.take_gathered(src, "bf16") is None  # its rows are the MXFP8 values, not src's
+    fused = cb.make_schedule(ids, E, gather_x=src, gather_mx=True)
+    rows = fused.take_gathered(src, "mxfp8")
+    assert torch.equal(_bits(rows[~tail]), _bits(want[~tail]))
+    # the same source twice: the same bits (one warp per source row, no order between warps to matter)
+    assert torch.equal(_bits(cb.gather_rows(src, sched, mx=True)), _bits(got))
+
+
 @pytest.mark.parametrize("T,H,k,E,mode", [(1, 8, 1, 4, "uniform"), (333, 200, 4, 16, "uniform"),
                                           (4097, 2048, 8, 128, "uniform"), (64, 7168, 8, 256, "uniform"),
                                           (500, 1024, 2, 8, "one_expert"), (300, 384, 6, 32, "skew"),
@@ -1014,17 +1071,17 @@ def test_scatter_rows_kernel(lib, launched_kernels, T, H, k, E, mode):
     stream = _stream()
     poisoned = torch.full_like(want, float("nan"))
     all_rows = torch.zeros(1, dtype=torch.int32, device="cuda")  # a tile table that skips no row
-    cb._lib().launch("mok_scatter_rows", src, sched.pos.contiguous(), sched.row_token, all_rows, poisoned, 3,
+    cb._lib().launch("mok_scatter_rows", src, sched.pos.contiguous(), sched.row_token, all_rows, poisoned, 0, 3,
                      stream=stream)
     assert torch.equal(_bits(poisoned), _bits(want)), "a small grid (grid-stride) must write every row too"
     # skip_tail: the rows of tiles past the last segment stay as they were (poison), the others as before
     tail = (sched.tile_expert < 0).repeat_interleave(registry.TILE_M)
     got = cb.gather_rows(src, sched, skip_tail=True)
     assert torch.equal(got[~tail], want[~tail])
-    for name, args in (("mok_scatter_rows", (src, sched.pos, sched.row_token)),
-                       ("mok_gather_rows", (src, sched.row_token))):
+    for name, args, mx in (("mok_scatter_rows", (src, sched.pos, sched.row_token), (0,)),
+                           ("mok_gather_rows", (src, sched.row_token), ())):
         probe = torch.full_like(want, float("nan"))
-        cb._lib().launch(name, *args, sched.tile_expert, probe, 3, stream=stream)
+        cb._lib().launch(name, *args, sched.tile_expert, probe, *mx, 3, stream=stream)
         assert torch.equal(_bits(probe[~tail]), _bits(want[~tail])), name
         assert probe[tail].isnan().all(), f"{name}: a row past the last segment was written"
     # EP form: src has one more row (zero, as the EP sections keep it); the last 128 rows are cut off (a
@@ -1041,7 +1098,7 @@ def test_scatter_rows_kernel(lib, launched_kernels, T, H, k, E, mode):
     want_ep = with_zero[torch.where((row_src >= 0) & (row_src < T), row_src, T)]
     for grid in (3, 64):
         out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        cb._lib().launch("mok_scatter_rows", with_zero, slots, row_src, all_rows, out, grid, stream=stream)
+        cb._lib().launch("mok_scatter_rows", with_zero, slots, row_src, all_rows, out, 0, grid, stream=stream)
         assert torch.equal(_bits(out), _bits(want_ep)), grid
     assert torch.equal(cb.take_rows(with_zero, row_src, has_zero_row=True, slots=slots), want_ep)
     # the gather kernel on the same rows (its zero row: T)
