@@ -344,7 +344,7 @@ def test_backward_op_on_the_cuda_path(fake_lib, monkeypatch):
     the forward op's gate_up give the bits of experts_backward on the forward's own saved tensors."""
     from mok_nn import ops
 
-    monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None:
+    monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None, gather_mx=False:
                         cb.make_schedule_torch(ids, num_experts, capacity))
     x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, True, seed=13)
     args = (W13, W2, b13, b2, "swiglu", None)

@@ -124,9 +124,9 @@ def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
     assert launched_kernels[0] == "mok_schedule_gather", launched_kernels
     scatters = 1 + len(cb.x_column_blocks(x.shape[1], cb.schedule_capacity(*ids.shape, 16)))  # (E = 16)
     assert launched_kernels.count("mok_scatter_rows") == scatters and "mok_schedule_mc" not in launched_kernels
-    monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None:
+    monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None, gather_mx=False:
                         cb.make_schedule_torch(ids, num_experts, capacity))
-    monkeypatch.setattr(cb, "_gather_rows_kernel", lambda src, slots: None)  # take_rows: index_select
+    monkeypatch.setattr(cb, "_gather_rows_kernel", lambda src, slots, mx=False: None)  # take_rows: index_select
     launched_kernels.clear()
     want = _routed_cuda(x, ids, w, params, dy, MoKConfig())
     assert not {"mok_schedule_gather", "mok_schedule_mc", "mok_scatter_rows", "mok_gather_rows"} & set(launched_kernels)
