@@ -80,11 +80,16 @@ WGRAD_SHORT_MAX_COLS = 2048  # output columns (b_rows' width), at most
 # K = 14336 / 28672 lose the fourth A/B stage it costs).
 GEMM_FULL_EPI_MAX_K = 8192
 # The clustered ping-pong kernels (_ppc) run where K is at most this, per GEMM kind, else the cooperative
-# ones. Measured on H200 call by call: dgrad of down + dSwiGLU fused, K = H: qwen3 (2048) 0.50 vs 0.62 ms
-# for the two kernels, mixtral (4096) 3.45 vs 4.11, deepseek-v3 (7168) 4.59 vs 4.50; gate/up + SwiGLU
-# fused: qwen3 0.70 vs 0.75, deepseek-v3 11.5 vs 8.2; plain GEMMs: qwen3 down (K 768) 0.385 vs 0.409,
-# every K >= 1536 equal or slower.
-PINGPONG_MAX_K = {"gemm": 1024, "act": 2048, "dact": 4096}
+# ones. Measured on H200 call by call: gate/up + SwiGLU fused: qwen3 0.70 vs 0.75, deepseek-v3 11.5 vs 8.2;
+# plain GEMMs: qwen3 down (K 768) 0.385 vs 0.409, every K >= 1536 equal or slower.
+PINGPONG_MAX_K = {"gemm": 1024, "act": 2048}
+# The dgrad of down with dSwiGLU fused (mok_gemm_dact_<act>_ppc, K = H) runs where H is at most this on the GPU
+# (dact_max_k), else the two kernels. On H200 (earlier kernels, call by call): qwen3 (2048) 0.50 vs 0.62 ms,
+# mixtral (4096) 3.45 vs 4.11, deepseek-v3 (7168) 4.59 vs 4.50. On one H100 (kernel time per forward+backward,
+# two rounds): qwen3 4.28-4.30 vs 4.36 ms, but mixtral 27.22-27.52 vs 26.56-26.71 (the fused GEMM 4.46-4.58 ms
+# against 2.80 + 1.18 for the two kernels).
+DACT_MAX_K = {"H200": 4096}  # a fragment of the GPU's name -> the longest H fused there
+DACT_MAX_K_DEFAULT = 2048
 
 SUPPORTED_ACTIVATIONS = ("swiglu", "swiglu_oai")
 FUSED_ACT_ACTIVATIONS = ("swiglu",)  # the gate/up GEMMs with an activation epilogue (registry)
@@ -298,9 +303,23 @@ def env_choice(var: str, choices: tuple, default: str) -> str:
 
 
 def pingpong(kind: str, k: int) -> bool:
-    """Whether a GEMM of this kind ("gemm": plain bf16, "act": gate/up + activation, "dact": dgrad of down +
-    activation backward) and reduction length k runs on the clustered ping-pong kernel (_ppc)."""
+    """Whether a GEMM of this kind ("gemm": plain bf16, "act": gate/up + activation) and reduction length k runs
+    on the clustered ping-pong kernel (_ppc)."""
     return k <= PINGPONG_MAX_K[kind]
+
+
+def dact_max_k(device: torch.device | None) -> int:
+    """The longest H for which the dgrad of down runs with dSwiGLU fused on this device (DACT_MAX_K by the GPU's
+    name; DACT_MAX_K_DEFAULT elsewhere, and for None or a device that is not a GPU)."""
+    if device is None or device.type != "cuda":
+        return DACT_MAX_K_DEFAULT
+    return _dact_max_k_on(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _dact_max_k_on(index: int) -> int:
+    name = torch.cuda.get_device_name(index)
+    return next((k for fragment, k in DACT_MAX_K.items() if fragment in name), DACT_MAX_K_DEFAULT)
 
 
 def _lib():
@@ -745,10 +764,10 @@ def fused_dact_supported(inter: int, activation: str) -> bool:
     return inter % GEMM_TILE_N == 0 and activation in SUPPORTED_ACTIVATIONS
 
 
-def _use_fused_dact(inter: int, activation: str, hidden: int) -> bool:
+def _use_fused_dact(inter: int, activation: str, hidden: int, device: torch.device | None = None) -> bool:
     """Whether the dgrad of down runs with the activation backward in its epilogue (dgrad_act): on the
-    clustered ping-pong kernel, where it is faster than the two kernels (pingpong("dact", H))."""
-    return (pingpong("dact", hidden) and fused_dact_supported(inter, activation) and not _use_torch_gemm()
+    clustered ping-pong kernel, where it is faster than the two kernels (H <= dact_max_k(device))."""
+    return (hidden <= dact_max_k(device) and fused_dact_supported(inter, activation) and not _use_torch_gemm()
             and not _use_torch_act())
 
 
@@ -805,7 +824,7 @@ def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activat
     runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
     gate_up (the same bits)."""
     mx_cols = isinstance(down_proj, MxColumnWeight)  # (its kernel has no activation epilogue)
-    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1]) and not mx_cols:
+    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy_rows.shape[1], dy_rows.device) and not mx_cols:
         return dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
     dh_raw = grouped_gemm(dy_rows, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)

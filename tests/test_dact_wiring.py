@@ -153,8 +153,17 @@ def test_kernel_choice_rules(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     for kind, k_max in cb.PINGPONG_MAX_K.items():
         assert cb.pingpong(kind, k_max) and not cb.pingpong(kind, k_max + 8)
-    # the benchmark shapes (H, I): qwen3 (2048, 768), mixtral (4096, 14336), deepseek-v3 (7168, 2048)
-    assert [cb._use_fused_dact(2048, "swiglu", h) for h in (2048, 4096, 7168)] == [True, True, False]
+    # the benchmark shapes (H, I): qwen3 (2048, 768), mixtral (4096, 14336), deepseek-v3 (7168, 2048); the fused
+    # dSwiGLU up to H = 2048, on an H200 up to 4096 (dact_max_k by the GPU's name)
+    assert [cb._use_fused_dact(2048, "swiglu", h) for h in (2048, 4096, 7168)] == [True, False, False]
+    assert cb.dact_max_k(torch.device("cpu")) == cb.DACT_MAX_K_DEFAULT == 2048
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}[i])
+    cb._dact_max_k_on.cache_clear()
+    try:
+        assert [cb.dact_max_k(torch.device("cuda", i)) for i in (0, 1)] == [4096, 2048]
+        assert [cb._use_fused_dact(2048, "swiglu", 4096, torch.device("cuda", i)) for i in (0, 1)] == [True, False]
+    finally:
+        cb._dact_max_k_on.cache_clear()
     assert not cb._use_fused_dact(640, "swiglu", 2048)  # I % 256 != 0
     assert [cb.use_fused_act(768, "swiglu", False, h) for h in (2048, 4096, 7168, 8200)] == [True, True, True, False]
     assert not cb.use_fused_act(768, "swiglu_oai", False, 2048) and not cb.use_fused_act(768, "swiglu", True, 2048)

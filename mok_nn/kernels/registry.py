@@ -532,7 +532,8 @@ SPECS = (
     _gemm_act_mx_spec("swiglu"),
     _gemm_mx_cols_spec("bf16"),  # the backward's d x from MXFP8-only weights, precision="mxfp8"
     _gemm_mx_cols_spec("f32"),  # its d h (the dgrad of down, fp32 out for dSwiGLU and d topk-weights)
-    # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096)
+    # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096; the layer's rule:
+    # cuda_backend.dact_max_k)
     _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_dact_spec("swiglu_oai", pingpong=True, cluster_n=2),
     # Expert parallelism: the forward's down GEMM and the backward's dgrad of gate/up store each row into its

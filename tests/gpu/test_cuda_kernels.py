@@ -605,7 +605,7 @@ EXPERT_CASES = [  # T, H, I, E, k, routing, activation, limit, bias
     (EDGE_T, 256, 256, 9, 1, "edge", "swiglu", None, False),  # last tiles 1, 63, 64, 65, ... rows full
     (100, 256, 256, 32, 20, "random", "swiglu", None, False),  # top_k > 16: mok_combine
     (512, 2048, 768, 128, 8, "random", "swiglu", None, False),  # qwen3-30b-a3b, reduced T
-    (200, 4608, 640, 6, 2, "skew", "swiglu", None, False),  # H > 4096: the dgrad of down unfused
+    (200, 4608, 640, 6, 2, "skew", "swiglu", None, False),  # H > dact_max_k: the dgrad of down unfused
     (256, 7168, 2048, 256, 8, "random", "swiglu", None, False),  # deepseek-v3, reduced T
     (128, 4096, 14336, 8, 2, "random", "swiglu", None, False),  # mixtral-8x7b, reduced T: K > 8192
 ]
@@ -629,7 +629,7 @@ def _rule_kernels(T, H, I, E, k, activation, bias, sched):
         fwd += [cb.gemm_kernel(False, k=H), f"mok_act_fwd_{activation}"]
     fwd += [cb.gemm_kernel(False, k=I), combine]
     bwd = ["mok_scatter_rows"]
-    if cb._use_fused_dact(I, activation, H):
+    if cb._use_fused_dact(I, activation, H, torch.device("cuda")):
         bwd.append(f"mok_gemm_dact_{activation}_ppc")
     else:
         bwd += ["mok_gemm_bn_f32_dyn", f"mok_act_bwd_{activation}"]
@@ -656,7 +656,8 @@ def test_expert_cases_cover_the_layer_kernels():
              and s.name not in ("mok_schedule_gather", "mok_gather_rows", "mok_mx_quant")}
     assert layer - seen == set()
     # the rules' thresholds, as the cases above assume them
-    assert cb.PINGPONG_MAX_K == {"gemm": 1024, "act": 2048, "dact": 4096} and cb.GEMM_FULL_EPI_MAX_K == 8192
+    assert cb.PINGPONG_MAX_K == {"gemm": 1024, "act": 2048} and cb.GEMM_FULL_EPI_MAX_K == 8192
+    assert cb.dact_max_k(torch.device("cuda")) in (2048, 4096)
 
 
 @pytest.mark.parametrize("case", EXPERT_CASES, ids=_expert_case_id)
