@@ -5,7 +5,8 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
 
   schedule + x    mok_schedule_gather: per-chunk counts, one scan CTA, placement over many CTAs (the schedule,
                   by prefix sums: no host sync), then the x rows scattered into the padded expert order, each
-                  x row read once; one host call. mok_schedule_mc where there is nothing to gather.
+                  x row read once (precision="mxfp8": stored as its MXFP8 values); one host call.
+                  mok_schedule_mc where there is nothing to gather.
   gate/up + act   the gate/up GEMM with SwiGLU in its epilogue: mok_gemm_gate_up_swiglu_ppc (clustered
                   ping-pong) where H <= 2048, mok_gemm_gate_up_swiglu_ef where H <= 8192. Elsewhere (larger H,
                   gate/up biases, swiglu_oai, I % 128 != 0) the plain GEMM, then mok_act_fwd_<act>.
@@ -13,8 +14,8 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
   combine         mok_combine_cp (top_k <= 16) or mok_combine: a fixed tree over expert groups, the same
                   tree as the EP path's per-rank partial sums (kernels/combine.py)
   dgrad of down   with the activation backward and the top-k weight gradient in its epilogue,
-  + dSwiGLU       mok_gemm_dact_<act>_ppc, where H <= 4096 and I % 256 == 0; else mok_gemm_bn_f32_dyn
-                  (fp32 out), then mok_act_bwd_<act>
+  + dSwiGLU       mok_gemm_dact_<act>_ppc, where H <= dact_max_k (2048; 4096 on H200) and I % 256 == 0;
+                  else mok_gemm_bn_f32_dyn (fp32 out), then mok_act_bwd_<act>
   dgrad gate/up   the plain GEMM; d x by the combine kernels with w = 1
   weight grads    mok_gemm_wgrad_defer_c2 (varlen-K grouped GEMM on 2-CTA clusters sharing B by TMA
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
@@ -24,13 +25,13 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
   memory          the forward keeps gate_up only (no x rows); where autograd keeps no graph, d gate_up
                   overwrites it (the dSwiGLU epilogue reads each element before it writes it); every row
                   buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
-  precision=      mok_mx_quant gives every activation operand's MXFP8 values in bf16 (GemmOperands: x and d y
-  "mxfp8"         before their gathers, d gate_up after its kernel (both of its operands in one launch), the
-                  weight-gradient operands per expert in blocks of 32 rows; h the gate/up kernel itself where its
-                  helper warps compute it), Triton's fake_quantize the weights' (once per call, or per change
-                  where frozen); the same kernels then run on those values. Trained weights reach the forward's
-                  _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass (mxfp8.quantize), where those take
-                  the call (cuda_mx.reads_trained_bytes)
+  precision=      every activation operand's MXFP8 values in bf16 (GemmOperands): x and d y by their gathers
+  "mxfp8"         (mok_scatter_rows' mx), h by the gate/up kernel itself where its helper warps compute it;
+                  mok_mx_quant gives d gate_up's after its kernel (both of its operands in one launch) and the
+                  weight-gradient operands' per expert in blocks of 32 rows; Triton's fake_quantize the weights'
+                  (once per call, or per change where frozen); the same kernels then run on those values.
+                  Trained weights reach the forward's _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass
+                  (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes)
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
   weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
                   or with precision="mxfp8" its dgrad GEMMs read the bytes too (cuda_mx.MxColumnWeight: mok_gemm_bn_mxq,
