@@ -105,6 +105,28 @@ def test_take_gathered_gives_the_rows_of_that_very_x_once():
     assert s.take_gathered(x) is rows and s.gathered is None and s.take_gathered(x) is None
 
 
+def test_gather_rows_of_mxfp8_values():
+    """gather_rows(mx=True) off the GPU kernel (here: index_select): the rows of x's MXFP8 values along H, i.e. of
+    mxfp8.fake_quantize(x, -1), a NaN block included, with zero padding rows; a width that is not whole blocks of 32
+    is refused as mx_values refuses it."""
+    from mok_nn import cuda_backend as cb
+    from mok_nn.mxfp8 import fake_quantize
+
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 4, (40, 2), generator=g)
+    s = cb.make_schedule_torch(ids, 4)
+    x = (torch.randn(40, 96, generator=g) * 2.0 ** torch.randint(-9, 9, (40, 1), generator=g)).to(torch.bfloat16)
+    x[3, 33] = float("nan")
+    values = fake_quantize(x, -1)
+    assert not torch.equal(values, x)  # (the quantisation changes x: the test can tell the two apart)
+    want = torch.cat([values, values.new_zeros(1, 96)])[s.row_token]
+    got = cb.gather_rows(x, s, mx=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[s.row_token == 3][:, 32:64].isnan().all()  # the NaN's block, in each of token 3's rows
+    with pytest.raises(ValueError, match="blocks of 32"):
+        cb.gather_rows(x[:, :80], s, mx=True)
+
+
 def test_seg_rows_for_by_kernel():
     """The clustered ping-pong kernels (their half tiles) and the dynamic-tile kernels (their skipped warp groups)
     get the routed rows; every other kernel the padded sizes, so none of its warp groups skips its MMA."""
