@@ -44,9 +44,18 @@ def _allocation_only() -> None:
     cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)
     cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
         a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
-    cb.dgrad_down_act = lambda dy, w2, gu, wr, sched, act, lim, in_place=False: (
-        gu if in_place else torch.empty_like(gu), empty(gu.shape[0], gu.shape[1] // 2),
-        empty(gu.shape[0], dtype=torch.float32))
+    def dgrad_down_act(dy, w2, gu, wr, sched, act, lim, in_place=False):
+        # where the two kernels run (the rule off H200: this CPU device), their fp32 d h [M, I] is live while the
+        # activation backward writes the outputs
+        inter = gu.shape[1] // 2
+        dh = None if cb._use_fused_dact(inter, act, dy.shape[1], dy.device) else empty(gu.shape[0], inter,
+                                                                                          dtype=torch.float32)
+        out = (gu if in_place else torch.empty_like(gu), empty(gu.shape[0], inter),
+               empty(gu.shape[0], dtype=torch.float32))
+        del dh
+        return out
+
+    cb.dgrad_down_act = dgrad_down_act
     cb.weight_grad = lambda a, b, sched, counts, into=None, out=None, cols=None: (
         into if into is not None else out if out is not None else empty(sched.num_experts, a.shape[1], b.shape[1]))
     cb.combine = lambda rows, pos, w, ids, e, dt: empty(pos.shape[0], rows.shape[1], dtype=dt)
