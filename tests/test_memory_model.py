@@ -21,8 +21,12 @@ def test_memory_model_reports_plausible_bytes():
     # schedule capacity: 512 * 2 slots + 8 * 127 padding rows, rounded up to 128-row tiles = 2048 rows;
     # the forward keeps gate_up [2048, 2I] bf16 only
     assert rec["saved_bytes"] == 2048 * 64 * 2
-    # the peak is the forward's down GEMM: x rows [2048, H], gate_up [2048, 2I], h [2048, I], out rows [2048, H]
-    assert rec["fwd_bwd_peak_bytes"] == 2048 * (64 + 64 + 32 + 64) * 2
+    # the peak is the backward's dgrad of down, two kernels at I = 32 (no fused dSwiGLU), as the activation
+    # backward writes: y [512, H] bf16, the saved gate_up [2048, 2I] (d gate_up overwrites it), the d y rows
+    # [2048, H], the fp32 d h [2048, I], w h [2048, I] bf16, the rows' top-k weights and dw fp32 [2048] each, and
+    # the d x combine's unit weights fp32 [512, k] (the forward's down GEMM held 2048 * (64 + 64 + 32 + 64) * 2)
+    assert rec["fwd_bwd_peak_bytes"] == (512 * 64 * 2 + 2048 * 64 * 2 * 2 + 2048 * 32 * 4 + 2048 * 32 * 2
+                                         + 2 * 2048 * 4 + 512 * 2 * 4)
     assert rec["weight_grads_bytes"] < rec["backward_peak_bytes"] < rec["fwd_bwd_peak_bytes"]
 
 
