@@ -856,8 +856,8 @@ class GemmOperands:
         self.weight_bytes = weight_bytes and self.mxfp8
 
     def tokens(self, t: torch.Tensor, sched: Schedule) -> torch.Tensor:
-        """t [T, K] gathered into schedule order as a GEMM's rows, quantised along K: quantised before the
-        gather (blocks lie inside a row: the same values, over T rows instead of the k-times-as-many rows)."""
+        """t [T, K] gathered into schedule order as a GEMM's rows, quantised along K: by the gather, once per
+        source row (blocks lie inside a row: the same values, over T rows instead of the k-times-as-many rows)."""
         return gather_rows(t, sched, skip_tail=True, mx=self.mxfp8)
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
