@@ -3,7 +3,7 @@
 to compare an ordering or a saving:
 
     PYTHONPATH=. python benchmarks/memory_model.py [--shapes qwen3-30b-a3b,deepseek-v3] [--tokens 8192]
-                                                   [--precision bf16|mxfp8] [--backend cuda|torch]
+                                                   [--precision bf16|mxfp8] [--backend cuda|torch] [--frozen]
     PYTHONPATH=/path/to/other/tree python benchmarks/memory_model.py ...
 
 --backend cuda (the fused path): the forward's saved tensors, the backward's peak above its inputs and the whole
@@ -114,23 +114,27 @@ def _bytes(obj, seen=None) -> int:
     return 0
 
 
-def measure(shape: str, tokens: int, precision: str = "bf16") -> dict:
+def measure(shape: str, tokens: int, precision: str = "bf16", frozen: bool = False) -> dict:
     """Bytes of one call: what the forward keeps for the backward (its saved rows), the backward's peak above
     its inputs (saved rows included), the peak of a whole forward + backward above the inputs and weights (the
     benchmark's peak_mem_gb), and the weight gradients alone. precision="mxfp8": trained weights (their MXFP8
-    values made for each forward and backward, as MoKFunction has them made)."""
+    values made for each forward and backward, as MoKFunction has them made). frozen: the expert weights get no
+    gradient (the backward computes d x and d topk-weights only; the benchmark's *_frozen rows)."""
     hidden, inter, experts, top_k = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     x, dy = torch.empty(tokens, hidden, dtype=torch.bfloat16), torch.empty(tokens, hidden, dtype=torch.bfloat16)
     w = torch.rand(tokens, top_k, generator=g)
-    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=precision == "mxfp8")
-    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=precision == "mxfp8")
+    trained = precision == "mxfp8" and not frozen
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=trained)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=trained)
     sched = cb.make_schedule_torch(ids, experts)
     # as MoKFunction's backward runs it where the graph is not retained (trees without the argument: as they ran)
     once = {"consume_saved": True} if "consume_saved" in inspect.signature(cb.experts_backward).parameters else {}
     if precision != "bf16":
         once["precision"] = precision
+    if frozen:
+        once["needs"] = (False, False, False, False)
     # the scope MoKFunction opens for one pass (trees before weight_scope_for: mxfp8.weight_scope)
     scope = getattr(autograd, "weight_scope_for", None) or (lambda passes: mxfp8.weight_scope())
 
@@ -151,9 +155,9 @@ def measure(shape: str, tokens: int, precision: str = "bf16") -> dict:
     backward_peak, _ = _peak(lambda: backward(saved))
     del saved
     whole, _ = _peak(forward_backward)
-    grads = (w13.numel() + w2.numel()) * 2
+    grads = 0 if frozen else (w13.numel() + w2.numel()) * 2
     sizes = {"saved": kept, "backward_peak": backward_peak, "fwd_bwd_peak": whole, "weight_grads": grads}
-    return {"shape": shape, "tokens": tokens, "precision": precision,
+    return {"shape": shape, "tokens": tokens, "precision": precision, "weights": "frozen" if frozen else "trained",
             **{f"{k}_gib": round(v / 2**30, 3) for k, v in sizes.items()},
             **{f"{k}_bytes": v for k, v in sizes.items()}}
 
@@ -260,6 +264,7 @@ def main(argv=None) -> None:
     ap.add_argument("--precision", choices=("bf16", "mxfp8"), default="bf16")
     ap.add_argument("--backend", choices=("cuda", "torch"), default="cuda")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="--backend torch: the tensors' dtype")
+    ap.add_argument("--frozen", action="store_true", help="--backend cuda: frozen expert weights (no weight gradients)")
     args = ap.parse_args(argv)
     if args.backend == "torch":
         _portable_allocation_only()
@@ -269,7 +274,7 @@ def main(argv=None) -> None:
         return
     _allocation_only()
     for shape in args.shapes.split(","):
-        print(json.dumps(measure(shape, args.tokens, args.precision)), flush=True)
+        print(json.dumps(measure(shape, args.tokens, args.precision, args.frozen)), flush=True)
 
 
 if __name__ == "__main__":

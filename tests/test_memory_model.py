@@ -30,6 +30,23 @@ def test_memory_model_reports_plausible_bytes():
     assert rec["weight_grads_bytes"] < rec["backward_peak_bytes"] < rec["fwd_bwd_peak_bytes"]
 
 
+def test_frozen_weights_model_no_weight_gradients():
+    """--frozen (the backward computes d x and d topk-weights only): no weight gradient, the same saved rows, and at
+    the tiny shape the same dgrad-of-down peak as trained weights' (the weight gradients come after it and are small
+    there): y, gate_up, d y rows, the fp32 d h, w h, the rows' weights and dw, the combine's unit weights."""
+    def run(*extra):
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_model.py"), "--shapes", "tiny",
+                              "--tokens", "512", *extra], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+                             capture_output=True, text=True, check=True, timeout=300).stdout
+        return json.loads([line for line in out.splitlines() if line.startswith("{")][0])
+
+    trained, frozen = run(), run("--frozen")
+    assert trained["weights"] == "trained" and frozen["weights"] == "frozen"
+    assert frozen["weight_grads_bytes"] == 0 and frozen["saved_bytes"] == trained["saved_bytes"]
+    assert frozen["fwd_bwd_peak_bytes"] == (512 * 64 * 2 + 2048 * 64 * 2 * 2 + 2048 * 32 * 4 + 2048 * 32 * 2
+                                            + 2 * 2048 * 4 + 512 * 2 * 4)
+
+
 def test_peak_within_the_peers_measured_peak():
     """A guard on the one-GPU path's memory: by the allocation model (which reproduced the GPU's measured peaks
     at 6a36dff), a forward+backward at 8192 tokens peaks at or below SonicMoE's measured peak (1.626 GiB at
