@@ -22,9 +22,9 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc).
                   d down_proj runs right after the dgrad of down, before the dgrad of gate/up; d gate_up_proj
                   last, in four column blocks of x, each block's x rows gathered (mok_scatter_rows) for it
-  memory          the forward keeps gate_up only (no x rows); where autograd keeps no graph, d gate_up
-                  overwrites it (the dSwiGLU epilogue reads each element before it writes it); every row
-                  buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
+  memory          the forward keeps gate_up only (x's rows are freed after the gate/up GEMM); where autograd
+                  keeps no graph, d gate_up overwrites it (the dSwiGLU epilogue reads each element before it
+                  writes it); every row buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
   precision=      every activation operand's MXFP8 values in bf16 (GemmOperands): x and d y by their gathers
   "mxfp8"         (mok_scatter_rows' mx), h by the gate/up kernel itself where its helper warps compute it;
                   mok_mx_quant gives d gate_up's after its kernel (both of its operands in one launch) and the
@@ -1056,17 +1056,23 @@ def experts_forward(
     a = sched.take_gathered(x, precision)
     if a is None:
         a = q.tokens(x.contiguous(), sched)
-    out_rows, gate_up = mlp_rows_forward(a, sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+    rows = [a]
+    del a  # (mlp_rows_forward holds the only reference, and frees the rows after the gate/up GEMM)
+    out_rows, gate_up = mlp_rows_forward(rows, sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
                                          swiglu_limit, q)
-    del a
     y = combine(out_rows, sched.pos, topk_weights, topk_ids, gate_up_proj.shape[0], x.dtype)
     return y, CudaSaved(sched, gate_up)
 
 
-def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit,
-                     q: GemmOperands):
+def mlp_rows_forward(rows: list, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+                     swiglu_limit, q: GemmOperands):
     """(out_rows [M_cap, H], gate_up [M_cap, 2I]): the experts' MLP of the rows a in schedule order (for
-    precision="mxfp8" a holds the MXFP8 values already)."""
+    precision="mxfp8" a holds the MXFP8 values already). rows: [a], emptied here: a is freed once the gate/up GEMM
+    has read it (where the caller keeps no other reference), before the down GEMM's output exists (the forward's
+    peak with frozen experts: by benchmarks/memory_model.py --frozen, qwen3-30b-a3b 0.975 -> 0.695 GiB, deepseek-v3
+    3.74 -> 3.29)."""
+    a = rows.pop()
+    dtype = a.dtype
     fused = use_fused_act(down_proj.shape[2], activation, gate_up_bias is not None, a.shape[1])
     w13 = q.forward_weight(gate_up_proj, sched, f"mok_gemm_gate_up_{activation}_mx" if fused else "mok_gemm_bk_mx")
     if fused:  # (precision="mxfp8": h's MXFP8 values, made by the kernel where it can)
@@ -1074,12 +1080,12 @@ def mlp_rows_forward(a, sched: Schedule, gate_up_proj, down_proj, gate_up_bias, 
     else:
         gate_up = grouped_gemm(a, w13, sched, transpose_w=False)
         if gate_up_bias is not None:
-            gate_up = (gate_up.float() + bias_rows(gate_up_bias, sched)).to(a.dtype)
+            gate_up = (gate_up.float() + bias_rows(gate_up_bias, sched)).to(dtype)
         h_a = q.rows(act_forward(gate_up, sched, activation, swiglu_limit))
-    del w13  # (precision="mxfp8": the gate/up weight's values go before the down weight's are made)
+    del w13, a  # (precision="mxfp8": the gate/up weight's values go before the down weight's are made)
     out_rows = grouped_gemm(h_a, q.forward_weight(down_proj, sched, "mok_gemm_bk_mx"), sched, transpose_w=False)
     if down_bias is not None:
-        out_rows = (out_rows.float() + bias_rows(down_bias, sched)).to(a.dtype)
+        out_rows = (out_rows.float() + bias_rows(down_bias, sched)).to(dtype)
     return out_rows, gate_up
 
 

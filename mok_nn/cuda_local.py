@@ -74,9 +74,8 @@ def local_mlp_forward(rows, lr: LocalRows, gate_up_proj, down_proj, gate_up_bias
     """(out [N, H], gate_up [M_cap, 2I] in schedule order): the experts' MLP of each row (unweighted; padding
     rows' out unspecified), on the kernels, as experts_forward computes it."""
     q = GemmOperands(precision)
-    a = lr.gather(rows, mx=q.mxfp8)
-    out_rows, gate_up = mlp_rows_forward(a, lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                                         activation, swiglu_limit, q)
+    out_rows, gate_up = mlp_rows_forward([lr.gather(rows, mx=q.mxfp8)], lr.sched, gate_up_proj, down_proj,
+                                         gate_up_bias, down_bias, activation, swiglu_limit, q)
     return out_rows.index_select(0, lr.dst), gate_up
 
 

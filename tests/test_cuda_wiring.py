@@ -189,6 +189,33 @@ def test_backward_frees_each_row_buffer_before_the_next_one(fake_lib, monkeypatc
                                                                                   want[2].down_proj)
 
 
+def test_forward_frees_the_x_rows_before_the_down_gemm(fake_lib, monkeypatch):
+    """Peak memory of the forward: the x rows (the gate/up GEMM's A) are gone when the down GEMM's output is
+    made (mlp_rows_forward holds the only reference and drops it after the gate/up GEMM); the same y."""
+    import weakref
+
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, False, seed=8)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    want, _ = cb.experts_forward(x, ids, w, *args)
+    refs, events = [], []
+    gather, gemm = cb.gather_rows, cb.grouped_gemm
+
+    def spy_gather(t, sched, skip_tail=False, mx=False):
+        out = gather(t, sched, skip_tail, mx)
+        refs.append(weakref.ref(out))
+        return out
+
+    def spy_gemm(a, wt, sched, transpose_w, out_dtype=torch.bfloat16):
+        events.append((wt.shape == W2.shape, refs[0]() is not None))
+        return gemm(a, wt, sched, transpose_w, out_dtype)
+
+    monkeypatch.setattr(cb, "gather_rows", spy_gather)
+    monkeypatch.setattr(cb, "grouped_gemm", spy_gemm)
+    got, _ = cb.experts_forward(x, ids, w, *args)
+    assert len(refs) == 1 and events == [(False, True), (True, False)], events  # gate/up with x rows, down without
+    assert torch.equal(got, want)
+
+
 def test_x_column_blocks():
     """d gate_up_proj's column blocks of x: as few as keep one block's rows within X_BLOCK_BYTES, at most
     X_MAX_COLUMN_BLOCKS, of whole 256-column tiles (fewer where H is small), the last one shorter where H is not a
