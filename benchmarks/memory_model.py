@@ -44,12 +44,16 @@ def _allocation_only() -> None:
     cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)
     cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
         a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
-    def dgrad_down_act(dy, w2, gu, wr, sched, act, lim, in_place=False):
+    def dgrad_down_act(dy_rows, w2, gu, wr, sched, act, lim, in_place=False):
         # where the two kernels run (the rule off H200: this CPU device), their fp32 d h [M, I] is live while the
-        # activation backward writes the outputs
+        # activation backward writes the outputs, and handed-over d y rows ([rows]) are gone by then
+        dy = dy_rows.pop() if isinstance(dy_rows, list) else dy_rows
+        del dy_rows
         inter = gu.shape[1] // 2
-        dh = None if cb._use_fused_dact(inter, act, dy.shape[1], dy.device) else empty(gu.shape[0], inter,
-                                                                                          dtype=torch.float32)
+        dh = None
+        if not cb._use_fused_dact(inter, act, dy.shape[1], dy.device):
+            dh = empty(gu.shape[0], inter, dtype=torch.float32)
+            del dy
         out = (gu if in_place else torch.empty_like(gu), empty(gu.shape[0], inter),
                empty(gu.shape[0], dtype=torch.float32))
         del dh

@@ -216,6 +216,37 @@ def test_forward_frees_the_x_rows_before_the_down_gemm(fake_lib, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_dgrad_frees_the_dy_rows_it_alone_needs(fake_lib, monkeypatch, frozen):
+    """The dgrad of down as two kernels: with frozen experts (no bias) the d y rows feed that GEMM alone and are gone
+    when the activation backward makes its outputs; with trained ones d down_proj still needs them. The same d x
+    and d topk-weights either way."""
+    import weakref
+
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, False, seed=9)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    needs = (False, False, False, False) if frozen else None
+    _, saved = cb.experts_forward(x, ids, w, *args)
+    want = cb.experts_backward(dy, saved, x, ids, w, *args, needs=needs)
+    refs, events = [], []
+    gather, act_b = cb.gather_rows, cb.act_backward
+
+    def spy_gather(t, sched, skip_tail=False, mx=False):
+        out = gather(t, sched, skip_tail, mx)
+        refs.append(weakref.ref(out))
+        return out
+
+    def spy_act_b(*a, **kw):
+        events.append(refs[0]() is not None)
+        return act_b(*a, **kw)
+
+    monkeypatch.setattr(cb, "gather_rows", spy_gather)
+    monkeypatch.setattr(cb, "act_backward", spy_act_b)
+    got = cb.experts_backward(dy, saved, x, ids, w, *args, needs=needs)
+    assert events == [not frozen], events
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_x_column_blocks():
     """d gate_up_proj's column blocks of x: as few as keep one block's rows within X_BLOCK_BYTES, at most
     X_MAX_COLUMN_BLOCKS, of whole 256-column tiles (fewer where H is small), the last one shorter where H is not a
