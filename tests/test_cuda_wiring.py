@@ -189,27 +189,34 @@ def test_backward_frees_each_row_buffer_before_the_next_one(fake_lib, monkeypatc
                                                                                   want[2].down_proj)
 
 
-def test_forward_frees_the_x_rows_before_the_down_gemm(fake_lib, monkeypatch):
-    """Peak memory of the forward: the x rows (the gate/up GEMM's A) are gone when the down GEMM's output is
-    made (mlp_rows_forward holds the only reference and drops it after the gate/up GEMM); the same y."""
+def _spied_gathers(monkeypatch) -> list:
+    """Weak references to the results of gather_rows from now on, in call order."""
     import weakref
 
-    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, False, seed=8)
-    args = (W13, W2, b13, b2, "swiglu", None)
-    want, _ = cb.experts_forward(x, ids, w, *args)
-    refs, events = [], []
-    gather, gemm = cb.gather_rows, cb.grouped_gemm
+    refs, gather = [], cb.gather_rows
 
-    def spy_gather(t, sched, skip_tail=False, mx=False):
+    def spy(t, sched, skip_tail=False, mx=False):
         out = gather(t, sched, skip_tail, mx)
         refs.append(weakref.ref(out))
         return out
+
+    monkeypatch.setattr(cb, "gather_rows", spy)
+    return refs
+
+
+def test_forward_frees_the_x_rows_before_the_down_gemm(fake_lib, monkeypatch):
+    """Peak memory of the forward: the x rows (the gate/up GEMM's A) are gone when the down GEMM's output is
+    made (mlp_rows_forward holds the only reference and drops it after the gate/up GEMM); the same y."""
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, False, seed=8)
+    args = (W13, W2, b13, b2, "swiglu", None)
+    want, _ = cb.experts_forward(x, ids, w, *args)
+    events, gemm = [], cb.grouped_gemm
+    refs = _spied_gathers(monkeypatch)
 
     def spy_gemm(a, wt, sched, transpose_w, out_dtype=torch.bfloat16):
         events.append((wt.shape == W2.shape, refs[0]() is not None))
         return gemm(a, wt, sched, transpose_w, out_dtype)
 
-    monkeypatch.setattr(cb, "gather_rows", spy_gather)
     monkeypatch.setattr(cb, "grouped_gemm", spy_gemm)
     got, _ = cb.experts_forward(x, ids, w, *args)
     assert len(refs) == 1 and events == [(False, True), (True, False)], events  # gate/up with x rows, down without
@@ -221,26 +228,18 @@ def test_dgrad_frees_the_dy_rows_it_alone_needs(fake_lib, monkeypatch, frozen):
     """The dgrad of down as two kernels: with frozen experts (no bias) the d y rows feed that GEMM alone and are gone
     when the activation backward makes its outputs; with trained ones d down_proj still needs them. The same d x
     and d topk-weights either way."""
-    import weakref
-
     x, ids, w, dy, W13, W2, b13, b2 = random_problem(37, 32, 16, 4, 2, False, seed=9)
     args = (W13, W2, b13, b2, "swiglu", None)
     needs = (False, False, False, False) if frozen else None
     _, saved = cb.experts_forward(x, ids, w, *args)
     want = cb.experts_backward(dy, saved, x, ids, w, *args, needs=needs)
-    refs, events = [], []
-    gather, act_b = cb.gather_rows, cb.act_backward
-
-    def spy_gather(t, sched, skip_tail=False, mx=False):
-        out = gather(t, sched, skip_tail, mx)
-        refs.append(weakref.ref(out))
-        return out
+    events, act_b = [], cb.act_backward
+    refs = _spied_gathers(monkeypatch)
 
     def spy_act_b(*a, **kw):
         events.append(refs[0]() is not None)
         return act_b(*a, **kw)
 
-    monkeypatch.setattr(cb, "gather_rows", spy_gather)
     monkeypatch.setattr(cb, "act_backward", spy_act_b)
     got = cb.experts_backward(dy, saved, x, ids, w, *args, needs=needs)
     assert events == [not frozen], events
