@@ -47,8 +47,7 @@ def _allocation_only() -> None:
     def dgrad_down_act(dy_rows, w2, gu, wr, sched, act, lim, in_place=False):
         # where the two kernels run (the rule off H200: this CPU device), their fp32 d h [M, I] is live while the
         # activation backward writes the outputs, and handed-over d y rows ([rows]) are gone by then
-        dy = dy_rows.pop() if isinstance(dy_rows, list) else dy_rows
-        del dy_rows
+        dy = dy_rows.pop()
         inter = gu.shape[1] // 2
         dh = None
         if not cb._use_fused_dact(inter, act, dy.shape[1], dy.device):

@@ -49,7 +49,7 @@ def main():
         call = lambda: cb.gate_up_act(rows, W13, sched, "swiglu", None)  # noqa: E731
     elif a.gemm == "dact":
         gu, dy, w_rows = rand(two_i), rand(hidden), torch.rand(m, device="cuda")
-        call = lambda: cb.dgrad_down_act(dy, W2, gu, w_rows, sched, "swiglu", None)  # noqa: E731
+        call = lambda: cb.dgrad_down_act([dy], W2, gu, w_rows, sched, "swiglu", None)  # noqa: E731
     else:
         a_rows, w, transpose = {"gate_up": (rows, W13, False), "down": (rand(two_i // 2), W2, False),
                                 "dgrad_gu": (rand(two_i), W13, True)}[a.gemm]

@@ -49,7 +49,7 @@ def main():
     t("combine", lambda: cb.combine(o, sched.pos, w, ids, E, x.dtype))
     dyr = t("gather dy", lambda: cb.gather_rows(dy, sched))
     wr = cb.row_weights(sched, w)
-    dgu, wh, _ = t("dgrad down + act bwd", lambda: cb.dgrad_down_act(dyr, W2, gu, wr, sched, "swiglu", None))
+    dgu, wh, _ = t("dgrad down + act bwd", lambda: cb.dgrad_down_act([dyr], W2, gu, wr, sched, "swiglu", None))
     dxr = t("gemm dgrad gate_up", lambda: cb.grouped_gemm(dgu, W13, sched, transpose_w=True))
     t("combine dx", lambda: cb.combine(dxr, sched.pos, torch.ones_like(w), ids, E, x.dtype))
     counts = cb.expert_row_counts(ids, E)

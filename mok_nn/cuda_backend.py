@@ -819,14 +819,13 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
     return dgu, wh, pairwise_sum(parts)
 
 
-def dgrad_down_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
+def dgrad_down_act(dy_rows: list, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
                    in_place: bool = False):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
     runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
-    gate_up (the same bits). dy_rows: the rows, or [rows] to hand them over: then they are freed once the GEMM has
-    read them (where the caller keeps no other reference), before the activation backward's outputs exist."""
-    dy = dy_rows.pop() if isinstance(dy_rows, list) else dy_rows
-    del dy_rows
+    gate_up (the same bits). dy_rows: [the rows], emptied here: they are freed once the GEMM has read them (where
+    the caller keeps no other reference), before the activation backward's outputs exist."""
+    dy = dy_rows.pop()
     mx_cols = isinstance(down_proj, MxColumnWeight)  # (its kernel has no activation epilogue)
     if _use_fused_dact(gate_up.shape[1] // 2, activation, dy.shape[1], dy.device) and not mx_cols:
         return dgrad_act(dy, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
@@ -1152,11 +1151,12 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
 
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = gate_up.dtype, gate_up_proj.dtype
+    keep_dy = need2 or down_bias is not None  # (d W2 and the bias terms read the d y rows after the dgrad)
     dy_rows = None
-    if not q.mxfp8 or need2 or down_bias is not None:
+    if keep_dy or not q.mxfp8:
         dy_rows = gather(grad_out, down_bias is None)  # (the down bias sums every row, the tail too)
     dy_a = [gather(grad_out, True, mx=True) if q.mxfp8 else dy_rows]  # (handed over: freed after its GEMM)
-    if not (need2 or down_bias is not None):
+    if not keep_dy:
         dy_rows = None  # (the dgrad's operand alone)
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
                                       swiglu_limit, in_place=consume_gate_up)

@@ -1307,7 +1307,7 @@ def backward(grad_y, saved: EPSaved, x, topk_ids, topk_weights, params, ws, grad
     else:
         dy_rows = eps.gather_rows(dy, skip_tail=skip_tail)
     # 4. dgrad, dSwiGLU, top-k weight gradient, weight gradients (all local)
-    dgu, wh, dw_rows = cb.dgrad_down_act(dy_rows, down_proj, gate_up, saved.w_rows, sched, ws.activation,
+    dgu, wh, dw_rows = cb.dgrad_down_act([dy_rows], down_proj, gate_up, saved.w_rows, sched, ws.activation,
                                          ws.swiglu_limit, in_place=consume_saved)
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * cb.bias_rows(down_bias, sched)).sum(dim=1)
