@@ -88,7 +88,7 @@ from .gemm_consumer import (
     step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .mx_operand import MxOperandB, MxRequantB
-from .mx_quant import MAG_MASK, quantize_value, rceil_scales
+from .mx_quant import quantize_lane_block
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -226,7 +226,6 @@ class VarlenMGroupedGemm:
             if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.COL_MAJOR
                                   or self.ab_dtype != cutlass.BFloat16):
                 raise TypeError("b_mx_cols: bf16 A and B as E4M3 bytes (uint8), N-major")
-            self.b_layout = utils.LayoutEnum.ROW_MAJOR  # the bf16 stages the consumers write: K-major
         elif cutlass.const_expr(self.b_mx):
             if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.ROW_MAJOR
                                   or self.ab_dtype != cutlass.BFloat16):
@@ -562,15 +561,8 @@ class VarlenMGroupedGemm:
                         f_h[v] = hv
                     f_hq.store(f_h.load().to(self.c_dtype))
                     if h_mx != 0:
-                        amax = cutlass.Int32(0)
-                        for v in cutlass.range_constexpr(vec):
-                            f_h[v] = f_hq[v].to(cutlass.Float32)
-                            amax = cutlass.max(amax, f_h[v].bitcast(cutlass.Int32) & MAG_MASK)
-                        for k in cutlass.range_constexpr(2):
-                            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-                        down, up = rceil_scales(amax)
-                        for v in cutlass.range_constexpr(vec):
-                            f_h[v] = quantize_value(f_h[v], down, up)
+                        f_h.store(f_hq.load().to(cutlass.Float32))
+                        quantize_lane_block(f_h, True)
                         f_hq.store(f_h.load().to(self.c_dtype))
                     cute.autovec_copy(f_hq, g_v[(None, q)])
                 cute.arch.fence_proxy("async.shared", space="cta")
