@@ -66,8 +66,9 @@ fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmMx,
 VarlenMGroupedGemmActMx, the forward of MXFP8-only weights) B's E4M3 bytes arrive K-major with their scale pairs
 and each consumer thread makes one B row of every stage bf16 in place; with b_mx_cols (VarlenMGroupedGemmMxCols,
-precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors and each consumer
-thread makes one B column of every stage W_q's MXFP8 values along K. Then the bf16 wgmma batches run as usual.
+precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors, the consumer
+threads make each stage W_q in bf16 (N-major, 64 bytes of one K row a thread), and requantise along K the 32 x 32
+blocks the factors mark. Then the bf16 wgmma batches run as usual.
 
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
@@ -133,7 +134,7 @@ class VarlenMGroupedGemm:
         # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
         assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
         # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
-        # factors, made W_q's MXFP8 values along K by the consumer threads, one B column each (MxRequantB)
+        # factors, made W_q's MXFP8 values along K by the consumer threads (MxRequantB), N-major as the bf16 dgrad's
         assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain cooperative kernel"
         self.b_mx = b_mx
         self.b_mx_cols = b_mx_cols
