@@ -43,10 +43,16 @@ MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1
 # bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB; its SINGLE_MAX)
 ROW_FACTOR_BIAS = 120
 COLUMN_MAX_SCALE = 134
+# A stage of mok_gemm_bn_mxq (K rows, N columns of W[e]), and the bits of its row factors that mark a 32 x 32 block
+# holding a value that rounds and a stage holding such a block (kernels/mx_operand.py: ROUNDS_FLAG, STAGE_FLAG; a
+# bf16 power of two has no mantissa bit set)
+COLUMN_STAGE = (MX_K_MULTIPLE, 256)
+ROUNDS_FLAG, STAGE_FLAG = 1, 2
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
 _LARGEST = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, largest byte)
+_MARKS = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, column_marks)
 
 
 def _kept(cache, key: torch.Tensor, state, make):
@@ -104,26 +110,73 @@ class MxColumnWeight(MXFP8Tensor):
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(b (C, R, E) uint8 N-major: the E4M3 bytes, factors (R, C / 32, E) uint16 with R fastest: the bf16
-        bits of 2**(S - 7) for each scale byte S), as mok_gemm_bn_mxq takes them. The factors (2 bytes per 32
-        values) are made for each call and not kept, so that the weights' resident memory stays the MXFP8 storage."""
-        return self.data.view(torch.uint8).permute(2, 1, 0), row_factors(self.scale).view(torch.uint16).permute(2, 1, 0)
+        bits of 2**(S - 7) for each scale byte S, marked as column_marks says), as mok_gemm_bn_mxq takes them.
+        The factors (2 bytes per 32 values) are made for each call and not kept, so that the weights' resident
+        memory stays the MXFP8 storage; the marks (2 bytes per 1024 values) are kept while the weights are
+        unchanged."""
+        factors = row_factors(self.scale, column_marks(self.data, self.scale))
+        return self.data.view(torch.uint8).permute(2, 1, 0), factors.view(torch.uint16).permute(2, 1, 0)
 
 
-def row_factors(scale: torch.Tensor) -> torch.Tensor:
-    """[E, R, B] scale bytes (at most COLUMN_MAX_SCALE) -> [E, B, R] int16, (S + ROW_FACTOR_BIAS) << 7: one Triton
-    pass on CUDA (triton_ops.mx_row_factors, checked on its first use), else two torch passes (S + 120 <= 254 fits
-    the uint8 sum, transposed as it is written; then the shift)."""
+
+def column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, R / 32, C / 32] int16 for MXFP8-only weights [E, R, C] (blocks along C): ROUNDS_FLAG where the 32 x 32
+    block holds a value that rounds (rounding_blocks), STAGE_FLAG where the kernel stage (COLUMN_STAGE) holding the
+    block holds such a block; the marks of each block's row factors. Kept while data and scale are unchanged
+    (mxfp8.weight_state)."""
+    return _kept(_MARKS, data, (weight_state(data), weight_state(scale)), lambda: _column_marks(data, scale))
+
+
+def _column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    flags = rounding_blocks(data, scale)
+    e, row_blocks, blocks = flags.shape
+    stage_rows, stage_cols = COLUMN_STAGE[0] // 32, COLUMN_STAGE[1] // 32
+    tiles = -(-blocks // stage_cols)
+    stages = torch.zeros(e, row_blocks // stage_rows, tiles * stage_cols, dtype=torch.bool, device=flags.device)
+    stages[:, :, :blocks] = flags.view(e, -1, stage_rows, blocks).any(dim=2)
+    stages = stages.view(e, -1, tiles, stage_cols).any(dim=3)  # [E, R / 64, tiles]
+    stages = stages.repeat_interleave(stage_rows, dim=1).repeat_interleave(stage_cols, dim=2)[:, :, :blocks]
+    return flags.to(torch.int16) * ROUNDS_FLAG | stages.to(torch.int16) * STAGE_FLAG
+
+
+def rounding_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[E, R / 32, C / 32] bool for MXFP8-only weights [E, R, C] (blocks along C): the 32 x 32 blocks holding a value
+    whose MXFP8 value along R is not W_q's, which mok_gemm_bn_mxq requantises (kernels/mx_operand.py, MxRequantB);
+    it takes W_q as it is elsewhere. Found a few experts at a time (MxColumnWeight.values against dequantize, bit
+    for bit)."""
+    from .autograd import values_along_n
+
+    e, rows, cols = data.shape
+    out = torch.empty(e, rows // 32, cols // 32, dtype=torch.bool, device=data.device)
+    step = max(1, (1 << 26) // max(1, rows * cols))  # experts per chunk: two bf16 copies, 256 MiB at most
+    for a in range(0, e, step):
+        d, s = data[a:a + step], scale[a:a + step]
+        along_r = values_along_n(d, s, torch.bfloat16, "cuda")
+        w_q = dequantize(MXFP8Tensor(d, s, 2), torch.bfloat16)
+        differs = along_r.view(torch.int16) != w_q.view(torch.int16)
+        out[a:a + step] = differs.view(-1, rows // 32, 32, cols // 32, 32).any(dim=4).any(dim=2)
+    return out
+
+
+def row_factors(scale: torch.Tensor, marks: torch.Tensor | None = None) -> torch.Tensor:
+    """[E, R, B] scale bytes (at most COLUMN_MAX_SCALE) -> [E, B, R] int16, (S + ROW_FACTOR_BIAS) << 7, or'ed with
+    marks [E, R / 32, B] where given: one Triton pass on CUDA (triton_ops.mx_row_factors, checked on its first use),
+    else torch passes (S + 120 <= 254 fits the uint8 sum, transposed as it is written; then the shift)."""
     if scale.is_cuda and triton_ops.available() and triton_ops.verified(
-            ("mx_row_factors",), scale.device,
-            lambda: (triton_ops.mx_row_factors(scale[:1], ROW_FACTOR_BIAS), _row_factors_torch(scale[:1])), exact=True):
-        return triton_ops.mx_row_factors(scale, ROW_FACTOR_BIAS)
-    return _row_factors_torch(scale)
+            ("mx_row_factors", marks is not None), scale.device,
+            lambda: (triton_ops.mx_row_factors(scale[:1], ROW_FACTOR_BIAS, None if marks is None else marks[:1]),
+                     _row_factors_torch(scale[:1], None if marks is None else marks[:1])), exact=True):
+        return triton_ops.mx_row_factors(scale, ROW_FACTOR_BIAS, marks)
+    return _row_factors_torch(scale, marks)
 
 
-def _row_factors_torch(scale: torch.Tensor) -> torch.Tensor:
+def _row_factors_torch(scale: torch.Tensor, marks: torch.Tensor | None = None) -> torch.Tensor:
     e, rows, blocks = scale.shape
     factors = torch.empty(e, blocks, rows, dtype=torch.int16, device=scale.device)
-    return torch.add(scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
+    torch.add(scale.transpose(1, 2), ROW_FACTOR_BIAS, out=factors).bitwise_left_shift_(7)
+    if marks is not None:
+        factors.view(e, blocks, rows // 32, 32).bitwise_or_(marks.transpose(1, 2).unsqueeze(-1))
+    return factors
 
 
 def largest_scale(scale: torch.Tensor) -> int:

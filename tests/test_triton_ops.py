@@ -404,12 +404,17 @@ def test_mx_row_factors_are_the_torch_ops():
     from mok_nn import cuda_mx
 
     g = torch.Generator().manual_seed(4)
-    for shape in ((2, 100, 7), (1, 64, 64), (3, 129, 70)):
+    for shape in ((2, 100, 7), (1, 64, 64), (3, 129, 70), (2, 96, 70)):
         scale = torch.randint(0, cuda_mx.COLUMN_MAX_SCALE + 1, shape, generator=g, dtype=torch.uint8)
         scale.view(-1)[: cuda_mx.COLUMN_MAX_SCALE + 1] = torch.arange(cuda_mx.COLUMN_MAX_SCALE + 1, dtype=torch.uint8)
         want = ((scale.to(torch.int16) + 120) << 7).transpose(1, 2)
         assert torch.equal(triton_ops.mx_row_factors(scale, cuda_mx.ROW_FACTOR_BIAS), want), shape
         assert torch.equal(cuda_mx._row_factors_torch(scale), want), shape
+        if shape[1] % 32 == 0:  # with marks: factor [e, b, r] | marks[e, r // 32, b]
+            marks = torch.randint(0, 4, (shape[0], shape[1] // 32, shape[2]), generator=g, dtype=torch.int16)
+            marked = want | marks.repeat_interleave(32, dim=1).transpose(1, 2)
+            assert torch.equal(triton_ops.mx_row_factors(scale, cuda_mx.ROW_FACTOR_BIAS, marks), marked), shape
+            assert torch.equal(cuda_mx._row_factors_torch(scale, marks), marked), shape
 
 
 def _quantize_pair(x):

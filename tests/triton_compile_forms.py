@@ -99,6 +99,8 @@ def record_forms() -> dict:
                 for write_wh in (False, True):
                     triton_ops.mlp_backward_rows(gate_up, dh, torch.rand(8, generator=g), act, limit, write_wh)
     triton_ops.mx_row_factors(torch.randint(0, 135, (2, 100, 7), dtype=torch.uint8, generator=g), 120)
+    triton_ops.mx_row_factors(torch.randint(0, 135, (2, 96, 7), dtype=torch.uint8, generator=g), 120,
+                              torch.randint(0, 4, (2, 3, 7), dtype=torch.int16, generator=g))
     triton_ops.transposed(torch.randint(-2**15, 2**15, (2, 100, 7), dtype=torch.int16, generator=g))
     for cols, k in ((8, 2), (128, 8), (256, 8), (60, 20)):
         triton_ops.topk_indices(torch.randn(16, cols, generator=g), k)

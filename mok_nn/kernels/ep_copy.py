@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from .mx_quant import MAG_MASK, quantize_value, rceil_scales
+from .mx_quant import quantize_lane_block
 from .registry import EP_COPY_THREADS as THREADS
 from .registry import TILE_M
 
@@ -110,18 +110,12 @@ def _mx_values_in_place(frag: cute.Tensor, c_first: cutlass.Int32, n_vec: cutlas
     """frag's vectors (u: this lane's vector c_first + 32 u of the row) as their MXFP8 values along the row. A
     block of 32 columns is the vectors of 4 adjacent lanes (n_vec % 4 == 0: the caller's rows are whole blocks),
     so its largest magnitude takes two shuffles; lanes past the row hold no vector (amax 0) and store nothing."""
+    x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
     for u in cutlass.range_constexpr(UNROLL):
         live = c_first + 32 * u < n_vec
-        amax = cutlass.Int32(0)
-        if live:
-            for i in cutlass.range_constexpr(VEC):
-                amax = cutlass.max(amax, frag[(i, u)].to(cutlass.Float32).bitcast(cutlass.Int32) & MAG_MASK)
-        for k in cutlass.range_constexpr(2):
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-        if live:
-            down, up = rceil_scales(amax)
-            for i in cutlass.range_constexpr(VEC):
-                frag[(i, u)] = quantize_value(frag[(i, u)].to(cutlass.Float32), down, up).to(cutlass.BFloat16)
+        x.store(frag[(None, u)].load().to(cutlass.Float32))
+        quantize_lane_block(x, live)
+        frag[(None, u)].store(x.load().to(cutlass.BFloat16))
 
 
 @cute.jit

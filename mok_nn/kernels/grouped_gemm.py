@@ -66,8 +66,9 @@ fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmMx,
 VarlenMGroupedGemmActMx, the forward of MXFP8-only weights) B's E4M3 bytes arrive K-major with their scale pairs
 and each consumer thread makes one B row of every stage bf16 in place; with b_mx_cols (VarlenMGroupedGemmMxCols,
-precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors and each consumer
-thread makes one B column of every stage W_q's MXFP8 values along K. Then the bf16 wgmma batches run as usual.
+precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors, the consumer
+threads make each stage W_q in bf16 (N-major, 64 bytes of one K row a thread), and requantise along K the 32 x 32
+blocks the factors mark. Then the bf16 wgmma batches run as usual.
 
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
@@ -88,7 +89,7 @@ from .gemm_consumer import (
     step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .mx_operand import MxOperandB, MxRequantB
-from .mx_quant import MAG_MASK, quantize_value, rceil_scales
+from .mx_quant import quantize_lane_block
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -133,7 +134,7 @@ class VarlenMGroupedGemm:
         # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
         assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
         # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
-        # factors, made W_q's MXFP8 values along K by the consumer threads, one B column each (MxRequantB)
+        # factors, made W_q's MXFP8 values along K by the consumer threads (MxRequantB), N-major as the bf16 dgrad's
         assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain cooperative kernel"
         self.b_mx = b_mx
         self.b_mx_cols = b_mx_cols
@@ -226,7 +227,6 @@ class VarlenMGroupedGemm:
             if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.COL_MAJOR
                                   or self.ab_dtype != cutlass.BFloat16):
                 raise TypeError("b_mx_cols: bf16 A and B as E4M3 bytes (uint8), N-major")
-            self.b_layout = utils.LayoutEnum.ROW_MAJOR  # the bf16 stages the consumers write: K-major
         elif cutlass.const_expr(self.b_mx):
             if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.ROW_MAJOR
                                   or self.ab_dtype != cutlass.BFloat16):
@@ -562,15 +562,8 @@ class VarlenMGroupedGemm:
                         f_h[v] = hv
                     f_hq.store(f_h.load().to(self.c_dtype))
                     if h_mx != 0:
-                        amax = cutlass.Int32(0)
-                        for v in cutlass.range_constexpr(vec):
-                            f_h[v] = f_hq[v].to(cutlass.Float32)
-                            amax = cutlass.max(amax, f_h[v].bitcast(cutlass.Int32) & MAG_MASK)
-                        for k in cutlass.range_constexpr(2):
-                            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-                        down, up = rceil_scales(amax)
-                        for v in cutlass.range_constexpr(vec):
-                            f_h[v] = quantize_value(f_h[v], down, up)
+                        f_h.store(f_hq.load().to(cutlass.Float32))
+                        quantize_lane_block(f_h, True)
                         f_hq.store(f_h.load().to(self.c_dtype))
                     cute.autovec_copy(f_hq, g_v[(None, q)])
                 cute.arch.fence_proxy("async.shared", space="cta")

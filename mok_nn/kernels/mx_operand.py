@@ -147,8 +147,19 @@ class MxOperandB:
 # e <= 7, so 2**(e + 120) is a bf16 number: the caller (cuda_mx.column_reason) takes this path only for such
 # weights, without NaN bytes or blocks. A value can change only where it lies below E4M3's normal range at the new
 # scale, |v| < 2**(e - 6) (v has at most 4 significant bits): a column block whose smallest |v| is at least that
-# (most blocks of real weights) keeps out = v and skips the last two steps.
+# (most blocks of real weights) keeps out = v.
+#
+# Most column blocks hold no value that changes, so the stage is made as W_q first: thread t converts the 64 bytes of
+# K row t // 4, columns 64 (t % 4) .., as MxOperandB converts a K-major row, and stores them N-major (the stage's bf16
+# B is N-major, as the bf16 dgrad kernel's). The caller marks the 32 x 32 blocks (32 K rows, 32 columns) holding a
+# value that changes by ROUNDS_FLAG in their rows' factors, and every factor of a stage holding such a block by
+# STAGE_FLAG (cuda_mx.MxColumnWeight). In a marked stage, after a barrier, each warp whose 32 columns hold a marked
+# block reads that block back, one column a thread, and applies the steps above to it. The threads read the stage's
+# flag from its first factor (zero-filled factors past N carry none), so the whole CTA takes the same path.
 
+ROUNDS_FLAG = 1  # bit 0 of a row factor (a bf16 power of two has none): its 32 x 32 block holds a value that rounds
+STAGE_FLAG = 2  # bit 1: its stage holds such a block
+FACTOR_PAIR_BITS = 0xFF80FF80  # two row factors' bits without the flags
 
 _MAX = "max.bf16x2 $0, $1, $2;"
 _MIN = "min.bf16x2 $0, $1, $2;"
@@ -185,49 +196,81 @@ def _column_scale(amax_pair: cutlass.Int32, amin_pair: cutlass.Int32):
 
 class MxRequantB:
     """Consumer side of the dgrad's MXFP8 B: to_bf16(stage) turns the stage's N-major E4M3 bytes into the bf16
-    K-major B tile of W_q's MXFP8 values along K (see above).
+    N-major B tile of W_q's MXFP8 values along K (see above).
 
-    sB: the bf16 B buffers (bn, 64, stages), K-major as the wgmma reads them; sB8: the same memory as bytes,
+    sB: the bf16 B buffers (bn, 64, stages), N-major as the wgmma reads them; sB8: the same memory as bytes,
     (bn, 64, 2 stages) N-major: the bytes of stage s are piece 2 s + 1 (the upper half); sF: the row factors
-    (64, bn / 32, stages) u16, K fastest (f_k of the stage's 64 rows for each 32 columns); col: this thread's
-    column (0 .. bn - 1); threads: the consumer threads (one per column)."""
+    (64, bn / 32, stages) u16, K fastest (f_k of the stage's 64 rows for each 32 columns, with the flags above);
+    tid: this consumer thread (K row tid // 4, columns 64 (tid % 4) .. of the conversion; column tid of the
+    requantisation); threads: the consumer threads."""
 
-    def __init__(self, sB, sB8, sF, col, threads: int):
-        self.sB, self.sB8, self.sF, self.col = sB, sB8, sF, col
+    def __init__(self, sB, sB8, sF, tid, threads: int):
+        assert threads == 4 * BK, "four threads a K row of the stage"
+        self.sB, self.sB8, self.sF, self.col = sB, sB8, sF, tid
+        self.k, self.c = tid // 4, tid % 4
+        # The 16-byte pieces of a thread's row in a rotated order, (c + k) % 4 first: each quarter warp then loads
+        # and stores 8 distinct bank groups (the bytes' rows are 256 bytes apart; the bf16 rows are swizzled by row)
+        self.rot = (self.c + self.k) % 4
         self.barrier = pipeline.NamedBarrier(barrier_id=MX_BARRIER_ID, num_threads=threads)
         self.raw = cute.make_rmem_tensor((BK,), cutlass.Uint8)
-        # one K block at a time (registers: the accumulators hold 128 a thread)
-        self.fac = cute.make_rmem_tensor((32,), cutlass.Uint16)
         self.out = cute.make_rmem_tensor((32,), cutlass.BFloat16)
 
     @cute.jit
     def to_bf16(self, stage):
-        cute.autovec_copy(self.sB8[(self.col, None, 2 * stage + 1)], self.raw)  # the column: one byte per K row
-        self.barrier.arrive_and_wait()  # every column is in registers: the bf16 rows may overwrite the bytes
-        words = cute.recast_tensor(self.raw, cutlass.Int32)  # BK / 4 words, K rows 4w .. 4w + 3
-        facs = cute.recast_tensor(self.fac, cutlass.Int32)  # 16 words: f_k of the block's rows 2p (low), 2p + 1
-        out = cute.recast_tensor(self.out, cutlass.Int32)  # 16 words, the block's rows 2p (low), 2p + 1
-        fac_v = cute.zipped_divide(self.fac, (8,))
-        out_v = cute.zipped_divide(self.out, (8,))
-        pairs = 32 // 2
-        for blk in cutlass.range_constexpr(2):
-            # the row factors (the same for the warp's 32 columns: broadcast loads; not overwritten by the bf16 rows)
-            src = cute.zipped_divide(self.sF[(None, self.col // 32, stage)], (8,))
-            for q in cutlass.range_constexpr(4):
-                cute.autovec_copy(src[(None, 4 * blk + q)], fac_v[(None, q)])
-            amax, amin = cutlass.Int32(0), cutlass.Int32(BF16_INF_PAIR)
-            for p in cutlass.range_constexpr(pairs):
-                ptx = _LOW_PAIR if p % 2 == 0 else _HIGH_PAIR
-                out[p] = _asm_b32(ptx, words[(blk * pairs + p) // 2], facs[p])
-                mag = out[p] & 0x7FFF7FFF
-                amax = _asm_b32(_MAX, amax, mag)
-                amin = _asm_b32(_MIN, amin, mag)
-            down, up, rounds = _column_scale(amax, amin)
-            if rounds:
-                for p in cutlass.range_constexpr(pairs):
-                    out[p] = _asm_b32(_REQUANT_PAIR, out[p], down, up)
-            dst = cute.zipped_divide(self.sB[(self.col, None, stage)], (8,))
-            for q in cutlass.range_constexpr(4):
-                cute.autovec_copy(out_v[(None, q)], dst[(None, 4 * blk + q)])
+        src = cute.zipped_divide(self.sB8[(None, self.k, 2 * stage + 1)], (BYTES_PER_LOAD,))
+        raw_v = cute.zipped_divide(self.raw, (BYTES_PER_LOAD,))
+        for q in cutlass.range_constexpr(BK // BYTES_PER_LOAD):
+            cute.autovec_copy(src[(None, 4 * self.c + (q + self.rot) % 4)], raw_v[(None, q)])
+        self.barrier.arrive_and_wait()  # every thread's bytes are in registers: the bf16 rows may overwrite them
+        self._w_q(stage)
+        barrier = self.barrier
+        if (self.sF[(0, 0, stage)].to(cutlass.Int32) & STAGE_FLAG) != 0:
+            barrier.arrive_and_wait()  # the stage's W_q is in shared memory
+            self._requantize_columns(stage)
         cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
         self.barrier.arrive_and_wait()
+
+    @cute.jit
+    def _w_q(self, stage):
+        """W_q in bf16 for this thread's 64 bytes (K row k, columns 64 c ..): one multiply a pair."""
+        f0 = self.sF[(self.k, 2 * self.c, stage)].to(cutlass.Int32)
+        f1 = self.sF[(self.k, 2 * self.c + 1, stage)].to(cutlass.Int32)
+        pair0 = (f0 | (f0 << 16)) & FACTOR_PAIR_BITS
+        pair1 = (f1 | (f1 << 16)) & FACTOR_PAIR_BITS
+        words = cute.recast_tensor(self.raw, cutlass.Int32)  # 16 words: piece q's columns 4 w .. 4 w + 3
+        out = cute.recast_tensor(self.out, cutlass.Int32)
+        out_v = cute.zipped_divide(self.out, (8,))
+        dst = cute.zipped_divide(self.sB[(None, self.k, stage)], (8,))  # the row's 8-column pieces
+        for q in cutlass.range_constexpr(BK // BYTES_PER_LOAD):
+            piece = (q + self.rot) % 4
+            f = pair0
+            if piece >= 2:  # the second block of 32 columns
+                f = pair1
+            for w in cutlass.range_constexpr(4):
+                word = words[4 * q + w]
+                out[2 * w] = _asm_b32(_LOW_PAIR, word, f)
+                out[2 * w + 1] = _asm_b32(_HIGH_PAIR, word, f)
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(out_v[(None, h)], dst[(None, 8 * self.c + 2 * piece + h)])
+
+    @cute.jit
+    def _requantize_columns(self, stage):
+        """Column col's K blocks marked ROUNDS_FLAG (the same for the warp's 32 columns), requantised where a value
+        may round."""
+        sB, sF, col, vals = self.sB, self.sF, self.col, self.out  # (no attributes inside the staged ifs)
+        out = cute.recast_tensor(vals, cutlass.Int32)  # 16 words, the block's rows 2p (low), 2p + 1
+        for blk in cutlass.range_constexpr(2):
+            if (sF[(32 * blk, col // 32, stage)].to(cutlass.Int32) & ROUNDS_FLAG) != 0:
+                for i in cutlass.range_constexpr(32):  # down the column: one bf16 a K row
+                    vals[i] = sB[(col, 32 * blk + i, stage)]
+                amax, amin = cutlass.Int32(0), cutlass.Int32(BF16_INF_PAIR)
+                for p in cutlass.range_constexpr(16):
+                    mag = out[p] & 0x7FFF7FFF
+                    amax = _asm_b32(_MAX, amax, mag)
+                    amin = _asm_b32(_MIN, amin, mag)
+                down, up, rounds = _column_scale(amax, amin)
+                if rounds:
+                    for p in cutlass.range_constexpr(16):
+                        out[p] = _asm_b32(_REQUANT_PAIR, out[p], down, up)
+                    for i in cutlass.range_constexpr(32):
+                        sB[(col, 32 * blk + i, stage)] = vals[i]

@@ -100,6 +100,24 @@ def quantize_value(x: cutlass.Float32, down: cutlass.Float32, up: cutlass.Float3
     return (r.bitcast(cutlass.Int32) | (bits & SIGN_BIT)).bitcast(cutlass.Float32) * up
 
 
+@cute.jit
+def quantize_lane_block(x: cute.Tensor, live: cutlass.Boolean):
+    """x (fp32 registers): this lane's values of a block of 32 columns that four adjacent lanes hold (lanes
+    4j .. 4j + 3, LANES_PER_BLOCK), made their MXFP8 values in place: the block's largest magnitude by two
+    shuffles, then each value (rceil_scales, quantize_value). Every lane of the warp takes part (the shuffles); a
+    lane with live False adds amax 0 and keeps x."""
+    amax = cutlass.Int32(0)
+    if live:
+        for i in cutlass.range_constexpr(cute.size(x)):
+            amax = cutlass.max(amax, x[i].bitcast(cutlass.Int32) & MAG_MASK)
+    for k in cutlass.range_constexpr(2):
+        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+    if live:
+        down, up = rceil_scales(amax)
+        for i in cutlass.range_constexpr(cute.size(x)):
+            x[i] = quantize_value(x[i], down, up)
+
+
 class MxQuant:
     @cute.jit
     def __call__(
@@ -147,17 +165,10 @@ class MxQuant:
                                           fin[(None, j)])
                 for j in cutlass.range_constexpr(UNROLL):
                     live = base + j * stride < units
-                    amax = cutlass.Int32(0)
                     if live:
-                        for i in cutlass.range_constexpr(VEC):
-                            acc[i] = fin[(i, j)].to(cutlass.Float32)
-                            amax = cutlass.max(amax, acc[i].bitcast(cutlass.Int32) & MAG_MASK)
-                    for k in cutlass.range_constexpr(2):  # the 4 lanes of the block (lanes 4j .. 4j + 3)
-                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+                        acc.store(fin[(None, j)].load().to(cutlass.Float32))
+                    quantize_lane_block(acc, live)
                     if live:
-                        down, up = rceil_scales(amax)
-                        for i in cutlass.range_constexpr(VEC):
-                            acc[i] = quantize_value(acc[i], down, up)
                         res.store(acc.load().to(dst.element_type))
                         cute.autovec_copy(res, cute.zipped_divide(dst[(row[j], None)], (VEC,))[(None, vec[j])])
         else:

@@ -345,21 +345,27 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(e, cols, rows, dtype=x.dtype, device=x.device)
     if out.numel():
         t = MX_FACTORS_TILE
-        _kernels().transpose_kernel[(e, -(-rows // t), -(-cols // t))](x, out, rows, cols, FACTORS=False, BIAS=0,
-                                                                      TILE=t)
+        _kernels().transpose_kernel[(e, -(-rows // t), -(-cols // t))](x, out, x, rows, cols, FACTORS=False, BIAS=0,
+                                                                      MARKS=False, TILE=t)
     return out
 
 
-def mx_row_factors(scale: torch.Tensor, bias: int) -> torch.Tensor:
+def mx_row_factors(scale: torch.Tensor, bias: int, marks: torch.Tensor | None = None) -> torch.Tensor:
     """E8M0 scales [E, R, B] (bytes at most 134) -> [E, B, R] int16, (S + bias) << 7 in one pass: the row factors
-    cuda_mx.MxColumnWeight gives the dgrad kernels (bias 120: the bf16 bits of 2**(S - 7))."""
+    cuda_mx.MxColumnWeight gives the dgrad kernels (bias 120: the bf16 bits of 2**(S - 7)); with marks [E, R / 32,
+    B] int16, factor [e, b, r] or'ed with marks[e, r // 32, b]."""
     scale = scale.contiguous()
     e, rows, blocks = scale.shape
     out = torch.empty(e, blocks, rows, dtype=torch.int16, device=scale.device)
+    if marks is not None:
+        if rows % 32 or marks.shape != (e, rows // 32, blocks) or marks.dtype != torch.int16:
+            raise ValueError(f"marks must be int16 [{e}, {rows} / 32, {blocks}], got {marks.dtype} {list(marks.shape)}")
+        marks = marks.contiguous()
     if out.numel():
         t = MX_FACTORS_TILE
-        _kernels().transpose_kernel[(e, -(-rows // t), -(-blocks // t))](scale, out, rows, blocks, FACTORS=True,
-                                                                        BIAS=bias, TILE=t)
+        _kernels().transpose_kernel[(e, -(-rows // t), -(-blocks // t))](
+            scale, out, scale if marks is None else marks, rows, blocks, FACTORS=True, BIAS=bias,
+            MARKS=marks is not None, TILE=t)
     return out
 
 

@@ -598,11 +598,12 @@ def route_backward_kernel(scores_ptr, ids_ptr, dw_ptr, ds_ptr, dlogits_ptr, dl_i
 
 
 @triton.jit
-def transpose_kernel(x_ptr, out_ptr, rows, cols, FACTORS: tl.constexpr, BIAS: tl.constexpr, TILE: tl.constexpr):
+def transpose_kernel(x_ptr, out_ptr, marks_ptr, rows, cols, FACTORS: tl.constexpr, BIAS: tl.constexpr,
+                     MARKS: tl.constexpr, TILE: tl.constexpr):
     # [e, rows, cols] -> [e, cols, rows] (any element type, as the pointers give it): a program takes a TILE x TILE
     # tile of one matrix; its load runs along cols, its store along rows (each gets its own coalesced layout).
     # FACTORS: E8M0 scale bytes (each at most 134) stored as int16 (S + BIAS) << 7: the row factors of
-    # cuda_mx.MxColumnWeight (BIAS 120, the bf16 bits of 2**(S - 7))
+    # cuda_mx.MxColumnWeight (BIAS 120, the bf16 bits of 2**(S - 7)); MARKS: or'ed with marks[e, r // 32, c] (int16)
     e = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * TILE + tl.arange(0, TILE)[:, None]
     c = tl.program_id(2) * TILE + tl.arange(0, TILE)[None, :]
@@ -611,4 +612,6 @@ def transpose_kernel(x_ptr, out_ptr, rows, cols, FACTORS: tl.constexpr, BIAS: tl
     v = tl.load(x_ptr + base + r * cols + c, mask=mask)
     if FACTORS:
         v = ((v.to(tl.int32) + BIAS) << 7).to(tl.int16)
+        if MARKS:
+            v = v | tl.load(marks_ptr + e * (rows // 32) * cols + (r // 32) * cols + c, mask=mask, other=0)
     tl.store(out_ptr + base + c * rows + r, v, mask=mask)

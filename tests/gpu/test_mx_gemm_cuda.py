@@ -2,7 +2,8 @@
 kernels/mx_operand.py, cuda_mx.py) on an sm_90 GPU: bit for bit the bf16 kernels on W_q = dequantize(stored),
 run after run, at shapes with partial tiles, empty experts and one expert taking every token, and with the
 scale extremes (all-zero blocks, blocks at E4M3's top, NaN blocks, large and tiny scales); and the layer takes
-them (launched kernels) with the bits of a layer holding W_q.
+them (launched kernels) with the bits of a layer holding W_q. Likewise the backward's dgrad GEMMs of
+precision="mxfp8" (mok_gemm_bn_mxq[_f32]) against the bf16 kernel on W_q's values along K.
 """
 
 import warnings
@@ -210,10 +211,13 @@ def test_dgrad_mx_cols_is_the_bf16_kernel_on_values_along_k(case, extremes):
         want = cb.grouped_gemm(a, values, sched, transpose_w=True, out_dtype=out_dtype)
         assert torch.equal(got[rows], want[rows]) and torch.equal(got[rows], again[rows])
         # the row factors came from the Triton kernel, which agreed with the torch ops on its first use
-        assert triton_ops._VERDICTS[(("mx_row_factors",), str(a.device))]
+        assert triton_ops._VERDICTS[(("mx_row_factors", True), str(a.device))]
         if extremes:  # the requantisation changed some values: the test can tell the two apart
             w_q = dequantize(w, torch.bfloat16)
             assert not torch.equal(values, w_q)
+        # the kernel requantises the 32 x 32 blocks holding such values (kernels/mx_operand.py): some, not all
+        blocks = cuda_mx.rounding_blocks(w.data, w.scale)
+        assert bool(blocks.any()) and not bool(blocks.all())
         n0 = int(sched.seg_rows[0])
         if n0 and not extremes:  # against fp64 on the values, the first expert's real rows
             ref = a[:n0].double() @ values[0].double()
