@@ -737,9 +737,14 @@ def act_forward(gate_up: torch.Tensor, sched: Schedule, activation: str, swiglu_
     return h
 
 
-def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swiglu_limit, in_place: bool = False):
+def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swiglu_limit, in_place: bool = False,
+                 mx: bool = False):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the saved gate_up and dh = dy @ W2[e]. in_place: d gate_up
-    overwrites gate_up (each element read before it is written, by the thread that writes it)."""
+    overwrites gate_up (each element read before it is written, by the thread that writes it). mx: d gate_up comes
+    as its MXFP8 values along its columns (mx_values(d gate_up, MX_ALONG_COLS), made by the kernel as it stores)."""
+    if mx and gate_up.shape[1] % 64:  # (blocks of 32 columns across gate and up: not the kernel's; a pass after)
+        dgu, wh, dw = act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)
+        return mx_values(dgu, MX_ALONG_COLS), wh, dw
     if _use_torch_act():
         from . import reference
 
@@ -747,6 +752,8 @@ def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swig
         w = w_rows.unsqueeze(1)
         dw = (dh_raw * h.float()).sum(dim=1)
         dgu = reference.activation_backward(gate_up.float(), w * dh_raw, activation, swiglu_limit).to(gate_up.dtype)
+        if mx:
+            dgu = mx_values(dgu, MX_ALONG_COLS)
         return gate_up.copy_(dgu) if in_place else dgu, (w * h.float()).to(gate_up.dtype), dw
     m, inter = dh_raw.shape
     dgu = gate_up if in_place else torch.empty_like(gate_up)
@@ -754,7 +761,7 @@ def act_backward(gate_up, dh_raw, w_rows, sched: Schedule, activation: str, swig
     dw = torch.empty(m, dtype=torch.float32, device=gate_up.device)
     limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
     _lib().launch(
-        f"mok_act_bwd_{activation}", gate_up, dh_raw, w_rows, dgu, wh, dw, sched.tile_expert, limit,
+        f"mok_act_bwd_{activation}", gate_up, dh_raw, w_rows, dgu, wh, dw, sched.tile_expert, limit, int(mx),
         stream=_stream(),
     )  # fmt: skip
     return dgu, wh, dw
@@ -820,18 +827,20 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
 
 
 def dgrad_down_act(dy_rows: list, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
-                   in_place: bool = False):
+                   in_place: bool = False, mx: bool = False):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
     runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
     gate_up (the same bits). dy_rows: [the rows], emptied here: they are freed once the GEMM has read them (where
-    the caller keeps no other reference), before the activation backward's outputs exist."""
+    the caller keeps no other reference), before the activation backward's outputs exist. mx: d gate_up as its
+    MXFP8 values along its columns (by act_backward as it stores them; after dgrad_act, one pass)."""
     dy = dy_rows.pop()
     mx_cols = isinstance(down_proj, MxColumnWeight)  # (its kernel has no activation epilogue)
     if _use_fused_dact(gate_up.shape[1] // 2, activation, dy.shape[1], dy.device) and not mx_cols:
-        return dgrad_act(dy, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
+        dgu, wh, dw = dgrad_act(dy, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
+        return (mx_values(dgu, MX_ALONG_COLS) if mx else dgu), wh, dw
     dh_raw = grouped_gemm(dy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
     del dy
-    return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place)
+    return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place, mx)
 
 
 def segment_sum(rows: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -1158,8 +1167,11 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     dy_a = [gather(grad_out, True, mx=True) if q.mxfp8 else dy_rows]  # (handed over: freed after its GEMM)
     if not keep_dy:
         dy_rows = None  # (the dgrad's operand alone)
+    # frozen experts without a gate/up bias gradient need d gate_up only as the d x GEMM's operand: with mxfp8 the
+    # activation backward stores its MXFP8 values straight away
+    dgu_is_a = q.mxfp8 and not need13 and not (gate_up_bias is not None and need_b13)
     dgu, wh, dw_rows = dgrad_down_act(dy_a, q.weight(down_proj, -2), gate_up, w_rows, sched, activation,
-                                      swiglu_limit, in_place=consume_gate_up)
+                                      swiglu_limit, in_place=consume_gate_up, mx=dgu_is_a)
     del dy_a, gate_up
     if down_bias is not None:
         dw_rows = dw_rows + (dy_rows.float() * bias_rows(down_bias, sched)).sum(dim=1)
@@ -1171,7 +1183,10 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
     # d gate_up's operands: the dgrad's along 2I, d gate_up_proj's per expert along the rows (mxfp8: one read,
     # the first into dgu's own memory)
-    dgu_a, dgu_w = q.rows_and_segments(dgu, sched) if need13 else (q.rows(dgu), None)
+    if dgu_is_a:
+        dgu_a, dgu_w = dgu, None
+    else:
+        dgu_a, dgu_w = q.rows_and_segments(dgu, sched) if need13 else (q.rows(dgu), None)
     del dgu
     dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
     del dgu_a

@@ -54,8 +54,10 @@ class _DactLib(_FakeLib):
             h.copy_(reference.activation_forward(gu.float(), self.activation, lim).to(h.dtype))
             return
         if spec.factory == "ActBackward":
-            gu, dh, w, dgu, wh, dw, te, limit = args
+            gu, dh, w, dgu, wh, dw, te, limit, mx = args
             out_dgu, out_wh, prod = _act_bwd(gu, dh, w, self.activation, limit)
+            if mx:  # d gate_up's MXFP8 values along its columns
+                out_dgu = fake_quantize(out_dgu, -1)
             dgu.copy_(out_dgu), wh.copy_(out_wh), dw.copy_(prod.sum(dim=1))
             return
         a, b, dgu, wh, gu, w, parts, te, seg_end, seg_rows, limit, group_m = args
@@ -118,6 +120,35 @@ def test_fused_epilogues_equal_unfused(dact_lib, monkeypatch, I, activation, lim
     _, saved_r = reference.experts_forward(x, ids, w, *args)
     _, dtk_r, _ = reference.experts_backward(dy, saved_r, x, ids, w, *args)
     assert (fused[6] - dtk_r).norm() <= 2e-2 * dtk_r.norm()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_frozen_mxfp8_d_gate_up_comes_as_its_mxfp8_values(dact_lib, monkeypatch, fused):
+    """Frozen experts with precision="mxfp8" and no gate/up bias gradient need d gate_up only as the d x GEMM's
+    operand: mok_act_bwd_* stores its MXFP8 values (mx = 1; after the fused dSwiGLU GEMM, one pass), and d x and
+    the top-k weight gradient are bitwise the backward's with weight gradients (which quantises d gate_up after
+    the kernel, mx = 0)."""
+    lib = dact_lib("swiglu")
+    if not fused:
+        monkeypatch.setattr(cb, "_use_fused_dact", lambda *a: False)
+    x, ids, w, dy, W13, W2, _, _ = random_problem(41, 32, 256, 4, 2, False, seed=11)
+    args = (W13, W2, None, None, "swiglu", None)
+    flags, launch = [], lib.launch
+
+    def recording(name, *a, stream):
+        if name.startswith("mok_act_bwd"):
+            flags.append(a[-1])
+        return launch(name, *a, stream=stream)
+
+    monkeypatch.setattr(lib, "launch", recording)
+    runs = []
+    for needs in (None, (False, False, True, True)):
+        _, saved = cb.experts_forward(x, ids, w, *args, precision="mxfp8")
+        kw = {} if needs is None else {"needs": needs}
+        runs.append(cb.experts_backward(dy, saved, x, ids, w, *args, precision="mxfp8", **kw))
+    (dx, dtk, _), (dx_f, dtk_f, grads_f) = runs
+    assert torch.equal(dx_f, dx) and torch.equal(dtk_f, dtk) and grads_f.gate_up_proj is None
+    assert flags == ([] if fused else [0, 1])
 
 
 def test_fused_dact_falls_back_where_unsupported(dact_lib):

@@ -330,6 +330,7 @@ def _act_specs(kind: str) -> tuple:
             TensorArg("dw", "f32", (DYN,), (1,), align=4),
             te,
             ScalarArg("limit", "f32"),
+            ScalarArg("mx", "i32"),
         ),
     )
     return fwd, bwd

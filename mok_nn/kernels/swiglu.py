@@ -12,7 +12,10 @@ the derivative is zero where a clamp was active.
 One warp per row. Rows whose tile belongs to no expert (tile_expert < 0, the
 unused tail of the schedule) are skipped. The row sum of the backward is
 reduced in a fixed order (per-lane partials in column order, then a warp
-butterfly), so it is bitwise reproducible.
+butterfly), so it is bitwise reproducible. With mx set, the backward stores d
+gate_up's MXFP8 values along its columns (precision="mxfp8": the d x GEMM's
+operand, the bits of mok_mx_quant's mode 0), each block of 32 columns held by
+four adjacent lanes: no pass over d gate_up afterwards.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
+from .mx_quant import quantize_lane_block
 from .registry import TILE_M
 
 VEC = 8
@@ -113,11 +117,12 @@ class ActBackward:
         dw: cute.Tensor,  # (M,) fp32 out
         tile_expert: cute.Tensor,  # (M / TILE_M,) int32
         limit: cutlass.Float32,
+        mx: cutlass.Int32,  # 1: d gate_up as its MXFP8 values along its columns (I % 32 == 0)
         stream: cuda.CUstream,
     ):
         rows = cute.size(dh, mode=[0])
         grid = (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA
-        self.kernel(gate_up, dh, w, dgate_up, wh, dw, tile_expert, limit).launch(
+        self.kernel(gate_up, dh, w, dgate_up, wh, dw, tile_expert, limit, mx).launch(
             grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -132,6 +137,7 @@ class ActBackward:
         dw: cute.Tensor,
         tile_expert: cute.Tensor,
         limit: cutlass.Float32,
+        mx: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -156,28 +162,41 @@ class ActBackward:
             hq = cute.make_rmem_tensor((VEC,), gate_up.element_type)
             wr = w[r]
             part = cutlass.Float32(0.0)
-            for c in range(lane, n_vec, 32):
-                cute.autovec_copy(gu_v[(None, c)], fg)
-                cute.autovec_copy(gu_v[(None, c + n_vec)], fu)
-                cute.autovec_copy(dh_v[(None, c)], fdh)
-                for i in cutlass.range_constexpr(VEC):
-                    hv, dg, du = _act(self.kind, fg[i].to(cutlass.Float32), fu[i].to(cutlass.Float32), limit)
-                    hb[i] = hv
-                    d = fdh[i] * wr
-                    agd[i] = dg * d
-                    au[i] = du * d
-                # h as the forward stored it (bf16), back in fp32 for the weight gradient
-                hq.store(hb.load().to(gate_up.element_type))
-                hb.store(hq.load().to(cutlass.Float32))
-                for i in cutlass.range_constexpr(VEC):
-                    part = part + fdh[i] * hb[i]
-                    ag[i] = hb[i] * wr
-                hq.store(ag.load().to(wh.element_type))
-                cute.autovec_copy(hq, wh_v[(None, c)])
-                og.store(agd.load().to(dgate_up.element_type))
-                ou.store(au.load().to(dgate_up.element_type))
-                cute.autovec_copy(og, dgu_v[(None, c)])
-                cute.autovec_copy(ou, dgu_v[(None, c + n_vec)])
+            # the whole warp takes every pass (the MXFP8 blocks' shuffles need all its lanes); lane c0 + lane
+            # holds columns 8 c .. 8 c + 7 of gate and of up
+            for c0 in range(0, n_vec, 32):
+                c = c0 + lane
+                live = c < n_vec
+                if live:
+                    cute.autovec_copy(gu_v[(None, c)], fg)
+                    cute.autovec_copy(gu_v[(None, c + n_vec)], fu)
+                    cute.autovec_copy(dh_v[(None, c)], fdh)
+                    for i in cutlass.range_constexpr(VEC):
+                        hv, dg, du = _act(self.kind, fg[i].to(cutlass.Float32), fu[i].to(cutlass.Float32), limit)
+                        hb[i] = hv
+                        d = fdh[i] * wr
+                        agd[i] = dg * d
+                        au[i] = du * d
+                    # h as the forward stored it (bf16), back in fp32 for the weight gradient
+                    hq.store(hb.load().to(gate_up.element_type))
+                    hb.store(hq.load().to(cutlass.Float32))
+                    for i in cutlass.range_constexpr(VEC):
+                        part = part + fdh[i] * hb[i]
+                        ag[i] = hb[i] * wr
+                    hq.store(ag.load().to(wh.element_type))
+                    cute.autovec_copy(hq, wh_v[(None, c)])
+                    og.store(agd.load().to(dgate_up.element_type))
+                    ou.store(au.load().to(dgate_up.element_type))
+                if mx != 0:  # the bf16 values' MXFP8 values, as mok_mx_quant makes them from the stored d gate_up
+                    agd.store(og.load().to(cutlass.Float32))
+                    au.store(ou.load().to(cutlass.Float32))
+                    quantize_lane_block(agd, live)
+                    quantize_lane_block(au, live)
+                    og.store(agd.load().to(dgate_up.element_type))
+                    ou.store(au.load().to(dgate_up.element_type))
+                if live:
+                    cute.autovec_copy(og, dgu_v[(None, c)])
+                    cute.autovec_copy(ou, dgu_v[(None, c + n_vec)])
             part = cute.arch.warp_reduction_sum(part)  # fixed butterfly order
             if lane == 0:
                 dw[r] = part

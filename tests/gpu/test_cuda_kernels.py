@@ -770,7 +770,8 @@ def test_act_kernels(lib, case, act, limit):
         wh = torch.full((m, I), float("nan"), device="cuda", dtype=torch.bfloat16)
         dw = torch.full((m,), float("nan"), device="cuda")
         lib.launch(f"mok_act_fwd_{act}", gate_up, h, sched.tile_expert, lim, stream=_stream())
-        lib.launch(f"mok_act_bwd_{act}", gate_up, dh, w_rows, dgu, wh, dw, sched.tile_expert, lim, stream=_stream())
+        lib.launch(f"mok_act_bwd_{act}", gate_up, dh, w_rows, dgu, wh, dw, sched.tile_expert, lim, 0,
+                   stream=_stream())
         torch.cuda.synchronize()
         runs.append([t[live] for t in (h, dgu, wh, dw)])
     for n, a, b in zip(("h", "d gate_up", "w*h", "dw"), *runs):
@@ -794,6 +795,18 @@ def test_act_kernels(lib, case, act, limit):
     dgu2, wh2, dw2 = cb.act_backward(gate_up, dh, w_rows, sched, act, limit)
     for a, b in ((dgu2, dgu), (wh2, wh), (dw2, dw)):
         assert torch.equal(_bits(a[live]), _bits(b))
+    # mx = 1: d gate_up's MXFP8 values along its columns (the slow quantiser on the bf16 d gate_up; the other
+    # outputs the same), also in place and by the helper
+    from mok_nn.mxfp8 import fake_quantize
+
+    want = fake_quantize(dgu, -1)
+    assert not torch.equal(want, dgu)
+    for in_place in (False, True):
+        gu = gate_up.clone()
+        dgu_mx, wh_mx, dw_mx = cb.act_backward(gu, dh, w_rows, sched, act, limit, in_place=in_place, mx=True)
+        assert (dgu_mx.data_ptr() == gu.data_ptr()) == in_place
+        for a, b in ((dgu_mx, want), (wh_mx, wh), (dw_mx, dw)):
+            assert torch.equal(_bits(a[live]), _bits(b))
 
 
 GATE_UP_ACT_KERNELS = ("mok_gemm_gate_up_swiglu_ppc", "mok_gemm_gate_up_swiglu_ef")
