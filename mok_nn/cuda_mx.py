@@ -34,11 +34,12 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # shapes: gate/up + SwiGLU won by 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the
 # plain GEMM (down) won by 1.27-1.43x at 512 and lost by 10% at 1024 (qwen3, whose bf16 down is the clustered
 # ping-pong kernel). The H200's faster memory makes dequantising cheaper, hence no margin beyond these. The dgrad
-# kernels (precision="mxfp8", against making the values along K first; one H100 at 5abab67, the three shapes,
-# benchmarks/mx_gemm_rule.py): d x and d h won by 1.32-1.44x / 1.18-1.46x at 512 rows; at 1024 d x 0.93-1.15x and
-# d h 0.88-1.07x, 0.97x / 0.98x at deepseek-v3.
+# kernels (precision="mxfp8", against making the values along K first; one H100 at 8428c0c, the three shapes,
+# benchmarks/mx_gemm_rule.py): d x won by 1.13-1.38x at 2048 rows, d h by 1.34-1.45x at 1024 and 0.97-1.10x at
+# 2048; both kept to 2048, where they hold no copy of the weights (mixtral's frozen MXFP8-only backward 14.2
+# against 15.1 ms in one bench call).
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1024,
-                          "mok_gemm_bn_mxq": 512, "mok_gemm_bn_mxq_f32": 512}
+                          "mok_gemm_bn_mxq": 2048, "mok_gemm_bn_mxq_f32": 2048}
 # mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
 # bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB; its SINGLE_MAX)
 ROW_FACTOR_BIAS = 120
