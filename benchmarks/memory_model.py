@@ -44,7 +44,7 @@ def _allocation_only() -> None:
     cb.act_forward = lambda gu, sched, act, lim: empty(gu.shape[0], gu.shape[1] // 2)
     cb.grouped_gemm = lambda a, w, sched, transpose_w, out_dtype=torch.bfloat16: empty(
         a.shape[0], w.shape[2] if transpose_w else w.shape[1], dtype=out_dtype)
-    def dgrad_down_act(dy_rows, w2, gu, wr, sched, act, lim, in_place=False):
+    def dgrad_down_act(dy_rows, w2, gu, wr, sched, act, lim, in_place=False, mx=False):
         # where the two kernels run (the rule off H200: this CPU device), their fp32 d h [M, I] is live while the
         # activation backward writes the outputs, and handed-over d y rows ([rows]) are gone by then
         dy = dy_rows.pop()
