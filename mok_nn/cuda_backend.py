@@ -826,68 +826,16 @@ def dgrad_act(dy_rows, down_proj, gate_up, w_rows, sched: Schedule, activation: 
     return dgu, wh, pairwise_sum(parts)
 
 
-def dgrad_act_mx_cols(dy_rows, down_proj: MxColumnWeight, gate_up, w_rows, sched: Schedule, activation: str,
-                      swiglu_limit, in_place: bool = False, mx: bool = False):
-    """dgrad_act on MXFP8-only weights with precision="mxfp8" (mok_gemm_dact_<act>_mxq, unchecked): the dgrad
-    of down reading the stored bytes as mok_gemm_bn_mxq_f32 does, the activation backward in its epilogue.
-    d gate_up (mx: its MXFP8 values along 2I) and w*h bitwise mok_gemm_bn_mxq_f32 + act_backward's; dw sums per
-    256-column tile in the kernel, then pairwise_sum."""
-    m, two_i = gate_up.shape
-    inter = two_i // 2
-    name = f"mok_gemm_dact_{activation}_mxq"
-    dgu = gate_up if in_place else torch.empty_like(gate_up)
-    wh = gate_up.new_empty(m, inter)
-    parts = torch.empty(inter // GEMM_TILE_N, m, dtype=torch.float32, device=gate_up.device)
-    if m == 0:
-        return dgu, wh, parts.sum(dim=0)
-    limit = float("inf") if swiglu_limit is None else float(swiglu_limit)
-    _lib().launch(
-        name, dy_rows.unsqueeze(-1), *down_proj.kernel_operands(), dgu.unsqueeze(-1), wh.unsqueeze(-1),
-        gate_up.unsqueeze(-1), w_rows, parts, sched.tile_expert, sched.seg_end, sched.seg_rows_for(name), int(mx),
-        limit, gemm_group_m(inter), stream=_stream(),
-    )  # fmt: skip
-    return dgu, wh, pairwise_sum(parts)
-
-
-def _dgrad_down_act_mx_cols(dy_rows: list, down_proj: MxColumnWeight, gate_up, w_rows, sched: Schedule,
-                            activation: str, swiglu_limit, in_place: bool, mx: bool):
-    """dgrad_down_act of MXFP8-only weights: mok_gemm_dact_<act>_mxq where it takes the call (the fused kernels'
-    rule, _use_fused_dact, and the dgrad kernels' rows, cuda_mx.reads_mx), checked on its first use against
-    mok_gemm_bn_mxq_f32 + act_backward (d gate_up and w*h bit for bit; dw, per-tile partials summed against one
-    sum a row, is not compared; on that call neither overwrites gate_up); else those two kernels."""
-    dy = dy_rows.pop()
-    name = f"mok_gemm_dact_{activation}_mxq"
-    fused = (activation == "swiglu"  # (the one activation built for these weights)
-             and _use_fused_dact(gate_up.shape[1] // 2, activation, dy.shape[1], dy.device)
-             and cuda_mx.reads_mx("mok_gemm_bn_mxq_f32", sched, down_proj))
-    checked = cuda_mx.verdict(name, dy.device) if fused else False
-    if checked is None:
-        return cuda_mx.verified(
-            name, sched,
-            lambda: dgrad_act_mx_cols(dy, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, False, mx),
-            lambda: act_backward(gate_up, grouped_gemm(dy, down_proj, sched, True, torch.float32), w_rows, sched,
-                                 activation, swiglu_limit, False, mx),
-            compared=2)
-    if checked:
-        return dgrad_act_mx_cols(dy, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place, mx)
-    dh_raw = grouped_gemm(dy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)
-    dy = None  # (freed before the activation backward's outputs exist)
-    return act_backward(gate_up, dh_raw, w_rows, sched, activation, swiglu_limit, in_place, mx)
-
-
 def dgrad_down_act(dy_rows: list, down_proj, gate_up, w_rows, sched: Schedule, activation: str, swiglu_limit,
                    in_place: bool = False, mx: bool = False):
     """(d gate_up bf16, w*h bf16, dw fp32 per row) from the dy rows in schedule order: dgrad_act where it
-    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward (MXFP8-only weights: their kernels,
-    _dgrad_down_act_mx_cols). in_place: d gate_up overwrites
+    runs these (_use_fused_dact), else mok_gemm_bn_f32_dyn + act_backward. in_place: d gate_up overwrites
     gate_up (the same bits). dy_rows: [the rows], emptied here: they are freed once the GEMM has read them (where
     the caller keeps no other reference), before the activation backward's outputs exist. mx: d gate_up as its
     MXFP8 values along its columns (by act_backward as it stores them; after dgrad_act, one pass)."""
-    if isinstance(down_proj, MxColumnWeight):
-        return _dgrad_down_act_mx_cols(dy_rows, down_proj, gate_up, w_rows, sched, activation, swiglu_limit,
-                                       in_place, mx)
     dy = dy_rows.pop()
-    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy.shape[1], dy.device):
+    mx_cols = isinstance(down_proj, MxColumnWeight)  # (its kernel has no activation epilogue)
+    if _use_fused_dact(gate_up.shape[1] // 2, activation, dy.shape[1], dy.device) and not mx_cols:
         dgu, wh, dw = dgrad_act(dy, down_proj, gate_up, w_rows, sched, activation, swiglu_limit, in_place)
         return (mx_values(dgu, MX_ALONG_COLS) if mx else dgu), wh, dw
     dh_raw = grouped_gemm(dy, down_proj, sched, transpose_w=True, out_dtype=torch.float32)

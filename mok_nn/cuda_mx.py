@@ -268,24 +268,17 @@ def reads_trained_bytes(w, sched, kernel: str) -> bool:
             and triton_ops.quantize_runs_on(w, -1) and not torch.compiler.is_compiling())
 
 
-def _agree(got, want, rows: torch.Tensor, compared: int | None = None) -> bool:
-    """Bit for bit in rows `rows` of each result (a tensor or a tuple of them; its first `compared` only)."""
+def _agree(got, want, rows: torch.Tensor) -> bool:
+    """Bit for bit in rows `rows` of each result (a tensor or a tuple of them)."""
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-    return all(torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16))
-               for a, b in list(zip(got, want))[:compared])
+    return all(torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16)) for a, b in zip(got, want))
 
 
-def verdict(kernel: str, device) -> bool | None:
-    """Whether `kernel` passed its first-use check on `device` (None: not checked yet in this process)."""
-    return _VERDICTS.get((kernel, str(device)))
-
-
-def verified(kernel: str, sched, run_mx, run_bf16, compared: int | None = None):
+def verified(kernel: str, sched, run_mx, run_bf16):
     """The result of run_mx(), or, where the kernel failed its first-use check (here or earlier in the process),
     that of run_bf16() (dequantize + the bf16 kernel). On the first use both run and their routed rows (sched.pos)
-    must agree bit for bit (of a tuple of results, the first `compared`). A segment's padding rows are not
-    compared: the bf16 kernels that skip all-padding row blocks (_ppc, _dyn) give zeros there, while the MX
-    kernels compute them from A's padding rows."""
+    must agree bit for bit. A segment's padding rows are not compared: the bf16 kernels that skip all-padding
+    row blocks (_ppc, _dyn) give zeros there, while the MX kernels compute them from A's padding rows."""
     device = sched.pos.device
     key = (kernel, str(device))
     verdict = _VERDICTS.get(key)
@@ -296,7 +289,7 @@ def verified(kernel: str, sched, run_mx, run_bf16, compared: int | None = None):
     try:
         got = run_mx()
         want = run_bf16()
-        agree = _agree(got, want, sched.pos.reshape(-1), compared)
+        agree = _agree(got, want, sched.pos.reshape(-1))
         why = None if agree else "its results differ from the bf16 kernel's on the dequantised weights"
     except Exception as err:  # noqa: BLE001 - a kernel that fails to launch here is not used
         got, why = None, f"{type(err).__name__}: {err}"

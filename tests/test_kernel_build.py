@@ -64,16 +64,15 @@ def test_loader_error_names_build_command(tmp_path, monkeypatch):
 
 
 def test_registry_stays_within_its_budget_and_the_docs_count():
-    """At most 40 kernels (the product's budget: every variant is a default of some GEMM or precision, or an
-    oracle; 35 for bf16, 5 for MXFP8-only weights: 2 forward GEMMs, 2 dgrad GEMMs of precision="mxfp8" and the
-    dgrad of down with dSwiGLU), and
+    """At most 39 kernels (the product's budget: every variant is a default of some GEMM or precision, or an
+    oracle; 35 for bf16, 4 for MXFP8-only weights: 2 forward GEMMs, 2 dgrad GEMMs of precision="mxfp8"), and
     docs/kernels.md says how many there are."""
     import pathlib
 
     from mok_nn.kernels import registry
 
     n = len(registry.SPECS)
-    assert n <= 40, f"{n} kernels: over the budget of 40 (docs/kernels.md); drop a variant before adding one"
+    assert n <= 39, f"{n} kernels: over the budget of 39 (docs/kernels.md); drop a variant before adding one"
     assert len(registry.SPECS_BY_NAME) == n  # no two variants share a name
     doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
     assert f"run as {n} CUDA kernels" in doc and f"the {n} kernel variants" in doc

@@ -61,11 +61,7 @@ bf16 as the forward stored it): three bf16 sub-tile stores per 32 columns (smem 
 mok_gemm_bn_f32 + mok_act_bwd_* give. The top-k weight gradient needs sum(dh * h) over all
 of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by a fixed
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
-fixed order (cuda_backend.pairwise_sum), so the result depends on the row only. With the
-run-time argument dgu_mx (precision="mxfp8") d gate and d up are stored as their MXFP8 values
-along 2I: each 32-column sub-tile row is one block, held by the 4 lanes of a quad
-(mx_quant.quantize_lane_block). VarlenMGroupedGemmDactMxCols runs this epilogue on the
-cooperative kernel with b_mx_cols (the dgrad of down of MXFP8-only weights).
+fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 
 MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmMx,
 VarlenMGroupedGemmActMx, the forward of MXFP8-only weights) B's E4M3 bytes arrive K-major with their scale pairs
@@ -136,11 +132,10 @@ class VarlenMGroupedGemm:
         # b_mx (VarlenMGroupedGemmMx, VarlenMGroupedGemmActMx): B is MXFP8 (E4M3 bytes K-major and scale
         # pairs), made bf16 in each stage's B buffer by the consumer threads, one B row each (mx_operand.py):
         # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
-        assert not b_mx or (tile_n == 256 and not (pingpong or push)), "b_mx: the cooperative kernels"
+        assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
         # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
         # factors, made W_q's MXFP8 values along K by the consumer threads (MxRequantB), N-major as the bf16 dgrad's
-        assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain or dact cooperative kernel"
-        assert not (b_mx and dact) or b_mx_cols, "dact with b_mx: the dgrad's B (b_mx_cols)"
+        assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain cooperative kernel"
         self.b_mx = b_mx
         self.b_mx_cols = b_mx_cols
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
@@ -212,8 +207,7 @@ class VarlenMGroupedGemm:
         per-column-tile partial d topk-weights, in the row_idx / ready / ready_err slots.
         dst_base / row_rank / row_slot (push): the destinations of the rows, in the ready_err / row_idx / ready
         slots, and the row width in epoch.
-        h_mx (act): nonzero where h is to be stored as its MXFP8 values along I (_act_helper), in epoch;
-        likewise (dact) where d gate_up is to be stored as its MXFP8 values along 2I (_epilogue_dact).
+        h_mx (act): nonzero where h is to be stored as its MXFP8 values along I (_act_helper), in epoch.
         """
         row_idx, ready, ready_err, epoch = tile_expert, tile_expert, tile_expert, cutlass.Int32(0)
         if cutlass.const_expr(self.dynamic):
@@ -652,16 +646,14 @@ class VarlenMGroupedGemm:
     def _epilogue_dact(
         self, mC, mH, tma_c, tma_h, sC, r2s, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, bSG_sC, acc, tCgG,
         tCgU, rG, rU, rH, rHq, rDU, rows, w_rows, dw_part, m_tile, n_tile, limit, epi_barrier, warp_idx, tidx,
-        buf_base, store_warp, m_subs: cutlass.Constexpr, n_sub: cutlass.Constexpr, dgu_mx, rQ,
+        buf_base, store_warp, m_subs: cutlass.Constexpr, n_sub: cutlass.Constexpr,
     ):
         """dSwiGLU epilogue. acc = dh = dy @ W2[e] (fp32, not scaled by w). Per sub-tile (32 columns): with
         h, dg, du = act(gate, up) and h rounded to bf16 as the forward stored it, d gate = dg * (dh * w),
         d up = du * (dh * w), wh = h * w (bf16, the formulas of swiglu.ActBackward: the same bits), and
         per row sum(dh * h) over the tile's columns into dw_part[n_tile, row]. Three stores per sub-tile
         (column block c of sub-tile row ms): d gate -> gate_up block n n_sub + c, d up -> I/32 + n n_sub + c,
-        wh -> block n n_sub + c. rows[ms]: this thread's two rows in sub-tile row ms (v1 = 0, 1). dgu_mx
-        nonzero: d gate and d up as their MXFP8 values (each row's 32 columns one block, the quad's 4 lanes; rQ
-        holds one row's rD_size / 2 values)."""
+        wh -> block n n_sub + c. rows[ms]: this thread's two rows in sub-tile row ms (v1 = 0, 1)."""
         epi_tiles = m_subs * n_sub
         _, bSG_gCa, bSG_sH, bSG_gH, up_block = self._gate_up_h_stores(mC, mH, tma_c, tma_h, sC)
         w_of = [(w_rows[m_tile * TILE_M + r0], w_rows[m_tile * TILE_M + r1]) for r0, r1 in rows]
@@ -696,9 +688,6 @@ class VarlenMGroupedGemm:
             epi_barrier.arrive_and_wait()
             for out in cutlass.range_constexpr(3):
                 rD_out.store((rD, rDU, rH)[out].load().to(self.c_dtype))
-                if cutlass.const_expr(out < 2 and self.b_mx_cols):
-                    if dgu_mx != 0:
-                        self._mx_values_of_rows(rD_out, rQ, rD_size)
                 cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf_base + out)])
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_barrier.arrive_and_wait()
@@ -715,17 +704,6 @@ class VarlenMGroupedGemm:
                 total = cute.arch.warp_reduction_sum(part[ms][half], threads_in_group=4)
                 if tidx % 4 == 0:
                     dw_part[(n_tile, m_tile * TILE_M + rows[ms][half])] = total
-
-    @cute.jit
-    def _mx_values_of_rows(self, rD_out, rQ, rD_size: cutlass.Constexpr):
-        """rD_out (bf16, one 32-column sub-tile's values of this thread, element v in row half (v // 2) % 2) made
-        their MXFP8 values, a row's block at a time: the 4 lanes of the quad hold the rest of the row."""
-        for half in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(rD_size // 2):
-                rQ[i] = rD_out[(i // 2) * 4 + half * 2 + i % 2].to(cutlass.Float32)
-            quantize_lane_block(rQ, True)
-            for i in cutlass.range_constexpr(rD_size // 2):
-                rD_out[(i // 2) * 4 + half * 2 + i % 2] = rQ[i].to(self.c_dtype)
 
     @cute.kernel
     def kernel(
@@ -980,7 +958,6 @@ class VarlenMGroupedGemm:
                 rH = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
                 rHq = cute.make_rmem_tensor(rD.shape, self.c_dtype)
                 rDU = cute.make_rmem_tensor(rD.shape, self.acc_dtype)
-                rQ = cute.make_rmem_tensor((rD_size // 2,), self.acc_dtype)  # (dgu_mx: one row's values)
             epi_barrier, store_pipe = store_sync(epi_threads, self.epi_stages, barrier_id)
 
             if cutlass.const_expr(self.dynamic):
@@ -1015,14 +992,12 @@ class VarlenMGroupedGemm:
                         seg_start, rows, _ = segment_extent(expert, seg_end, seg_rows)
                         real_rows = seg_start + rows - m_tile * TILE_M
                         if cutlass.const_expr(self.dact is not None):
-                            # the first sub-tile's gate / up, loaded before the mainloop hides their latency (with
-                            # b_mx, after it: the conversion's registers)
+                            # the first sub-tile's gate / up, loaded before the mainloop hides their latency
                             tCgG = thr_c.partition_C(gGU[(None, None, m_tile, n_tile, 0)])
                             tCgU = thr_c.partition_C(gGU[(None, None, m_tile, n_tile + tiles_n, 0)])
-                            if cutlass.const_expr(not self.b_mx):
-                                for v in cutlass.range_constexpr(rD_size):
-                                    rG[v] = tCgG[v]
-                                    rU[v] = tCgU[v]
+                            for v in cutlass.range_constexpr(rD_size):
+                                rG[v] = tCgG[v]
+                                rU[v] = tCgU[v]
                         acc.fill(0.0)
                         if cutlass.const_expr(self.pingpong):
                             cute.arch.mbarrier_wait(order_bars + wg, order_phase)
@@ -1081,15 +1056,11 @@ class VarlenMGroupedGemm:
                             )
                             epi_count = epi_count + epi_tiles + epi_tiles // 2
                         elif cutlass.const_expr(self.dact is not None):
-                            if cutlass.const_expr(self.b_mx):
-                                for v in cutlass.range_constexpr(rD_size):
-                                    rG[v] = tCgG[v]
-                                    rU[v] = tCgU[v]
                             rows = [(tCcC[ms * acc_per_m][0], tCcC[ms * acc_per_m + 2][0]) for ms in range(m_subs)]
                             self._epilogue_dact(
                                 mC, mH, tma_c, tma_h, sC, r2s, tRS_sC, rD, rD_out, rD_size, bSG_sC, acc, tCgG, tCgU, rG, rU, rH, rHq,
                                 rDU, rows, ready, ready_err, m_tile, n_tile, limit, epi_barrier, warp_idx, tidx, buf_base, store_warp,
-                                m_subs, n_sub, epoch, rQ,
+                                m_subs, n_sub,
                             )
                         else:
                             store_tile_split(
@@ -1160,40 +1131,6 @@ class VarlenMGroupedGemmDact(VarlenMGroupedGemm):
     ):
         self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream,
                      gate_up=gate_up, w_rows=w_rows, dw_part=dw_part)
-
-
-class VarlenMGroupedGemmDactMxCols(VarlenMGroupedGemm):
-    """The dgrad of down with the activation backward in its epilogue (VarlenMGroupedGemmDact's, on the
-    cooperative kernel) on MXFP8-only weights with precision="mxfp8": B = down_proj's stored bytes N-major with
-    its row factors, made W_q's MXFP8 values along K in shared memory (VarlenMGroupedGemmMxCols). d gate_up
-    and w*h bitwise mok_gemm_bn_mxq_f32 + mok_act_bwd_<act>; with dgu_mx, d gate_up's MXFP8 values along 2I.
-    I % 256 == 0."""
-
-    def __init__(self, dact: str):
-        assert dact in ("swiglu", "swiglu_oai")
-        VarlenMGroupedGemm.__init__(self, tile_n=256, dact=dact, b_mx=True, b_mx_cols=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K=H, 1) K-major: dy rows (their MXFP8 values)
-        mB: cute.Tensor,  # (I, H, E) N-major u8: down_proj's E4M3 bytes (blocks of 32 along I)
-        b_scale: cute.Tensor,  # (H, I / 32, E) u16, H fastest: the row factors (VarlenMGroupedGemmMxCols)
-        mC: cute.Tensor,  # (M, 2I, 1) N-major: d gate_up (out)
-        mH: cute.Tensor,  # (M, I, 1) N-major: w * h (out)
-        gate_up: cute.Tensor,  # (M, 2I, 1) N-major: the forward's gate_up
-        w_rows: cute.Tensor,  # (M,) fp32
-        dw_part: cute.Tensor,  # (I / 256, M) fp32 out
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        dgu_mx: cutlass.Int32,
-        limit: cutlass.Float32,
-        group_m: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream,
-                     gate_up=gate_up, w_rows=w_rows, dw_part=dw_part, b_scale=b_scale, h_mx=dgu_mx)
 
 
 class VarlenMGroupedGemmPush(VarlenMGroupedGemm):

@@ -196,20 +196,6 @@ def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
     return dataclasses.replace(base, factory="VarlenMGroupedGemmMxCols", factory_kwargs=(), args=(a, *b, c, *rest))
 
 
-def _gemm_dact_mx_cols_spec(kind: str) -> KernelSpec:
-    # the dgrad of down of MXFP8-only weights (precision="mxfp8") with the activation backward in the epilogue:
-    # B and its row factors as mok_gemm_bn_mxq_f32's, the outputs as mok_gemm_dact's; dgu_mx: d gate_up's MXFP8
-    # values along 2I. I % 256 == 0.
-    base = _gemm_dact_spec(kind)
-    a, _, dgu, wh, gu, w, parts, *sched_args, limit, group_m = base.args
-    b = (TensorArg("b", "u8", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(256, 64, 1)),
-         TensorArg("b_factors", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(64, 1, 1)))
-    return dataclasses.replace(base, name=f"mok_gemm_dact_{kind}_mxq", factory="VarlenMGroupedGemmDactMxCols",
-                               factory_kwargs=(("dact", kind),),
-                               args=(a, *b, dgu, wh, gu, w, parts, *sched_args, ScalarArg("dgu_mx", "i32"), limit,
-                                     group_m))
-
-
 def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
     # dgrad of down with the activation backward in the epilogue: dy rows @ W2[e] -> d gate_up, w*h,
     # and per (column tile, row) partial top-k weight gradients. I % GEMM_TILE_N == 0.
@@ -551,7 +537,6 @@ SPECS = (
     # cuda_backend.dact_max_k)
     _gemm_dact_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_dact_spec("swiglu_oai", pingpong=True, cluster_n=2),
-    _gemm_dact_mx_cols_spec("swiglu"),  # the same on MXFP8-only weights, precision="mxfp8" (SwiGLU only)
     # Expert parallelism: the forward's down GEMM and the backward's dgrad of gate/up store each row into its
     # source rank's slots (the combine's, over NVLink) instead of an output C
     _gemm_push_spec("mok_gemm_bk_ef_push", "k"),
