@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_ops
+from .kernels.registry import GEMM_TILE_N, ROUNDS_FLAG, STAGE_FLAG
 from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
@@ -44,11 +45,9 @@ MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 512, "mok_gemm_gate_up_swiglu_mx": 1
 # bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB; its SINGLE_MAX)
 ROW_FACTOR_BIAS = 120
 COLUMN_MAX_SCALE = 134
-# A stage of mok_gemm_bn_mxq (K rows, N columns of W[e]), and the bits of its row factors that mark a 32 x 32 block
-# holding a value that rounds and a stage holding such a block (kernels/mx_operand.py: ROUNDS_FLAG, STAGE_FLAG; a
-# bf16 power of two has no mantissa bit set)
-COLUMN_STAGE = (MX_K_MULTIPLE, 256)
-ROUNDS_FLAG, STAGE_FLAG = 1, 2
+# A stage of mok_gemm_bn_mxq (K rows, N columns of W[e]); ROUNDS_FLAG and STAGE_FLAG (kernels/registry.py) mark its
+# row factors
+COLUMN_STAGE = (MX_K_MULTIPLE, GEMM_TILE_N)
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
@@ -117,7 +116,6 @@ class MxColumnWeight(MXFP8Tensor):
         unchanged."""
         factors = row_factors(self.scale, column_marks(self.data, self.scale))
         return self.data.view(torch.uint8).permute(2, 1, 0), factors.view(torch.uint16).permute(2, 1, 0)
-
 
 
 def column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ import cutlass.pipeline as pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .registry import ROUNDS_FLAG, STAGE_FLAG
+
 BK = 64  # K per stage (the GEMM's tile_mnk[2]): two scale blocks
 BYTES_PER_LOAD = 16
 SINGLE_MAX = 134  # scale bytes up to this take one multiply (2**(S - 7) is a normal bf16 up to 2**127)
@@ -157,8 +159,6 @@ class MxOperandB:
 # block reads that block back, one column a thread, and applies the steps above to it. The threads read the stage's
 # flag from its first factor (zero-filled factors past N carry none), so the whole CTA takes the same path.
 
-ROUNDS_FLAG = 1  # bit 0 of a row factor (a bf16 power of two has none): its 32 x 32 block holds a value that rounds
-STAGE_FLAG = 2  # bit 1: its stage holds such a block
 FACTOR_PAIR_BITS = 0xFF80FF80  # two row factors' bits without the flags
 
 _MAX = "max.bf16x2 $0, $1, $2;"
