@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from .mx_quant import quantize_lane_block
+from .mx_quant import mx_values_of_lane_block
 from .registry import EP_COPY_THREADS as THREADS
 from .registry import TILE_M
 
@@ -112,10 +112,7 @@ def _mx_values_in_place(frag: cute.Tensor, c_first: cutlass.Int32, n_vec: cutlas
     so its largest magnitude takes two shuffles; lanes past the row hold no vector (amax 0) and store nothing."""
     x = cute.make_rmem_tensor((VEC,), cutlass.Float32)
     for u in cutlass.range_constexpr(UNROLL):
-        live = c_first + 32 * u < n_vec
-        x.store(frag[(None, u)].load().to(cutlass.Float32))
-        quantize_lane_block(x, live)
-        frag[(None, u)].store(x.load().to(cutlass.BFloat16))
+        mx_values_of_lane_block(frag[(None, u)], x, c_first + 32 * u < n_vec)
 
 
 @cute.jit

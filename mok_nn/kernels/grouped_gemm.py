@@ -89,7 +89,7 @@ from .gemm_consumer import (
     step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .mx_operand import MxOperandB, MxRequantB
-from .mx_quant import quantize_lane_block
+from .mx_quant import mx_values_of_lane_block
 from .registry import TILE_M
 from .swiglu import _act
 
@@ -562,9 +562,7 @@ class VarlenMGroupedGemm:
                         f_h[v] = hv
                     f_hq.store(f_h.load().to(self.c_dtype))
                     if h_mx != 0:
-                        f_h.store(f_hq.load().to(cutlass.Float32))
-                        quantize_lane_block(f_h, True)
-                        f_hq.store(f_h.load().to(self.c_dtype))
+                        mx_values_of_lane_block(f_hq, f_h, True)
                     cute.autovec_copy(f_hq, g_v[(None, q)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 helper_bar.arrive_and_wait()

@@ -118,6 +118,15 @@ def quantize_lane_block(x: cute.Tensor, live: cutlass.Boolean):
             x[i] = quantize_value(x[i], down, up)
 
 
+@cute.jit
+def mx_values_of_lane_block(v: cute.Tensor, x: cute.Tensor, live: cutlass.Boolean):
+    """v (bf16 registers): this lane's values of a 4-lane block made their MXFP8 values in place, through x (fp32
+    registers of v's size; quantize_lane_block): the bits mok_mx_quant gives for the stored values."""
+    x.store(v.load().to(cutlass.Float32))
+    quantize_lane_block(x, live)
+    v.store(x.load().to(v.element_type))
+
+
 class MxQuant:
     @cute.jit
     def __call__(

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from .mx_quant import quantize_lane_block
+from .mx_quant import mx_values_of_lane_block
 from .registry import TILE_M
 
 VEC = 8
@@ -188,12 +188,8 @@ class ActBackward:
                     og.store(agd.load().to(dgate_up.element_type))
                     ou.store(au.load().to(dgate_up.element_type))
                 if mx != 0:  # the bf16 values' MXFP8 values, as mok_mx_quant makes them from the stored d gate_up
-                    agd.store(og.load().to(cutlass.Float32))
-                    au.store(ou.load().to(cutlass.Float32))
-                    quantize_lane_block(agd, live)
-                    quantize_lane_block(au, live)
-                    og.store(agd.load().to(dgate_up.element_type))
-                    ou.store(au.load().to(dgate_up.element_type))
+                    mx_values_of_lane_block(og, agd, live)
+                    mx_values_of_lane_block(ou, au, live)
                 if live:
                     cute.autovec_copy(og, dgu_v[(None, c)])
                     cute.autovec_copy(ou, dgu_v[(None, c + n_vec)])
