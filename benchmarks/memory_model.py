@@ -63,6 +63,7 @@ def _allocation_only() -> None:
         into if into is not None else out if out is not None else empty(sched.num_experts, a.shape[1], b.shape[1]))
     cb.combine = lambda rows, pos, w, ids, e, dt: empty(pos.shape[0], rows.shape[1], dtype=dt)
     cb.mx_values = lambda t, mode, sched=None: torch.empty_like(t)
+    cb.row_segments = lambda src, sched: empty(sched.capacity, src.shape[1], dtype=src.dtype)
 
 
 def _peak(fn) -> tuple[int, object]:

@@ -926,8 +926,8 @@ def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
     return MxWeight(q.data, q.scale)
 
 
-# mok_mx_quant's modes (kernels/mx_quant.py); MX_COLS_AND_SEGMENTS: mx_values_both
-MX_ALONG_COLS, MX_ALONG_ROWS, MX_SEGMENTS, MX_COLS_AND_SEGMENTS = 0, 1, 2, 3
+# mok_mx_quant's modes (kernels/mx_quant.py); MX_COLS_AND_SEGMENTS: mx_values_both; MX_ROW_SEGMENTS: row_segments
+MX_ALONG_COLS, MX_ALONG_ROWS, MX_SEGMENTS, MX_COLS_AND_SEGMENTS, MX_ROW_SEGMENTS = 0, 1, 2, 3, 4
 
 
 def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torch.Tensor:
@@ -950,19 +950,38 @@ def mx_values(t: torch.Tensor, mode: int, sched: Schedule | None = None) -> torc
 
 
 def _launch_mx_quant(src: torch.Tensor, dst: torch.Tensor, mode: int, sched: Schedule | None) -> None:
-    """mok_mx_quant on contiguous bf16 src [R, C] into dst (mode MX_COLS_AND_SEGMENTS: into src too), its grid from
-    the mode's work units; the schedule is read in the segment modes only."""
-    rows, cols = src.shape
-    if src.numel() == 0:
+    """mok_mx_quant on bf16 src [R, C] (contiguous; mode MX_ROW_SEGMENTS: any rows of 16-byte vectors) into dst
+    [R, C] (MX_ROW_SEGMENTS: [M_cap, C]; MX_COLS_AND_SEGMENTS: into src too), its grid from the mode's work units;
+    the schedule is read in the segment modes only."""
+    rows, cols = dst.shape
+    if dst.numel() == 0:
         return
-    if mode in (MX_SEGMENTS, MX_COLS_AND_SEGMENTS):
+    row_src = sched.row_token if mode == MX_ROW_SEGMENTS else _no_row_index(src.device)
+    if mode in (MX_SEGMENTS, MX_COLS_AND_SEGMENTS, MX_ROW_SEGMENTS):
         te, se, sr = sched.tile_expert, sched.seg_end, sched.seg_rows
     else:
         te = se = sr = _cached_zero_tile(src.device)
     # work units (kernels/mx_quant.py): UNROLL vectors of 8 columns per thread, or a 32-row block of 2 columns
     units = -(-rows * cols // (8 * MX_QUANT_UNROLL)) if mode == MX_ALONG_COLS else rows // 32 * (cols // 2)
     grid = max(1, min(-(-units // MX_QUANT_THREADS), num_sms(src.device) * MX_QUANT_CTAS_PER_SM))
-    _lib().launch("mok_mx_quant", src, dst, te, se, sr, mode, grid, stream=_stream())
+    _lib().launch("mok_mx_quant", src, dst, te, se, sr, row_src, mode, grid, stream=_stream())
+
+
+def _no_row_index(device: torch.device) -> torch.Tensor:
+    """A one-entry row_src [0] for the mok_mx_quant modes that take no row index."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def row_segments(src: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    """mx_values(gather_rows(src, sched), MX_SEGMENTS, sched): the rows of src [N, C] in schedule order (row
+    sched.row_token[r], the padding rows zero) as a weight gradient's operand, in one mok_mx_quant pass where it
+    runs (MX_ROW_SEGMENTS: it reads the routed rows of src, so no bf16 rows in schedule order are written and read
+    first). src may be a column block of a wider matrix. Same bits either way."""
+    if _mx_kernel_runs(src) and rows_of_16_byte_vectors(src):
+        out = torch.empty(sched.capacity, src.shape[1], dtype=src.dtype, device=src.device)
+        _launch_mx_quant(src, out, MX_ROW_SEGMENTS, sched)
+        return out
+    return mx_values(take_rows(src, sched.row_token, tile_expert=sched.tile_expert), MX_SEGMENTS, sched)
 
 
 def mx_values_both(t: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -1127,7 +1146,7 @@ def experts_backward(
 
     dx, dw_rows, *param = mlp_rows_backward(
         grad_y.to(x.dtype).contiguous(), lambda t, skip_tail, mx=False: gather_rows(t, sched, skip_tail, mx),
-        row_weights(sched, topk_weights), saved.gate_up, lambda c0, c1: gather_rows(x[:, c0:c1], sched, True),
+        row_weights(sched, topk_weights), saved.gate_up, x,
         sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation, swiglu_limit, q, needs, into,
         lambda dx_rows: combine(dx_rows, sched.pos, ones, topk_ids, gate_up_proj.shape[0], x.dtype),
         consume_gate_up=consume_saved,
@@ -1136,7 +1155,7 @@ def experts_backward(
     return dx, d_topk, _grads(None, dw_rows, *param, grads_into)
 
 
-def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule, gate_up_proj, down_proj,
+def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gate_up_proj, down_proj,
                       gate_up_bias, down_bias, activation, swiglu_limit, q: GemmOperands, needs, into, take_dx,
                       consume_gate_up: bool = False):
     """The backward of the experts' MLP on rows in schedule order, shared by the one-GPU path and the portable
@@ -1145,9 +1164,9 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
 
     grad_out [N, H]: the d y of the rows' sources (not scaled by w); gather(t, skip_tail, mx=False): t's rows in
     schedule order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten; mx: the
-    rows of t's MXFP8 values along its columns, take_rows); w_rows [M_cap]
-    fp32 the top-k weight of each row (0 on padding rows); x_cols(c0, c1): the input rows' columns [c0, c1) in
-    schedule order (called only for d gate_up_proj, block by block: gate_up_weight_grad); into: (d gate_up_proj,
+    rows of t's MXFP8 values along its columns, take_rows), its rows those of sched.row_token; w_rows [M_cap]
+    fp32 the top-k weight of each row (0 on padding rows); x [N, H]: the input rows (read only for d gate_up_proj,
+    a column block at a time: gate_up_weight_grad); into: (d gate_up_proj,
     d down_proj) to add to (macrobatch passes), or Nones; take_dx: what is made of the d x rows (summed per token,
     or read back per row) before they are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it
     after this backward).
@@ -1155,12 +1174,14 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows and
     w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient,
     whose x rows exist a column block at a time. With precision="mxfp8" the dgrad takes d y's MXFP8 values, and
-    d y itself only d W2 and the bias terms need."""
+    the weight gradients the values of d y's and x's rows along the rows, each made from d y / x in one pass
+    (row_segments); d y's rows themselves only the bias terms need."""
     from . import reference
 
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
     dt, wdt = gate_up.dtype, gate_up_proj.dtype
-    keep_dy = need2 or down_bias is not None  # (d W2 and the bias terms read the d y rows after the dgrad)
+    # the d y rows themselves: bf16's GEMMs take them, and the bias terms read them after the dgrad
+    keep_dy = (need2 and not q.mxfp8) or down_bias is not None
     dy_rows = None
     if keep_dy or not q.mxfp8:
         dy_rows = gather(grad_out, down_bias is None)  # (the down bias sums every row, the tail too)
@@ -1178,7 +1199,11 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     d_down_bias = None
     if down_bias is not None and need_b2:
         d_down_bias = segment_sum((w_rows.unsqueeze(1) * dy_rows.float()).to(dt), sched).to(down_bias.dtype)
-    d_down = weight_grad_of(dy_rows, wh, sched, wdt, into[1], q) if need2 else None
+    d_down = None
+    if need2:
+        dy_w = q.segments(dy_rows, sched) if dy_rows is not None else row_segments(grad_out, sched)
+        d_down = weight_grad_of(dy_w, q.segments(wh, sched), sched, wdt, into[1])
+        del dy_w
     del dy_rows, wh
     d_gate_up_bias = None if gate_up_bias is None or not need_b13 else segment_sum(dgu, sched).to(gate_up_bias.dtype)
     # d gate_up's operands: the dgrad's along 2I, d gate_up_proj's per expert along the rows (mxfp8: one read,
@@ -1190,7 +1215,12 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x_cols, sched: Schedule
     del dgu
     dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
     del dgu_a
-    d_gate_up = gate_up_weight_grad(dgu_w, x_cols, sched, gate_up_proj, into[0], q) if need13 else None
+    d_gate_up = None
+    if need13:
+        def x_block(c0, c1):  # x's columns [c0, c1) in schedule order, as d gate_up_proj's GEMM takes them
+            return row_segments(x[:, c0:c1], sched) if q.mxfp8 else gather(x[:, c0:c1], True)
+
+        d_gate_up = gate_up_weight_grad(dgu_w, x_block, sched, gate_up_proj, into[0])
     return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
@@ -1214,22 +1244,20 @@ def x_column_blocks(hidden: int, rows: int, elem_bytes: int = 2) -> list[tuple[i
     return [(c0, min(c0 + width, hidden)) for c0 in range(0, hidden, width)]
 
 
-def gate_up_weight_grad(dgu_w, x_cols, sched: Schedule, gate_up_proj, into=None, operands=None):
+def gate_up_weight_grad(dgu_w, x_cols, sched: Schedule, gate_up_proj, into=None):
     """d gate_up_proj [E, 2I, H] = dgu^T x_rows per expert (weight_grad_of), one column block of H at a time
-    (x_column_blocks): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order, gathered for that
-    block alone and freed after it. The same bits as one GEMM over every column: each output element's sum
-    over the rows does not depend on the blocks, and every block runs the kernel the whole would (cols).
-    dgu_w: d gate_up as this GEMM takes it (operands.segments' values: GemmOperands.rows_and_segments); into:
-    added to instead (macrobatch passes), which is returned; operands: what each block's x rows become
-    (operands.segments, for that block alone)."""
+    (x_column_blocks): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order as this GEMM takes
+    them (precision="mxfp8": their values along the rows, GemmOperands.segments), made for that block alone and
+    freed after it. The same bits as one GEMM over every column: each output element's sum over the rows does
+    not depend on the blocks, and every block runs the kernel the whole would (cols). dgu_w: d gate_up as this
+    GEMM takes it (GemmOperands.rows_and_segments); into: added to instead (macrobatch passes), which is
+    returned."""
     hidden = gate_up_proj.shape[2]
     grad = into
     if grad is None:
         grad = torch.empty(gate_up_proj.shape, dtype=gate_up_proj.dtype, device=dgu_w.device)
     for c0, c1 in x_column_blocks(hidden, sched.capacity):
         b = x_cols(c0, c1)
-        if operands is not None:
-            b = operands.segments(b, sched)
         block = grad[:, :, c0:c1]
         if into is not None:  # (added to the earlier passes' gradient)
             weight_grad_of(dgu_w, b, sched, grad.dtype, into=block, cols=hidden)
@@ -1239,14 +1267,11 @@ def gate_up_weight_grad(dgu_w, x_cols, sched: Schedule, gate_up_proj, into=None,
     return grad
 
 
-def weight_grad_of(a_rows, b_rows, sched: Schedule, wdt, into=None, operands: GemmOperands | None = None,
-                   out=None, cols: int | None = None):
+def weight_grad_of(a_rows, b_rows, sched: Schedule, wdt, into=None, out=None, cols: int | None = None):
     """d W = a_rows^T b_rows per expert (over sched.seg_rows real rows) in wdt, each operand as the GEMM takes
-    it (operands; bf16: the rows themselves); into: added to that gradient instead (the accumulating kernel,
+    it (precision="mxfp8": GemmOperands.segments); into: added to that gradient instead (the accumulating kernel,
     weight_grad(into=)), which is returned; out: written into this tensor (a column block of a gradient),
     which is returned; cols: weight_grad's."""
-    if operands is not None:
-        a_rows, b_rows = operands.segments(a_rows, sched), operands.segments(b_rows, sched)
     if into is not None or out is not None:
         weight_grad(a_rows, b_rows, sched, sched.seg_rows, into=into, out=out, cols=cols)
         return into if into is not None else out

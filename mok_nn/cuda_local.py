@@ -85,7 +85,7 @@ def local_mlp_backward(rows, grad_out, row_weights, gate_up, lr: LocalRows, gate
     kernels: the backward of w * MLP(rows) with grad_out [N, H] the rows' d y (not scaled by w)."""
     grad_rows, dw_rows, *param = mlp_rows_backward(
         grad_out.to(rows.dtype).contiguous(), lr.gather, lr.scatter(row_weights.float(), 0.0), gate_up,
-        lambda c0, c1: lr.gather(rows[:, c0:c1]), lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+        rows, lr.sched, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
         swiglu_limit, GemmOperands(precision), needs, (None, None), lambda dx_rows: dx_rows.index_select(0, lr.dst),
     )  # fmt: skip
     grad_weights = dw_rows.index_select(0, lr.dst).to(row_weights.dtype)

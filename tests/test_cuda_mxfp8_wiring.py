@@ -49,7 +49,7 @@ def spied(quantiser, fake_lib, monkeypatch):
         if name.startswith("mok_gemm"):
             rec["gemm"].append((name, args[0][:, :, 0].clone(), args[1].clone()))
         if name == "mok_mx_quant":
-            rec["mx"].append(args[5])
+            rec["mx"].append(args[6])
         return launch(name, *args, stream=stream)
 
     fake_lib.launch = recording
@@ -122,10 +122,10 @@ def test_every_gemm_takes_the_mxfp8_operands(spied):
     assert torch.equal(b4, fake_quantize(W13, -2).permute(2, 1, 0))
     # the operands differ from the bf16 ones (the test can tell them apart)
     assert not torch.equal(b1, W13.permute(1, 2, 0)) and not _routed_equal(a2, h, sched, T)
-    # with the kernel: x, W13, h, W2 along their columns (forward); d y, W2 along its rows, d y and w h in
-    # schedule blocks (the down weight's gradient), d gate_up along its columns and in blocks (one launch),
-    # W13 along its rows, x in blocks
-    expected = [0, 0, 0, 0, 0, 1, 2, 2, 3, 1, 2] if spied["quantiser"] == "kernel" else []
+    # with the kernel: x, W13, h, W2 along their columns (forward); d y, W2 along its rows, d y (taken from d y
+    # itself into schedule order) and w h in schedule blocks (the down weight's gradient), d gate_up along its
+    # columns and in blocks (one launch), W13 along its rows, x in blocks (taken from x)
+    expected = [0, 0, 0, 0, 0, 1, 4, 2, 3, 1, 4] if spied["quantiser"] == "kernel" else []
     assert spied["mx"] == expected
 
 
@@ -233,8 +233,8 @@ def test_unknown_precision_is_refused(quantiser):
 
 def test_schedule_call_gathers_the_mxfp8_rows(quantiser, monkeypatch):
     """With precision="mxfp8" the schedule's call gathers x's MXFP8 values (build_schedule), which the gate/up
-    GEMM takes as they are: no other gather of x in the forward (the backward gathers x's columns for the weight
-    gradient), and the same bits as without the schedule's gather."""
+    GEMM takes as they are: no other gather of x in the forward (the backward takes x's columns into schedule
+    order for the weight gradient: row_segments), and the same bits as without the schedule's gather."""
     from types import SimpleNamespace
 
     problem = _problem(seed=8)
@@ -255,10 +255,14 @@ def test_schedule_call_gathers_the_mxfp8_rows(quantiser, monkeypatch):
     gathers = []
     gather = cb.gather_rows
     monkeypatch.setattr(cb, "gather_rows", lambda t, *a, **kw: gathers.append(t) or gather(t, *a, **kw))
+    segments = []
+    row_segments = cb.row_segments
+    monkeypatch.setattr(cb, "row_segments", lambda t, *a: segments.append(t) or row_segments(t, *a))
     y, saved = cb.experts_forward(x, ids, w, *args, sched=sched, precision="mxfp8")
-    assert gathers == [] and sched.gathered is None
+    assert gathers == [] and segments == [] and sched.gathered is None
     back = cb.experts_backward(dy, saved, x, ids, w, *args, precision="mxfp8")
-    assert any(t._base is x for t in gathers)  # x's columns gathered for d W13
+    assert any(t is x or t._base is x for t in segments)  # x's columns taken for d W13
+    assert not any(t is x or t._base is x for t in gathers)
     y2, saved2 = cb.experts_forward(x, ids, w, *args, precision="mxfp8")
     back2 = cb.experts_backward(dy, saved2, x, ids, w, *args, precision="mxfp8")
     assert torch.equal(y, y2) and torch.equal(back[0], back2[0])

@@ -44,11 +44,15 @@ class _FakeLib:
             assert int(counter[0]) == 0, f"{name}: tile counter not zeroed before the launch"
             _gemm(a[:, :, 0], b, c, te)
         elif spec.factory == "MxQuant":
-            src, dst, te, seg_end, seg_rows, mode, grid = args
-            assert mode in (0, 1, 2, 3) and grid >= 1
+            src, dst, te, seg_end, seg_rows, row_src, mode, grid = args
+            assert mode in (0, 1, 2, 3, 4) and grid >= 1
             if mode == 3:  # mode 2 into dst, mode 0 into src itself
                 dst.copy_(_mx_quant(src, 2, seg_end, seg_rows))
                 src.copy_(_mx_quant(src, 0, seg_end, seg_rows))
+            elif mode == 4:  # mode 2 of src's rows row_src[r] (src's row count: a zero row)
+                assert row_src.shape[0] == dst.shape[0] and int(row_src.max()) <= src.shape[0]
+                rows = torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, row_src)
+                dst.copy_(_mx_quant(rows, 2, seg_end, seg_rows))
             else:
                 dst.copy_(_mx_quant(src, mode, seg_end, seg_rows))
         else:

@@ -25,6 +25,10 @@ mode (a run-time scalar: one compiled kernel for every operand):
      place with mode 0's (along the columns, every row). The units are mode 2's; the 16 lanes of a half-warp
      hold the 32 columns of one row block (columns % 32 == 0: a half-warp never straddles two row blocks), so
      each row's block shares its amax by four shuffles. A thread writes only the words it has read.
+  4  as 2, row r of dst made from src row row_src[r] (a schedule's row_token: x's or d y's rows for a weight
+     gradient), only the routed rows read: the gather into schedule order and the quantisation in one pass,
+     with no bf16 rows in schedule order written and read in between. src [N, C] may be a column block of a
+     wider matrix (its row stride).
 The work units are walked by a fixed grid (grid-stride, whole warps together: the shuffles need every lane);
 each output element is written once, by one thread: the result does not depend on the grid. The grid is
 MX_QUANT_CTAS_PER_SM resident CTAs per SM, the register budget the launch bound gives each thread.
@@ -136,24 +140,25 @@ class MxQuant:
         tile_expert: cute.Tensor,  # (R / TILE_M,) int32 (mode 2; any one-element tensor otherwise)
         seg_end: cute.Tensor,  # (E,) int32
         seg_rows: cute.Tensor,  # (E,) int32
+        row_src: cute.Tensor,  # (R,) int64 (mode 4; any one-element tensor otherwise)
         mode: cutlass.Int32,
         grid: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(src, dst, tile_expert, seg_end, seg_rows, mode).launch(
+        self.kernel(src, dst, tile_expert, seg_end, seg_rows, row_src, mode).launch(
             grid=[grid, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=MX_QUANT_CTAS_PER_SM,
             preferred_smem_carveout=0, stream=stream,  # no shared memory (a carveout: no device query at build)
         )
 
     @cute.kernel
     def kernel(self, src: cute.Tensor, dst: cute.Tensor, tile_expert: cute.Tensor, seg_end: cute.Tensor,
-               seg_rows: cute.Tensor, mode: cutlass.Int32):
+               seg_rows: cute.Tensor, row_src: cute.Tensor, mode: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         first = bidx * THREADS + tidx
         stride = gdim * THREADS
-        rows = cute.size(src, mode=[0])
+        rows = cute.size(dst, mode=[0])  # (src's too, but in mode 4)
         cols = cute.size(src, mode=[1])
         if mode == 0:
             n_vec = cols // VEC
@@ -197,11 +202,27 @@ class MxQuant:
                 p = u - b * n_pair
                 r0 = b * BLOCK
                 # the block's 32 words of column pair p: one base address, the row stride apart
-                src_blk = cute.zipped_divide(src2[(None, p)], (BLOCK,))[(None, b)]
+                src_blk = cute.zipped_divide(src2[(None, p)], (BLOCK,))[(None, b)]  # (not read in mode 4)
                 dst_blk = cute.zipped_divide(dst2[(None, p)], (BLOCK,))[(None, b)]
+                routed = cutlass.Int32(BLOCK)  # rows of the block that count (a prefix)
+                if (mode >= 2) & live:
+                    e = tile_expert[r0 // TILE_M]
+                    routed = 0
+                    if e >= 0:
+                        start = cutlass.Int32(0)
+                        if e > 0:
+                            start = seg_end[e - 1]
+                        routed = cutlass.max(cutlass.min(start + seg_rows[e] - r0, cutlass.Int32(BLOCK)),
+                                             cutlass.Int32(0))
                 if live:
-                    for i in cutlass.range_constexpr(BLOCK):  # every row exists (rows % 32 == 0): no predicate
-                        words[i] = src_blk[i]
+                    if mode == 4:
+                        for i in cutlass.range_constexpr(BLOCK):
+                            words[i] = 0
+                            if i < routed:
+                                words[i] = src2[(cutlass.Int32(row_src[r0 + i]), p)]
+                    else:
+                        for i in cutlass.range_constexpr(BLOCK):  # every row exists (rows % 32 == 0): no predicate
+                            words[i] = src_blk[i]
                 if mode == 3:
                     # each row along its 32 columns (the half-warp's 16 lanes), into src in place, a row at a
                     # time (re-read from L1: unrolled, the rows' shuffles would need more than 64 registers)
@@ -217,16 +238,6 @@ class MxQuant:
                         res[1] = quantize_value((w & HIGH_HALF).bitcast(cutlass.Float32), down, up).to(dst.element_type)
                         if live:
                             src_blk[i] = cute.recast_tensor(res, cutlass.Int32)[0]
-                routed = cutlass.Int32(BLOCK)  # rows of the block that count (a prefix)
-                if (mode >= 2) & live:
-                    e = tile_expert[r0 // TILE_M]
-                    routed = 0
-                    if e >= 0:
-                        start = cutlass.Int32(0)
-                        if e > 0:
-                            start = seg_end[e - 1]
-                        routed = cutlass.max(cutlass.min(start + seg_rows[e] - r0, cutlass.Int32(BLOCK)),
-                                             cutlass.Int32(0))
                 # amax on the bf16 magnitude bits (ordered as the magnitudes; NaN above inf): an fp32's bits
                 # are the bf16's shifted up by 16
                 amax0 = cutlass.Int32(0)

@@ -504,14 +504,16 @@ def _ep_publish_spec() -> KernelSpec:
 
 def _mx_quant_spec() -> KernelSpec:
     # dst = the MXFP8 values of src (bf16) along its columns (mode 0) or rows (1; 2: schedule rows, those that
-    # are not routed rows as zeros), cuda_backend.mx_values; the schedule arguments are read in mode 2 only
+    # are not routed rows as zeros; 3: 0 and 2 at once; 4: 2 of src's rows taken by row_src), cuda_backend.mx_values;
+    # the schedule arguments are read in modes 2 to 4, row_src in mode 4
     mat = TensorArg("src", "bf16", (DYN, DYN), (DYN, 1), divisibility=(1, 32))
     return KernelSpec(
         name="mok_mx_quant",
         module="mx_quant",
         factory="MxQuant",
         factory_kwargs=(),
-        args=(mat, dataclasses.replace(mat, name="dst"), *_SCHEDULE_ARGS, ScalarArg("mode", "i32"),
+        args=(mat, dataclasses.replace(mat, name="dst"), *_SCHEDULE_ARGS,
+              TensorArg("row_src", "i64", (DYN,), (1,), align=8), ScalarArg("mode", "i32"),
               ScalarArg("grid", "i32")),
     )
 

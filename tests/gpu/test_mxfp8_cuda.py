@@ -99,6 +99,32 @@ def test_mx_quant_kernel_segments():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["random", "few", "hot"])
+def test_mx_quant_kernel_row_segments(kind):
+    """Mode MX_ROW_SEGMENTS (row_segments): the routed rows of src taken into schedule order and quantised in
+    each expert's blocks of rows in one pass, bitwise mx_values(gather_rows(src), MX_SEGMENTS) and the float
+    fake_quantize of those rows; on a column block of a wider src too (its row stride), with NaN / inf / zero /
+    subnormal / wide-range values, experts with no rows (few) and one expert with every token (hot)."""
+    g = torch.Generator().manual_seed(4)
+    T, E, K, H = 900, 16, 4, 640
+    ids = _routing(T, E, K, kind, g).cuda()
+    sched = cb.make_schedule(ids, E)
+    src = torch.randn(T, H, generator=g) * torch.exp2(torch.randint(-30, 30, (T, 1), generator=g).float())
+    src[3, 5], src[7, 100], src[11, 200], src[13, 64:96] = float("nan"), float("inf"), float("-inf"), 0.0
+    src[17, 300:332] = 2.0**-133
+    src = src.bfloat16().cuda()
+    for c0, c1 in ((0, H), (128, 384), (384, H)):
+        block = src[:, c0:c1]
+        got = cb.row_segments(block, sched)
+        want = cb.mx_values(cb.gather_rows(block.contiguous(), sched), cb.MX_SEGMENTS, sched)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (c0, c1)
+        rows = cb.gather_rows(block.contiguous(), sched).cpu()
+        model = fake_quantize(torch.where(cb.real_rows(sched).cpu().unsqueeze(1), rows, 0), 0).cuda()
+        assert torch.equal(got.isnan(), model.isnan())
+        assert torch.equal(got[~model.isnan()], model[~model.isnan()])
+        assert torch.equal(cb.row_segments(block, sched).view(torch.int16), got.view(torch.int16))  # run to run
+
+
 @pytest.mark.parametrize("cols", [96, 1536])
 def test_mx_quant_kernel_both_operands_in_one_read(cols):
     """Mode MX_COLS_AND_SEGMENTS (mx_values_both): the segments' values and, in place, the rows' values along
