@@ -976,12 +976,21 @@ def row_segments(src: torch.Tensor, sched: Schedule) -> torch.Tensor:
     """mx_values(gather_rows(src, sched), MX_SEGMENTS, sched): the rows of src [N, C] in schedule order (row
     sched.row_token[r], the padding rows zero) as a weight gradient's operand, in one mok_mx_quant pass where it
     runs (MX_ROW_SEGMENTS: it reads the routed rows of src, so no bf16 rows in schedule order are written and read
-    first). src may be a column block of a wider matrix. Same bits either way."""
-    if _mx_kernel_runs(src) and rows_of_16_byte_vectors(src):
+    first). src may be a column block of a wider matrix. Same bits either way: the kernel's mode is checked
+    against the two passes on its first use in a process (cuda_mx.verified), and not used where they differ."""
+    def two_passes():
+        return mx_values(take_rows(src, sched.row_token, tile_expert=sched.tile_expert), MX_SEGMENTS, sched)
+
+    if not (_mx_kernel_runs(src) and rows_of_16_byte_vectors(src)):
+        return two_passes()
+
+    def one_pass():
         out = torch.empty(sched.capacity, src.shape[1], dtype=src.dtype, device=src.device)
         _launch_mx_quant(src, out, MX_ROW_SEGMENTS, sched)
         return out
-    return mx_values(take_rows(src, sched.row_token, tile_expert=sched.tile_expert), MX_SEGMENTS, sched)
+
+    return cuda_mx.verified("mok_mx_quant (row segments)", sched, one_pass, two_passes,
+                            instead="the rows are gathered, then quantised")
 
 
 def mx_values_both(t: torch.Tensor, sched: Schedule) -> torch.Tensor:

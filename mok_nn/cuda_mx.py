@@ -272,11 +272,12 @@ def _agree(got, want, rows: torch.Tensor) -> bool:
     return all(torch.equal(a[rows].view(torch.int16), b[rows].view(torch.int16)) for a, b in zip(got, want))
 
 
-def verified(kernel: str, sched, run_mx, run_bf16):
+def verified(kernel: str, sched, run_mx, run_bf16, instead: str = "the weights are dequantised for the bf16 kernels"):
     """The result of run_mx(), or, where the kernel failed its first-use check (here or earlier in the process),
-    that of run_bf16() (dequantize + the bf16 kernel). On the first use both run and their routed rows (sched.pos)
-    must agree bit for bit. A segment's padding rows are not compared: the bf16 kernels that skip all-padding
-    row blocks (_ppc, _dyn) give zeros there, while the MX kernels compute them from A's padding rows."""
+    that of run_bf16() (dequantize + the bf16 kernel; `instead` says what it is in the warning). On the first use
+    both run and their routed rows (sched.pos) must agree bit for bit. A segment's padding rows are not
+    compared: the bf16 kernels that skip all-padding row blocks (_ppc, _dyn) give zeros there, while the MX
+    kernels compute them from A's padding rows."""
     device = sched.pos.device
     key = (kernel, str(device))
     verdict = _VERDICTS.get(key)
@@ -288,12 +289,12 @@ def verified(kernel: str, sched, run_mx, run_bf16):
         got = run_mx()
         want = run_bf16()
         agree = _agree(got, want, sched.pos.reshape(-1))
-        why = None if agree else "its results differ from the bf16 kernel's on the dequantised weights"
+        why = None if agree else "its results differ from those of the path it replaces"
     except Exception as err:  # noqa: BLE001 - a kernel that fails to launch here is not used
         got, why = None, f"{type(err).__name__}: {err}"
         want = run_bf16()
     if why is not None:
-        warnings.warn(f"mok_nn: {kernel} is not used on {device} ({why}); the weights are dequantised for the bf16 "
-                      "kernels instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"mok_nn: {kernel} is not used on {device} ({why}); {instead} instead", RuntimeWarning,
+                      stacklevel=3)
     _VERDICTS[key] = why is None
     return got if why is None else want

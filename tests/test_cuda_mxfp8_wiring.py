@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mok_nn import cuda_backend as cb
+from mok_nn import cuda_mx
 from mok_nn.mxfp8 import fake_quantize, fake_quantize_padded
 
 from test_cuda_wiring import fake_lib, random_problem  # noqa: F401
@@ -35,6 +36,7 @@ def quantiser(request, fake_lib, monkeypatch):
     monkeypatch.setattr(cb, "_mx_kernel_runs", lambda t: request.param == "kernel")
     monkeypatch.setattr(cb, "num_sms", lambda device: 132)
     monkeypatch.setattr(cb, "_cached_zero_tile", lambda device: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(cuda_mx, "_VERDICTS", {})  # every first-use check runs in each test
     return request.param
 
 
@@ -123,9 +125,10 @@ def test_every_gemm_takes_the_mxfp8_operands(spied):
     # the operands differ from the bf16 ones (the test can tell them apart)
     assert not torch.equal(b1, W13.permute(1, 2, 0)) and not _routed_equal(a2, h, sched, T)
     # with the kernel: x, W13, h, W2 along their columns (forward); d y, W2 along its rows, d y (taken from d y
-    # itself into schedule order) and w h in schedule blocks (the down weight's gradient), d gate_up along its
-    # columns and in blocks (one launch), W13 along its rows, x in blocks (taken from x)
-    expected = [0, 0, 0, 0, 0, 1, 4, 2, 3, 1, 4] if spied["quantiser"] == "kernel" else []
+    # itself into schedule order; on this first use also gathered, then quantised: the check) and w h in
+    # schedule blocks (the down weight's gradient), d gate_up along its columns and in blocks (one launch), W13
+    # along its rows, x in blocks (taken from x)
+    expected = [0, 0, 0, 0, 0, 1, 4, 2, 2, 3, 1, 4] if spied["quantiser"] == "kernel" else []
     assert spied["mx"] == expected
 
 
@@ -144,6 +147,30 @@ def test_weight_gradients_take_per_expert_blocks_of_rows(spied):
             assert torch.equal(got_a[seg], fake_quantize_padded(ua[seg], 0))
             assert torch.equal(got_b[seg], fake_quantize_padded(ub[seg], 0))
         assert not torch.equal(got_a[:n], ua[:n])  # quantised: not the rows themselves
+
+
+def test_row_segments_fall_back_where_the_one_pass_disagrees(quantiser, fake_lib, monkeypatch):
+    """row_segments' one-pass mode is checked against gathering then quantising on its first use: a kernel that
+    gives other bits is not used (a warning), and the weight gradients stay those of the two passes."""
+    problem = _problem(seed=6)
+    want, _ = _run("mxfp8", problem)
+    if quantiser == "torch":  # (no kernel runs: nothing to check)
+        return
+    monkeypatch.setattr(cuda_mx, "_VERDICTS", {})
+    launch = fake_lib.launch
+
+    def off_by_one_ulp(name, *args, stream):
+        launch(name, *args, stream=stream)
+        if name == "mok_mx_quant" and args[6] == cb.MX_ROW_SEGMENTS:
+            src, dst, row_src = args[0], args[1].view(torch.int16), args[5]
+            dst[int((row_src < src.shape[0]).nonzero()[0]), 0] += 1  # a wrong bit in the first routed row
+
+    fake_lib.launch = off_by_one_ulp
+    with pytest.warns(RuntimeWarning, match="row segments.*gathered, then quantised"):
+        got, _ = _run("mxfp8", problem)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert cuda_mx._VERDICTS[("mok_mx_quant (row segments)", "cpu")] is False
 
 
 def test_segments_ignore_what_padding_rows_hold(quantiser):

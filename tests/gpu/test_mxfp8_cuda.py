@@ -65,6 +65,7 @@ def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
 # ----------------------------------------------------------------------------- the fused path (backend="cuda")
 
 from mok_nn import cuda_backend as cb  # noqa: E402
+from mok_nn import cuda_mx  # noqa: E402
 from mok_nn import reference  # noqa: E402
 
 
@@ -113,16 +114,24 @@ def test_mx_quant_kernel_row_segments(kind):
     src[3, 5], src[7, 100], src[11, 200], src[13, 64:96] = float("nan"), float("inf"), float("-inf"), 0.0
     src[17, 300:332] = 2.0**-133
     src = src.bfloat16().cuda()
+
+    def one_pass(block):  # the kernel's mode itself (row_segments would fall back if it disagreed)
+        out = torch.empty(sched.capacity, block.shape[1], dtype=block.dtype, device=block.device)
+        cb._launch_mx_quant(block, out, cb.MX_ROW_SEGMENTS, sched)
+        return out
+
     for c0, c1 in ((0, H), (128, 384), (384, H)):
         block = src[:, c0:c1]
-        got = cb.row_segments(block, sched)
+        got = one_pass(block)
         want = cb.mx_values(cb.gather_rows(block.contiguous(), sched), cb.MX_SEGMENTS, sched)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (c0, c1)
         rows = cb.gather_rows(block.contiguous(), sched).cpu()
         model = fake_quantize(torch.where(cb.real_rows(sched).cpu().unsqueeze(1), rows, 0), 0).cuda()
         assert torch.equal(got.isnan(), model.isnan())
         assert torch.equal(got[~model.isnan()], model[~model.isnan()])
-        assert torch.equal(cb.row_segments(block, sched).view(torch.int16), got.view(torch.int16))  # run to run
+        assert torch.equal(one_pass(block).view(torch.int16), got.view(torch.int16))  # run to run
+        assert torch.equal(cb.row_segments(block, sched).view(torch.int16), got.view(torch.int16))
+    assert cuda_mx._VERDICTS[("mok_mx_quant (row segments)", str(src.device))] is True  # its check passed
 
 
 @pytest.mark.parametrize("cols", [96, 1536])
@@ -223,7 +232,6 @@ def test_trained_weights_read_as_mxfp8_bytes(T, H, I, E, K, kind, launched_kerne
     """Weights that require grad (trained) with precision="mxfp8": the forward's GEMMs read them as MXFP8 bytes made
     for the call (mxfp8.quantize, then the _mx kernels), bit for bit every result of the path that hands the bf16
     kernels their values (cuda_mx.reads_trained_bytes off), and of a second run."""
-    from mok_nn import cuda_mx
 
     x, ids, w, dy, W13, W2 = _problem(T, H, I, E, K, kind, seed=T + I)
     problem = (x, ids, w, dy, W13.requires_grad_(True), W2.requires_grad_(True))
