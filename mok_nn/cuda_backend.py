@@ -21,14 +21,15 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
                   macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc).
                   d down_proj runs right after the dgrad of down, before the dgrad of gate/up; d gate_up_proj
-                  last, in four column blocks of x, each block's x rows gathered (mok_scatter_rows) for it
+                  last, in column blocks of x, each block's x rows gathered (mok_scatter_rows) for it
   memory          the forward keeps gate_up only (x's rows are freed after the gate/up GEMM); where autograd
                   keeps no graph, d gate_up overwrites it (the dSwiGLU epilogue reads each element before it
                   writes it); every row buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
   precision=      every activation operand's MXFP8 values in bf16 (GemmOperands): x and d y by their gathers
   "mxfp8"         (mok_scatter_rows' mx), h by the gate/up kernel itself where its helper warps compute it;
                   mok_mx_quant gives d gate_up's after its kernel (both of its operands in one launch) and the
-                  weight-gradient operands' per expert in blocks of 32 rows; Triton's fake_quantize the weights'
+                  weight-gradient operands' per expert in blocks of 32 rows (x's and d y's read from x / d y into
+                  schedule order by that pass itself: row_segments); Triton's fake_quantize the weights'
                   (once per call, or per change where frozen); the same kernels then run on those values.
                   Trained weights reach the forward's _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass
                   (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes)
