@@ -451,3 +451,41 @@ def test_quantize_wide_scales_and_special_values(dtype):
     y[2, 4, 0:32] = -(2.0**-149 if dtype == torch.float32 else 2.0**-24)
     (data, s), (want_data, want_s) = _quantize_pair(y)
     assert torch.equal(s, want_s) and torch.equal(data, want_data)
+
+
+def _quantize_transposed_pair(x):
+    """(triton_ops.quantize_transposed's, mxfp8's torch ops' on x^T) bytes and scales of x [E, R, C] along R."""
+    from mok_nn.mxfp8 import _quantize
+
+    data, scale = triton_ops.quantize_transposed(x)
+    want = _quantize(x.transpose(1, 2).contiguous(), 2, 32, "rceil")
+    return (data.view(torch.uint8), scale), (want.data.view(torch.uint8), want.scale)
+
+
+def test_quantize_transposed_every_bf16_bit_pattern():
+    """triton_ops.quantize_transposed (the backward's d x weight bytes) against mxfp8's torch ops on the transposed
+    copy, byte for byte: every bf16 bit pattern in shuffled blocks of 32 rows and blocks of one repeated pattern,
+    over 3 experts, 96 columns (a program's 64 and a partial one)."""
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    shuffled = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(3))]
+    repeated = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(4))[:96 * 3 * 2]]
+    blocks = torch.cat([shuffled.reshape(-1, 32), repeated.repeat_interleave(32).reshape(-1, 32)])  # [B, 32]
+    blocks = blocks[: blocks.shape[0] // (3 * 96) * (3 * 96)]
+    x = blocks.reshape(3, 96, -1, 32).permute(0, 2, 3, 1).reshape(3, -1, 96).contiguous().view(torch.bfloat16)
+    (data, scale), (want_data, want_scale) = _quantize_transposed_pair(x)
+    assert data.shape == (3, 96, x.shape[1]) and scale.shape == (3, 96, x.shape[1] // 32)
+    assert torch.equal(scale, want_scale) and torch.equal(data, want_data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_quantize_transposed_wide_scales_and_special_values(dtype):
+    """As above for fp32 (subnormal and tiny normal blocks: the integer path) and fp16, blocks of wide range down
+    each column, NaN / -inf / zero blocks and values at 448 * 2**e."""
+    g = torch.Generator().manual_seed(5)
+    scale = torch.exp2(torch.randint(-149 if dtype == torch.float32 else -24, 14, (2, 1, 70), generator=g).float())
+    y = (torch.randn(2, 64, 70, generator=g) * scale).to(dtype)
+    y[0, 7, 5], y[1, 2, 33], y[1, :32, 2] = float("nan"), float("-inf"), 0
+    y[1, 32:64, 3] = 448 * 2.0**-3
+    y[0, 0:32, 4] = -(2.0**-149 if dtype == torch.float32 else 2.0**-24)
+    (data, s), (want_data, want_s) = _quantize_transposed_pair(y)
+    assert torch.equal(s, want_s) and torch.equal(data, want_data)
