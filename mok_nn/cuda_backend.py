@@ -902,6 +902,18 @@ class GemmOperands:
             return weight_values(w, WEIGHT_BYTES, _weight_bytes)
         return self.weight(w, -1)
 
+    def dgrad_weight(self, w: torch.Tensor, sched: Schedule) -> tuple:
+        """(operand, transpose_w) for grouped_gemm: an expert weight [E, K, N] as the dgrad GEMM a @ W[e] takes it,
+        along K (the forward's N). With weight_bytes, a trained weight that mok_gemm_bk_mx reads in this call
+        (cuda_mx.reads_trained_bytes along N) comes as an MxWeight of W[e]^T's MXFP8 bytes [E, N, K]
+        (triton_ops.quantize_transposed: one pass writing a byte a value, where the values in bf16 cost a pass
+        writing two and a GEMM reading two), read with transpose_w=False: the same bits, the _mx kernel giving the
+        bf16 kernel's on the values. Else (weight(w, -2), True)."""
+        if (self.weight_bytes and cuda_mx.reads_trained_bytes(w, sched, "mok_gemm_bk_mx", along_n=True)
+                and not _use_torch_gemm()):
+            return weight_values(w, WEIGHT_BYTES_ALONG_N, _weight_bytes_along_n), False
+        return self.weight(w, -2), True
+
     def rows_and_segments(self, t: torch.Tensor, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows(t), segments(t)) of rows t [M_cap, K] that serve both a dgrad GEMM and a weight gradient (d
         gate_up): mxfp8 makes both from one read, the first in t's own memory (mx_values_both: t is
@@ -919,12 +931,18 @@ class GemmOperands:
         return mx_values(t, MX_SEGMENTS, sched) if self.mxfp8 else t
 
 
-WEIGHT_BYTES = "bytes"  # mxfp8.weight_values' key of a weight's MXFP8 bytes (beside its values along an axis)
+# mxfp8.weight_values' keys of a weight's MXFP8 bytes along K, and of W[e]^T's (along N), beside its values along
+# an axis
+WEIGHT_BYTES, WEIGHT_BYTES_ALONG_N = "bytes", "bytes along N"
 
 
 def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
     q = quantize(w, -1)
     return MxWeight(q.data, q.scale)
+
+
+def _weight_bytes_along_n(w: torch.Tensor, _key) -> MxWeight:
+    return MxWeight(*triton_ops.quantize_transposed(w))
 
 
 # mok_mx_quant's modes (kernels/mx_quant.py); MX_COLS_AND_SEGMENTS: mx_values_both; MX_ROW_SEGMENTS: row_segments
@@ -1147,7 +1165,7 @@ def experts_backward(
     the forward's. consume_saved: saved is used by this backward only (autograd does not keep the graph), so
     d gate_up overwrites saved.gate_up instead of taking a buffer of its own. The order of the steps:
     mlp_rows_backward."""
-    q = GemmOperands(precision)
+    q = GemmOperands(precision, weight_bytes=True)
     sched = saved.sched
     num_tokens, top_k = topk_ids.shape
     into = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
@@ -1223,7 +1241,9 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     else:
         dgu_a, dgu_w = q.rows_and_segments(dgu, sched) if need13 else (q.rows(dgu), None)
     del dgu
-    dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
+    w13, transpose = q.dgrad_weight(gate_up_proj, sched)
+    dx = take_dx(grouped_gemm(dgu_a, w13, sched, transpose_w=transpose))
+    del w13
     del dgu_a
     d_gate_up = None
     if need13:
