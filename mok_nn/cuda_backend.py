@@ -32,7 +32,8 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   schedule order by that pass itself: row_segments); Triton's fake_quantize the weights'
                   (once per call, or per change where frozen); the same kernels then run on those values.
                   Trained weights reach the forward's _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass
-                  (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes)
+                  (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes); the backward's d x
+                  reads W13[e]^T's bytes likewise (triton_ops.quantize_transposed, mok_gemm_bk_mx)
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
   weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
                   or with precision="mxfp8" its dgrad GEMMs read the bytes too (cuda_mx.MxColumnWeight: mok_gemm_bn_mxq,
@@ -862,7 +863,8 @@ class GemmOperands:
     values, as the definition says."""
 
     def __init__(self, precision: str, weight_bytes: bool = False):
-        """weight_bytes: forward_weight may give trained weights as MXFP8 bytes (the one-GPU path's _mx kernels)."""
+        """weight_bytes: forward_weight and dgrad_weight may give trained weights as MXFP8 bytes (the one-GPU path's
+        _mx kernels)."""
         if precision not in ("bf16", "mxfp8"):
             raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
         self.mxfp8 = precision == "mxfp8"
