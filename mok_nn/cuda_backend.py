@@ -944,7 +944,22 @@ def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
 
 
 def _weight_bytes_along_n(w: torch.Tensor, _key) -> MxWeight:
-    return MxWeight(*triton_ops.quantize_transposed(w))
+    """An MxWeight of mxfp8.quantize(w[e]^T, -1) by triton_ops.quantize_transposed, checked against the torch ops on
+    its first use (triton_ops.verified, on w's first expert's first rows); where that check failed, quantize of a
+    transposed copy."""
+    if triton_ops.verified(("quantize_transposed", w.dtype), w.device, lambda: _transposed_bytes_both(w[:1, :64]),
+                           exact=True):
+        return MxWeight(*triton_ops.quantize_transposed(w))
+    q = quantize(w.detach().transpose(1, 2).contiguous(), -1)
+    return MxWeight(q.data, q.scale)
+
+
+def _transposed_bytes_both(w: torch.Tensor) -> tuple:
+    """(triton_ops.quantize_transposed's, the torch ops') bytes and scales of w [E, R, C] along R."""
+    from .mxfp8 import _quantize
+
+    got, want = triton_ops.quantize_transposed(w), _quantize(w.transpose(1, 2).contiguous(), 2, 32, "rceil")
+    return (got[0].view(torch.uint8), got[1]), (want.data.view(torch.uint8), want.scale)
 
 
 # mok_mx_quant's modes (kernels/mx_quant.py); MX_COLS_AND_SEGMENTS: mx_values_both; MX_ROW_SEGMENTS: row_segments

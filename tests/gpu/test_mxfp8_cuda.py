@@ -244,8 +244,9 @@ def test_fused_mxfp8_against_the_reference_path(T, H, I, E, K, kind):
 ])
 def test_trained_weights_read_as_mxfp8_bytes(T, H, I, E, K, kind, launched_kernels, monkeypatch):
     """Weights that require grad (trained) with precision="mxfp8": the forward's GEMMs read them as MXFP8 bytes made
-    for the call (mxfp8.quantize, then the _mx kernels), bit for bit every result of the path that hands the bf16
-    kernels their values (cuda_mx.reads_trained_bytes off), and of a second run."""
+    for the call (mxfp8.quantize, then the _mx kernels), and the backward's d x reads W13[e]^T's bytes
+    (triton_ops.quantize_transposed, then mok_gemm_bk_mx), bit for bit every result of the path that hands the
+    bf16 kernels their values (cuda_mx.reads_trained_bytes off), and of a second run."""
 
     x, ids, w, dy, W13, W2 = _problem(T, H, I, E, K, kind, seed=T + I)
     problem = (x, ids, w, dy, W13.requires_grad_(True), W2.requires_grad_(True))
