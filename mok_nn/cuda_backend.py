@@ -1211,10 +1211,9 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     schedule order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten; mx: the
     rows of t's MXFP8 values along its columns, take_rows), its rows those of sched.row_token; w_rows [M_cap]
     fp32 the top-k weight of each row (0 on padding rows); x [N, H]: the input rows (read only for d gate_up_proj,
-    a column block at a time: gate_up_weight_grad); into: (d gate_up_proj,
-    d down_proj) to add to (macrobatch passes), or Nones; take_dx: what is made of the d x rows (summed per token,
-    or read back per row) before they are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it
-    after this backward).
+    a column block at a time: gate_up_weight_grad); into: (d gate_up_proj, d down_proj) to add to (macrobatch
+    passes), or Nones; take_dx: what is made of the d x rows (summed per token, or read back per row) before they
+    are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it after this backward).
 
     Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows and
     w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient,
