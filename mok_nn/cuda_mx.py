@@ -263,10 +263,10 @@ def reads_trained_bytes(w, sched, kernel: str, along_n: bool = False) -> bool:
     (mxfp8.quantize / triton_ops.quantize_transposed), and not while torch.compile traces (the first-use checks
     read values). Frozen weights keep their values in bf16, made once per change (mxfp8.weight_values), for the
     bf16 kernels."""
-    one_pass = triton_ops.quantize_transposed_runs_on(w) if along_n else triton_ops.quantize_runs_on(w, -1)
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
             and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
-            and one_pass and not torch.compiler.is_compiling())
+            and (triton_ops.quantize_transposed_runs_on(w) if along_n else triton_ops.quantize_runs_on(w, -1))
+            and not torch.compiler.is_compiling())
 
 
 def _agree(got, want, rows: torch.Tensor) -> bool:

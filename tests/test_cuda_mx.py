@@ -344,3 +344,9 @@ def test_trained_weights_come_as_transposed_bytes_to_the_dgrad(monkeypatch):
     assert same is w and transpose
     monkeypatch.setattr(triton_ops, "quantize_transposed_runs_on", lambda x: False)
     assert not isinstance(q.dgrad_weight(w, sched(50))[0], cuda_mx.MxWeight)
+    # MXFP8-only weights' dgrad operand (an MxColumnWeight) goes through as it is, whatever the quantisers say
+    monkeypatch.setattr(triton_ops, "quantize_transposed_runs_on", lambda x: pytest.fail("not a trained weight"))
+    stored = quantize(w.detach(), axis=-1)
+    column = cuda_mx.MxColumnWeight(stored.data, stored.scale)
+    same, transpose = q.dgrad_weight(column, sched(50))
+    assert same is column and transpose
