@@ -33,7 +33,7 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   (once per call, or per change where frozen); the same kernels then run on those values.
                   Trained weights reach the forward's _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass
                   (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes); the backward's d x
-                  reads W13[e]^T's bytes likewise (triton_ops.quantize_transposed, mok_gemm_bk_mx)
+                  reads W13[e]^T's bytes likewise (mxfp8.quantize_transposed, mok_gemm_bk_mx)
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
   weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
                   or with precision="mxfp8" its dgrad GEMMs read the bytes too (cuda_mx.MxColumnWeight: mok_gemm_bn_mxq,
@@ -59,7 +59,7 @@ import torch
 from . import cuda_mx, triton_ops
 from .cuda_mx import MxColumnWeight, MxWeight
 from .envvars import getenv
-from .mxfp8 import fake_quantize_fast, quantize, weight_values
+from .mxfp8 import fake_quantize_fast, quantize, quantize_transposed, weight_values
 from .router import expert_counts
 from .triton_ops import current_stream
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
@@ -908,7 +908,7 @@ class GemmOperands:
         """(operand, transpose_w) for grouped_gemm: an expert weight [E, K, N] as the dgrad GEMM a @ W[e] takes it,
         along K (the forward's N). With weight_bytes, a trained weight that mok_gemm_bk_mx reads in this call
         (cuda_mx.reads_trained_bytes along N) comes as an MxWeight of W[e]^T's MXFP8 bytes [E, N, K]
-        (triton_ops.quantize_transposed: one pass writing a byte a value, where the values in bf16 cost a pass
+        (mxfp8.quantize_transposed: one Triton pass writing a byte a value, where the values in bf16 cost a pass
         writing two and a GEMM reading two), read with transpose_w=False: the same bits, the _mx kernel giving the
         bf16 kernel's on the values. Else (weight(w, -2), True)."""
         if (self.weight_bytes and cuda_mx.reads_trained_bytes(w, sched, "mok_gemm_bk_mx", along_n=True)
@@ -944,22 +944,8 @@ def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
 
 
 def _weight_bytes_along_n(w: torch.Tensor, _key) -> MxWeight:
-    """An MxWeight of mxfp8.quantize(w[e]^T, -1) by triton_ops.quantize_transposed, checked against the torch ops on
-    its first use (triton_ops.verified, on w's first expert's first rows); where that check failed, quantize of a
-    transposed copy."""
-    if triton_ops.verified(("quantize_transposed", w.dtype), w.device, lambda: _transposed_bytes_both(w[:1, :64]),
-                           exact=True):
-        return MxWeight(*triton_ops.quantize_transposed(w))
-    q = quantize(w.detach().transpose(1, 2).contiguous(), -1)
+    q = quantize_transposed(w)
     return MxWeight(q.data, q.scale)
-
-
-def _transposed_bytes_both(w: torch.Tensor) -> tuple:
-    """(triton_ops.quantize_transposed's, the torch ops') bytes and scales of w [E, R, C] along R."""
-    from .mxfp8 import _quantize
-
-    got, want = triton_ops.quantize_transposed(w), _quantize(w.transpose(1, 2).contiguous(), 2, 32, "rceil")
-    return (got[0].view(torch.uint8), got[1]), (want.data.view(torch.uint8), want.scale)
 
 
 # mok_mx_quant's modes (kernels/mx_quant.py); MX_COLS_AND_SEGMENTS: mx_values_both; MX_ROW_SEGMENTS: row_segments
@@ -1259,8 +1245,7 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     del dgu
     w13, transpose = q.dgrad_weight(gate_up_proj, sched)
     dx = take_dx(grouped_gemm(dgu_a, w13, sched, transpose_w=transpose))
-    del w13
-    del dgu_a
+    del w13, dgu_a
     d_gate_up = None
     if need13:
         def x_block(c0, c1):  # x's columns [c0, c1) in schedule order, as d gate_up_proj's GEMM takes them

@@ -260,7 +260,7 @@ def reads_trained_bytes(w, sched, kernel: str, along_n: bool = False) -> bool:
     as MXFP8 bytes made for the call: along K for the forward (cuda_backend.GemmOperands.forward_weight), or
     (along_n) along N for the backward's d x, as the bytes of w[e]^T (GemmOperands.dgrad_weight). Where it takes
     the call (reads_mx), N and K multiples of MX_K_MULTIPLE, the quantisation one Triton pass here
-    (mxfp8.quantize / triton_ops.quantize_transposed), and not while torch.compile traces (the first-use checks
+    (mxfp8.quantize / mxfp8.quantize_transposed), and not while torch.compile traces (the first-use checks
     read values). Frozen weights keep their values in bf16, made once per change (mxfp8.weight_values), for the
     bf16 kernels."""
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3

@@ -4,14 +4,17 @@ library: each expert GEMM must be launched with its operands' MXFP8 values along
 and the whole function against the float64 model of the definition. The kernels themselves are the bf16 ones
 (tests/gpu)."""
 
+import os
+import warnings
+
 import pytest
 import torch
 
 from mok_nn import cuda_backend as cb
-from mok_nn import cuda_mx
+from mok_nn import cuda_mx, triton_ops
 from mok_nn.mxfp8 import fake_quantize, fake_quantize_padded
 
-from test_cuda_wiring import fake_lib, random_problem  # noqa: F401
+from test_cuda_wiring import _mx_b_values, fake_lib, random_problem  # noqa: F401
 
 T, H, I, E, K = 53, 64, 32, 4, 2
 
@@ -180,12 +183,6 @@ def test_trained_weights_reach_the_mx_gemm_as_bytes(quantiser, fake_lib, monkeyp
     the bytes' values, then the GEMM), whose B operands are exactly W13's values along each reduction dimension
     (fake_quantize); every result as on the path that hands the bf16 kernels those values, within the stand-in's
     fp32 summation order, and its first-use checks pass."""
-    import os
-    import warnings
-
-    from mok_nn import triton_ops
-    from test_cuda_wiring import _mx_b_values
-
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("quantize_transposed needs Triton's interpreter on the CPU")
     x, ids, w, dy, W13, W2, b13, b2 = _problem(seed=7)
