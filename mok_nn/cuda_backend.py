@@ -32,8 +32,7 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   schedule order by that pass itself: row_segments); Triton's fake_quantize the weights'
                   (once per call, or per change where frozen); the same kernels then run on those values.
                   Trained weights reach the forward's _mx GEMMs (below) as MXFP8 bytes instead, one Triton pass
-                  (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes); the backward's d x
-                  reads W13[e]^T's bytes likewise (mxfp8.quantize_transposed, mok_gemm_bk_mx)
+                  (mxfp8.quantize), where those take the call (cuda_mx.reads_trained_bytes)
   MXFP8-only      the forward's gate/up and plain GEMMs read the stored E4M3 bytes and scales (cuda_mx.MxWeight:
   weights         mok_gemm_gate_up_swiglu_mx, mok_gemm_bk_mx), bitwise the bf16 kernels on W_q; the backward takes W_q,
                   or with precision="mxfp8" its dgrad GEMMs read the bytes too (cuda_mx.MxColumnWeight: mok_gemm_bn_mxq,
@@ -59,7 +58,7 @@ import torch
 from . import cuda_mx, triton_ops
 from .cuda_mx import MxColumnWeight, MxWeight
 from .envvars import getenv
-from .mxfp8 import fake_quantize_fast, quantize, quantize_transposed, weight_values
+from .mxfp8 import fake_quantize_fast, quantize, weight_values
 from .router import expert_counts
 from .triton_ops import current_stream
 from .kernels.registry import COMBINE_STAGED_ENTRIES, EP_COPY_THREADS, combine_leaves
@@ -863,8 +862,7 @@ class GemmOperands:
     values, as the definition says."""
 
     def __init__(self, precision: str, weight_bytes: bool = False):
-        """weight_bytes: forward_weight and dgrad_weight may give trained weights as MXFP8 bytes (the one-GPU path's
-        _mx kernels)."""
+        """weight_bytes: forward_weight may give trained weights as MXFP8 bytes (the one-GPU path's _mx kernels)."""
         if precision not in ("bf16", "mxfp8"):
             raise ValueError(f"precision must be 'bf16' or 'mxfp8', got {precision!r}")
         self.mxfp8 = precision == "mxfp8"
@@ -904,18 +902,6 @@ class GemmOperands:
             return weight_values(w, WEIGHT_BYTES, _weight_bytes)
         return self.weight(w, -1)
 
-    def dgrad_weight(self, w: torch.Tensor, sched: Schedule) -> tuple:
-        """(operand, transpose_w) for grouped_gemm: an expert weight [E, K, N] as the dgrad GEMM a @ W[e] takes it,
-        along K (the forward's N). With weight_bytes, a trained weight that mok_gemm_bk_mx reads in this call
-        (cuda_mx.reads_trained_bytes along N) comes as an MxWeight of W[e]^T's MXFP8 bytes [E, N, K]
-        (mxfp8.quantize_transposed: one Triton pass writing a byte a value, where the values in bf16 cost a pass
-        writing two and a GEMM reading two), read with transpose_w=False: the same bits, the _mx kernel giving the
-        bf16 kernel's on the values. Else (weight(w, -2), True)."""
-        if (self.weight_bytes and cuda_mx.reads_trained_bytes(w, sched, "mok_gemm_bk_mx", along_n=True)
-                and not _use_torch_gemm()):
-            return weight_values(w, WEIGHT_BYTES_ALONG_N, _weight_bytes_along_n), False
-        return self.weight(w, -2), True
-
     def rows_and_segments(self, t: torch.Tensor, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows(t), segments(t)) of rows t [M_cap, K] that serve both a dgrad GEMM and a weight gradient (d
         gate_up): mxfp8 makes both from one read, the first in t's own memory (mx_values_both: t is
@@ -933,18 +919,11 @@ class GemmOperands:
         return mx_values(t, MX_SEGMENTS, sched) if self.mxfp8 else t
 
 
-# mxfp8.weight_values' keys of a weight's MXFP8 bytes along K, and of W[e]^T's (along N), beside its values along
-# an axis
-WEIGHT_BYTES, WEIGHT_BYTES_ALONG_N = "bytes", "bytes along N"
+WEIGHT_BYTES = "bytes"  # mxfp8.weight_values' key of a weight's MXFP8 bytes (beside its values along an axis)
 
 
 def _weight_bytes(w: torch.Tensor, _key) -> MxWeight:
     q = quantize(w, -1)
-    return MxWeight(q.data, q.scale)
-
-
-def _weight_bytes_along_n(w: torch.Tensor, _key) -> MxWeight:
-    q = quantize_transposed(w)
     return MxWeight(q.data, q.scale)
 
 
@@ -1168,7 +1147,7 @@ def experts_backward(
     the forward's. consume_saved: saved is used by this backward only (autograd does not keep the graph), so
     d gate_up overwrites saved.gate_up instead of taking a buffer of its own. The order of the steps:
     mlp_rows_backward."""
-    q = GemmOperands(precision, weight_bytes=True)
+    q = GemmOperands(precision)
     sched = saved.sched
     num_tokens, top_k = topk_ids.shape
     into = (grads_into.gate_up_proj, grads_into.down_proj) if grads_into is not None else (None, None)
@@ -1243,9 +1222,8 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     else:
         dgu_a, dgu_w = q.rows_and_segments(dgu, sched) if need13 else (q.rows(dgu), None)
     del dgu
-    w13, transpose = q.dgrad_weight(gate_up_proj, sched)
-    dx = take_dx(grouped_gemm(dgu_a, w13, sched, transpose_w=transpose))
-    del w13, dgu_a
+    dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
+    del dgu_a
     d_gate_up = None
     if need13:
         def x_block(c0, c1):  # x's columns [c0, c1) in schedule order, as d gate_up_proj's GEMM takes them

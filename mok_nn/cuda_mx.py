@@ -255,18 +255,15 @@ def reads_mx(kernel: str, sched, w: MxWeight) -> bool:
     return sched.pos.numel() <= MX_MAX_ROWS_PER_EXPERT[kernel] * w.shape[0]
 
 
-def reads_trained_bytes(w, sched, kernel: str, along_n: bool = False) -> bool:
-    """Whether the _mx GEMM `kernel` reads a trained weight w [E, N, K] (bf16, requires grad) of precision="mxfp8"
-    as MXFP8 bytes made for the call: along K for the forward (cuda_backend.GemmOperands.forward_weight), or
-    (along_n) along N for the backward's d x, as the bytes of w[e]^T (GemmOperands.dgrad_weight). Where it takes
-    the call (reads_mx), N and K multiples of MX_K_MULTIPLE, the quantisation one Triton pass here
-    (mxfp8.quantize / mxfp8.quantize_transposed), and not while torch.compile traces (the first-use checks
-    read values). Frozen weights keep their values in bf16, made once per change (mxfp8.weight_values), for the
-    bf16 kernels."""
+def reads_trained_bytes(w, sched, kernel: str) -> bool:
+    """Whether the forward's _mx GEMM `kernel` reads a trained weight w [E, N, K] (bf16, requires grad) of
+    precision="mxfp8" as MXFP8 bytes made for the call (cuda_backend.GemmOperands.forward_weight): where it
+    takes the call (reads_mx), N and K multiples of MX_K_MULTIPLE, mxfp8.quantize one Triton pass here, and not
+    while torch.compile traces (the first-use checks read values). Frozen weights keep their values in bf16,
+    made once per change (mxfp8.weight_values), for the bf16 kernels."""
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
             and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
-            and (triton_ops.quantize_transposed_runs_on(w) if along_n else triton_ops.quantize_runs_on(w, -1))
-            and not torch.compiler.is_compiling())
+            and triton_ops.quantize_runs_on(w, -1) and not torch.compiler.is_compiling())
 
 
 def _agree(got, want, rows: torch.Tensor) -> bool:

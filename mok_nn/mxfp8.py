@@ -165,24 +165,6 @@ def _quantize_both(x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[tor
     return (got[0].view(torch.uint8), got[1]), (want.data.view(torch.uint8), want.scale)
 
 
-def quantize_transposed(x: torch.Tensor) -> MXFP8Tensor:
-    """quantize(x.transpose(1, 2), -1) of x [E, R, C] ("rceil", blocks of 32 along R): the bytes [E, C, R] a GEMM
-    reading them K-major takes where its reduction runs along x's rows. On CUDA one Triton pass with no transposed
-    copy (triton_ops.quantize_transposed, checked on its first use as quantize's kernel is)."""
-    if triton_ops.quantize_transposed_runs_on(x) and triton_ops.verified(
-            ("quantize_transposed", x.dtype), x.device, lambda: _quantize_transposed_both(x), exact=True):
-        return MXFP8Tensor(*triton_ops.quantize_transposed(x), 2)
-    return quantize(x.transpose(1, 2).contiguous(), -1)
-
-
-def _quantize_transposed_both(x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """(the Triton kernel's, the torch ops') quantize_transposed of x's first expert's first 64 rows, as bytes: the
-    first use check (triton_ops.verified) of the kernel."""
-    part = x[:1, :64]
-    got, want = triton_ops.quantize_transposed(part), _quantize(part.transpose(1, 2).contiguous(), 2, 32, "rceil")
-    return (got[0].view(torch.uint8), got[1]), (want.data.view(torch.uint8), want.scale)
-
-
 def _quantize(x: torch.Tensor, axis: int, block_size: int, scale_mode: str) -> MXFP8Tensor:
     """quantize in torch ops (axis normalised, shapes checked)."""
     moved = x.movedim(axis, -1)

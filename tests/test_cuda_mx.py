@@ -2,7 +2,6 @@
 MXFP8-only weights as MXFP8, and the first-use check (its verdicts and fallbacks). The kernels themselves run in
 tests/gpu/test_mx_gemm_cuda.py."""
 
-import os
 import types
 import warnings
 
@@ -306,47 +305,3 @@ def test_trained_weights_come_as_bytes_where_their_mx_kernel_takes_the_call(monk
     assert cb.GemmOperands("bf16", weight_bytes=True).forward_weight(w, sched(50), "mok_gemm_bk_mx") is w
     monkeypatch.setattr(triton_ops, "quantize_runs_on", lambda x, axis: False)
     assert not isinstance(q.forward_weight(w, sched(50), "mok_gemm_bk_mx"), cuda_mx.MxWeight)
-
-
-def test_trained_weights_come_as_transposed_bytes_to_the_dgrad(monkeypatch):
-    """GemmOperands(..., weight_bytes=True).dgrad_weight (the one-GPU backward's d x = d gate_up @ W13[e]): a
-    trained weight [E, K, N] that mok_gemm_bk_mx reads in this call comes as an MxWeight of W[e]^T's bytes [E, N, K]
-    (transpose_w False), whose values are W's along K (blocks of 32 of its rows: the slow quantiser, fake_quantize,
-    along axis 1); otherwise (too many rows per expert, frozen, no one-pass quantiser, no weight_bytes, bf16) W's
-    values along K in bf16 (or W itself), transpose_w True. quantize_transposed runs under Triton's
-    interpreter here."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("on a GPU machine tests/gpu/test_mxfp8_cuda.py runs the compiled kernel")
-    from mok_nn import cuda_backend as cb
-    from mok_nn import triton_ops
-    from mok_nn.mxfp8 import fake_quantize
-
-    monkeypatch.setattr(triton_ops, "quantize_transposed_runs_on", lambda x: True)  # (a CPU tensor here)
-    monkeypatch.setattr(cuda_mx, "MX_MAX_ROWS_PER_EXPERT", {"mok_gemm_bk_mx": 25})
-    g = torch.Generator().manual_seed(4)
-    block_scale = torch.exp2(torch.randint(-8, 8, (4, 4, 1, 192), generator=g).float()).expand(-1, -1, 32, -1)
-    w = (torch.randn(4, 128, 192, generator=g) * block_scale.reshape(4, 128, 192)).to(torch.bfloat16)
-    w.requires_grad_(True)
-    want = fake_quantize(w.detach(), 1)
-    q = cb.GemmOperands("mxfp8", weight_bytes=True)
-
-    def sched(tokens):  # 2 routed rows a token over 4 experts
-        return cb.make_schedule_torch(torch.randint(0, 4, (tokens, 2), generator=g), 4)
-
-    got, transpose = q.dgrad_weight(w, sched(50))  # 25 rows per expert
-    assert isinstance(got, cuda_mx.MxWeight) and not transpose and got.shape == (4, 192, 128)
-    assert torch.equal(got.dequantized(), want.transpose(1, 2))
-    for other, s, op in ((w, sched(51), q), (w.detach(), sched(50), q), (w, sched(50), cb.GemmOperands("mxfp8"))):
-        values, transpose = op.dgrad_weight(other, s)
-        assert not isinstance(values, cuda_mx.MxWeight) and transpose and torch.equal(values, want)
-    same, transpose = cb.GemmOperands("bf16", weight_bytes=True).dgrad_weight(w, sched(50))
-    assert same is w and transpose
-    monkeypatch.setattr(triton_ops, "quantize_transposed_runs_on", lambda x: False)
-    assert not isinstance(q.dgrad_weight(w, sched(50))[0], cuda_mx.MxWeight)
-    # MXFP8-only weights' dgrad operand (an MxColumnWeight) goes through as it is, whatever the quantisers say
-    monkeypatch.setattr(triton_ops, "quantize_transposed_runs_on", lambda x: pytest.fail("not a trained weight"))
-    stored = quantize(w.detach(), axis=-1)
-    column = cuda_mx.MxColumnWeight(stored.data, stored.scale)
-    same, transpose = q.dgrad_weight(column, sched(50))
-    assert same is column and transpose

@@ -4,17 +4,14 @@ library: each expert GEMM must be launched with its operands' MXFP8 values along
 and the whole function against the float64 model of the definition. The kernels themselves are the bf16 ones
 (tests/gpu)."""
 
-import os
-import warnings
-
 import pytest
 import torch
 
 from mok_nn import cuda_backend as cb
-from mok_nn import cuda_mx, triton_ops
+from mok_nn import cuda_mx
 from mok_nn.mxfp8 import fake_quantize, fake_quantize_padded
 
-from test_cuda_wiring import _mx_b_values, fake_lib, random_problem  # noqa: F401
+from test_cuda_wiring import fake_lib, random_problem  # noqa: F401
 
 T, H, I, E, K = 53, 64, 32, 4, 2
 
@@ -174,43 +171,6 @@ def test_row_segments_fall_back_where_the_one_pass_disagrees(quantiser, fake_lib
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert cuda_mx._VERDICTS[("mok_mx_quant (row segments)", "cpu")] is False
-
-
-def test_trained_weights_reach_the_mx_gemm_as_bytes(quantiser, fake_lib, monkeypatch):
-    """A trained weight (requires grad) whose _mx GEMM takes the call: the forward's gate/up GEMM reads W13 as MXFP8
-    bytes along H (mxfp8.quantize) and the backward's d x reads W13[e]^T's bytes along 2I
-    (triton_ops.quantize_transposed, under Triton's interpreter here), both through mok_gemm_bk_mx (its stand-in:
-    the bytes' values, then the GEMM), whose B operands are exactly W13's values along each reduction dimension
-    (fake_quantize); every result as on the path that hands the bf16 kernels those values, within the stand-in's
-    fp32 summation order, and its first-use checks pass."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("quantize_transposed needs Triton's interpreter on the CPU")
-    x, ids, w, dy, W13, W2, b13, b2 = _problem(seed=7)
-    problem = (x, ids, w, dy, W13.requires_grad_(True), W2, b13, b2)
-    # (CPU tensors here: Triton's interpreter runs the one-pass quantisers)
-    monkeypatch.setattr(triton_ops, "quantize_runs_on", lambda t, axis: axis in (-1, t.dim() - 1))
-    monkeypatch.setattr(triton_ops, "quantize_transposed_runs_on", lambda t: True)
-    b_operands = []
-    launch = fake_lib.launch
-
-    def recording(name, *args, stream):
-        if name == "mok_gemm_bk_mx":
-            b_operands.append(_mx_b_values(args[1], args[2]))
-        return launch(name, *args, stream=stream)
-
-    fake_lib.launch = recording
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # (a first-use check that fails warns)
-        got, _ = _run("mxfp8", problem)
-    W13 = W13.detach()
-    # forward gate/up, backward d x (on its first use the kernel's check also ran the bf16 GEMM on the bytes' values)
-    assert [n for n in fake_lib.calls if n.endswith("_mx")] == ["mok_gemm_bk_mx", "mok_gemm_bk_mx"]
-    assert torch.equal(b_operands[0], fake_quantize(W13, -1).permute(1, 2, 0))  # (2I, H, E): along H
-    assert torch.equal(b_operands[1], fake_quantize(W13, 1).permute(2, 1, 0))  # (H, 2I, E): along 2I
-    monkeypatch.setattr(cuda_mx, "reads_trained_bytes", lambda *a, **kw: False)
-    values, _ = _run("mxfp8", problem)
-    for name, a, v in zip(("y", "dx", "d_topk", "d_W13", "d_W2"), got, values):
-        assert _rel(a, v) < 1e-6, (name, _rel(a, v))
 
 
 def test_segments_ignore_what_padding_rows_hold(quantiser):

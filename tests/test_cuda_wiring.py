@@ -18,8 +18,7 @@ from mok_nn.kernels import registry
 
 from test_cuda_ep_simulated import SpecChecked
 
-_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
-           "u16": torch.uint16}
+_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
 class _FakeLib:
@@ -44,9 +43,6 @@ class _FakeLib:
             a, b, c, te, seg_end, seg_rows, _, counter = args
             assert int(counter[0]) == 0, f"{name}: tile counter not zeroed before the launch"
             _gemm(a[:, :, 0], b, c, te)
-        elif spec.factory == "VarlenMGroupedGemmMx":  # B as MXFP8 bytes and scale pairs: their values, then the GEMM
-            a, b, pairs, c, te, seg_end, seg_rows, _ = args
-            _gemm(a[:, :, 0], _mx_b_values(b, pairs), c, te)
         elif spec.factory == "MxQuant":
             src, dst, te, seg_end, seg_rows, row_src, mode, grid = args
             assert mode in (0, 1, 2, 3, 4) and grid >= 1
@@ -61,17 +57,6 @@ class _FakeLib:
                 dst.copy_(_mx_quant(src, mode, seg_end, seg_rows))
         else:
             raise AssertionError(f"stand-in has no {name}")
-
-
-def _mx_b_values(b, pairs):
-    """The bf16 values (N, K, E) of an MXFP8 B operand: E4M3 bytes b (N, K, E) and scale pairs (N, K / 64, E), the
-    low byte of each word block 2j's scale, the high byte block 2j + 1's (cuda_mx.scale_pairs)."""
-    from mok_nn.mxfp8 import MXFP8Tensor, dequantize
-
-    words = pairs.permute(2, 0, 1).contiguous().view(torch.int16)  # [E, N, K / 64]
-    scale = words.view(torch.uint8)  # [E, N, K / 32]: little-endian, block 2j first
-    data = b.permute(2, 0, 1).contiguous().view(torch.float8_e4m3fn)
-    return dequantize(MXFP8Tensor(data, scale, 2), torch.bfloat16).permute(1, 2, 0)
 
 
 def _mx_quant(src, mode, seg_end, seg_rows):

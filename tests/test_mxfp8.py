@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize, quantize, quantize_transposed
+from mok_nn.mxfp8 import MXFP8Tensor, dequantize, fake_quantize, quantize
 
 # ---------------------------------------------------------------------------
 # Independent reference: float64 / integer bit manipulation, element by element.
@@ -200,12 +200,6 @@ def test_column_wise_equals_transposed_row_wise():
     assert torch.equal(col.data.view(torch.uint8), row_t.data.view(torch.uint8).transpose(-1, -2))
     assert torch.equal(col.scale, row_t.scale.transpose(-1, -2))
     assert_matches_ref(w, 1, "rceil")
-    # quantize_transposed (the d x GEMM's K-major bytes; here without the Triton pass): the column-wise bytes, stored
-    # transposed
-    t = quantize_transposed(w)
-    assert t.axis == 2 and t.data.shape == (3, 96, 64)
-    assert torch.equal(t.data.view(torch.uint8), col.data.view(torch.uint8).transpose(-1, -2))
-    assert torch.equal(t.scale, col.scale.transpose(-1, -2))
 
 
 def test_fake_quantize_and_idempotence():

@@ -82,7 +82,6 @@ def record_forms() -> dict:
             for axis in (0, 1):
                 triton_ops.fake_quantize(x, axis)
             triton_ops.quantize(x)
-            triton_ops.quantize_transposed(x.view(2, 32, 96))
             triton_ops.fake_quantize_rows(x, torch.tensor([0, 32], dtype=torch.int64), torch.tensor([32, 20]))
         triton_ops.hw_e4m3 = hw_e4m3
         data = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)

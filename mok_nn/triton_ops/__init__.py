@@ -275,30 +275,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data.view(torch.float8_e4m3fn), scale
 
 
-def quantize_transposed_runs_on(x: torch.Tensor) -> bool:
-    """quantize_transposed runs on x: a CUDA bf16 / fp16 / fp32 tensor [E, R, C] with R a multiple of 32, where
-    Triton is installed."""
-    return (x.is_cuda and x.dim() == 3 and x.shape[1] % MX_BLOCK == 0
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available())
-
-
-def quantize_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """mxfp8.quantize(x.transpose(1, 2), -1) of x [E, R, C] ("rceil", blocks of 32 along R) bit for bit, in one read
-    of x and no transposed copy: (the E4M3 bytes [E, C, R] as float8_e4m3fn, the E8M0 scale bytes [E, C, R / 32]
-    uint8), the K-major MXFP8 operand of a GEMM whose reduction runs along x's rows (the backward's d x = d gate_up
-    @ W13[e]). A program quantises a tile of 32 rows and MX_ROWS columns (fake_quantize_rows' tile) and stores
-    it transposed."""
-    x = x.contiguous()
-    e, rows, cols = x.shape
-    data = torch.empty(e, cols, rows, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(e, cols, rows // MX_BLOCK, dtype=torch.uint8, device=x.device)
-    if data.numel():
-        _kernels().quantize_transposed_kernel[(e, rows // MX_BLOCK, -(-cols // MX_ROWS))](
-            x, data, scale, rows, cols, IN_BF16=x.dtype == torch.bfloat16, HW_E4M3=hw_e4m3(x.device), COLS=MX_ROWS,
-            BLOCK=MX_BLOCK, num_warps=MX_ROWS_WARPS)
-    return data.view(torch.float8_e4m3fn), scale
-
-
 def fake_quantize_rows(x: torch.Tensor, row0: torch.Tensor, nrows: torch.Tensor) -> torch.Tensor:
     """The MXFP8 values ("rceil") of x [N, C] in blocks of 32 rows given as row blocks: block r is rows row0[r] ..
     row0[r] + nrows[r] - 1 (int64; nrows at most 32, 0 for a block that holds none), the rows it lacks taken as

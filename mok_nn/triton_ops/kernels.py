@@ -90,49 +90,21 @@ def quantize_kernel(x_ptr, data_ptr, scale_ptr, n_blocks, IN_BF16: tl.constexpr,
     local = tl.arange(0, ROWS)
     live = first + local < n_blocks
     offs = local[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    byte, scale = _mx_bytes(_load_bits(x_ptr + first * BLOCK, offs, live[:, None], IN_BF16), 1, HW_E4M3)
-    tl.store(data_ptr + first * BLOCK + offs, byte.to(tl.uint8), mask=live[:, None])
-    tl.store(scale_ptr + first + local, scale.to(tl.uint8), mask=live)
-
-
-@triton.jit
-def quantize_transposed_kernel(x_ptr, data_ptr, scale_ptr, rows, cols, IN_BF16: tl.constexpr, HW_E4M3: tl.constexpr,
-                               COLS: tl.constexpr, BLOCK: tl.constexpr):
-    # mxfp8.quantize ("rceil") of x[e]^T along its last axis for x [E, rows, cols]: blocks of BLOCK consecutive rows
-    # of a column, stored as data [E, cols, rows] (each block's BLOCK bytes consecutive) and scales [E, cols,
-    # rows / BLOCK]. A program takes one block of rows and COLS columns of one expert: a [BLOCK, COLS] tile read
-    # along x's rows (16-byte loads), its bytes stored transposed.
-    e = tl.program_id(0).to(tl.int64)
-    rb = tl.program_id(1)
-    r = rb * BLOCK + tl.arange(0, BLOCK)
-    c = tl.program_id(2) * COLS + tl.arange(0, COLS)
-    live = c < cols
-    base = e * rows * cols  # (int64: an expert's weight may pass 2**31 elements)
-    offs = r.to(tl.int64)[:, None] * cols + c[None, :]
-    byte, scale = _mx_bytes(_load_bits(x_ptr + base, offs, live[None, :], IN_BF16), 0, HW_E4M3)
-    out_offs = c.to(tl.int64)[None, :] * rows + r[:, None]
-    tl.store(data_ptr + base + out_offs, byte.to(tl.uint8), mask=live[None, :])
-    blocks = rows // BLOCK
-    tl.store(scale_ptr + e * cols * blocks + c.to(tl.int64) * blocks + rb, scale.to(tl.uint8), mask=live)
-
-
-@triton.jit
-def _mx_bytes(bits, AXIS: tl.constexpr, HW_E4M3: tl.constexpr):
-    # mxfp8.quantize ("rceil") of a tile's blocks along AXIS from its values' fp32 bits: (the E4M3 bytes, each
-    # block's E8M0 scale byte), int32. e is -127 for a block of zeros or subnormals, as quantize clamps it; a block
-    # holding NaN / inf gives NaN bytes under the NaN scale.
-    sign, mag_bits, nan, e, e_fast, all_fast = _block_scales(bits, AXIS)
+    bits = _load_bits(x_ptr + first * BLOCK, offs, live[:, None], IN_BF16)
+    # (e: -127 for a block of zeros or subnormals, as quantize clamps it; a block holding NaN / inf: NaN bytes under
+    # the NaN scale)
+    sign, mag_bits, nan, e, e_fast, all_fast = _block_scales(bits, 1)
     if all_fast:  # |x| * 2**-e in fp32 is exact, or rounds to 0 either way
-        s = mag_bits.to(tl.float32, bitcast=True) * tl.expand_dims(((127 - e_fast) << 23).to(tl.float32, bitcast=True),
-                                                                   AXIS)
+        s = mag_bits.to(tl.float32, bitcast=True) * ((127 - e_fast) << 23).to(tl.float32, bitcast=True)[:, None]
     else:  # by integer operations wherever a value may be subnormal (_mx_round_exact's first step)
-        s = _scaled_exact(mag_bits, tl.expand_dims(e, AXIS)).to(tl.float32, bitcast=True)
+        s = _scaled_exact(mag_bits, e[:, None]).to(tl.float32, bitcast=True)
     if HW_E4M3:  # (|s| <= 448 under the rceil scale: nothing saturates; ties to even, subnormals kept)
         byte = s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         byte = _e4m3_byte(_e4m3_grid(s).to(tl.int32, bitcast=True))
-    byte = tl.where(tl.expand_dims(nan, AXIS), 0x7F, byte | ((sign >> 24) & 0x80))
-    return byte, tl.where(nan, 255, e + 127)
+    byte = tl.where(nan[:, None], 0x7F, byte | ((sign >> 24) & 0x80))
+    tl.store(data_ptr + first * BLOCK + offs, byte.to(tl.uint8), mask=live[:, None])
+    tl.store(scale_ptr + first + local, tl.where(nan, 255, e + 127).to(tl.uint8), mask=live)
 
 
 @triton.jit

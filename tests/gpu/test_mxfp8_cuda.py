@@ -38,20 +38,6 @@ def test_quantize_cuda_equals_cpu(mode, axis):
                                    rtol=0, atol=0, equal_nan=True)
 
 
-def test_quantize_transposed_cuda_equals_cpu():
-    """triton_ops.quantize_transposed compiled (the hardware E4M3 rounding where the GPU has it) against
-    mxfp8.quantize of the transposed copy on the CPU, byte for byte: every case above as experts of 32-row blocks
-    (wide range, NaN / inf / zero / subnormal blocks, every bf16 bit pattern), and qwen3-like widths."""
-    from mok_nn import triton_ops
-
-    big = torch.randn(4, 1536, 2048, generator=torch.Generator().manual_seed(6)).bfloat16()
-    for x in [c.reshape(2, -1, c.shape[-1]) for c in _cases() if c.shape[0] % 64 == 0] + [big]:
-        data, scale = triton_ops.quantize_transposed(x.cuda())
-        want = quantize(x.transpose(1, 2).contiguous(), axis=-1)
-        assert torch.equal(scale.cpu(), want.scale)
-        assert torch.equal(data.view(torch.uint8).cpu(), want.data.view(torch.uint8))
-
-
 def test_mxfp8_layer_cuda_matches_cpu_and_repeats():
     torch.manual_seed(0)
     H, I, E, K, T = 256, 128, 16, 4, 777
@@ -244,9 +230,8 @@ def test_fused_mxfp8_against_the_reference_path(T, H, I, E, K, kind):
 ])
 def test_trained_weights_read_as_mxfp8_bytes(T, H, I, E, K, kind, launched_kernels, monkeypatch):
     """Weights that require grad (trained) with precision="mxfp8": the forward's GEMMs read them as MXFP8 bytes made
-    for the call (mxfp8.quantize, then the _mx kernels), and the backward's d x reads W13[e]^T's bytes
-    (triton_ops.quantize_transposed, then mok_gemm_bk_mx), bit for bit every result of the path that hands the
-    bf16 kernels their values (cuda_mx.reads_trained_bytes off), and of a second run."""
+    for the call (mxfp8.quantize, then the _mx kernels), bit for bit every result of the path that hands the bf16
+    kernels their values (cuda_mx.reads_trained_bytes off), and of a second run."""
 
     x, ids, w, dy, W13, W2 = _problem(T, H, I, E, K, kind, seed=T + I)
     problem = (x, ids, w, dy, W13.requires_grad_(True), W2.requires_grad_(True))
