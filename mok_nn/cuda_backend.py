@@ -968,8 +968,10 @@ def _launch_mx_quant(src: torch.Tensor, dst: torch.Tensor, mode: int, sched: Sch
     _lib().launch("mok_mx_quant", src, dst, te, se, sr, row_src, mode, grid, stream=_stream())
 
 
+@functools.lru_cache(maxsize=None)
 def _no_row_index(device: torch.device) -> torch.Tensor:
-    """A one-entry row_src [0] for the mok_mx_quant modes that take no row index."""
+    """A one-entry row_src [0] for the mok_mx_quant modes that take no row index (made once per device, as
+    _cached_zero_tile: no allocation and fill on every launch)."""
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
