@@ -21,7 +21,8 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
                   macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc).
                   d down_proj runs right after the dgrad of down, before the dgrad of gate/up; d gate_up_proj
-                  last, in column blocks of x, each block's x rows gathered (mok_scatter_rows) for it
+                  last, its kernel reading x's rows from x by row_token (a_gather, cp.async) itself;
+                  precision="mxfp8": in column blocks of x, each block's values made for it
   memory          the forward keeps gate_up only (x's rows are freed after the gate/up GEMM); where autograd
                   keeps no graph, d gate_up overwrites it (the dSwiGLU epilogue reads each element before it
                   writes it); every row buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
@@ -1109,8 +1110,8 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     """What the forward keeps for the backward: the schedule and gate_up. No x rows (k T x H values): the
-    backward gathers x's rows again, a column block at a time, for the gate/up weight's gradient
-    (gate_up_weight_grad)."""
+    gate/up weight's gradient reads x's rows from x itself (RowsByIndex; precision="mxfp8": their values, made a
+    column block at a time, gate_up_weight_grad)."""
 
     sched: Schedule
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
@@ -1212,16 +1213,17 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     grad_out [N, H]: the d y of the rows' sources (not scaled by w); gather(t, skip_tail, mx=False): t's rows in
     schedule order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten; mx: the
     rows of t's MXFP8 values along its columns, take_rows), its rows those of sched.row_token; w_rows [M_cap]
-    fp32 the top-k weight of each row (0 on padding rows); x [N, H]: the input rows (read only for d gate_up_proj:
-    gathered by its kernel, RowsByIndex; precision="mxfp8": a column block at a time, gate_up_weight_grad); into: (d gate_up_proj, d down_proj) to add to (macrobatch
-    passes), or Nones; take_dx: what is made of the d x rows (summed per token, or read back per row) before they
-    are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it after this backward).
+    fp32 the top-k weight of each row (0 on padding rows); x [N, H]: the input rows (read only for d gate_up_proj,
+    whose kernel gathers them, RowsByIndex; precision="mxfp8": a column block at a time, gate_up_weight_grad);
+    into: (d gate_up_proj, d down_proj) to add to (macrobatch passes), or Nones; take_dx: what is made of the
+    d x rows (summed per token, or read back per row) before they are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it after this backward).
 
     Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows and
     w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient,
-    whose kernel reads x's rows from x (precision="mxfp8": their values exist a column block at a time). With precision="mxfp8" the dgrad takes d y's MXFP8 values, and
-    the weight gradients the values of d y's and x's rows along the rows, each made from d y / x in one pass
-    (row_segments); d y's rows themselves only the bias terms need."""
+    whose kernel reads x's rows from x (precision="mxfp8": their values exist a column block at a time). With
+    precision="mxfp8" the dgrad takes d y's MXFP8 values, and the weight gradients the values of d y's and x's rows
+    along the rows, each made from d y / x in one pass (row_segments); d y's rows themselves only the bias terms
+    need."""
     from . import reference
 
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)

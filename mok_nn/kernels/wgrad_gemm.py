@@ -19,7 +19,8 @@ padding (zero), so rounding up adds nothing. An expert without rows gets an
 all-zero output tile.
 
 Structure as in grouped_gemm.py: warp group 0 issues TMA loads into a ring of
-stages (a gathered A: its 128 threads copy A by cp.async, 16 bytes each), warp groups 1 and 2 run wgmma (64 rows each; ping-pong: whole tiles in turn) and store bf16
+stages (a gathered A: its 128 threads copy A by cp.async, 16 bytes each), warp
+groups 1 and 2 run wgmma (64 rows each; ping-pong: whole tiles in turn) and store bf16
 through shared memory with TMA. The tile space is (m tile, n tile, expert), expert
 slowest, so a wave of CTAs works on one or two experts whose rows stay in L2.
 One CTA reduces the whole K range of a tile in ascending order: bitwise
@@ -280,7 +281,8 @@ class VarlenKGroupedGemm:
             row = cute.zipped_divide(mA_src[(None, cutlass.select_(ok, src_row, cutlass.Int64(0)), 0)], (vec,))
             for v in cutlass.range_constexpr(vec):
                 pred[v] = ok
-            cute.copy(atom, row[(None, cutlass.select_(ok, piece, cutlass.Int32(0)))], tGsA[(None, 0, i, stage)], pred=pred)
+            src = row[(None, cutlass.select_(ok, piece, cutlass.Int32(0)))]
+            cute.copy(atom, src, tGsA[(None, 0, i, stage)], pred=pred)
 
     def _k_range(self, seg_end, seg_rows, expert):
         """(first K tile, number of K tiles) of an expert."""
@@ -379,7 +381,9 @@ class VarlenKGroupedGemm:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             gather = self._gather_a_copies(tidx, sA, mA_src, a_rows)
             tx_bytes = b_bytes + (1 - a_gather) * a_bytes
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+            )
             work = sched.initial_work_tile_info()
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
             while work.is_valid_tile:
