@@ -244,10 +244,10 @@ class VarlenKGroupedGemm:
         within = within - band * (group_m * tiles_n)
         return first_m + within % rows_in_band, within // rows_in_band, expert
 
-    def _gather_a_copies(self, tidx, sA, mA_src, a_rows):
-        """(cp.async atom, this producer thread's 16-byte pieces of every stage of sA) for a gathered A: 16
-        threads across the tile's 128 columns, 8 rows apart, so thread t copies piece t % 16 of rows
-        t // 16 + 8 i of each stage (i < 8)."""
+    def _gather_a_copies(self, tidx, sA):
+        """(cp.async atom, this producer thread's 16-byte pieces of every stage of sA, its source rows' registers)
+        for a gathered A: 16 threads across the tile's 128 columns, 8 rows apart, so thread t copies piece
+        t % 16 of rows t // 16 + 8 i of each stage (i < 8)."""
         vec = 128 // self.ab_dtype.width
         pieces = self.tile_mnk[0] // vec
         atom = cute.make_copy_atom(
@@ -258,27 +258,37 @@ class VarlenKGroupedGemm:
             atom, cute.make_layout((pieces, self.threads_per_wg // pieces), stride=(1, pieces)),
             cute.make_layout(((vec, 1),), stride=((1, 0),)),
         )
-        return atom, tiled.get_slice(tidx).partition_D(sA)
+        src_rows = cute.make_rmem_tensor((self.tile_mnk[2] * pieces // self.threads_per_wg,), cutlass.Int64)
+        return atom, tiled.get_slice(tidx).partition_D(sA), src_rows
 
     @cute.jit
-    def _gather_a_stage(self, gather, mA_src, a_rows, m_tile, k_tile, stage):
-        """Issue this thread's cp.async copies of A's K tile k_tile (rows a_rows[64 k_tile + j] of mA_src,
-        columns of row tile m_tile) into stage `stage`: zeros (src-size 0) for an index past mA_src's rows or
-        a piece past its columns."""
-        atom, tGsA = gather
+    def _gather_a_rows(self, gather, a_rows, k_tile):
+        """Load this thread's source rows of A's K tile k_tile (a_rows[64 k_tile + j] for its rows j) into
+        registers: issued before the stage is free, so the index loads overlap the wait."""
+        _, _, src_rows = gather
+        tidx, _, _ = cute.arch.thread_idx()
+        pieces = self.tile_mnk[0] // (128 // self.ab_dtype.width)
+        rows_apart = self.threads_per_wg // pieces
+        first = k_tile * self.tile_mnk[2] + tidx // pieces
+        for i in cutlass.range_constexpr(cute.size(src_rows)):
+            src_rows[i] = a_rows[first + i * rows_apart]
+
+    @cute.jit
+    def _gather_a_stage(self, gather, mA_src, m_tile, stage):
+        """Issue this thread's cp.async copies of the rows _gather_a_rows loaded (columns of row tile m_tile of
+        mA_src) into stage `stage`: zeros (src-size 0) for an index past mA_src's rows or a piece past its
+        columns."""
+        atom, tGsA, src_rows = gather
         tidx, _, _ = cute.arch.thread_idx()
         vec = 128 // self.ab_dtype.width
         pieces = self.tile_mnk[0] // vec
-        rows_apart = self.threads_per_wg // pieces
         piece = m_tile * pieces + tidx % pieces
         col_ok = piece * vec < mA_src.shape[0]
-        first = k_tile * self.tile_mnk[2] + tidx // pieces
         pred = cute.make_rmem_tensor(cute.make_layout(((vec,),)), cutlass.Boolean)
-        for i in cutlass.range_constexpr(self.tile_mnk[2] // rows_apart):
-            src_row = a_rows[first + i * rows_apart]
-            ok = col_ok & (src_row < mA_src.shape[1])
+        for i in cutlass.range_constexpr(cute.size(src_rows)):
+            ok = col_ok & (src_rows[i] < mA_src.shape[1])
             # (a row and piece that exist: with src-size 0 nothing is read, the 16 bytes are zeroed)
-            row = cute.zipped_divide(mA_src[(None, cutlass.select_(ok, src_row, cutlass.Int64(0)), 0)], (vec,))
+            row = cute.zipped_divide(mA_src[(None, cutlass.select_(ok, src_rows[i], cutlass.Int64(0)), 0)], (vec,))
             for v in cutlass.range_constexpr(vec):
                 pred[v] = ok
             src = row[(None, cutlass.select_(ok, piece, cutlass.Int32(0)))]
@@ -379,7 +389,7 @@ class VarlenKGroupedGemm:
         if wg_idx == 0:
             # ---------------- producer: TMA loads (and a gathered A's copies) ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            gather = self._gather_a_copies(tidx, sA, mA_src, a_rows)
+            gather = self._gather_a_copies(tidx, sA)
             tx_bytes = b_bytes + (1 - a_gather) * a_bytes
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -392,6 +402,8 @@ class VarlenKGroupedGemm:
                 tAgA_t = tAgA[(None, m_tile, None, 0)]
                 tBgB_t = tBgB[(None, n_tile, None, 0)]
                 for k in range(k_tiles):
+                    if a_gather != 0:
+                        self._gather_a_rows(gather, a_rows, k_first + k)
                     ab_pipe.sync_object_empty.wait(state.index, state.phase)
                     bar = ab_pipe.producer_get_barrier(state)
                     if warp_idx == 0:
@@ -405,7 +417,7 @@ class VarlenKGroupedGemm:
                         if a_gather == 0:
                             cute.copy(tma_a, tAgA_t[(None, k_first + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                     if a_gather != 0:
-                        self._gather_a_stage(gather, mA_src, a_rows, m_tile, k_first + k, state.index)
+                        self._gather_a_stage(gather, mA_src, m_tile, state.index)
                     cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                     state.advance()
                 sched.advance_to_next_work()
