@@ -650,9 +650,10 @@ def _weight_grad(a_rows, b_rows, sched: Schedule, counts, name: str, out: torch.
     if out is None:
         out = torch.empty(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.bfloat16,
                           device=a_rows.device)
-    a_src, a_index, a_gather = _rows(b_rows), _no_row_index(a_rows.device), 0
     if isinstance(b_rows, RowsByIndex) and rows_of_16_byte_vectors(b_rows.src):
         a_src, a_index, a_gather = b_rows.src, b_rows.index, 1
+    else:
+        a_src, a_index, a_gather = _rows(b_rows), _no_row_index(a_rows.device), 0
     _lib().launch(
         name, a_src.t().unsqueeze(-1), a_rows.t().unsqueeze(-1), out.permute(2, 1, 0),
         sched.seg_end, counts, a_index, a_gather, wgrad_group_m(name, a_rows.shape[1]), stream=_stream(),

@@ -322,15 +322,23 @@ def test_gate_up_weight_grad_gathers_x_in_the_kernel(fake_lib, monkeypatch, macr
         gathered.append(t is x or t._base is x)
         return gather(t, sched, skip_tail, mx)
 
+    taken, take = [], cb.take_rows
+
+    def spy_take(src, idx, *a, **kw):
+        taken.append(src is x or src._base is x)
+        return take(src, idx, *a, **kw)
+
     monkeypatch.setattr(cb, "gather_rows", spy_gather)
+    monkeypatch.setattr(cb, "take_rows", spy_take)
     into = None
     if macrobatch:  # a first pass's gradients to add into
         into = cb.experts_backward(dy, cb.experts_forward(x, ids, w, *args)[1], x, ids, w, *args)[2]
     _, saved = cb.experts_forward(x, ids, w, *args)
     gathered.clear()
+    taken.clear()
     fake_lib.wgrad_operands.clear()
     got = cb.experts_backward(dy, saved, x, ids, w, *args, grads_into=into)[2].gate_up_proj
-    assert gathered and not any(gathered)  # (d y's rows only)
+    assert gathered and not any(gathered) and not any(taken)  # (d y's rows only)
     name, a, idx, a_gather = fake_lib.wgrad_operands[-1]
     assert a == x.data_ptr() and a_gather == 1 and torch.equal(idx, saved.sched.row_token)
     assert name == cb.wgrad_kernel(saved.sched, 1040)  # (a CPU gradient: the sum added apart, not in the stores)

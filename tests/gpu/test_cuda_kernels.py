@@ -677,7 +677,7 @@ def _rule_kernels(T, H, I, E, k, activation, bias, sched):
     # d down_proj right after the dgrad of down; then d x; then d gate_up_proj a column block of x at a time,
     # each block's x rows gathered for it
     bwd += [cb.wgrad_kernel(sched, I), cb.gemm_kernel(True, k=2 * I), combine]
-    bwd += ["mok_scatter_rows", cb.wgrad_kernel(sched, H)] * len(cb.x_column_blocks(H, sched.capacity))
+    bwd += [cb.wgrad_kernel(sched, H)]  # (x's rows gathered by the kernel itself)
     return fwd, bwd
 
 
