@@ -21,8 +21,7 @@ math). One forward and backward, kernel by kernel (registry names; K is the GEMM
                   multicast); mok_gemm_wgrad_pp where experts have few rows and the output few columns;
                   macrobatch passes after the first add into the first one's (mok_gemm_wgrad_defer_c2_acc).
                   d down_proj runs right after the dgrad of down, before the dgrad of gate/up; d gate_up_proj
-                  last, its kernel reading x's rows from x by row_token (a_gather, cp.async) itself;
-                  precision="mxfp8": in column blocks of x, each block's values made for it
+                  last, in column blocks of x, each block's x rows gathered (mok_scatter_rows) for it
   memory          the forward keeps gate_up only (x's rows are freed after the gate/up GEMM); where autograd
                   keeps no graph, d gate_up overwrites it (the dSwiGLU epilogue reads each element before it
                   writes it); every row buffer is freed once used (mlp_rows_backward, benchmarks/memory_model.py)
@@ -593,35 +592,12 @@ def expert_row_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return expert_counts(topk_ids, num_experts, torch.int32)
 
 
-@dataclass(frozen=True)
-class RowsByIndex:
-    """Rows of src [N, C] in schedule order, row r being src[index[r]] (a zero row where index[r] >= N, as the
-    schedule's padding rows of row_token are): a weight-gradient operand that the kernel gathers itself
-    (weight_grad), so that these rows are never written to memory."""
-
-    src: torch.Tensor
-    index: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.index.shape[0], self.src.shape[1]
-
-    def rows(self) -> torch.Tensor:
-        return take_rows(self.src, self.index)
-
-
-def _rows(t) -> torch.Tensor:
-    """A weight-gradient operand's rows as a tensor (RowsByIndex gathered here)."""
-    return t.rows() if isinstance(t, RowsByIndex) else t
-
-
-def weight_grad(a_rows: torch.Tensor, b_rows, sched: Schedule, counts: torch.Tensor,
+def weight_grad(a_rows: torch.Tensor, b_rows: torch.Tensor, sched: Schedule, counts: torch.Tensor,
                 into: torch.Tensor | None = None, out: torch.Tensor | None = None, cols: int | None = None
                 ) -> torch.Tensor:
     """[E, Na, Nb] bf16: per expert e, a_rows[seg e]^T @ b_rows[seg e] (fp32 accumulation, rows ascending).
 
-    a_rows [M_cap, Na], b_rows [M_cap, Nb] in schedule order with zero padding rows; b_rows may be RowsByIndex,
-    whose rows the kernel gathers (a_gather) where src's rows are 16-byte vectors, else gathered here first;
+    a_rows [M_cap, Na], b_rows [M_cap, Nb] in schedule order with zero padding rows;
     counts [E] int32 real rows per expert (the kernel stops at the 16-row k-block holding the last one).
     into: add the (bf16-rounded) result into this [E, Na, Nb] tensor and return it (macrobatch passes):
     by the accumulating twin of the kernel where it has one (WGRAD_ACC_KERNELS: the stores add in L2,
@@ -629,34 +605,23 @@ def weight_grad(a_rows: torch.Tensor, b_rows, sched: Schedule, counts: torch.Ten
     out: write the result into this [E, Na, Nb] tensor (a view: a column block of a larger gradient) and
     return it. cols: the columns of the whole gradient where b_rows is a block of them (the kernel is chosen
     for the whole, so that every block runs the kernel the whole would: wgrad_kernel).
-    The kernel's C is M-major: its A is b_rows (M = Nb, the gradient's contiguous columns), its B a_rows.
     """
-    name = wgrad_kernel(sched, cols or b_rows.shape[1])
-    acc_name = WGRAD_ACC_KERNELS.get(wgrad_kernel(sched, cols or b_rows.shape[1], accumulate=True))
+    name = wgrad_kernel(sched, cols or b_rows.shape[1], into is not None)
+    acc_name = WGRAD_ACC_KERNELS.get(name)
     if into is not None and (_use_torch_gemm() or acc_name is None or not _kernel_stores_into(into)):
-        return into.add_(_weight_grad(a_rows, b_rows, sched, counts, name).to(into.dtype))
+        return into.add_(weight_grad(a_rows, b_rows, sched, counts, cols=cols).to(into.dtype))
     if out is not None and (_use_torch_gemm() or not _kernel_stores_into(out)):
-        return out.copy_(_weight_grad(a_rows, b_rows, sched, counts, name))
-    if into is not None:
-        return _weight_grad(a_rows, b_rows, sched, counts, acc_name, into)
-    return _weight_grad(a_rows, b_rows, sched, counts, name, out)
-
-
-def _weight_grad(a_rows, b_rows, sched: Schedule, counts, name: str, out: torch.Tensor | None = None):
-    """weight_grad by one launch of kernel `name` (torch._grouped_mm under MOK_GEMM=torch), into out (a new
-    gradient where None; the accumulating kernels add into it)."""
+        return out.copy_(weight_grad(a_rows, b_rows, sched, counts, cols=cols))
     if _use_torch_gemm():
-        return torch._grouped_mm(a_rows.t(), _rows(b_rows), offs=sched.seg_end)
-    if out is None:
-        out = torch.empty(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.bfloat16,
-                          device=a_rows.device)
-    if isinstance(b_rows, RowsByIndex) and rows_of_16_byte_vectors(b_rows.src):
-        a_src, a_index, a_gather = b_rows.src, b_rows.index, 1
-    else:
-        a_src, a_index, a_gather = _rows(b_rows), _no_row_index(a_rows.device), 0
+        return torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
+    na, nb = a_rows.shape[1], b_rows.shape[1]
+    if into is not None:
+        out, name = into, acc_name
+    elif out is None:
+        out = torch.empty(sched.num_experts, na, nb, dtype=torch.bfloat16, device=a_rows.device)
     _lib().launch(
-        name, a_src.t().unsqueeze(-1), a_rows.t().unsqueeze(-1), out.permute(2, 1, 0),
-        sched.seg_end, counts, a_index, a_gather, wgrad_group_m(name, a_rows.shape[1]), stream=_stream(),
+        name, a_rows.t().unsqueeze(-1), b_rows.t().unsqueeze(-1), out.permute(1, 2, 0),
+        sched.seg_end, counts, wgrad_group_m(name, nb), stream=_stream(),
     )  # fmt: skip
     return out
 
@@ -684,11 +649,10 @@ def wgrad_output_layout(t: torch.Tensor) -> bool:
             and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0)
 
 
-def wgrad_group_m(name: str, n: int) -> int:
+def wgrad_group_m(name: str, nb: int) -> int:
     """Row tiles (row-tile pairs in the clustered kernels) per raster band of weight-gradient kernel `name`
-    whose N (its B operand's columns, the gradient's rows) is n: 8 where N spans more than 32 tiles, else 1
-    (column tiles fastest)."""
-    return band_rule(n, tile_n_of(name))
+    with nb output columns: 8 where the columns span more than 32 tiles, else 1 (column tiles fastest)."""
+    return band_rule(nb, tile_n_of(name))
 
 
 MAX_TOP_K = 32  # the combine kernels hold slot j's row index, leaf and weight in lane j of a warp
@@ -1006,9 +970,8 @@ def _launch_mx_quant(src: torch.Tensor, dst: torch.Tensor, mode: int, sched: Sch
 
 @functools.lru_cache(maxsize=None)
 def _no_row_index(device: torch.device) -> torch.Tensor:
-    """A one-entry row index [0] for the launches that take none (mok_mx_quant's modes without row_src, the
-    weight-gradient kernels without a_gather), made once per device as _cached_zero_tile: no allocation and
-    fill on every launch."""
+    """A one-entry row_src [0] for the mok_mx_quant modes that take no row index (made once per device, as
+    _cached_zero_tile: no allocation and fill on every launch)."""
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
@@ -1111,8 +1074,8 @@ def check_supported(x, topk_ids, gate_up_proj, down_proj, activation) -> str | N
 @dataclass
 class CudaSaved:
     """What the forward keeps for the backward: the schedule and gate_up. No x rows (k T x H values): the
-    gate/up weight's gradient reads x's rows from x itself (RowsByIndex; precision="mxfp8": their values, made a
-    column block at a time, gate_up_weight_grad)."""
+    backward gathers x's rows again, a column block at a time, for the gate/up weight's gradient
+    (gate_up_weight_grad)."""
 
     sched: Schedule
     gate_up: torch.Tensor  # [M_cap, 2I] bf16, schedule order
@@ -1215,16 +1178,15 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     schedule order, zero on padding rows (skip_tail: the tail past the last segment may stay unwritten; mx: the
     rows of t's MXFP8 values along its columns, take_rows), its rows those of sched.row_token; w_rows [M_cap]
     fp32 the top-k weight of each row (0 on padding rows); x [N, H]: the input rows (read only for d gate_up_proj,
-    whose kernel gathers them, RowsByIndex; precision="mxfp8": a column block at a time, gate_up_weight_grad);
-    into: (d gate_up_proj, d down_proj) to add to (macrobatch passes), or Nones; take_dx: what is made of the
-    d x rows (summed per token, or read back per row) before they are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it after this backward).
+    a column block at a time: gate_up_weight_grad); into: (d gate_up_proj, d down_proj) to add to (macrobatch
+    passes), or Nones; take_dx: what is made of the d x rows (summed per token, or read back per row) before they
+    are freed; consume_gate_up: d gate_up overwrites gate_up (nothing reads it after this backward).
 
     Order, for the peak memory: the down weight's gradient right after the dgrad of down, so that the d y rows and
     w h are freed before the d x rows exist; the d x rows freed once taken, before the gate/up weight's gradient,
-    whose kernel reads x's rows from x (precision="mxfp8": their values exist a column block at a time). With
-    precision="mxfp8" the dgrad takes d y's MXFP8 values, and the weight gradients the values of d y's and x's rows
-    along the rows, each made from d y / x in one pass (row_segments); d y's rows themselves only the bias terms
-    need."""
+    whose x rows exist a column block at a time. With precision="mxfp8" the dgrad takes d y's MXFP8 values, and
+    the weight gradients the values of d y's and x's rows along the rows, each made from d y / x in one pass
+    (row_segments); d y's rows themselves only the bias terms need."""
     from . import reference
 
     need13, need2, need_b13, need_b2 = reference.param_grads_needed(needs)
@@ -1265,21 +1227,20 @@ def mlp_rows_backward(grad_out, gather, w_rows, gate_up, x, sched: Schedule, gat
     dx = take_dx(grouped_gemm(dgu_a, q.weight(gate_up_proj, -2), sched, transpose_w=True))
     del dgu_a
     d_gate_up = None
-    if need13 and q.mxfp8:  # x's values along the rows, a column block of x at a time
-        d_gate_up = gate_up_weight_grad(dgu_w, lambda c0, c1: row_segments(x[:, c0:c1], sched), sched,
-                                        gate_up_proj, into[0])
-    elif need13:  # x's rows gathered by the kernel itself
-        d_gate_up = weight_grad_of(dgu_w, RowsByIndex(x, sched.row_token), sched, wdt, into[0])
+    if need13:
+        def x_block(c0, c1):  # x's columns [c0, c1) in schedule order, as d gate_up_proj's GEMM takes them
+            return row_segments(x[:, c0:c1], sched) if q.mxfp8 else gather(x[:, c0:c1], True)
+
+        d_gate_up = gate_up_weight_grad(dgu_w, x_block, sched, gate_up_proj, into[0])
     return dx, dw_rows, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
-# With precision="mxfp8", d gate_up_proj = dgu^T x_rows takes x's values along the rows (per expert blocks of 32
-# rows, which no gather of x gives): it runs in column blocks of x, each block's values made just for its GEMM (the
+# d gate_up_proj = dgu^T x_rows runs in column blocks of x, each block's x rows gathered just for its GEMM (the
 # forward keeps no x rows): as few blocks as keep one block's rows within X_BLOCK_BYTES, at most
 # X_MAX_COLUMN_BLOCKS, of whole GEMM_TILE_N tiles. Fewer blocks are faster (each block's GEMM has its own launch
-# and tail: on an H100 qwen3-30b-a3b's bf16 backward took 3.00 ms in 2 blocks, 3.09 in 4, 2.91 in 1), more hold
-# less: x's rows at 8192 tokens are 335 MB at qwen3-30b-a3b (2 blocks), 143 MB at mixtral-8x7b (1), 1.4 GB at
-# deepseek-v3 (4) (benchmarks/memory_model.py gives the peaks). bf16 gathers x's rows in the kernel instead.
+# and tail: on an H100 qwen3-30b-a3b's backward took 3.00 ms in 2 blocks, 3.09 in 4, 2.91 in 1), more hold less:
+# x's rows at 8192 tokens are 335 MB at qwen3-30b-a3b (2 blocks), 143 MB at mixtral-8x7b (1), 1.4 GB at
+# deepseek-v3 (4) (benchmarks/memory_model.py gives the peaks).
 X_BLOCK_BYTES = 192 << 20
 X_MAX_COLUMN_BLOCKS = 4
 
@@ -1296,9 +1257,9 @@ def x_column_blocks(hidden: int, rows: int, elem_bytes: int = 2) -> list[tuple[i
 
 def gate_up_weight_grad(dgu_w, x_cols, sched: Schedule, gate_up_proj, into=None):
     """d gate_up_proj [E, 2I, H] = dgu^T x_rows per expert (weight_grad_of), one column block of H at a time
-    (x_column_blocks; precision="mxfp8"): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order
-    as this GEMM takes them (their values along the rows, row_segments), made for that block alone and freed
-    after it. The same bits as one GEMM over every column: each output element's sum over the rows does
+    (x_column_blocks): x_cols(c0, c1) gives the rows of x's columns [c0, c1) in schedule order as this GEMM takes
+    them (precision="mxfp8": their values along the rows, GemmOperands.segments), made for that block alone and
+    freed after it. The same bits as one GEMM over every column: each output element's sum over the rows does
     not depend on the blocks, and every block runs the kernel the whole would (cols). dgu_w: d gate_up as this
     GEMM takes it (GemmOperands.rows_and_segments); into: added to instead (macrobatch passes), which is
     returned."""

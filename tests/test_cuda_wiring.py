@@ -24,7 +24,6 @@ _DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "i6
 class _FakeLib:
     def __init__(self):
         self.calls = []
-        self.wgrad_operands = []
 
     def launch(self, name, *args, stream):
         spec = registry.SPECS_BY_NAME[name]
@@ -44,10 +43,6 @@ class _FakeLib:
             a, b, c, te, seg_end, seg_rows, _, counter = args
             assert int(counter[0]) == 0, f"{name}: tile counter not zeroed before the launch"
             _gemm(a[:, :, 0], b, c, te)
-        elif spec.factory == "VarlenKGroupedGemm":
-            # (name, A's storage, a_rows, a_gather): no reference to a row buffer (the peak-memory tests)
-            self.wgrad_operands.append((name, args[0].data_ptr(), args[5].clone(), args[6]))
-            _wgrad(spec, *args[:-1])
         elif spec.factory == "MxQuant":
             src, dst, te, seg_end, seg_rows, row_src, mode, grid = args
             assert mode in (0, 1, 2, 3, 4) and grid >= 1
@@ -79,23 +74,6 @@ def _mx_quant(src, mode, seg_end, seg_rows):
             start = end
         src = kept
     return fake_quantize(src, 0)
-
-
-def _wgrad(spec, a, b, c, seg_end, seg_rows, a_rows, a_gather):
-    """VarlenKGroupedGemm's contract (float64 sums: exact for these sizes), storing into the c it is given:
-    c[:, :, e] = A[:, rows of e] @ B[:, rows of e]^T over e's seg_rows first rows, A's row r being a's row r,
-    or (a_gather) a's row a_rows[r], zero past a's rows."""
-    if a_gather:
-        assert a_rows.shape[0] == b.shape[1] and int(a_rows.max()) <= a.shape[1]
-        a = torch.cat([a[:, :, 0], a.new_zeros(a.shape[0], 1)], dim=1).index_select(1, a_rows).unsqueeze(-1)
-    start = 0
-    for e, end in enumerate(seg_end.tolist()):
-        n = int(seg_rows[e])
-        res = (a[:, start:start + n, 0].double() @ b[:, start:start + n, 0].double().T).to(torch.bfloat16)
-        if dict(spec.factory_kwargs).get("accumulate"):
-            res = (c[:, :, e].float() + res.float()).to(torch.bfloat16)
-        c[:, :, e] = res
-        start = end
 
 
 def _gemm(a, b, c, tile_expert):
@@ -130,13 +108,14 @@ def fake_lib(monkeypatch):
     monkeypatch.setattr(cb, "combine", cb.combine_torch)
     monkeypatch.setenv("MOK_ACT", "torch")  # no fused activation kernels: the plain GEMMs everywhere
     monkeypatch.delenv("MOK_GEMM", raising=False)
+    monkeypatch.setattr(cb, "weight_grad", _torch_weight_grad)
     return lib
 
 
 def _torch_weight_grad(a_rows, b_rows, sched, counts, into=None, out=None, cols=None):
     """The weight gradients by torch._grouped_mm (the kernels' contract; MOK_GEMM=torch's formula): returned,
     added into `into`, or written into `out`."""
-    grad = torch._grouped_mm(a_rows.t(), cb._rows(b_rows), offs=sched.seg_end)
+    grad = torch._grouped_mm(a_rows.t(), b_rows, offs=sched.seg_end)
     if into is not None:
         return into.add_(grad.to(into.dtype))
     return grad if out is None else out.copy_(grad)
@@ -153,16 +132,9 @@ def test_default_path_launches_and_function(fake_lib, T, H, I, bias, activation,
     y, saved = cb.experts_forward(x, ids, w, *args)
     dx, dtk, grads = cb.experts_backward(dy, saved, x, ids, w, *args)
     gemms = [c for c in fake_lib.calls if c.startswith("mok_gemm")]
-    # forward gate/up (K = H), down (K = I); backward dgrad of down (fp32), d down_proj [E, H, I], dgrad of gate/up
-    # (K = 2I), d gate_up_proj [E, 2I, H]
+    # forward gate/up (K = H), down (K = I); backward dgrad of down (fp32), dgrad of gate/up (K = 2I)
     assert gemms == [cb.gemm_kernel(False, k=H), cb.gemm_kernel(False, k=I), "mok_gemm_bn_f32_dyn",
-                     cb.wgrad_kernel(saved.sched, I), cb.gemm_kernel(True, k=2 * I),
-                     cb.wgrad_kernel(saved.sched, H)], gemms
-    # d gate_up_proj's kernel gathers x's rows itself (A is x, by the schedule's row_token), d down_proj's takes
-    # w h's rows as they are
-    (_, a_down, _, gather_down), (_, a_up, idx_up, gather_up) = fake_lib.wgrad_operands
-    assert (gather_down, gather_up) == (0, 1)
-    assert a_up == x.data_ptr() and torch.equal(idx_up, saved.sched.row_token)
+                     cb.gemm_kernel(True, k=2 * I)], gemms
     # the forward keeps the schedule and gate_up only (no x rows: the backward gathers them again)
     assert [f.name for f in dataclasses.fields(saved)] == ["sched", "gate_up"]
     # the experts' function (fp32 stand-ins, bf16 roundings: close to the reference)
@@ -297,7 +269,6 @@ def test_x_column_blocks():
 def _exact_weight_grad(a_rows, b_rows, sched, counts, into=None, out=None, cols=None):
     """_torch_weight_grad with each expert's products summed in float64 (exact for these sizes), so the result
     of a column block does not depend on how a BLAS blocks its sums."""
-    b_rows = cb._rows(b_rows)
     grad = torch.zeros(sched.num_experts, a_rows.shape[1], b_rows.shape[1], dtype=torch.float64)
     start = 0
     for e, end in enumerate(sched.seg_end.tolist()):
@@ -310,91 +281,63 @@ def _exact_weight_grad(a_rows, b_rows, sched, counts, into=None, out=None, cols=
 
 
 @pytest.mark.parametrize("macrobatch", [False, True])
-def test_gate_up_weight_grad_gathers_x_in_the_kernel(fake_lib, monkeypatch, macrobatch):
-    """bf16 d gate_up_proj: its kernel reads x's rows from x (a_gather, by the schedule's row_token), so the
-    backward never gathers x's rows into a buffer; its result is the experts' function (also added into an
-    earlier pass's gradients)."""
-    x, ids, w, dy, W13, W2, b13, b2 = random_problem(20, 1040, 520, 4, 2, False, seed=11)
-    args = (W13, W2, b13, b2, "swiglu", None)
-    gathered, gather = [], cb.gather_rows
-
-    def spy_gather(t, sched, skip_tail=False, mx=False):
-        gathered.append(t is x or t._base is x)
-        return gather(t, sched, skip_tail, mx)
-
-    taken, take = [], cb.take_rows
-
-    def spy_take(src, idx, *a, **kw):
-        taken.append(src is x or src._base is x)
-        return take(src, idx, *a, **kw)
-
-    monkeypatch.setattr(cb, "gather_rows", spy_gather)
-    monkeypatch.setattr(cb, "take_rows", spy_take)
-    into = None
-    if macrobatch:  # a first pass's gradients to add into
-        into = cb.experts_backward(dy, cb.experts_forward(x, ids, w, *args)[1], x, ids, w, *args)[2]
-    _, saved = cb.experts_forward(x, ids, w, *args)
-    gathered.clear()
-    taken.clear()
-    fake_lib.wgrad_operands.clear()
-    got = cb.experts_backward(dy, saved, x, ids, w, *args, grads_into=into)[2].gate_up_proj
-    assert gathered and not any(gathered) and not any(taken)  # (d y's rows only)
-    name, a, idx, a_gather = fake_lib.wgrad_operands[-1]
-    assert a == x.data_ptr() and a_gather == 1 and torch.equal(idx, saved.sched.row_token)
-    assert name == cb.wgrad_kernel(saved.sched, 1040)  # (a CPU gradient: the sum added apart, not in the stores)
-    _, saved_r = reference.experts_forward(x, ids, w, *args)
-    want = reference.experts_backward(dy, saved_r, x, ids, w, *args)[2].gate_up_proj * (2 if macrobatch else 1)
-    assert (got.float() - want.float()).norm() <= 1e-2 * want.float().norm()
-
-
-@pytest.mark.parametrize("macrobatch", [False, True])
-def test_mxfp8_gate_up_weight_grad_in_column_blocks(fake_lib, monkeypatch, macrobatch):
-    """precision="mxfp8" d gate_up_proj a column block of x at a time: each block's values made from x's columns
-    alone and gone before the next block's are made; bitwise the one-block result (also adding into an earlier
-    pass's gradients)."""
+def test_gate_up_weight_grad_in_column_blocks(fake_lib, monkeypatch, macrobatch):
+    """d gate_up_proj a column block of x at a time: each block's x rows gathered from x's columns alone and
+    gone before the next block's are gathered; bitwise the one-block result (also adding into an earlier
+    pass's gradients), which is the experts' function."""
     import weakref
 
     monkeypatch.setattr(cb, "weight_grad", _exact_weight_grad)
-    x, ids, w, dy, W13, W2, b13, b2 = random_problem(20, 1056, 544, 4, 2, False, seed=11)  # (whole MX blocks)
+    x, ids, w, dy, W13, W2, b13, b2 = random_problem(20, 1040, 520, 4, 2, False, seed=11)
     args = (W13, W2, b13, b2, "swiglu", None)
 
     def backward():
-        _, saved = cb.experts_forward(x, ids, w, *args, precision="mxfp8")
+        _, saved = cb.experts_forward(x, ids, w, *args)
         into = None
         if macrobatch:  # a first pass's gradients to add into
-            first = cb.experts_forward(x, ids, w, *args, precision="mxfp8")[1]
-            into = cb.experts_backward(dy, first, x, ids, w, *args, precision="mxfp8")[2]
-        return cb.experts_backward(dy, saved, x, ids, w, *args, grads_into=into, precision="mxfp8")[2].gate_up_proj
+            into = cb.experts_backward(dy, cb.experts_forward(x, ids, w, *args)[1], x, ids, w, *args)[2]
+        return cb.experts_backward(dy, saved, x, ids, w, *args, grads_into=into)[2].gate_up_proj
 
-    blocks, segments = [], cb.row_segments
+    gathers, gather = [], cb.gather_rows
 
-    def spy_segments(t, sched):
-        if t._base is x:  # a column block of x: the previous block's values are gone
-            assert all(ref() is None for _, ref in blocks), "x values of an earlier block still alive"
-        out = segments(t, sched)
+    def spy_gather(t, sched, skip_tail=False, mx=False):
+        if t._base is x:  # a column block of x: the previous block's rows are gone
+            assert all(ref() is None for _, ref in gathers), "x rows of an earlier block still alive"
+        out = gather(t, sched, skip_tail, mx)
         if t._base is x:
-            blocks.append((t.shape[1], weakref.ref(out)))
+            gathers.append((t.shape[1], weakref.ref(out)))
         return out
 
-    monkeypatch.setattr(cb, "row_segments", spy_segments)
+    monkeypatch.setattr(cb, "gather_rows", spy_gather)
     monkeypatch.setattr(cb, "X_BLOCK_BYTES", 1024)  # (small rows: several blocks)
-    in_blocks = backward()
-    assert [width for width, _ in blocks] == [512, 512, 32] * (2 if macrobatch else 1)
+    blocks = backward()
+    assert [width for width, _ in gathers] == [512, 512, 16] * (2 if macrobatch else 1)
     monkeypatch.setattr(cb, "x_column_blocks", lambda hidden, rows: [(0, hidden)])
-    assert torch.equal(in_blocks, backward())
+    whole = backward()
+    assert torch.equal(blocks, whole)
+    _, saved_r = reference.experts_forward(x, ids, w, *args)
+    want = reference.experts_backward(dy, saved_r, x, ids, w, *args)[2].gate_up_proj * (2 if macrobatch else 1)
+    assert (blocks.float() - want.float()).norm() <= 1e-2 * want.float().norm()
 
 
 class _WgradLib:
-    """VarlenKGroupedGemm's contract on CPU (_wgrad), recording where each launch stores."""
+    """VarlenKGroupedGemm's contract on CPU (float64 sums: exact here), storing into the c it is given."""
 
     def __init__(self):
         self.stores = []
 
-    def launch(self, name, a, b, c, seg_end, seg_rows, a_rows, a_gather, group_m, stream):
+    def launch(self, name, a, b, c, seg_end, seg_rows, group_m, stream):
         spec = registry.SPECS_BY_NAME[name]
         assert spec.factory == "VarlenKGroupedGemm", name
         self.stores.append((name, c.data_ptr()))
-        _wgrad(spec, a, b, c, seg_end, seg_rows, a_rows, a_gather)
+        start = 0
+        for e, end in enumerate(seg_end.tolist()):
+            n = int(seg_rows[e])
+            res = (a[:, start:start + n, 0].double() @ b[:, start:start + n, 0].double().T).to(torch.bfloat16)
+            if dict(spec.factory_kwargs).get("accumulate"):
+                res = (c[:, :, e].float() + res.float()).to(torch.bfloat16)
+            c[:, :, e] = res
+            start = end
 
 
 @pytest.mark.parametrize("accumulate", [False, True])

@@ -226,8 +226,7 @@ def _wgrad_spec(
     name: str, tile_n: int, epi_n: int, epi_stages: int, lazy: bool = False, cluster_m: int = 1,
     pingpong: bool = False, accumulate: bool = False,
 ) -> KernelSpec:
-    # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed, C is M-major
-    # (W[e] [N, M]); A's rows gathered in the kernel where a_gather = 1.
+    # C[m, n, e] = sum over expert e's rows r of A[m, r] * B[n, r]: the rows are read transposed.
     # lazy: the epilogue leaves its TMA stores in flight and waits for a buffer only before reusing it.
     # cluster_m = 2: CTA pairs on row tiles 2p, 2p + 1 share each B stage by TMA multicast.
     kwargs = (("tile_n", tile_n), ("epi_n", epi_n), ("epi_stages", epi_stages))
@@ -241,14 +240,11 @@ def _wgrad_spec(
         factory="VarlenKGroupedGemm",
         factory_kwargs=kwargs,
         args=(
-            # a: A's rows in schedule order, or (a_gather = 1) the rows a_rows indexes (e.g. x, by row_token)
-            TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, 1, 1)),
+            TensorArg("a", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
             TensorArg("b", "bf16", (DYN, DYN, 1), (1, DYN, 0), divisibility=(8, TILE_M, 1)),
-            TensorArg("c", "bf16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(8, 8, 1)),
+            TensorArg("c", "bf16", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(8, 8, 1)),
             TensorArg("seg_end", "i32", (DYN,), (1,), align=4),
             TensorArg("seg_rows", "i32", (DYN,), (1,), align=4),
-            TensorArg("a_rows", "i64", (DYN,), (1,), align=8),
-            ScalarArg("a_gather", "i32"),
             ScalarArg("group_m", "i32"),
         ),
     )

@@ -3,12 +3,7 @@
     C[m, n, e] = sum_{r in rows of e} A[m, r] * B[n, r]
 
 A and B are the schedule-ordered rows read transposed (both M/N-major: the row
-index r is the reduction axis), and C is M-major: the gradient W[e] [N, M] of a
-weight whose rows are M long, e.g. d down_proj[e] [H, I] = dy_rows[seg e]^T @ wh[seg e]
-with A = wh, B = dy_rows. A's rows can instead be gathered by the kernel (a_gather):
-row r of A is row a_rows[r] of the source matrix, zero where that index is past
-its rows, e.g. d gate_up_proj[e] [2I, H] with A = x gathered by the schedule's
-row_token, so that x's rows in schedule order are never written to memory.
+index r is the reduction axis), e.g. d down_proj[e] = dy_rows[seg e]^T @ wh[seg e].
 Expert e reduces rows seg_start(e) .. seg_start(e) + seg_rows[e], rounded up to
 the K tile (64 rows) for the loads and to the 16-row wgmma k-block for the MMA
 (the last K tile runs only its k-blocks that hold real rows: one unrolled
@@ -19,8 +14,7 @@ padding (zero), so rounding up adds nothing. An expert without rows gets an
 all-zero output tile.
 
 Structure as in grouped_gemm.py: warp group 0 issues TMA loads into a ring of
-stages (a gathered A: its 128 threads copy A by cp.async, 16 bytes each), warp
-groups 1 and 2 run wgmma (64 rows each; ping-pong: whole tiles in turn) and store bf16
+stages, warp groups 1 and 2 run wgmma (64 rows each; ping-pong: whole tiles in turn) and store bf16
 through shared memory with TMA. The tile space is (m tile, n tile, expert), expert
 slowest, so a wave of CTAs works on one or two experts whose rows stay in L2.
 One CTA reduces the whole K range of a tile in ascending order: bitwise
@@ -45,7 +39,7 @@ from .registry import TILE_M
 
 
 class VarlenKGroupedGemm:
-    """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) M-major.
+    """Tile (128, tile_n, 64); A (M, R, 1) M-major, B (N, R, 1) N-major, C (M, N, E) N-major.
 
     The epilogue stores (128, epi_n) sub-tiles through epi_stages shared-memory buffers.
     Measured on H200 (docs/kernels.md, "What was tried and lost"):
@@ -76,13 +70,6 @@ class VarlenKGroupedGemm:
     and each warp group has its own epilogue buffers (the whole 128 x 128 tile, stored by TMA and
     waited for at its next epilogue), named barrier and storing warp. Every output element is still
     reduced by one warp group in ascending K order: bitwise the cooperative kernel's result.
-
-    a_gather (a run-time argument): A's rows are rows a_rows[r] of mA, copied by the producer warp group's 128
-    threads with cp.async (16 bytes each: 16 threads across the tile's 128 columns, 8 rows apart; an index
-    past mA's rows or a column past M copies zeros), while warp 0 still loads B by TMA. A stage is full once
-    the TMA bytes landed and every producer thread's copies completed (cp.async.mbarrier.arrive.noinc: the
-    full barriers count 1 + 128 arrivals, in either mode). Not multicast: the CTAs of a cluster take other
-    row tiles of A. The same MMA on the same values: bitwise the kernel on rows gathered beforehand.
     """
 
     def __init__(
@@ -123,9 +110,8 @@ class VarlenKGroupedGemm:
         self.num_consumer_wg = 2
         self.threads_per_wg = 128
         self.num_threads = (1 + self.num_consumer_wg) * self.threads_per_wg
-        # the producer warp group gathers A's rows itself (a_gather): 56 registers, as 40 would spill
-        self.producer_regs = 56
-        self.consumer_regs = 224
+        self.producer_regs = 40
+        self.consumer_regs = 232
         self.epi_tile = (128, epi_n)
         self.epi_stages = epi_stages
         self.epi_buffers = epi_stages
@@ -152,8 +138,6 @@ class VarlenKGroupedGemm:
         mC: cute.Tensor,  # (M, N, E) N-major
         seg_end: cute.Tensor,  # (E,) int32, end row of each expert's padded segment
         seg_rows: cute.Tensor,  # (E,) int32, rows of each expert to reduce (<= its segment)
-        a_rows: cute.Tensor,  # (R,) int64, a_gather: row r of A is row a_rows[r] of mA (past its rows: zeros)
-        a_gather: cutlass.Int32,  # 0: mA holds A's rows in schedule order (TMA); 1: gather them by a_rows
         group_m: cutlass.Int32,  # row tiles per raster band inside an expert (1: column tiles fastest)
         stream: cuda.CUstream,
     ):
@@ -216,7 +200,7 @@ class VarlenKGroupedGemm:
                                            self.pingpong)
 
         self.kernel(
-            tma_a, tma_mA, mA, tma_b, tma_mB, tma_c, tma_mC, seg_end, seg_rows, a_rows, a_gather,
+            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, seg_end, seg_rows,
             tiled_mma, a_smem, b_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n), group_m,
         ).launch(
             grid=grid,
@@ -244,56 +228,6 @@ class VarlenKGroupedGemm:
         within = within - band * (group_m * tiles_n)
         return first_m + within % rows_in_band, within // rows_in_band, expert
 
-    def _gather_a_copies(self, tidx, sA):
-        """(cp.async atom, this producer thread's 16-byte pieces of every stage of sA, its source rows' registers)
-        for a gathered A: 16 threads across the tile's 128 columns, 8 rows apart, so thread t copies piece
-        t % 16 of rows t // 16 + 8 i of each stage (i < 8)."""
-        vec = 128 // self.ab_dtype.width
-        pieces = self.tile_mnk[0] // vec
-        atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), self.ab_dtype,
-            num_bits_per_copy=128,
-        )
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_layout((pieces, self.threads_per_wg // pieces), stride=(1, pieces)),
-            cute.make_layout(((vec, 1),), stride=((1, 0),)),
-        )
-        src_rows = cute.make_rmem_tensor((self.tile_mnk[2] * pieces // self.threads_per_wg,), cutlass.Int64)
-        return atom, tiled.get_slice(tidx).partition_D(sA), src_rows
-
-    @cute.jit
-    def _gather_a_rows(self, gather, a_rows, k_tile):
-        """Load this thread's source rows of A's K tile k_tile (a_rows[64 k_tile + j] for its rows j) into
-        registers: issued before the stage is free, so the index loads overlap the wait."""
-        _, _, src_rows = gather
-        tidx, _, _ = cute.arch.thread_idx()
-        pieces = self.tile_mnk[0] // (128 // self.ab_dtype.width)
-        rows_apart = self.threads_per_wg // pieces
-        first = k_tile * self.tile_mnk[2] + tidx // pieces
-        for i in cutlass.range_constexpr(cute.size(src_rows)):
-            src_rows[i] = a_rows[first + i * rows_apart]
-
-    @cute.jit
-    def _gather_a_stage(self, gather, mA_src, m_tile, stage):
-        """Issue this thread's cp.async copies of the rows _gather_a_rows loaded (columns of row tile m_tile of
-        mA_src) into stage `stage`: zeros (src-size 0) for an index past mA_src's rows or a piece past its
-        columns."""
-        atom, tGsA, src_rows = gather
-        tidx, _, _ = cute.arch.thread_idx()
-        vec = 128 // self.ab_dtype.width
-        pieces = self.tile_mnk[0] // vec
-        piece = m_tile * pieces + tidx % pieces
-        col_ok = piece * vec < mA_src.shape[0]
-        pred = cute.make_rmem_tensor(cute.make_layout(((vec,),)), cutlass.Boolean)
-        for i in cutlass.range_constexpr(cute.size(src_rows)):
-            ok = col_ok & (src_rows[i] < mA_src.shape[1])
-            # (a row and piece that exist: with src-size 0 nothing is read, the 16 bytes are zeroed)
-            row = cute.zipped_divide(mA_src[(None, cutlass.select_(ok, src_rows[i], cutlass.Int64(0)), 0)], (vec,))
-            for v in cutlass.range_constexpr(vec):
-                pred[v] = ok
-            src = row[(None, cutlass.select_(ok, piece, cutlass.Int32(0)))]
-            cute.copy(atom, src, tGsA[(None, 0, i, stage)], pred=pred)
-
     def _k_range(self, seg_end, seg_rows, expert):
         """(first K tile, number of K tiles) of an expert."""
         bk = self.tile_mnk[2]
@@ -306,15 +240,12 @@ class VarlenKGroupedGemm:
         self,
         tma_a: cute.CopyAtom,
         mA: cute.Tensor,
-        mA_src: cute.Tensor,
         tma_b: cute.CopyAtom,
         mB: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
         seg_end: cute.Tensor,
         seg_rows: cute.Tensor,
-        a_rows: cute.Tensor,
-        a_gather: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
@@ -336,13 +267,12 @@ class VarlenKGroupedGemm:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        a_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
-        b_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
         # A stage is free once the consumer warps of every CTA it is multicast into released it:
         # with a cluster each consumer warp arrives on the empty barrier of both CTAs (the pipeline
-        # picks the peers from cta_layout_vmnk). A full barrier expects both halves of B and A's TMA bytes
-        # (warp 0's expect-tx arrival, A's bytes only where A is not gathered) and the 128 producer threads'
-        # cp.async arrivals (their gathered A copies complete, or none).
+        # picks the peers from cta_layout_vmnk), and a full barrier expects A plus both halves of B.
         # (create() ends with a cluster-wide sync: the barriers are initialised before a peer's
         # multicast or arrive can reach them.)
         if cutlass.const_expr(self.pingpong):
@@ -356,9 +286,9 @@ class VarlenKGroupedGemm:
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + self.threads_per_wg),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_m),
-            tx_count=b_bytes,
+            tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
         )
         b_mask = None
@@ -387,42 +317,32 @@ class VarlenKGroupedGemm:
         )
 
         if wg_idx == 0:
-            # ---------------- producer: TMA loads (and a gathered A's copies) ----------------
+            # ---------------- producer: TMA loads ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            gather = self._gather_a_copies(tidx, sA)
-            tx_bytes = b_bytes + (1 - a_gather) * a_bytes
-            sched = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-            )
-            work = sched.initial_work_tile_info()
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-            while work.is_valid_tile:
-                m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
-                k_first, k_tiles = self._k_range(seg_end, seg_rows, expert)
-                tAgA_t = tAgA[(None, m_tile, None, 0)]
-                tBgB_t = tBgB[(None, n_tile, None, 0)]
-                for k in range(k_tiles):
-                    if a_gather != 0:
-                        self._gather_a_rows(gather, a_rows, k_first + k)
-                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
-                    bar = ab_pipe.producer_get_barrier(state)
-                    if warp_idx == 0:
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(bar, tx_bytes)
+            if warp_idx == 0:
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+                )
+                work = sched.initial_work_tile_info()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                while work.is_valid_tile:
+                    m_tile, n_tile, expert = self._tile_coord(work.tile_idx[0], tiles_m, tiles_n, group_m)
+                    k_first, k_tiles = self._k_range(seg_end, seg_rows, expert)
+                    tAgA_t = tAgA[(None, m_tile, None, 0)]
+                    tBgB_t = tBgB[(None, n_tile, None, 0)]
+                    for k in range(k_tiles):
+                        ab_pipe.producer_acquire(state)
+                        bar = ab_pipe.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA_t[(None, k_first + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                         if cutlass.const_expr(self.cluster_m > 1):
                             cute.copy(tma_b, tBgB_t[(None, k_first + k)], tBsB[(None, state.index)], tma_bar_ptr=bar,
                                       mcast_mask=b_mask)
                         else:
                             cute.copy(tma_b, tBgB_t[(None, k_first + k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                        if a_gather == 0:
-                            cute.copy(tma_a, tAgA_t[(None, k_first + k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    if a_gather != 0:
-                        self._gather_a_stage(gather, mA_src, m_tile, state.index)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-                    state.advance()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            if warp_idx == 0:
+                        ab_pipe.producer_commit(state)
+                        state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
         else:
             # ---------------- consumers: wgmma + epilogue ----------------

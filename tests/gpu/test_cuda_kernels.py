@@ -249,17 +249,13 @@ WGRAD_CASES = [  # tokens, k, E, Na, Nb, routing
 
 
 def _wgrad_launch(lib, name, a, b, sched, counts, group_m=None):
-    """One launch of weight-gradient kernel `name` into a NaN-poisoned [E, Na, Nb] output: its A is b (M = Nb,
-    the gradient's contiguous columns; cb.RowsByIndex: gathered by the kernel), its B a."""
+    """One launch of weight-gradient kernel `name` into a NaN-poisoned [E, Na, Nb] output."""
     from mok_nn import cuda_backend as cb
 
     out = torch.full((sched.num_experts, a.shape[1], b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
-    group_m = cb.wgrad_group_m(name, a.shape[1]) if group_m is None else group_m
-    a_src, idx, gather = b, torch.zeros(1, dtype=torch.int64, device="cuda"), 0
-    if isinstance(b, cb.RowsByIndex):
-        a_src, idx, gather = b.src, b.index, 1
-    lib.launch(name, a_src.t().unsqueeze(-1), a.t().unsqueeze(-1), out.permute(2, 1, 0), sched.seg_end, counts,
-               idx, gather, group_m, stream=_stream())
+    group_m = cb.wgrad_group_m(name, b.shape[1]) if group_m is None else group_m
+    lib.launch(name, a.t().unsqueeze(-1), b.t().unsqueeze(-1), out.permute(1, 2, 0), sched.seg_end, counts,
+               group_m, stream=_stream())
     torch.cuda.synchronize()
     return out
 
@@ -351,43 +347,6 @@ def test_weight_grad_kernels_edges(lib, case, group_m):
     if group_m is not None:
         for name in registry.WGRAD_KERNELS:
             assert torch.equal(_bits(outs[name]), _bits(_wgrad_launch(lib, name, a, b, sched, counts))), name
-
-
-@pytest.mark.parametrize("kernel", registry.WGRAD_KERNELS + tuple(registry.WGRAD_ACC_KERNELS.values()))
-@pytest.mark.parametrize("case", WGRAD_EDGE_CASES, ids=["edges", "many_tiles"])
-def test_weight_grad_gathers_rows(lib, case, kernel):
-    """a_gather: the kernel reading A's rows from their source by the schedule's row_token (cb.RowsByIndex, as
-    d gate_up_proj reads x) gives bitwise the result on rows gathered beforehand (also adding into a gradient),
-    every padding row (index T, past the source) zero-filled: the source is the first T rows of a buffer whose
-    next rows are NaN, so a read past it would show. Nb 392 and 1536: partial and whole 128-column tiles of A."""
-    from mok_nn import cuda_backend as cb
-
-    ids, sched, counts, a, _, g = _wgrad_edge_problem(case, seed_base=2)
-    T, Nb = ids.shape[0], case[2]
-    buf = torch.randn(T + 3, Nb, device="cuda", dtype=torch.bfloat16, generator=g)
-    buf[T:] = float("nan")
-    src = buf[:T]
-    rows = cb.take_rows(src, sched.row_token)
-    acc = kernel in registry.WGRAD_ACC_KERNELS.values()
-    before = torch.randn(len(case[0]), a.shape[1], Nb, device="cuda", generator=g).to(torch.bfloat16)
-    outs = []
-    for b in (rows, cb.RowsByIndex(src, sched.row_token)):
-        if acc:  # (the accumulating twin adds into `before`)
-            out = before.clone()
-            a_src, idx, gather = (b.src, b.index, 1) if isinstance(b, cb.RowsByIndex) else (
-                b, torch.zeros(1, dtype=torch.int64, device="cuda"), 0)
-            lib.launch(kernel, a_src.t().unsqueeze(-1), a.t().unsqueeze(-1), out.permute(2, 1, 0), sched.seg_end,
-                       counts, idx, gather, cb.wgrad_group_m(kernel, a.shape[1]), stream=_stream())
-            torch.cuda.synchronize()
-        else:
-            out = _wgrad_launch(lib, kernel, a, b, sched, counts)
-            _check_wgrad(out, a, rows, ids, sched)
-        outs.append(out)
-    assert torch.equal(_bits(outs[0]), _bits(outs[1])), f"{kernel}: gathering in the kernel changed the bits"
-    if not acc:  # the public entry point gathers in the kernel too
-        assert torch.equal(_bits(cb.weight_grad(a, cb.RowsByIndex(src, sched.row_token), sched, counts)),
-                           _bits(outs[0]) if kernel == cb.wgrad_kernel(sched, Nb) else
-                           _bits(_wgrad_launch(lib, cb.wgrad_kernel(sched, Nb), a, rows, sched, counts)))
 
 
 @pytest.mark.parametrize("case", WGRAD_EDGE_CASES, ids=["edges", "many_tiles"])
@@ -677,7 +636,7 @@ def _rule_kernels(T, H, I, E, k, activation, bias, sched):
     # d down_proj right after the dgrad of down; then d x; then d gate_up_proj a column block of x at a time,
     # each block's x rows gathered for it
     bwd += [cb.wgrad_kernel(sched, I), cb.gemm_kernel(True, k=2 * I), combine]
-    bwd += [cb.wgrad_kernel(sched, H)]  # (x's rows gathered by the kernel itself)
+    bwd += ["mok_scatter_rows", cb.wgrad_kernel(sched, H)] * len(cb.x_column_blocks(H, sched.capacity))
     return fwd, bwd
 
 

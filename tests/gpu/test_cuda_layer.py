@@ -79,8 +79,9 @@ def test_macrobatch_passes_keep_the_bits(T, size, launched_kernels):
     """MoKConfig.macrobatch_size on the kernels: y, d x and d topk-weights are the one-pass bits (every
     row is computed alike); the expert gradients are the per-pass gradients (separate one-pass calls)
     summed in pass order in bf16 (the accumulating weight-gradient kernel, mok_gemm_wgrad_defer_c2_acc, per pass
-    after the first once for d down_proj and once for d gate_up_proj), and close to one pass."""
+    after the first once for d down_proj and once per column block of d gate_up_proj), and close to one pass."""
     from mok_nn import MoKConfig
+    from mok_nn import cuda_backend as cb
 
     x, dy, ids, w, params = _routed_problem(T, seed=T)
     launched_kernels.clear()
@@ -90,7 +91,7 @@ def test_macrobatch_passes_keep_the_bits(T, size, launched_kernels):
     launched_kernels.clear()
     got = _routed_cuda(x, ids, w, params, dy, cfg)
     passes = -(-T // size)
-    per_pass = 2  # d down_proj, d gate_up_proj (x's rows gathered by its kernel: one launch)
+    per_pass = 1 + len(cb.x_column_blocks(x.shape[1], cb.schedule_capacity(size, ids.shape[1], 16)))  # (E = 16)
     assert launched_kernels.count("mok_gemm_wgrad_defer_c2_acc") == per_pass * (passes - 1), launched_kernels
     again = _routed_cuda(x, ids, w, params, dy, cfg)
     for i, (a, b) in enumerate(zip(got, again)):
@@ -112,8 +113,8 @@ def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
     """The layer's schedule and row gathers (mok_schedule_gather: the schedule and the x rows in one host call;
     mok_scatter_rows: the d y rows) against torch ops: with make_schedule_torch and index_select in their
     place, every output and gradient of the routed experts has the same bits (the rows are exact copies, the
-    schedule the same). mok_scatter_rows runs for the d y rows only (the gate/up weight's gradient reads x's
-    rows from x)."""
+    schedule the same). mok_scatter_rows runs for the d y rows and for each column block of x's rows (the
+    gate/up weight's gradient)."""
     from mok_nn import MoKConfig
     from mok_nn import cuda_backend as cb
 
@@ -121,8 +122,8 @@ def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
     launched_kernels.clear()
     got = _routed_cuda(x, ids, w, params, dy, MoKConfig())
     assert launched_kernels[0] == "mok_schedule_gather", launched_kernels
-    # (the d y rows; d gate_up_proj's kernel reads x's rows from x)
-    assert launched_kernels.count("mok_scatter_rows") == 1 and "mok_schedule_mc" not in launched_kernels
+    scatters = 1 + len(cb.x_column_blocks(x.shape[1], cb.schedule_capacity(*ids.shape, 16)))  # (E = 16)
+    assert launched_kernels.count("mok_scatter_rows") == scatters and "mok_schedule_mc" not in launched_kernels
     monkeypatch.setattr(cb, "make_schedule", lambda ids, num_experts, capacity=None, gather_x=None, gather_mx=False:
                         cb.make_schedule_torch(ids, num_experts, capacity))
     monkeypatch.setattr(cb, "_gather_rows_kernel", lambda src, slots, mx=False: None)  # take_rows: index_select
