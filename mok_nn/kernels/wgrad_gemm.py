@@ -28,9 +28,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 
+from .gemm_layouts import mma_and_smem_layouts, smem_tensors, stage_count, tile_views
 from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
     step_over, store_sync, store_tile_full, store_tile_split,
@@ -125,10 +125,7 @@ class VarlenKGroupedGemm:
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
-        bm, bn, bk = self.tile_mnk
-        ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_buffers
-        return (self.smem_bytes - 1024 - epi_bytes) // ab_bytes
+        return stage_count(self.smem_bytes, self.tile_mnk, ab_dtype, c_dtype, self.epi_tile, self.epi_buffers)
 
     @cute.jit
     def __call__(
@@ -150,19 +147,8 @@ class VarlenKGroupedGemm:
             raise TypeError("A and B must share a dtype")
 
         bm, bn, bk = self.tile_mnk
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            self.mma_atom_layout,
-            tiler_mn=(64, bn),
-        )
         self.ab_stages = self._stages(self.ab_dtype, self.c_dtype)
-        a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
-        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.ab_stages)
-        c_smem = sm90_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, self.epi_buffers)
+        tiled_mma, a_smem, b_smem, c_smem = mma_and_smem_layouts(self, self.ab_stages)
 
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(a_smem, (None, None, 0)), (bm, bk)
@@ -300,14 +286,10 @@ class VarlenKGroupedGemm:
             b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0)
             b_rank, b_ranks = cta_coord[0], cute.make_layout(self.cluster_m)
 
-        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
-        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+        sA, sB, sC = smem_tensors(storage, a_smem, b_smem, c_smem)
 
         # (bM, bK, tilesM, tilesK, 1), (bN, bK, tilesN, tilesK, 1), (bM, bN, tilesM, tilesN, E)
-        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
-        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
-        gC = cute.local_tile(mC, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        gA, gB, gC = tile_views(mA, mB, mC, self.tile_mnk)
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
