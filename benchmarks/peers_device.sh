@@ -13,6 +13,10 @@
 #   bench    python -m mok_nn.bench --peers $PEERS --layer: mok_nn's and the baseline's rows, then each peer in its
 #            own process, routed experts and whole layer -> $OUT/peers$TAG.json (log $OUT/peers$TAG.log)
 #   experts  the same without --layer -> $OUT/peers_experts$TAG.json
+#   bench and experts end by packing the peers' finished autotunes (Triton's and QuACK's *.autotune.json under
+#   $PEER_CACHE) into $OUT/peer_autotune.tgz; unpacked into benchmarks/peer_cache/ on the CPU machine and carried
+#   in a later call (README.md "Peers"), they spare that call the autotune: the configurations they name were
+#   timed on this kind of GPU, and only those are compiled
 #
 # env: PEERS (default sonicmoe,liger,hf), SHAPES (default qwen3-30b-a3b,deepseek-v3; mixtral-8x7b: QuACK's and
 #      Liger's autotune ran past 500 s there on 2026-12-04), TOKENS (8192), PEERS_ONLY=1 (only the peers' rows:
@@ -22,12 +26,16 @@
 #      TAG (file-name suffix), SET (primary|fallback), PEER_SITE (/tmp/site/site-packages), STAGE,
 #      TRITON_CACHE_AUTOTUNING (default 1: Triton keeps each finished autotune on disk, in its cache under the home
 #      directory, so a peer process killed at PEER_TIMEOUT loses only the unfinished one and a later call on the
-#      same warm machine goes on from there; the configurations chosen are the same).
+#      same warm machine goes on from there; the configurations chosen are the same), PEER_CACHE (default
+#      benchmarks/peer_cache: TRITON_CACHE_DIR and QUACK_CACHE_DIR under it, QUACK_CACHE_AUTOTUNING=1).
 set -u
 ROOT=$PWD
 export PYTHONPATH=$ROOT MOK_KERNEL_CACHE=${MOK_KERNEL_CACHE:-$ROOT/build/kernels} PYTHONUNBUFFERED=1
 export PEER_SITE=${PEER_SITE:-/tmp/site/site-packages} QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
 export PEER_TIMEOUT=${PEER_TIMEOUT:-240} TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+PEER_CACHE=${PEER_CACHE:-$ROOT/benchmarks/peer_cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PEER_CACHE/triton} QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-$PEER_CACHE/quack}
+export QUACK_CACHE_AUTOTUNING=${QUACK_CACHE_AUTOTUNING:-1}
 SET=${SET:-primary} STAGE=${STAGE:-/tmp/mok_peer_wheels_${SET:-primary}}
 PEERS=${PEERS:-sonicmoe,liger,hf} SHAPES=${SHAPES:-qwen3-30b-a3b,deepseek-v3} TOKENS=${TOKENS:-8192}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)} TAG=${TAG:-}
@@ -95,6 +103,15 @@ do_bench() {  # do_bench NAME [--layer]
   echo "=== $name rc=$rc $((SECONDS - t0)) s$([ $rc = 124 ] && echo ' (LIMIT: nothing written; lower PEER_TIMEOUT or SHAPES)')"
   grep -E "rel L2|^skip|^=== peer|Error|WARNING" "$OUT/$name$TAG.log" | cut -c1-300 | tail -n 40
   sed -n '/^shape /,$p' "$OUT/$name$TAG.log"  # the summary table and the ratios
+  save_autotunes
+}
+
+save_autotunes() {  # the finished autotunes (small JSON files; not the compiled kernels) -> $OUT/peer_autotune.tgz
+  local n
+  n=$(cd "$PEER_CACHE" 2>/dev/null && find . -name '*.autotune.json' | tee /tmp/mok_autotunes | wc -l)
+  [ "${n:-0}" -gt 0 ] || { echo "no autotune results under $PEER_CACHE"; return 0; }
+  (cd "$PEER_CACHE" && tar czf "$OUT/peer_autotune.tgz" -T /tmp/mok_autotunes)
+  echo "saved $n autotune results -> $OUT/peer_autotune.tgz (on the CPU machine: tar xzf it -C benchmarks/peer_cache)"
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
