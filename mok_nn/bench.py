@@ -16,7 +16,9 @@ fp32 ("precision" records the dtype); --precision mxfp8 adds mok_nn with precisi
 MXFP8-only ("*_mxfp8_frozen") and bf16 ("*_frozen"), whose backward is d x and d topk-weights only;
 --layer adds the whole block (router, top-k, experts), each implementation with its own router, on
 make_problem's weights and router ("*_layer" records): mok_nn's MoKMoELayer (the fused path on CUDA; with
---backend torch also the portable backend's, and transformers' Qwen3MoeSparseMoeBlock), and each peer's.
+--backend torch also the portable backend's, and transformers' Qwen3MoeSparseMoeBlock), and each peer's; the
+summary then states the share of mok_nn's layer forward that lies outside its routed experts (the protocol's
+whole-layer target).
 --peers runs each peer (SonicMoE, Liger, transformers' default experts "hf") in its own process
 (mok_nn/bench_peers.py: their CuTe DSL versions differ from mok_nn's) on the same problem, checked
 against a float32 reference (output and every gradient) before timing; a peer that is not importable,
@@ -643,6 +645,11 @@ def summary(records):
                 m, b = d[mine], d[theirs]
                 bwd = f"{b['bwd_ms'] / m['bwd_ms']:.2f}x" if m["bwd_ms"] > 0 and b["bwd_ms"] > 0 else "n/a"
                 lines.append(f"{shape}: {mine} vs {theirs}: ratio fwd {b['fwd_ms'] / m['fwd_ms']:.2f}x, bwd {bwd}")
+        for experts in ("mok_nn", "mok_nn_torch"):  # the protocol's whole-layer target: at most 10% at qwen3
+            layer = d.get(f"{experts}_layer")
+            if experts in d and layer is not None and layer["fwd_ms"] > 0:
+                outside = (layer["fwd_ms"] - d[experts]["fwd_ms"]) / layer["fwd_ms"]
+                lines.append(f"{shape}: {experts}_layer: {100 * outside:.1f}% of its forward outside the routed experts")
     return "\n".join(lines)
 
 

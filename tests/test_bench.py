@@ -23,6 +23,19 @@ def test_bench_cpu_tiny(tmp_path):
         assert r["fwd_ms"] > 0 and r["tokens_per_rank"] == 64  # bwd_ms is a difference: noisy on CPU
 
 
+def test_summary_states_the_whole_layers_share_outside_the_experts():
+    """The protocol's whole-layer target (what lies outside the routed experts, as a share of the layer's forward)
+    is printed per shape and path; a path without both rows prints none."""
+    def rec(impl, fwd_ms, shape="qwen3-30b-a3b"):
+        return {"shape": shape, "impl": impl, "fwd_ms": fwd_ms, "bwd_ms": 2.0, "fwd_tflops": 1.0, "bwd_tflops": 1.0,
+                "peak_mem_gb": 1.0, "act_mem_gb": 0.1}
+    text = bench.summary([rec("mok_nn", 1.5), rec("mok_nn_layer", 2.0), rec("mok_nn_torch", 3.0),
+                          rec("mok_nn_torch_layer", 4.0), rec("mok_nn", 1.0, "tiny")])
+    lines = [ln for ln in text.splitlines() if "outside the routed experts" in ln]
+    assert lines == ["qwen3-30b-a3b: mok_nn_layer: 25.0% of its forward outside the routed experts",
+                     "qwen3-30b-a3b: mok_nn_torch_layer: 25.0% of its forward outside the routed experts"], lines
+
+
 def _fp64_experts(p):
     """The benchmark's routed experts in float64, token by token: the oracle of the rows below."""
     x, W13, W2 = p["x"].double(), p["gate_up_proj"].double(), p["down_proj"].double()
