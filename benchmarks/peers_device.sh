@@ -18,7 +18,7 @@
 #   in a later call (README.md "Peers"), they spare that call the autotune: the configurations they name were
 #   timed on this kind of GPU, and only those are compiled
 #
-# env: PEERS (default sonicmoe,liger,hf), SHAPES (default qwen3-30b-a3b,deepseek-v3; mixtral-8x7b: QuACK's and
+# env: PEERS (default hf,sonicmoe,liger: in this order they share PEER_BUDGET, the quick one first), SHAPES (default qwen3-30b-a3b,deepseek-v3; mixtral-8x7b: QuACK's and
 #      Liger's autotune ran past 500 s there on 2026-12-04), TOKENS (8192), PEERS_ONLY=1 (only the peers' rows:
 #      a second call need not time mok_nn again), PEER_TIMEOUT (seconds per peer process, default 240: the
 #      shapes done by then are kept), LIMIT (seconds for the whole step, default 560), PEER_BUDGET (seconds for all
@@ -37,7 +37,7 @@ PEER_CACHE=${PEER_CACHE:-$ROOT/benchmarks/peer_cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PEER_CACHE/triton} QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-$PEER_CACHE/quack}
 export QUACK_CACHE_AUTOTUNING=${QUACK_CACHE_AUTOTUNING:-1}
 SET=${SET:-primary} STAGE=${STAGE:-/tmp/mok_peer_wheels_${SET:-primary}}
-PEERS=${PEERS:-sonicmoe,liger,hf} SHAPES=${SHAPES:-qwen3-30b-a3b,deepseek-v3} TOKENS=${TOKENS:-8192}
+PEERS=${PEERS:-hf,sonicmoe,liger} SHAPES=${SHAPES:-qwen3-30b-a3b,deepseek-v3} TOKENS=${TOKENS:-8192}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)} TAG=${TAG:-}
 OUT=${OUT:-/tmp/mok_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
