@@ -18,15 +18,16 @@
 #   in a later call (README.md "Peers"), they spare that call the autotune: the configurations they name were
 #   timed on this kind of GPU, and only those are compiled
 #
-# env: PEERS (default hf,sonicmoe,liger: in this order they share PEER_BUDGET, the quick one first), SHAPES (default qwen3-30b-a3b,deepseek-v3; mixtral-8x7b: QuACK's and
-#      Liger's autotune ran past 500 s there on 2026-12-04), TOKENS (8192), PEERS_ONLY=1 (only the peers' rows:
+# env: PEERS (default hf,sonicmoe,liger: in this order they share PEER_BUDGET, the quick one first), SHAPES
+#      (default qwen3-30b-a3b,deepseek-v3; mixtral-8x7b: QuACK's and Liger's autotune ran past 500 s there on
+#      2026-12-04), TOKENS (8192), PEERS_ONLY=1 (only the peers' rows:
 #      a second call need not time mok_nn again), PEER_TIMEOUT (seconds per peer process, default 240: the
 #      shapes done by then are kept), LIMIT (seconds for the whole step, default 560), PEER_BUDGET (seconds for all
 #      the peers' processes, default LIMIT - 150: mok_nn's rows run after them), COMMIT, OUT (/tmp/mok_out),
 #      TAG (file-name suffix), SET (primary|fallback), PEER_SITE (/tmp/site/site-packages), STAGE,
-#      TRITON_CACHE_AUTOTUNING (default 1: Triton keeps each finished autotune on disk, in its cache under the home
-#      directory, so a peer process killed at PEER_TIMEOUT loses only the unfinished one and a later call on the
-#      same warm machine goes on from there; the configurations chosen are the same), PEER_CACHE (default
+#      TRITON_CACHE_AUTOTUNING (default 1: Triton keeps each finished autotune on disk, in its cache under
+#      PEER_CACHE, so a peer process killed at PEER_TIMEOUT loses only the unfinished one and a later call on the
+#      same warm machine, or one carrying the saved results, goes on from there; the configurations chosen are the same), PEER_CACHE (default
 #      benchmarks/peer_cache: TRITON_CACHE_DIR and QUACK_CACHE_DIR under it, QUACK_CACHE_AUTOTUNING=1).
 set -u
 ROOT=$PWD
@@ -107,11 +108,12 @@ do_bench() {  # do_bench NAME [--layer]
 }
 
 save_autotunes() {  # the finished autotunes (small JSON files; not the compiled kernels) -> $OUT/peer_autotune.tgz
-  local n
-  n=$(cd "$PEER_CACHE" 2>/dev/null && find . -name '*.autotune.json' | tee /tmp/mok_autotunes | wc -l)
-  [ "${n:-0}" -gt 0 ] || { echo "no autotune results under $PEER_CACHE"; return 0; }
-  (cd "$PEER_CACHE" && tar czf "$OUT/peer_autotune.tgz" -T /tmp/mok_autotunes)
-  echo "saved $n autotune results -> $OUT/peer_autotune.tgz (on the CPU machine: tar xzf it -C benchmarks/peer_cache)"
+  local files
+  files=$(cd "$PEER_CACHE" 2>/dev/null && find . -name '*.autotune.json')
+  [ -n "$files" ] || { echo "no autotune results under $PEER_CACHE"; return 0; }
+  (cd "$PEER_CACHE" && echo "$files" | tar czf "$OUT/peer_autotune.tgz" -T -)
+  echo "saved $(echo "$files" | wc -l) autotune results -> $OUT/peer_autotune.tgz" \
+       "(on the CPU machine: tar xzf it -C benchmarks/peer_cache)"
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
