@@ -15,8 +15,9 @@
 #   experts  the same without --layer -> $OUT/peers_experts$TAG.json
 #   bench and experts end by packing the peers' finished autotunes (Triton's and QuACK's *.autotune.json under
 #   $PEER_CACHE) into $OUT/peer_autotune.tgz; unpacked into benchmarks/peer_cache/ on the CPU machine and carried
-#   in a later call (README.md "Peers"), they spare that call the autotune: the configurations they name were
-#   timed on this kind of GPU, and only those are compiled
+#   in a later call (README.md "Peers"), they should spare that call the autotune: the configurations they name
+#   were timed on this kind of GPU, and only those are compiled (seen on a warm machine; a fresh machine reading
+#   a carried cache has not run yet)
 #
 # env: PEERS (default hf,sonicmoe,liger: in this order they share PEER_BUDGET, the quick one first), SHAPES
 #      (default qwen3-30b-a3b,deepseek-v3; mixtral-8x7b: QuACK's and Liger's autotune ran past 500 s there on
@@ -27,8 +28,9 @@
 #      TAG (file-name suffix), SET (primary|fallback), PEER_SITE (/tmp/site/site-packages), STAGE,
 #      TRITON_CACHE_AUTOTUNING (default 1: Triton keeps each finished autotune on disk, in its cache under
 #      PEER_CACHE, so a peer process killed at PEER_TIMEOUT loses only the unfinished one and a later call on the
-#      same warm machine, or one carrying the saved results, goes on from there; the configurations chosen are the same), PEER_CACHE (default
-#      benchmarks/peer_cache: TRITON_CACHE_DIR and QUACK_CACHE_DIR under it, QUACK_CACHE_AUTOTUNING=1).
+#      same warm machine, or one carrying the saved results, goes on from there; the configurations chosen are the
+#      same), PEER_CACHE (default benchmarks/peer_cache: TRITON_CACHE_DIR and QUACK_CACHE_DIR under it,
+#      QUACK_CACHE_AUTOTUNING=1).
 set -u
 ROOT=$PWD
 export PYTHONPATH=$ROOT MOK_KERNEL_CACHE=${MOK_KERNEL_CACHE:-$ROOT/build/kernels} PYTHONUNBUFFERED=1
