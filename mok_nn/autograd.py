@@ -177,7 +177,10 @@ class MoKFunction(torch.autograd.Function):
 
     apply(x [T, H], topk_weights [T, k], gate_up_proj [E_l, 2I, H], down_proj [E_l, H, I],
           gate_up_bias [E_l, 2I] | None, down_bias [E_l, H] | None, topk_ids [T, k] int64,
-          workspace: functional.Workspace) -> y [T, H] in x.dtype
+          workspace: functional.Workspace[, gate_up_scale, down_scale[, schedule]]) -> y [T, H] in x.dtype
+
+    schedule: functional.build_schedule(topk_ids, workspace, x) made by the caller (one pass only), e.g. right after
+    the router's launch, so the GPU builds it while the host prepares the rest of the call; else made here.
 
     MXFP8-only expert weights (MoKMoELayer.quantize_experts_): gate_up_proj / down_proj are their float8_e4m3fn
     data and gate_up_scale [E_l, 2I, H/32] / down_scale [E_l, H, I/32] their uint8 E8M0 scales; the GEMMs take
@@ -200,17 +203,19 @@ class MoKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, topk_ids,
-                workspace: Workspace, gate_up_scale=None, down_scale=None):
+                workspace: Workspace, gate_up_scale=None, down_scale=None, schedule=None):
         params = ExpertParams(*expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale, x.dtype, workspace),
                               gate_up_bias, down_bias)
         passes = macrobatch_passes(x.shape[0], workspace) or [(0, x.shape[0])]
+        if schedule is not None and len(passes) > 1:
+            raise ValueError("a schedule made by the caller covers one pass; macrobatch passes make their own")
         needs = _needs(ctx, gate_up_scale is not None)
         ys, saved_passes = [], []
         with autocast_off(x.device.type), weight_scope_for(len(passes)):
             for start, end in passes:
                 ids, xs = _rows(topk_ids, start, end), _rows(x, start, end)
-                schedule = functional.build_schedule(ids, workspace, xs)
-                y_pass, saved = functional.forward(xs, ids, _rows(topk_weights, start, end), params, schedule,
+                sched = schedule if schedule is not None else functional.build_schedule(ids, workspace, xs)
+                y_pass, saved = functional.forward(xs, ids, _rows(topk_weights, start, end), params, sched,
                                                    workspace, needs)
                 ys.append(y_pass)
                 saved_passes.append(saved)
@@ -258,4 +263,4 @@ class MoKFunction(torch.autograd.Function):
         if len(dxs) > 1:
             dx, d_topk = torch.cat(dxs), torch.cat(d_topks)
         return (dx, d_topk, grads.gate_up_proj, grads.down_proj, grads.gate_up_bias, grads.down_bias, None, None,
-                None, None)
+                None, None, None)

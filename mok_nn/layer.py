@@ -17,7 +17,7 @@ from torch import nn
 
 from . import router as routing
 from . import functional, mxfp8, ops
-from .autograd import MoKFunction, autocast_off, pass_bounds
+from .autograd import MoKFunction, autocast_off, macrobatch_passes, pass_bounds
 from .config import MoKConfig
 from .distributed import group_size_and_rank
 from .reference import ACTIVATIONS
@@ -623,6 +623,17 @@ class MoKMoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x2d = x.reshape(-1, self.hidden_size)
+        backend = self._choose_backend(x)
+        e = self.experts
+        if e.mxfp8_only:
+            e.check_frozen()
+        compiled = torch.compiler.is_compiling() and self.ep_size == 1 and not e.mxfp8_only
+        workspace = None if compiled else functional.get_workspace(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_experts=self.num_experts, top_k=self.top_k, ep_group=self.ep_group, device=x.device,
+            dtype=x.dtype, backend=backend, activation=self.activation, swiglu_limit=self.swiglu_limit,
+            config=self.config, precision=self.precision, local_experts=self._local_experts(x, backend),
+        )
         with autocast_off(x.device.type):  # fp32 logits and routing (ARCHITECTURE.md) under autocast too
             opts = (self.top_k, self.score_func, self.norm_topk_prob, self.n_group, self.topk_group,
                     self.routed_scaling_factor, self.router.e_score_correction_bias)
@@ -632,14 +643,11 @@ class MoKMoELayer(nn.Module):
             else:  # a router module replaced or hooked (e.g. an adapter): its own forward, then the routing
                 logits = self.router(x2d)
                 topk_ids, topk_weights, scores = routing.route(logits, *opts)
+            schedule = self._early_schedule(topk_ids, x2d, workspace)
             self.aux_loss = self._aux_loss(logits, scores, topk_ids)
         self.router_logits = logits
 
-        backend = self._choose_backend(x)
-        e = self.experts
-        if e.mxfp8_only:
-            e.check_frozen()
-        if torch.compiler.is_compiling() and self.ep_size == 1 and not e.mxfp8_only:
+        if compiled:
             # Under torch.compile the experts go through the custom ops, which Dynamo traces as
             # opaque nodes (same formulas and bits as MoKFunction, tested). Macrobatch passes: one
             # op call per pass, unrolled for the traced token count; autograd sums the passes'
@@ -654,18 +662,12 @@ class MoKMoELayer(nn.Module):
             ) for s, t in bounds]
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
-            workspace = functional.get_workspace(
-                hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                num_experts=self.num_experts, top_k=self.top_k, ep_group=self.ep_group, device=x.device,
-                dtype=x.dtype, backend=backend, activation=self.activation, swiglu_limit=self.swiglu_limit,
-                config=self.config, precision=self.precision, local_experts=self._local_experts(x, backend),
-            )
             # MXFP8-only weights go in as their E4M3 data and E8M0 scales: MoKFunction dequantises them for
             # each forward and backward (a transient copy in the layer dtype), and they get no gradient
-            scales = (e.gate_up_proj_scale, e.down_proj_scale) if e.mxfp8_only else ()
+            scales = (e.gate_up_proj_scale, e.down_proj_scale) if e.mxfp8_only else (None, None)
             y = MoKFunction.apply(
                 x2d, topk_weights, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, topk_ids,
-                workspace, *scales,
+                workspace, *scales, schedule,
             )
         if self.shared_expert is not None:
             shared = self.shared_expert(x2d)
@@ -673,6 +675,19 @@ class MoKMoELayer(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x2d)) * shared
             y = y + shared
         return y.view(x.shape)
+
+    @staticmethod
+    def _early_schedule(topk_ids: torch.Tensor, x2d: torch.Tensor, workspace):
+        """The fused path's schedule (and x gathered in its order), launched right after the router: the GPU
+        builds it while the host prepares the rest of the forward, where it would otherwise wait for the host
+        from the router's end (a call from an idle GPU). None elsewhere (MoKFunction builds it): other
+        backends, expert parallelism (built after the token exchange's all-gather), macrobatch passes, and
+        torch.compile."""
+        if workspace is None or workspace.backend != "cuda" or workspace.ep_size != 1 or torch.compiler.is_compiling():
+            return None
+        if macrobatch_passes(x2d.shape[0], workspace) is not None:
+            return None
+        return functional.build_schedule(topk_ids, workspace, x2d)
 
     def _aux_loss(self, logits, scores, topk_ids):
         if self.aux_loss_coef == 0.0 and self.z_loss_coef == 0.0:

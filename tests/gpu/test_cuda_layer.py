@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mok_nn import MoKMoELayer
+from mok_nn.autograd import MoKFunction
 
 from layer_runs import GRAD_NAMES, rel_err as _rel, run_layer as _run
 
@@ -132,6 +133,40 @@ def test_schedule_and_gathers_keep_the_bits(monkeypatch, launched_kernels):
     assert not {"mok_schedule_gather", "mok_schedule_mc", "mok_scatter_rows", "mok_gather_rows"} & set(launched_kernels)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_layer_launches_the_schedule_right_after_the_router(precision, monkeypatch, launched_kernels):
+    """The layer builds the fused path's schedule (and gathers x with it) right after the router, once per
+    forward, so the GPU builds it while the host prepares the rest of the call: its first kernel launch is
+    mok_schedule_gather and no second schedule or x gather follows; every output and gradient has the bits of
+    the layer whose MoKFunction builds the schedule itself, run after run."""
+    from mok_nn import cuda_backend as cb
+
+    torch.manual_seed(4)
+    H, I, E, K, T = 256, 128, 16, 4, 555
+    layer = MoKMoELayer(H, I, E, K, device="cuda", backend="cuda", precision=precision)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    events = []  # host order: the schedule's launch against MoKFunction's start
+    make, function_forward = cb.make_schedule, MoKFunction.forward
+    monkeypatch.setattr(cb, "make_schedule", lambda *a, **kw: events.append(("schedule", kw.get("gather_x")))
+                        or make(*a, **kw))
+    monkeypatch.setattr(MoKFunction, "forward", staticmethod(lambda *a: events.append(("function", None))
+                                                             or function_forward(*a)))
+    launched_kernels.clear()
+    got = _run(layer, x, dy)
+    assert [e for e, _ in events] == ["schedule", "function"] and events[0][1] is not None, events
+    assert launched_kernels[0] == "mok_schedule_gather" and "mok_schedule_mc" not in launched_kernels
+    forward = launched_kernels[:launched_kernels.index("mok_combine_cp") + 1]
+    assert forward.count("mok_schedule_gather") == 1 and "mok_scatter_rows" not in forward, forward
+    again = _run(layer, x, dy)
+    monkeypatch.setattr(MoKMoELayer, "_early_schedule", staticmethod(lambda *args: None))
+    events.clear()
+    inside = _run(layer, x, dy)
+    assert [e for e, _ in events] == ["function", "schedule"], events  # MoKFunction built it
+    for name, a, b, c in zip(GRAD_NAMES, got, again, inside):
+        assert torch.equal(a, b) and torch.equal(a, c), name
 
 
 def test_retained_graph_backward_keeps_the_bits():
