@@ -126,6 +126,48 @@ def test_layer_runs_experts_through_mokfunction():
     assert names.count("MoKFunctionBackward") == 1, names
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_mokfunction_takes_a_schedule_made_by_its_caller(backend, monkeypatch):
+    """MoKFunction's last argument: a schedule the caller built (the layer does so right after the router on the
+    fused path) gives the bits of the one MoKFunction builds itself, forward and backward; with macrobatch passes
+    it is refused (each pass makes its own)."""
+    from mok_nn import MoKConfig, functional
+    from mok_nn.autograd import MoKFunction
+
+    layer = make_layer(OPTS, dtype=torch.float32, seed=86)
+    layer(random_x((T, H), torch.float32, 87))
+    ids, w = _routing(layer)
+    x = random_x((T, H), torch.float32, 88)
+    dy = random_x((T, H), torch.float32, 89)
+    e = layer.experts
+    def workspace(**kw):
+        return functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device="cpu",
+                                        dtype=torch.float32, backend=backend, activation=OPTS["activation"],
+                                        swiglu_limit=OPTS["swiglu_limit"], **kw)
+
+    ws = workspace()
+
+    def run(*schedule):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = MoKFunction.apply(xx, ww, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, ids, ws,
+                              None, None, *schedule)
+        return (y, *torch.autograd.grad(y, (xx, ww, e.gate_up_proj, e.down_proj), dy))
+
+    schedule = functional.build_schedule(ids, ws, x)
+    built, build = [], functional.build_schedule
+    monkeypatch.setattr(functional, "build_schedule", lambda *a: built.append(1) or build(*a))
+    inside = run()
+    assert built == [1]
+    given = run(schedule)
+    assert built == [1]  # MoKFunction took the caller's
+    for a, b in zip(inside, given):
+        assert torch.equal(a, b)
+    passes = workspace(config=MoKConfig(macrobatch_size=5))
+    with pytest.raises(ValueError, match="one pass"):
+        MoKFunction.apply(x, w, e.gate_up_proj, e.down_proj, None, None, ids, passes, None, None,
+                          functional.build_schedule(ids, passes, x))
+
+
 def test_expert_activations_saved_through_autograd_hooks():
     """The expert rows and gate_up kept for backward are saved with ctx.save_for_backward,
     so saved-tensor hooks (activation checkpointing, torch.autograd.graph.save_on_cpu) see
