@@ -140,6 +140,7 @@ def test_mokfunction_takes_a_schedule_made_by_its_caller(backend, monkeypatch):
     x = random_x((T, H), torch.float32, 88)
     dy = random_x((T, H), torch.float32, 89)
     e = layer.experts
+
     def workspace(**kw):
         return functional.get_workspace(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, device="cpu",
                                         dtype=torch.float32, backend=backend, activation=OPTS["activation"],
