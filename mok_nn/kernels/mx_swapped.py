@@ -21,11 +21,39 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import warpgroup
 
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
 from .mx_operand import _HIGH_PAIR, _LOW_PAIR, SINGLE_MAX, _asm_b32, _factors
 
 BM, BN, BK = 128, 128, 64  # features (two warp groups of 64), tokens (one schedule row tile), K per stage
 C_PAD = 8  # bf16 elements past each token row of the transposed output tile (bank spread)
 EPI_BARRIER_ID = 1
+
+
+@dsl_user_op
+def _pinned(v, *, loc=None, ip=None) -> cutlass.Int32:
+    """v through an empty asm block with side effects: its register holds v (unmodified, not reused) up to here.
+    The RS wgmma reads its A registers asynchronously, which the register allocator does not see."""
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int32(v).ir_value(loc=loc, ip=ip)], "", "=r,0",
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _pinned_f32(v, *, loc=None, ip=None) -> cutlass.Float32:
+    """As _pinned, for an fp32 accumulator value: reads of it come after this point (after the wgmma wait)."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                           has_side_effects=True, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def _keep_until_here(frag):
+    """The A fragment's registers stay live and unmodified until this point (after the wait for its wgmma)."""
+    words = cute.recast_tensor(frag, cutlass.Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = _pinned(words[i])
 
 
 class SwappedMxGemm:
@@ -172,22 +200,21 @@ class SwappedMxGemm:
                 if expert >= 0:
                     acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    for kp in range(k_tiles // 2):
+                    # the last pair of stages is peeled off the loop, so that its wgmma batches, the wait for them
+                    # and the epilogue's reads of the accumulator lie in one basic block (ptxas hoisted the reads
+                    # above a wait that sat behind the loop's exit)
+                    for kp in range(k_tiles // 2 - 1):
                         for half in cutlass.range_constexpr(2):
-                            frag = frag0 if half == 0 else frag1
-                            ab_pipe.consumer_wait(read_state)
-                            self._to_bf16(tCsW, sS, raw, frag, row, read_state.index)
-                            warpgroup.fence()
-                            for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
-                                cute.gemm(tiled_mma, acc, frag[(None, None, kb)],
-                                          tCrX[(None, None, kb, read_state.index)], acc)
-                            warpgroup.commit_group()
-                            warpgroup.wait_group(1)
-                            if kp * 2 + half > 0:
-                                ab_pipe.consumer_release(release_state)
-                                release_state.advance()
-                            read_state.advance()
-                    warpgroup.wait_group(0)
+                            tiled_mma, acc, read_state, release_state = self._stage(
+                                tiled_mma, acc, tCsW, sS, raw, frag0 if half == 0 else frag1,
+                                frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
+                                kp * 2 + half > 0)
+                    for half in cutlass.range_constexpr(2):
+                        tiled_mma, acc, read_state, release_state = self._stage(
+                            tiled_mma, acc, tCsW, sS, raw, frag0 if half == 0 else frag1, frag1 if half == 0 else frag0,
+                            row, tCrX, ab_pipe, read_state, release_state, k_tiles + half > 2, last=half == 1)
+                    for i in cutlass.range_constexpr(cute.size(acc)):  # the epilogue reads the finished sums
+                        acc[i] = _pinned_f32(acc[i])
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
                     # the tile transposed through shared memory: sC[token][feature], then whole token rows out
@@ -205,6 +232,30 @@ class SwappedMxGemm:
                         cute.autovec_copy(src[(None, first // 8 + q)], dst[(None, first // 8 + q)])
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
+
+    @cute.jit
+    def _stage(self, tiled_mma, acc, tCsW, sS, raw, frag, other, row, tCrX, ab_pipe, read_state, release_state,
+               release_prev, last: cutlass.Constexpr = False):
+        """One stage: wait for it, make its A fragment (frag) bf16, issue its wgmma batch, wait for the batch before
+        it (whose fragment, other, is then free) and release that one's stage. Returns (tiled_mma, acc, read_state,
+        release_state): rebind all four."""
+        ab_pipe.consumer_wait(read_state)
+        self._to_bf16(tCsW, sS, raw, frag, row, read_state.index)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrX[(None, None, kb, read_state.index)], acc)
+        warpgroup.commit_group()
+        if cutlass.const_expr(last):  # the tile's last batch: wait for all, right behind it
+            warpgroup.wait_group(0)
+            _keep_until_here(frag)
+        else:
+            warpgroup.wait_group(1)
+        _keep_until_here(other)
+        if release_prev:
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+        read_state.advance()
+        return tiled_mma, acc, read_state, release_state
 
     @cute.jit
     def _to_bf16(self, tCsW, sS, raw, frag, row, stage):
