@@ -7,8 +7,12 @@ them bf16 in registers with mx_operand's recipe (one multiply a pair, exact), th
 bf16 copy of the weights passes through shared memory, and there is no barrier between the consumer threads per
 stage. The fragments of two stages alternate in registers (a stage's stay live until its wgmma batch is done).
 
-The output tile (128 features x 128 tokens) goes through shared memory transposed, then to C's rows.
-N % 128 == 0 and K % 128 == 0 (the host checks).
+Each thread's bytes of a stage lie at four offsets from the stage's start (one per k16 block; the other rows and
+K pairs at fixed distances), computed once: the loop adds the stage's offset and loads, with no swizzle arithmetic
+per load. Scale bytes above SINGLE_MAX (a second multiply) are rare: one test a stage takes them off the hot path.
+
+The output tile (128 features x 128 tokens) leaves transposed: stmatrix.trans into shared memory, then TMA stores
+left in flight while the next tile's main loop runs. N % 128 == 0 and K % 128 == 0 (the host checks).
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .mx_operand import _HIGH_PAIR, _LOW_PAIR, SINGLE_MAX, _asm_b32, _factors
+from .gemm_consumer import epilogue_stores, epilogue_views, store_tile_full
+from .mx_operand import _LOW_PAIR, SINGLE_MAX, _asm_b32
 
 BM, BN, BK = 128, 128, 64  # features (two warp groups of 64), tokens (one schedule row tile), K per stage
-C_PAD = 8  # bf16 elements past each token row of the transposed output tile (bank spread)
+EPI_TILE = (BM, 32)  # the output tile leaves in four (features, tokens) pieces, features contiguous
 EPI_BARRIER_ID = 1
+STORE_WARP = 4  # the first consumer warp issues the TMA stores
 
 
 @dsl_user_op
@@ -77,19 +83,24 @@ class SwappedMxGemm:
             cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (2, 1, 1), tiler_mn=(64, BN), a_source=warpgroup.OperandSource.RMEM,
         )
-        c_bytes = BN * (BM + C_PAD) * 2
+        epi_buffers = BN // EPI_TILE[1]
+        c_bytes = BM * BN * 2
         stage_bytes = BM * BK + BN * BK * 2 + BM * 2
         stages = (self.smem_bytes - 2048 - c_bytes) // stage_bytes
         w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BM, BN, BK), cutlass.Uint8, stages)
         x_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BM, BN, BK), cutlass.BFloat16, stages)
         s_smem = cute.make_layout((BM, 1, stages), stride=(1, BM, BM))
-        c_smem = cute.make_layout((BN, BM), stride=(BM + C_PAD, 1))
+        c_smem = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, EPI_TILE, epi_buffers)
+        # C in the MMA's terms: (features, rows), features contiguous
+        mCt = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 0, 2]))
         tma_w, tma_mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(w_smem, (None, None, 0)), (BM, BK))
         tma_x, tma_mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(x_smem, (None, None, 0)), (BN, BK))
         tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), (BM, 1))
+        tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mCt, cute.slice_(c_smem, (None, None, 0)), EPI_TILE)
 
         @cute.struct
         class SharedStorage:
@@ -97,22 +108,22 @@ class SwappedMxGemm:
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_smem)], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_smem)], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, cute.cosize(s_smem)], 128]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(c_smem)], 128]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(c_smem)], 1024]
 
         self.shared_storage = SharedStorage
         tiles_m = cute.size(mB, mode=[0]) // BM  # feature tiles
         tiles_n = cute.size(mA, mode=[0]) // BN  # schedule row tiles
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
-        self.kernel(tma_w, tma_mW, tma_x, tma_mX, tma_s, tma_mS, mC, tile_expert, tiled_mma, w_smem, x_smem, s_smem,
-                    c_smem, sched_params, cutlass.Int32(tiles_m), stages).launch(
+        self.kernel(tma_w, tma_mW, tma_x, tma_mX, tma_s, tma_mS, tma_c, tma_mC, tile_expert, tiled_mma, w_smem,
+                    x_smem, s_smem, c_smem, sched_params, cutlass.Int32(tiles_m), stages).launch(
             grid=grid, block=[self.num_threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-               tma_s: cute.CopyAtom, mS: cute.Tensor, mC: cute.Tensor, tile_expert: cute.Tensor,
+               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor,
                tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout, x_smem: cute.ComposedLayout,
-               s_smem: cute.Layout, c_smem: cute.Layout, sched_params: utils.PersistentTileSchedulerParams,
+               s_smem: cute.Layout, c_smem: cute.ComposedLayout, sched_params: utils.PersistentTileSchedulerParams,
                tiles_m: cutlass.Int32, stages: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -121,12 +132,13 @@ class SwappedMxGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sW = storage.sW.get_tensor(w_smem.outer, swizzle=w_smem.inner)
         sX = storage.sX.get_tensor(x_smem.outer, swizzle=x_smem.inner)
         sS = storage.sS.get_tensor(s_smem)
-        sC = storage.sC.get_tensor(c_smem)
+        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
         tx_bytes = (cute.size_in_bytes(cutlass.Uint8, cute.slice_(w_smem, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
@@ -139,6 +151,7 @@ class SwappedMxGemm:
         gW = cute.local_tile(mW, (BM, BK), (None, None, None))  # (BM, BK, tiles_m, tiles_k, E)
         gX = cute.local_tile(mX, (BN, BK), (None, None, None))  # (BN, BK, tiles_n, tiles_k, 1)
         gS = cute.local_tile(mS, (BM, 1), (None, None, None))  # (BM, 1, tiles_m, K / 64, E)
+        gC = cute.local_tile(mC, (BM, BN), (None, None, None))  # (BM, BN, tiles_m, tiles_n, 1)
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
             tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
@@ -176,16 +189,19 @@ class SwappedMxGemm:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - self.threads_per_wg
             thr_mma = tiled_mma.get_slice(ctid)
-            tCsW = thr_mma.partition_A(sW)  # this thread's A fragment bytes: ((2, 2, 2), 1, 4, stages)
             tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.Float32)
             a_shape = thr_mma.partition_shape_A((BM, BK))
-            raw = cute.make_rmem_tensor(a_shape, cutlass.Uint8)
             frag0 = tiled_mma.make_fragment_A(a_shape)
             frag1 = tiled_mma.make_fragment_A(a_shape)
+            # this thread's A fragment: rows row, row + 8; K pairs k0, k0 + 8 of each k16 block
             tCcA = thr_mma.partition_A(cute.make_identity_tensor((BM, BK)))
-            row = tCcA[0][0]  # this thread's rows of W's tile: row, row + 8
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+            row, k0 = tCcA[0]
+            w16 = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(), dtype=cutlass.Uint16),
+                                   cute.make_layout(cute.cosize(w_smem) // 2))
+            offs = [_swizzled(row * BK + 16 * kb + k0) // 2 for kb in range(BK // 16)]
+            r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
+                tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
             epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
 
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
@@ -206,41 +222,35 @@ class SwappedMxGemm:
                     for kp in range(k_tiles // 2 - 1):
                         for half in cutlass.range_constexpr(2):
                             tiled_mma, acc, read_state, release_state = self._stage(
-                                tiled_mma, acc, tCsW, sS, raw, frag0 if half == 0 else frag1,
+                                tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
                                 frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
                                 kp * 2 + half > 0)
                     for half in cutlass.range_constexpr(2):
                         tiled_mma, acc, read_state, release_state = self._stage(
-                            tiled_mma, acc, tCsW, sS, raw, frag0 if half == 0 else frag1, frag1 if half == 0 else frag0,
-                            row, tCrX, ab_pipe, read_state, release_state, k_tiles + half > 2, last=half == 1)
+                            tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
+                            frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
+                            k_tiles + half > 2, last=half == 1)
                     for i in cutlass.range_constexpr(cute.size(acc)):  # the epilogue reads the finished sums
                         acc[i] = _pinned_f32(acc[i])
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
-                    # the tile transposed through shared memory: sC[token][feature], then whole token rows out
-                    epi_barrier.arrive_and_wait()  # the previous tile's rows have left sC
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        m, n = tCcC[i]
-                        sC[(n, m)] = acc[i].to(cutlass.BFloat16)
-                    epi_barrier.arrive_and_wait()
-                    gC = cute.local_tile(mC[(None, None, 0)], (BN, BM), (n_tile, m_tile))
-                    tok = ctid // 2
-                    first = (ctid % 2) * (BM // 2)
-                    src = cute.zipped_divide(sC[(tok, None)], (8,))
-                    dst = cute.zipped_divide(gC[(tok, None)], (8,))
-                    for q in cutlass.range_constexpr(BM // 2 // 8):
-                        cute.autovec_copy(src[(None, first // 8 + q)], dst[(None, first // 8 + q)])
+                    bSG_sC, bSG_gC, epi_tiles, _, epi_layout = epilogue_views(
+                        gC[(None, None, m_tile, n_tile, 0)], EPI_TILE, tma_c, sC)
+                    store_tile_full(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, cutlass.BFloat16, tma_c, bSG_sC,
+                                    bSG_gC, epi_layout, epi_tiles, epi_barrier, warp_idx, 0, STORE_WARP)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
+            if warp_idx == STORE_WARP:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
     @cute.jit
-    def _stage(self, tiled_mma, acc, tCsW, sS, raw, frag, other, row, tCrX, ab_pipe, read_state, release_state,
+    def _stage(self, tiled_mma, acc, w16, offs, sS, frag, other, row, tCrX, ab_pipe, read_state, release_state,
                release_prev, last: cutlass.Constexpr = False):
         """One stage: wait for it, make its A fragment (frag) bf16, issue its wgmma batch, wait for the batch before
         it (whose fragment, other, is then free) and release that one's stage. Returns (tiled_mma, acc, read_state,
         release_state): rebind all four."""
         ab_pipe.consumer_wait(read_state)
-        self._to_bf16(tCsW, sS, raw, frag, row, read_state.index)
+        self._to_bf16(w16, offs, sS, frag, row, read_state.index)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
             cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrX[(None, None, kb, read_state.index)], acc)
@@ -258,31 +268,44 @@ class SwappedMxGemm:
         return tiled_mma, acc, read_state, release_state
 
     @cute.jit
-    def _to_bf16(self, tCsW, sS, raw, frag, row, stage):
+    def _to_bf16(self, w16, offs, sS, frag, row, stage):
         """Stage `stage`'s A fragment of this thread from its E4M3 bytes and scales into frag (bf16), exactly:
-        element (v0, v1, v2, kb) is row + 8 v1, K 16 kb + 8 v2 + v0; its bytes come as words of four
-        (v0, v1 of one v2, kb), whose low pair (row) and high pair (row + 8) are bf16 pairs of frag."""
-        for kb in cutlass.range_constexpr(cute.size(raw, mode=[2])):
-            cute.autovec_copy(tCsW[(None, 0, kb, stage)], raw[(None, 0, kb)])
-        pairs = (sS[(row, 0, stage)].to(cutlass.Int32) & 0xFFFF, sS[(row + 8, 0, stage)].to(cutlass.Int32) & 0xFFFF)
-        words = cute.recast_tensor(raw, cutlass.Int32)  # word 2 kb + v2
-        out = cute.recast_tensor(frag, cutlass.Int32)  # word v1 + 2 v2 + 4 kb
-        for blk in cutlass.range_constexpr(2):  # K blocks of 32: kb 2 blk, 2 blk + 1
-            s_lo = (pairs[0] >> (8 * blk)) & 0xFF
-            s_hi = (pairs[1] >> (8 * blk)) & 0xFF
-            f_lo, g_lo = _factors(s_lo)
-            f_hi, g_hi = _factors(s_hi)
-            for j in cutlass.range_constexpr(4):  # (kb, v2) of the block
-                kb = 2 * blk + j // 2
-                v2 = j % 2
-                word = words[2 * kb + v2]
-                out[4 * kb + 2 * v2] = _asm_b32(_LOW_PAIR, word, f_lo)
-                out[4 * kb + 2 * v2 + 1] = _asm_b32(_HIGH_PAIR, word, f_hi)
-            if s_lo > SINGLE_MAX:
-                for j in cutlass.range_constexpr(4):
-                    i = 4 * (2 * blk + j // 2) + 2 * (j % 2)
-                    out[i] = _asm_b32("mul.rn.bf16x2 $0, $1, $2;", out[i], g_lo)
-            if s_hi > SINGLE_MAX:
-                for j in cutlass.range_constexpr(4):
-                    i = 4 * (2 * blk + j // 2) + 2 * (j % 2) + 1
-                    out[i] = _asm_b32("mul.rn.bf16x2 $0, $1, $2;", out[i], g_hi)
+        word v1 + 2 v2 + 4 kb of frag is the pair (row + 8 v1, K 16 kb + 8 v2 + k0 ..+1), one 16-bit load from
+        offs[kb] (+ 8 rows = 256 u16, + 8 K = 4 u16) in the stage's bytes."""
+        base = stage * (BM * BK // 2)
+        scales = (sS[(row, 0, stage)].to(cutlass.Int32) & 0xFFFF) | (sS[(row + 8, 0, stage)].to(cutlass.Int32) << 16)
+        out = cute.recast_tensor(frag, cutlass.Int32)
+        factor = [[_factor(scales, 2 * v1 + blk) for blk in range(2)] for v1 in range(2)]
+        for kb in cutlass.range_constexpr(BK // 16):
+            for v2 in cutlass.range_constexpr(2):
+                for v1 in cutlass.range_constexpr(2):
+                    pair = w16[base + offs[kb] + 256 * v1 + 4 * v2].to(cutlass.Int32)
+                    out[v1 + 2 * v2 + 4 * kb] = _asm_b32(_LOW_PAIR, pair, factor[v1][kb // 2])
+        # a scale byte above SINGLE_MAX: bit 7 set and the low 7 bits at least 7 (SINGLE_MAX + 1 = 0x87)
+        if (((scales & 0x7F7F7F7F) + 0x79797979) & scales & 0x80808080) != 0:
+            for v1 in cutlass.range_constexpr(2):
+                for blk in cutlass.range_constexpr(2):
+                    s = (scales >> (8 * (2 * v1 + blk))) & 0xFF
+                    if s > SINGLE_MAX:
+                        g = ((s - 7) << 7) * 0x10001
+                        if s == 255:
+                            g = cutlass.Int32(0x7FC07FC0)
+                        for kb in cutlass.range_constexpr(2 * blk, 2 * blk + 2):
+                            for v2 in cutlass.range_constexpr(2):
+                                i = v1 + 2 * v2 + 4 * kb
+                                out[i] = _asm_b32("mul.rn.bf16x2 $0, $1, $2;", out[i], g)
+
+
+@cute.jit
+def _factor(scales, j: cutlass.Constexpr):
+    """The first factor (mx_operand._factors) of scale byte j of scales as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
+    in both lanes ((min + 120) << 7, times 0x10001)."""
+    s = cutlass.min((scales >> (8 * j)) & 0xFF, cutlass.Int32(SINGLE_MAX))
+    return (s * 128 + 120 * 128) * 0x10001
+
+
+@cute.jit
+def _swizzled(offset):
+    """The byte offset of a stage's W tile element under its shared-memory swizzle (make_smem_layout_a's
+    Swizzle<2, 4, 3> for 64-byte rows: bits 4-5 ^= bits 7-8)."""
+    return offset ^ ((offset >> 3) & 0x30)

@@ -17,6 +17,7 @@ CASES = [  # tokens, k, E, N, K, routing
     (1, 1, 4, 256, 128, "random"),
     (777, 2, 8, 384, 256, "skew"),  # empty experts
     (2000, 4, 16, 2048, 768, "random"),  # qwen3's down
+    (500, 2, 4, 256, 512, "big_scales"),  # scale bytes above 134 in a quarter of the blocks (a second multiply)
 ]
 
 
@@ -37,7 +38,12 @@ def test_swapped_mx_gemm(case):
     a = torch.randn(sched.capacity, K, device="cuda", generator=g).to(torch.bfloat16)
     w = torch.randn(E, N, K, device="cuda", generator=g) * 2.0 ** torch.randint(
         -6, 7, (E, N, K // 32, 1), device="cuda", generator=g).float().repeat_interleave(32, -1).view(E, N, K)
+    if mode == "big_scales":
+        w = w * 2.0 ** (40 * (torch.rand(E, N, K // 32, 1, device="cuda", generator=g) < 0.25).float()
+                        ).repeat_interleave(32, -1).view(E, N, K)
     q = quantize(w.to(torch.bfloat16), axis=-1)
+    if mode == "big_scales":
+        assert int(q.scale.max()) > 134 and int(q.scale.min()) <= 134
     mw = cuda_mx.MxWeight(q.data, q.scale)
     wq = mw.dequantized()
     out = torch.full((a.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
