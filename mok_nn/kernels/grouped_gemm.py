@@ -63,8 +63,8 @@ of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
 fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 
-MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmMx,
-VarlenMGroupedGemmActMx, the forward of MXFP8-only weights) B's E4M3 bytes arrive K-major with their scale pairs
+MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmActMx, the
+gate/up GEMM of MXFP8-only weights; their plain GEMM is mx_swapped.py's) B's E4M3 bytes arrive K-major with their scale pairs
 and each consumer thread makes one B row of every stage bf16 in place; with b_mx_cols (VarlenMGroupedGemmMxCols,
 precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors, the consumer
 threads make each stage W_q in bf16 (N-major, 64 bytes of one K row a thread), and requantise along K the 32 x 32
@@ -130,7 +130,7 @@ class VarlenMGroupedGemm:
         # section (row_rank / row_slot / dst_base, e.g. the EP combine's slots) instead of the output
         assert not push or (full_epi and not (pingpong or act or dact)), "push: the cooperative _ef kernel"
         self.push = push
-        # b_mx (VarlenMGroupedGemmMx, VarlenMGroupedGemmActMx): B is MXFP8 (E4M3 bytes K-major and scale
+        # b_mx (VarlenMGroupedGemmActMx, VarlenMGroupedGemmMxCols): B is MXFP8 (E4M3 bytes K-major and scale
         # pairs), made bf16 in each stage's B buffer by the consumer threads, one B row each (mx_operand.py):
         # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
         assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
@@ -1175,30 +1175,6 @@ class VarlenMGroupedGemmDyn(VarlenMGroupedGemm):
                      tile_counter=tile_counter)
 
 
-class VarlenMGroupedGemmMx(VarlenMGroupedGemm):
-    """The plain GEMM with B as MXFP8 (mx_operand.py): C = A @ dequantize(B)^T, bitwise the bf16 kernel on the
-    dequantised weights (the same wgmma batches in the same order). B K-major; K % 64 == 0."""
-
-    def __init__(self, tile_n: int = 256, full_epi: bool = False):
-        super().__init__(tile_n=tile_n, full_epi=full_epi, b_mx=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K, 1) K-major bf16
-        mB: cute.Tensor,  # (N, K, E) K-major u8: E4M3 bytes
-        b_scale: cute.Tensor,  # (N, K / 64, E) u16, N fastest: the E8M0 scales of K blocks 2j (low), 2j + 1
-        mC: cute.Tensor,  # (M, N, 1) N-major
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     b_scale=b_scale)
-
-
 class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
     """The gate/up GEMM with the activation epilogue, B = gate_up_proj as MXFP8 (mx_operand.py): bitwise
     VarlenMGroupedGemmAct on the dequantised weights."""
@@ -1226,12 +1202,26 @@ class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
                      h_mx=h_mx)
 
 
-class VarlenMGroupedGemmMxCols(VarlenMGroupedGemmMx):
+class VarlenMGroupedGemmMxCols(VarlenMGroupedGemm):
     """The backward's dgrad GEMM on MXFP8-only weights with precision="mxfp8": C = A @ B, B the MXFP8 values
     along K of W_q = dequantize(stored) (stored in blocks along N), made from the stored bytes in shared memory
-    (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0.
-    Called as VarlenMGroupedGemmMx with mB (N, K, E) N-major u8 (E4M3 bytes in blocks of 32 along N), b_scale the
-    row factors (K, N / 32, E) u16, K fastest (bf16 bits of 2**(S - 7) per scale byte S), and C bf16 or fp32."""
+    (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0."""
 
     def __init__(self, tile_n: int = 256):
         VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx=True, b_mx_cols=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K, 1) K-major bf16
+        mB: cute.Tensor,  # (N, K, E) N-major u8: E4M3 bytes in blocks of 32 along N
+        b_scale: cute.Tensor,  # (K, N / 32, E) u16, K fastest: bf16 bits of 2**(S - 7) per scale byte S
+        mC: cute.Tensor,  # (M, N, 1) N-major, bf16 or fp32
+        tile_expert: cute.Tensor,
+        seg_end: cute.Tensor,
+        seg_rows: cute.Tensor,
+        group_m: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
+                     b_scale=b_scale)

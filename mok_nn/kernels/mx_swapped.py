@@ -1,4 +1,4 @@
-"""The plain grouped GEMM on MXFP8 weights with the weights as the wgmma's A operand, converted in registers.
+"""mok_gemm_bk_mx: the plain grouped GEMM on MXFP8 weights, the weights the wgmma's A operand, made bf16 in registers.
 
 C[r] = A[r] @ dequantize(W[e(r)])^T as C^T = W[e] @ A^T: the MMA's M runs over W's rows (the output features),
 its N over a schedule row tile's 128 tokens. Each stage's E4M3 bytes and scale pairs arrive by TMA; each consumer
@@ -6,13 +6,16 @@ thread loads its A fragment's bytes (the wgmma register operand's layout: rows r
 them bf16 in registers with mx_operand's recipe (one multiply a pair, exact), then the RS wgmma reads them. No
 bf16 copy of the weights passes through shared memory, and there is no barrier between the consumer threads per
 stage. The fragments of two stages alternate in registers (a stage's stay live until its wgmma batch is done).
+The products are those of the bf16 kernel on W_q = dequantize(W) (an E4M3 value times its scale is a bf16 value),
+summed in the same k16 steps, so the result has the bf16 kernel's bits (tests/gpu/test_mx_gemm_cuda.py).
 
 Each thread's bytes of a stage lie at four offsets from the stage's start (one per k16 block; the other rows and
 K pairs at fixed distances), computed once: the loop adds the stage's offset and loads, with no swizzle arithmetic
 per load. Scale bytes above SINGLE_MAX (a second multiply) are rare: one test a stage takes them off the hot path.
 
 The output tile (128 features x 128 tokens) leaves transposed: stmatrix.trans into shared memory, then TMA stores
-left in flight while the next tile's main loop runs. N % 128 == 0 and K % 128 == 0 (the host checks).
+left in flight while the next tile's main loop runs. Past N, the TMA loads give zero bytes and scales and the
+stores clip. N % 8 == 0 and K % 64 == 0 (TMA's 16-byte strides; whole stages).
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ def _keep_until_here(frag):
 
 
 class SwappedMxGemm:
-    """Called as VarlenMGroupedGemmMx: (a (M, K, 1) bf16, b (N, K, E) u8, b_scale (N, K / 64, E) u16, c (M, N, 1),
-    tile_expert, seg_end, seg_rows, group_m, stream)."""
+    """Called as (a (M, K, 1) bf16 rows, b (N, K, E) u8 E4M3 bytes K-major, b_scale (N, K / 64, E) u16 scale pairs
+    N fastest (the low byte K block 2j's), c (M, N, 1) bf16, tile_expert, seg_end, seg_rows, group_m, stream)."""
 
     def __init__(self, num_sms: int = 132):
         self.num_sms = num_sms
@@ -111,7 +114,7 @@ class SwappedMxGemm:
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(c_smem)], 1024]
 
         self.shared_storage = SharedStorage
-        tiles_m = cute.size(mB, mode=[0]) // BM  # feature tiles
+        tiles_m = (cute.size(mB, mode=[0]) + BM - 1) // BM  # feature tiles (TMA fills and clips past N)
         tiles_n = cute.size(mA, mode=[0]) // BN  # schedule row tiles
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
@@ -216,20 +219,30 @@ class SwappedMxGemm:
                 if expert >= 0:
                     acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    # the last pair of stages is peeled off the loop, so that its wgmma batches, the wait for them
-                    # and the epilogue's reads of the accumulator lie in one basic block (ptxas hoisted the reads
-                    # above a wait that sat behind the loop's exit)
-                    for kp in range(k_tiles // 2 - 1):
+                    # The tile's last wgmma batch, the wait for it and the epilogue's reads of the accumulator lie
+                    # in one basic block: the last stage (pair) is peeled off the loop (ptxas hoisted the reads
+                    # above a wait that sat behind the loop's exit). An odd stage count peels the first stage.
+                    if k_tiles == 1:
+                        tiled_mma, acc, read_state, release_state = self._stage(
+                            tiled_mma, acc, w16, offs, sS, frag0, frag1, row, tCrX, ab_pipe, read_state,
+                            release_state, False, last=True)
+                    else:
+                        odd = k_tiles % 2
+                        if odd == 1:
+                            tiled_mma, acc, read_state, release_state = self._stage(
+                                tiled_mma, acc, w16, offs, sS, frag1, frag0, row, tCrX, ab_pipe, read_state,
+                                release_state, False)
+                        for kp in range(k_tiles // 2 - 1):
+                            for half in cutlass.range_constexpr(2):
+                                tiled_mma, acc, read_state, release_state = self._stage(
+                                    tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
+                                    frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
+                                    odd + kp * 2 + half > 0)
                         for half in cutlass.range_constexpr(2):
                             tiled_mma, acc, read_state, release_state = self._stage(
                                 tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
                                 frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
-                                kp * 2 + half > 0)
-                    for half in cutlass.range_constexpr(2):
-                        tiled_mma, acc, read_state, release_state = self._stage(
-                            tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
-                            frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
-                            k_tiles + half > 2, last=half == 1)
+                                k_tiles + half > 2, last=half == 1)
                     for i in cutlass.range_constexpr(cute.size(acc)):  # the epilogue reads the finished sums
                         acc[i] = _pinned_f32(acc[i])
                     ab_pipe.consumer_release(release_state)

@@ -173,17 +173,12 @@ def _mx_b_args(n_div: int) -> tuple:
 
 
 def _gemm_mx_spec() -> KernelSpec:
-    # x_rows @ dequantize(W[e])^T with W as MXFP8: the plain GEMM (split epilogue, 4 stages)
+    # x_rows @ dequantize(W[e])^T with W as MXFP8: the plain GEMM, the weights as the wgmma's register A operand
+    # (mx_swapped.py)
     base = _gemm_spec("mok_gemm_bk_mx", "k", GEMM_TILE_N)
     a, _, c, *rest = base.args
-    return dataclasses.replace(base, factory="VarlenMGroupedGemmMx", factory_kwargs=(),
+    return dataclasses.replace(base, module="mx_swapped", factory="SwappedMxGemm", factory_kwargs=(),
                                args=(a, *_mx_b_args(8), c, *rest))
-
-
-def _gemm_mx_swapped_spec() -> KernelSpec:
-    # the plain GEMM on MXFP8 weights, the weights as the wgmma's register A operand (mx_swapped.py); N, K % 128
-    base = _gemm_mx_spec()
-    return dataclasses.replace(base, name="mok_gemm_bk_mx_swap", module="mx_swapped", factory="SwappedMxGemm")
 
 
 def _gemm_act_mx_spec(kind: str) -> KernelSpec:
@@ -541,7 +536,6 @@ SPECS = (
     _gemm_act_spec("swiglu", pingpong=True, cluster_n=2),
     _gemm_act_spec("swiglu", full_epi=True),
     _gemm_mx_spec(),
-    _gemm_mx_swapped_spec(),
     _gemm_act_mx_spec("swiglu"),
     _gemm_mx_cols_spec("bf16"),  # the backward's d x from MXFP8-only weights, precision="mxfp8"
     _gemm_mx_cols_spec("f32"),  # its d h (the dgrad of down, fp32 out for dSwiGLU and d topk-weights)
