@@ -31,11 +31,15 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .gemm_consumer import epilogue_stores, epilogue_views, store_tile_full
+from .gemm_consumer import epilogue_stores
 from .mx_operand import _LOW_PAIR, SINGLE_MAX, _asm_b32
+from .mx_quant import mx_values_of_lane_block
+from .swiglu import _act
 
 BM, BN, BK = 128, 128, 64  # features (two warp groups of 64), tokens (one schedule row tile), K per stage
 EPI_TILE = (BM, 32)  # the output tile leaves in four (features, tokens) pieces, features contiguous
+HALF = BM // 2  # rows of one warp group: W rows and output features move in halves of 64
+VEC = 8  # bf16 values of a 16-byte piece
 EPI_BARRIER_ID = 1
 STORE_WARP = 4  # the first consumer warp issues the TMA stores
 
@@ -66,10 +70,17 @@ def _keep_until_here(frag):
 
 
 class SwappedMxGemm:
-    """Called as (a (M, K, 1) bf16 rows, b (N, K, E) u8 E4M3 bytes K-major, b_scale (N, K / 64, E) u16 scale pairs
-    N fastest (the low byte K block 2j's), c (M, N, 1) bf16, tile_expert, seg_end, seg_rows, group_m, stream)."""
+    """mok_gemm_bk_mx. Called as (a (M, K, 1) bf16 rows, b (N, K, E) u8 E4M3 bytes K-major, b_scale (N, K / 64, E)
+    u16 scale pairs N fastest (the low byte K block 2j's), c (M, N, 1) bf16, tile_expert, seg_end, seg_rows,
+    group_m, stream).
 
-    def __init__(self, num_sms: int = 132):
+    act (SwappedMxGemmAct): the gate/up GEMM with the activation. W is gate_up_proj [gate; up] (2I rows): a tile's
+    first warp group takes 64 gate rows, the second the 64 up rows of the same features, and the epilogue computes
+    h = act(gate, up) from the bf16 tile in shared memory (as mok_act_fwd reads gate_up), h_mx != 0: h's MXFP8 values
+    along I (4 lanes a 32-feature block)."""
+
+    def __init__(self, act: str | None = None, num_sms: int = 132):
+        self.act = act
         self.num_sms = num_sms
         self.threads_per_wg = 128
         self.num_threads = 3 * self.threads_per_wg
@@ -82,28 +93,45 @@ class SwappedMxGemm:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor,
                  tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, group_m: cutlass.Int32,
                  stream: cuda.CUstream):
+        self._launch(mA, mB, b_scale, mC, mC, tile_expert, cutlass.Int32(0), cutlass.Float32(0.0), stream)
+
+    @cute.jit
+    def _launch(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor, mH: cute.Tensor,
+                tile_expert: cute.Tensor, h_mx: cutlass.Int32, limit: cutlass.Float32, stream: cuda.CUstream):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (2, 1, 1), tiler_mn=(64, BN), a_source=warpgroup.OperandSource.RMEM,
         )
         epi_buffers = BN // EPI_TILE[1]
-        c_bytes = BM * BN * 2
+        c_bytes = BM * BN * 2 + (HALF * BN * 2 if cutlass.const_expr(self.act is not None) else 0)
         stage_bytes = BM * BK + BN * BK * 2 + BM * 2
         stages = (self.smem_bytes - 2048 - c_bytes) // stage_bytes
-        w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (BM, BN, BK), cutlass.Uint8, stages)
+        # a stage's W rows and scales arrive in two halves of 64 rows (the warp groups' rows: half h of stage s at
+        # 2 s + h, the same bytes as one 128-row tile)
+        w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (HALF, BN, BK), cutlass.Uint8, 2 * stages)
         x_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BM, BN, BK), cutlass.BFloat16, stages)
-        s_smem = cute.make_layout((BM, 1, stages), stride=(1, BM, BM))
+        s_smem = cute.make_layout((HALF, 1, 2 * stages), stride=(1, HALF, HALF))
         c_smem = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, EPI_TILE, epi_buffers)
-        # C in the MMA's terms: (features, rows), features contiguous
+        # the same buffers as halves of 64 features (half h of buffer e at 2 e + h): what each TMA store sends
+        c_half = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, (HALF, EPI_TILE[1]),
+                                                 2 * epi_buffers)
+        h_smem = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, (HALF, EPI_TILE[1]),
+                                                 epi_buffers)
+        # outputs in the MMA's terms: (features, rows), features contiguous
         mCt = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 0, 2]))
+        mHt = cute.make_tensor(mH.iterator, cute.select(mH.layout, mode=[1, 0, 2]))
         tma_w, tma_mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(w_smem, (None, None, 0)), (BM, BK))
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(w_smem, (None, None, 0)), (HALF, BK))
         tma_x, tma_mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(x_smem, (None, None, 0)), (BN, BK))
         tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), (BM, 1))
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), (HALF, 1))
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mCt, cute.slice_(c_smem, (None, None, 0)), EPI_TILE)
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mCt, cute.slice_(c_half, (None, None, 0)),
+            (HALF, EPI_TILE[1]))
+        tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mHt, cute.slice_(h_smem, (None, None, 0)),
+            (HALF, EPI_TILE[1]))
 
         @cute.struct
         class SharedStorage:
@@ -112,22 +140,28 @@ class SwappedMxGemm:
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_smem)], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, cute.cosize(s_smem)], 128]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(c_smem)], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
+                                                       cute.cosize(h_smem) if self.act is not None else 8], 1024]
 
         self.shared_storage = SharedStorage
-        tiles_m = (cute.size(mB, mode=[0]) + BM - 1) // BM  # feature tiles (TMA fills and clips past N)
+        # tiles of output features: 128 rows of W (plain), or 64 features = 64 gate + 64 up rows (act)
+        tiles_m = (cute.size(mB, mode=[0]) + BM - 1) // BM
         tiles_n = cute.size(mA, mode=[0]) // BN  # schedule row tiles
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
-        self.kernel(tma_w, tma_mW, tma_x, tma_mX, tma_s, tma_mS, tma_c, tma_mC, tile_expert, tiled_mma, w_smem,
-                    x_smem, s_smem, c_smem, sched_params, cutlass.Int32(tiles_m), stages).launch(
+        self.kernel(tma_w, tma_mW, tma_x, tma_mX, tma_s, tma_mS, tma_c, tma_mC, tma_h, tma_mH, tile_expert, tiled_mma,
+                    w_smem, x_smem, s_smem, c_smem, c_half, h_smem, sched_params, cutlass.Int32(tiles_m), h_mx, limit,
+                    stages).launch(
             grid=grid, block=[self.num_threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor,
-               tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout, x_smem: cute.ComposedLayout,
-               s_smem: cute.Layout, c_smem: cute.ComposedLayout, sched_params: utils.PersistentTileSchedulerParams,
-               tiles_m: cutlass.Int32, stages: cutlass.Constexpr):
+               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c: cute.CopyAtom, mC: cute.Tensor, tma_h: cute.CopyAtom,
+               mH: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout,
+               x_smem: cute.ComposedLayout, s_smem: cute.Layout, c_smem: cute.ComposedLayout,
+               c_half: cute.ComposedLayout, h_smem: cute.ComposedLayout,
+               sched_params: utils.PersistentTileSchedulerParams, tiles_m: cutlass.Int32, h_mx: cutlass.Int32,
+               limit: cutlass.Float32, stages: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
@@ -142,19 +176,20 @@ class SwappedMxGemm:
         sX = storage.sX.get_tensor(x_smem.outer, swizzle=x_smem.inner)
         sS = storage.sS.get_tensor(s_smem)
         sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
-        tx_bytes = (cute.size_in_bytes(cutlass.Uint8, cute.slice_(w_smem, (None, None, 0)))
+        sC_half = storage.sC.get_tensor(c_half.outer, swizzle=c_half.inner)
+        sH = storage.sH.get_tensor(h_smem.outer, swizzle=h_smem.inner)
+        tx_bytes = (2 * cute.size_in_bytes(cutlass.Uint8, cute.slice_(w_smem, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
-                    + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
+                    + 2 * cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(), num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8),
             tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
-        gW = cute.local_tile(mW, (BM, BK), (None, None, None))  # (BM, BK, tiles_m, tiles_k, E)
+        gW = cute.local_tile(mW, (HALF, BK), (None, None, None))  # (64, BK, row halves, tiles_k, E)
         gX = cute.local_tile(mX, (BN, BK), (None, None, None))  # (BN, BK, tiles_n, tiles_k, 1)
-        gS = cute.local_tile(mS, (BM, 1), (None, None, None))  # (BM, 1, tiles_m, K / 64, E)
-        gC = cute.local_tile(mC, (BM, BN), (None, None, None))  # (BM, BN, tiles_m, tiles_n, 1)
+        gS = cute.local_tile(mS, (HALF, 1), (None, None, None))  # (64, 1, row halves, K / 64, E)
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
             tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
@@ -175,13 +210,15 @@ class SwappedMxGemm:
                     n_tile = work.tile_idx[0] // tiles_m
                     expert = tile_expert[n_tile]
                     if expert >= 0:
+                        halves = self._halves(m_tile, tiles_m)
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
-                            cute.copy(tma_w, tWgW[(None, m_tile, k, expert)], tWsW[(None, state.index)],
-                                      tma_bar_ptr=bar)
-                            cute.copy(tma_s, tSgS[(None, m_tile, k, expert)], tSsS[(None, state.index)],
-                                      tma_bar_ptr=bar)
+                            for h in cutlass.range_constexpr(2):
+                                cute.copy(tma_w, tWgW[(None, halves[h], k, expert)], tWsW[(None, 2 * state.index + h)],
+                                          tma_bar_ptr=bar)
+                                cute.copy(tma_s, tSgS[(None, halves[h], k, expert)], tSsS[(None, 2 * state.index + h)],
+                                          tma_bar_ptr=bar)
                             cute.copy(tma_x, tXgX[(None, n_tile, k, 0)], tXsX[(None, state.index)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(state)
                             state.advance()
@@ -206,6 +243,12 @@ class SwappedMxGemm:
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
                 tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
             epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
+            gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))  # (piece, (feature halves, row tiles))
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
+            gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
+            bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
+                tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2), gH)
 
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())
@@ -217,11 +260,11 @@ class SwappedMxGemm:
                 n_tile = work.tile_idx[0] // tiles_m
                 expert = tile_expert[n_tile]
                 if expert >= 0:
-                    acc.fill(0.0)
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     # The tile's last wgmma batch, the wait for it and the epilogue's reads of the accumulator lie
                     # in one basic block: the last stage (pair) is peeled off the loop (ptxas hoisted the reads
                     # above a wait that sat behind the loop's exit). An odd stage count peels the first stage.
+                    acc.fill(0.0)
                     if k_tiles == 1:
                         tiled_mma, acc, read_state, release_state = self._stage(
                             tiled_mma, acc, w16, offs, sS, frag0, frag1, row, tCrX, ab_pipe, read_state,
@@ -247,14 +290,75 @@ class SwappedMxGemm:
                         acc[i] = _pinned_f32(acc[i])
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
-                    bSG_sC, bSG_gC, epi_tiles, _, epi_layout = epilogue_views(
-                        gC[(None, None, m_tile, n_tile, 0)], EPI_TILE, tma_c, sC)
-                    store_tile_full(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, cutlass.BFloat16, tma_c, bSG_sC,
-                                    bSG_gC, epi_layout, epi_tiles, epi_barrier, warp_idx, 0, STORE_WARP)
+                    self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, sC, sH, tma_c, bSG_sC, bSG_gC,
+                                   tma_h, bSG_sH, bSG_gH, self._halves(m_tile, tiles_m), m_tile, n_tile, h_mx, limit,
+                                   epi_barrier, warp_idx, ctid)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             if warp_idx == STORE_WARP:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
+
+    @cute.jit
+    def _halves(self, m_tile, tiles_m):
+        """The tile's two 64-row halves of W (and of the output's features), in 64-row units: rows 128 m .. of W, or
+        (act) gate rows 64 m .. and up rows I + 64 m .. (I = 64 tiles_m)."""
+        if cutlass.const_expr(self.act is None):
+            return (2 * m_tile, 2 * m_tile + 1)
+        return (m_tile, m_tile + tiles_m)
+
+    @cute.jit
+    def _epilogue(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, sC, sH, tma_c, bSG_sC, bSG_gC,
+                  tma_h, bSG_sH, bSG_gH, halves, m_tile, n_tile, h_mx, limit, epi_barrier, warp_idx, ctid):
+        """The tile out: bf16 into shared memory (stmatrix.trans, whole token rows of features), then TMA stores of
+        each (64 features, 32 tokens) piece, left in flight; with act, h from the gate and up values there, stored
+        likewise. The wait for the previous tile's stores to have read shared memory comes first."""
+        pieces = BN // EPI_TILE[1]
+        if warp_idx == STORE_WARP:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        epi_barrier.arrive_and_wait()
+        for e in cutlass.range_constexpr(pieces):
+            for v in cutlass.range_constexpr(rD_size):
+                rD[v] = tRS_acc[e * rD_size + v]
+            rD_out.store(rD.load().to(cutlass.BFloat16))
+            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if warp_idx == STORE_WARP:
+            for e in cutlass.range_constexpr(pieces):
+                for h in cutlass.range_constexpr(2):
+                    cute.copy(tma_c, bSG_sC[(None, 2 * e + h)], bSG_gC[(None, (halves[h], n_tile * pieces + e))])
+        if cutlass.const_expr(self.act is not None):
+            # h: 16-byte pieces of 8 features, thread-strided; piece p is token p // 8, features 8 (p % 8) ..; lanes
+            # 4j .. 4j + 3 hold one 32-feature block (h_mx's shuffles)
+            f_g = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            f_u = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            f_h = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            f_hq = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            per_token = HALF // VEC
+            for i in cutlass.range_constexpr(BN * per_token // self.consumer_threads):
+                p = ctid + i * self.consumer_threads
+                t = p // per_token
+                q = p % per_token
+                col = t % EPI_TILE[1]
+                buf = t // EPI_TILE[1]
+                src = cute.zipped_divide(sC[(None, col, buf)], (VEC,))  # gate pieces 0..7, up 8..15
+                dst = cute.zipped_divide(sH[(None, col, buf)], (VEC,))
+                cute.autovec_copy(src[(None, q)], f_g)
+                cute.autovec_copy(src[(None, per_token + q)], f_u)
+                for v in cutlass.range_constexpr(VEC):
+                    hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
+                    f_h[v] = hv
+                f_hq.store(f_h.load().to(cutlass.BFloat16))
+                if h_mx != 0:
+                    mx_values_of_lane_block(f_hq, f_h, True)
+                cute.autovec_copy(f_hq, dst[(None, q)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == STORE_WARP:
+                for e in cutlass.range_constexpr(pieces):
+                    cute.copy(tma_h, bSG_sH[(None, e)], bSG_gH[(None, (m_tile, n_tile * pieces + e))])
+        if warp_idx == STORE_WARP:
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _stage(self, tiled_mma, acc, w16, offs, sS, frag, other, row, tCrX, ab_pipe, read_state, release_state,
@@ -286,7 +390,9 @@ class SwappedMxGemm:
         word v1 + 2 v2 + 4 kb of frag is the pair (row + 8 v1, K 16 kb + 8 v2 + k0 ..+1), one 16-bit load from
         offs[kb] (+ 8 rows = 256 u16, + 8 K = 4 u16) in the stage's bytes."""
         base = stage * (BM * BK // 2)
-        scales = (sS[(row, 0, stage)].to(cutlass.Int32) & 0xFFFF) | (sS[(row + 8, 0, stage)].to(cutlass.Int32) << 16)
+        # the scale pairs of rows row and row + 8 (a stage's are halves 2 stage, 2 stage + 1: 128 rows in a row)
+        scales = ((sS[(row, 0, 2 * stage)].to(cutlass.Int32) & 0xFFFF)
+                  | (sS[(row + 8, 0, 2 * stage)].to(cutlass.Int32) << 16))
         out = cute.recast_tensor(frag, cutlass.Int32)
         factor = [[_factor(scales, 2 * v1 + blk) for blk in range(2)] for v1 in range(2)]
         for kb in cutlass.range_constexpr(BK // 16):
@@ -307,6 +413,21 @@ class SwappedMxGemm:
                             for v2 in cutlass.range_constexpr(2):
                                 i = v1 + 2 * v2 + 4 * kb
                                 out[i] = _asm_b32("mul.rn.bf16x2 $0, $1, $2;", out[i], g)
+
+
+class SwappedMxGemmAct(SwappedMxGemm):
+    """mok_gemm_gate_up_<act>_mx: the gate/up GEMM + activation on MXFP8 gate_up_proj. Called as (a (M, K, 1) bf16
+    x rows, b (2I, K, E) u8 [gate; up] rows, b_scale (2I, K / 64, E) u16, gate_up (M, 2I, 1), h (M, I, 1), tile_expert,
+    seg_end, seg_rows, h_mx, limit, group_m, stream); I % 64 == 0."""
+
+    def __init__(self, act: str):
+        super().__init__(act=act)
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor, mH: cute.Tensor,
+                 tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, h_mx: cutlass.Int32,
+                 limit: cutlass.Float32, group_m: cutlass.Int32, stream: cuda.CUstream):
+        self._launch(mA, mB, b_scale, mC, mH, tile_expert, h_mx, limit, stream)
 
 
 @cute.jit

@@ -189,6 +189,12 @@ def _gemm_act_mx_spec(kind: str) -> KernelSpec:
                                factory_kwargs=(("act", kind),), args=(a, *_mx_b_args(256), *rest))
 
 
+def _gemm_act_mx_swapped_spec(kind: str) -> KernelSpec:
+    # the gate/up GEMM + activation with gate_up_proj as MXFP8, the weights as the wgmma's register A operand
+    base = _gemm_act_mx_spec(kind)
+    return dataclasses.replace(base, name=base.name + "_swap", module="mx_swapped", factory="SwappedMxGemmAct")
+
+
 def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
     # the backward's dgrad (d rows @ B, B the MXFP8 values along K of W_q) from MXFP8-only weights: their E4M3 bytes
     # (N, K, E) N-major and a table of row factors (K, N / 32, E) u16, K fastest
@@ -537,6 +543,7 @@ SPECS = (
     _gemm_act_spec("swiglu", full_epi=True),
     _gemm_mx_spec(),
     _gemm_act_mx_spec("swiglu"),
+    _gemm_act_mx_swapped_spec("swiglu"),
     _gemm_mx_cols_spec("bf16"),  # the backward's d x from MXFP8-only weights, precision="mxfp8"
     _gemm_mx_cols_spec("f32"),  # its d h (the dgrad of down, fp32 out for dSwiGLU and d topk-weights)
     # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096; the layer's rule:
