@@ -182,17 +182,19 @@ def _gemm_mx_spec() -> KernelSpec:
 
 
 def _gemm_act_mx_spec(kind: str) -> KernelSpec:
-    # the gate/up GEMM + activation with gate_up_proj as MXFP8 (whole-tile epilogue on the helper warps)
+    # the gate/up GEMM + activation with gate_up_proj as MXFP8, the weights as the wgmma's register A operand
+    # (mx_swapped.py; h on the producer warp group's helper warps)
     base = _gemm_act_spec(kind, full_epi=True)
     a, _, *rest = base.args
-    return dataclasses.replace(base, name=f"mok_gemm_gate_up_{kind}_mx", factory="VarlenMGroupedGemmActMx",
-                               factory_kwargs=(("act", kind),), args=(a, *_mx_b_args(256), *rest))
+    return dataclasses.replace(base, name=f"mok_gemm_gate_up_{kind}_mx", module="mx_swapped",
+                               factory="SwappedMxGemmAct", factory_kwargs=(("act", kind),),
+                               args=(a, *_mx_b_args(256), *rest))
 
 
-def _gemm_act_mx_swapped_spec(kind: str) -> KernelSpec:
-    # the gate/up GEMM + activation with gate_up_proj as MXFP8, the weights as the wgmma's register A operand
+def _gemm_act_mx_smem_spec(kind: str) -> KernelSpec:
+    # (A/B only) the shared-memory form: each B stage made bf16 in smem (mx_operand.MxOperandB)
     base = _gemm_act_mx_spec(kind)
-    return dataclasses.replace(base, name=base.name + "_swap", module="mx_swapped", factory="SwappedMxGemmAct")
+    return dataclasses.replace(base, name=base.name + "_smem", module="grouped_gemm", factory="VarlenMGroupedGemmActMx")
 
 
 def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
@@ -543,7 +545,7 @@ SPECS = (
     _gemm_act_spec("swiglu", full_epi=True),
     _gemm_mx_spec(),
     _gemm_act_mx_spec("swiglu"),
-    _gemm_act_mx_swapped_spec("swiglu"),
+    _gemm_act_mx_smem_spec("swiglu"),
     _gemm_mx_cols_spec("bf16"),  # the backward's d x from MXFP8-only weights, precision="mxfp8"
     _gemm_mx_cols_spec("f32"),  # its d h (the dgrad of down, fp32 out for dSwiGLU and d topk-weights)
     # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096; the layer's rule:

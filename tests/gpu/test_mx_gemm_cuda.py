@@ -1,5 +1,5 @@
-"""The forward GEMMs that read MXFP8-only weights as MXFP8 (mok_gemm_bk_mx: kernels/mx_swapped.py;
-mok_gemm_gate_up_swiglu_mx: kernels/mx_operand.py; cuda_mx.py) on an sm_90 GPU: bit for bit the bf16 kernels on W_q = dequantize(stored),
+"""The forward GEMMs that read MXFP8-only weights as MXFP8 (mok_gemm_bk_mx, mok_gemm_gate_up_swiglu_mx:
+kernels/mx_swapped.py; cuda_mx.py) on an sm_90 GPU: bit for bit the bf16 kernels on W_q = dequantize(stored),
 run after run, at shapes with partial tiles, empty experts and one expert taking every token, and with the
 scale extremes (all-zero blocks, blocks at E4M3's top, NaN blocks, large and tiny scales); and the layer takes
 them (launched kernels) with the bits of a layer holding W_q. Likewise the backward's dgrad GEMMs of
@@ -23,6 +23,7 @@ CASES = [  # tokens, k, E, H (K of gate/up, N of down), I, routing
     (333, 2, 8, 384, 128, "skew"),  # H % 256 == 128: the down GEMM's last column tile half past N; empty experts
     (300, 2, 3, 64, 384, "one_expert"),  # K = 64 (one stage) for gate/up; expert 0 takes every token
     (200, 2, 4, 192, 320, "random"),  # odd stage counts (3, 5); the down GEMM's N = 192 ends inside a 128 tile
+    (200, 2, 4, 192, 128, "skew"),  # gate/up + SwiGLU over 3 stages
     (2000, 4, 16, 2048, 768, "random"),  # qwen3's H and I
 ]
 
