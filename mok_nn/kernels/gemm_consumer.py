@@ -18,7 +18,7 @@ def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_bar
     """The shared-memory struct of a GEMM kernel: the A/B ring's full and empty barriers, (ping-pong) the
     two mainloop order barriers of the consumer warp groups, (epi_barriers) the full and empty barriers of
     an epilogue handed to other warps, then the A, B and epilogue buffers, and (b_scale_smem) the ring of an
-    MXFP8 B operand's scale pairs (mx_operand.py).
+    MXFP8 B operand's row factors (mx_operand.py).
     (Built from an annotation dict of DSL types: this module's annotations are strings.)"""
     fields = {"ab_barriers": cute.struct.MemRange[cutlass.Int64, ab_stages * 2]}
     if order_barriers:
@@ -85,7 +85,7 @@ def mma_mainloop(
 ):
     """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
     releasing it once the next stage's wgmma batch is in flight.
-    b_operand (mx_operand.MxOperandB): each stage's B arrives as MXFP8 and is made bf16 in place once the
+    b_operand (mx_operand.MxRequantB): each stage's B arrives as MXFP8 and is made bf16 in place once the
     stage is full, before its wgmma batch (while the previous stage's is in flight).
     first_m_only: only the first 64-row MMA block of the tile (ping-pong: the rows past it are all
     padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.

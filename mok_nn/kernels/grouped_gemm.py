@@ -63,12 +63,11 @@ of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
 fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 
-MXFP8 B operands (mx_operand.py; the cooperative kernels, tile_n 256): with b_mx (VarlenMGroupedGemmActMx, the
-gate/up GEMM of MXFP8-only weights; their plain GEMM is mx_swapped.py's) B's E4M3 bytes arrive K-major with their scale pairs
-and each consumer thread makes one B row of every stage bf16 in place; with b_mx_cols (VarlenMGroupedGemmMxCols,
-precision="mxfp8"'s dgrad of MXFP8-only weights) they arrive N-major with a table of row factors, the consumer
-threads make each stage W_q in bf16 (N-major, 64 bytes of one K row a thread), and requantise along K the 32 x 32
-blocks the factors mark. Then the bf16 wgmma batches run as usual.
+MXFP8 B operand (mx_operand.py; the cooperative kernel, tile_n 256): with b_mx_cols (VarlenMGroupedGemmMxCols,
+precision="mxfp8"'s dgrad of MXFP8-only weights) B's E4M3 bytes arrive N-major with a table of row factors, the
+consumer threads make each stage W_q in bf16 (N-major, 64 bytes of one K row a thread), and requantise along K the
+32 x 32 blocks the factors mark. Then the bf16 wgmma batches run as usual. (The forward's GEMMs on MXFP8 weights
+are mx_swapped.py's.)
 
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
@@ -89,7 +88,7 @@ from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
     step_over, store_sync, store_tile_full, store_tile_split,
 )
-from .mx_operand import MxOperandB, MxRequantB
+from .mx_operand import MxRequantB
 from .mx_quant import mx_values_of_lane_block
 from .registry import TILE_M
 from .swiglu import _act
@@ -109,7 +108,7 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         dact: str | None = None, pingpong: bool = False, cluster_n: int = 1, push: bool = False,
-        b_mx: bool = False, b_mx_cols: bool = False,
+        b_mx_cols: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -130,14 +129,11 @@ class VarlenMGroupedGemm:
         # section (row_rank / row_slot / dst_base, e.g. the EP combine's slots) instead of the output
         assert not push or (full_epi and not (pingpong or act or dact)), "push: the cooperative _ef kernel"
         self.push = push
-        # b_mx (VarlenMGroupedGemmActMx, VarlenMGroupedGemmMxCols): B is MXFP8 (E4M3 bytes K-major and scale
-        # pairs), made bf16 in each stage's B buffer by the consumer threads, one B row each (mx_operand.py):
-        # the cooperative kernels, whose warp groups both run every stage's conversion and MMA.
-        assert not b_mx or (tile_n == 256 and not (pingpong or dact or push)), "b_mx: the cooperative kernels"
         # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
-        # factors, made W_q's MXFP8 values along K by the consumer threads (MxRequantB), N-major as the bf16 dgrad's
-        assert not b_mx_cols or (b_mx and act is None), "b_mx_cols: the plain cooperative kernel"
-        self.b_mx = b_mx
+        # factors, made W_q's MXFP8 values along K by the consumer threads (MxRequantB), N-major as the bf16 dgrad's:
+        # the plain cooperative kernel, whose warp groups both run every stage's conversion and MMA
+        assert not b_mx_cols or (tile_n == 256 and not (pingpong or dact or push or act)), \
+            "b_mx_cols: the plain cooperative kernel"
         self.b_mx_cols = b_mx_cols
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
         # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
@@ -161,7 +157,7 @@ class VarlenMGroupedGemm:
         self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
         # full_epi: one buffer per sub-tile, the whole output tile in smem.
         self.epi_stages = TILE_M * tile_n // (self.epi_tile[0] * self.epi_tile[1]) if full_epi else 4
-        if b_mx and not full_epi:
+        if b_mx_cols and not full_epi:
             # 3 rotating buffers: with 4, the 4 A/B stages and the scale ring would take exactly the 227 KB a CTA
             # may have (no margin for the static shared memory the kernel also declares); 3 leave 8 KB
             self.epi_stages = 3
@@ -174,8 +170,8 @@ class VarlenMGroupedGemm:
     def _stages(self, ab_dtype, c_dtype) -> int:
         _, bn, bk = self.tile_mnk
         scales = 0
-        if self.b_mx:  # the stage's scale pairs or row factors (its E4M3 bytes live in its bf16 B buffer)
-            scales = bk * (bn // 32) * 2 if self.b_mx_cols else bn * 2
+        if self.b_mx_cols:  # the stage's row factors (its E4M3 bytes live in its bf16 B buffer)
+            scales = bk * (bn // 32) * 2
         return stage_count(self.smem_bytes, self.tile_mnk, ab_dtype, c_dtype, self.epi_tile, self.epi_buffers, scales)
 
     @cute.jit
@@ -197,7 +193,7 @@ class VarlenMGroupedGemm:
                 gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None, b_scale=None,
                 h_mx=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
-        b_scale (b_mx): B's scale pairs (N, K / 64, E) u16, mB its E4M3 bytes (N, K, E) u8 K-major.
+        b_scale (b_mx_cols): B's row factors (K, N / 32, E) u16, mB its E4M3 bytes (N, K, E) u8 N-major.
 
         The kernel has three auxiliary tensor slots (row_idx, ready, ready_err) and one int (epoch), each
         variant passing its own operands in them (tile_expert and 0 where unused: kernel arguments cannot
@@ -227,10 +223,6 @@ class VarlenMGroupedGemm:
             if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.COL_MAJOR
                                   or self.ab_dtype != cutlass.BFloat16):
                 raise TypeError("b_mx_cols: bf16 A and B as E4M3 bytes (uint8), N-major")
-        elif cutlass.const_expr(self.b_mx):
-            if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.ROW_MAJOR
-                                  or self.ab_dtype != cutlass.BFloat16):
-                raise TypeError("b_mx: bf16 A and B as E4M3 bytes (uint8), K-major")
         elif cutlass.const_expr(self.ab_dtype != mB.element_type):
             raise TypeError("A and B must share a dtype")
         if cutlass.const_expr(self.full_epi and self.c_dtype.width != 16):
@@ -262,14 +254,9 @@ class VarlenMGroupedGemm:
             b_tma_smem = sm90_utils.make_smem_layout_b(
                 self.b_layout, (bm, bn // 2, bk), self.ab_dtype, 2 * self.ab_stages
             )
-        # b_mx: B's bytes arrive as two (bn/2, bk) boxes into the upper half of each stage's bf16 buffer (the
-        # byte layout's pieces 4s + 2, 4s + 3, mx_operand.py), its scale pairs as two (bn/2, 1) boxes.
-        s_smem = cute.make_layout((bn // 2, 1, 2 * self.ab_stages), stride=(1, bn // 2, bn // 2))
-        b_box = (bn // 2, bk) if cutlass.const_expr(self.act is not None or self.b_mx) else (bn, bk)
+        s_smem = cute.make_layout((bn // 2, 1, 2 * self.ab_stages), stride=(1, bn // 2, bn // 2))  # (unused)
+        b_box = (bn // 2, bk) if cutlass.const_expr(self.act is not None) else (bn, bk)
         s_box = (bn // 2, 1)
-        if cutlass.const_expr(self.b_mx):
-            b_tma_smem = sm90_utils.make_smem_layout_b(self.b_layout, (bm, bn // 2, bk), cutlass.Uint8,
-                                                       4 * self.ab_stages)
         if cutlass.const_expr(self.b_mx_cols):
             # one (bn, bk) box of bytes, N-major and unswizzled, into the upper half of each stage's bf16 buffer
             # (piece 2s + 1 of the byte view); the row factors as one (bk, bn / 32) box, K fastest
@@ -280,7 +267,7 @@ class VarlenMGroupedGemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_tma_smem, (None, None, 0)), b_box,
         )
         tma_s, tma_mS = tma_b, tma_mB  # (kernel arguments cannot be None)
-        if cutlass.const_expr(self.b_mx):
+        if cutlass.const_expr(self.b_mx_cols):
             tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), s_box,
             )
@@ -323,7 +310,7 @@ class VarlenMGroupedGemm:
 
         self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
                                            epi_barriers=self.epi_helper,
-                                           b_scale_smem=s_smem if cutlass.const_expr(self.b_mx) else None)
+                                           b_scale_smem=s_smem if cutlass.const_expr(self.b_mx_cols) else None)
         if cutlass.const_expr(self.dynamic):
             # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
             @cute.struct
@@ -734,7 +721,7 @@ class VarlenMGroupedGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
             if cutlass.const_expr(self.act is not None or self.dact is not None):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_h)
-            if cutlass.const_expr(self.b_mx):
+            if cutlass.const_expr(self.b_mx_cols):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
 
         smem = utils.SmemAllocator()
@@ -744,9 +731,6 @@ class VarlenMGroupedGemm:
         if cutlass.const_expr(self.b_mx_cols):  # + one box of B's bytes, one of its row factors
             tx_bytes += (cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
                          + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
-        elif cutlass.const_expr(self.b_mx):  # + two boxes of B's bytes, two of its scale pairs
-            tx_bytes += 2 * (cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
-                             + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
         else:
             tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
         if cutlass.const_expr(self.pingpong):
@@ -800,19 +784,6 @@ class VarlenMGroupedGemm:
             tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
                 tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2)
             )
-        elif cutlass.const_expr(self.b_mx):
-            # B's bytes: piece 4s + 2 + h of the byte view is half h of stage s; gmem tiles of bn/2 rows
-            # (gate n, up n + I/(bn/2) with act; rows 2n, 2n + 1 without); the scale pairs likewise, 2s + h.
-            sB8 = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner, dtype=cutlass.Uint8)
-            gB8 = cute.local_tile(mB, (self.tile_mnk[1] // 2, self.tile_mnk[2]), (None, None, None))
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB8, 0, 2), cute.group_modes(gB8, 0, 2)
-            )
-            sS = storage.sS.get_tensor(s_smem)
-            gS = cute.local_tile(mS, (self.tile_mnk[1] // 2, 1), (None, None, None))
-            tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
-                tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2)
-            )
         elif cutlass.const_expr(self.act is not None):
             # Half-tile views: smem stage 2s + h, gmem tiles of bn/2 rows (gate n, up n + I/(bn/2)).
             sB_tma = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner)
@@ -863,9 +834,6 @@ class VarlenMGroupedGemm:
                         tBgB_t = tBgB[(None, n_tile, None, expert)]
                         if cutlass.const_expr(self.act is not None):
                             tBgB_u = tBgB[(None, n_tile + tiles_n, None, expert)]  # the up half
-                        if cutlass.const_expr(self.b_mx):  # the two halves' row tiles of bn/2
-                            halves = (n_tile, n_tile + tiles_n) if cutlass.const_expr(self.act is not None) else (
-                                2 * n_tile, 2 * n_tile + 1)
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
@@ -879,12 +847,6 @@ class VarlenMGroupedGemm:
                                           tma_bar_ptr=bar)
                                 cute.copy(tma_s, tSgS[(None, k, n_tile, expert)], tSsS[(None, state.index)],
                                           tma_bar_ptr=bar)
-                            elif cutlass.const_expr(self.b_mx):
-                                for h in cutlass.range_constexpr(2):
-                                    cute.copy(tma_b, tBgB[(None, halves[h], k, expert)],
-                                              tBsB[(None, 4 * state.index + 2 + h)], tma_bar_ptr=bar)
-                                    cute.copy(tma_s, tSgS[(None, halves[h], k, expert)],
-                                              tSsS[(None, 2 * state.index + h)], tma_bar_ptr=bar)
                             elif cutlass.const_expr(self.act is not None):
                                 cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
                                 cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)], tma_bar_ptr=bar)
@@ -916,8 +878,6 @@ class VarlenMGroupedGemm:
             mx_b = None
             if cutlass.const_expr(self.b_mx_cols):
                 mx_b = MxRequantB(sB, sB8, sS, ctid, self.num_consumer_threads)
-            elif cutlass.const_expr(self.b_mx):
-                mx_b = MxOperandB(sB, sB8, sS, ctid, self.tile_mnk[1] // 2, self.num_consumer_threads)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
@@ -998,7 +958,7 @@ class VarlenMGroupedGemm:
                                     tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
                                     first_m_only=True,
                                 )
-                        elif cutlass.const_expr(self.b_mx):
+                        elif cutlass.const_expr(self.b_mx_cols):
                             # every consumer thread converts its B row of every stage: no warp group skips
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
@@ -1175,40 +1135,13 @@ class VarlenMGroupedGemmDyn(VarlenMGroupedGemm):
                      tile_counter=tile_counter)
 
 
-class VarlenMGroupedGemmActMx(VarlenMGroupedGemmAct):
-    """The gate/up GEMM with the activation epilogue, B = gate_up_proj as MXFP8 (mx_operand.py): bitwise
-    VarlenMGroupedGemmAct on the dequantised weights."""
-
-    def __init__(self, act: str, full_epi: bool = True):
-        VarlenMGroupedGemm.__init__(self, tile_n=256, act=act, full_epi=full_epi, b_mx=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K, 1) K-major bf16: x rows
-        mB: cute.Tensor,  # (2I, K, E) K-major u8: gate_up_proj's E4M3 bytes, rows [gate; up]
-        b_scale: cute.Tensor,  # (2I, K / 64, E) u16: its scale pairs
-        mC: cute.Tensor,  # (M, 2I, 1) N-major: gate_up
-        mH: cute.Tensor,  # (M, I, 1) N-major: h = act(gate, up)
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        h_mx: cutlass.Int32,
-        limit: cutlass.Float32,
-        group_m: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, b_scale=b_scale,
-                     h_mx=h_mx)
-
-
 class VarlenMGroupedGemmMxCols(VarlenMGroupedGemm):
     """The backward's dgrad GEMM on MXFP8-only weights with precision="mxfp8": C = A @ B, B the MXFP8 values
     along K of W_q = dequantize(stored) (stored in blocks along N), made from the stored bytes in shared memory
     (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0."""
 
     def __init__(self, tile_n: int = 256):
-        VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx=True, b_mx_cols=True)
+        VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx_cols=True)
 
     @cute.jit
     def __call__(

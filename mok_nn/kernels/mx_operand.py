@@ -1,18 +1,8 @@
-"""A GEMM's B operand stored as MXFP8, made bf16 in shared memory before the wgmma (the grouped GEMM's b_mx).
-
-The weights' E4M3 bytes and E8M0 scales (blocks of 32 along K) arrive by TMA; the consumer warp groups turn
-each stage into the bf16 B tile the bf16 wgmma reads, in the stage's own bf16 buffer. An E4M3 value times a
-power of two is a bf16 value, so the GEMM is bitwise the bf16 GEMM of dequantize(W) (mxfp8.dequantize), with
-no dequantised copy of the weights in global memory.
-
-Shared memory of one stage (the bf16 B buffer, bn x 64 bf16 = 4 pieces of bn/2 x 64 bytes):
-
-    [ bf16 rows 0 .. bn/2-1 | bf16 rows bn/2 .. bn-1 ]
-                            [ E4M3 half 0 | E4M3 half 1 ]     (TMA: two (bn/2, 64) boxes of bytes)
-
-The E4M3 bytes land in the upper half, so the bf16 rows of the second half overwrite them: every thread reads
-its row's 64 bytes and 2 scale bytes into registers, a barrier, then each writes its 64 bf16 values, a proxy
-fence and a barrier before the wgmma reads them. Consumer thread t (of bn) converts row t.
+"""E4M3 bytes of MXFP8 weights made bf16 inside the GEMMs that read them: the recipe, shared by the forward's GEMMs
+(mx_swapped.py: each thread's wgmma A fragment, in registers) and precision="mxfp8"'s dgrad GEMMs (MxRequantB
+below: each B stage, in shared memory). An E4M3 value times a power of two is a bf16 value, so a GEMM on the
+converted values is bitwise the bf16 GEMM of dequantize(W) (mxfp8.dequantize), with no dequantised copy of the
+weights in global memory.
 
 The bits (per E4M3 byte b = s eeee mmm, block scale byte S):
 
@@ -71,63 +61,6 @@ _LOW_PAIR = _e4m3_pair_ptx(LOW_SELECTOR)  # elements k, k + 1 of the word's 4
 _HIGH_PAIR = _e4m3_pair_ptx(HIGH_SELECTOR)  # elements k + 2, k + 3
 
 
-@cute.jit
-def _factors(scale: cutlass.Int32):
-    """(f1, f2) as bf16x2 words for one block's scale byte: out = r * f1 (* f2 where scale > SINGLE_MAX)."""
-    one = cutlass.min(scale, cutlass.Int32(SINGLE_MAX))
-    f1 = (one + 120) << 7
-    f2 = (scale - 7) << 7
-    if scale == 255:
-        f2 = cutlass.Int32(0x7FC0)
-    return f1 | (f1 << 16), f2 | (f2 << 16)
-
-
-class MxOperandB:
-    """Consumer side of an MXFP8 B operand: to_bf16(stage) turns the stage's E4M3 rows into its bf16 B tile.
-
-    sB: the bf16 B buffers (bn, 64, stages), as the wgmma reads them; sB8: the same memory as E4M3 bytes,
-    (bn/2, 64, 4 stages): half h of stage s is piece 4 s + 2 + h; sS: the scale pairs (bn/2, 1, 2 stages) u16,
-    half h of stage s at 2 s + h, the low byte the scale of K block 0. row: this thread's row (0 .. bn - 1);
-    threads: the consumer threads (one per row)."""
-
-    def __init__(self, sB, sB8, sS, row, half: int, threads: int):
-        self.sB, self.sB8, self.sS, self.row, self.half = sB, sB8, sS, row, half
-        self.barrier = pipeline.NamedBarrier(barrier_id=MX_BARRIER_ID, num_threads=threads)
-        self.raw = cute.make_rmem_tensor((BK,), cutlass.Uint8)
-        self.out = cute.make_rmem_tensor((BK,), cutlass.BFloat16)
-
-    @cute.jit
-    def to_bf16(self, stage):
-        h = self.row // self.half
-        r = self.row - h * self.half
-        src = cute.zipped_divide(self.sB8[(r, None, 4 * stage + 2 + h)], (BYTES_PER_LOAD,))
-        raw_v = cute.zipped_divide(self.raw, (BYTES_PER_LOAD,))
-        for q in cutlass.range_constexpr(BK // BYTES_PER_LOAD):
-            cute.autovec_copy(src[(None, q)], raw_v[(None, q)])
-        pair = self.sS[(r, 0, 2 * stage + h)].to(cutlass.Int32) & 0xFFFF
-        self.barrier.arrive_and_wait()  # every row is in registers: the bf16 rows may overwrite the bytes
-        words = cute.recast_tensor(self.raw, cutlass.Int32)  # BK / 4 words, 4 elements each
-        out = cute.recast_tensor(self.out, cutlass.Int32)  # BK / 2 words, 2 elements each
-        per_block = 32 // 4
-        for blk in cutlass.range_constexpr(2):
-            scale = (pair >> (8 * blk)) & 0xFF
-            f1, f2 = _factors(scale)
-            for w in cutlass.range_constexpr(per_block):
-                word = words[blk * per_block + w]
-                out[2 * (blk * per_block + w)] = _asm_b32(_LOW_PAIR, word, f1)
-                out[2 * (blk * per_block + w) + 1] = _asm_b32(_HIGH_PAIR, word, f1)
-            if scale > SINGLE_MAX:
-                for w in cutlass.range_constexpr(2 * per_block):
-                    i = 2 * blk * per_block + w
-                    out[i] = _asm_b32("mul.rn.bf16x2 $0, $1, $2;", out[i], f2)
-        dst = cute.zipped_divide(self.sB[(self.row, None, stage)], (8,))
-        out_v = cute.zipped_divide(self.out, (8,))
-        for q in cutlass.range_constexpr(BK // 8):
-            cute.autovec_copy(out_v[(None, q)], dst[(None, q)])
-        cute.arch.fence_proxy("async.shared", space="cta")  # the wgmma (async proxy) reads these stores
-        self.barrier.arrive_and_wait()
-
-
 # --------------------------------------------------------------------------
 # The backward's B: MXFP8 weights requantised along K (the grouped GEMM's b_mx_cols)
 #
@@ -152,7 +85,7 @@ class MxOperandB:
 # (most blocks of real weights) keeps out = v.
 #
 # Most column blocks hold no value that changes, so the stage is made as W_q first: thread t converts the 64 bytes of
-# K row t // 4, columns 64 (t % 4) .., as MxOperandB converts a K-major row, and stores them N-major (the stage's bf16
+# K row t // 4, columns 64 (t % 4) .., with the recipe above, and stores them N-major (the stage's bf16
 # B is N-major, as the bf16 dgrad kernel's). The caller marks the 32 x 32 blocks (32 K rows, 32 columns) holding a
 # value that changes by ROUNDS_FLAG in their rows' factors, and every factor of a stage holding such a block by
 # STAGE_FLAG (cuda_mx.MxColumnWeight). In a marked stage, after a barrier, each warp whose 32 columns hold a marked

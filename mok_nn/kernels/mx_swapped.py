@@ -493,7 +493,7 @@ class SwappedMxGemmAct(SwappedMxGemm):
 
 @cute.jit
 def _factor(scales, j: cutlass.Constexpr):
-    """The first factor (mx_operand._factors) of scale byte j of scales as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
+    """The first factor of scale byte j of scales (mx_operand's recipe) as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
     in both lanes ((min + 120) << 7, times 0x10001)."""
     s = cutlass.min((scales >> (8 * j)) & 0xFF, cutlass.Int32(SINGLE_MAX))
     return (s * 128 + 120 * 128) * 0x10001

@@ -165,8 +165,8 @@ def _gemm_act_spec(kind: str, pingpong: bool = False, cluster_n: int = 1, full_e
     )
 
 
-# An MXFP8 B operand (kernels/mx_operand.py): the weights' E4M3 bytes (N, K, E) K-major and their scale pairs
-# (N, K / 64, E), N fastest (cuda_mx.MxWeight.kernel_operands arranges them).
+# MXFP8 weights for the forward's GEMMs (kernels/mx_swapped.py): their E4M3 bytes (N, K, E) K-major and their scale
+# pairs (N, K / 64, E), N fastest (cuda_mx.MxWeight.kernel_operands arranges them).
 def _mx_b_args(n_div: int) -> tuple:
     return (TensorArg("b", "u8", (DYN, DYN, DYN), (DYN, 1, DYN), divisibility=(n_div, 64, 1)),
             TensorArg("b_scale", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(8, 1, 1)))
@@ -189,12 +189,6 @@ def _gemm_act_mx_spec(kind: str) -> KernelSpec:
     return dataclasses.replace(base, name=f"mok_gemm_gate_up_{kind}_mx", module="mx_swapped",
                                factory="SwappedMxGemmAct", factory_kwargs=(("act", kind),),
                                args=(a, *_mx_b_args(256), *rest))
-
-
-def _gemm_act_mx_smem_spec(kind: str) -> KernelSpec:
-    # (A/B only) the shared-memory form: each B stage made bf16 in smem (mx_operand.MxOperandB)
-    base = _gemm_act_mx_spec(kind)
-    return dataclasses.replace(base, name=base.name + "_smem", module="grouped_gemm", factory="VarlenMGroupedGemmActMx")
 
 
 def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
@@ -545,7 +539,6 @@ SPECS = (
     _gemm_act_spec("swiglu", full_epi=True),
     _gemm_mx_spec(),
     _gemm_act_mx_spec("swiglu"),
-    _gemm_act_mx_smem_spec("swiglu"),
     _gemm_mx_cols_spec("bf16"),  # the backward's d x from MXFP8-only weights, precision="mxfp8"
     _gemm_mx_cols_spec("f32"),  # its d h (the dgrad of down, fp32 out for dSwiGLU and d topk-weights)
     # dgrad of down + dSwiGLU + d topk-weight partials in the epilogue (I % 256 == 0, H <= 4096; the layer's rule:
