@@ -2,9 +2,9 @@
 
 Where forward_reason() is None, autograd.expert_weights gives the CUDA backend an MxWeight for each routed expert
 weight instead of W_q = dequantize(stored) in bf16. Its forward GEMMs (mok_gemm_gate_up_<act>_mx: gate/up with
-the activation epilogue, where the bf16 path fuses it: each B tile made bf16 in shared memory, kernels/mx_operand.py;
-mok_gemm_bk_mx: the plain GEMM, the weights made bf16 in registers as the wgmma's A operand, kernels/mx_swapped.py)
-then read the E4M3 bytes and E8M0 scales: no dequantised copy of the weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The same kernels
+the activation epilogue, where the bf16 path fuses it; mok_gemm_bk_mx: the plain GEMM; kernels/mx_swapped.py) then
+read the E4M3 bytes and E8M0 scales, made bf16 in registers as the wgmma's A operand: no dequantised copy of the
+weights is written, read or held. The results are bitwise those of the bf16 kernels on W_q. The same kernels
 read a trained layer's weights with precision="mxfp8" where reads_trained_bytes: quantised to MXFP8 bytes for
 the call (mxfp8.quantize), which are the MXFP8 values the forward wants. For MXFP8-only weights with
 precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs read them too (MxColumnWeight:
@@ -32,7 +32,8 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # Mean routed rows per expert up to which each _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
 # each weight tile once per 128-row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy
 # once per call (a cost that grows with the weights). benchmarks/mx_gemm_rule.py on an H100, the three benchmark
-# shapes: gate/up + SwiGLU won by 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the
+# shapes: gate/up + SwiGLU (the earlier shared-memory form; the register-A one is as fast or faster) won by
+# 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the
 # plain GEMM (down, the register-A kernel) won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on qwen3 /
 # deepseek-v3 (won by 8% on mixtral). The H200's faster memory makes dequantising cheaper, hence no margin beyond
 # these. The dgrad kernels (precision="mxfp8", against making the values along K first; one H100 at 8428c0c, the
