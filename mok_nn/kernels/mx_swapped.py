@@ -40,8 +40,7 @@ BM, BN, BK = 128, 128, 64  # features (two warp groups of 64), tokens (one sched
 EPI_TILE = (BM, 32)  # the output tile leaves in four (features, tokens) pieces, features contiguous
 HALF = BM // 2  # rows of one warp group: W rows and output features move in halves of 64
 VEC = 8  # bf16 values of a 16-byte piece
-EPI_BARRIER_ID = 1  # the consumer warp groups
-HELPER_BARRIER_ID = 2  # act: the producer warp group's helper warps 1-3
+EPI_BARRIER_ID = 1
 STORE_WARP = 4  # the first consumer warp issues the TMA stores
 
 
@@ -137,7 +136,6 @@ class SwappedMxGemm:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            epi_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_smem)], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_smem)], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, cute.cosize(s_smem)], 128]
@@ -180,13 +178,6 @@ class SwappedMxGemm:
         sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
         sC_half = storage.sC.get_tensor(c_half.outer, swizzle=c_half.inner)
         sH = storage.sH.get_tensor(h_smem.outer, swizzle=h_smem.inner)
-        # act: epi_bars[0], the consumers' tile is in smem (every consumer thread arrives); epi_bars[1], the
-        # helpers' stores have read it (their storing thread arrives). Fenced by the A/B pipeline's setup.
-        epi_bars = storage.epi_barriers.data_ptr()
-        if cutlass.const_expr(self.act is not None):
-            if tidx == 0:
-                cute.arch.mbarrier_init(epi_bars, self.consumer_threads)
-                cute.arch.mbarrier_init(epi_bars + 1, 1)
         tx_bytes = (2 * cute.size_in_bytes(cutlass.Uint8, cute.slice_(w_smem, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
                     + 2 * cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
@@ -206,12 +197,6 @@ class SwappedMxGemm:
         tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
             tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
         k_tiles = cute.size(gW, mode=[3])
-        gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))  # (piece, (feature halves, row tiles))
-        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
-        gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
-        bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
-            tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2), gH)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -240,10 +225,6 @@ class SwappedMxGemm:
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
-            if cutlass.const_expr(self.act is not None):
-                if warp_idx > 0:
-                    self._act_helper(sC, sH, tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, epi_bars, tile_expert,
-                                     sched_params, tiles_m, h_mx, limit, tidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - self.threads_per_wg
@@ -262,13 +243,18 @@ class SwappedMxGemm:
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
                 tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
             epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
+            gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))  # (piece, (feature halves, row tiles))
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
+            gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
+            bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
+                tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2), gH)
 
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            empty_phase = cutlass.Int32(1)  # act: a fresh epi_bars[1] passes parity 1 at once
             while work.is_valid_tile:
                 m_tile = work.tile_idx[0] % tiles_m
                 n_tile = work.tile_idx[0] // tiles_m
@@ -304,16 +290,13 @@ class SwappedMxGemm:
                         acc[i] = _pinned_f32(acc[i])
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
-                    if cutlass.const_expr(self.act is None):
-                        self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC,
-                                       self._halves(m_tile, tiles_m), n_tile, epi_barrier, warp_idx)
-                    else:
-                        empty_phase = self._handoff(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, epi_bars, empty_phase)
+                    self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, sC, sH, tma_c, bSG_sC, bSG_gC,
+                                   tma_h, bSG_sH, bSG_gH, self._halves(m_tile, tiles_m), m_tile, n_tile, h_mx, limit,
+                                   epi_barrier, warp_idx, ctid)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
-            if cutlass.const_expr(self.act is None):
-                if warp_idx == STORE_WARP:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem outlives the last stores' reads
+            if warp_idx == STORE_WARP:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
     @cute.jit
     def _halves(self, m_tile, tiles_m):
@@ -324,102 +307,58 @@ class SwappedMxGemm:
         return (m_tile, m_tile + tiles_m)
 
     @cute.jit
-    def _to_smem(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr):
-        """The accumulator into shared memory as bf16 (stmatrix.trans: whole token rows of features), the four
-        buffers of 32 tokens."""
-        for e in cutlass.range_constexpr(BN // EPI_TILE[1]):
+    def _epilogue(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, sC, sH, tma_c, bSG_sC, bSG_gC,
+                  tma_h, bSG_sH, bSG_gH, halves, m_tile, n_tile, h_mx, limit, epi_barrier, warp_idx, ctid):
+        """The tile out: bf16 into shared memory (stmatrix.trans, whole token rows of features), then TMA stores of
+        each (64 features, 32 tokens) piece, left in flight; with act, h from the gate and up values there, stored
+        likewise. The wait for the previous tile's stores to have read shared memory comes first."""
+        pieces = BN // EPI_TILE[1]
+        if warp_idx == STORE_WARP:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        epi_barrier.arrive_and_wait()
+        for e in cutlass.range_constexpr(pieces):
             for v in cutlass.range_constexpr(rD_size):
                 rD[v] = tRS_acc[e * rD_size + v]
             rD_out.store(rD.load().to(cutlass.BFloat16))
             cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
-        cute.arch.fence_proxy("async.shared", space="cta")  # TMA stores read these buffers
-
-    @cute.jit
-    def _store_tile(self, tma_c, bSG_sC, bSG_gC, halves, n_tile):
-        """TMA stores of the tile in smem, a (64 features, 32 tokens) piece each: feature halves `halves`."""
-        pieces = BN // EPI_TILE[1]
-        for e in cutlass.range_constexpr(pieces):
-            for h in cutlass.range_constexpr(2):
-                cute.copy(tma_c, bSG_sC[(None, 2 * e + h)], bSG_gC[(None, (halves[h], n_tile * pieces + e))])
-        cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def _epilogue(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, halves,
-                  n_tile, epi_barrier, warp_idx):
-        """The plain GEMM's tile out, by the consumers: once the previous tile's stores have read shared memory,
-        the tile into it, then its TMA stores, left in flight."""
-        if warp_idx == STORE_WARP:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        epi_barrier.arrive_and_wait()
-        self._to_smem(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size)
+        cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
         if warp_idx == STORE_WARP:
-            self._store_tile(tma_c, bSG_sC, bSG_gC, halves, n_tile)
-
-    @cute.jit
-    def _handoff(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, epi_bars, empty_phase):
-        """act, consumer side: once the helpers have sent the previous tile (epi_bars[1]), the tile into shared
-        memory, handed over (epi_bars[0]). Returns the next empty_phase (rebind it)."""
-        cute.arch.mbarrier_wait(epi_bars + 1, empty_phase)
-        self._to_smem(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size)
-        cute.arch.mbarrier_arrive(epi_bars)
-        return 1 - empty_phase
-
-    @cute.jit
-    def _act_helper(self, sC, sH, tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, epi_bars, tile_expert, sched_params,
-                    tiles_m, h_mx, limit, tidx):
-        """act, on the producer warp group's idle warps 1-3, beside the consumers' next main loop: per valid tile,
-        wait for the gate/up tile in smem (epi_bars[0]), send it, compute h = act(gate, up) from its bf16 values into
-        sH (h_mx: h's MXFP8 values along I, mok_mx_quant's arithmetic), send h, and once the stores have read smem
-        free it (epi_bars[1]). h's 16-byte pieces are thread-strided: piece p is token p // 8, features 8 (p % 8) ..
-        of the tile; lanes 4j .. 4j + 3 hold one 32-feature block (h_mx's two shuffles), and each warp takes the
-        same number of pieces."""
-        helpers = self.threads_per_wg - 32
-        htid = tidx - 32
-        helper_bar = pipeline.NamedBarrier(barrier_id=HELPER_BARRIER_ID, num_threads=helpers)
-        f_g = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-        f_u = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-        f_h = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-        f_hq = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-        pieces = BN // EPI_TILE[1]
-        per_token = HALF // VEC
-        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
-        work = sched.initial_work_tile_info()
-        full_phase = cutlass.Int32(0)
-        while work.is_valid_tile:
-            m_tile = work.tile_idx[0] % tiles_m
-            n_tile = work.tile_idx[0] // tiles_m
-            if tile_expert[n_tile] >= 0:
-                cute.arch.mbarrier_wait(epi_bars, full_phase)
-                full_phase = 1 - full_phase
-                if htid == 0:
-                    self._store_tile(tma_c, bSG_sC, bSG_gC, self._halves(m_tile, tiles_m), n_tile)
-                for p in cutlass.range(htid, BN * per_token, helpers):
-                    t = p // per_token
-                    q = p % per_token
-                    src = cute.zipped_divide(sC[(None, t % EPI_TILE[1], t // EPI_TILE[1])], (VEC,))  # gate 0-7, up 8-15
-                    dst = cute.zipped_divide(sH[(None, t % EPI_TILE[1], t // EPI_TILE[1])], (VEC,))
-                    cute.autovec_copy(src[(None, q)], f_g)
-                    cute.autovec_copy(src[(None, per_token + q)], f_u)
-                    for v in cutlass.range_constexpr(VEC):
-                        hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
-                        f_h[v] = hv
-                    f_hq.store(f_h.load().to(cutlass.BFloat16))
-                    if h_mx != 0:
-                        mx_values_of_lane_block(f_hq, f_h, True)
-                    cute.autovec_copy(f_hq, dst[(None, q)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                helper_bar.arrive_and_wait()
-                if htid == 0:
-                    for e in cutlass.range_constexpr(pieces):
-                        cute.copy(tma_h, bSG_sH[(None, e)], bSG_gH[(None, (m_tile, n_tile * pieces + e))])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.mbarrier_arrive(epi_bars + 1)
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
-        if htid == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            for e in cutlass.range_constexpr(pieces):
+                for h in cutlass.range_constexpr(2):
+                    cute.copy(tma_c, bSG_sC[(None, 2 * e + h)], bSG_gC[(None, (halves[h], n_tile * pieces + e))])
+        if cutlass.const_expr(self.act is not None):
+            # h: 16-byte pieces of 8 features, thread-strided; piece p is token p // 8, features 8 (p % 8) ..; lanes
+            # 4j .. 4j + 3 hold one 32-feature block (h_mx's shuffles)
+            f_g = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            f_u = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            f_h = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            f_hq = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+            per_token = HALF // VEC
+            for i in cutlass.range_constexpr(BN * per_token // self.consumer_threads):
+                p = ctid + i * self.consumer_threads
+                t = p // per_token
+                q = p % per_token
+                col = t % EPI_TILE[1]
+                buf = t // EPI_TILE[1]
+                src = cute.zipped_divide(sC[(None, col, buf)], (VEC,))  # gate pieces 0..7, up 8..15
+                dst = cute.zipped_divide(sH[(None, col, buf)], (VEC,))
+                cute.autovec_copy(src[(None, q)], f_g)
+                cute.autovec_copy(src[(None, per_token + q)], f_u)
+                for v in cutlass.range_constexpr(VEC):
+                    hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
+                    f_h[v] = hv
+                f_hq.store(f_h.load().to(cutlass.BFloat16))
+                if h_mx != 0:
+                    mx_values_of_lane_block(f_hq, f_h, True)
+                cute.autovec_copy(f_hq, dst[(None, q)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == STORE_WARP:
+                for e in cutlass.range_constexpr(pieces):
+                    cute.copy(tma_h, bSG_sH[(None, e)], bSG_gH[(None, (m_tile, n_tile * pieces + e))])
+        if warp_idx == STORE_WARP:
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _stage(self, tiled_mma, acc, w16, offs, sS, frag, other, row, tCrX, ab_pipe, read_state, release_state,
@@ -493,7 +432,7 @@ class SwappedMxGemmAct(SwappedMxGemm):
 
 @cute.jit
 def _factor(scales, j: cutlass.Constexpr):
-    """The first factor of scale byte j of scales (mx_operand's recipe) as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
+    """The first factor (mx_operand._factors) of scale byte j of scales as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
     in both lanes ((min + 120) << 7, times 0x10001)."""
     s = cutlass.min((scales >> (8 * j)) & 0xFF, cutlass.Int32(SINGLE_MAX))
     return (s * 128 + 120 * 128) * 0x10001

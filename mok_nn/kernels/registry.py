@@ -183,7 +183,7 @@ def _gemm_mx_spec() -> KernelSpec:
 
 def _gemm_act_mx_spec(kind: str) -> KernelSpec:
     # the gate/up GEMM + activation with gate_up_proj as MXFP8, the weights as the wgmma's register A operand
-    # (mx_swapped.py; h on the producer warp group's helper warps)
+    # (mx_swapped.py)
     base = _gemm_act_spec(kind, full_epi=True)
     a, _, *rest = base.args
     return dataclasses.replace(base, name=f"mok_gemm_gate_up_{kind}_mx", module="mx_swapped",
