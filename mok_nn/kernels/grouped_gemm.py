@@ -89,9 +89,8 @@ from .gemm_consumer import (
     step_over, store_sync, store_tile_full, store_tile_split,
 )
 from .mx_operand import MxRequantB
-from .mx_quant import mx_values_of_lane_block
 from .registry import TILE_M
-from .swiglu import _act
+from .swiglu import _act, act_piece
 
 
 @cute.jit
@@ -531,15 +530,8 @@ class VarlenMGroupedGemm:
                     q = i % row_pieces
                     g_v = cute.zipped_divide(sC[(r, None, c)], (vec,))
                     u_v = cute.zipped_divide(sC[(r, None, c + hn)], (vec,))
-                    cute.autovec_copy(g_v[(None, q)], f_g)
-                    cute.autovec_copy(u_v[(None, q)], f_u)
-                    for v in cutlass.range_constexpr(vec):
-                        hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
-                        f_h[v] = hv
-                    f_hq.store(f_h.load().to(self.c_dtype))
-                    if h_mx != 0:
-                        mx_values_of_lane_block(f_hq, f_h, True)
-                    cute.autovec_copy(f_hq, g_v[(None, q)])
+                    act_piece(self.act, g_v[(None, q)], u_v[(None, q)], g_v[(None, q)], f_g, f_u, f_h, f_hq, limit,
+                              h_mx)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 helper_bar.arrive_and_wait()
                 if htid == 0:

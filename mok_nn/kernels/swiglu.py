@@ -60,6 +60,24 @@ def _act(kind: str, g, u, limit):
     return h, dg, du
 
 
+@cute.jit
+def act_piece(kind: cutlass.Constexpr, gate: cute.Tensor, up: cute.Tensor, out: cute.Tensor, f_g: cute.Tensor,
+              f_u: cute.Tensor, f_h: cute.Tensor, f_hq: cute.Tensor, limit: cutlass.Float32, h_mx=0):
+    """h = act(gate, up) of one 16-byte piece (gate, up: VEC bf16 values in memory) into out, through registers
+    f_g, f_u (gate / up dtype), f_h (fp32) and f_hq (out's dtype). h_mx != 0: h's MXFP8 values instead, the piece
+    one lane's of a 32-column block that four adjacent lanes hold (mx_values_of_lane_block: every lane of the
+    warp takes part)."""
+    cute.autovec_copy(gate, f_g)
+    cute.autovec_copy(up, f_u)
+    for v in cutlass.range_constexpr(cute.size(f_h)):
+        hv, _, _ = _act(kind, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
+        f_h[v] = hv
+    f_hq.store(f_h.load().to(f_hq.element_type))
+    if h_mx != 0:
+        mx_values_of_lane_block(f_hq, f_h, True)
+    cute.autovec_copy(f_hq, out)
+
+
 class ActForward:
     def __init__(self, kind: str):
         self.kind = kind
@@ -93,13 +111,7 @@ class ActForward:
             acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
             res = cute.make_rmem_tensor((VEC,), h.element_type)
             for c in range(lane, n_vec, 32):
-                cute.autovec_copy(gu_v[(None, c)], fg)
-                cute.autovec_copy(gu_v[(None, c + n_vec)], fu)
-                for i in cutlass.range_constexpr(VEC):
-                    hv, _, _ = _act(self.kind, fg[i].to(cutlass.Float32), fu[i].to(cutlass.Float32), limit)
-                    acc[i] = hv
-                res.store(acc.load().to(h.element_type))
-                cute.autovec_copy(res, h_v[(None, c)])
+                act_piece(self.kind, gu_v[(None, c)], gu_v[(None, c + n_vec)], h_v[(None, c)], fg, fu, acc, res, limit)
 
 
 class ActBackward:
