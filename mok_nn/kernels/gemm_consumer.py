@@ -169,6 +169,16 @@ def epilogue_stores(tiled_mma, ctid, sC, acc, c_layout, c_dtype, acc_dtype):
     return r2s, tRS_sC, tRS_acc, rD, rD_out, cute.size(rD)
 
 
+@cute.jit
+def subtile_to_smem(r2s, tRS_acc, e: cutlass.Constexpr, rD, rD_out, rD_size: cutlass.Constexpr, dst):
+    """Epilogue sub-tile e of the accumulator (tRS_acc, as epilogue_stores retiles it) into the smem buffer dst by
+    stmatrix, through rD (fp32 staging) and rD_out (the output dtype)."""
+    for v in cutlass.range_constexpr(rD_size):
+        rD[v] = tRS_acc[e * rD_size + v]
+    rD_out.store(rD.load().to(rD_out.element_type))
+    cute.copy(r2s, rD_out, dst)
+
+
 def epilogue_views(gC_t, epi_tile, tma_c, sC):
     """The TMA store views of one output tile gC_t cut into epi_tile sub-tiles: (smem buffers as store
     sources, gmem sub-tiles, sub-tile count, their (rows, columns) shape, the layout numbering them
@@ -195,19 +205,16 @@ def store_sync(num_consumer_threads, epi_stages, barrier_id=1):
 
 @cute.jit
 def store_tile_split(
-    r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, c_dtype: cutlass.Constexpr,
-    tma_c, bSG_sC, bSG_gC, epi_layout, epi_tiles: cutlass.Constexpr, epi_count, epi_stages: cutlass.Constexpr,
-    epi_barrier, store_pipe, warp_idx, buf_base=0, store_warp=4,
+    r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, epi_layout,
+    epi_tiles: cutlass.Constexpr, epi_count, epi_stages: cutlass.Constexpr, epi_barrier, store_pipe, warp_idx,
+    buf_base=0, store_warp=4,
 ):
     """Store one output tile sub-tile by sub-tile through epi_stages rotating smem buffers
     (buf_base.. of sC), waiting for a buffer's previous TMA store before reusing it (the split
     epilogue). Warp store_warp (the first consumer warp of the storing warp group) issues the TMA stores."""
     for e in cutlass.range_constexpr(epi_tiles):
-        for v in cutlass.range_constexpr(rD_size):
-            rD[v] = tRS_acc[e * rD_size + v]
-        rD_out.store(rD.load().to(c_dtype))
         buf = buf_base + (epi_count + e) % epi_stages
-        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf)])
+        subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, buf)])
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
         if warp_idx == store_warp:
@@ -219,8 +226,8 @@ def store_tile_split(
 
 @cute.jit
 def store_tile_full(
-    r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, c_dtype: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC,
-    epi_layout, epi_tiles: cutlass.Constexpr, epi_barrier, warp_idx, buf_base=0, store_warp=4,
+    r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, epi_layout,
+    epi_tiles: cutlass.Constexpr, epi_barrier, warp_idx, buf_base=0, store_warp=4,
 ):
     """Store one output tile whole: every sub-tile into its own smem buffer (buf_base + e), then the TMA
     stores, left in flight. The wait for them to have read smem comes at the start of the next call
@@ -229,10 +236,7 @@ def store_tile_full(
         cute.arch.cp_async_bulk_wait_group(0, read=True)
     epi_barrier.arrive_and_wait()
     for e in cutlass.range_constexpr(epi_tiles):
-        for v in cutlass.range_constexpr(rD_size):
-            rD[v] = tRS_acc[e * rD_size + v]
-        rD_out.store(rD.load().to(c_dtype))
-        cute.copy(r2s, rD_out, tRS_sC[(None, None, None, buf_base + e)])
+        subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, buf_base + e)])
     cute.arch.fence_proxy("async.shared", space="cta")
     epi_barrier.arrive_and_wait()
     if warp_idx == store_warp:

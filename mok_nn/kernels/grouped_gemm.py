@@ -86,7 +86,7 @@ from .tile_queue import RING_STAGES, DynamicTileScheduler, make_tile_pipe
 from .gemm_layouts import mma_and_smem_layouts, smem_tensors, stage_count, tile_views
 from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
-    step_over, store_sync, store_tile_full, store_tile_split,
+    step_over, store_sync, store_tile_full, store_tile_split, subtile_to_smem,
 )
 from .mx_operand import MxRequantB
 from .registry import TILE_M
@@ -469,10 +469,7 @@ class VarlenMGroupedGemm:
         _push_helper). Returns the next empty_phase (rebind it)."""
         cute.arch.mbarrier_wait(epi_bars + 1, empty_phase)
         for e in cutlass.range_constexpr(epi_tiles):
-            for v in cutlass.range_constexpr(rD_size):
-                rD[v] = tRS_acc[e * rD_size + v]
-            rD_out.store(rD.load().to(self.c_dtype))
-            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
+            subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, e)])
         cute.arch.fence_proxy("async.shared", space="cta")  # the helpers' TMA stores read these buffers
         cute.arch.mbarrier_arrive(epi_bars)
         return 1 - empty_phase
@@ -981,7 +978,7 @@ class VarlenMGroupedGemm:
                             )
                         elif cutlass.const_expr(self.full_epi):
                             store_tile_full(
-                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout,
                                 epi_tiles, epi_barrier, warp_idx, buf_base, store_warp,
                             )
                         elif cutlass.const_expr(self.act is not None):
@@ -999,7 +996,7 @@ class VarlenMGroupedGemm:
                             )
                         else:
                             store_tile_split(
-                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout,
                                 epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx, buf_base, store_warp,
                             )
                             epi_count = epi_count + epi_tiles

@@ -1,4 +1,5 @@
-"""mok_gemm_bk_mx: the plain grouped GEMM on MXFP8 weights, the weights the wgmma's A operand, made bf16 in registers.
+"""The forward's grouped GEMMs on MXFP8 weights (mok_gemm_bk_mx; mok_gemm_gate_up_<act>_mx with the activation), the
+weights the wgmma's A operand, made bf16 in registers.
 
 C[r] = A[r] @ dequantize(W[e(r)])^T as C^T = W[e] @ A^T: the MMA's M runs over W's rows (the output features),
 its N over a schedule row tile's 128 tokens. Each stage's E4M3 bytes and scale pairs arrive by TMA; each consumer
@@ -31,10 +32,9 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .gemm_consumer import epilogue_stores
+from .gemm_consumer import epilogue_stores, subtile_to_smem
 from .mx_operand import _LOW_PAIR, SINGLE_MAX, _asm_b32
-from .mx_quant import mx_values_of_lane_block
-from .swiglu import _act
+from .swiglu import act_piece
 
 BM, BN, BK = 128, 128, 64  # features (two warp groups of 64), tokens (one schedule row tile), K per stage
 EPI_TILE = (BM, 32)  # the output tile leaves in four (features, tokens) pieces, features contiguous
@@ -317,10 +317,7 @@ class SwappedMxGemm:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         epi_barrier.arrive_and_wait()
         for e in cutlass.range_constexpr(pieces):
-            for v in cutlass.range_constexpr(rD_size):
-                rD[v] = tRS_acc[e * rD_size + v]
-            rD_out.store(rD.load().to(cutlass.BFloat16))
-            cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e)])
+            subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, e)])
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
         if warp_idx == STORE_WARP:
@@ -343,15 +340,8 @@ class SwappedMxGemm:
                 buf = t // EPI_TILE[1]
                 src = cute.zipped_divide(sC[(None, col, buf)], (VEC,))  # gate pieces 0..7, up 8..15
                 dst = cute.zipped_divide(sH[(None, col, buf)], (VEC,))
-                cute.autovec_copy(src[(None, q)], f_g)
-                cute.autovec_copy(src[(None, per_token + q)], f_u)
-                for v in cutlass.range_constexpr(VEC):
-                    hv, _, _ = _act(self.act, f_g[v].to(cutlass.Float32), f_u[v].to(cutlass.Float32), limit)
-                    f_h[v] = hv
-                f_hq.store(f_h.load().to(cutlass.BFloat16))
-                if h_mx != 0:
-                    mx_values_of_lane_block(f_hq, f_h, True)
-                cute.autovec_copy(f_hq, dst[(None, q)])
+                act_piece(self.act, src[(None, q)], src[(None, per_token + q)], dst[(None, q)], f_g, f_u, f_h, f_hq,
+                          limit, h_mx)
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_barrier.arrive_and_wait()
             if warp_idx == STORE_WARP:
@@ -432,7 +422,7 @@ class SwappedMxGemmAct(SwappedMxGemm):
 
 @cute.jit
 def _factor(scales, j: cutlass.Constexpr):
-    """The first factor (mx_operand._factors) of scale byte j of scales as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
+    """The first factor of scale byte j of scales (mx_operand's recipe) as a bf16x2 word: 2**(min(S, SINGLE_MAX) - 7)
     in both lanes ((min + 120) << 7, times 0x10001)."""
     s = cutlass.min((scales >> (8 * j)) & 0xFF, cutlass.Int32(SINGLE_MAX))
     return (s * 128 + 120 * 128) * 0x10001

@@ -33,7 +33,7 @@ import cuda.bindings.driver as cuda
 from .gemm_layouts import mma_and_smem_layouts, smem_tensors, stage_count, tile_views
 from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
-    step_over, store_sync, store_tile_full, store_tile_split,
+    step_over, store_sync, store_tile_full, store_tile_split, subtile_to_smem,
 )
 from .registry import TILE_M
 
@@ -386,7 +386,7 @@ class VarlenKGroupedGemm:
                     )
                     if cutlass.const_expr(self.pingpong):
                         store_tile_full(
-                            r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                            r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout,
                             epi_tiles, epi_barrier, warp_idx, buf_base, store_warp,
                         )
                     else:
@@ -413,10 +413,7 @@ class VarlenKGroupedGemm:
                 cute.arch.cp_async_bulk_wait_group(nbuf - 1, read=True)  # buffer 0's last store
             epi_barrier.arrive_and_wait()
             for e in cutlass.range_constexpr(epi_tiles):
-                for v in cutlass.range_constexpr(rD_size):
-                    rD[v] = tRS_acc[e * rD_size + v]
-                rD_out.store(rD.load().to(self.c_dtype))
-                cute.copy(r2s, rD_out, tRS_sC[(None, None, None, e % nbuf)])
+                subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, e % nbuf)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 if cutlass.const_expr(e + 1 < epi_tiles):
                     if warp_idx == 4:
@@ -429,7 +426,7 @@ class VarlenKGroupedGemm:
                     cute.arch.cp_async_bulk_commit_group()
         else:
             store_tile_split(
-                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, self.c_dtype, tma_c, bSG_sC, bSG_gC, epi_layout,
+                r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC, epi_layout,
                 epi_tiles, epi_count, self.epi_stages, epi_barrier, store_pipe, warp_idx,
             )
             epi_count = epi_count + epi_tiles
