@@ -33,9 +33,8 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # each weight tile once per 128-row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy
 # once per call (a cost that grows with the weights). benchmarks/mx_gemm_rule.py on an H100, the three benchmark
 # shapes: gate/up + SwiGLU (the earlier shared-memory form; the register-A one is as fast or faster) won by
-# 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the
-# plain GEMM (down, the register-A kernel) won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on qwen3 /
-# deepseek-v3 (won by 8% on mixtral). The H200's faster memory makes dequantising cheaper, hence no margin beyond
+# 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the plain GEMM (down, the register-A
+# kernel) won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on qwen3 / deepseek-v3 (won by 8% on mixtral). The H200's faster memory makes dequantising cheaper, hence no margin beyond
 # these. The dgrad kernels (precision="mxfp8", against making the values along K first; one H100 at 8428c0c, the
 # three shapes, benchmarks/mx_gemm_rule.py): d x won by 1.13-1.38x at 2048 rows, d h by 1.34-1.45x at 1024 and
 # 0.97-1.10x at 2048; both kept to 2048, where they hold no copy of the weights (mixtral's frozen MXFP8-only
