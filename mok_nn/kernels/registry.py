@@ -194,12 +194,13 @@ def _gemm_act_mx_spec(kind: str) -> KernelSpec:
 def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
     # the backward's dgrad (d rows @ B, B the MXFP8 values along K of W_q) from MXFP8-only weights: their E4M3 bytes
     # (N, K, E) N-major and a table of row factors (K, N / 32, E) u16, K fastest
-    # (cuda_mx.MxColumnWeight.kernel_operands)
+    # (cuda_mx.MxColumnWeight.kernel_operands); the weights as the wgmma's register A operand (mx_swapped.py)
     base = _gemm_spec("mok_gemm_bn_mxq" + ("_f32" if c_dtype == "f32" else ""), "n", GEMM_TILE_N, c_dtype)
     a, _, c, *rest = base.args
     b = (TensorArg("b", "u8", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(32, 64, 1)),
          TensorArg("b_factors", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(64, 1, 1)))
-    return dataclasses.replace(base, factory="VarlenMGroupedGemmMxCols", factory_kwargs=(), args=(a, *b, c, *rest))
+    return dataclasses.replace(base, module="mx_swapped", factory="SwappedMxColumnGemm", factory_kwargs=(),
+                               args=(a, *b, c, *rest))
 
 
 def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
