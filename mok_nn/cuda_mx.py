@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_ops
-from .kernels.registry import GEMM_TILE_N, ROUNDS_FLAG, STAGE_FLAG
+from .kernels.registry import ROUNDS_FLAG
 from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
@@ -43,12 +43,9 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 1024, "mok_gemm_gate_up_swiglu_mx": 1024,
                           "mok_gemm_bn_mxq": 2048, "mok_gemm_bn_mxq_f32": 2048}
 # mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
-# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB; its SINGLE_MAX)
+# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: its SINGLE_MAX)
 ROW_FACTOR_BIAS = 120
 COLUMN_MAX_SCALE = 134
-# A stage of mok_gemm_bn_mxq (K rows, N columns of W[e]); ROUNDS_FLAG and STAGE_FLAG (kernels/registry.py) mark its
-# row factors
-COLUMN_STAGE = (MX_K_MULTIPLE, GEMM_TILE_N)
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
@@ -121,27 +118,15 @@ class MxColumnWeight(MXFP8Tensor):
 
 def column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[E, R / 32, C / 32] int16 for MXFP8-only weights [E, R, C] (blocks along C): ROUNDS_FLAG where the 32 x 32
-    block holds a value that rounds (rounding_blocks), STAGE_FLAG where the kernel stage (COLUMN_STAGE) holding the
-    block holds such a block; the marks of each block's row factors. Kept while data and scale are unchanged
-    (mxfp8.weight_state)."""
-    return _kept(_MARKS, data, (weight_state(data), weight_state(scale)), lambda: _column_marks(data, scale))
-
-
-def _column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    flags = rounding_blocks(data, scale)
-    e, row_blocks, blocks = flags.shape
-    stage_rows, stage_cols = COLUMN_STAGE[0] // 32, COLUMN_STAGE[1] // 32
-    tiles = -(-blocks // stage_cols)
-    stages = torch.zeros(e, row_blocks // stage_rows, tiles * stage_cols, dtype=torch.bool, device=flags.device)
-    stages[:, :, :blocks] = flags.view(e, -1, stage_rows, blocks).any(dim=2)
-    stages = stages.view(e, -1, tiles, stage_cols).any(dim=3)  # [E, R / 64, tiles]
-    stages = stages.repeat_interleave(stage_rows, dim=1).repeat_interleave(stage_cols, dim=2)[:, :, :blocks]
-    return flags.to(torch.int16) * ROUNDS_FLAG | stages.to(torch.int16) * STAGE_FLAG
+    block holds a value that rounds (rounding_blocks), else 0; the marks of each block's row factors. Kept while
+    data and scale are unchanged (mxfp8.weight_state)."""
+    return _kept(_MARKS, data, (weight_state(data), weight_state(scale)),
+                 lambda: rounding_blocks(data, scale).to(torch.int16) * ROUNDS_FLAG)
 
 
 def rounding_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[E, R / 32, C / 32] bool for MXFP8-only weights [E, R, C] (blocks along C): the 32 x 32 blocks holding a value
-    whose MXFP8 value along R is not W_q's, which mok_gemm_bn_mxq requantises (kernels/mx_operand.py, MxRequantB);
+    whose MXFP8 value along R is not W_q's, which mok_gemm_bn_mxq requantises (kernels/mx_swapped.py);
     it takes W_q as it is elsewhere. Found a few experts at a time (MxColumnWeight.values against dequantize, bit
     for bit)."""
     from .autograd import values_along_n

@@ -29,9 +29,9 @@ EP_SCHED_THREADS = 256  # threads per CTA of mok_ep_schedule_outputs (ep_schedul
 MX_QUANT_THREADS = 256  # threads per CTA of mok_mx_quant (mx_quant.py)
 MX_QUANT_CTAS_PER_SM = 4  # its resident CTAs per SM: the launch bound (64 registers a thread) and the grid
 MX_QUANT_UNROLL = 4  # its 16-byte loads in flight per thread along the columns (mode 0)
-# The marks in mok_gemm_bn_mxq[_f32]'s row factors (set by cuda_mx.column_marks, read by mx_operand.MxRequantB; a bf16
-# power of two has no mantissa bit set): its 32 x 32 block holds a value that rounds; its stage holds such a block
-ROUNDS_FLAG, STAGE_FLAG = 1, 2
+# The mark in mok_gemm_bn_mxq[_f32]'s row factors (set by cuda_mx.column_marks, read by mx_swapped.SwappedMxColumnGemm;
+# a bf16 power of two has no mantissa bit set): its 32 x 32 block holds a value that requantisation changes
+ROUNDS_FLAG = 1
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "u16": 2}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
