@@ -179,7 +179,8 @@ class SwappedMxGemm:
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c, mC: cute.Tensor, tma_h, mH, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout,
+               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c, mC: cute.Tensor, tma_h, mH, tile_expert: cute.Tensor,
+               tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout,
                x_smem: cute.ComposedLayout, s_smem: cute.Layout, c_smem: cute.ComposedLayout,
                c_half: cute.ComposedLayout, h_smem: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams, tiles_m: cutlass.Int32, h_mx: cutlass.Int32,
@@ -276,7 +277,8 @@ class SwappedMxGemm:
                 r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
                     tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
                 epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
-                gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))  # (piece, (feature halves, row tiles))
+                # (piece, (feature halves, row tiles))
+                gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))
                 bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
                     tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
                 gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
@@ -494,7 +496,8 @@ def _column_pair_ptx(selector: int) -> str:
             " mul.rn.bf16x2 $0, t, $3; }")
 
 
-_COLUMN_EVEN, _COLUMN_ODD = _column_pair_ptx(0xC480), _column_pair_ptx(0xD591)
+COLUMN_EVEN_SELECTOR, COLUMN_ODD_SELECTOR = 0xC480, 0xD591  # bytes 0 and 4, or 1 and 5, under their sign bytes
+_COLUMN_EVEN, _COLUMN_ODD = _column_pair_ptx(COLUMN_EVEN_SELECTOR), _column_pair_ptx(COLUMN_ODD_SELECTOR)
 
 
 def _column_feature(row):
