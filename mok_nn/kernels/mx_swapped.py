@@ -1,5 +1,6 @@
-"""The forward's grouped GEMMs on MXFP8 weights (mok_gemm_bk_mx; mok_gemm_gate_up_<act>_mx with the activation), the
-weights the wgmma's A operand, made bf16 in registers.
+"""The grouped GEMMs on MXFP8 weights, the weights the wgmma's A operand, made bf16 in registers: the forward's
+(mok_gemm_bk_mx; mok_gemm_gate_up_<act>_mx with the activation) and precision="mxfp8"'s dgrad on MXFP8-only weights
+(mok_gemm_bn_mxq[_f32], SwappedMxColumnGemm at the end: W read along its columns).
 
 C[r] = A[r] @ dequantize(W[e(r)])^T as C^T = W[e] @ A^T: the MMA's M runs over W's rows (the output features),
 its N over a schedule row tile's 128 tokens. Each stage's E4M3 bytes and scale pairs arrive by TMA; each consumer
