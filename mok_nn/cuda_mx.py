@@ -8,7 +8,7 @@ weights is written, read or held. The results are bitwise those of the bf16 kern
 read a trained layer's weights with precision="mxfp8" where reads_trained_bytes: quantised to MXFP8 bytes for
 the call (mxfp8.quantize), which are the MXFP8 values the forward wants. For MXFP8-only weights with
 precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs read them too (MxColumnWeight:
-mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in shared memory); elsewhere the backward takes the values
+mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in registers); elsewhere the backward takes the values
 autograd.backward_expert_weights makes.
 
 Each of these kernels is checked on its first use in a process (per device) against dequantize (the dgrad's: the
@@ -92,7 +92,7 @@ class MxWeight(MXFP8Tensor):
 class MxColumnWeight(MXFP8Tensor):
     """An MXFP8-only expert weight [E, R, C] (blocks of 32 along C) standing, in the backward's dgrad GEMMs of
     precision="mxfp8" (B = W[e], K = R, N = C), for W_q's MXFP8 values along R (mxfp8.fake_quantize_fast of W_q
-    along dim 1), which mok_gemm_bn_mxq[_f32] make from the stored bytes in shared memory."""
+    along dim 1), which mok_gemm_bn_mxq[_f32] make from the stored bytes in registers."""
 
     axis: int = 2
     dtype = torch.bfloat16  # the values it stands for
