@@ -8,7 +8,7 @@ weights is written, read or held. The results are bitwise those of the bf16 kern
 read a trained layer's weights with precision="mxfp8" where reads_trained_bytes: quantised to MXFP8 bytes for
 the call (mxfp8.quantize), which are the MXFP8 values the forward wants. For MXFP8-only weights with
 precision="mxfp8", where column_reason() is None, the backward's dgrad GEMMs read them too (MxColumnWeight:
-mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in shared memory); elsewhere the backward takes the values
+mok_gemm_bn_mxq[_f32] makes W_q's MXFP8 values along K in registers); elsewhere the backward takes the values
 autograd.backward_expert_weights makes.
 
 Each of these kernels is checked on its first use in a process (per device) against dequantize (the dgrad's: the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_ops
-from .kernels.registry import GEMM_TILE_N, ROUNDS_FLAG, STAGE_FLAG
+from .kernels.registry import ROUNDS_FLAG
 from .mxfp8 import MXFP8Tensor, dequantize, weight_state
 
 MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
@@ -33,21 +33,18 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # each weight tile once per 128-row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy
 # once per call (a cost that grows with the weights). benchmarks/mx_gemm_rule.py on an H100, the three benchmark
 # shapes: gate/up + SwiGLU (the earlier shared-memory form; the register-A one is as fast or faster) won by
-# 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the plain GEMM (down, the register-A
-# kernel) won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on qwen3 / deepseek-v3 (won by 8% on mixtral). The H200's faster memory makes dequantising cheaper, hence no margin beyond
-# these. The dgrad kernels (precision="mxfp8", against making the values along K first; one H100 at 8428c0c, the
-# three shapes, benchmarks/mx_gemm_rule.py): d x won by 1.13-1.38x at 2048 rows, d h by 1.34-1.45x at 1024 and
-# 0.97-1.10x at 2048; both kept to 2048, where they hold no copy of the weights (mixtral's frozen MXFP8-only
-# backward 14.2 against 15.1 ms in one bench call).
+# 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the plain GEMM (down, the register-A kernel)
+# won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on qwen3 / deepseek-v3 (won by 8% on mixtral). The H200's
+# faster memory makes dequantising cheaper, hence no margin beyond these. The dgrad kernels (precision="mxfp8",
+# the register-A column form, against making the values along K first; one H100 at ccbb593, qwen3 and mixtral):
+# d x won by 1.06-1.32x at 2048 rows and 1.81-2.53x at 512, d h by 1.07-1.18x at 2048; both kept to 2048, where
+# they hold no copy of the weights.
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 1024, "mok_gemm_gate_up_swiglu_mx": 1024,
                           "mok_gemm_bn_mxq": 2048, "mok_gemm_bn_mxq_f32": 2048}
 # mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
-# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: MxRequantB; its SINGLE_MAX)
+# bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: its SINGLE_MAX)
 ROW_FACTOR_BIAS = 120
 COLUMN_MAX_SCALE = 134
-# A stage of mok_gemm_bn_mxq (K rows, N columns of W[e]); ROUNDS_FLAG and STAGE_FLAG (kernels/registry.py) mark its
-# row factors
-COLUMN_STAGE = (MX_K_MULTIPLE, GEMM_TILE_N)
 _VERDICTS: dict = {}  # (kernel, device) -> whether it gave the bf16 kernel's bits on its first use
 _PAIRS = torch.utils.weak.WeakIdKeyDictionary()  # scale tensor -> (its state, scale pairs)
 _NAN_FREE = torch.utils.weak.WeakIdKeyDictionary()  # data tensor -> (state of data and scale, verdict)
@@ -94,7 +91,7 @@ class MxWeight(MXFP8Tensor):
 class MxColumnWeight(MXFP8Tensor):
     """An MXFP8-only expert weight [E, R, C] (blocks of 32 along C) standing, in the backward's dgrad GEMMs of
     precision="mxfp8" (B = W[e], K = R, N = C), for W_q's MXFP8 values along R (mxfp8.fake_quantize_fast of W_q
-    along dim 1), which mok_gemm_bn_mxq[_f32] make from the stored bytes in shared memory."""
+    along dim 1), which mok_gemm_bn_mxq[_f32] make from the stored bytes in registers."""
 
     axis: int = 2
     dtype = torch.bfloat16  # the values it stands for
@@ -120,27 +117,15 @@ class MxColumnWeight(MXFP8Tensor):
 
 def column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[E, R / 32, C / 32] int16 for MXFP8-only weights [E, R, C] (blocks along C): ROUNDS_FLAG where the 32 x 32
-    block holds a value that rounds (rounding_blocks), STAGE_FLAG where the kernel stage (COLUMN_STAGE) holding the
-    block holds such a block; the marks of each block's row factors. Kept while data and scale are unchanged
-    (mxfp8.weight_state)."""
-    return _kept(_MARKS, data, (weight_state(data), weight_state(scale)), lambda: _column_marks(data, scale))
-
-
-def _column_marks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    flags = rounding_blocks(data, scale)
-    e, row_blocks, blocks = flags.shape
-    stage_rows, stage_cols = COLUMN_STAGE[0] // 32, COLUMN_STAGE[1] // 32
-    tiles = -(-blocks // stage_cols)
-    stages = torch.zeros(e, row_blocks // stage_rows, tiles * stage_cols, dtype=torch.bool, device=flags.device)
-    stages[:, :, :blocks] = flags.view(e, -1, stage_rows, blocks).any(dim=2)
-    stages = stages.view(e, -1, tiles, stage_cols).any(dim=3)  # [E, R / 64, tiles]
-    stages = stages.repeat_interleave(stage_rows, dim=1).repeat_interleave(stage_cols, dim=2)[:, :, :blocks]
-    return flags.to(torch.int16) * ROUNDS_FLAG | stages.to(torch.int16) * STAGE_FLAG
+    block holds a value that rounds (rounding_blocks), else 0; the marks of each block's row factors. Kept while
+    data and scale are unchanged (mxfp8.weight_state)."""
+    return _kept(_MARKS, data, (weight_state(data), weight_state(scale)),
+                 lambda: rounding_blocks(data, scale).to(torch.int16) * ROUNDS_FLAG)
 
 
 def rounding_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[E, R / 32, C / 32] bool for MXFP8-only weights [E, R, C] (blocks along C): the 32 x 32 blocks holding a value
-    whose MXFP8 value along R is not W_q's, which mok_gemm_bn_mxq requantises (kernels/mx_operand.py, MxRequantB);
+    whose MXFP8 value along R is not W_q's, which mok_gemm_bn_mxq requantises (kernels/mx_swapped.py);
     it takes W_q as it is elsewhere. Found a few experts at a time (MxColumnWeight.values against dequantize, bit
     for bit)."""
     from .autograd import values_along_n

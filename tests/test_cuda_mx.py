@@ -236,24 +236,20 @@ def test_column_weight_operands_and_values():
     assert factors.shape == (R, C // 32, E) and factors.stride() == (1, R, R * C // 32)
     assert factors.dtype == torch.uint16
     bits = factors.view(torch.int16).permute(2, 0, 1)  # [E, R, C / 32]
-    f = (bits & ~(cuda_mx.ROUNDS_FLAG | cuda_mx.STAGE_FLAG)).view(torch.bfloat16).float()
+    f = (bits & ~cuda_mx.ROUNDS_FLAG).view(torch.bfloat16).float()
     assert torch.equal(f, 2.0 ** (w.scale.float() - 7))
     w_q = dequantize(MXFP8Tensor(w.data, w.scale, 2), torch.bfloat16)
     along_r = fake_quantize_fast(w_q, axis=1)
     assert torch.equal(w.values(), along_r)
     assert not torch.equal(w.values(), w_q)  # a second quantisation: some values change
-    # ROUNDS_FLAG in the factors of each 32 x 32 block holding a changed value, STAGE_FLAG in every factor of a kernel
-    # stage (64 rows x 256 columns) holding such a block; nowhere else
+    # ROUNDS_FLAG in the factors of each 32 x 32 block holding a changed value; nowhere else, and no other bit
     changed = (along_r != w_q).view(E, R // 32, 32, C // 32, 32).any(dim=4).any(dim=2)  # [E, R / 32, C / 32]
     block_flag = (bits & cuda_mx.ROUNDS_FLAG).bool()
-    stage_flag = (bits & cuda_mx.STAGE_FLAG).bool()
     for r in range(R):
         for b in range(C // 32):
             assert torch.equal(block_flag[:, r, b], changed[:, r // 32, b])
-            stage = changed[:, 2 * (r // 64):2 * (r // 64) + 2, 8 * (b // 8):8 * (b // 8) + 8]
-            assert torch.equal(stage_flag[:, r, b], stage.flatten(1).any(-1))
-    assert stage_flag.sum() == 64 * 2 and stage_flag[1, 64:, 8:].all()  # that stage only
     assert block_flag.sum() == 32 * 2 and block_flag[1, 64:96, 8:].all()  # its blocks of rows 64 .. 95
+    assert torch.equal(bits & 0x7F, block_flag.to(torch.int16) * cuda_mx.ROUNDS_FLAG)
 
 
 def test_column_reason(monkeypatch):

@@ -1,4 +1,4 @@
-"""The MXFP8 B operand's conversion (kernels/mx_operand.py), instruction by instruction on the CPU: every E4M3 byte
+"""The MXFP8 weights' conversion (kernels/mx_operand.py), instruction by instruction on the CPU: every E4M3 byte
 in every position of a 32-bit word, under every scale byte, against mxfp8.dequantize into bf16.
 
 The kernel's steps are emulated from its own constants (PRMT selectors, masks, SINGLE_MAX): PRMT, shift, masks
@@ -15,10 +15,11 @@ from mok_nn.mxfp8 import MXFP8Tensor, dequantize
 mx_operand = pytest.importorskip("mok_nn.kernels.mx_operand")  # (needs the CuTe DSL to import)
 
 
-def prmt(a: torch.Tensor, b: int, selector: int) -> torch.Tensor:
-    """PTX prmt.b32 (default mode) of int64-held 32-bit words a and the constant b: result byte i is the byte
-    that selector nibble i names (bits 0..2), or with bit 3 set, that byte's top bit replicated."""
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [torch.full_like(a, (b >> (8 * i)) & 0xFF) for i in range(4)]
+def prmt(a: torch.Tensor, b, selector: int) -> torch.Tensor:
+    """PTX prmt.b32 (default mode) of int64-held 32-bit words a and b (words or a constant): result byte i is the
+    byte that selector nibble i names (bits 0..2; 4..7 are b's), or with bit 3 set, that byte's top bit replicated."""
+    b = torch.as_tensor(b, dtype=torch.int64).expand_as(a)
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
     out = torch.zeros_like(a)
     for i in range(4):
         nibble = (selector >> (4 * i)) & 0xF
@@ -90,9 +91,20 @@ def test_selectors_put_each_byte_into_its_lane():
     assert int(prmt(words, 0, mx_operand.HIGH_SELECTOR)) == (0xFFBC << 16) | 0x002A
 
 
+def test_column_selectors_pair_one_column_of_two_rows():
+    """The dgrad's fragment words (mx_swapped.SwappedMxColumnGemm): from the 16-bit loads of row k (columns c,
+    c + 1) and row k + 1, EVEN holds column c's bytes of rows k (low lane) and k + 1, ODD column c + 1's, each under
+    its sign byte; the loads' upper halves (sign-extended by LDS.S16) are never selected."""
+    mx_swapped = pytest.importorskip("mok_nn.kernels.mx_swapped")
+    lo = torch.tensor([0x9908, 0xFFFF9908], dtype=torch.int64)  # row k: column c 0x08, c + 1 0x99
+    hi = torch.tensor([0x2ABC, 0x00002ABC], dtype=torch.int64)  # row k + 1: column c 0xBC, c + 1 0x2A
+    assert prmt(lo, hi, mx_swapped.COLUMN_EVEN_SELECTOR).tolist() == [(0xFFBC << 16) | 0x0008] * 2
+    assert prmt(lo, hi, mx_swapped.COLUMN_ODD_SELECTOR).tolist() == [(0x002A << 16) | 0xFF99] * 2
+
+
 def requant_columns(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MxRequantB's steps for E4M3 data [R, 32] (one 32-column scale block, scale [R] bytes): [R, 32] bf16, the
-    values along R in blocks of 32 rows (a thread's column, two 32-row blocks per 64-row stage)."""
+    """The dgrad's requantisation steps (mx_operand.py) for E4M3 data [R, 32] (one 32-column scale block, scale [R]
+    bytes): [R, 32] bf16, the values along R in blocks of 32 rows."""
     rows = data.shape[0]
     bytes_ = data.view(torch.uint8).to(torch.int64)  # [R, 32]
     # v = r * f_k: r from each byte (a lane of the PRMT / shift / mask), f_k = 2**(S_k - 7) as bf16 bits
@@ -116,7 +128,7 @@ def requant_columns(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def test_requantised_columns_are_fake_quantize_along_rows_of_w_q():
-    """MxRequantB (the backward's dgrad on MXFP8-only weights) gives mxfp8.fake_quantize_fast along the rows of
+    """The dgrad's requantisation on MXFP8-only weights (mx_operand.py) gives mxfp8.fake_quantize_fast along the rows of
     W_q = dequantize(stored), bit for bit, for scale bytes up to 134 (what cuda_mx.column_reason admits): rows
     whose scales differ by up to 12 (small values of the lower rows fall into E4M3's subnormals at the column
     block's scale and round), runs of byte values, all-zero columns, the extreme scales (bf16 subnormal W_q)."""

@@ -14,11 +14,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 
 def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_barriers: bool = False,
-                 epi_barriers: bool = False, b_scale_smem=None):
+                 epi_barriers: bool = False):
     """The shared-memory struct of a GEMM kernel: the A/B ring's full and empty barriers, (ping-pong) the
     two mainloop order barriers of the consumer warp groups, (epi_barriers) the full and empty barriers of
-    an epilogue handed to other warps, then the A, B and epilogue buffers, and (b_scale_smem) the ring of an
-    MXFP8 B operand's row factors (mx_operand.py).
+    an epilogue handed to other warps, then the A, B and epilogue buffers.
     (Built from an annotation dict of DSL types: this module's annotations are strings.)"""
     fields = {"ab_barriers": cute.struct.MemRange[cutlass.Int64, ab_stages * 2]}
     if order_barriers:
@@ -27,8 +26,6 @@ def smem_storage(ab_stages, ab_dtype, a_smem, b_smem, c_dtype, c_smem, order_bar
         fields["epi_barriers"] = cute.struct.MemRange[cutlass.Int64, 2]
     for name, dtype, layout in (("sA", ab_dtype, a_smem), ("sB", ab_dtype, b_smem), ("sC", c_dtype, c_smem)):
         fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
-    if b_scale_smem is not None:
-        fields["sS"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, cute.cosize(b_scale_smem)], 128]
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
@@ -81,12 +78,10 @@ def step_over(k_tiles, read_state, release_state):
 @cute.jit
 def mma_mainloop(
     tiled_mma, acc, tCrA, tCrB, k_blocks: cutlass.Constexpr, k_tiles, ab_pipe, read_state, release_state,
-    first_m_only: cutlass.Constexpr = False, last_k_blocks: cutlass.Constexpr = 0, b_operand=None,
+    first_m_only: cutlass.Constexpr = False, last_k_blocks: cutlass.Constexpr = 0,
 ):
     """acc += the k_tiles stages' A x B (acc is zeroed by the caller), waiting for each stage and
     releasing it once the next stage's wgmma batch is in flight.
-    b_operand (mx_operand.MxRequantB): each stage's B arrives as MXFP8 and is made bf16 in place once the
-    stage is full, before its wgmma batch (while the previous stage's is in flight).
     first_m_only: only the first 64-row MMA block of the tile (ping-pong: the rows past it are all
     padding); the other blocks' accumulators keep the caller's zeros, which is what zero A rows give.
     The first block's wgmmas are the same instructions in the same order: its results keep their bits.
@@ -105,12 +100,10 @@ def mma_mainloop(
     for k in range(full_tiles):
         tiled_mma, acc, read_state, release_state = _mma_stage(
             tiled_mma, acc, tCrA, tCrB, k_blocks, ab_pipe, read_state, release_state, k > 0, first_m_only,
-            b_operand,
         )
     if cutlass.const_expr(peel):
         tiled_mma, acc, read_state, release_state = _mma_stage(
             tiled_mma, acc, tCrA, tCrB, last_k_blocks, ab_pipe, read_state, release_state, full_tiles > 0,
-            False, b_operand,
         )
     cute.nvgpu.warpgroup.wait_group(0)
     ab_pipe.consumer_release(release_state)
@@ -121,14 +114,12 @@ def mma_mainloop(
 @cute.jit
 def _mma_stage(
     tiled_mma, acc, tCrA, tCrB, blocks: cutlass.Constexpr, ab_pipe, read_state, release_state, release_prev,
-    first_m_only: cutlass.Constexpr = False, b_operand=None,
+    first_m_only: cutlass.Constexpr = False,
 ):
-    """One stage of mma_mainloop: wait for it, (b_operand) make its B bf16, issue its first `blocks` k-blocks
+    """One stage of mma_mainloop: wait for it, issue its first `blocks` k-blocks
     as one wgmma batch, keep that batch in flight and (release_prev) release the stage before it. Returns
     (tiled_mma, acc, read_state, release_state): rebind all four."""
     ab_pipe.consumer_wait(read_state)
-    if cutlass.const_expr(b_operand is not None):
-        b_operand.to_bf16(read_state.index)
     for kb in cutlass.range_constexpr(blocks):
         coord = (None, None, kb, read_state.index)
         if cutlass.const_expr(first_m_only):

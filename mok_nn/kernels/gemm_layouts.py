@@ -12,11 +12,11 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 
 
-def stage_count(smem_bytes, tile_mnk, ab_dtype, c_dtype, epi_tile, epi_buffers, extra_stage_bytes=0) -> int:
+def stage_count(smem_bytes, tile_mnk, ab_dtype, c_dtype, epi_tile, epi_buffers) -> int:
     """A/B stages of a (bm, bn, bk) tile that fit in smem_bytes beside epi_buffers epilogue buffers of epi_tile
-    (1 KB kept for the barriers); extra_stage_bytes: what a stage holds beyond its A and B tiles."""
+    (1 KB kept for the barriers)."""
     bm, bn, bk = tile_mnk
-    ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8 + extra_stage_bytes
+    ab_bytes = (bm * bk + bn * bk) * ab_dtype.width // 8
     epi_bytes = epi_tile[0] * epi_tile[1] * c_dtype.width // 8 * epi_buffers
     return (smem_bytes - 1024 - epi_bytes) // ab_bytes
 

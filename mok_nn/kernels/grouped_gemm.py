@@ -63,11 +63,7 @@ of I: each thread sums its columns of a row, the 4 lanes holding a row reduce by
 butterfly, and lane 0 writes dw_part[n_tile, row]; the caller sums the I/256 partials in a
 fixed order (cuda_backend.pairwise_sum), so the result depends on the row only.
 
-MXFP8 B operand (mx_operand.py; the cooperative kernel, tile_n 256): with b_mx_cols (VarlenMGroupedGemmMxCols,
-precision="mxfp8"'s dgrad of MXFP8-only weights) B's E4M3 bytes arrive N-major with a table of row factors, the
-consumer threads make each stage W_q in bf16 (N-major, 64 bytes of one K row a thread), and requantise along K the
-32 x 32 blocks the factors mark. Then the bf16 wgmma batches run as usual. (The forward's GEMMs on MXFP8 weights
-are mx_swapped.py's.)
+The GEMMs on MXFP8 weights (the forward's, and precision="mxfp8"'s dgrad on MXFP8-only weights) are mx_swapped.py's.
 
 All extents (M, N, K, E) are run-time values, so one compiled variant serves
 every model shape; only the operand majorness and the tile shape are baked in.
@@ -88,7 +84,6 @@ from .gemm_consumer import (
     consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
     step_over, store_sync, store_tile_full, store_tile_split, subtile_to_smem,
 )
-from .mx_operand import MxRequantB
 from .registry import TILE_M
 from .swiglu import _act, act_piece
 
@@ -107,7 +102,6 @@ class VarlenMGroupedGemm:
     def __init__(
         self, tile_n: int = 256, num_sms: int = 132, full_epi: bool = False, act: str | None = None,
         dact: str | None = None, pingpong: bool = False, cluster_n: int = 1, push: bool = False,
-        b_mx_cols: bool = False,
     ):
         assert tile_n in (128, 256)
         # pingpong: each consumer warp group owns whole 128 x tile_n tiles, alternating with the other
@@ -128,12 +122,6 @@ class VarlenMGroupedGemm:
         # section (row_rank / row_slot / dst_base, e.g. the EP combine's slots) instead of the output
         assert not push or (full_epi and not (pingpong or act or dact)), "push: the cooperative _ef kernel"
         self.push = push
-        # b_mx_cols (VarlenMGroupedGemmMxCols, the backward's dgrad): B's E4M3 bytes N-major with a table of row
-        # factors, made W_q's MXFP8 values along K by the consumer threads (MxRequantB), N-major as the bf16 dgrad's:
-        # the plain cooperative kernel, whose warp groups both run every stage's conversion and MMA
-        assert not b_mx_cols or (tile_n == 256 and not (pingpong or dact or push or act)), \
-            "b_mx_cols: the plain cooperative kernel"
-        self.b_mx_cols = b_mx_cols
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
         # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
         # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
@@ -156,10 +144,6 @@ class VarlenMGroupedGemm:
         self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
         # full_epi: one buffer per sub-tile, the whole output tile in smem.
         self.epi_stages = TILE_M * tile_n // (self.epi_tile[0] * self.epi_tile[1]) if full_epi else 4
-        if b_mx_cols and not full_epi:
-            # 3 rotating buffers: with 4, the 4 A/B stages and the scale ring would take exactly the 227 KB a CTA
-            # may have (no margin for the static shared memory the kernel also declares); 3 leave 8 KB
-            self.epi_stages = 3
         # Ping-pong: each warp group has its own epi_stages buffers, barrier and storing warp.
         self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
         # Warps that release each A/B stage: both consumer warp groups, or (ping-pong) the one whose tile it is.
@@ -167,11 +151,7 @@ class VarlenMGroupedGemm:
         self.smem_bytes = utils.get_smem_capacity_in_bytes("sm_90")
 
     def _stages(self, ab_dtype, c_dtype) -> int:
-        _, bn, bk = self.tile_mnk
-        scales = 0
-        if self.b_mx_cols:  # the stage's row factors (its E4M3 bytes live in its bf16 B buffer)
-            scales = bk * (bn // 32) * 2
-        return stage_count(self.smem_bytes, self.tile_mnk, ab_dtype, c_dtype, self.epi_tile, self.epi_buffers, scales)
+        return stage_count(self.smem_bytes, self.tile_mnk, ab_dtype, c_dtype, self.epi_tile, self.epi_buffers)
 
     @cute.jit
     def __call__(
@@ -189,10 +169,8 @@ class VarlenMGroupedGemm:
 
     @cute.jit
     def _launch(self, mA, mB, mC, mH, tile_expert, seg_end, seg_rows, limit, group_m, stream, tile_counter=None,
-                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None, b_scale=None,
-                h_mx=None):
+                gate_up=None, w_rows=None, dw_part=None, dst_base=None, row_rank=None, row_slot=None, h_mx=None):
         """mH / limit: h output and clamp of the SwiGLU epilogue (unused without act).
-        b_scale (b_mx_cols): B's row factors (K, N / 32, E) u16, mB its E4M3 bytes (N, K, E) u8 N-major.
 
         The kernel has three auxiliary tensor slots (row_idx, ready, ready_err) and one int (epoch), each
         variant passing its own operands in them (tile_expert and 0 where unused: kernel arguments cannot
@@ -218,11 +196,7 @@ class VarlenMGroupedGemm:
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.c_layout = utils.LayoutEnum.from_tensor(mC)
-        if cutlass.const_expr(self.b_mx_cols):
-            if cutlass.const_expr(mB.element_type != cutlass.Uint8 or self.b_layout != utils.LayoutEnum.COL_MAJOR
-                                  or self.ab_dtype != cutlass.BFloat16):
-                raise TypeError("b_mx_cols: bf16 A and B as E4M3 bytes (uint8), N-major")
-        elif cutlass.const_expr(self.ab_dtype != mB.element_type):
+        if cutlass.const_expr(self.ab_dtype != mB.element_type):
             raise TypeError("A and B must share a dtype")
         if cutlass.const_expr(self.full_epi and self.c_dtype.width != 16):
             raise TypeError("the full-tile epilogue takes a 16-bit output (an fp32 tile does not fit)")
@@ -253,23 +227,10 @@ class VarlenMGroupedGemm:
             b_tma_smem = sm90_utils.make_smem_layout_b(
                 self.b_layout, (bm, bn // 2, bk), self.ab_dtype, 2 * self.ab_stages
             )
-        s_smem = cute.make_layout((bn // 2, 1, 2 * self.ab_stages), stride=(1, bn // 2, bn // 2))  # (unused)
         b_box = (bn // 2, bk) if cutlass.const_expr(self.act is not None) else (bn, bk)
-        s_box = (bn // 2, 1)
-        if cutlass.const_expr(self.b_mx_cols):
-            # one (bn, bk) box of bytes, N-major and unswizzled, into the upper half of each stage's bf16 buffer
-            # (piece 2s + 1 of the byte view); the row factors as one (bk, bn / 32) box, K fastest
-            b_tma_smem = cute.make_layout((bn, bk, 2 * self.ab_stages), stride=(1, bn, bn * bk))
-            s_smem = cute.make_layout((bk, bn // 32, self.ab_stages), stride=(1, bk, bk * (bn // 32)))
-            b_box, s_box = (bn, bk), (bk, bn // 32)
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(b_tma_smem, (None, None, 0)), b_box,
         )
-        tma_s, tma_mS = tma_b, tma_mB  # (kernel arguments cannot be None)
-        if cutlass.const_expr(self.b_mx_cols):
-            tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), s_box,
-            )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             mC,
@@ -308,8 +269,7 @@ class VarlenMGroupedGemm:
             grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms // 2)
 
         self.shared_storage = smem_storage(self.ab_stages, self.ab_dtype, a_smem, b_smem, self.c_dtype, c_smem,
-                                           epi_barriers=self.epi_helper,
-                                           b_scale_smem=s_smem if cutlass.const_expr(self.b_mx_cols) else None)
+                                           epi_barriers=self.epi_helper)
         if cutlass.const_expr(self.dynamic):
             # + the ring of claimed tile indices and its full / empty barriers (tile_queue.py)
             @cute.struct
@@ -331,7 +291,7 @@ class VarlenMGroupedGemm:
             tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, tma_h, tma_mH, tile_expert, seg_end, seg_rows, limit,
             tiled_mma, a_smem, b_smem, b_tma_smem, c_smem, sched_params, cutlass.Int32(tiles_m), cutlass.Int32(tiles_n),
             group_m,
-            row_idx, ready, ready_err, epoch, tma_s, tma_mS, s_smem,
+            row_idx, ready, ready_err, epoch,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -686,7 +646,7 @@ class VarlenMGroupedGemm:
         tiled_mma: cute.TiledMma,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
-        b_tma_smem: cute.ComposedLayout | cute.Layout,  # plain (unswizzled) for b_mx_cols
+        b_tma_smem: cute.ComposedLayout,
         c_smem: cute.ComposedLayout,
         sched_params: utils.PersistentTileSchedulerParams,
         tiles_m: cutlass.Int32,
@@ -696,9 +656,6 @@ class VarlenMGroupedGemm:
         ready: cute.Tensor,
         ready_err: cute.Tensor,
         epoch: cutlass.Int32,
-        tma_s: cute.CopyAtom,
-        mS: cute.Tensor,
-        s_smem: cute.Layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -710,18 +667,12 @@ class VarlenMGroupedGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
             if cutlass.const_expr(self.act is not None or self.dact is not None):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_h)
-            if cutlass.const_expr(self.b_mx_cols):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
-        if cutlass.const_expr(self.b_mx_cols):  # + one box of B's bytes, one of its row factors
-            tx_bytes += (cute.size_in_bytes(cutlass.Uint8, cute.slice_(b_tma_smem, (None, None, 0)))
-                         + cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
-        else:
-            tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
+        tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0)))
+                    + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0))))
         if cutlass.const_expr(self.pingpong):
             # Mainloop order of the ping-pong warp groups: warp group w waits on order_bars[w] before its
             # mainloop and its 128 threads arrive on order_bars[1 - w] after it. Besides alternating the
@@ -761,19 +712,7 @@ class VarlenMGroupedGemm:
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
         )
-        if cutlass.const_expr(self.b_mx_cols):
-            # B's bytes: piece 2s + 1 of the byte view is stage s's; its row factors: stage s
-            sB8 = storage.sB.get_tensor(b_tma_smem, dtype=cutlass.Uint8)
-            gB8 = cute.local_tile(mB, (self.tile_mnk[1], self.tile_mnk[2]), (None, None, None))
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB8, 0, 2), cute.group_modes(gB8, 0, 2)
-            )
-            sS = storage.sS.get_tensor(s_smem)
-            gS = cute.local_tile(mS, (self.tile_mnk[2], self.tile_mnk[1] // 32), (None, None, None))
-            tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
-                tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2)
-            )
-        elif cutlass.const_expr(self.act is not None):
+        if cutlass.const_expr(self.act is not None):
             # Half-tile views: smem stage 2s + h, gmem tiles of bn/2 rows (gate n, up n + I/(bn/2)).
             sB_tma = storage.sB.get_tensor(b_tma_smem.outer, swizzle=b_tma_smem.inner)
             gB_tma = cute.local_tile(mB, (self.tile_mnk[1] // 2, self.tile_mnk[2]), (None, None, None))
@@ -831,12 +770,7 @@ class VarlenMGroupedGemm:
                                           mcast_mask=a_mask)
                             else:
                                 cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            if cutlass.const_expr(self.b_mx_cols):
-                                cute.copy(tma_b, tBgB[(None, n_tile, k, expert)], tBsB[(None, 2 * state.index + 1)],
-                                          tma_bar_ptr=bar)
-                                cute.copy(tma_s, tSgS[(None, k, n_tile, expert)], tSsS[(None, state.index)],
-                                          tma_bar_ptr=bar)
-                            elif cutlass.const_expr(self.act is not None):
+                            if cutlass.const_expr(self.act is not None):
                                 cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, 2 * state.index)], tma_bar_ptr=bar)
                                 cute.copy(tma_b, tBgB_u[(None, k)], tBsB[(None, 2 * state.index + 1)], tma_bar_ptr=bar)
                             else:
@@ -864,9 +798,6 @@ class VarlenMGroupedGemm:
             )
             first_row = 0 if self.pingpong else wg * (TILE_M // self.num_consumer_wg)  # of this warp group's rows
             tCrA, tCrB, acc, k_blocks = mma_operands(tiled_mma, ctid, sA, sB, gC, self.acc_dtype)
-            mx_b = None
-            if cutlass.const_expr(self.b_mx_cols):
-                mx_b = MxRequantB(sB, sB8, sS, ctid, self.num_consumer_threads)
 
             # Epilogue: registers -> smem (stmatrix) -> gmem (TMA), epi_tile at a time.
             r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
@@ -947,12 +878,6 @@ class VarlenMGroupedGemm:
                                     tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
                                     first_m_only=True,
                                 )
-                        elif cutlass.const_expr(self.b_mx_cols):
-                            # every consumer thread converts its B row of every stage: no warp group skips
-                            tiled_mma, acc, read_state, release_state = mma_mainloop(
-                                tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
-                                b_operand=mx_b,
-                            )
                         elif real_rows > first_row:
                             tiled_mma, acc, read_state, release_state = mma_mainloop(
                                 tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read_state, release_state,
@@ -1123,27 +1048,3 @@ class VarlenMGroupedGemmDyn(VarlenMGroupedGemm):
         self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
                      tile_counter=tile_counter)
 
-
-class VarlenMGroupedGemmMxCols(VarlenMGroupedGemm):
-    """The backward's dgrad GEMM on MXFP8-only weights with precision="mxfp8": C = A @ B, B the MXFP8 values
-    along K of W_q = dequantize(stored) (stored in blocks along N), made from the stored bytes in shared memory
-    (mx_operand.MxRequantB); bitwise the bf16 kernel on triton_ops.requantize_rows' values. K % 64 == 0."""
-
-    def __init__(self, tile_n: int = 256):
-        VarlenMGroupedGemm.__init__(self, tile_n=tile_n, b_mx_cols=True)
-
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # (M, K, 1) K-major bf16
-        mB: cute.Tensor,  # (N, K, E) N-major u8: E4M3 bytes in blocks of 32 along N
-        b_scale: cute.Tensor,  # (K, N / 32, E) u16, K fastest: bf16 bits of 2**(S - 7) per scale byte S
-        mC: cute.Tensor,  # (M, N, 1) N-major, bf16 or fp32
-        tile_expert: cute.Tensor,
-        seg_end: cute.Tensor,
-        seg_rows: cute.Tensor,
-        group_m: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        self._launch(mA, mB, mC, mC, tile_expert, seg_end, seg_rows, cutlass.Float32(0.0), group_m, stream,
-                     b_scale=b_scale)

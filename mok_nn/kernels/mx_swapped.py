@@ -1,5 +1,6 @@
-"""The forward's grouped GEMMs on MXFP8 weights (mok_gemm_bk_mx; mok_gemm_gate_up_<act>_mx with the activation), the
-weights the wgmma's A operand, made bf16 in registers.
+"""The grouped GEMMs on MXFP8 weights, the weights the wgmma's A operand, made bf16 in registers: the forward's
+(mok_gemm_bk_mx; mok_gemm_gate_up_<act>_mx with the activation) and precision="mxfp8"'s dgrad on MXFP8-only weights
+(mok_gemm_bn_mxq[_f32], SwappedMxColumnGemm at the end: W read along its columns).
 
 C[r] = A[r] @ dequantize(W[e(r)])^T as C^T = W[e] @ A^T: the MMA's M runs over W's rows (the output features),
 its N over a schedule row tile's 128 tokens. Each stage's E4M3 bytes and scale pairs arrive by TMA; each consumer
@@ -33,7 +34,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .gemm_consumer import epilogue_stores, subtile_to_smem
-from .mx_operand import _LOW_PAIR, SINGLE_MAX, _asm_b32
+from .mx_operand import (_LOW_PAIR, _MAX, _MIN, _REQUANT_PAIR, BF16_INF_PAIR, FACTOR_PAIR_BITS, LANE_BITS,
+                         SINGLE_MAX, _asm_b32, _column_scale)
+from .registry import ROUNDS_FLAG
 from .swiglu import act_piece
 
 BM, BN, BK = 128, 128, 64  # features (two warp groups of 64), tokens (one schedule row tile), K per stage
@@ -79,6 +82,8 @@ class SwappedMxGemm:
     h = act(gate, up) from the bf16 tile in shared memory (as mok_act_fwd reads gate_up), h_mx != 0: h's MXFP8 values
     along I (4 lanes a 32-feature block)."""
 
+    column = False  # SwappedMxColumnGemm: W read along its columns (the dgrad)
+
     def __init__(self, act: str | None = None, num_sms: int = 132):
         self.act = act
         self.num_sms = num_sms
@@ -95,6 +100,11 @@ class SwappedMxGemm:
                  stream: cuda.CUstream):
         self._launch(mA, mB, b_scale, mC, mC, tile_expert, cutlass.Int32(0), cutlass.Float32(0.0), stream)
 
+    def _scale_bytes_per_stage(self) -> int:
+        """Shared memory of a stage's scales: a scale pair per W row (forward), or two halves' row factors of 64
+        rows for two 32-column blocks (column form)."""
+        return 2 * (2 * BK * 2) if self.column else BM * 2
+
     @cute.jit
     def _launch(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor, mH: cute.Tensor,
                 tile_expert: cute.Tensor, h_mx: cutlass.Int32, limit: cutlass.Float32, stream: cuda.CUstream):
@@ -103,35 +113,48 @@ class SwappedMxGemm:
             cutlass.Float32, (2, 1, 1), tiler_mn=(64, BN), a_source=warpgroup.OperandSource.RMEM,
         )
         epi_buffers = BN // EPI_TILE[1]
-        c_bytes = BM * BN * 2 + (HALF * BN * 2 if cutlass.const_expr(self.act is not None) else 0)
-        stage_bytes = BM * BK + BN * BK * 2 + BM * 2
+        # the column form stores from registers: no output tile in shared memory
+        c_bytes = (0 if self.column else BM * BN * 2) + (HALF * BN * 2 if self.act is not None else 0)
+        stage_bytes = BM * BK + BN * BK * 2 + self._scale_bytes_per_stage()
         stages = (self.smem_bytes - 2048 - c_bytes) // stage_bytes
-        # a stage's W rows and scales arrive in two halves of 64 rows (the warp groups' rows: half h of stage s at
-        # 2 s + h, the same bytes as one 128-row tile)
-        w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (HALF, BN, BK), cutlass.Uint8, 2 * stages)
+        # a stage's W bytes and scales arrive in two halves of 64 rows (forward) or 64 columns (column form): the
+        # warp groups' halves, half h of stage s at 2 s + h
+        if cutlass.const_expr(self.column):
+            # (64 columns, 64 rows) of W[e] per half, columns contiguous, the 64-byte swizzle (bits 4-5 ^= bits 7-8)
+            w_smem = cute.make_composed_layout(cute.make_swizzle(2, 4, 3), 0,
+                                               cute.make_layout((HALF, BK, 2 * stages), stride=(1, HALF, HALF * BK)))
+            # the row factors of the half's 64 rows for its two 32-column blocks, rows contiguous
+            s_smem = cute.make_layout((BK, 2, 2 * stages), stride=(1, BK, 2 * BK))
+            s_box = (BK, 2)
+        else:
+            w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (HALF, BN, BK), cutlass.Uint8,
+                                                   2 * stages)
+            s_smem = cute.make_layout((HALF, 1, 2 * stages), stride=(1, HALF, HALF))
+            s_box = (HALF, 1)
         x_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (BM, BN, BK), cutlass.BFloat16, stages)
-        s_smem = cute.make_layout((HALF, 1, 2 * stages), stride=(1, HALF, HALF))
         c_smem = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, EPI_TILE, epi_buffers)
         # the same buffers as halves of 64 features (half h of buffer e at 2 e + h): what each TMA store sends
         c_half = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, (HALF, EPI_TILE[1]),
                                                  2 * epi_buffers)
         h_smem = sm90_utils.make_smem_layout_epi(cutlass.BFloat16, utils.LayoutEnum.COL_MAJOR, (HALF, EPI_TILE[1]),
                                                  epi_buffers)
-        # outputs in the MMA's terms: (features, rows), features contiguous
-        mCt = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 0, 2]))
-        mHt = cute.make_tensor(mH.iterator, cute.select(mH.layout, mode=[1, 0, 2]))
         tma_w, tma_mW = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(w_smem, (None, None, 0)), (HALF, BK))
         tma_x, tma_mX = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(x_smem, (None, None, 0)), (BN, BK))
         tma_s, tma_mS = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), (HALF, 1))
-        tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mCt, cute.slice_(c_half, (None, None, 0)),
-            (HALF, EPI_TILE[1]))
-        tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mHt, cute.slice_(h_smem, (None, None, 0)),
-            (HALF, EPI_TILE[1]))
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), b_scale, cute.slice_(s_smem, (None, None, 0)), s_box)
+        tma_c, tma_mC, tma_h, tma_mH = None, mC, None, None  # the column form stores C from registers
+        if cutlass.const_expr(not self.column):
+            # outputs in the MMA's terms: (features, rows), features contiguous
+            mCt = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 0, 2]))
+            mHt = cute.make_tensor(mH.iterator, cute.select(mH.layout, mode=[1, 0, 2]))
+            tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mCt, cute.slice_(c_half, (None, None, 0)),
+                (HALF, EPI_TILE[1]))
+            tma_h, tma_mH = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mHt, cute.slice_(h_smem, (None, None, 0)),
+                (HALF, EPI_TILE[1]))
 
         @cute.struct
         class SharedStorage:
@@ -139,7 +162,8 @@ class SwappedMxGemm:
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_smem)], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_smem)], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, cute.cosize(s_smem)], 128]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(c_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
+                                                       8 if self.column else cute.cosize(c_smem)], 1024]
             sH: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16,
                                                        cute.cosize(h_smem) if self.act is not None else 8], 1024]
 
@@ -156,8 +180,8 @@ class SwappedMxGemm:
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c: cute.CopyAtom, mC: cute.Tensor, tma_h: cute.CopyAtom,
-               mH: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout,
+               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c, mC: cute.Tensor, tma_h, mH, tile_expert: cute.Tensor,
+               tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout,
                x_smem: cute.ComposedLayout, s_smem: cute.Layout, c_smem: cute.ComposedLayout,
                c_half: cute.ComposedLayout, h_smem: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams, tiles_m: cutlass.Int32, h_mx: cutlass.Int32,
@@ -169,15 +193,13 @@ class SwappedMxGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_w)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_x)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_s)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
+            if cutlass.const_expr(not self.column):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sW = storage.sW.get_tensor(w_smem.outer, swizzle=w_smem.inner)
         sX = storage.sX.get_tensor(x_smem.outer, swizzle=x_smem.inner)
         sS = storage.sS.get_tensor(s_smem)
-        sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
-        sC_half = storage.sC.get_tensor(c_half.outer, swizzle=c_half.inner)
-        sH = storage.sH.get_tensor(h_smem.outer, swizzle=h_smem.inner)
         tx_bytes = (2 * cute.size_in_bytes(cutlass.Uint8, cute.slice_(w_smem, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
                     + 2 * cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
@@ -189,7 +211,10 @@ class SwappedMxGemm:
         )
         gW = cute.local_tile(mW, (HALF, BK), (None, None, None))  # (64, BK, row halves, tiles_k, E)
         gX = cute.local_tile(mX, (BN, BK), (None, None, None))  # (BN, BK, tiles_n, tiles_k, 1)
-        gS = cute.local_tile(mS, (HALF, 1), (None, None, None))  # (64, 1, row halves, K / 64, E)
+        if cutlass.const_expr(self.column):
+            gS = cute.local_tile(mS, (BK, 2), (None, None, None))  # (BK, 2, tiles_k, column halves, E)
+        else:
+            gS = cute.local_tile(mS, (HALF, 1), (None, None, None))  # (64, 1, row halves, K / 64, E)
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(
             tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
         tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
@@ -217,8 +242,9 @@ class SwappedMxGemm:
                             for h in cutlass.range_constexpr(2):
                                 cute.copy(tma_w, tWgW[(None, halves[h], k, expert)], tWsW[(None, 2 * state.index + h)],
                                           tma_bar_ptr=bar)
-                                cute.copy(tma_s, tSgS[(None, halves[h], k, expert)], tSsS[(None, 2 * state.index + h)],
-                                          tma_bar_ptr=bar)
+                                scales = tSgS[(None, k, halves[h], expert)] if self.column else \
+                                    tSgS[(None, halves[h], k, expert)]
+                                cute.copy(tma_s, scales, tSsS[(None, 2 * state.index + h)], tma_bar_ptr=bar)
                             cute.copy(tma_x, tXgX[(None, n_tile, k, 0)], tXsX[(None, state.index)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(state)
                             state.advance()
@@ -239,16 +265,26 @@ class SwappedMxGemm:
             row, k0 = tCcA[0]
             w16 = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(), dtype=cutlass.Uint16),
                                    cute.make_layout(cute.cosize(w_smem) // 2))
-            offs = [_swizzled(row * BK + 16 * kb + k0) // 2 for kb in range(BK // 16)]
-            r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
-                tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
-            epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
-            gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))  # (piece, (feature halves, row tiles))
-            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
-            gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
-            bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
-                tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2), gH)
+            if cutlass.const_expr(self.column):
+                s32 = cute.make_tensor(cute.recast_ptr(storage.sS.data_ptr(), dtype=cutlass.Int32),
+                                       cute.make_layout(cute.cosize(s_smem) // 2))
+                operand = (w16, s32, *_column_offsets(row, k0))
+                feature = row // HALF * HALF + _column_feature(row % HALF)  # of this thread's first fragment row
+            else:
+                operand = (w16, [_swizzled(row * BK + 16 * kb + k0) // 2 for kb in range(BK // 16)], sS, row)
+                sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+                sC_half = storage.sC.get_tensor(c_half.outer, swizzle=c_half.inner)
+                sH = storage.sH.get_tensor(h_smem.outer, swizzle=h_smem.inner)
+                r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
+                    tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
+                epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
+                # (piece, (feature halves, row tiles))
+                gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))
+                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
+                gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
+                bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
+                    tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2), gH)
 
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())
@@ -267,36 +303,40 @@ class SwappedMxGemm:
                     acc.fill(0.0)
                     if k_tiles == 1:
                         tiled_mma, acc, read_state, release_state = self._stage(
-                            tiled_mma, acc, w16, offs, sS, frag0, frag1, row, tCrX, ab_pipe, read_state,
+                            tiled_mma, acc, operand, frag0, frag1, tCrX, ab_pipe, read_state,
                             release_state, False, last=True)
                     else:
                         odd = k_tiles % 2
                         if odd == 1:
                             tiled_mma, acc, read_state, release_state = self._stage(
-                                tiled_mma, acc, w16, offs, sS, frag1, frag0, row, tCrX, ab_pipe, read_state,
+                                tiled_mma, acc, operand, frag1, frag0, tCrX, ab_pipe, read_state,
                                 release_state, False)
                         for kp in range(k_tiles // 2 - 1):
                             for half in cutlass.range_constexpr(2):
                                 tiled_mma, acc, read_state, release_state = self._stage(
-                                    tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
-                                    frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
+                                    tiled_mma, acc, operand, frag0 if half == 0 else frag1,
+                                    frag1 if half == 0 else frag0, tCrX, ab_pipe, read_state, release_state,
                                     odd + kp * 2 + half > 0)
                         for half in cutlass.range_constexpr(2):
                             tiled_mma, acc, read_state, release_state = self._stage(
-                                tiled_mma, acc, w16, offs, sS, frag0 if half == 0 else frag1,
-                                frag1 if half == 0 else frag0, row, tCrX, ab_pipe, read_state, release_state,
+                                tiled_mma, acc, operand, frag0 if half == 0 else frag1,
+                                frag1 if half == 0 else frag0, tCrX, ab_pipe, read_state, release_state,
                                 k_tiles + half > 2, last=half == 1)
                     for i in cutlass.range_constexpr(cute.size(acc)):  # the epilogue reads the finished sums
                         acc[i] = _pinned_f32(acc[i])
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
-                    self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, sC, sH, tma_c, bSG_sC, bSG_gC,
-                                   tma_h, bSG_sH, bSG_gH, self._halves(m_tile, tiles_m), m_tile, n_tile, h_mx, limit,
-                                   epi_barrier, warp_idx, ctid)
+                    if cutlass.const_expr(self.column):
+                        _column_store(acc, mC, m_tile * BM + feature, n_tile * BN + k0)
+                    else:
+                        self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, sC, sH, tma_c, bSG_sC, bSG_gC,
+                                       tma_h, bSG_sH, bSG_gH, self._halves(m_tile, tiles_m), m_tile, n_tile, h_mx,
+                                       limit, epi_barrier, warp_idx, ctid)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
-            if warp_idx == STORE_WARP:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
+            if cutlass.const_expr(not self.column):
+                if warp_idx == STORE_WARP:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
     @cute.jit
     def _halves(self, m_tile, tiles_m):
@@ -351,13 +391,16 @@ class SwappedMxGemm:
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def _stage(self, tiled_mma, acc, w16, offs, sS, frag, other, row, tCrX, ab_pipe, read_state, release_state,
-               release_prev, last: cutlass.Constexpr = False):
+    def _stage(self, tiled_mma, acc, operand, frag, other, tCrX, ab_pipe, read_state, release_state, release_prev,
+               last: cutlass.Constexpr = False):
         """One stage: wait for it, make its A fragment (frag) bf16, issue its wgmma batch, wait for the batch before
         it (whose fragment, other, is then free) and release that one's stage. Returns (tiled_mma, acc, read_state,
         release_state): rebind all four."""
         ab_pipe.consumer_wait(read_state)
-        self._to_bf16(w16, offs, sS, frag, row, read_state.index)
+        if cutlass.const_expr(self.column):
+            _column_to_bf16(*operand, frag, read_state.index)
+        else:
+            self._to_bf16(*operand, frag, read_state.index)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
             cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrX[(None, None, kb, read_state.index)], acc)
@@ -375,7 +418,7 @@ class SwappedMxGemm:
         return tiled_mma, acc, read_state, release_state
 
     @cute.jit
-    def _to_bf16(self, w16, offs, sS, frag, row, stage):
+    def _to_bf16(self, w16, offs, sS, row, frag, stage):
         """Stage `stage`'s A fragment of this thread from its E4M3 bytes and scales into frag (bf16), exactly:
         word v1 + 2 v2 + 4 kb of frag is the pair (row + 8 v1, K 16 kb + 8 v2 + k0 ..+1), one 16-bit load from
         offs[kb] (+ 8 rows = 256 u16, + 8 K = 4 u16) in the stage's bytes."""
@@ -418,6 +461,128 @@ class SwappedMxGemmAct(SwappedMxGemm):
                  tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, h_mx: cutlass.Int32,
                  limit: cutlass.Float32, group_m: cutlass.Int32, stream: cuda.CUstream):
         self._launch(mA, mB, b_scale, mC, mH, tile_expert, h_mx, limit, stream)
+
+
+class SwappedMxColumnGemm(SwappedMxGemm):
+    """mok_gemm_bn_mxq[_f32]: the backward's dgrad on MXFP8-only weights with precision="mxfp8", C[r] = A[r] @ V[e(r)]
+    with V W_q's MXFP8 values along K (the stored rows; cuda_mx.MxColumnWeight). Called as (a (M, K, 1) bf16 rows,
+    b (N, K, E) u8 E4M3 bytes N-major (W[e] stored [K, N], blocks of 32 along N), b_factors (K, N / 32, E) u16 K
+    fastest: each row's factor 2**(S - 7) as bf16 bits, marked ROUNDS_FLAG in the 32 x 32 blocks holding a value
+    that requantisation changes, c (M, N, 1) bf16 or fp32, tile_expert, seg_end, seg_rows, group_m, stream).
+
+    C^T = V[e]^T @ A^T as in the forward, with the MMA's M over W's columns. The A fragment wants K pairs (rows k,
+    k + 1) of one column, which lie 64 bytes apart in the stage; so the fragment's rows r and r + 8 stand for the
+    adjacent columns 2 j and 2 j + 1 (of each 16), and one 16-bit load a row gives both: two loads and one PRMT
+    each make a fragment word. The pair's two rows have their own scales: the factor word (two adjacent row
+    factors) is one 32-bit load. A stage whose 32 x 32 blocks are marked requantises them in registers (the block's
+    four lanes hold its 32 rows of a column: two shuffles for its largest and smallest magnitudes; mx_operand's
+    steps). The accumulator holds each token's two adjacent columns in one thread, stored from registers as one
+    word. W_q's scale bytes are at most SINGLE_MAX here (cuda_mx.column_reason). N % 32 == 0, K % 64 == 0."""
+
+    column = True
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, b_factors: cute.Tensor, mC: cute.Tensor,
+                 tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, group_m: cutlass.Int32,
+                 stream: cuda.CUstream):
+        self._launch(mA, mB, b_factors, mC, None, tile_expert, cutlass.Int32(0), cutlass.Float32(0.0), stream)
+
+
+# The column form's fragment word from two 16-bit loads a (row k: columns c, c + 1) and b (row k + 1): the bytes of
+# column c (EVEN) or c + 1 (ODD) of both rows, each with its sign byte above it, then mx_operand's recipe times the
+# factor word $3 (row k's factor low, row k + 1's high)
+def _column_pair_ptx(selector: int) -> str:
+    return ("{ .reg .b32 t;"
+            f" prmt.b32 t, $1, $2, {selector:#x}; shl.b32 t, t, 4; and.b32 t, t, {LANE_BITS:#x};"
+            " mul.rn.bf16x2 $0, t, $3; }")
+
+
+COLUMN_EVEN_SELECTOR, COLUMN_ODD_SELECTOR = 0xC480, 0xD591  # bytes 0 and 4, or 1 and 5, under their sign bytes
+_COLUMN_EVEN, _COLUMN_ODD = _column_pair_ptx(COLUMN_EVEN_SELECTOR), _column_pair_ptx(COLUMN_ODD_SELECTOR)
+
+
+def _column_feature(row):
+    """The W column (feature) within a warp group's 64 that fragment row `row` (< 8 within its 16) stands for: rows
+    r and r + 8 of each 16 are the columns 2 (r % 8) and 2 (r % 8) + 1."""
+    return row // 16 * 16 + 2 * (row % 8)
+
+
+def _column_offsets(row, k0):
+    """(u16 index of this thread's first load in stage 0's W bytes, Int32 index of its first factor word): the
+    half's (64 columns, 64 rows) bytes at 2 row-halves a stage, rows 64 bytes apart, swizzled as the TMA writes them
+    (bits 4-5 ^= bits 7-8: for rows k0 + 8 i + {0, 1} that is k0 / 2's two bits); the half's factors (64 rows, two
+    32-column blocks), rows contiguous."""
+    half = row // HALF
+    col = _column_feature(row % HALF)
+    w = (half * HALF * BK + k0 * HALF + (col ^ ((k0 // 2 % 4) << 4))) // 2
+    f = (half * 2 * BK + col // 32 * BK + k0) // 2
+    return w, f
+
+
+@cute.jit
+def _column_to_bf16(w16, s32, base_w, base_f, frag, stage):
+    """Stage `stage`'s A fragment of the column form into frag (bf16): word v1 + 2 v2 + 4 kb is column
+    feature + v1's K pair (16 kb + 8 v2 + k0, + 1), W_q's values, requantised along K in marked blocks."""
+    out = cute.recast_tensor(frag, cutlass.Int32)
+    wb = base_w + stage * (BM * BK // 2)
+    fb = base_f + stage * (2 * BK)
+    marks = [cutlass.Int32(0), cutlass.Int32(0)]  # the factor words of the stage's two 32-row blocks
+    for kb in cutlass.range_constexpr(BK // 16):
+        for v2 in cutlass.range_constexpr(2):
+            k = 16 * kb + 8 * v2
+            lo = w16[wb + k * (HALF // 2)].to(cutlass.Int32)
+            hi = w16[wb + (k + 1) * (HALF // 2)].to(cutlass.Int32)
+            factor = s32[fb + k // 2]
+            if cutlass.const_expr(v2 == 0 and kb % 2 == 0):
+                marks[kb // 2] = factor
+            factor = factor & FACTOR_PAIR_BITS
+            out[2 * v2 + 4 * kb] = _asm_b32(_COLUMN_EVEN, lo, hi, factor)
+            out[1 + 2 * v2 + 4 * kb] = _asm_b32(_COLUMN_ODD, lo, hi, factor)
+    if ((marks[0] | marks[1]) & ROUNDS_FLAG) != 0:  # the same for the warp: its 16 columns lie in one block
+        for blk in cutlass.range_constexpr(2):
+            if (marks[blk] & ROUNDS_FLAG) != 0:
+                for v1 in cutlass.range_constexpr(2):
+                    _requantize_block(out, blk, v1)
+
+
+@cute.jit
+def _requantize_block(out, blk: cutlass.Constexpr, v1: cutlass.Constexpr):
+    """The words of column feature + v1 in the stage's 32-row block blk (this lane's 8 values; lanes 4 j .. 4 j + 3
+    hold the block) requantised along the rows where a value may round (mx_operand's steps). Every lane of the
+    warp takes part."""
+    words = [v1 + 2 * v2 + 4 * kb for kb in (2 * blk, 2 * blk + 1) for v2 in (0, 1)]
+    amax, amin = cutlass.Int32(0), cutlass.Int32(BF16_INF_PAIR)
+    for i in cutlass.range_constexpr(len(words)):
+        mag = out[words[i]] & 0x7FFF7FFF
+        amax = _asm_b32(_MAX, amax, mag)
+        amin = _asm_b32(_MIN, amin, mag)
+    for k in cutlass.range_constexpr(2):
+        amax = _asm_b32(_MAX, amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
+        amin = _asm_b32(_MIN, amin, cute.arch.shuffle_sync_bfly(amin, offset=1 << k))
+    down, up, rounds = _column_scale(amax, amin)
+    if rounds:
+        for i in cutlass.range_constexpr(len(words)):
+            out[words[i]] = _asm_b32(_REQUANT_PAIR, out[words[i]], down, up)
+
+
+@cute.jit
+def _column_store(acc, mC, feature, token):
+    """The column form's tile out from registers: for each of this thread's tokens (token + 8 j + v0), columns
+    feature and feature + 1 (accumulator rows r and r + 8, elements v0 + 2 v1 + 4 j) as one word; nothing past N."""
+    if feature < cute.size(mC, mode=[1]):
+        pairs = cute.make_rmem_tensor((2, 2, BN // 8), cutlass.Float32)  # (v1, v0, j): each pair adjacent
+        for j in cutlass.range_constexpr(BN // 8):
+            for v0 in cutlass.range_constexpr(2):
+                for v1 in cutlass.range_constexpr(2):
+                    pairs[(v1, v0, j)] = acc[v0 + 2 * v1 + 4 * j]
+        out = cute.make_rmem_tensor((2, 2, BN // 8), mC.element_type)
+        out.store(pairs.load().to(mC.element_type))
+        word = cutlass.Int32 if cutlass.const_expr(mC.element_type == cutlass.BFloat16) else cutlass.Int64
+        words = cute.recast_tensor(out, word)
+        dst = cute.recast_tensor(mC, word)
+        for j in cutlass.range_constexpr(BN // 8):
+            for v0 in cutlass.range_constexpr(2):
+                dst[(token + 8 * j + v0, feature // 2, 0)] = words[v0 + 2 * j]
 
 
 @cute.jit

@@ -29,9 +29,9 @@ EP_SCHED_THREADS = 256  # threads per CTA of mok_ep_schedule_outputs (ep_schedul
 MX_QUANT_THREADS = 256  # threads per CTA of mok_mx_quant (mx_quant.py)
 MX_QUANT_CTAS_PER_SM = 4  # its resident CTAs per SM: the launch bound (64 registers a thread) and the grid
 MX_QUANT_UNROLL = 4  # its 16-byte loads in flight per thread along the columns (mode 0)
-# The marks in mok_gemm_bn_mxq[_f32]'s row factors (set by cuda_mx.column_marks, read by mx_operand.MxRequantB; a bf16
-# power of two has no mantissa bit set): its 32 x 32 block holds a value that rounds; its stage holds such a block
-ROUNDS_FLAG, STAGE_FLAG = 1, 2
+# The mark in mok_gemm_bn_mxq[_f32]'s row factors (set by cuda_mx.column_marks, read by mx_swapped.SwappedMxColumnGemm;
+# a bf16 power of two has no mantissa bit set): its 32 x 32 block holds a value that requantisation changes
+ROUNDS_FLAG = 1
 ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8, "u8": 1, "u16": 2}
 # The combine sums each token's slots over a fixed tree of COMBINE_LEAVES expert groups (kernels/combine.py):
 # expert parallelism over P ranks, P dividing combine_leaves(E), can pre-reduce per rank with the EP = 1 bits.
@@ -194,12 +194,13 @@ def _gemm_act_mx_spec(kind: str) -> KernelSpec:
 def _gemm_mx_cols_spec(c_dtype: str) -> KernelSpec:
     # the backward's dgrad (d rows @ B, B the MXFP8 values along K of W_q) from MXFP8-only weights: their E4M3 bytes
     # (N, K, E) N-major and a table of row factors (K, N / 32, E) u16, K fastest
-    # (cuda_mx.MxColumnWeight.kernel_operands)
+    # (cuda_mx.MxColumnWeight.kernel_operands); the weights as the wgmma's register A operand (mx_swapped.py)
     base = _gemm_spec("mok_gemm_bn_mxq" + ("_f32" if c_dtype == "f32" else ""), "n", GEMM_TILE_N, c_dtype)
     a, _, c, *rest = base.args
     b = (TensorArg("b", "u8", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(32, 64, 1)),
          TensorArg("b_factors", "u16", (DYN, DYN, DYN), (1, DYN, DYN), divisibility=(64, 1, 1)))
-    return dataclasses.replace(base, factory="VarlenMGroupedGemmMxCols", factory_kwargs=(), args=(a, *b, c, *rest))
+    return dataclasses.replace(base, module="mx_swapped", factory="SwappedMxColumnGemm", factory_kwargs=(),
+                               args=(a, *b, c, *rest))
 
 
 def _gemm_dact_spec(kind: str, pingpong: bool = False, cluster_n: int = 1) -> KernelSpec:
