@@ -510,11 +510,11 @@ def _column_feature(row):
 def _column_offsets(row, k0):
     """(u16 index of this thread's first load in stage 0's W bytes, Int32 index of its first factor word): the
     half's (64 columns, 64 rows) bytes at 2 row-halves a stage, rows 64 bytes apart, swizzled as the TMA writes them
-    (bits 4-5 ^= bits 7-8: for rows k0 + 8 i + {0, 1} that is k0 / 2's two bits); the half's factors (64 rows, two
-    32-column blocks), rows contiguous."""
+    (_swizzled, the forward's 64-byte-row swizzle); the half's factors (64 rows, two 32-column blocks), rows
+    contiguous."""
     half = row // HALF
     col = _column_feature(row % HALF)
-    w = (half * HALF * BK + k0 * HALF + (col ^ ((k0 // 2 % 4) << 4))) // 2
+    w = (half * HALF * BK + _swizzled(k0 * HALF + col)) // 2
     f = (half * 2 * BK + col // 32 * BK + k0) // 2
     return w, f
 
