@@ -248,9 +248,9 @@ def reads_mx(kernel: str, sched, w: MxWeight) -> bool:
 def reads_trained_bytes(w, sched, kernel: str) -> bool:
     """Whether the forward's _mx GEMM `kernel` reads a trained weight w [E, N, K] (bf16, requires grad) of
     precision="mxfp8" as MXFP8 bytes made for the call (cuda_backend.GemmOperands.forward_weight): where it
-    takes the call (reads_mx) within TRAINED_MX_MAX_ROWS_PER_EXPERT, N and K multiples of MX_K_MULTIPLE, mxfp8.quantize one Triton pass here, and not
-    while torch.compile traces (the first-use checks read values). Frozen weights keep their values in bf16,
-    made once per change (mxfp8.weight_values), for the bf16 kernels."""
+    takes the call (reads_mx) within TRAINED_MX_MAX_ROWS_PER_EXPERT, N and K multiples of MX_K_MULTIPLE,
+    mxfp8.quantize one Triton pass here, and not while torch.compile traces (the first-use checks read values).
+    Frozen weights keep their values in bf16, made once per change (mxfp8.weight_values), for the bf16 kernels."""
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
             and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
             and sched.pos.numel() <= TRAINED_MX_MAX_ROWS_PER_EXPERT * w.shape[0]

@@ -17,8 +17,9 @@ per load. Scale bytes above SINGLE_MAX (a second multiply) are rare: one test a 
 
 The output tile (128 features x 128 tokens) leaves transposed: stmatrix.trans into shared memory, then TMA stores
 left in flight while the next tile's main loop runs. With the activation the stores and h are the producer warp
-group's idle warps' work (two mbarriers hand the tile over and back), so the consumers go straight on. Past N, the TMA loads give zero bytes and scales and the
-stores clip. N % 8 == 0 and K % 64 == 0 (TMA's 16-byte strides; whole stages).
+group's idle warps' work (two mbarriers hand the tile over and back), so the consumers go straight on. Past N, the
+TMA loads give zero bytes and scales and the stores clip. N % 8 == 0 and K % 64 == 0 (TMA's 16-byte strides; whole
+stages).
 """
 
 from __future__ import annotations
