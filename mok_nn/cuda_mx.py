@@ -32,15 +32,20 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # Mean routed rows per expert up to which each _mx GEMM beats dequantise + the bf16 GEMM. The _mx kernels convert
 # each weight tile once per 128-row tile (a cost that grows with the rows); dequantising writes and reads a bf16 copy
 # once per call (a cost that grows with the weights). benchmarks/mx_gemm_rule.py on an H100, the three benchmark
-# shapes: gate/up + SwiGLU (the earlier shared-memory form; the register-A one is as fast or faster) won by
-# 1.24-1.30x at 1024 rows and lost by up to 3% at 2048 (not at qwen3); the plain GEMM (down, the register-A kernel)
-# won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on qwen3 / deepseek-v3 (won by 8% on mixtral). The H200's
-# faster memory makes dequantising cheaper, hence no margin beyond these. The dgrad kernels (precision="mxfp8",
-# the register-A column form, against making the values along K first; one H100 at ccbb593, qwen3 and mixtral):
-# d x won by 1.06-1.32x at 2048 rows and 1.81-2.53x at 512, d h by 1.07-1.18x at 2048; both kept to 2048, where
-# they hold no copy of the weights.
-MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 1024, "mok_gemm_gate_up_swiglu_mx": 1024,
+# shapes: gate/up + SwiGLU (the register-A kernel with its epilogue on helper warps, fa5fece) won by 1.23-1.30x at
+# 1024 rows and at 2048 by 1.28x (qwen3) and 1.12x (mixtral), losing 2% at deepseek-v3 (whose 8192 tokens give 256
+# rows); the plain GEMM (down, the register-A kernel) won by 1.06-1.41x at 1024 and lost by 1.5% / 9% at 2048 on
+# qwen3 / deepseek-v3 (won by 8% on mixtral). The H200's faster memory makes dequantising cheaper, hence no margin
+# beyond these. The dgrad kernels (precision="mxfp8", the register-A column form, against making the values along K
+# first; one H100 at ccbb593, qwen3 and mixtral): d x won by 1.06-1.32x at 2048 rows and 1.81-2.53x at 512, d h by
+# 1.07-1.18x at 2048; both kept to 2048, where they hold no copy of the weights.
+MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 1024, "mok_gemm_gate_up_swiglu_mx": 2048,
                           "mok_gemm_bn_mxq": 2048, "mok_gemm_bn_mxq_f32": 2048}
+# Trained weights (reads_trained_bytes) reach the forward's _mx GEMMs up to 1024 rows per expert at most: their other
+# way is not dequantising but the bf16 values made by the same one pass, so the _mx kernel must about match the bf16
+# GEMM. At mixtral's 2048 rows it did not (one H100 at 0647088: the trained forward 0.77x-0.79x bf16's speed through
+# the gate/up _mx kernel against 0.84x through the values).
+TRAINED_MX_MAX_ROWS_PER_EXPERT = 1024
 # mok_gemm_bn_mxq's row factors are the bf16 bits (S + ROW_FACTOR_BIAS) << 7 (2**(S - 7)), a normal bf16 for scale
 # bytes S up to COLUMN_MAX_SCALE (kernels/mx_operand.py: its SINGLE_MAX)
 ROW_FACTOR_BIAS = 120
@@ -243,11 +248,12 @@ def reads_mx(kernel: str, sched, w: MxWeight) -> bool:
 def reads_trained_bytes(w, sched, kernel: str) -> bool:
     """Whether the forward's _mx GEMM `kernel` reads a trained weight w [E, N, K] (bf16, requires grad) of
     precision="mxfp8" as MXFP8 bytes made for the call (cuda_backend.GemmOperands.forward_weight): where it
-    takes the call (reads_mx), N and K multiples of MX_K_MULTIPLE, mxfp8.quantize one Triton pass here, and not
-    while torch.compile traces (the first-use checks read values). Frozen weights keep their values in bf16,
-    made once per change (mxfp8.weight_values), for the bf16 kernels."""
+    takes the call (reads_mx) within TRAINED_MX_MAX_ROWS_PER_EXPERT, N and K multiples of MX_K_MULTIPLE,
+    mxfp8.quantize one Triton pass here, and not while torch.compile traces (the first-use checks read values).
+    Frozen weights keep their values in bf16, made once per change (mxfp8.weight_values), for the bf16 kernels."""
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
             and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
+            and sched.pos.numel() <= TRAINED_MX_MAX_ROWS_PER_EXPERT * w.shape[0]
             and triton_ops.quantize_runs_on(w, -1) and not torch.compiler.is_compiling())
 
 

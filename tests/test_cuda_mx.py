@@ -298,6 +298,13 @@ def test_trained_weights_come_as_bytes_where_their_mx_kernel_takes_the_call(monk
         assert not isinstance(values, cuda_mx.MxWeight) and torch.equal(values, want)
     narrow = w.detach()[:, :96].clone().requires_grad_(True)
     assert not isinstance(q.forward_weight(narrow, sched(50), "mok_gemm_bk_mx"), cuda_mx.MxWeight)
+    # trained weights stop at the lower of the two bounds (TRAINED_MX_MAX_ROWS_PER_EXPERT: 24 here, 25 frozen)
+    monkeypatch.setattr(cuda_mx, "TRAINED_MX_MAX_ROWS_PER_EXPERT", 24)
+    s50 = sched(50)
+    assert cuda_mx.reads_mx("mok_gemm_bk_mx", s50, w)
+    values = q.forward_weight(w, s50, "mok_gemm_bk_mx")
+    assert not isinstance(values, cuda_mx.MxWeight) and torch.equal(values, want)
+    assert isinstance(q.forward_weight(w, sched(48), "mok_gemm_bk_mx"), cuda_mx.MxWeight)
     assert cb.GemmOperands("bf16", weight_bytes=True).forward_weight(w, sched(50), "mok_gemm_bk_mx") is w
     monkeypatch.setattr(triton_ops, "quantize_runs_on", lambda x, axis: False)
     assert not isinstance(q.forward_weight(w, sched(50), "mok_gemm_bk_mx"), cuda_mx.MxWeight)

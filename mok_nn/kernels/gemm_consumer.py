@@ -1,8 +1,10 @@
-"""Consumer-side setup shared by the grouped GEMM kernels (grouped_gemm.py, wgrad_gemm.py).
+"""Consumer-side setup shared by the grouped GEMM kernels (grouped_gemm.py, wgrad_gemm.py, mx_swapped.py).
 
 Plain helpers traced inline into the kernels: the wgmma operands of one consumer
-thread, and the epilogue path registers -> shared memory (stmatrix) -> global
-memory (TMA stores) with its barrier and store pipeline.
+thread, the epilogue path registers -> shared memory (stmatrix) -> global
+memory (TMA stores) with its barrier and store pipeline, and the hand-off of an
+output tile to helper warps that store it (and compute h from it) beside the
+next mainloop.
 """
 
 from __future__ import annotations
@@ -234,3 +236,32 @@ def store_tile_full(
         for e in cutlass.range_constexpr(epi_tiles):
             cute.copy(tma_c, bSG_sC[(None, buf_base + e)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
         cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def hand_tile_to_helpers(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, epi_tiles: cutlass.Constexpr,
+                         epi_bars, empty_phase):
+    """Consumer side of an epilogue done by helper warps: wait until the helpers have sent the previous tile
+    (epi_bars[1]), put the output sub-tiles into buffers 0..epi_tiles-1 and hand them over (epi_bars[0], which
+    every consumer thread arrives on). Returns the next empty_phase (rebind it; a fresh barrier passes parity 1)."""
+    cute.arch.mbarrier_wait(epi_bars + 1, empty_phase)
+    for e in cutlass.range_constexpr(epi_tiles):
+        subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, e)])
+    cute.arch.fence_proxy("async.shared", space="cta")  # the helpers' TMA stores read these buffers
+    cute.arch.mbarrier_arrive(epi_bars)
+    return 1 - empty_phase
+
+
+@cute.jit
+def helpers_send_h(tma_h, bSG_sH, bSG_gH, buffers: cutlass.Constexpr, h_row, h_col, helper_bar, epi_bars, htid):
+    """The helper warps' tail of a tile once each has written its part of h into smem: the first helper sends
+    buffer c to h block (h_row, h_col + c), waits until every store of the tile has read smem and frees the
+    consumers' buffers (epi_bars[1])."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    helper_bar.arrive_and_wait()
+    if htid == 0:
+        for c in cutlass.range_constexpr(buffers):
+            cute.copy(tma_h, bSG_sH[(None, c)], bSG_gH[(None, (h_row, h_col + c))])
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.mbarrier_arrive(epi_bars + 1)

@@ -44,7 +44,7 @@ h = act(gate, up) from the bf16-rounded values with the formulas of
 swiglu._act: bitwise what mok_gemm_bk followed by mok_act_fwd_* gives. With
 full_epi (cooperative only) the consumers only put the whole gate/up tile into
 smem and go on to the next mainloop; the producer warp group's idle warps 1-3
-store it, compute h from it and store h (_tile_handoff, _act_helper, two
+store it, compute h from it and store h (hand_tile_to_helpers, _act_helper, two
 mbarriers between them). Without it the consumers store 12 sub-tiles through 4
 rotating buffers and compute h themselves while the tensor cores wait. With the
 run-time argument h_mx (precision="mxfp8") the helpers store h's MXFP8 values
@@ -81,8 +81,8 @@ import cuda.bindings.driver as cuda
 from .tile_queue import RING_STAGES, DynamicTileScheduler, make_tile_pipe
 from .gemm_layouts import mma_and_smem_layouts, smem_tensors, stage_count, tile_views
 from .gemm_consumer import (
-    consumer_roles, epilogue_stores, epilogue_views, mma_mainloop, mma_operands, pingpong_turn, smem_storage,
-    step_over, store_sync, store_tile_full, store_tile_split, subtile_to_smem,
+    consumer_roles, epilogue_stores, epilogue_views, hand_tile_to_helpers, helpers_send_h, mma_mainloop, mma_operands,
+    pingpong_turn, smem_storage, step_over, store_sync, store_tile_full, store_tile_split, subtile_to_smem,
 )
 from .registry import TILE_M
 from .swiglu import _act, act_piece
@@ -123,7 +123,7 @@ class VarlenMGroupedGemm:
         assert not push or (full_epi and not (pingpong or act or dact)), "push: the cooperative _ef kernel"
         self.push = push
         # The consumers hand the whole output tile (in smem) to the producer warp group's idle warps 1-3
-        # (_tile_handoff), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
+        # (hand_tile_to_helpers), which send it beside the next mainloop: with act, the gate/up tile, stored, and h
         # computed from it and stored (_act_helper); with push, the rows to their destinations (_push_helper).
         self.epi_helper = (act is not None and full_epi) or push
         self.dynamic = False  # VarlenMGroupedGemmDyn: tiles claimed by atomic add (tile_queue.py)
@@ -421,20 +421,6 @@ class VarlenMGroupedGemm:
             epi_barrier.arrive_and_wait()
 
     @cute.jit
-    def _tile_handoff(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, epi_tiles: cutlass.Constexpr,
-                     epi_bars, empty_phase):
-        """Consumer side of an epilogue done by helper warps (epi_helper: the cooperative kernel with the whole
-        tile in smem): wait until the helpers have sent the previous tile (epi_bars[1]), put the output sub-tiles
-        into buffers 0..epi_tiles-1 and hand them over (epi_bars[0]); the stores are the helpers' (_act_helper,
-        _push_helper). Returns the next empty_phase (rebind it)."""
-        cute.arch.mbarrier_wait(epi_bars + 1, empty_phase)
-        for e in cutlass.range_constexpr(epi_tiles):
-            subtile_to_smem(r2s, tRS_acc, e, rD, rD_out, rD_size, tRS_sC[(None, None, None, e)])
-        cute.arch.fence_proxy("async.shared", space="cta")  # the helpers' TMA stores read these buffers
-        cute.arch.mbarrier_arrive(epi_bars)
-        return 1 - empty_phase
-
-    @cute.jit
     def _act_helper(self, mC, mH, tma_c, tma_h, sC, epi_bars, tile_expert, seg_end, seg_rows, sched_params, tiles_m,
                     tiles_n, group_m, limit, h_mx, tidx):
         """The SwiGLU epilogue's stores and math on the producer warp group's idle warps 1-3 (full_epi,
@@ -489,14 +475,7 @@ class VarlenMGroupedGemm:
                     u_v = cute.zipped_divide(sC[(r, None, c + hn)], (vec,))
                     act_piece(self.act, g_v[(None, q)], u_v[(None, q)], g_v[(None, q)], f_g, f_u, f_h, f_hq, limit,
                               h_mx)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                helper_bar.arrive_and_wait()
-                if htid == 0:
-                    for c in cutlass.range_constexpr(hn):
-                        cute.copy(tma_h, bSG_sH[(None, c)], bSG_gH[(None, (m_tile, n_tile * hn + c))])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.mbarrier_arrive(epi_bars + 1)
+                helpers_send_h(tma_h, bSG_sH, bSG_gH, hn, m_tile, n_tile * hn, helper_bar, epi_bars, htid)
             sched.advance_to_next_work()
             work = sched.get_current_work()
         if htid == 0:
@@ -898,7 +877,7 @@ class VarlenMGroupedGemm:
                         )
                         m_subs, n_sub = epi_shape  # sub-tiles: per 64-row MMA block (ping-pong: 2, else 1) x per 32 columns
                         if cutlass.const_expr(self.epi_helper):
-                            empty_phase = self._tile_handoff(
+                            empty_phase = hand_tile_to_helpers(
                                 r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, epi_tiles, epi_bars, empty_phase
                             )
                         elif cutlass.const_expr(self.full_epi):

@@ -16,8 +16,10 @@ K pairs at fixed distances), computed once: the loop adds the stage's offset and
 per load. Scale bytes above SINGLE_MAX (a second multiply) are rare: one test a stage takes them off the hot path.
 
 The output tile (128 features x 128 tokens) leaves transposed: stmatrix.trans into shared memory, then TMA stores
-left in flight while the next tile's main loop runs. Past N, the TMA loads give zero bytes and scales and the
-stores clip. N % 8 == 0 and K % 64 == 0 (TMA's 16-byte strides; whole stages).
+left in flight while the next tile's main loop runs. With the activation the stores and h are the producer warp
+group's idle warps' work (two mbarriers hand the tile over and back), so the consumers go straight on. Past N, the
+TMA loads give zero bytes and scales and the stores clip. N % 8 == 0 and K % 64 == 0 (TMA's 16-byte strides; whole
+stages).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .gemm_consumer import epilogue_stores, subtile_to_smem
+from .gemm_consumer import epilogue_stores, hand_tile_to_helpers, helpers_send_h, subtile_to_smem
 from .mx_operand import (_LOW_PAIR, _MAX, _MIN, _REQUANT_PAIR, BF16_INF_PAIR, FACTOR_PAIR_BITS, LANE_BITS,
                          SINGLE_MAX, _asm_b32, _column_scale)
 from .registry import ROUNDS_FLAG
@@ -44,6 +46,7 @@ EPI_TILE = (BM, 32)  # the output tile leaves in four (features, tokens) pieces,
 HALF = BM // 2  # rows of one warp group: W rows and output features move in halves of 64
 VEC = 8  # bf16 values of a 16-byte piece
 EPI_BARRIER_ID = 1
+HELPER_BARRIER_ID = 2  # act: the producer warp group's helper warps 1-3
 STORE_WARP = 4  # the first consumer warp issues the TMA stores
 
 
@@ -78,9 +81,10 @@ class SwappedMxGemm:
     group_m, stream).
 
     act (SwappedMxGemmAct): the gate/up GEMM with the activation. W is gate_up_proj [gate; up] (2I rows): a tile's
-    first warp group takes 64 gate rows, the second the 64 up rows of the same features, and the epilogue computes
-    h = act(gate, up) from the bf16 tile in shared memory (as mok_act_fwd reads gate_up), h_mx != 0: h's MXFP8 values
-    along I (4 lanes a 32-feature block)."""
+    first warp group takes 64 gate rows, the second the 64 up rows of the same features. The consumers only put the
+    bf16 tile into shared memory and hand it to the producer warp group's idle warps 1-3 (_act_helper), which store
+    it, compute h = act(gate, up) from it (as mok_act_fwd reads gate_up; h_mx != 0: h's MXFP8 values along I, 4 lanes
+    a 32-feature block) and store h while the consumers run the next tile's main loop."""
 
     column = False  # SwappedMxColumnGemm: W read along its columns (the dgrad)
 
@@ -159,6 +163,7 @@ class SwappedMxGemm:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            epi_barriers: cute.struct.MemRange[cutlass.Int64, 2]  # act: the hand-off to the helper warps
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(w_smem)], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(x_smem)], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[cutlass.Uint16, cute.cosize(s_smem)], 128]
@@ -203,6 +208,14 @@ class SwappedMxGemm:
         tx_bytes = (2 * cute.size_in_bytes(cutlass.Uint8, cute.slice_(w_smem, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.BFloat16, cute.slice_(x_smem, (None, None, 0)))
                     + 2 * cute.size_in_bytes(cutlass.Uint16, cute.slice_(s_smem, (None, None, 0))))
+        epi_bars = None
+        if cutlass.const_expr(self.act is not None):
+            epi_bars = storage.epi_barriers.data_ptr()
+            # epi_bars[0]: the consumers' gate/up tile is in sC (every consumer thread arrives); epi_bars[1]: the
+            # helpers' stores have read sC and sH (their first thread arrives). Fenced by the A/B pipeline's setup.
+            if tidx == 0:
+                cute.arch.mbarrier_init(epi_bars, self.consumer_threads)
+                cute.arch.mbarrier_init(epi_bars + 1, 1)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(), num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
@@ -222,6 +235,17 @@ class SwappedMxGemm:
         tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
             tma_s, 0, cute.make_layout(1), cute.group_modes(sS, 0, 2), cute.group_modes(gS, 0, 2))
         k_tiles = cute.size(gW, mode=[3])
+        if cutlass.const_expr(not self.column):
+            sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
+            sC_half = storage.sC.get_tensor(c_half.outer, swizzle=c_half.inner)
+            sH = storage.sH.get_tensor(h_smem.outer, swizzle=h_smem.inner)
+            # TMA store views: (piece, (feature halves, 32-token blocks))
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2),
+                cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1])))
+            bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
+                tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2),
+                cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1])))
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -251,6 +275,10 @@ class SwappedMxGemm:
                     sched.advance_to_next_work()
                     work = sched.get_current_work()
                 ab_pipe.producer_tail(state)
+            if cutlass.const_expr(self.act is not None):
+                if warp_idx > 0:
+                    self._act_helper(tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, sC, sH, epi_bars, tile_expert,
+                                     sched_params, tiles_m, h_mx, limit, tidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - self.threads_per_wg
@@ -272,25 +300,16 @@ class SwappedMxGemm:
                 feature = row // HALF * HALF + _column_feature(row % HALF)  # of this thread's first fragment row
             else:
                 operand = (w16, [_swizzled(row * BK + 16 * kb + k0) // 2 for kb in range(BK // 16)], sS, row)
-                sC = storage.sC.get_tensor(c_smem.outer, swizzle=c_smem.inner)
-                sC_half = storage.sC.get_tensor(c_half.outer, swizzle=c_half.inner)
-                sH = storage.sH.get_tensor(h_smem.outer, swizzle=h_smem.inner)
                 r2s, tRS_sC, tRS_acc, rD, rD_out, rD_size = epilogue_stores(
                     tiled_mma, ctid, sC, acc, utils.LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
                 epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID, num_threads=self.consumer_threads)
-                # (piece, (feature halves, row tiles))
-                gC = cute.zipped_divide(mC[(None, None, 0)], (HALF, EPI_TILE[1]))
-                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC_half, 0, 2), gC)
-                gH = cute.zipped_divide(mH[(None, None, 0)], (HALF, EPI_TILE[1]))
-                bSG_sH, bSG_gH = cute.nvgpu.cpasync.tma_partition(
-                    tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2), gH)
 
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())
             work = sched.initial_work_tile_info()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+            empty_phase = cutlass.Int32(1)  # act: a fresh epi_bars[1] passes parity 1 at once
             while work.is_valid_tile:
                 m_tile = work.tile_idx[0] % tiles_m
                 n_tile = work.tile_idx[0] // tiles_m
@@ -328,13 +347,15 @@ class SwappedMxGemm:
                     release_state.advance()
                     if cutlass.const_expr(self.column):
                         _column_store(acc, mC, m_tile * BM + feature, n_tile * BN + k0)
+                    elif cutlass.const_expr(self.act is not None):
+                        empty_phase = hand_tile_to_helpers(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, BN // EPI_TILE[1],
+                                                           epi_bars, empty_phase)
                     else:
-                        self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, sC, sH, tma_c, bSG_sC, bSG_gC,
-                                       tma_h, bSG_sH, bSG_gH, self._halves(m_tile, tiles_m), m_tile, n_tile, h_mx,
-                                       limit, epi_barrier, warp_idx, ctid)
+                        self._epilogue(r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size, tma_c, bSG_sC, bSG_gC,
+                                       self._halves(m_tile, tiles_m), n_tile, epi_barrier, warp_idx)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
-            if cutlass.const_expr(not self.column):
+            if cutlass.const_expr(not self.column and self.act is None):
                 if warp_idx == STORE_WARP:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
@@ -347,11 +368,11 @@ class SwappedMxGemm:
         return (m_tile, m_tile + tiles_m)
 
     @cute.jit
-    def _epilogue(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, sC, sH, tma_c, bSG_sC, bSG_gC,
-                  tma_h, bSG_sH, bSG_gH, halves, m_tile, n_tile, h_mx, limit, epi_barrier, warp_idx, ctid):
-        """The tile out: bf16 into shared memory (stmatrix.trans, whole token rows of features), then TMA stores of
-        each (64 features, 32 tokens) piece, left in flight; with act, h from the gate and up values there, stored
-        likewise. The wait for the previous tile's stores to have read shared memory comes first."""
+    def _epilogue(self, r2s, tRS_acc, tRS_sC, rD, rD_out, rD_size: cutlass.Constexpr, tma_c, bSG_sC, bSG_gC, halves,
+                  n_tile, epi_barrier, warp_idx):
+        """The tile out (no act): bf16 into shared memory (stmatrix.trans, whole token rows of features), then TMA
+        stores of each (64 features, 32 tokens) piece, left in flight. The wait for the previous tile's stores to
+        have read shared memory comes first."""
         pieces = BN // EPI_TILE[1]
         if warp_idx == STORE_WARP:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -361,34 +382,62 @@ class SwappedMxGemm:
         cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
         if warp_idx == STORE_WARP:
-            for e in cutlass.range_constexpr(pieces):
-                for h in cutlass.range_constexpr(2):
-                    cute.copy(tma_c, bSG_sC[(None, 2 * e + h)], bSG_gC[(None, (halves[h], n_tile * pieces + e))])
-        if cutlass.const_expr(self.act is not None):
-            # h: 16-byte pieces of 8 features, thread-strided; piece p is token p // 8, features 8 (p % 8) ..; lanes
-            # 4j .. 4j + 3 hold one 32-feature block (h_mx's shuffles)
-            f_g = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-            f_u = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-            f_h = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            f_hq = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
-            per_token = HALF // VEC
-            for i in cutlass.range_constexpr(BN * per_token // self.consumer_threads):
-                p = ctid + i * self.consumer_threads
-                t = p // per_token
-                q = p % per_token
-                col = t % EPI_TILE[1]
-                buf = t // EPI_TILE[1]
-                src = cute.zipped_divide(sC[(None, col, buf)], (VEC,))  # gate pieces 0..7, up 8..15
-                dst = cute.zipped_divide(sH[(None, col, buf)], (VEC,))
-                act_piece(self.act, src[(None, q)], src[(None, per_token + q)], dst[(None, q)], f_g, f_u, f_h, f_hq,
-                          limit, h_mx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_barrier.arrive_and_wait()
-            if warp_idx == STORE_WARP:
-                for e in cutlass.range_constexpr(pieces):
-                    cute.copy(tma_h, bSG_sH[(None, e)], bSG_gH[(None, (m_tile, n_tile * pieces + e))])
-        if warp_idx == STORE_WARP:
+            self._store_c(tma_c, bSG_sC, bSG_gC, halves, n_tile)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _store_c(self, tma_c, bSG_sC, bSG_gC, halves, n_tile):
+        """The TMA stores of the output tile in sC: each (64 features, 32 tokens) piece to its place."""
+        pieces = BN // EPI_TILE[1]
+        for e in cutlass.range_constexpr(pieces):
+            for h in cutlass.range_constexpr(2):
+                cute.copy(tma_c, bSG_sC[(None, 2 * e + h)], bSG_gC[(None, (halves[h], n_tile * pieces + e))])
+
+    @cute.jit
+    def _act_helper(self, tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, sC, sH, epi_bars, tile_expert, sched_params,
+                    tiles_m, h_mx, limit, tidx):
+        """The activation epilogue on the producer warp group's idle warps 1-3, beside the consumers' next main loop.
+        Per valid tile of the CTA's schedule: wait for the consumers' gate/up tile in sC (epi_bars[0]), send it by
+        TMA, compute h = act(gate, up) from its bf16 values into sH (as mok_act_fwd reads gate_up), send h, and once
+        every store has read shared memory, free the buffers (epi_bars[1]).
+        h: 16-byte pieces of 8 features, thread-strided; piece p is token p // 8, features 8 (p % 8) ..; lanes
+        4j .. 4j + 3 hold one 32-feature block (h_mx's shuffles need whole warps in every step: 1024 pieces a tile,
+        a warp's 32 consecutive)."""
+        pieces = BN // EPI_TILE[1]
+        per_token = HALF // VEC
+        helpers = self.threads_per_wg - 32
+        htid = tidx - 32
+        helper_bar = pipeline.NamedBarrier(barrier_id=HELPER_BARRIER_ID, num_threads=helpers)
+        f_g = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+        f_u = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+        f_h = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        f_hq = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        full_phase = cutlass.Int32(0)
+        while work.is_valid_tile:
+            m_tile = work.tile_idx[0] % tiles_m
+            n_tile = work.tile_idx[0] // tiles_m
+            if tile_expert[n_tile] >= 0:
+                cute.arch.mbarrier_wait(epi_bars, full_phase)
+                full_phase = 1 - full_phase
+                if htid == 0:
+                    self._store_c(tma_c, bSG_sC, bSG_gC, self._halves(m_tile, tiles_m), n_tile)
+                    cute.arch.cp_async_bulk_commit_group()
+                for p in cutlass.range(htid, BN * per_token, helpers):
+                    t = p // per_token
+                    q = p % per_token
+                    col = t % EPI_TILE[1]
+                    buf = t // EPI_TILE[1]
+                    src = cute.zipped_divide(sC[(None, col, buf)], (VEC,))  # gate pieces 0..7, up 8..15
+                    dst = cute.zipped_divide(sH[(None, col, buf)], (VEC,))
+                    act_piece(self.act, src[(None, q)], src[(None, per_token + q)], dst[(None, q)], f_g, f_u, f_h,
+                              f_hq, limit, h_mx)
+                helpers_send_h(tma_h, bSG_sH, bSG_gH, pieces, m_tile, n_tile * pieces, helper_bar, epi_bars, htid)
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        if htid == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _stage(self, tiled_mma, acc, operand, frag, other, tCrX, ab_pipe, read_state, release_state, release_prev,
