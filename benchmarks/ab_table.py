@@ -6,7 +6,9 @@ of `device_run.sh ab` (ab_old_<i>.json, ab_new_<i>.json: records of python -m mo
 Each table lists every run (mok_nn's fwd / bwd ms and the torch baseline's of the same run: a drifting
 baseline shows a drifting GPU; mok_nn's peak GB of a forward+backward and activation GB kept for the
 backward), then the median over the runs of each tree and the ratio new / old (below 1: the new tree is
-faster, or takes less memory).
+faster, or takes less memory). Every mok_nn implementation the records hold gets its tables (with
+--precision mxfp8: mok_nn_mxfp8, mok_nn_frozen, mok_nn_mxfp8_frozen beside mok_nn), headed "### <shape>"
+for mok_nn and "### <shape>, <impl>" for the others.
 """
 import argparse
 import json
@@ -30,23 +32,26 @@ def _num(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _key(r) -> str:
+    return r["shape"] if r.get("ep", 1) == 1 else f"{r['shape']} EP={r['ep']}"
+
+
 def tables(runs):
-    """The markdown text: one table per shape (and EP size where it is not 1)."""
+    """The markdown text: one table per shape (and EP size where it is not 1) and mok_nn implementation."""
     keys = []
     for _, _, records in runs:
         for r in records:
-            key = r["shape"] if r.get("ep", 1) == 1 else f"{r['shape']} EP={r['ep']}"
-            if key not in keys:
-                keys.append(key)
+            if r["impl"].startswith("mok_nn") and (_key(r), r["impl"]) not in keys:
+                keys.append((_key(r), r["impl"]))
     out = []
-    for key in keys:
-        out += [f"### {key}", "", "| run | fwd ms | bwd ms | baseline fwd ms | baseline bwd ms | peak GB | act GB |",
+    for key, impl in keys:
+        title = key if impl == "mok_nn" else f"{key}, {impl}"
+        out += [f"### {title}", "", "| run | fwd ms | bwd ms | baseline fwd ms | baseline bwd ms | peak GB | act GB |",
                 "|---|---:|---:|---:|---:|---:|---:|"]
         times = {"old": ([], [], [], []), "new": ([], [], [], [])}
         for tree, i, records in runs:
-            got = {r["impl"]: r for r in records
-                   if (r["shape"] if r.get("ep", 1) == 1 else f"{r['shape']} EP={r['ep']}") == key}
-            mok, base = got.get("mok_nn"), got.get("torch_baseline")
+            got = {r["impl"]: r for r in records if _key(r) == key}
+            mok, base = got.get(impl), got.get("torch_baseline")
             if mok is None:
                 continue
             for column, field in enumerate(("fwd_ms", "bwd_ms", "peak_mem_gb", "act_mem_gb")):

@@ -33,7 +33,9 @@
 #                  mkdir -p build/old_src && git archive <old> mok_nn csrc | tar -x -C build/old_src
 #                  (cd build/old_src && PYTHONPATH=$PWD python -m mok_nn.kernels.build --arch sm_90a \
 #                       --out ../old_kernels/sm_90a)
-#                OLD_COMMIT names it in the records; AB_SHAPES (comma-separated) limits the shapes.
+#                OLD_COMMIT names it in the records; AB_SHAPES (comma-separated) limits the shapes; AB_ARGS adds
+#                arguments of the benchmark for both trees (e.g. AB_ARGS="--precision mxfp8": a table per
+#                implementation, trained and frozen, bf16 and MXFP8).
 #   pack         every log into $OUT/logs.tgz (the JSON files stay beside it); last
 set -u
 ROOT=$PWD
@@ -65,8 +67,9 @@ old_tree() {  # old_tree CMD...: CMD in the old tree's folder, its mok_nn and ke
 ab_bench() {  # ab_bench old|new I: one benchmark run of that tree -> $OUT/ab_<tree>_<i>.json
     local tree=$1 i=$2 src=$ROOT commit=$COMMIT
     [ "$tree" = old ] && src=$OLD_SRC commit=$OLD_COMMIT
-    local args=(-m mok_nn.bench --no-check --out "$OUT/ab_${tree}_$i.json")
+    local args=(-m mok_nn.bench --no-check --out "$OUT/ab_${tree}_$i.json") extra=()
     [ -n "${AB_SHAPES:-}" ] && args+=(--shapes "$AB_SHAPES")
+    [ -n "${AB_ARGS:-}" ] && read -r -a extra <<< "$AB_ARGS" && args+=("${extra[@]}")
     grep -q -- '"--commit"' "$src/mok_nn/bench.py" && args+=(--commit "$commit")  # older trees read MOK_COMMIT
     if [ "$tree" = old ]; then
         MOK_COMMIT=$commit TAIL=4 old_tree step "ab_old_$i" 300 python "${args[@]}"

@@ -37,3 +37,17 @@ def test_records_without_memory_figures(tmp_path):
     lines = ab_table.tables(ab_table.load(tmp_path)).splitlines()
     assert "| old 1 | 1.000 | 2.000 | - | - | - | - |" in lines
     assert "| new / old | 1.000 | 1.000 | | | - | - |" in lines
+
+
+def test_every_mok_nn_implementation_gets_its_table(tmp_path):
+    """--precision mxfp8 records: a table for each mok_nn implementation, compared old / new on its own."""
+    runs = {"old_1": (1.0, 4.0), "new_1": (1.0, 2.0)}
+    for name, (mx_fwd, mx_bwd) in runs.items():
+        records = [_record("mok_nn", 1.0, 2.0), _record("mok_nn_mxfp8_frozen", mx_fwd, mx_bwd),
+                   _record("torch_baseline", 3.0, 5.0)]
+        (tmp_path / f"ab_{name}.json").write_text(json.dumps(records))
+    text = ab_table.tables(ab_table.load(tmp_path))
+    sections = text.split("### ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["qwen3-30b-a3b", "qwen3-30b-a3b, mok_nn_mxfp8_frozen"]
+    assert "| new / old | 1.000 | 1.000 | | | - | - |" in sections[0].splitlines()
+    assert "| new / old | 1.000 | 0.500 | | | - | - |" in sections[1].splitlines()
