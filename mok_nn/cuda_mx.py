@@ -238,22 +238,27 @@ def forward_reason(workspace, data13: torch.Tensor, scale13, data2: torch.Tensor
     return None
 
 
+def _rows_within(sched, w, rows_per_expert: int) -> bool:
+    """At most rows_per_expert routed rows per expert of w [E, ...] on average (sched.pos: the routed rows; its size
+    is known on the host, no synchronisation)."""
+    return sched.pos.numel() <= rows_per_expert * w.shape[0]
+
+
 def reads_mx(kernel: str, sched, w: MxWeight) -> bool:
     """Whether the _mx GEMM `kernel` takes this call (else dequantise + the bf16 kernel): at most
-    MX_MAX_ROWS_PER_EXPERT[kernel] routed rows per expert on average (sched.pos: the routed rows; its size is
-    known on the host, no synchronisation)."""
-    return sched.pos.numel() <= MX_MAX_ROWS_PER_EXPERT[kernel] * w.shape[0]
+    MX_MAX_ROWS_PER_EXPERT[kernel] routed rows per expert on average."""
+    return _rows_within(sched, w, MX_MAX_ROWS_PER_EXPERT[kernel])
 
 
 def reads_trained_bytes(w, sched, kernel: str) -> bool:
     """Whether the forward's _mx GEMM `kernel` reads a trained weight w [E, N, K] (bf16, requires grad) of
-    precision="mxfp8" as MXFP8 bytes made for the call (cuda_backend.GemmOperands.forward_weight): where it
-    takes the call (reads_mx) within TRAINED_MX_MAX_ROWS_PER_EXPERT, N and K multiples of MX_K_MULTIPLE,
+    precision="mxfp8" as MXFP8 bytes made for the call (cuda_backend.GemmOperands.forward_weight): at most the
+    kernel's bound (reads_mx) and TRAINED_MX_MAX_ROWS_PER_EXPERT rows per expert, N and K multiples of MX_K_MULTIPLE,
     mxfp8.quantize one Triton pass here, and not while torch.compile traces (the first-use checks read values).
     Frozen weights keep their values in bf16, made once per change (mxfp8.weight_values), for the bf16 kernels."""
     return (isinstance(w, torch.Tensor) and w.requires_grad and w.dtype == torch.bfloat16 and w.dim() == 3
-            and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0 and reads_mx(kernel, sched, w)
-            and sched.pos.numel() <= TRAINED_MX_MAX_ROWS_PER_EXPERT * w.shape[0]
+            and w.shape[1] % MX_K_MULTIPLE == 0 and w.shape[2] % MX_K_MULTIPLE == 0
+            and _rows_within(sched, w, min(MX_MAX_ROWS_PER_EXPERT[kernel], TRAINED_MX_MAX_ROWS_PER_EXPERT))
             and triton_ops.quantize_runs_on(w, -1) and not torch.compiler.is_compiling())
 
 
