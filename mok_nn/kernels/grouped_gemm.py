@@ -96,6 +96,28 @@ def segment_extent(expert, seg_end, seg_rows):
     return seg_end[expert] - tiles * TILE_M, rows, tiles
 
 
+@cute.jit
+def expert_band_tile(linear, other_tiles, tile_expert, seg_end, seg_rows):
+    """Linear tile index -> (row tile, other tile, expert) in expert bands: each expert's schedule row tiles make one
+    band, row tiles fastest inside it, so the tiles that read the same weight tile (the same B column stripe, or the
+    same W rows of the swapped MX kernels) run in the same wave of persistent CTAs. The band of the expert owning
+    row tile linear // other_tiles spans row tiles [first, first + its tiles) with first its segment's start tile:
+    the same range of linear as in the other-tiles-fastest order, which a row tile outside its own expert's segment
+    (not a schedule this kernel is given) or past the last segment keeps."""
+    row = linear // other_tiles
+    other = linear - row * other_tiles
+    expert = tile_expert[row]
+    if expert >= 0:
+        seg_start, _, band = segment_extent(expert, seg_end, seg_rows)
+        first = seg_start // TILE_M
+        if row >= first:
+            if row < first + band:
+                within = linear - first * other_tiles
+                row = first + within % band
+                other = within // band
+    return row, other, expert
+
+
 class VarlenMGroupedGemm:
     """One compiled variant: tile (128, tile_n, 64), B K-major or N-major, split or full-tile epilogue."""
 
@@ -336,18 +358,7 @@ class VarlenMGroupedGemm:
         """
         m_tile, n_tile = cutlass.Int32(0), cutlass.Int32(0)
         if group_m == 0:
-            m_row = linear // tiles_n
-            m_tile = m_row
-            n_tile = linear - m_row * tiles_n
-            expert = tile_expert[m_row]
-            if expert >= 0:
-                seg_start, _, band_rows = segment_extent(expert, seg_end, seg_rows)
-                first = seg_start // TILE_M
-                if m_row >= first:
-                    if m_row < first + band_rows:
-                        within = linear - first * tiles_n
-                        m_tile = first + within % band_rows
-                        n_tile = within // band_rows
+            m_tile, n_tile, _ = expert_band_tile(linear, tiles_n, tile_expert, seg_end, seg_rows)
         else:
             band = linear // (group_m * tiles_n)
             first_m = band * group_m

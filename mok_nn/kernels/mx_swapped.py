@@ -36,6 +36,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .gemm_consumer import epilogue_stores, hand_tile_to_helpers, helpers_send_h, subtile_to_smem
+from .grouped_gemm import expert_band_tile
 from .mx_operand import (_LOW_PAIR, _MAX, _MIN, _REQUANT_PAIR, BF16_INF_PAIR, FACTOR_PAIR_BITS, LANE_BITS,
                          SINGLE_MAX, _asm_b32, _column_scale)
 from .registry import ROUNDS_FLAG
@@ -78,7 +79,7 @@ def _keep_until_here(frag):
 class SwappedMxGemm:
     """mok_gemm_bk_mx. Called as (a (M, K, 1) bf16 rows, b (N, K, E) u8 E4M3 bytes K-major, b_scale (N, K / 64, E)
     u16 scale pairs N fastest (the low byte K block 2j's), c (M, N, 1) bf16, tile_expert, seg_end, seg_rows,
-    group_m, stream).
+    group_m, stream); group_m is not read: the tiles run in expert bands (_tile_coord).
 
     act (SwappedMxGemmAct): the gate/up GEMM with the activation. W is gate_up_proj [gate; up] (2I rows): a tile's
     first warp group takes 64 gate rows, the second the 64 up rows of the same features. The consumers only put the
@@ -102,7 +103,8 @@ class SwappedMxGemm:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor,
                  tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, group_m: cutlass.Int32,
                  stream: cuda.CUstream):
-        self._launch(mA, mB, b_scale, mC, mC, tile_expert, cutlass.Int32(0), cutlass.Float32(0.0), stream)
+        self._launch(mA, mB, b_scale, mC, mC, (tile_expert, seg_end, seg_rows), cutlass.Int32(0),
+                     cutlass.Float32(0.0), stream)
 
     def _scale_bytes_per_stage(self) -> int:
         """Shared memory of a stage's scales: a scale pair per W row (forward), or two halves' row factors of 64
@@ -111,7 +113,7 @@ class SwappedMxGemm:
 
     @cute.jit
     def _launch(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor, mH: cute.Tensor,
-                tile_expert: cute.Tensor, h_mx: cutlass.Int32, limit: cutlass.Float32, stream: cuda.CUstream):
+                segments, h_mx: cutlass.Int32, limit: cutlass.Float32, stream: cuda.CUstream):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (2, 1, 1), tiler_mn=(64, BN), a_source=warpgroup.OperandSource.RMEM,
@@ -178,14 +180,14 @@ class SwappedMxGemm:
         tiles_n = cute.size(mA, mode=[0]) // BN  # schedule row tiles
         sched_params = utils.PersistentTileSchedulerParams((tiles_m * tiles_n, 1, 1), (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, self.num_sms)
-        self.kernel(tma_w, tma_mW, tma_x, tma_mX, tma_s, tma_mS, tma_c, tma_mC, tma_h, tma_mH, tile_expert, tiled_mma,
+        self.kernel(tma_w, tma_mW, tma_x, tma_mX, tma_s, tma_mS, tma_c, tma_mC, tma_h, tma_mH, segments, tiled_mma,
                     w_smem, x_smem, s_smem, c_smem, c_half, h_smem, sched_params, cutlass.Int32(tiles_m), h_mx, limit,
                     stages).launch(
             grid=grid, block=[self.num_threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
-               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c, mC: cute.Tensor, tma_h, mH, tile_expert: cute.Tensor,
+               tma_s: cute.CopyAtom, mS: cute.Tensor, tma_c, mC: cute.Tensor, tma_h, mH, segments,
                tiled_mma: cute.TiledMma, w_smem: cute.ComposedLayout,
                x_smem: cute.ComposedLayout, s_smem: cute.Layout, c_smem: cute.ComposedLayout,
                c_half: cute.ComposedLayout, h_smem: cute.ComposedLayout,
@@ -255,9 +257,7 @@ class SwappedMxGemm:
                 work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 while work.is_valid_tile:
-                    m_tile = work.tile_idx[0] % tiles_m  # features fastest: a wave shares a few token tiles
-                    n_tile = work.tile_idx[0] // tiles_m
-                    expert = tile_expert[n_tile]
+                    m_tile, n_tile, expert = _tile_coord(work.tile_idx[0], tiles_m, segments)
                     if expert >= 0:
                         halves = self._halves(m_tile, tiles_m)
                         for k in range(k_tiles):
@@ -277,7 +277,7 @@ class SwappedMxGemm:
                 ab_pipe.producer_tail(state)
             if cutlass.const_expr(self.act is not None):
                 if warp_idx > 0:
-                    self._act_helper(tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, sC, sH, epi_bars, tile_expert,
+                    self._act_helper(tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, sC, sH, epi_bars, segments,
                                      sched_params, tiles_m, h_mx, limit, tidx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -311,9 +311,7 @@ class SwappedMxGemm:
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             empty_phase = cutlass.Int32(1)  # act: a fresh epi_bars[1] passes parity 1 at once
             while work.is_valid_tile:
-                m_tile = work.tile_idx[0] % tiles_m
-                n_tile = work.tile_idx[0] // tiles_m
-                expert = tile_expert[n_tile]
+                m_tile, n_tile, expert = _tile_coord(work.tile_idx[0], tiles_m, segments)
                 if expert >= 0:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     # The tile's last wgmma batch, the wait for it and the epilogue's reads of the accumulator lie
@@ -394,7 +392,7 @@ class SwappedMxGemm:
                 cute.copy(tma_c, bSG_sC[(None, 2 * e + h)], bSG_gC[(None, (halves[h], n_tile * pieces + e))])
 
     @cute.jit
-    def _act_helper(self, tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, sC, sH, epi_bars, tile_expert, sched_params,
+    def _act_helper(self, tma_c, bSG_sC, bSG_gC, tma_h, bSG_sH, bSG_gH, sC, sH, epi_bars, segments, sched_params,
                     tiles_m, h_mx, limit, tidx):
         """The activation epilogue on the producer warp group's idle warps 1-3, beside the consumers' next main loop.
         Per valid tile of the CTA's schedule: wait for the consumers' gate/up tile in sC (epi_bars[0]), send it by
@@ -416,9 +414,8 @@ class SwappedMxGemm:
         work = sched.initial_work_tile_info()
         full_phase = cutlass.Int32(0)
         while work.is_valid_tile:
-            m_tile = work.tile_idx[0] % tiles_m
-            n_tile = work.tile_idx[0] // tiles_m
-            if tile_expert[n_tile] >= 0:
+            m_tile, n_tile, expert = _tile_coord(work.tile_idx[0], tiles_m, segments)
+            if expert >= 0:
                 cute.arch.mbarrier_wait(epi_bars, full_phase)
                 full_phase = 1 - full_phase
                 if htid == 0:
@@ -509,7 +506,7 @@ class SwappedMxGemmAct(SwappedMxGemm):
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, b_scale: cute.Tensor, mC: cute.Tensor, mH: cute.Tensor,
                  tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, h_mx: cutlass.Int32,
                  limit: cutlass.Float32, group_m: cutlass.Int32, stream: cuda.CUstream):
-        self._launch(mA, mB, b_scale, mC, mH, tile_expert, h_mx, limit, stream)
+        self._launch(mA, mB, b_scale, mC, mH, (tile_expert, seg_end, seg_rows), h_mx, limit, stream)
 
 
 class SwappedMxColumnGemm(SwappedMxGemm):
@@ -534,7 +531,8 @@ class SwappedMxColumnGemm(SwappedMxGemm):
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, b_factors: cute.Tensor, mC: cute.Tensor,
                  tile_expert: cute.Tensor, seg_end: cute.Tensor, seg_rows: cute.Tensor, group_m: cutlass.Int32,
                  stream: cuda.CUstream):
-        self._launch(mA, mB, b_factors, mC, None, tile_expert, cutlass.Int32(0), cutlass.Float32(0.0), stream)
+        self._launch(mA, mB, b_factors, mC, None, (tile_expert, seg_end, seg_rows), cutlass.Int32(0),
+                     cutlass.Float32(0.0), stream)
 
 
 # The column form's fragment word from two 16-bit loads a (row k: columns c, c + 1) and b (row k + 1): the bytes of
@@ -632,6 +630,17 @@ def _column_store(acc, mC, feature, token):
         for j in cutlass.range_constexpr(BN // 8):
             for v0 in cutlass.range_constexpr(2):
                 dst[(token + 8 * j + v0, feature // 2, 0)] = words[v0 + 2 * j]
+
+
+@cute.jit
+def _tile_coord(linear, tiles_m, segments):
+    """Persistent tile `linear` -> (m_tile, n_tile, expert) in expert bands (grouped_gemm.expert_band_tile): an
+    expert's token tiles fastest, then W's row tiles, so that the CTAs of a wave share each W tile among the
+    expert's token tiles. W's rows fastest read an expert's W from HBM again for each of its token tiles where the
+    expert's W outgrows L2 (mixtral's gate_up_proj: 117 MB of E4M3 bytes an expert, 16 token tiles at 8192
+    tokens)."""
+    n_tile, m_tile, expert = expert_band_tile(linear, tiles_m, *segments)
+    return m_tile, n_tile, expert
 
 
 @cute.jit
