@@ -13,7 +13,8 @@
 #                the old tree (-> fingerprint_old.json) and the comparison: do both compute the same bits?
 #   sanitize     compute-sanitizer memcheck, a planted out-of-bounds read it must catch, racecheck, synccheck
 #                (benchmarks/sanitize_layer.py; SANITIZE_CASES limits racecheck / synccheck, the slow ones)
-#   sanitize_mx  compute-sanitizer memcheck and racecheck over the MX GEMM tests (tests/gpu/test_mx_gemm_cuda.py)
+#   sanitize_mx  compute-sanitizer memcheck, racecheck and synccheck over the MX GEMM tests with scale extremes
+#                (tests/gpu/test_mx_gemm_cuda.py -k extremes: the forward's _mx and the dgrad's _mxq kernels)
 #   profile      the kernel table of the qwen3 and deepseek-v3 routed experts, of qwen3's whole layer (forward,
 #                forward+backward), ncu of deepseek-v3's gate/up GEMM
 #   stages       per-stage times of the three benchmark shapes
@@ -102,9 +103,9 @@ for s in "$@"; do
                 python benchmarks/sanitize_layer.py --cases "${SANITIZE_CASES:-small,h-over-4096}"
         done ;;
     sanitize_mx)
-        for tool in memcheck racecheck; do
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=4 step "sanitize_mx_$tool" 240 compute-sanitizer --tool "$tool" \
-                --error-exitcode 3 python -m pytest -q -p no:cacheprovider tests/gpu/test_mx_gemm_cuda.py
+        for tool in memcheck racecheck synccheck; do
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 TAIL=3 step "sanitize_mx_$tool" 180 compute-sanitizer --tool "$tool" \
+                --error-exitcode 3 python -m pytest -q -p no:cacheprovider tests/gpu/test_mx_gemm_cuda.py -k extremes
         done ;;
     profile)
         for sh in qwen3-30b-a3b deepseek-v3; do

@@ -38,7 +38,9 @@ MX_K_MULTIPLE = 64  # the kernels' K per stage (two scale blocks)
 # qwen3 / deepseek-v3 (won by 8% on mixtral). The H200's faster memory makes dequantising cheaper, hence no margin
 # beyond these. The dgrad kernels (precision="mxfp8", the register-A column form, against making the values along K
 # first; one H100 at ccbb593, qwen3 and mixtral): d x won by 1.06-1.32x at 2048 rows and 1.81-2.53x at 512, d h by
-# 1.07-1.18x at 2048; both kept to 2048, where they hold no copy of the weights.
+# 1.07-1.18x at 2048; both kept to 2048, where they hold no copy of the weights. The same crossovers with the
+# expert-band order (one H100 at eab6d73, qwen3 and mixtral): at 2048 rows gate/up 1.06-1.14x, d x 1.08-1.20x, d h
+# 1.21x; down 1.00-1.27x at 1024 and 0.86-0.94x at 2048. Not measured on an H200.
 MX_MAX_ROWS_PER_EXPERT = {"mok_gemm_bk_mx": 1024, "mok_gemm_gate_up_swiglu_mx": 2048,
                           "mok_gemm_bn_mxq": 2048, "mok_gemm_bn_mxq_f32": 2048}
 # Trained weights (reads_trained_bytes) reach the forward's _mx GEMMs up to 1024 rows per expert at most: their other
