@@ -20,6 +20,9 @@
 #   stages       per-stage times of the three benchmark shapes
 #   energy       energy per call, mok_nn vs the torch baseline (deepseek-v3)
 #   macrobatch   MoKConfig.macrobatch_size passes vs one pass
+#   mx_rule      benchmarks/mx_gemm_rule.py (the MX GEMMs against dequantise + the bf16 kernel over 256-2048 routed rows
+#                per expert, the data of cuda_mx.MX_MAX_ROWS_PER_EXPERT) -> $OUT/mx_rule_{forward,backward}.jsonl; the
+#                forward's and the backward's GEMMs in two processes (deepseek-v3's resident copies: 23 GB each)
 #   portable     the portable backend beside the fused path, the torch baseline and transformers' default experts:
 #                bf16 with the whole layer, fp32 (deepseek-v3's needs an H200's memory), and precision="mxfp8"
 #                -> $OUT/portable_*.json
@@ -138,6 +141,12 @@ for s in "$@"; do
         TAIL=6 step mx_quant_bandwidth 120 python benchmarks/mx_quant_bandwidth.py --out "$OUT/mx_quant_bandwidth.json"
         TAIL=30 step mxfp8_bench 420 python -m mok_nn.bench --precision mxfp8 --commit "$COMMIT" \
             --out "$OUT/mxfp8.json" ;;
+    mx_rule)
+        for half in "forward gate_up,down" "backward dx,dh"; do
+            read -r name gemms <<< "$half"
+            TAIL=8 step "mx_rule_$name" 240 python benchmarks/mx_gemm_rule.py --gemms "$gemms" --iters 5 \
+                --rows-per-expert 256,512,1024,2048 --out "$OUT/mx_rule_$name.jsonl"
+        done ;;
     macrobatch) step macrobatch 300 python benchmarks/macrobatch.py --commit "$COMMIT" ;;
     router)
         TAIL=12 step router_variants 180 python benchmarks/router_variants.py --shapes qwen3-30b-a3b,deepseek-v3
